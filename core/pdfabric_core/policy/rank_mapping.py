@@ -1,0 +1,146 @@
+"""Which prefill rank sends which KV heads to which decode rank (sglang disaggregation).
+
+Upstream rules reproduced here:
+- equal attention TP: 1:1;
+- decode TP > prefill TP: prefill rank r serves decode ranks r*k .. r*k+k-1 (k = dtp/ptp), each
+  receiving its slice of r's heads;
+- decode TP < prefill TP: decode rank d pulls prefill ranks d*k .. d*k+k-1 (k = ptp/dtp), each
+  writing its heads into d's page; when heads are replicated (MLA, or fewer KV heads than ranks)
+  only the first candidate holding a head sends it, the rest send nothing for it;
+- decode CP must be 1; decode pulls from prefill CP rank 0 only, or from every CP rank with
+  all-CP-ranks transfer or the DSA cache layer split;
+- decode PP equals prefill PP or is 1.
+
+Heads are in global numbering; a route's offsets are local to each side's own head range so a
+backend can turn them straight into byte offsets within a page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KvRoute:
+    prefill_tp_rank: int
+    decode_tp_rank: int
+    src_head_offset: int  # first head within the prefill rank's local heads
+    dst_head_offset: int  # first head within the decode rank's local heads
+    num_heads: int
+    src_local_heads: int
+    dst_local_heads: int
+
+    @property
+    def whole_page(self) -> bool:
+        """True when the route moves whole pages on both sides (page-granular blocks)."""
+        return self.num_heads == self.src_local_heads == self.dst_local_heads
+
+
+def validate_tp(tp: int, kv_heads: int, *, role: str) -> None:
+    if tp < 1:
+        raise ValueError(f"{role} TP size must be at least 1, got {tp}")
+    if kv_heads < 1:
+        raise ValueError(f"KV heads must be at least 1, got {kv_heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(
+            f"{role} TP size {tp} and {kv_heads} KV heads do not divide each other; "
+            "choose a TP size that divides the KV heads or is a multiple of them"
+        )
+
+
+def local_heads(tp: int, kv_heads: int) -> int:
+    """KV heads each rank holds (replicated when there are fewer heads than ranks)."""
+    return max(1, kv_heads // tp)
+
+
+def global_heads(tp_rank: int, tp: int, kv_heads: int) -> range:
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"TP rank {tp_rank} is outside TP size {tp}")
+    if kv_heads >= tp:
+        per = kv_heads // tp
+        return range(tp_rank * per, tp_rank * per + per)
+    head = tp_rank // (tp // kv_heads)
+    return range(head, head + 1)
+
+
+def candidate_sources(decode_tp_rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
+    """Prefill TP ranks decode rank d reads from, in upstream order."""
+    if prefill_tp % decode_tp and decode_tp % prefill_tp:
+        raise ValueError(f"prefill TP {prefill_tp} and decode TP {decode_tp} must divide each other")
+    if decode_tp >= prefill_tp:
+        return [decode_tp_rank // (decode_tp // prefill_tp)]
+    k = prefill_tp // decode_tp
+    return [decode_tp_rank * k + i for i in range(k)]
+
+
+def kv_routes(prefill_tp: int, decode_tp: int, kv_heads: int) -> list[KvRoute]:
+    """Every (prefill rank -> decode rank) head route, sorted by prefill then decode rank."""
+    validate_tp(prefill_tp, kv_heads, role="prefill")
+    validate_tp(decode_tp, kv_heads, role="decode")
+    src_n, dst_n = local_heads(prefill_tp, kv_heads), local_heads(decode_tp, kv_heads)
+    routes: list[KvRoute] = []
+    for d in range(decode_tp):
+        needed = global_heads(d, decode_tp, kv_heads)
+        covered: set[int] = set()
+        for p in candidate_sources(d, prefill_tp, decode_tp):
+            held = global_heads(p, prefill_tp, kv_heads)
+            share = [h for h in needed if h in held and h not in covered]
+            if not share:
+                continue
+            covered.update(share)
+            routes.append(
+                KvRoute(
+                    prefill_tp_rank=p,
+                    decode_tp_rank=d,
+                    src_head_offset=share[0] - held.start,
+                    dst_head_offset=share[0] - needed.start,
+                    num_heads=len(share),
+                    src_local_heads=src_n,
+                    dst_local_heads=dst_n,
+                )
+            )
+        if covered != set(needed):
+            raise AssertionError(f"decode rank {d} heads {sorted(set(needed) - covered)} have no source")
+    return sorted(routes, key=lambda r: (r.prefill_tp_rank, r.decode_tp_rank))
+
+
+def routes_from_prefill(prefill_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> list[KvRoute]:
+    return [r for r in kv_routes(prefill_tp, decode_tp, kv_heads) if r.prefill_tp_rank == prefill_tp_rank]
+
+
+def sending_cp_ranks(cp_size: int, *, all_cp_ranks_transfer: bool, dsa_cache_layer_split: bool) -> list[int]:
+    """Prefill CP ranks that send KV to decode (decode CP is always 1)."""
+    if cp_size < 1:
+        raise ValueError(f"CP size must be at least 1, got {cp_size}")
+    if all_cp_ranks_transfer or dsa_cache_layer_split:
+        return list(range(cp_size))
+    return [0]
+
+
+def cp_page_shard(num_pages: int, cp_size: int, cp_rank: int, *, all_ranks_send: bool) -> range:
+    """Request pages (by position in the request) that prefill CP rank `cp_rank` sends.
+
+    With all ranks sending, each rank sends its contiguous token shard (the first shards take the
+    remainder); otherwise CP rank 0 sends every page and the others send none.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside a CP group of size {cp_size}")
+    if not all_ranks_send:
+        return range(num_pages) if cp_rank == 0 else range(0)
+    base, extra = divmod(num_pages, cp_size)
+    start = cp_rank * base + min(cp_rank, extra)
+    return range(start, start + base + (1 if cp_rank < extra else 0))
+
+
+def state_layer_shard(state_layers: int, cp_size: int, cp_rank: int, *, dsa_cache_layer_split: bool) -> range:
+    """State layers CP rank `cp_rank` owns: all of them, or its share under the layer split."""
+    if not dsa_cache_layer_split:
+        return range(state_layers)
+    base, extra = divmod(state_layers, cp_size)
+    start = cp_rank * base + min(cp_rank, extra)
+    return range(start, start + base + (1 if cp_rank < extra else 0))
+
+
+def validate_pp(prefill_pp: int, decode_pp: int) -> None:
+    if decode_pp not in (1, prefill_pp):
+        raise ValueError(f"decode PP must equal prefill PP ({prefill_pp}) or be 1, got {decode_pp}")

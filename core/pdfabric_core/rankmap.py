@@ -1,0 +1,127 @@
+"""The rank map: what the operator tells every agent of a PDCluster (ConfigMap key `rankmap.json`).
+
+It is the meeting point of the control and data planes. The operator writes it from a placement;
+each agent reads it, finds its own entry by node name, and learns its ranks, its peers and the
+normalised spec. Version it: agents refuse a map newer than they understand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+RANKMAP_VERSION = 1
+RANKMAP_KEY = "rankmap.json"
+
+
+@dataclass(frozen=True, order=True)
+class Rank:
+    """One GPU worth of a PD instance: prefill (replica, tp, cp) or decode (replica, tp)."""
+
+    role: str  # "prefill" | "decode"
+    replica: int
+    tp_rank: int
+    cp_rank: int = 0
+    pp_rank: int = 0
+    gpu: int = 0  # device index on the node
+
+    @property
+    def rank_id(self) -> str:
+        base = f"{self.role}-{self.replica}-tp{self.tp_rank}"
+        if self.role == "prefill":
+            base += f"-cp{self.cp_rank}"
+        return base + (f"-pp{self.pp_rank}" if self.pp_rank else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "replica": self.replica,
+            "tpRank": self.tp_rank,
+            "cpRank": self.cp_rank,
+            "ppRank": self.pp_rank,
+            "gpu": self.gpu,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Rank:
+        role = d["role"]
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"rank role must be prefill or decode, got {role!r}")
+        return cls(role, int(d["replica"]), int(d["tpRank"]), int(d.get("cpRank", 0)), int(d.get("ppRank", 0)), int(d.get("gpu", 0)))
+
+
+@dataclass(frozen=True)
+class AgentEntry:
+    name: str  # agent pod name
+    node: str
+    ranks: tuple[Rank, ...]
+    domain: str | None = None  # NVLink domain (clique) when the transport needs one
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "node": self.node, "ranks": [r.to_dict() for r in self.ranks]}
+        if self.domain is not None:
+            d["domain"] = self.domain
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AgentEntry:
+        return cls(str(d["name"]), str(d["node"]), tuple(Rank.from_dict(r) for r in d["ranks"]), d.get("domain"))
+
+
+@dataclass(frozen=True)
+class RankMap:
+    namespace: str
+    cluster: str
+    cluster_uid: str
+    transport: str  # the transport the placement was made for (after any declared fallback)
+    spec: Mapping[str, Any]  # the PDCluster spec as stored (camelCase); parse with parse_spec
+    agents: tuple[AgentEntry, ...]
+    # prefill replica -> decode replicas it may feed (all, unless the transport confines them)
+    feeds: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    version: int = RANKMAP_VERSION
+
+    def agent_for_node(self, node: str) -> AgentEntry:
+        for agent in self.agents:
+            if agent.node == node:
+                return agent
+        raise LookupError(f"rank map of {self.namespace}/{self.cluster} has no agent on node {node!r}")
+
+    def agent_for_rank(self, rank_id: str) -> AgentEntry:
+        for agent in self.agents:
+            if any(r.rank_id == rank_id for r in agent.ranks):
+                return agent
+        raise LookupError(f"rank {rank_id!r} is not placed in {self.namespace}/{self.cluster}")
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": self.version,
+                "cluster": {"namespace": self.namespace, "name": self.cluster, "uid": self.cluster_uid},
+                "transport": self.transport,
+                "spec": self.spec,
+                "agents": [a.to_dict() for a in self.agents],
+                "feeds": {str(k): list(v) for k, v in sorted(self.feeds.items())},
+            },
+            sort_keys=True,
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> RankMap:
+        d = json.loads(text)
+        version = int(d.get("version", 0))
+        if version != RANKMAP_VERSION:
+            raise ValueError(f"rank map version {version} is not supported (this agent reads {RANKMAP_VERSION})")
+        c = d["cluster"]
+        return cls(
+            namespace=c["namespace"],
+            cluster=c["name"],
+            cluster_uid=c["uid"],
+            transport=d["transport"],
+            spec=d["spec"],
+            agents=tuple(AgentEntry.from_dict(a) for a in d["agents"]),
+            feeds={int(k): tuple(int(x) for x in v) for k, v in d.get("feeds", {}).items()},
+            version=version,
+        )

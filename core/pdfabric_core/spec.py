@@ -1,0 +1,218 @@
+"""The PDCluster spec as typed, validated Python values.
+
+The CRD (crds/pdcluster.yaml) is the API's single source: the API server applies its defaults and
+rejects what its schema and CEL rules forbid. This module parses the (defaulted) spec for the
+operator and the agent; its defaults equal the CRD's, which a unit test checks, so an object read
+from an API server that skipped defaulting still means the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
+from pdfabric_core.policy.rank_mapping import local_heads, validate_pp, validate_tp
+from pdfabric_core.policy.types import MemPool, Transport, implied_transport
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+# Aux rows upstream MetadataBuffers hand from prefill to decode, in bytes per request row:
+# output ids, cached tokens, logprob values/indices, top-logprobs, hidden states (bf16, 8192
+# hidden), bootstrap room, checksum. Users override them per model.
+DEFAULT_AUX_ROW_BYTES = (16, 8, 8, 8, 128, 16384, 8, 8)
+
+
+class SpecError(ValueError):
+    """A spec the operator or agent cannot honour; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    replicas: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    all_cp_ranks_transfer: bool = False
+    dsa_cache_layer_split: bool = False
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tp * self.cp * self.pp
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    replicas: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    mem_pool: MemPool = MemPool.NONE
+    transport: Transport | None = None  # None: the one the pool implies
+    aux_over_tcp: bool = False
+    max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
+    timeout_seconds: float = 30.0
+
+    @property
+    def effective_transport(self) -> Transport:
+        return implied_transport(self.mem_pool, self.transport)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    page_size_tokens: int = 16
+    state_bytes_per_request: int = 0
+    state_layers: int = 1
+    aux_row_bytes: tuple[int, ...] = DEFAULT_AUX_ROW_BYTES
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def kv_page_bytes(self, tp: int) -> int:
+        """Bytes of one page of one layer's K (or V) on one rank of a TP group."""
+        return self.page_size_tokens * local_heads(tp, self.kv_heads) * self.head_dim * self.dtype_bytes
+
+
+class FallbackPolicy:
+    FAIL = "Fail"
+    TCP = "TCP"
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    nvlink_domain_key: str = "nvidia.com/gpu.clique"
+    rdma_resource: str = "rdma/hca"
+    gpu_resource: str = "nvidia.com/gpu"
+    fallback: str = FallbackPolicy.FAIL
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    image: str = "pdfabric/agent:latest"
+    metrics_port: int = 9400
+    api_port: int = 7400
+    resources: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PDClusterSpec:
+    backend: str = "mooncake"
+    transfer: TransferSpec = TransferSpec()
+    prefill: PrefillSpec = PrefillSpec()
+    decode: DecodeSpec = DecodeSpec()
+    model: ModelGeometry = ModelGeometry()
+    placement: PlacementSpec = PlacementSpec()
+    agent: AgentSpec = AgentSpec()
+
+
+def _get(obj: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = obj.get(key, default)
+    return default if value is None else value
+
+
+def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
+    """Parse a PDCluster `.spec` (camelCase, as stored) and check the cross-field rules.
+
+    Raises SpecError naming the field and what to change.
+    """
+    try:
+        t = raw.get("transfer") or {}
+        p = raw.get("prefill") or {}
+        d = raw.get("decode") or {}
+        m = raw.get("model") or {}
+        pl = raw.get("placement") or {}
+        a = raw.get("agent") or {}
+        transport = t.get("transport")
+        spec = PDClusterSpec(
+            backend=_get(raw, "backend", "mooncake"),
+            transfer=TransferSpec(
+                mem_pool=MemPool(_get(t, "memPool", "NONE")),
+                transport=None if transport in (None, "auto") else Transport(transport),
+                aux_over_tcp=bool(_get(t, "auxOverTcp", False)),
+                max_batch_entries=int(_get(t, "maxBatchEntries", DEFAULT_MAX_BATCH_ENTRIES)),
+                timeout_seconds=float(_get(t, "timeoutSeconds", 30)),
+            ),
+            prefill=PrefillSpec(
+                replicas=int(_get(p, "replicas", 1)),
+                tp=int(_get(p, "tp", 1)),
+                cp=int(_get(p, "cp", 1)),
+                pp=int(_get(p, "pp", 1)),
+                all_cp_ranks_transfer=bool(_get(p, "allCpRanksTransfer", False)),
+                dsa_cache_layer_split=bool(_get(p, "dsaCacheLayerSplit", False)),
+            ),
+            decode=DecodeSpec(
+                replicas=int(_get(d, "replicas", 1)),
+                tp=int(_get(d, "tp", 1)),
+                cp=int(_get(d, "cp", 1)),
+                pp=int(_get(d, "pp", 1)),
+            ),
+            model=ModelGeometry(
+                layers=int(_get(m, "layers", 32)),
+                kv_heads=int(_get(m, "kvHeads", 8)),
+                head_dim=int(_get(m, "headDim", 128)),
+                dtype=str(_get(m, "dtype", "bfloat16")),
+                page_size_tokens=int(_get(m, "pageSizeTokens", 16)),
+                state_bytes_per_request=int(_get(m, "stateBytesPerRequest", 0)),
+                state_layers=int(_get(m, "stateLayers", 1)),
+                aux_row_bytes=tuple(int(x) for x in _get(m, "auxRowBytes", DEFAULT_AUX_ROW_BYTES)),
+            ),
+            placement=PlacementSpec(
+                node_selector=dict(_get(pl, "nodeSelector", {})),
+                nvlink_domain_key=str(_get(pl, "nvlinkDomainKey", "nvidia.com/gpu.clique")),
+                rdma_resource=str(_get(pl, "rdmaResource", "rdma/hca")),
+                gpu_resource=str(_get(pl, "gpuResource", "nvidia.com/gpu")),
+                fallback=str(_get(pl, "fallback", FallbackPolicy.FAIL)),
+            ),
+            agent=AgentSpec(
+                image=str(_get(a, "image", "pdfabric/agent:latest")),
+                metrics_port=int(_get(a, "metricsPort", 9400)),
+                api_port=int(_get(a, "apiPort", 7400)),
+                resources=dict(_get(a, "resources", {})),
+            ),
+        )
+    except (ValueError, TypeError) as exc:
+        raise SpecError(f"invalid PDCluster spec: {exc}") from exc
+    validate_spec(spec)
+    return spec
+
+
+def validate_spec(spec: PDClusterSpec) -> None:
+    """The cross-field rules, mirrored from the CRD's CEL so parsed specs are always sane."""
+    if spec.backend not in ("mooncake", "mori"):
+        raise SpecError(f"backend must be mooncake or mori, got {spec.backend!r}")
+    if spec.model.dtype not in DTYPE_BYTES:
+        raise SpecError(f"model.dtype must be one of {sorted(DTYPE_BYTES)}, got {spec.model.dtype!r}")
+    if spec.decode.cp != 1:
+        raise SpecError(f"decode.cp must be 1 (decode context parallelism is not supported), got {spec.decode.cp}")
+    if spec.transfer.max_batch_entries < 1:
+        raise SpecError("transfer.maxBatchEntries must be at least 1")
+    if spec.transfer.timeout_seconds <= 0:
+        raise SpecError("transfer.timeoutSeconds must be positive")
+    try:
+        validate_tp(spec.prefill.tp, spec.model.kv_heads, role="prefill")
+        validate_tp(spec.decode.tp, spec.model.kv_heads, role="decode")
+        if spec.prefill.tp % spec.decode.tp and spec.decode.tp % spec.prefill.tp:
+            raise ValueError(f"prefill TP {spec.prefill.tp} and decode TP {spec.decode.tp} must divide each other")
+        validate_pp(spec.prefill.pp, spec.decode.pp)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from exc
+    if spec.prefill.dsa_cache_layer_split and spec.model.state_layers % spec.prefill.cp:
+        raise SpecError(
+            f"model.stateLayers ({spec.model.state_layers}) must be divisible by prefill.cp "
+            f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
+        )

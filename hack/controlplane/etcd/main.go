@@ -1,0 +1,11 @@
+// Command etcd is the upstream etcd server, built from go.etcd.io/etcd/server/v3 so the local
+// control plane needs no downloaded binary.
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
