@@ -77,6 +77,8 @@ class ModelGeometry:
     state_bytes_per_request: int = 0
     state_layers: int = 1
     aux_row_bytes: tuple[int, ...] = DEFAULT_AUX_ROW_BYTES
+    # Prompt length the status uses to predict bytes per request; it sizes nothing.
+    expected_prompt_tokens: int = 4096
 
     @property
     def dtype_bytes(self) -> int:
@@ -92,6 +94,20 @@ class FallbackPolicy:
     TCP = "TCP"
 
 
+# Transports each custom pool can actually run on. NVLINK (MNNVL) needs fabric memory that only
+# its own pool allocates; Mooncake's intra-node NVLink needs whole cudaMalloc segments, which only
+# the INTRA_NODE_NVLINK pool provides; BAREX is an RDMA pool; the default pool runs tcp or rdma.
+ALLOWED_TRANSPORTS: dict[MemPool, frozenset[Transport]] = {
+    MemPool.NONE: frozenset({Transport.TCP, Transport.RDMA}),
+    MemPool.NVLINK: frozenset({Transport.NVLINK}),
+    MemPool.INTRA_NODE_NVLINK: frozenset({Transport.NVLINK_INTRA}),
+    MemPool.BAREX: frozenset({Transport.RDMA}),
+}
+
+# MORI-IO has XGMI, RDMA and TCP backends and none of Mooncake's custom pools.
+MORI_TRANSPORTS = frozenset({Transport.TCP, Transport.RDMA})
+
+
 @dataclass(frozen=True)
 class PlacementSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -99,6 +115,8 @@ class PlacementSpec:
     rdma_resource: str = "rdma/hca"
     gpu_resource: str = "nvidia.com/gpu"
     fallback: str = FallbackPolicy.FAIL
+    # GPUs one node offers at most; bounds what intra-node NVLink may ask of a single node.
+    max_gpus_per_node: int = 8
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,16 @@ class PDClusterSpec:
     model: ModelGeometry = ModelGeometry()
     placement: PlacementSpec = PlacementSpec()
     agent: AgentSpec = AgentSpec()
+
+    @property
+    def decode_per_prefill(self) -> int:
+        """Decode replicas each prefill replica feeds when the transport pins them to its node."""
+        return max(1, self.decode.replicas // max(1, self.prefill.replicas))
+
+    @property
+    def intra_node_group_gpus(self) -> int:
+        """GPUs one prefill replica and the decode replicas it feeds take on one node."""
+        return self.prefill.ranks_per_replica + self.decode_per_prefill * self.decode.ranks_per_replica
 
 
 def _get(obj: Mapping[str, Any], key: str, default: Any) -> Any:
@@ -170,6 +198,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
                 state_bytes_per_request=int(_get(m, "stateBytesPerRequest", 0)),
                 state_layers=int(_get(m, "stateLayers", 1)),
                 aux_row_bytes=tuple(int(x) for x in _get(m, "auxRowBytes", DEFAULT_AUX_ROW_BYTES)),
+                expected_prompt_tokens=int(_get(m, "expectedPromptTokens", 4096)),
             ),
             placement=PlacementSpec(
                 node_selector=dict(_get(pl, "nodeSelector", {})),
@@ -177,6 +206,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
                 rdma_resource=str(_get(pl, "rdmaResource", "rdma/hca")),
                 gpu_resource=str(_get(pl, "gpuResource", "nvidia.com/gpu")),
                 fallback=str(_get(pl, "fallback", FallbackPolicy.FAIL)),
+                max_gpus_per_node=int(_get(pl, "maxGpusPerNode", 8)),
             ),
             agent=AgentSpec(
                 image=str(_get(a, "image", "pdfabric/agent:latest")),
@@ -197,6 +227,9 @@ def validate_spec(spec: PDClusterSpec) -> None:
         raise SpecError(f"backend must be mooncake or mori, got {spec.backend!r}")
     if spec.model.dtype not in DTYPE_BYTES:
         raise SpecError(f"model.dtype must be one of {sorted(DTYPE_BYTES)}, got {spec.model.dtype!r}")
+    for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
+        if r.replicas < 1 or r.tp < 1 or r.cp < 1 or r.pp < 1:
+            raise SpecError(f"{role}.replicas, tp, cp and pp must each be at least 1")
     if spec.decode.cp != 1:
         raise SpecError(f"decode.cp must be 1 (decode context parallelism is not supported), got {spec.decode.cp}")
     if spec.transfer.max_batch_entries < 1:
@@ -216,3 +249,37 @@ def validate_spec(spec: PDClusterSpec) -> None:
             f"model.stateLayers ({spec.model.state_layers}) must be divisible by prefill.cp "
             f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
         )
+    _validate_transport(spec)
+    if spec.placement.fallback not in (FallbackPolicy.FAIL, FallbackPolicy.TCP):
+        raise SpecError(f"placement.fallback must be Fail or TCP, got {spec.placement.fallback!r}")
+    if spec.placement.max_gpus_per_node < 1:
+        raise SpecError("placement.maxGpusPerNode must be at least 1")
+    if spec.agent.metrics_port == spec.agent.api_port:
+        raise SpecError(f"agent.metricsPort and agent.apiPort must differ (both {spec.agent.api_port})")
+    if spec.model.expected_prompt_tokens < 1:
+        raise SpecError("model.expectedPromptTokens must be at least 1")
+
+
+def _validate_transport(spec: PDClusterSpec) -> None:
+    pool, explicit = spec.transfer.mem_pool, spec.transfer.transport
+    if explicit is not None and explicit not in ALLOWED_TRANSPORTS[pool]:
+        allowed = ", ".join(sorted(t.value for t in ALLOWED_TRANSPORTS[pool]))
+        raise SpecError(
+            f"transfer.transport {explicit.value} cannot run on memPool {pool.value}; "
+            f"use auto or one of: {allowed}, or change memPool"
+        )
+    if spec.backend == "mori" and (pool is not MemPool.NONE or spec.transfer.effective_transport not in MORI_TRANSPORTS):
+        raise SpecError("backend mori supports only memPool NONE with transport tcp or rdma; use backend mooncake")
+    if spec.transfer.effective_transport is Transport.NVLINK_INTRA:
+        p, d = spec.prefill.replicas, spec.decode.replicas
+        if d % p:
+            raise SpecError(
+                f"intra-node NVLink pins each prefill replica to the decode replicas it feeds: "
+                f"decode.replicas ({d}) must be a multiple of prefill.replicas ({p})"
+            )
+        if spec.intra_node_group_gpus > spec.placement.max_gpus_per_node:
+            raise SpecError(
+                f"intra-node NVLink needs one prefill replica and the decode replicas it feeds on one node: "
+                f"{spec.intra_node_group_gpus} GPUs exceed placement.maxGpusPerNode "
+                f"({spec.placement.max_gpus_per_node}); lower TP/CP/PP or replicas, or use transport nvlink or rdma"
+            )

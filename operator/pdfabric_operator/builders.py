@@ -1,0 +1,244 @@
+"""Child objects of a PDCluster, as plain dicts: pure functions of (cluster, spec, placement).
+
+Every child carries the same labels and a controller ownerReference to its PDCluster, so the
+garbage collector removes whatever the finalizer's cleanup misses, and names are deterministic
+(a function of cluster and node), so a reconcile interrupted half-way and run again converges
+instead of duplicating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdfabric_core.policy.types import Transport
+from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
+from pdfabric_core.spec import PDClusterSpec
+from pdfabric_operator import constants as c
+from pdfabric_operator.planner import AgentPlacement, Placement
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    """Identity of the owning PDCluster."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def owner_reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": c.API_VERSION,
+            "kind": c.KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def _short_hash(text: str, n: int = 6) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def _dns_label(text: str, limit: int) -> str:
+    text = re.sub(r"[^a-z0-9-]", "-", text.lower())[:limit]
+    return text.strip("-") or "x"
+
+
+def agent_name(cluster: str, node: str) -> str:
+    """Pod name and hostname of the agent of `cluster` on `node`: a DNS label (<= 63), unique per node.
+
+    The hash keeps names distinct when truncation or the '.' -> '-' rewrite would make two nodes collide.
+    """
+    return f"{_dns_label(f'{cluster}-{node}', 55)}-{_short_hash(node)}"
+
+
+def rankmap_name(cluster: str) -> str:
+    return f"{cluster}-rankmap"
+
+
+def token_secret_name(cluster: str) -> str:
+    return f"{cluster}-token"
+
+
+def service_name(cluster: str) -> str:
+    """Headless service; also the pods' subdomain, so it must be a DNS label."""
+    return _dns_label(f"{cluster}-agents", 63)
+
+
+def labels_for(ref: ClusterRef, **extra: str) -> dict[str, str]:
+    labels = {
+        c.LABEL_APP: c.APP_NAME,
+        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+        c.LABEL_CLUSTER: ref.name,
+        c.LABEL_CLUSTER_UID: ref.uid,
+    }
+    labels.update(extra)
+    return labels
+
+
+def selector_for(ref: ClusterRef) -> str:
+    """Label selector of every child of one PDCluster (uid, so a recreated namesake is distinct)."""
+    return f"{c.LABEL_CLUSTER_UID}={ref.uid}"
+
+
+def _meta(ref: ClusterRef, name: str, **extra_labels: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": labels_for(ref, **extra_labels),
+        "ownerReferences": [ref.owner_reference()],
+    }
+
+
+def encode_ranks(ranks: tuple[Rank, ...]) -> str:
+    """Compact, order-stable form of a node's ranks for the pod annotation (stickiness reads it back)."""
+    return ",".join(f"{r.rank_id}@{r.gpu}" for r in ranks)
+
+
+def decode_ranks(text: str) -> tuple[Rank, ...]:
+    ranks = []
+    for item in filter(None, text.split(",")):
+        rank_id, _, gpu = item.partition("@")
+        parts = rank_id.split("-")
+        role, replica = parts[0], int(parts[1])
+        fields = {p[:2]: int(p[2:]) for p in parts[2:]}
+        ranks.append(Rank(role, replica, fields.get("tp", 0), fields.get("cp", 0), fields.get("pp", 0), int(gpu or 0)))
+    return tuple(ranks)
+
+
+def build_rankmap(ref: ClusterRef, raw_spec: Mapping[str, Any], placement: Placement) -> RankMap:
+    agents = tuple(
+        AgentEntry(agent_name(ref.name, a.node), a.node, a.ranks, a.domain) for a in placement.agents
+    )
+    return RankMap(
+        namespace=ref.namespace,
+        cluster=ref.name,
+        cluster_uid=ref.uid,
+        transport=placement.transport.value,
+        spec=dict(raw_spec),
+        agents=agents,
+        feeds=dict(placement.feeds),
+    )
+
+
+def build_rankmap_configmap(ref: ClusterRef, rankmap: RankMap) -> dict[str, Any]:
+    text = rankmap.to_json()
+    meta = _meta(ref, rankmap_name(ref.name))
+    meta["annotations"] = {c.ANN_RANKMAP_HASH: _short_hash(text, 16)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {RANKMAP_KEY: text}}
+
+
+def build_token_secret(ref: ClusterRef, token: str) -> dict[str, Any]:
+    """The transfer API's shared token; the caller draws it (secrets.token_urlsafe) once per cluster."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(ref, token_secret_name(ref.name)),
+        "type": "Opaque",
+        "stringData": {c.TOKEN_KEY: token},
+    }
+
+
+def build_headless_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ref, service_name(ref.name)),
+        "spec": {
+            "clusterIP": "None",
+            # Peers must find each other before they are Ready: readiness waits on the peers.
+            "publishNotReadyAddresses": True,
+            "selector": {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_AGENT},
+            "ports": [
+                {"name": "api", "port": spec.agent.api_port, "targetPort": "api", "protocol": "TCP"},
+                {"name": "metrics", "port": spec.agent.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _resources(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport) -> dict[str, Any]:
+    user = spec.agent.resources or {}
+    requests = dict(user.get("requests") or {})
+    limits = dict(user.get("limits") or {})
+    # Extended resources cannot overcommit: request == limit, both set.
+    extended = {spec.placement.gpu_resource: str(agent.gpus)}
+    if transport is Transport.RDMA:
+        extended[spec.placement.rdma_resource] = "1"
+    requests.update(extended)
+    limits.update(extended)
+    return {"requests": requests, "limits": limits}
+
+
+def build_agent_pod(
+    ref: ClusterRef,
+    spec: PDClusterSpec,
+    placement: Placement,
+    agent: AgentPlacement,
+) -> dict[str, Any]:
+    """The agent of one node: bound to it directly (the planner is the scheduler), with its ranks' GPUs."""
+    name = agent_name(ref.name, agent.node)
+    container = {
+        "name": "agent",
+        "image": spec.agent.image,
+        "command": [c.AGENT_COMMAND],
+        "env": [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "PDFABRIC_RANKMAP", "value": c.RANKMAP_PATH},
+            {"name": "PDFABRIC_TOKEN_FILE", "value": c.TOKEN_PATH},
+            {"name": "PDFABRIC_METRICS_PORT", "value": str(spec.agent.metrics_port)},
+            {"name": "PDFABRIC_API_PORT", "value": str(spec.agent.api_port)},
+        ],
+        "ports": [
+            {"name": "api", "containerPort": spec.agent.api_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": spec.agent.metrics_port, "protocol": "TCP"},
+        ],
+        "resources": _resources(spec, agent, placement.transport),
+        "readinessProbe": {
+            "httpGet": {"path": c.READINESS_PATH, "port": "metrics"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "volumeMounts": [
+            {"name": "rankmap", "mountPath": c.RANKMAP_DIR, "readOnly": True},
+            {"name": "token", "mountPath": c.TOKEN_DIR, "readOnly": True},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "nodeName": agent.node,
+        "hostname": name,
+        "subdomain": service_name(ref.name),
+        "restartPolicy": "Always",
+        # The agent talks to nothing in the API; it needs no token of its own.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 15,
+        # The operator re-places ranks from NotReady nodes itself; do not linger there for minutes.
+        "tolerations": [
+            {"key": spec.placement.gpu_resource, "operator": "Exists", "effect": "NoSchedule"},
+        ],
+        "containers": [container],
+        "volumes": [
+            {"name": "rankmap", "configMap": {"name": rankmap_name(ref.name), "items": [{"key": RANKMAP_KEY, "path": RANKMAP_KEY}]}},
+            {"name": "token", "secret": {"secretName": token_secret_name(ref.name), "defaultMode": 0o400}},
+        ],
+    }
+    meta = _meta(ref, name, **{c.LABEL_COMPONENT: c.COMPONENT_AGENT, c.LABEL_NODE: _dns_label(agent.node, 63)})
+    ranks = encode_ranks(agent.ranks)
+    # The hash covers everything the pod was built from; a differing hash means "replace the pod"
+    # (pod specs are mostly immutable, so drift is fixed by delete + create, never by patch).
+    pod_hash = _short_hash(json.dumps([pod_spec, meta["labels"], ranks], sort_keys=True), 16)
+    meta["annotations"] = {c.ANN_RANKS: ranks, c.ANN_POD_HASH: pod_hash}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def build_agent_pods(ref: ClusterRef, spec: PDClusterSpec, placement: Placement) -> list[dict[str, Any]]:
+    return [build_agent_pod(ref, spec, placement, a) for a in placement.agents]

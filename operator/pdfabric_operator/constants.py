@@ -1,0 +1,47 @@
+"""Every API name, label, annotation and finalizer key the operator writes, in one place.
+
+kopf persists handler ids and these keys in live objects: renaming one orphans existing state.
+"""
+
+from __future__ import annotations
+
+GROUP = "pdfabric.dev"
+VERSION = "v1alpha1"
+PLURAL = "pdclusters"
+KIND = "PDCluster"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+FINALIZER = f"{GROUP}/finalizer"
+PEERING_NAME = "pdfabric"
+
+# Labels on every child object; selectors and the pod index use them.
+LABEL_APP = "app.kubernetes.io/name"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_CLUSTER = f"{GROUP}/cluster"
+LABEL_CLUSTER_UID = f"{GROUP}/cluster-uid"
+LABEL_NODE = f"{GROUP}/node"
+APP_NAME = "pdfabric"
+MANAGED_BY = "pdfabric-operator"
+COMPONENT_AGENT = "agent"
+
+# Annotations on agent pods: what they were built for, so drift is a string comparison.
+ANN_RANKS = f"{GROUP}/ranks"
+ANN_POD_HASH = f"{GROUP}/pod-hash"
+ANN_RANKMAP_HASH = f"{GROUP}/rankmap-hash"
+
+# Paths and env inside the agent pod: the contract with pdfabric_agent.main.
+AGENT_COMMAND = "pdfabric-agent"
+RANKMAP_DIR = "/etc/pdfabric"
+RANKMAP_PATH = f"{RANKMAP_DIR}/rankmap.json"
+TOKEN_DIR = f"{RANKMAP_DIR}/token"
+TOKEN_KEY = "token"
+TOKEN_PATH = f"{TOKEN_DIR}/{TOKEN_KEY}"
+READINESS_PATH = "/readyz"
+
+# Condition types on PDCluster status.
+COND_READY = "Ready"
+COND_PLACED = "Placed"
+COND_TRANSPORT_READY = "TransportReady"
+COND_DEGRADED = "Degraded"
+CONDITION_TYPES = (COND_READY, COND_PLACED, COND_TRANSPORT_READY, COND_DEGRADED)

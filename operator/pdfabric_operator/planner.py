@@ -1,0 +1,358 @@
+"""Placement of a PDCluster's ranks on GPU nodes: pure, deterministic, sticky.
+
+plan_placement(spec, nodes, placed pods, previous placement) returns a Placement or a
+PlacementFailure whose reason and message say exactly what is missing. The algorithm:
+
+1. Eligible nodes: Ready, schedulable, not being deleted, matching spec.placement.nodeSelector,
+   with allocatable GPUs of spec.placement.gpuResource (and of the RDMA resource for rdma).
+2. Free GPUs per node = allocatable - requests of every pod already on it that is not ours
+   (all PDClusters and anything else requesting the resource). Our own pods are ignored so a
+   re-plan may reuse their GPUs.
+3. Units: what must stay on one node. intra-node NVLink: one prefill replica plus the decode
+   replicas it feeds (decode.replicas / prefill.replicas of them). Other transports: one replica;
+   a replica larger than any node's free GPUs is spread rank by rank (tcp, rdma, nvlink only).
+4. Sticky first: a unit whose ranks all sat on one node that is still eligible and has room stays
+   there, so node loss, scale changes and other clusters' churn move only what must move.
+5. The rest goes best-fit (the node with the least free GPUs that still fits, ties by name), which
+   keeps whole nodes free for large units. nvlink tries each NVLink domain (current one first,
+   then the largest) and needs every unit inside that one domain.
+6. No fit: a PlacementFailure, or with placement.fallback TCP a tcp placement flagged as fallback.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdfabric_core.policy.types import Transport
+from pdfabric_core.rankmap import Rank
+from pdfabric_core.spec import FallbackPolicy, PDClusterSpec
+
+
+@dataclass(frozen=True)
+class GpuNode:
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    allocatable: Mapping[str, int] = field(default_factory=dict)  # extended resources only
+    ready: bool = True
+    schedulable: bool = True  # False when cordoned or being deleted
+
+
+@dataclass(frozen=True)
+class PlacedPod:
+    """A pod already bound to a node, holding extended resources (GPUs, RDMA)."""
+
+    node: str
+    requests: Mapping[str, int]
+    owner_uid: str | None = None  # PDCluster uid for our agents, else None
+
+
+@dataclass(frozen=True)
+class AgentPlacement:
+    node: str
+    ranks: tuple[Rank, ...]  # sorted; rank.gpu is the device index on the node
+    domain: str | None = None
+
+    @property
+    def gpus(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Placement:
+    transport: Transport  # what the agents run
+    requested_transport: Transport
+    agents: tuple[AgentPlacement, ...]  # sorted by node name
+    feeds: Mapping[int, tuple[int, ...]]
+    domain: str | None = None
+    fallback_reason: str | None = None  # why the requested transport was not placed
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.transport != self.requested_transport
+
+    def ranks_by_node(self) -> dict[str, tuple[Rank, ...]]:
+        return {a.node: a.ranks for a in self.agents}
+
+
+@dataclass(frozen=True)
+class PlacementFailure:
+    reason: str  # CamelCase, for the Placed condition
+    message: str  # says what is missing and what to change
+    requested_transport: Transport
+
+
+# --- units -------------------------------------------------------------------------------------
+
+
+def prefill_ranks(spec: PDClusterSpec, replica: int) -> list[Rank]:
+    p = spec.prefill
+    return [Rank("prefill", replica, tp, cp, pp) for pp in range(p.pp) for cp in range(p.cp) for tp in range(p.tp)]
+
+
+def decode_ranks(spec: PDClusterSpec, replica: int) -> list[Rank]:
+    d = spec.decode
+    return [Rank("decode", replica, tp, 0, pp) for pp in range(d.pp) for tp in range(d.tp)]
+
+
+def all_ranks(spec: PDClusterSpec) -> list[Rank]:
+    out: list[Rank] = []
+    for r in range(spec.prefill.replicas):
+        out += prefill_ranks(spec, r)
+    for r in range(spec.decode.replicas):
+        out += decode_ranks(spec, r)
+    return out
+
+
+def plan_feeds(spec: PDClusterSpec, transport: Transport) -> dict[int, tuple[int, ...]]:
+    """prefill replica -> decode replicas it may feed; intra-node NVLink confines them to its node."""
+    if transport is Transport.NVLINK_INTRA:
+        k = spec.decode_per_prefill
+        return {p: tuple(range(p * k, p * k + k)) for p in range(spec.prefill.replicas)}
+    every = tuple(range(spec.decode.replicas))
+    return {p: every for p in range(spec.prefill.replicas)}
+
+
+@dataclass(frozen=True)
+class _Unit:
+    key: str
+    ranks: tuple[Rank, ...]
+    splittable: bool
+
+
+def _units(spec: PDClusterSpec, transport: Transport) -> list[_Unit]:
+    if transport is Transport.NVLINK_INTRA:
+        units = []
+        for p, decodes in plan_feeds(spec, transport).items():
+            ranks = prefill_ranks(spec, p)
+            for d in decodes:
+                ranks += decode_ranks(spec, d)
+            units.append(_Unit(f"group-{p}", tuple(ranks), splittable=False))
+        return units
+    units = [_Unit(f"prefill-{r}", tuple(prefill_ranks(spec, r)), True) for r in range(spec.prefill.replicas)]
+    units += [_Unit(f"decode-{r}", tuple(decode_ranks(spec, r)), True) for r in range(spec.decode.replicas)]
+    return units
+
+
+# --- capacity ----------------------------------------------------------------------------------
+
+
+def _matches(node: GpuNode, selector: Mapping[str, str]) -> bool:
+    return all(node.labels.get(k) == v for k, v in selector.items())
+
+
+def _free(nodes: Iterable[GpuNode], placed: Iterable[PlacedPod], resource: str, own_uid: str) -> dict[str, int]:
+    free = {n.name: int(n.allocatable.get(resource, 0)) for n in nodes}
+    for pod in placed:
+        if pod.owner_uid == own_uid or pod.node not in free:
+            continue
+        free[pod.node] -= int(pod.requests.get(resource, 0))
+    return free
+
+
+def _describe(free: Mapping[str, int], limit: int = 3) -> str:
+    top = sorted(free.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+    return ", ".join(f"{n}: {max(0, f)}" for n, f in top) or "none"
+
+
+class _NoFit(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _pack(
+    units: Sequence[_Unit],
+    free: dict[str, int],
+    previous: Mapping[str, Sequence[Rank]],
+    *,
+    what: str,
+) -> dict[str, list[Rank]]:
+    """Assign units to nodes (sticky, then best-fit); raises _NoFit naming the first unit left over."""
+    free = dict(free)
+    where_before: dict[Rank, str] = {}
+    for node, ranks in previous.items():
+        for r in ranks:
+            where_before[_key(r)] = node
+    out: dict[str, list[Rank]] = {}
+    pending: list[_Unit] = []
+    for unit in units:
+        before = Counter(where_before.get(_key(r)) for r in unit.ranks)
+        sticky = None not in before and (unit.splittable or len(before) == 1)
+        if sticky and all(free.get(n, 0) >= c for n, c in before.items()):
+            for r in unit.ranks:
+                node = where_before[_key(r)]
+                out.setdefault(node, []).append(r)
+                free[node] -= 1
+        else:
+            pending.append(unit)
+    # Largest units first: best-fit decreasing wastes the fewest GPUs.
+    for unit in sorted(pending, key=lambda u: (-len(u.ranks), u.key)):
+        need = len(unit.ranks)
+        fits = sorted((f, n) for n, f in free.items() if f >= need)
+        if fits:
+            node = fits[0][1]
+            out.setdefault(node, []).extend(unit.ranks)
+            free[node] -= need
+            continue
+        total = sum(max(0, f) for f in free.values())
+        if unit.splittable and total >= need:
+            rest = list(unit.ranks)
+            for f, n in sorted(((f, n) for n, f in free.items() if f > 0), key=lambda t: (-t[0], t[1])):
+                take, rest = rest[:f], rest[f:]
+                out.setdefault(n, []).extend(take)
+                free[n] -= len(take)
+                if not rest:
+                    break
+            continue
+        if unit.splittable:
+            raise _NoFit(
+                "InsufficientGPUs",
+                f"{unit.key} needs {need} GPUs but {what} have {total} free in all "
+                f"(most free: {_describe(free)}); add GPU nodes, free GPUs or lower replicas/TP/CP/PP",
+            )
+        raise _NoFit(
+            "NoNodeForIntraNodeGroup",
+            f"intra-node NVLink needs {need} free GPUs on one node for {unit.key} "
+            f"(a prefill replica and the decode replicas it feeds); {what} offer at most "
+            f"{max([0, *free.values()])} (most free: {_describe(free)}); free GPUs, lower TP/CP/PP "
+            f"or use transport nvlink/rdma",
+        )
+    return out
+
+
+def _key(rank: Rank) -> Rank:
+    """A rank without its GPU index: the identity stickiness compares."""
+    return Rank(rank.role, rank.replica, rank.tp_rank, rank.cp_rank, rank.pp_rank)
+
+
+def _agents(assigned: Mapping[str, list[Rank]], domain_of: Mapping[str, str | None]) -> tuple[AgentPlacement, ...]:
+    agents = []
+    for node in sorted(assigned):
+        ranks = sorted(assigned[node], key=_rank_order)
+        with_gpu = tuple(Rank(r.role, r.replica, r.tp_rank, r.cp_rank, r.pp_rank, gpu) for gpu, r in enumerate(ranks))
+        agents.append(AgentPlacement(node, with_gpu, domain_of.get(node)))
+    return tuple(agents)
+
+
+def _rank_order(r: Rank) -> tuple[int, int, int, int, int]:
+    return (0 if r.role == "prefill" else 1, r.replica, r.pp_rank, r.cp_rank, r.tp_rank)
+
+
+# --- the planner -------------------------------------------------------------------------------
+
+
+def plan_placement(
+    spec: PDClusterSpec,
+    nodes: Sequence[GpuNode],
+    placed: Sequence[PlacedPod],
+    *,
+    cluster_uid: str,
+    previous: Mapping[str, Sequence[Rank]] | None = None,
+) -> Placement | PlacementFailure:
+    """Place every rank of `spec` (see the module doc for the algorithm)."""
+    requested = spec.transfer.effective_transport
+    previous = previous or {}
+    try:
+        return _plan(spec, requested, requested, nodes, placed, cluster_uid, previous)
+    except _NoFit as nofit:
+        if spec.placement.fallback != FallbackPolicy.TCP or requested is Transport.TCP:
+            return PlacementFailure(nofit.reason, nofit.message, requested)
+        try:
+            fallback = _plan(spec, Transport.TCP, requested, nodes, placed, cluster_uid, previous)
+        except _NoFit as tcp_nofit:
+            return PlacementFailure(
+                nofit.reason, f"{nofit.message}; the declared TCP fallback does not fit either: {tcp_nofit.message}", requested
+            )
+        return Placement(
+            fallback.transport,
+            requested,
+            fallback.agents,
+            fallback.feeds,
+            None,
+            f"{nofit.reason}: {nofit.message}",
+        )
+
+
+def _plan(
+    spec: PDClusterSpec,
+    transport: Transport,
+    requested: Transport,
+    nodes: Sequence[GpuNode],
+    placed: Sequence[PlacedPod],
+    uid: str,
+    previous: Mapping[str, Sequence[Rank]],
+) -> Placement:
+    pl = spec.placement
+    gpu = pl.gpu_resource
+    ready = [n for n in nodes if n.ready and n.schedulable]
+    selected = [n for n in ready if _matches(n, pl.node_selector)]
+    eligible = [n for n in selected if n.allocatable.get(gpu, 0) > 0]
+    where = f"ready nodes matching nodeSelector {dict(pl.node_selector)}" if pl.node_selector else "ready nodes"
+    if not eligible:
+        raise _NoFit(
+            "NoGPUNodes",
+            f"no {where} have allocatable {gpu} ({len(nodes)} nodes seen, {len(ready)} ready, "
+            f"{len(selected)} matching); add GPU nodes or relax placement.nodeSelector",
+        )
+    if transport is Transport.RDMA:
+        rdma_free = _free(eligible, placed, pl.rdma_resource, uid)
+        with_rdma = [n for n in eligible if n.allocatable.get(pl.rdma_resource, 0) > 0]
+        if not with_rdma:
+            raise _NoFit(
+                "NoRDMANodes",
+                f"transport rdma needs nodes with allocatable {pl.rdma_resource}; none of the {len(eligible)} "
+                f"{where} with {gpu} has it; set placement.rdmaResource to your cluster's RDMA resource, "
+                f"add RDMA nodes, or declare placement.fallback TCP",
+            )
+        eligible = [n for n in with_rdma if rdma_free[n.name] >= 1]
+        if not eligible:
+            raise _NoFit(
+                "NoRDMANodes",
+                f"every node with {pl.rdma_resource} has it fully requested by other pods; free some or add RDMA nodes",
+            )
+    free = _free(eligible, placed, gpu, uid)
+    units = _units(spec, transport)
+    if transport is not Transport.NVLINK:
+        assigned = _pack(units, free, previous, what=where)
+        return Placement(transport, requested, _agents(assigned, {}), plan_feeds(spec, transport))
+
+    key = pl.nvlink_domain_key
+    domains: dict[str, list[str]] = {}
+    for n in eligible:
+        if n.labels.get(key):
+            domains.setdefault(n.labels[key], []).append(n.name)
+    if not domains:
+        raise _NoFit(
+            "NoNVLinkDomain",
+            f"transport nvlink needs nodes labelled {key} (the NVLink domain); none of the {len(eligible)} "
+            f"{where} with {gpu} has it; set placement.nvlinkDomainKey, use another transport or declare fallback TCP",
+        )
+    need = sum(len(u.ranks) for u in units)
+    before = {n for n in previous}
+    size = {d: sum(max(0, free[n]) for n in members) for d, members in domains.items()}
+    # The domain we already use first (stickiness), then the roomiest.
+    order = sorted(domains, key=lambda d: (not (before & set(domains[d])), -size[d], d))
+    for d in order:
+        members = set(domains[d])
+        try:
+            assigned = _pack(
+                units,
+                {n: f for n, f in free.items() if n in members},
+                {n: r for n, r in previous.items() if n in members},
+                what=f"nodes of NVLink domain {d}",
+            )
+        except _NoFit:
+            continue
+        return Placement(
+            transport, requested, _agents(assigned, dict.fromkeys(members, d)), plan_feeds(spec, transport), domain=d
+        )
+    largest = max(order, key=lambda d: (size[d], d))
+    raise _NoFit(
+        "NVLinkDomainTooSmall",
+        f"transport nvlink needs all {need} GPUs inside one NVLink domain ({key}); the largest, {largest}, "
+        f"has {size[largest]} free across {len(domains[largest])} nodes ({len(domains)} domains); "
+        f"lower replicas/TP/CP/PP, free GPUs in one domain or declare fallback TCP",
+    )

@@ -1,0 +1,207 @@
+"""The one status writer's pure half: observed state -> PDCluster status, and the patch (if any).
+
+compute_status() derives every field the operator owns from what the reconcile saw; status_patch()
+compares it with the stored status and returns None when nothing changed, so a steady cluster
+costs no writes. A condition's lastTransitionTime moves only when its status flips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdfabric_core.rankmap import Rank
+from pdfabric_core.spec import PDClusterSpec
+from pdfabric_core.traffic import estimate_traffic
+from pdfabric_operator import constants as c
+from pdfabric_operator.builders import agent_name
+from pdfabric_operator.planner import Placement, PlacementFailure
+
+# Keys of .status this writer owns; anything else there (kopf's own bookkeeping) is left alone.
+OWNED_KEYS = (
+    "observedGeneration",
+    "transport",
+    "requestedTransport",
+    "prefill",
+    "decode",
+    "prefillReady",
+    "decodeReady",
+    "agents",
+    "placement",
+    "nvlinkDomain",
+    "expectedBytesPerRequest",
+    "conditions",
+)
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """One existing agent pod as the reconcile saw it."""
+
+    name: str
+    node: str
+    ready: bool
+    current: bool  # built for the current placement (same pod hash) and not being deleted
+
+
+@dataclass(frozen=True)
+class Observed:
+    generation: int
+    spec: PDClusterSpec
+    outcome: Placement | PlacementFailure | None  # None: the spec itself was unusable
+    agents: Sequence[AgentView] = ()
+    spec_error: str | None = None
+    lost_nodes: Sequence[str] = field(default_factory=tuple)  # nodes our ranks just left
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _ready_replicas(role: str, replicas: int, placement: Placement, ready_nodes: set[str]) -> int:
+    """Replicas of `role` whose every rank sits on a node whose agent is Ready."""
+    nodes_of: dict[int, set[str]] = {}
+    for a in placement.agents:
+        for r in a.ranks:
+            if r.role == role:
+                nodes_of.setdefault(r.replica, set()).add(a.node)
+    return sum(1 for rep in range(replicas) if rep in nodes_of and nodes_of[rep] <= ready_nodes)
+
+
+def _rank_ids(ranks: Sequence[Rank]) -> list[str]:
+    return [r.rank_id for r in ranks]
+
+
+def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
+    spec = obs.spec
+    p_desired, d_desired = spec.prefill.replicas, spec.decode.replicas
+    status: dict[str, Any] = {
+        "observedGeneration": obs.generation,
+        "requestedTransport": spec.transfer.effective_transport.value,
+        "expectedBytesPerRequest": estimate_traffic(spec).to_status() if obs.spec_error is None else None,
+    }
+    outcome = obs.outcome
+    if obs.spec_error is not None or outcome is None:
+        msg = obs.spec_error or "spec not parsed"
+        status.update(_unplaced(p_desired, d_desired))
+        status["conditions"] = [
+            _condition(c.COND_READY, False, "InvalidSpec", msg),
+            _condition(c.COND_PLACED, False, "InvalidSpec", msg),
+            _condition(c.COND_TRANSPORT_READY, False, "InvalidSpec", msg),
+            _condition(c.COND_DEGRADED, False, "InvalidSpec", msg),
+        ]
+        return status
+    if isinstance(outcome, PlacementFailure):
+        status.update(_unplaced(p_desired, d_desired))
+        status["conditions"] = [
+            _condition(c.COND_READY, False, "NotPlaced", outcome.message),
+            _condition(c.COND_PLACED, False, outcome.reason, outcome.message),
+            _condition(c.COND_TRANSPORT_READY, False, "NotPlaced", f"{outcome.requested_transport.value} not placed"),
+            _condition(c.COND_DEGRADED, False, "NotPlaced", "nothing runs, so nothing is degraded"),
+        ]
+        return status
+
+    placement = outcome
+    wanted = {agent_name(cluster, a.node): a.node for a in placement.agents}
+    ready_nodes = {v.node for v in obs.agents if v.ready and v.current and wanted.get(v.name) == v.node}
+    ready_agents = len(ready_nodes & set(wanted.values()))
+    p_ready = _ready_replicas("prefill", p_desired, placement, ready_nodes)
+    d_ready = _ready_replicas("decode", d_desired, placement, ready_nodes)
+    all_ready = ready_agents == len(wanted) and p_ready == p_desired and d_ready == d_desired
+    status.update(
+        {
+            "transport": placement.transport.value,
+            "prefill": {"desired": p_desired, "ready": p_ready},
+            "decode": {"desired": d_desired, "ready": d_ready},
+            "prefillReady": f"{p_ready}/{p_desired}",
+            "decodeReady": f"{d_ready}/{d_desired}",
+            "agents": {"desired": len(wanted), "ready": ready_agents},
+            "placement": [
+                {
+                    "node": a.node,
+                    "agent": agent_name(cluster, a.node),
+                    "gpus": a.gpus,
+                    "ranks": _rank_ids(a.ranks),
+                    **({"domain": a.domain} if a.domain else {}),
+                }
+                for a in placement.agents
+            ],
+            "nvlinkDomain": placement.domain,
+        }
+    )
+    agents_msg = f"{ready_agents}/{len(wanted)} agents ready on {placement.transport.value}"
+    if placement.is_fallback:
+        placed = _condition(
+            c.COND_PLACED, True, "FallbackTCP", f"placed on tcp by the declared fallback; {placement.fallback_reason}"
+        )
+        transport_ready = _condition(
+            c.COND_TRANSPORT_READY,
+            False,
+            "FallbackTCP",
+            f"requested {placement.requested_transport.value} could not be placed; running tcp",
+        )
+        degraded = _condition(c.COND_DEGRADED, True, "TransportFallback", placement.fallback_reason or "fallback")
+    else:
+        placed = _condition(
+            c.COND_PLACED, True, "Placed", f"{sum(a.gpus for a in placement.agents)} ranks on {len(wanted)} nodes"
+        )
+        transport_ready = (
+            _condition(c.COND_TRANSPORT_READY, True, "AgentsReady", agents_msg)
+            if all_ready
+            else _condition(c.COND_TRANSPORT_READY, False, "AgentsNotReady", agents_msg)
+        )
+        if obs.lost_nodes:
+            degraded = _condition(
+                c.COND_DEGRADED, True, "NodeLost", f"re-placing ranks from lost nodes: {', '.join(sorted(obs.lost_nodes))}"
+            )
+        else:
+            degraded = _condition(c.COND_DEGRADED, False, "AsRequested", f"running {placement.transport.value} as requested")
+    ready = (
+        _condition(c.COND_READY, True, "AgentsReady", agents_msg)
+        if all_ready
+        else _condition(c.COND_READY, False, "AgentsNotReady", agents_msg)
+    )
+    status["conditions"] = [ready, placed, transport_ready, degraded]
+    return status
+
+
+def _unplaced(p_desired: int, d_desired: int) -> dict[str, Any]:
+    return {
+        "transport": None,
+        "prefill": {"desired": p_desired, "ready": 0},
+        "decode": {"desired": d_desired, "ready": 0},
+        "prefillReady": f"0/{p_desired}",
+        "decodeReady": f"0/{d_desired}",
+        "agents": {"desired": 0, "ready": 0},
+        "placement": [],
+        "nvlinkDomain": None,
+    }
+
+
+def _stamp_conditions(new: list[dict[str, str]], old: Sequence[Mapping[str, Any]], now: str) -> list[dict[str, str]]:
+    old_by_type = {cond.get("type"): cond for cond in old or ()}
+    out = []
+    for cond in new:
+        prev = old_by_type.get(cond["type"])
+        stamped = dict(cond)
+        if prev is not None and prev.get("status") == cond["status"] and prev.get("lastTransitionTime"):
+            stamped["lastTransitionTime"] = prev["lastTransitionTime"]
+        else:
+            stamped["lastTransitionTime"] = now
+        out.append(stamped)
+    return out
+
+
+def status_patch(desired: Mapping[str, Any], stored: Mapping[str, Any] | None, now: str) -> dict[str, Any] | None:
+    """Merge patch for .status, or None when the stored status already says all of `desired`."""
+    stored = stored or {}
+    full = dict(desired)
+    full["conditions"] = _stamp_conditions(list(desired.get("conditions", [])), stored.get("conditions") or [], now)
+    patch = {}
+    for key in OWNED_KEYS:
+        want = full.get(key)
+        have = stored.get(key)
+        if want != have:
+            patch[key] = want  # None deletes the key in a merge patch
+    return patch or None
