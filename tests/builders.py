@@ -91,3 +91,71 @@ def gpu_node(
 def busy(node: str, gpus: int, owner: str | None = "other") -> PlacedPod:
     """A pod of someone else holding `gpus` GPUs on `node`."""
     return PlacedPod(node, {"nvidia.com/gpu": gpus}, owner)
+
+
+# Specs the API server must reject (schema or CEL) and parse_spec must reject too:
+# (id, spec patch applied over a valid default spec, fragment of the API server's message).
+INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
+    ("unknown-backend", {"backend": "nixl"}, 'supported values: "mooncake", "mori"'),
+    ("unknown-mem-pool", {"transfer": {"memPool": "HBM"}}, "spec.transfer.memPool"),
+    ("unknown-transport", {"transfer": {"transport": "infiniband"}}, "spec.transfer.transport"),
+    ("prefill-tp-zero", {"prefill": {"tp": 0}}, "spec.prefill.tp"),
+    ("prefill-replicas-negative", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
+    ("decode-cp-not-1", {"decode": {"cp": 2}}, "decode.cp must be 1"),
+    ("decode-pp-mismatch", {"prefill": {"pp": 4}, "decode": {"pp": 2}}, "decode.pp must be 1 or equal prefill.pp (4)"),
+    (
+        "tp-sizes-do-not-divide",
+        {"model": {"kvHeads": 6}, "prefill": {"tp": 3}, "decode": {"tp": 2}},
+        "prefill.tp (3) and decode.tp (2) must divide each other",
+    ),
+    ("prefill-tp-vs-kv-heads", {"prefill": {"tp": 3}, "decode": {"tp": 3}}, "prefill.tp (3) must divide model.kvHeads (8)"),
+    ("decode-tp-vs-kv-heads", {"model": {"kvHeads": 12}, "decode": {"tp": 8}}, "decode.tp (8) must divide model.kvHeads (12)"),
+    (
+        "layer-split-cp-does-not-divide-state-layers",
+        {"prefill": {"cp": 2, "dsaCacheLayerSplit": True}, "model": {"stateLayers": 3}},
+        "model.stateLayers (3) must be divisible by prefill.cp (2)",
+    ),
+    ("nvlink-pool-on-rdma", {"transfer": {"memPool": "NVLINK", "transport": "rdma"}}, "transport rdma cannot run on memPool NVLINK"),
+    (
+        "intra-node-pool-on-tcp",
+        {"transfer": {"memPool": "INTRA_NODE_NVLINK", "transport": "tcp"}},
+        "transport tcp cannot run on memPool INTRA_NODE_NVLINK",
+    ),
+    ("default-pool-on-nvlink-intra", {"transfer": {"transport": "nvlink-intra"}}, "transport nvlink-intra cannot run on memPool NONE"),
+    ("barex-on-tcp", {"transfer": {"memPool": "BAREX", "transport": "tcp"}}, "transport tcp cannot run on memPool BAREX"),
+    ("mori-with-intra-node-pool", {"backend": "mori", "transfer": {"memPool": "INTRA_NODE_NVLINK"}}, "backend mori supports only memPool NONE"),
+    ("mori-with-nvlink", {"backend": "mori", "transfer": {"memPool": "NVLINK", "transport": "nvlink"}}, "backend mori supports only"),
+    (
+        "intra-node-group-exceeds-node",
+        {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"tp": 8}, "decode": {"tp": 4}},
+        "12 GPUs exceed placement.maxGpusPerNode (8)",
+    ),
+    (
+        "intra-node-group-exceeds-configured-max",
+        {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"tp": 2}, "decode": {"tp": 2}, "placement": {"maxGpusPerNode": 2}},
+        "4 GPUs exceed placement.maxGpusPerNode (2)",
+    ),
+    (
+        "intra-node-decode-not-multiple",
+        {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
+        "decode.replicas (3) must be a multiple of prefill.replicas (2)",
+    ),
+    ("ports-collide", {"agent": {"metricsPort": 7400, "apiPort": 7400}}, "agent.metricsPort and agent.apiPort must differ"),
+    ("unknown-dtype", {"model": {"dtype": "int4"}}, "spec.model.dtype"),
+    ("unknown-fallback", {"placement": {"fallback": "Retry"}}, "spec.placement.fallback"),
+    ("batch-entries-zero", {"transfer": {"maxBatchEntries": 0}}, "spec.transfer.maxBatchEntries"),
+    ("metrics-port-out-of-range", {"agent": {"metricsPort": 70000}}, "spec.agent.metricsPort"),
+    ("page-size-zero", {"model": {"pageSizeTokens": 0}}, "spec.model.pageSizeTokens"),
+    ("timeout-zero", {"transfer": {"timeoutSeconds": 0}}, "spec.transfer.timeoutSeconds"),
+]
+
+
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `patch` into a copy of `base` (dicts merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -256,8 +256,22 @@ def validate_spec(spec: PDClusterSpec) -> None:
         raise SpecError("placement.maxGpusPerNode must be at least 1")
     if spec.agent.metrics_port == spec.agent.api_port:
         raise SpecError(f"agent.metricsPort and agent.apiPort must differ (both {spec.agent.api_port})")
-    if spec.model.expected_prompt_tokens < 1:
-        raise SpecError("model.expectedPromptTokens must be at least 1")
+    m, a = spec.model, spec.agent
+    # The CRD's minimums, for specs that did not pass through an API server.
+    for name, value, low in (
+        ("model.layers", m.layers, 1),
+        ("model.headDim", m.head_dim, 1),
+        ("model.pageSizeTokens", m.page_size_tokens, 1),
+        ("model.stateBytesPerRequest", m.state_bytes_per_request, 0),
+        ("model.stateLayers", m.state_layers, 1),
+        ("model.expectedPromptTokens", m.expected_prompt_tokens, 1),
+        ("model.auxRowBytes", min(m.aux_row_bytes, default=0), 0),
+    ):
+        if value < low:
+            raise SpecError(f"{name} must be at least {low}, got {value}")
+    for name, port in (("agent.metricsPort", a.metrics_port), ("agent.apiPort", a.api_port)):
+        if not 1 <= port <= 65535:
+            raise SpecError(f"{name} must be a port number (1-65535), got {port}")
 
 
 def _validate_transport(spec: PDClusterSpec) -> None:
