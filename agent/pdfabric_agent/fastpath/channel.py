@@ -1,0 +1,134 @@
+"""The sender side of the fast path: one launch per request, completion on the receiver's board.
+
+`FastPathSender` owns one CUDA stream on its source GPU, a block counter for the kernel's
+last-block signal, and the IPC mappings of the receivers' pools. `submit` plans the request,
+reserves the destination pages in the ledger (refusing overlap), uploads the launch table (or
+passes it inline when small) and launches; the returned `Transfer` completes when the receiver's
+board slot reaches its sequence number, which the receiver can poll itself with no message from
+the sender.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PeerMappings, PoolExport
+from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
+from pdfabric_agent.fastpath.ledger import ReceiverLedger
+from pdfabric_agent.fastpath.plan import CopyGroup, LaunchPlan, plan_launch
+
+
+class TransferTimeout(TimeoutError):
+    pass
+
+
+@dataclass
+class Transfer:
+    room: Hashable
+    seq: int
+    board: CompletionBoard
+    slot: int
+    nbytes: int
+    submitted_ns: int
+    _ledger: ReceiverLedger | None
+    _keepalive: object = None
+    _done: bool = field(default=False)
+
+    def done(self) -> bool:
+        if not self._done and self.board.read(self.slot) >= self.seq:
+            self._done = True
+            self._keepalive = None
+            if self._ledger is not None:
+                self._ledger.release(self.room)
+        return self._done
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        """Spin until complete; returns nanoseconds from submit to completion seen here."""
+        deadline = time.monotonic() + timeout_s
+        while not self.done():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"room {self.room!r}: no completion after {timeout_s} s")
+        return time.perf_counter_ns() - self.submitted_ns
+
+
+@dataclass
+class _Route:
+    board: CompletionBoard
+    slot: int
+    seq: itertools.count
+
+
+class FastPathSender:
+    def __init__(self, device: int, *, cfg: KernelConfig | None = None, ledger: ReceiverLedger | None = None) -> None:
+        self.device = device
+        self.cfg = cfg or KernelConfig()
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+        self.kernel = GatherScatterKernel.get(device, self.cfg)
+        self.stream = torch.cuda.Stream(device)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=f"cuda:{device}")
+        self.peers = PeerMappings(device)
+        self.ledger = ledger if ledger is not None else ReceiverLedger()
+        self._routes: dict[Hashable, _Route] = {}
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def map_pool(self, export: PoolExport) -> int:
+        """The address this sender writes a receiver pool through."""
+        return self.peers.map(export)
+
+    def connect(self, receiver: Hashable, board: CompletionBoard, slot: int) -> None:
+        if not 0 <= slot < BOARD_SLOTS:
+            raise ValueError(f"board slot {slot} outside 0..{BOARD_SLOTS - 1}")
+        start = board.read(slot) + 1  # sequence numbers only rise, also across sender restarts
+        self._routes[receiver] = _Route(board, slot, itertools.count(start))
+        board.device_pointer(self.device, slot)  # pin now, not on the first request
+
+    # ---- data path ---------------------------------------------------------------------------
+    def submit(self, room: Hashable, receiver: Hashable, groups: Sequence[CopyGroup]) -> Transfer:
+        t0 = time.perf_counter_ns()
+        plan = plan_launch(groups, chunk_bytes=self.cfg.chunk_bytes)
+        return self.submit_plan(room, receiver, plan, t0=t0)
+
+    def submit_plan(self, room: Hashable, receiver: Hashable, plan: LaunchPlan, *, t0: int | None = None) -> Transfer:
+        t0 = time.perf_counter_ns() if t0 is None else t0
+        route = self._routes[receiver]
+        self.ledger.reserve(room, receiver, plan.dst_pages_by_pool)
+        try:
+            seq = next(route.seq)
+            flag = route.board.device_pointer(self.device, route.slot)
+            keep = None
+            if plan.total_units == 0:
+                words, table_ptr = [0] * 8, 0
+            elif plan.small:
+                words, table_ptr = plan.table, 0
+            else:
+                words = None
+                table = (
+                    plan.table if isinstance(plan.table, torch.Tensor) else torch.tensor(plan.table, dtype=torch.int64)
+                )
+                with torch.cuda.stream(self.stream):
+                    keep = table.pin_memory().to(f"cuda:{self.device}", non_blocking=True)
+                table_ptr = keep.data_ptr()
+            self.kernel.launch(
+                table_ptr=table_ptr,
+                small_words=words,
+                ngroups=plan.ngroups,
+                total_units=plan.total_units,
+                stream=self.stream.cuda_stream,
+                counter_ptr=self.counter.data_ptr(),
+                flag_ptr=flag,
+                seq=seq,
+            )
+        except BaseException:
+            self.ledger.release(room)
+            raise
+        return Transfer(room, seq, route.board, route.slot, plan.total_bytes, t0, self.ledger, keep)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.peers.close()

@@ -1,0 +1,131 @@
+"""CUDA IPC of pools between processes, and the shared completion board.
+
+A pool is exported as the legacy IPC handle of the cudaMalloc allocation that holds it plus the
+pool's offset inside that allocation (torch's caching allocator may place a tensor inside a larger
+segment). Pools from cuMemCreate (torch's expandable segments, fabric memory) have no legacy
+handle: export fails and the caller keeps the engine path.
+
+The completion board is a small file in /dev/shm that the receiver polls from the CPU and the
+sender pins and maps for its kernels: the kernel's last block stores the request's sequence
+number there after a system-scope fence, so seeing the number means the data have landed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+
+from pdfabric_agent.fastpath import cuda
+
+BOARD_SLOTS = 512
+_PAGE = 4096
+
+
+@dataclass(frozen=True)
+class PoolExport:
+    """What travels (pickled, or as JSON with the handle in hex) from the pool owner to the sender."""
+
+    handle: bytes
+    offset: int
+    nbytes: int
+    device: int
+    owner_pid: int
+
+    def to_json(self) -> dict:
+        return {
+            "handle": self.handle.hex(),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "device": self.device,
+            "owner_pid": self.owner_pid,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> PoolExport:
+        return cls(
+            bytes.fromhex(d["handle"]), int(d["offset"]), int(d["nbytes"]), int(d["device"]), int(d["owner_pid"])
+        )
+
+
+def export_pool(ptr: int, nbytes: int, device: int) -> PoolExport:
+    cuda.primary_context(device)
+    base, size = cuda.address_range(ptr)
+    if ptr + nbytes > base + size:
+        raise cuda.CudaError(f"pool at {ptr:#x}+{nbytes} spans more than one allocation")
+    return PoolExport(cuda.ipc_get_handle(base), ptr - base, nbytes, device, os.getpid())
+
+
+class PeerMappings:
+    """Opened peer allocations of one sender process, keyed by handle (each is opened once)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._bases: dict[bytes, int] = {}
+
+    def map(self, export: PoolExport) -> int:
+        if export.owner_pid == os.getpid():
+            raise ValueError("a process cannot open its own IPC handle; pass the local pointer instead")
+        base = self._bases.get(export.handle)
+        if base is None:
+            cuda.primary_context(self.device)
+            base = cuda.ipc_open_handle(export.handle)
+            self._bases[export.handle] = base
+        return base + export.offset
+
+    def close(self) -> None:
+        cuda.primary_context(self.device)
+        for base in self._bases.values():
+            cuda.ipc_close(base)
+        self._bases.clear()
+
+
+class CompletionBoard:
+    """BOARD_SLOTS monotonically rising u64 sequence numbers in shared memory."""
+
+    def __init__(self, name: str | None = None, *, create: bool = True) -> None:
+        self.name = name or f"pdfabric-board-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join("/dev/shm", self.name)
+        size = BOARD_SLOTS * 8
+        size = -(-size // _PAGE) * _PAGE
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self._words = (ctypes.c_uint64 * BOARD_SLOTS).from_buffer(self._mm)
+        self.addr = ctypes.addressof(self._words)
+        self._owner = create
+        self._device_ptr: dict[int, int] = {}
+
+    def read(self, slot: int) -> int:
+        return self._words[slot]
+
+    def device_pointer(self, device: int, slot: int) -> int:
+        """The address a kernel on `device` stores a slot's sequence number through (pins once)."""
+        if device not in self._device_ptr:
+            cuda.primary_context(device)
+            # PORTABLE registration is valid in every context, so one registration serves all devices.
+            if not self._device_ptr:
+                self._device_ptr[device] = cuda.host_register(self.addr, self.size)
+            else:
+                self._device_ptr[device] = next(iter(self._device_ptr.values()))
+        return self._device_ptr[device] + 8 * slot
+
+    def close(self) -> None:
+        if self._device_ptr:
+            with contextlib.suppress(cuda.CudaError):
+                cuda.host_unregister(self.addr)
+            self._device_ptr.clear()
+        del self._words
+        self._mm.close()
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

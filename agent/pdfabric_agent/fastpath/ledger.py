@@ -1,0 +1,60 @@
+"""Receiver-side reservations: a request whose destination pages overlap a request still in flight
+to the same receiver pool is refused, never interleaved (two kernels writing one page leave it
+holding a mix of both). The agent is the only writer into its node's decode pools, so one
+in-process ledger per agent sees every concurrent request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterable, Mapping
+
+import torch
+
+
+class OverlapError(RuntimeError):
+    """The request's destination pages are being written by another request right now."""
+
+
+def _as_set(pages: set[int] | torch.Tensor | Iterable[int]) -> set[int]:
+    if isinstance(pages, set):
+        return pages
+    if isinstance(pages, torch.Tensor):
+        return set(pages.tolist())
+    return set(pages)
+
+
+class ReceiverLedger:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: dict[tuple[Hashable, str], set[int]] = {}
+        self._rooms: dict[Hashable, list[tuple[tuple[Hashable, str], set[int]]]] = {}
+
+    def reserve(self, room: Hashable, receiver: Hashable, pages_by_pool: Mapping[str, set[int] | torch.Tensor]) -> None:
+        wanted = [((receiver, pool), _as_set(p)) for pool, p in pages_by_pool.items()]
+        with self._lock:
+            if room in self._rooms:
+                raise OverlapError(f"room {room!r} is already in flight")
+            for key, pages in wanted:
+                busy = self._busy.get(key)
+                if busy and not busy.isdisjoint(pages):
+                    clash = sorted(busy & pages)[:4]
+                    raise OverlapError(
+                        f"receiver {key[0]!r} pool {key[1]!r}: pages {clash} are in flight for another request"
+                    )
+            for key, pages in wanted:
+                self._busy.setdefault(key, set()).update(pages)
+            self._rooms[room] = wanted
+
+    def release(self, room: Hashable) -> None:
+        with self._lock:
+            for key, pages in self._rooms.pop(room, []):
+                busy = self._busy.get(key)
+                if busy is not None:
+                    busy -= pages
+                    if not busy:
+                        del self._busy[key]
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._rooms)
