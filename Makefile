@@ -1,0 +1,61 @@
+# pdfabric: the README's two commands are `make demo` and `make test`; the rest are their parts.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON = $(shell bash hack/venv.sh 2>/dev/null | tail -n1)
+PYTEST_ARGS ?=
+
+.PHONY: help
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+.PHONY: deps
+deps: venv binaries ## everything the demo and the tests need (cached outside the repo)
+
+.PHONY: venv
+venv: ## Python environment with torch, kopf, mooncake (reinstalled only when pins change)
+	@bash hack/venv.sh >/dev/null
+
+.PHONY: binaries
+binaries: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from Go modules
+	@bash hack/controlplane/build.sh >/dev/null
+
+.PHONY: cluster-up
+cluster-up: deps ## start the local control plane with fake GPU nodes (state in .artifacts/cluster)
+	@cd hack && $(PYTHON) -m pdfabric_devcluster up
+
+.PHONY: cluster-down
+cluster-down: ## stop the local control plane
+	@cd hack && $(PYTHON) -m pdfabric_devcluster down
+
+.PHONY: demo
+demo: deps ## run the demo on the embedded default configuration
+	@PYTHON=$(PYTHON) bash hack/demo.sh
+
+.PHONY: lint
+lint: venv ## ruff (lint + format check) and the import layering contracts
+	@$(PYTHON) -m ruff check .
+	@$(PYTHON) -m ruff format --check .
+	@if [[ -f .importlinter ]]; then PYTHONPATH=core:operator:agent $(dir $(PYTHON))lint-imports --config .importlinter; fi
+
+.PHONY: test
+test: deps ## everything CI runs: lint, unit, integration, e2e
+	@$(MAKE) --no-print-directory lint
+	@$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+.PHONY: test-unit
+test-unit: venv ## pure logic only (no cluster)
+	@$(PYTHON) -m pytest tests/unit $(PYTEST_ARGS)
+
+.PHONY: test-integration
+test-integration: deps ## real control plane
+	@$(PYTHON) -m pytest -m integration $(PYTEST_ARGS)
+
+.PHONY: test-e2e
+test-e2e: deps ## control plane + real agents + Prometheus
+	@$(PYTHON) -m pytest -m e2e $(PYTEST_ARGS)
+
+.PHONY: bench
+bench: deps ## benchmarks (print tables; ratios against a baseline measured in the same run)
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PYTHON) $$b; done
