@@ -13,7 +13,7 @@ import enum
 from pdfabric_core.policy.types import MemPool
 
 
-class AuxPath(str, enum.Enum):
+class AuxPath(enum.StrEnum):
     ENGINE = "engine"
     TCP = "tcp"
 

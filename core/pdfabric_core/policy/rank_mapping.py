@@ -144,3 +144,19 @@ def state_layer_shard(state_layers: int, cp_size: int, cp_rank: int, *, dsa_cach
 def validate_pp(prefill_pp: int, decode_pp: int) -> None:
     if decode_pp not in (1, prefill_pp):
         raise ValueError(f"decode PP must equal prefill PP ({prefill_pp}) or be 1, got {decode_pp}")
+
+
+def primary_source(decode_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> int:
+    """The prefill TP rank that sends a decode rank its per-request rows (state, aux).
+
+    KV heads may come from several prefill ranks (decode TP < prefill TP), but the per-request
+    rows are whole and identical on every source, so one sender suffices: the lowest-numbered
+    prefill rank with a route to the decode rank. Sending them from every source would write the
+    same bytes k times.
+    """
+    sources = [
+        r.prefill_tp_rank for r in kv_routes(prefill_tp, decode_tp, kv_heads) if r.decode_tp_rank == decode_tp_rank
+    ]
+    if not sources:
+        raise ValueError(f"decode TP rank {decode_tp_rank} is outside decode TP size {decode_tp}")
+    return min(sources)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 
-class MemPool(str, enum.Enum):
+class MemPool(enum.StrEnum):
     """SGLANG_MOONCAKE_CUSTOM_MEM_POOL values, spelled as users already write them."""
 
     NONE = "NONE"
@@ -14,14 +14,14 @@ class MemPool(str, enum.Enum):
     BAREX = "BAREX"
 
 
-class Transport(str, enum.Enum):
+class Transport(enum.StrEnum):
     TCP = "tcp"
     RDMA = "rdma"
     NVLINK_INTRA = "nvlink-intra"
     NVLINK = "nvlink"  # multi-node NVLink inside one NVLink domain (gpu.clique)
 
 
-class Device(str, enum.Enum):
+class Device(enum.StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
     NPU = "npu"

@@ -1,0 +1,625 @@
+"""The agent's core: the rooms of its ranks, the request state machine, the peer protocol.
+
+Protocol between agents (all over the token-protected API, JSON):
+1. decode client -> decode agent ``receive``: the room's destination pages/state slots/aux row.
+   The decode agent pushes its room info (engine endpoint, pool bases and layout, indices) to the
+   agent of every prefill (tp, cp) rank it expects (``expected_sources``): POST /v1/peer/dst.
+2. prefill client -> prefill agent ``send``: source pages/state/aux. When the room info of every
+   target decode rank is there (else Bootstrapping until the bootstrap deadline), the agent plans
+   blocks (``plan``), writes them through the rank's backend in chunks, then reports
+   POST /v1/peer/done (bytes that landed, aux rows when they travel over the TCP side channel).
+3. The decode room turns Success when every expected source reported; the prefill room turns
+   Success when every report was acknowledged. That acknowledgement is "confirmed completion".
+Either order of 1 and 2 works: early room info waits in ``_early_dst``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pdfabric_agent import metrics
+from pdfabric_agent.backend import TransferBackend, TransferError
+from pdfabric_agent.config import AgentConfig
+from pdfabric_agent.metrics import Kind, Outcome, Refusal
+from pdfabric_agent.peers import PeerHealth
+from pdfabric_agent.plan import (
+    Bases,
+    Block,
+    TransferPlan,
+    decode_targets,
+    expected_sources,
+    plan_transfer,
+    sender_duties,
+)
+from pdfabric_agent.pools import PoolLayout, RankPools
+from pdfabric_agent.rooms import (
+    ApiError,
+    DecodeRoom,
+    PrefillRoom,
+    RoomState,
+    Target,
+    check_index,
+    field_indices,
+    field_int,
+    field_str,
+    malformed,
+)
+from pdfabric_core.policy.chunking import chunk_batch
+from pdfabric_core.rankmap import Rank, RankMap
+from pdfabric_core.spec import PDClusterSpec
+
+log = logging.getLogger("pdfabric.agent")
+
+TCP_SIDE_CHANNEL = "tcp-side-channel"  # `path` label of aux rows sent in the done report
+
+
+@dataclass
+class LocalRank:
+    rank: Rank
+    backend: TransferBackend
+    pools: RankPools
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.pools.layout
+
+    @property
+    def bases(self) -> Bases:
+        return Bases(self.pools.kv.addr, self.pools.state.addr, self.pools.aux.addr)
+
+
+class Agent:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        rankmap: RankMap,
+        spec: PDClusterSpec,
+        ranks: Mapping[str, LocalRank],
+        transport: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.rankmap = rankmap
+        self.spec = spec
+        self.ranks = dict(ranks)
+        self.transport = transport
+        self.cluster = rankmap.cluster
+        self.entry = rankmap.agent_for_node(cfg.node_name)
+        self.clock = clock
+        self.health = PeerHealth(cfg.probe_backoff_s, cfg.probe_backoff_max_s, clock)
+        self.prefill_rooms: dict[tuple[str, int], PrefillRoom] = {}
+        self.decode_rooms: dict[tuple[str, int], DecodeRoom] = {}
+        self._early_dst: dict[tuple[str, int], dict[str, tuple[float, dict[str, Any]]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine")
+        self._http: aiohttp.ClientSession | None = None
+        self.backend_name = spec.backend
+
+    # ---------------------------------------------------------------- identity and peers
+    def check_token(self, header: str | None) -> None:
+        expected = f"Bearer {self.cfg.token}"
+        if header is None or not hmac.compare_digest(header.encode(), expected.encode()):
+            raise ApiError(401, Refusal.UNAUTHORIZED, "missing or wrong cluster token")
+
+    def check_cluster(self, body: Mapping[str, Any]) -> None:
+        cluster = body.get("cluster")
+        if cluster != self.rankmap.cluster_uid:
+            raise ApiError(
+                403,
+                Refusal.WRONG_CLUSTER,
+                f"request is for cluster {cluster!r}; this agent serves {self.rankmap.namespace}/"
+                f"{self.rankmap.cluster} (uid {self.rankmap.cluster_uid})",
+            )
+
+    def peer_address(self, agent_name: str) -> str:
+        if agent_name in self.cfg.peers:
+            return self.cfg.peers[agent_name]
+        host = self.cfg.peer_host_template.format(
+            name=agent_name, cluster=self.rankmap.cluster, namespace=self.rankmap.namespace
+        )
+        return f"{host}:{self.spec.agent.api_port}"
+
+    def _local(self, rank_id: str, role: str) -> LocalRank:
+        local = self.ranks.get(rank_id)
+        if local is None:
+            raise ApiError(404, Refusal.UNKNOWN_RANK, f"rank {rank_id!r} is not served by agent {self.entry.name}")
+        if local.rank.role != role:
+            raise malformed(f"rank {rank_id!r} is a {local.rank.role} rank, not {role}")
+        return local
+
+    async def _http_session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cfg.token}"})
+        return self._http
+
+    async def _post_peer(self, agent_name: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        session = await self._http_session()
+        url = f"http://{self.peer_address(agent_name)}{path}"
+        body = {**body, "cluster": self.rankmap.cluster_uid}
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise RuntimeError(f"{agent_name} refused {path}: HTTP {resp.status} {data.get('error', '')}")
+            return data
+
+    async def probe_peer(self, agent_name: str, timeout_s: float = 2.0) -> bool:
+        session = await self._http_session()
+        try:
+            url = f"http://{self.peer_address(agent_name)}/v1/peer/ping"
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _labels(self, role: str, path: str) -> tuple[str, str, str, str, str]:
+        return (self.cluster, role, self.backend_name, self.transport, path)
+
+    def _finish(
+        self,
+        room: PrefillRoom | DecodeRoom,
+        role: str,
+        state: RoomState,
+        reason: str = "",
+        *,
+        outcome: Outcome | None = None,
+    ) -> None:
+        if room.state.finished:
+            return
+        room.state = state
+        room.reason = reason
+        room.finished_at = self.clock()
+        if state is RoomState.SUCCESS:
+            metrics.requests.labels(self.cluster, role, Outcome.SUCCESS.value).inc()
+            metrics.request_duration.labels(self.cluster, role, self.backend_name, self.transport).observe(
+                room.finished_at - room.submitted
+            )
+        else:
+            metrics.requests.labels(self.cluster, role, (outcome or Outcome.FAILED).value).inc()
+            log.warning("%s room %s on %s failed: %s", role, room.room, room.rank, reason)
+
+    def _blacklist(self, agent_name: str, reason: str) -> None:
+        self.health.fail(agent_name, reason)
+        metrics.peers_blacklisted.labels(self.cluster).set(len(self.health.blacklisted))
+
+    # ---------------------------------------------------------------- client API: prefill
+    def submit_send(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate everything first; only a request that passes creates a room."""
+        self.check_cluster(body)
+        rank_id = field_str(body, "rank")
+        local = self._local(rank_id, "prefill")
+        room_id = field_int(body, "room")
+        assert room_id is not None
+        layout = local.layout
+        src_pages = field_indices(body, "kv_pages", layout.kv_pages, what="KV pages", unique=False)
+        src_state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=False)
+        src_aux = field_int(body, "aux_index", optional=True)
+        check_index(src_aux, layout.aux_slots, name="aux_index")
+        replica = field_int(body, "decode_replica")
+        assert replica is not None
+        if replica >= self.spec.decode.replicas:
+            raise ApiError(
+                400, Refusal.OUT_OF_RANGE, f"decode_replica {replica} outside 0..{self.spec.decode.replicas - 1}"
+            )
+        feeds = self.rankmap.feeds.get(local.rank.replica)
+        if feeds is not None and replica not in feeds:
+            raise ApiError(
+                400,
+                Refusal.OUT_OF_RANGE,
+                f"prefill replica {local.rank.replica} does not feed decode replica {replica}",
+            )
+        key = (rank_id, room_id)
+        old = self.prefill_rooms.get(key)
+        if old is not None and not old.state.finished:
+            raise ApiError(409, Refusal.CONFLICT, f"room {room_id} is already {old.state.title} on {rank_id}")
+        targets: dict[str, Target] = {}
+        for route in decode_targets(self.spec, local.rank.tp_rank):
+            decode_rank = Rank("decode", replica, route.decode_tp_rank).rank_id
+            agent = self.rankmap.agent_for_rank(decode_rank).name
+            targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, agent)
+        now = self.clock()
+        room = PrefillRoom(
+            rank=rank_id,
+            room=room_id,
+            submitted=now,
+            deadline=now + self.cfg.bootstrap_timeout_s,
+            src_pages=src_pages,
+            src_state=src_state,
+            src_aux=src_aux,
+            targets=targets,
+        )
+        self.prefill_rooms[key] = room
+        if not self._sends_anything(local):
+            # Without all-CP-ranks transfer only CP rank 0 sends; the other ranks have no work.
+            room.state = RoomState.SUCCESS
+            room.reason = f"CP rank {local.rank.cp_rank} sends nothing for this spec"
+            room.finished_at = now
+            return room.view()
+        for agent_name in {t.agent for t in targets.values()}:
+            if self.health.is_blacklisted(agent_name):
+                self._finish(
+                    room,
+                    "prefill",
+                    RoomState.FAILED,
+                    f"peer agent {agent_name} is blacklisted: {self.health.reason(agent_name)}",
+                )
+                return room.view()
+        for decode_rank, (_, info) in self._early_dst.pop(key, {}).items():
+            if decode_rank in targets:
+                targets[decode_rank].dst = info
+        self._maybe_start(room)
+        return room.view()
+
+    def _sends_anything(self, local: LocalRank) -> bool:
+        from pdfabric_core.policy.rank_mapping import sending_cp_ranks
+
+        p = self.spec.prefill
+        return local.rank.cp_rank in sending_cp_ranks(
+            p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split
+        )
+
+    def _maybe_start(self, room: PrefillRoom) -> None:
+        if room.state is RoomState.BOOTSTRAPPING and all(t.dst is not None for t in room.targets.values()):
+            room.state = RoomState.TRANSFERRING
+            room.deadline = self.clock() + self.spec.transfer.timeout_seconds
+            self._spawn(self._run_prefill(room))
+
+    # ---------------------------------------------------------------- peer API: prefill side
+    def accept_dst(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.check_cluster(body)
+        rank_id = field_str(body, "prefill_rank")
+        local = self._local(rank_id, "prefill")
+        room_id = field_int(body, "room")
+        assert room_id is not None
+        decode_rank = field_str(body, "decode_rank")
+        for name in ("endpoint", "layout", "bases", "kv_pages", "state_indices"):
+            if name not in body:
+                raise malformed(f"peer room info lacks {name!r}")
+        try:
+            PoolLayout.from_dict(body["layout"])
+            Bases(**body["bases"])
+        except (TypeError, KeyError) as exc:
+            raise malformed(f"peer room info has a bad layout or bases: {exc}") from None
+        valid = {
+            Rank("decode", r, route.decode_tp_rank).rank_id
+            for r in range(self.spec.decode.replicas)
+            for route in decode_targets(self.spec, local.rank.tp_rank)
+        }
+        if decode_rank not in valid:
+            raise malformed(f"{decode_rank} is not fed by {rank_id}")
+        key = (rank_id, room_id)
+        info = dict(body)
+        room = self.prefill_rooms.get(key)
+        if room is not None and room.state is RoomState.BOOTSTRAPPING and decode_rank in room.targets:
+            room.targets[decode_rank].dst = info
+            self._maybe_start(room)
+            return {"accepted": "room"}
+        # The decode side was first (or the previous use of this room id finished): keep it.
+        self._early_dst.setdefault(key, {})[decode_rank] = (self.clock(), info)
+        return {"accepted": "early"}
+
+    async def _run_prefill(self, room: PrefillRoom) -> None:
+        local = self.ranks[room.rank]
+        try:
+            remaining = max(0.0, room.deadline - self.clock())
+            await asyncio.wait_for(
+                asyncio.gather(*(self._send_target(room, local, t) for t in room.targets.values())), timeout=remaining
+            )
+        except TimeoutError:
+            agents = sorted({t.agent for t in room.targets.values() if not t.done})
+            for agent_name in agents:
+                self._blacklist(agent_name, f"room {room.room} timed out")
+            self._finish(
+                room,
+                "prefill",
+                RoomState.FAILED,
+                f"transfer did not complete within {self.spec.transfer.timeout_seconds:g} s "
+                f"(peers {', '.join(agents)})",
+                outcome=Outcome.TIMEOUT,
+            )
+            self._spawn(self._notify_failure(room, "transfer timed out"))
+            return
+        except Exception as exc:
+            self._finish(room, "prefill", RoomState.FAILED, str(exc))
+            self._spawn(self._notify_failure(room, str(exc)))
+            return
+        self._finish(room, "prefill", RoomState.SUCCESS)
+
+    async def _notify_failure(self, room: PrefillRoom, reason: str) -> None:
+        for t in room.targets.values():
+            if t.done or self.health.is_blacklisted(t.agent):
+                continue
+            with contextlib.suppress(Exception):
+                await self._post_peer(
+                    t.agent,
+                    "/v1/peer/done",
+                    {
+                        "room": room.room,
+                        "decode_rank": t.decode_rank,
+                        "prefill_rank": room.rank,
+                        "ok": False,
+                        "reason": reason,
+                    },
+                    2.0,
+                )
+
+    def _plan(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
+        dst = target.dst
+        assert dst is not None
+        route = next(r for r in decode_targets(self.spec, local.rank.tp_rank) if r.decode_tp_rank == target.decode_tp)
+        duties = sender_duties(self.spec, route, local.rank.cp_rank, len(dst["kv_pages"]))
+        assert duties is not None  # _sends_anything already filtered non-sending CP ranks
+        plan = plan_transfer(
+            duties,
+            src_layout=local.layout,
+            dst_layout=PoolLayout.from_dict(dst["layout"]),
+            src=local.bases,
+            dst=Bases(**dst["bases"]),
+            src_pages=room.src_pages,
+            dst_pages=dst["kv_pages"],
+            src_state=room.src_state if duties.state_layers or duties.state_skipped else [],
+            dst_state=dst["state_indices"] if duties.state_layers or duties.state_skipped else [],
+            src_aux=room.src_aux,
+            dst_aux=dst.get("aux_index"),
+            coalesce=self.cfg.coalesce,
+        )
+        return plan, dst["endpoint"]
+
+    async def _write(self, local: LocalRank, peer: str, blocks: Sequence[Block], kind: Kind, room: PrefillRoom) -> int:
+        labels = self._labels("prefill", local.backend.path)
+        loop = asyncio.get_running_loop()
+        total = 0
+        for chunk in chunk_batch(blocks, min(local.backend.max_batch_entries, self.spec.transfer.max_batch_entries)):
+            await loop.run_in_executor(self._pool, local.backend.write_batch, peer, chunk)
+            moved = sum(b.length for b in chunk)
+            # Count per confirmed batch: a room that fails later still shows what really moved.
+            metrics.transfer_bytes.labels(*labels, kind.value).inc(moved)
+            metrics.transfer_blocks.labels(*labels).inc(len(chunk))
+            metrics.transfer_batches.labels(*labels).inc()
+            room.moved[kind.value] += moved
+            total += moved
+        return total
+
+    async def _send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
+        if self.health.is_blacklisted(target.agent):
+            raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
+        try:
+            plan, peer = self._plan(room, local, target)
+        except ValueError as exc:
+            raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
+        sent = {}
+        try:
+            sent["kv"] = await self._write(local, peer, plan.kv, Kind.KV, room)
+            sent["state"] = await self._write(local, peer, plan.state, Kind.STATE, room)
+            # Aux rows go as one batch of their own through the engine (upstream send_aux).
+            sent["aux"] = await self._write(local, peer, plan.aux, Kind.AUX, room)
+        except (TransferError, OSError) as exc:
+            self._blacklist(target.agent, str(exc))
+            raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
+        aux_rows = []
+        if plan.aux_tcp:
+            view = local.pools.aux.view()
+            for src_off, dst_off, size in plan.aux_tcp:
+                aux_rows.append([dst_off, base64.b64encode(bytes(view[src_off : src_off + size])).decode()])
+        aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
+        sent["aux"] += aux_tcp_bytes
+        if plan.state_skipped_bytes:
+            metrics.state_bytes_skipped.labels(self.cluster, self.backend_name).inc(plan.state_skipped_bytes)
+            room.skipped_state += plan.state_skipped_bytes
+        try:
+            await self._post_peer(
+                target.agent,
+                "/v1/peer/done",
+                {
+                    "room": room.room,
+                    "decode_rank": target.decode_rank,
+                    "prefill_rank": room.rank,
+                    "ok": True,
+                    "bytes": sent,
+                    "paths": {
+                        "engine": local.backend.path,
+                        "aux": TCP_SIDE_CHANNEL if plan.aux_tcp else local.backend.path,
+                    },
+                    "aux_rows": aux_rows,
+                },
+                max(0.1, room.deadline - self.clock()),
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError, RuntimeError) as exc:
+            self._blacklist(target.agent, f"done report failed: {exc}")
+            raise TransferError(f"{target.agent} did not acknowledge room {room.room}: {exc}") from None
+        if aux_tcp_bytes:
+            labels = self._labels("prefill", TCP_SIDE_CHANNEL)
+            metrics.transfer_bytes.labels(*labels, Kind.AUX.value).inc(aux_tcp_bytes)
+            room.moved["aux"] += aux_tcp_bytes
+        target.done = True
+
+    # ---------------------------------------------------------------- client API: decode
+    async def submit_receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.check_cluster(body)
+        rank_id = field_str(body, "rank")
+        local = self._local(rank_id, "decode")
+        room_id = field_int(body, "room")
+        assert room_id is not None
+        layout = local.layout
+        dst_pages = field_indices(body, "kv_pages", layout.kv_pages, what="KV pages", unique=True)
+        dst_state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=True)
+        dst_aux = field_int(body, "aux_index", optional=True)
+        check_index(dst_aux, layout.aux_slots, name="aux_index")
+        replica = field_int(body, "prefill_replica")
+        assert replica is not None
+        if replica >= self.spec.prefill.replicas:
+            raise ApiError(
+                400, Refusal.OUT_OF_RANGE, f"prefill_replica {replica} outside 0..{self.spec.prefill.replicas - 1}"
+            )
+        if not dst_pages:
+            raise malformed("kv_pages is empty: a room moves at least one page")
+        key = (rank_id, room_id)
+        old = self.decode_rooms.get(key)
+        if old is not None and not old.state.finished:
+            raise ApiError(409, Refusal.CONFLICT, f"room {room_id} is already {old.state.title} on {rank_id}")
+        expected = {}
+        for p, c in expected_sources(self.spec, local.rank.tp_rank):
+            prefill_rank = Rank("prefill", replica, p, c).rank_id
+            expected[prefill_rank] = self.rankmap.agent_for_rank(prefill_rank).name
+        now = self.clock()
+        room = DecodeRoom(
+            rank=rank_id,
+            room=room_id,
+            submitted=now,
+            deadline=now + self.cfg.bootstrap_timeout_s,
+            dst_pages=dst_pages,
+            dst_state=dst_state,
+            dst_aux=dst_aux,
+            expected=expected,
+        )
+        self.decode_rooms[key] = room
+        info = {
+            "room": room_id,
+            "decode_rank": rank_id,
+            "endpoint": local.backend.endpoint(),
+            "layout": layout.to_dict(),
+            "bases": {"kv": local.pools.kv.addr, "state": local.pools.state.addr, "aux": local.pools.aux.addr},
+            "kv_pages": dst_pages,
+            "state_indices": dst_state,
+            "aux_index": dst_aux,
+        }
+        self._spawn(self._bootstrap_decode(room, info))
+        return room.view()
+
+    async def _bootstrap_decode(self, room: DecodeRoom, info: dict[str, Any]) -> None:
+        async def push(prefill_rank: str, agent_name: str) -> None:
+            if self.health.is_blacklisted(agent_name):
+                raise RuntimeError(f"peer agent {agent_name} is blacklisted: {self.health.reason(agent_name)}")
+            try:
+                await self._post_peer(agent_name, "/v1/peer/dst", {**info, "prefill_rank": prefill_rank}, 5.0)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                self._blacklist(agent_name, f"room info push failed: {exc}")
+                raise RuntimeError(f"prefill agent {agent_name} unreachable: {exc}") from None
+
+        try:
+            await asyncio.gather(*(push(r, a) for r, a in room.expected.items()))
+        except Exception as exc:
+            self._finish(room, "decode", RoomState.FAILED, str(exc))
+            return
+        if room.state is RoomState.BOOTSTRAPPING:
+            room.state = RoomState.WAITING_FOR_INPUT
+
+    def accept_done(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.check_cluster(body)
+        rank_id = field_str(body, "decode_rank")
+        local = self._local(rank_id, "decode")
+        room_id = field_int(body, "room")
+        assert room_id is not None
+        prefill_rank = field_str(body, "prefill_rank")
+        room = self.decode_rooms.get((rank_id, room_id))
+        if room is None:
+            raise ApiError(404, Refusal.UNKNOWN_ROOM, f"room {room_id} is unknown on {rank_id}")
+        if prefill_rank not in room.expected:
+            raise malformed(f"{prefill_rank} is not a source of room {room_id} on {rank_id}")
+        if room.state.finished:
+            return {"state": room.state.title}
+        if not body.get("ok"):
+            self._finish(room, "decode", RoomState.FAILED, f"{prefill_rank} failed: {body.get('reason', 'unknown')}")
+            return {"state": room.state.title}
+        sent = body.get("bytes") or {}
+        rows = body.get("aux_rows") or []
+        view = local.pools.aux.view() if rows else None
+        for dst_off, data in rows:
+            raw = base64.b64decode(data)
+            if not isinstance(dst_off, int) or dst_off < 0 or dst_off + len(raw) > local.pools.aux.size:
+                raise ApiError(400, Refusal.OUT_OF_RANGE, f"aux row at {dst_off} does not fit the aux pool")
+        for dst_off, data in rows:
+            raw = base64.b64decode(data)
+            assert view is not None
+            view[dst_off : dst_off + len(raw)] = raw
+        paths = body.get("paths") or {}
+        for kind in Kind:
+            n = int(sent.get(kind.value, 0))
+            if n:
+                path = paths.get("aux" if kind is Kind.AUX else "engine", "unknown")
+                metrics.transfer_bytes.labels(*self._labels("decode", path), kind.value).inc(n)
+                room.moved[kind.value] += n
+        room.senders[prefill_rank] = {k: int(sent.get(k, 0)) for k in ("kv", "state", "aux")}
+        room.arrived.add(prefill_rank)
+        if room.state is not RoomState.FAILED:
+            room.state = RoomState.TRANSFERRING
+        if room.arrived == set(room.expected):
+            self._finish(room, "decode", RoomState.SUCCESS)
+        return {"state": room.state.title}
+
+    # ---------------------------------------------------------------- polling and upkeep
+    def poll(self, rank_id: str, room_id: int) -> dict[str, Any]:
+        local = self.ranks.get(rank_id)
+        if local is None:
+            raise ApiError(404, Refusal.UNKNOWN_RANK, f"rank {rank_id!r} is not served by agent {self.entry.name}")
+        rooms: Mapping[tuple[str, int], PrefillRoom | DecodeRoom] = (
+            self.prefill_rooms if local.rank.role == "prefill" else self.decode_rooms
+        )
+        room = rooms.get((rank_id, room_id))
+        if room is None:
+            raise ApiError(404, Refusal.UNKNOWN_ROOM, f"room {room_id} is unknown on {rank_id}")
+        return room.view()
+
+    async def tick(self) -> None:
+        """Deadlines, probes of blacklisted peers, forgetting old rooms; called periodically."""
+        now = self.clock()
+        for room in list(self.prefill_rooms.values()):
+            if room.state is RoomState.BOOTSTRAPPING and now >= room.deadline:
+                missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
+                self._finish(
+                    room,
+                    "prefill",
+                    RoomState.FAILED,
+                    f"no room info from {', '.join(missing)} in time",
+                    outcome=Outcome.TIMEOUT,
+                )
+        for room in list(self.decode_rooms.values()):
+            if not room.state.finished and now >= room.deadline:
+                missing = sorted(set(room.expected) - room.arrived)
+                self._finish(
+                    room,
+                    "decode",
+                    RoomState.FAILED,
+                    f"no data from {', '.join(missing)} in time",
+                    outcome=Outcome.TIMEOUT,
+                )
+        for agent_name in self.health.due():
+            ok = await self.probe_peer(agent_name)
+            metrics.peer_probes.labels(self.cluster, "ok" if ok else "failed").inc()
+            if self.health.probe_result(agent_name, ok):
+                metrics.session_recoveries.labels(self.cluster).inc()
+                log.info("peer agent %s answers again; re-admitted", agent_name)
+        metrics.peers_blacklisted.labels(self.cluster).set(len(self.health.blacklisted))
+        ttl = self.cfg.room_ttl_s
+        for rooms in (self.prefill_rooms, self.decode_rooms):
+            for key, room in list(rooms.items()):
+                if room.state.finished and now - room.finished_at > ttl:
+                    del rooms[key]
+        for key, infos in list(self._early_dst.items()):
+            for decode_rank, (at, _) in list(infos.items()):
+                if now - at > self.cfg.bootstrap_timeout_s:
+                    del infos[decode_rank]
+            if not infos:
+                del self._early_dst[key]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._http is not None:
+            await self._http.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,72 @@
+"""Mooncake transfer engine backend: one TransferEngine per rank, P2PHANDSHAKE (no metadata
+server), transport chosen by the MC_* environment the agent sets before the first engine starts
+(see transport.mooncake_env)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+from pdfabric_agent.backend import TransferError
+from pdfabric_agent.plan import Block
+from pdfabric_agent.pools import Pool
+from pdfabric_core.policy.types import Transport
+
+# Mooncake's protocol string; the real transport follows MC_FORCE_TCP / MC_INTRANODE_NVLINK.
+_PROTOCOL = {
+    Transport.TCP: "tcp",
+    Transport.RDMA: "rdma",
+    Transport.NVLINK_INTRA: "nvlink_intra",
+    Transport.NVLINK: "nvlink",
+}
+
+
+class MooncakeBackend:
+    name = "mooncake"
+    path = "mooncake"
+
+    def __init__(self, transport: Transport, *, host: str, gpu: int = 0, max_batch_entries: int = 1024) -> None:
+        from mooncake.engine import TransferEngine  # import here: needs libibverbs even for tcp
+
+        self.transport = transport
+        self.max_batch_entries = max_batch_entries
+        self._engine = TransferEngine()
+        self._host = host
+        # Empty device name: Mooncake discovers HCAs itself (rdma) and needs none for tcp/nvlink.
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", _PROTOCOL[transport], "")
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {_PROTOCOL[transport]}) returned {rc}")
+        self._registered: list[tuple[int, int]] = []
+
+    def endpoint(self) -> str:
+        return f"{self._host}:{self._engine.get_rpc_port()}"
+
+    def register(self, pool: Pool) -> None:
+        rc = self._engine.register_memory(pool.addr, pool.size)
+        if rc != 0:
+            raise TransferError(f"Mooncake register_memory({pool.name}, {pool.size} bytes) returned {rc}")
+        self._registered.append((pool.addr, pool.size))
+
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> None:
+        if len(blocks) > self.max_batch_entries:
+            # Guard the session: an oversized tcp batch poisons it for every later transfer.
+            raise ValueError(f"{len(blocks)} blocks exceed max_batch_entries {self.max_batch_entries}")
+        if not blocks:
+            return
+        rc = self._engine.batch_transfer_sync_write(
+            peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
+        )
+        if rc != 0:
+            raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
+
+    def probe(self, peer: str) -> bool:
+        # A zero-byte probe is not portable across engine versions; the agent probes the peer's
+        # API instead and lets the next real write re-open the engine session.
+        return True
+
+    def close(self) -> None:
+        for addr, _size in self._registered:
+            # Closing must not mask the error that made us close.
+            with contextlib.suppress(Exception):
+                self._engine.unregister_memory(addr)
+        self._registered.clear()

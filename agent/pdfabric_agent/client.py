@@ -1,0 +1,153 @@
+"""Small Python client for a serving engine (and for tests, demo and benchmarks).
+
+Blocking, standard library only, so a serving engine takes no new dependency:
+
+    c = AgentClient("127.0.0.1:7400", token, cluster_uid)
+    pools = c.map_pools("decode-0-tp0")          # the rank's registered pools, mapped here
+    c.receive("decode-0-tp0", room=7, kv_pages=[...], state_indices=[...], aux_index=3, prefill_replica=0)
+    c.send("prefill-0-tp0-cp0", room=7, kv_pages=[...], state_indices=[...], aux_index=1, decode_replica=0)
+    c.wait("decode-0-tp0", 7, timeout_s=30)      # -> final view, state "Success" or "Failed"
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from pdfabric_agent.pools import PoolLayout
+
+FINAL = ("Success", "Failed")
+
+
+class AgentRefused(RuntimeError):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+@dataclass
+class MappedPools:
+    layout: PoolLayout
+    kv: mmap.mmap
+    state: mmap.mmap
+    aux: mmap.mmap
+
+    def close(self) -> None:
+        for m in (self.kv, self.state, self.aux):
+            m.close()
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class AgentClient:
+    def __init__(self, address: str, token: str, cluster_uid: str, timeout_s: float = 10.0) -> None:
+        self.base = f"http://{address}"
+        self.token = token
+        self.cluster_uid = cluster_uid
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps({"cluster": self.cluster_uid, **body}).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                doc = json.loads(exc.read())
+            except ValueError:
+                doc = {}
+            raise AgentRefused(exc.code, doc.get("reason", ""), doc.get("error", str(exc))) from None
+
+    def info(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/info")
+
+    def map_pools(self, rank_id: str) -> MappedPools:
+        """Map a rank's CPU pools (shared memory files on this node)."""
+        rank = self.info()["ranks"][rank_id]
+        for kind in ("kv", "state", "aux"):
+            if rank[kind]["device"] != "cpu":
+                raise NotImplementedError(
+                    f"{rank_id} {kind} pool is on {rank[kind]['device']}: "
+                    "mapping GPU pools (CUDA IPC) is not implemented yet"
+                )
+        return MappedPools(
+            PoolLayout.from_dict(rank["layout"]),
+            _map(rank["kv"]["handle"], rank["kv"]["size"]),
+            _map(rank["state"]["handle"], rank["state"]["size"]),
+            _map(rank["aux"]["handle"], rank["aux"]["size"]),
+        )
+
+    def send(
+        self,
+        rank: str,
+        room: int,
+        kv_pages: list[int],
+        *,
+        decode_replica: int = 0,
+        state_indices: list[int] | None = None,
+        aux_index: int | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "rank": rank,
+            "room": room,
+            "kv_pages": kv_pages,
+            "state_indices": state_indices or [],
+            "decode_replica": decode_replica,
+        }
+        if aux_index is not None:
+            body["aux_index"] = aux_index
+        return self._call("POST", "/v1/send", body)
+
+    def receive(
+        self,
+        rank: str,
+        room: int,
+        kv_pages: list[int],
+        *,
+        prefill_replica: int = 0,
+        state_indices: list[int] | None = None,
+        aux_index: int | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "rank": rank,
+            "room": room,
+            "kv_pages": kv_pages,
+            "state_indices": state_indices or [],
+            "prefill_replica": prefill_replica,
+        }
+        if aux_index is not None:
+            body["aux_index"] = aux_index
+        return self._call("POST", "/v1/receive", body)
+
+    def poll(self, rank: str, room: int) -> dict[str, Any]:
+        return self._call("GET", f"/v1/rooms/{rank}/{room}")
+
+    def wait(self, rank: str, room: int, timeout_s: float = 30.0, interval_s: float = 0.005) -> dict[str, Any]:
+        """Poll until the room is Success or Failed; raises TimeoutError at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            view = self.poll(rank, room)
+            if view["state"] in FINAL:
+                return view
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"room {room} on {rank} still {view['state']} after {timeout_s} s")
+            time.sleep(interval_s)
+            interval_s = min(interval_s * 2, 0.05)

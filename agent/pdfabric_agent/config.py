@@ -1,0 +1,167 @@
+"""Agent settings from the environment, each documented and checked at start.
+
+The operator sets NODE_NAME, POD_NAME, PDFABRIC_RANKMAP and PDFABRIC_TOKEN_FILE; everything else
+has a default that suits a Kubernetes pod. Tests and the local demo override ports and peer
+addresses because several agents share one loopback interface there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A setting the agent cannot start with; the message names the variable."""
+
+
+# name -> (default, description); docs/agent.md lists the same table.
+SETTINGS: dict[str, tuple[str | None, str]] = {
+    "NODE_NAME": (None, "Node this agent runs on; selects its entry in the rank map (required)."),
+    "POD_NAME": ("", "Agent pod name, for logs."),
+    "PDFABRIC_RANKMAP": (None, "Path of rankmap.json from the operator's ConfigMap (required)."),
+    "PDFABRIC_TOKEN_FILE": (None, "Path of the per-cluster token; API requests must carry it (required)."),
+    "PDFABRIC_BIND_ADDRESS": (
+        "",
+        "Address the API and metrics servers bind; default POD_IP when set, else 0.0.0.0. "
+        "Peers on other nodes and the kubelet need the pod address, nothing else does.",
+    ),
+    "PDFABRIC_API_PORT": ("", "Transfer API port; default spec.agent.apiPort (7400)."),
+    "PDFABRIC_METRICS_PORT": ("", "Metrics and probe port; default spec.agent.metricsPort (9400)."),
+    "PDFABRIC_ENGINE_HOST": ("", "Host the transfer engines advertise to peers; default POD_IP, else 127.0.0.1."),
+    "PDFABRIC_PEERS": ("", 'JSON {"agent-name": "host:port"} overriding peer API addresses (local runs).'),
+    "PDFABRIC_PEER_HOST_TEMPLATE": (
+        "{name}.{cluster}-agents.{namespace}.svc",
+        "Peer API host from the rank map's agent name (pod DNS name under the headless Service).",
+    ),
+    "PDFABRIC_KV_PAGES": ("256", "KV pages per pool (per rank, per layer, K and V each)."),
+    "PDFABRIC_STATE_SLOTS": ("64", "State slots per rank (one request's state each)."),
+    "PDFABRIC_AUX_SLOTS": ("64", "Aux (metadata) rows per rank."),
+    "PDFABRIC_SHM_DIR": ("/dev/shm", "Where CPU pools live as files, so serving engines can map them."),
+    "PDFABRIC_COALESCE": ("1", "Coalesce consecutive pages into one block (0 only for benchmarks)."),
+    "PDFABRIC_BOOTSTRAP_TIMEOUT_S": ("300", "Deadline for a room's peer information to arrive (upstream 300 s)."),
+    "PDFABRIC_PROBE_BACKOFF_S": ("30", "First re-probe delay of a blacklisted peer (upstream 30 s)."),
+    "PDFABRIC_PROBE_BACKOFF_MAX_S": ("300", "Longest re-probe delay (upstream 300 s)."),
+    "PDFABRIC_ROOM_TTL_S": ("600", "Finished rooms are forgotten after this long."),
+    "PDFABRIC_WORKERS": ("8", "Threads issuing blocking engine calls."),
+    "PDFABRIC_LOG_LEVEL": ("INFO", "Python log level."),
+}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node_name: str
+    pod_name: str
+    rankmap_path: str
+    token: str
+    bind_address: str
+    api_port: int | None
+    metrics_port: int | None
+    engine_host: str
+    peers: Mapping[str, str] = field(default_factory=dict)
+    peer_host_template: str = SETTINGS["PDFABRIC_PEER_HOST_TEMPLATE"][0] or ""
+    kv_pages: int = 256
+    state_slots: int = 64
+    aux_slots: int = 64
+    shm_dir: str = "/dev/shm"
+    coalesce: bool = True
+    bootstrap_timeout_s: float = 300.0
+    probe_backoff_s: float = 30.0
+    probe_backoff_max_s: float = 300.0
+    room_ttl_s: float = 600.0
+    workers: int = 8
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int = 1) -> int:
+    raw = env.get(name) or SETTINGS[name][0] or ""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(name) or SETTINGS[name][0] or ""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _port(env: Mapping[str, str], name: str) -> int | None:
+    if not env.get(name):
+        return None
+    port = _int(env, name, minimum=0)
+    if port > 65535:
+        raise ConfigError(f"{name} must be a TCP port, got {port}")
+    return port
+
+
+def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
+    env = os.environ if env is None else env
+    for required in ("NODE_NAME", "PDFABRIC_RANKMAP", "PDFABRIC_TOKEN_FILE"):
+        if not env.get(required):
+            raise ConfigError(f"{required} is not set: {SETTINGS[required][1]}")
+    try:
+        with open(env["PDFABRIC_TOKEN_FILE"], encoding="utf-8") as fh:
+            token = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"PDFABRIC_TOKEN_FILE {env['PDFABRIC_TOKEN_FILE']!r} cannot be read: {exc}") from None
+    if len(token) < 16:
+        raise ConfigError("the cluster token in PDFABRIC_TOKEN_FILE is shorter than 16 characters")
+    peers_raw = env.get("PDFABRIC_PEERS") or "{}"
+    try:
+        peers = json.loads(peers_raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"PDFABRIC_PEERS is not JSON: {exc}") from None
+    if not isinstance(peers, dict) or not all(isinstance(v, str) and ":" in v for v in peers.values()):
+        raise ConfigError('PDFABRIC_PEERS must map agent names to "host:port" strings')
+    pod_ip = env.get("POD_IP", "")
+    shm_dir = env.get("PDFABRIC_SHM_DIR") or "/dev/shm"
+    if not os.path.isdir(shm_dir):
+        raise ConfigError(f"PDFABRIC_SHM_DIR {shm_dir!r} is not a directory")
+    coalesce_raw = env.get("PDFABRIC_COALESCE", "1")
+    if coalesce_raw not in ("0", "1"):
+        raise ConfigError(f"PDFABRIC_COALESCE must be 0 or 1, got {coalesce_raw!r}")
+    cfg = AgentConfig(
+        node_name=env["NODE_NAME"],
+        pod_name=env.get("POD_NAME", ""),
+        rankmap_path=env["PDFABRIC_RANKMAP"],
+        token=token,
+        bind_address=env.get("PDFABRIC_BIND_ADDRESS") or pod_ip or "0.0.0.0",
+        api_port=_port(env, "PDFABRIC_API_PORT"),
+        metrics_port=_port(env, "PDFABRIC_METRICS_PORT"),
+        engine_host=env.get("PDFABRIC_ENGINE_HOST") or pod_ip or "127.0.0.1",
+        peers=peers,
+        peer_host_template=env.get("PDFABRIC_PEER_HOST_TEMPLATE") or SETTINGS["PDFABRIC_PEER_HOST_TEMPLATE"][0] or "",
+        kv_pages=_int(env, "PDFABRIC_KV_PAGES"),
+        state_slots=_int(env, "PDFABRIC_STATE_SLOTS"),
+        aux_slots=_int(env, "PDFABRIC_AUX_SLOTS"),
+        shm_dir=shm_dir,
+        coalesce=coalesce_raw == "1",
+        bootstrap_timeout_s=_float(env, "PDFABRIC_BOOTSTRAP_TIMEOUT_S"),
+        probe_backoff_s=_float(env, "PDFABRIC_PROBE_BACKOFF_S"),
+        probe_backoff_max_s=_float(env, "PDFABRIC_PROBE_BACKOFF_MAX_S"),
+        room_ttl_s=_float(env, "PDFABRIC_ROOM_TTL_S"),
+        workers=_int(env, "PDFABRIC_WORKERS"),
+    )
+    if cfg.probe_backoff_max_s < cfg.probe_backoff_s:
+        raise ConfigError("PDFABRIC_PROBE_BACKOFF_MAX_S must be at least PDFABRIC_PROBE_BACKOFF_S")
+    return cfg
+
+
+def settings_markdown() -> str:
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, (default, text) in SETTINGS.items():
+        rows.append(
+            f"| `{name}` | {'(required)' if default is None else f'`{default}`' if default else '-'} | {text} |"
+        )
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,207 @@
+"""Run real agent processes on this machine (loopback tcp): used by the e2e tests, the demo and
+the benchmarks. The processes run the agent's real command, as the operator's pods would."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdfabric_agent.client import AgentClient
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
+from pdfabric_core.spec import PDClusterSpec, parse_spec
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0) -> list[AgentEntry]:
+    """One agent per (role, replica), or per ``ranks_per_agent`` ranks of it when > 0."""
+    agents: list[AgentEntry] = []
+    groups: list[tuple[str, int, list[Rank]]] = []
+    for r in range(spec.prefill.replicas):
+        ranks = [Rank("prefill", r, tp, cp) for cp in range(spec.prefill.cp) for tp in range(spec.prefill.tp)]
+        groups.append(("prefill", r, ranks))
+    for r in range(spec.decode.replicas):
+        groups.append(("decode", r, [Rank("decode", r, tp) for tp in range(spec.decode.tp)]))
+    for role, replica, ranks in groups:
+        size = ranks_per_agent or len(ranks)
+        for i in range(0, len(ranks), size):
+            name = f"agent-{role[0]}{replica}-{i // size}"
+            agents.append(AgentEntry(name, f"node-{role[0]}{replica}-{i // size}", tuple(ranks[i : i + size])))
+    return agents
+
+
+@dataclass
+class AgentProc:
+    entry: AgentEntry
+    api_port: int
+    metrics_port: int
+    env: dict[str, str]
+    log_path: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.api_port}"
+
+
+@dataclass
+class LocalCluster:
+    raw_spec: Mapping[str, Any]
+    ranks_per_agent: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    workdir: str = ""
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    uid: str = "uid-" + secrets.token_hex(4)
+    agents: dict[str, AgentProc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.spec = parse_spec(self.raw_spec)
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdfabric-local-")
+        self.workdir = self._tmp.name
+        entries = place(self.spec, ranks_per_agent=self.ranks_per_agent)
+        self.rankmap = RankMap(
+            "default",
+            "demo",
+            self.uid,
+            self.spec.transfer.effective_transport.value,
+            dict(self.raw_spec),
+            tuple(entries),
+        )
+        rankmap_path = os.path.join(self.workdir, "rankmap.json")
+        with open(rankmap_path, "w", encoding="utf-8") as fh:
+            fh.write(self.rankmap.to_json())
+        token_path = os.path.join(self.workdir, "token")
+        with open(token_path, "w", encoding="utf-8") as fh:
+            fh.write(self.token)
+        ports = {e.name: (free_port(), free_port()) for e in entries}
+        peers = json.dumps({name: f"127.0.0.1:{api}" for name, (api, _) in ports.items()})
+        for e in entries:
+            api, met = ports[e.name]
+            env = {
+                **os.environ,
+                "NODE_NAME": e.node,
+                "POD_NAME": e.name,
+                "PDFABRIC_RANKMAP": rankmap_path,
+                "PDFABRIC_TOKEN_FILE": token_path,
+                "PDFABRIC_BIND_ADDRESS": "127.0.0.1",
+                "PDFABRIC_ENGINE_HOST": "127.0.0.1",
+                "PDFABRIC_API_PORT": str(api),
+                "PDFABRIC_METRICS_PORT": str(met),
+                "PDFABRIC_PEERS": peers,
+                "PDFABRIC_KV_PAGES": "64",
+                "PDFABRIC_STATE_SLOTS": "8",
+                "PDFABRIC_AUX_SLOTS": "8",
+                "PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("core", "agent")),
+                **self.env,
+            }
+            self.agents[e.name] = AgentProc(e, api, met, env, os.path.join(self.workdir, f"{e.name}.log"))
+
+    # ------------------------------------------------------------------ processes
+    def start(self, name: str | None = None, *, wait_s: float = 60.0) -> None:
+        for agent in [self.agents[name]] if name else self.agents.values():
+            with open(agent.log_path, "ab") as log:
+                agent.proc = subprocess.Popen(
+                    [sys.executable, "-m", "pdfabric_agent.main"], env=agent.env, stdout=log, stderr=subprocess.STDOUT
+                )
+        for agent in [self.agents[name]] if name else self.agents.values():
+            self.wait_ready(agent, wait_s)
+
+    def wait_ready(self, agent: AgentProc, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if agent.proc is not None and agent.proc.poll() is not None:
+                raise RuntimeError(
+                    f"agent {agent.entry.name} exited {agent.proc.returncode}:\n{self.log(agent.entry.name)}"
+                )
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/readyz", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"agent {agent.entry.name} not ready in {wait_s} s:\n{self.log(agent.entry.name)}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.agents[name].proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                proc.wait(timeout=15)
+
+    def stop(self) -> None:
+        for agent in self.agents.values():
+            if agent.proc is not None and agent.proc.poll() is None:
+                agent.proc.send_signal(signal.SIGCONT)
+                agent.proc.terminate()
+        for agent in self.agents.values():
+            if agent.proc is not None:
+                try:
+                    agent.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    agent.proc.kill()
+                    agent.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def log(self, name: str) -> str:
+        try:
+            with open(self.agents[name].log_path, encoding="utf-8", errors="replace") as fh:
+                return fh.read()[-4000:]
+        except OSError:
+            return ""
+
+    # ------------------------------------------------------------------ access
+    def agent_of(self, rank_id: str) -> str:
+        return self.rankmap.agent_for_rank(rank_id).name
+
+    def client(self, rank_id_or_agent: str, *, token: str | None = None, uid: str | None = None) -> AgentClient:
+        name = rank_id_or_agent if rank_id_or_agent in self.agents else self.agent_of(rank_id_or_agent)
+        return AgentClient(self.agents[name].address, token or self.token, uid or self.uid)
+
+    def scrape(self, name: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """Parse the agent's /metrics into {(sample name, labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.agents[name].metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, frozenset(s.labels.items()))] = s.value
+        return out
+
+    def metric_sum(self, sample: str, names: list[str] | None = None, **labels: str) -> float:
+        total = 0.0
+        for name in names or list(self.agents):
+            for (n, lbl), value in self.scrape(name).items():
+                if n == sample and all(dict(lbl).get(k) == v for k, v in labels.items()):
+                    total += value
+        return total

@@ -1,0 +1,163 @@
+"""Agent process: config -> rank map -> hardware and transport -> pools and engines -> servers.
+
+Exit codes: 0 on SIGTERM/SIGINT, 2 on a configuration error (bad env, unreadable rank map, a spec
+the agent cannot honour). A transport this node cannot carry is not an exit: the agent stays up,
+/readyz answers 503 with the reason (e.g. NoNvlinkPeerAccess) and the transfer API stays closed,
+so the operator can surface the reason instead of watching a crash loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from pdfabric_agent import metrics
+from pdfabric_agent.agent import TCP_SIDE_CHANNEL, Agent, LocalRank
+from pdfabric_agent.backends import make_backend
+from pdfabric_agent.config import AgentConfig, ConfigError, load_config
+from pdfabric_agent.hardware import detect_hardware
+from pdfabric_agent.pools import Pool, PoolLayout, RankPools
+from pdfabric_agent.server import Readiness, build_api_app, build_metrics_app
+from pdfabric_agent.transport import TransportError, choose_transport, mooncake_env
+from pdfabric_core.policy.buffer_device import metadata_buffer_device
+from pdfabric_core.policy.types import Device, Transport
+from pdfabric_core.rankmap import AgentEntry, RankMap
+from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
+
+log = logging.getLogger("pdfabric.main")
+
+TICK_S = 0.1  # deadline and probe resolution; cheap (a scan of the active rooms)
+
+
+def build_ranks(
+    cfg: AgentConfig, rankmap: RankMap, spec: PDClusterSpec, entry: AgentEntry, transport: Transport
+) -> dict[str, LocalRank]:
+    """Pools sized from the model geometry, on the devices the upstream policy names, registered
+    with one engine per rank."""
+    kv_device = Device.CUDA if transport in (Transport.NVLINK_INTRA, Transport.NVLINK) else Device.CPU
+    aux_device = metadata_buffer_device(spec.transfer.mem_pool)
+    ranks: dict[str, LocalRank] = {}
+    tag = f"pdfabric-{rankmap.cluster_uid[:8]}-{os.getpid()}"
+    for rank in entry.ranks:
+        tp = spec.prefill.tp if rank.role == "prefill" else spec.decode.tp
+        layout = PoolLayout.from_geometry(
+            spec.model, tp, kv_pages=cfg.kv_pages, state_slots=cfg.state_slots, aux_slots=cfg.aux_slots
+        )
+        pools = RankPools(
+            layout,
+            Pool.allocate(f"{tag}-{rank.rank_id}-kv", layout.kv_bytes, kv_device, shm_dir=cfg.shm_dir, gpu=rank.gpu),
+            Pool.allocate(
+                f"{tag}-{rank.rank_id}-state", layout.state_bytes, kv_device, shm_dir=cfg.shm_dir, gpu=rank.gpu
+            ),
+            Pool.allocate(f"{tag}-{rank.rank_id}-aux", layout.aux_bytes, aux_device, shm_dir=cfg.shm_dir, gpu=rank.gpu),
+        )
+        backend = make_backend(
+            spec.backend,
+            transport,
+            host=cfg.engine_host,
+            gpu=rank.gpu,
+            max_batch_entries=spec.transfer.max_batch_entries,
+        )
+        for pool in pools.all():
+            backend.register(pool)
+        for kind, pool in (("kv", pools.kv), ("state", pools.state), ("aux", pools.aux)):
+            metrics.pool_bytes.labels(rankmap.cluster, rank.rank_id, kind, pool.device.value).set(pool.size)
+        metrics.engine_up.labels(rankmap.cluster, rank.rank_id, spec.backend, transport.value).set(1)
+        ranks[rank.rank_id] = LocalRank(rank, backend, pools)
+        log.info(
+            "rank %s: engine %s, kv %d bytes on %s", rank.rank_id, backend.endpoint(), pools.kv.size, kv_device.value
+        )
+    return ranks
+
+
+async def serve(cfg: AgentConfig) -> int:
+    readiness = Readiness()
+    try:
+        with open(cfg.rankmap_path, encoding="utf-8") as fh:
+            rankmap = RankMap.from_json(fh.read())
+        spec = parse_spec(rankmap.spec)
+        entry = rankmap.agent_for_node(cfg.node_name)
+    except (OSError, ValueError, LookupError, KeyError, SpecError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    cluster = rankmap.cluster
+    metrics.agent_ready.labels(cluster).set(0)
+    runners: list[web.AppRunner] = []
+    mrunner = web.AppRunner(build_metrics_app(readiness), access_log=None)
+    await mrunner.setup()
+    await web.TCPSite(mrunner, cfg.bind_address, cfg.metrics_port or spec.agent.metrics_port).start()
+    runners.append(mrunner)
+
+    agent: Agent | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        gpus = sorted({r.gpu for r in entry.ranks})
+        hw = detect_hardware(gpus)
+        choice = choose_transport(spec, rankmap.transport, hw, gpus)
+        if choice.fell_back_from is not None:
+            log.warning("transport: %s", choice.note)
+        os.environ.update(mooncake_env(choice.transport, spec.transfer.timeout_seconds))
+        ranks = build_ranks(cfg, rankmap, spec, entry, choice.transport)
+        roles = sorted({lr.rank.role for lr in ranks.values()})
+        paths = tuple(sorted({lr.backend.path for lr in ranks.values()} | {TCP_SIDE_CHANNEL}))
+        for role in roles:
+            metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
+        agent = Agent(cfg, rankmap, spec, ranks, choice.transport.value)
+        arunner = web.AppRunner(build_api_app(agent), access_log=None)
+        await arunner.setup()
+        await web.TCPSite(arunner, cfg.bind_address, cfg.api_port or spec.agent.api_port).start()
+        runners.append(arunner)
+        readiness.ready, readiness.reason = True, "Ready"
+        readiness.message = f"{len(ranks)} ranks on {choice.transport.value}" + (
+            f" ({choice.note})" if choice.note else ""
+        )
+        metrics.agent_ready.labels(cluster).set(1)
+        log.info("agent %s ready: %s", entry.name, readiness.message)
+    except TransportError as exc:
+        readiness.reason, readiness.message = exc.reason, str(exc)
+        log.error("transport not usable: %s (%s)", exc, exc.reason)
+    except Exception as exc:  # engine init or pool allocation: stay up, not ready, say why
+        readiness.reason, readiness.message = "EngineFailed", f"{type(exc).__name__}: {exc}"
+        log.exception("agent start failed")
+
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), TICK_S)
+            if agent is not None:
+                await agent.tick()
+    finally:
+        readiness.ready = False
+        if agent is not None:
+            await agent.close()
+            for lr in agent.ranks.values():
+                lr.backend.close()
+                lr.pools.close()
+        for runner in runners:
+            await runner.cleanup()
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=os.environ.get("PDFABRIC_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = load_config()
+    except ConfigError as exc:
+        print(f"pdfabric-agent: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(asyncio.run(serve(cfg)))
+
+
+if __name__ == "__main__":
+    main()

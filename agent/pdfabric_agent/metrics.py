@@ -1,0 +1,196 @@
+"""Every Prometheus metric the agent exports, declared once.
+
+Naming rule: ``pdfabric_<noun>_<verb or unit>_<type suffix>`` (``_total`` for counters, base units:
+bytes, seconds). Labels whose values are a closed set (kind, outcome, refusal reason) are Enums and
+every value is pre-created by ``precreate`` at start, so a series exists at zero before the first
+event and dashboards never show "no data" for a healthy agent.
+
+Semantics that differ from upstream SGLang on purpose:
+- bytes are counted after the engine confirmed the batch (never planned bytes), per batch, so a
+  request that fails half-way counts what moved (upstream #40164 over-counted state bytes);
+- latency runs from submit (API call) to confirmed completion: every batch returned and the decode
+  agent acknowledged (upstream #31993 measured from the last chunk's enqueue).
+
+``python -m pdfabric_agent.metrics`` prints the reference table that docs/metrics.md holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Labels identifying where bytes went; `path` is the code path that moved them (e.g. "mooncake",
+# "tcp-side-channel", a GPU kernel path later) so an alternative path shows beside the engine.
+TRAFFIC_LABELS = ("cluster", "role", "backend", "transport", "path")
+
+
+class Kind(enum.StrEnum):
+    KV = "kv"
+    STATE = "state"
+    AUX = "aux"
+
+
+class Outcome(enum.StrEnum):
+    SUCCESS = "success"
+    FAILED = "failed"  # the engine or the peer reported an error, or the peer is blacklisted
+    TIMEOUT = "timeout"  # a deadline (bootstrap, transfer, waiting) passed first
+
+
+class Refusal(enum.StrEnum):
+    UNAUTHORIZED = "unauthorized"  # missing or wrong cluster token
+    WRONG_CLUSTER = "wrong_cluster"
+    MALFORMED = "malformed"
+    OUT_OF_RANGE = "out_of_range"
+    UNKNOWN_RANK = "unknown_rank"
+    UNKNOWN_ROOM = "unknown_room"
+    CONFLICT = "conflict"  # the room is already active on that rank
+
+
+transfer_bytes = Counter(
+    "pdfabric_transfer_bytes_total",
+    "Bytes confirmed moved by the transfer engine (prefill: written; decode: acknowledged as landed).",
+    [*TRAFFIC_LABELS, "kind"],
+    registry=REGISTRY,
+)
+state_bytes_skipped = Counter(
+    "pdfabric_state_dedup_skipped_bytes_total",
+    "State bytes not sent because the CP-replicated state dedup rule said CP rank 0 sends them.",
+    ["cluster", "backend"],
+    registry=REGISTRY,
+)
+transfer_blocks = Counter(
+    "pdfabric_transfer_blocks_total",
+    "Contiguous (src, dst, length) blocks handed to the engine after page coalescing.",
+    TRAFFIC_LABELS,
+    registry=REGISTRY,
+)
+transfer_batches = Counter(
+    "pdfabric_transfer_batches_total",
+    "Batched engine writes issued (each at most maxBatchEntries blocks).",
+    TRAFFIC_LABELS,
+    registry=REGISTRY,
+)
+requests = Counter(
+    "pdfabric_requests_total",
+    "Transfer requests (rooms) finished, by outcome.",
+    ["cluster", "role", "outcome"],
+    registry=REGISTRY,
+)
+request_duration = Histogram(
+    "pdfabric_request_duration_seconds",
+    "Submit to confirmed completion of a successful room (all batches done and the peer acknowledged).",
+    ["cluster", "role", "backend", "transport"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
+)
+api_refusals = Counter(
+    "pdfabric_api_refusals_total",
+    "API requests refused before they changed anything, by reason.",
+    ["cluster", "reason"],
+    registry=REGISTRY,
+)
+engine_up = Gauge(
+    "pdfabric_engine_up",
+    "1 while the rank's transfer engine is initialised with its pools registered.",
+    ["cluster", "rank", "backend", "transport"],
+    registry=REGISTRY,
+)
+agent_ready = Gauge(
+    "pdfabric_agent_ready",
+    "1 when the agent is ready (transport validated, engines up, API listening).",
+    ["cluster"],
+    registry=REGISTRY,
+)
+pool_bytes = Gauge(
+    "pdfabric_pool_bytes",
+    "Registered pool size per rank and kind.",
+    ["cluster", "rank", "kind", "device"],
+    registry=REGISTRY,
+)
+peers_blacklisted = Gauge(
+    "pdfabric_peers_blacklisted",
+    "Peer agents currently blacklisted after a failed transfer (re-probed with backoff).",
+    ["cluster"],
+    registry=REGISTRY,
+)
+session_recoveries = Counter(
+    "pdfabric_session_recoveries_total",
+    "Blacklisted peers that answered a probe and were admitted again.",
+    ["cluster"],
+    registry=REGISTRY,
+)
+peer_probes = Counter(
+    "pdfabric_peer_probes_total",
+    "Probes of blacklisted peers, by result.",
+    ["cluster", "result"],
+    registry=REGISTRY,
+)
+
+ALL_METRICS: tuple[MetricWrapperBase, ...] = (
+    transfer_bytes,
+    state_bytes_skipped,
+    transfer_blocks,
+    transfer_batches,
+    requests,
+    request_duration,
+    api_refusals,
+    engine_up,
+    agent_ready,
+    pool_bytes,
+    peers_blacklisted,
+    session_recoveries,
+    peer_probes,
+)
+
+
+def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
+    """Create every closed-set series at zero for this agent's identity."""
+    for path in paths:
+        for kind in Kind:
+            transfer_bytes.labels(cluster, role, backend, transport, path, kind.value)
+        transfer_blocks.labels(cluster, role, backend, transport, path)
+        transfer_batches.labels(cluster, role, backend, transport, path)
+    for outcome in Outcome:
+        requests.labels(cluster, role, outcome.value)
+    for reason in Refusal:
+        api_refusals.labels(cluster, reason.value)
+    request_duration.labels(cluster, role, backend, transport)
+    state_bytes_skipped.labels(cluster, backend)
+    peers_blacklisted.labels(cluster)
+    session_recoveries.labels(cluster)
+    for result in ("ok", "failed"):
+        peer_probes.labels(cluster, result)
+    agent_ready.labels(cluster)
+
+
+def render_markdown() -> str:
+    """The metrics reference (docs/metrics.md); a unit test fails when the file is stale."""
+    lines = [
+        "# Agent metrics",
+        "",
+        "Generated from `agent/pdfabric_agent/metrics.py` by `python -m pdfabric_agent.metrics > docs/metrics.md`;",
+        "do not edit by hand (tests/unit/test_agent_metrics.py fails when this file is stale).",
+        "",
+        (__doc__ or "").strip(),
+        "",
+        "| metric | type | labels | help |",
+        "|---|---|---|---|",
+    ]
+    for m in ALL_METRICS:
+        name = m._name + ("_total" if m._type == "counter" else "")
+        labels = ", ".join(f"`{n}`" for n in m._labelnames)
+        lines.append(f"| `{name}` | {m._type} | {labels} | {m._documentation} |")
+    lines += ["", "Closed label values (pre-created at zero):", ""]
+    for enum_cls, label in ((Kind, "kind"), (Outcome, "outcome"), (Refusal, "reason")):
+        lines.append(f"- `{label}`: " + ", ".join(f"`{v.value}`" for v in enum_cls))
+    lines.append("- `result` (probes): `ok`, `failed`")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

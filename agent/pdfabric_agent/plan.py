@@ -1,0 +1,208 @@
+"""Turn one room into engine blocks: pure, no I/O, every rule from ``pdfabric_core.policy``.
+
+A prefill rank (tp p, cp c) sending room R to decode rank d moves:
+- KV: for each route p->d (rank_mapping), the pages of its CP shard (cp_page_shard), every layer,
+  K and V; whole-page routes are coalesced into runs (coalesce), head-slice routes move one
+  contiguous head slice per page (heads are the outer dimension of a page, see pools.py);
+- state: only from d's primary source, only the state layers this CP rank owns
+  (state_layer_shard), and nothing when the dedup rule says CP rank 0 sends it (cp_dedup);
+- aux: only from d's primary source at CP rank 0, through the engine or over the TCP side
+  channel as aux_path says.
+Which (p, c) a decode rank waits for is ``expected_sources``; both sides use the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdfabric_agent.pools import PoolLayout
+from pdfabric_core.policy.aux_path import AuxPath, choose_aux_path
+from pdfabric_core.policy.coalesce import coalesce_pages
+from pdfabric_core.policy.cp_dedup import should_skip_state_transfer
+from pdfabric_core.policy.rank_mapping import (
+    KvRoute,
+    cp_page_shard,
+    primary_source,
+    routes_from_prefill,
+    sending_cp_ranks,
+    state_layer_shard,
+)
+from pdfabric_core.spec import PDClusterSpec
+
+
+@dataclass(frozen=True)
+class Block:
+    src: int  # absolute address in the sender's registered memory
+    dst: int  # absolute address in the receiver's registered memory
+    length: int
+
+
+@dataclass(frozen=True)
+class Bases:
+    kv: int
+    state: int
+    aux: int
+
+
+@dataclass(frozen=True)
+class Duties:
+    """What one prefill rank owes one decode rank for one room."""
+
+    route: KvRoute
+    pages: range  # positions in the request (cp_page_shard)
+    state_layers: range  # empty when this rank sends no state
+    state_skipped: bool  # True when the dedup rule dropped this rank's state
+    send_aux: bool
+    aux_path: AuxPath
+
+
+@dataclass
+class TransferPlan:
+    kv: list[Block] = field(default_factory=list)
+    state: list[Block] = field(default_factory=list)
+    aux: list[Block] = field(default_factory=list)  # engine path only
+    aux_tcp: list[tuple[int, int, int]] = field(default_factory=list)  # (src offset, dst offset, len)
+    state_skipped_bytes: int = 0
+
+    def bytes_of(self, blocks: Sequence[Block]) -> int:
+        return sum(b.length for b in blocks)
+
+    @property
+    def engine_blocks(self) -> list[Block]:
+        return [*self.kv, *self.state, *self.aux]
+
+
+def all_ranks_send(spec: PDClusterSpec) -> bool:
+    return spec.prefill.all_cp_ranks_transfer or spec.prefill.dsa_cache_layer_split
+
+
+def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
+    return routes_from_prefill(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
+
+
+def sender_duties(spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: int) -> Duties | None:
+    """Duties of prefill (route.prefill_tp_rank, cp_rank) for route's decode rank; None: nothing."""
+    cp = spec.prefill.cp
+    split = spec.prefill.dsa_cache_layer_split
+    if cp_rank not in sending_cp_ranks(
+        cp, all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer, dsa_cache_layer_split=split
+    ):
+        return None
+    primary = route.prefill_tp_rank == primary_source(
+        route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads
+    )
+    skip = should_skip_state_transfer(cp, cp_rank, dsa_cache_layer_split=split)
+    state_layers = state_layer_shard(spec.model.state_layers, cp, cp_rank, dsa_cache_layer_split=split)
+    has_state = spec.model.state_bytes_per_request > 0
+    return Duties(
+        route=route,
+        pages=cp_page_shard(num_pages, cp, cp_rank, all_ranks_send=all_ranks_send(spec)),
+        state_layers=state_layers if (primary and has_state and not skip) else range(0),
+        state_skipped=primary and has_state and skip,
+        send_aux=primary and cp_rank == 0,
+        aux_path=choose_aux_path(spec.transfer.mem_pool, aux_over_tcp=spec.transfer.aux_over_tcp),
+    )
+
+
+def expected_sources(spec: PDClusterSpec, decode_tp_rank: int) -> list[tuple[int, int]]:
+    """(prefill tp rank, cp rank) pairs decode rank d waits for before its room is complete."""
+    cps = sending_cp_ranks(
+        spec.prefill.cp,
+        all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer,
+        dsa_cache_layer_split=spec.prefill.dsa_cache_layer_split,
+    )
+    tps = sorted(
+        {r.prefill_tp_rank for r in routes_for_decode(spec, decode_tp_rank)},
+    )
+    return [(p, c) for p in tps for c in cps]
+
+
+def routes_for_decode(spec: PDClusterSpec, decode_tp_rank: int) -> list[KvRoute]:
+    return [
+        r
+        for p in range(spec.prefill.tp)
+        for r in routes_from_prefill(p, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
+        if r.decode_tp_rank == decode_tp_rank
+    ]
+
+
+def _runs(src: Sequence[int], dst: Sequence[int], coalesce: bool) -> list[tuple[int, int, int]]:
+    if coalesce:
+        return [(r.src_page, r.dst_page, r.pages) for r in coalesce_pages(src, dst)]
+    return [(s, d, 1) for s, d in zip(src, dst, strict=True)]
+
+
+def plan_transfer(
+    duties: Duties,
+    *,
+    src_layout: PoolLayout,
+    dst_layout: PoolLayout,
+    src: Bases,
+    dst: Bases,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    src_state: Sequence[int],
+    dst_state: Sequence[int],
+    src_aux: int | None,
+    dst_aux: int | None,
+    coalesce: bool = True,
+) -> TransferPlan:
+    """Blocks for one (prefill rank, decode rank, room). ``dst_pages`` is the request's full list;
+    ``src_pages`` holds the sender's pages for its CP shard, in request order."""
+    if len(src_pages) != len(duties.pages):
+        raise ValueError(
+            f"this CP rank sends request pages {duties.pages.start}..{duties.pages.stop - 1} "
+            f"({len(duties.pages)} pages) but the request gave {len(src_pages)} source pages"
+        )
+    shard_dst = [dst_pages[i] for i in duties.pages]
+    route = duties.route
+    plan = TransferPlan()
+    if route.whole_page:
+        if src_layout.page_bytes != dst_layout.page_bytes:
+            raise ValueError(f"page size differs: {src_layout.page_bytes} vs {dst_layout.page_bytes} bytes")
+        page = src_layout.page_bytes
+        for layer in range(src_layout.layers):
+            for kv in (0, 1):
+                for s, d, n in _runs(src_pages, shard_dst, coalesce):
+                    plan.kv.append(
+                        Block(
+                            src.kv + src_layout.kv_offset(layer, kv, s),
+                            dst.kv + dst_layout.kv_offset(layer, kv, d),
+                            n * page,
+                        )
+                    )
+    else:
+        length = route.num_heads * src_layout.head_bytes
+        for layer in range(src_layout.layers):
+            for kv in (0, 1):
+                for s, d in zip(src_pages, shard_dst, strict=True):
+                    plan.kv.append(
+                        Block(
+                            src.kv + src_layout.kv_offset(layer, kv, s, route.src_head_offset),
+                            dst.kv + dst_layout.kv_offset(layer, kv, d, route.dst_head_offset),
+                            length,
+                        )
+                    )
+    if len(src_state) != len(dst_state):
+        raise ValueError(f"{len(src_state)} source state slots but {len(dst_state)} destination slots")
+    layer_bytes = src_layout.state_layer_bytes
+    for layer in duties.state_layers:
+        for s, d, n in _runs(src_state, dst_state, coalesce):
+            plan.state.append(
+                Block(
+                    src.state + src_layout.state_offset(layer, s),
+                    dst.state + dst_layout.state_offset(layer, d),
+                    n * layer_bytes,
+                )
+            )
+    if duties.state_skipped:
+        plan.state_skipped_bytes = len(src_state) * src_layout.state_layers * layer_bytes
+    if duties.send_aux and src_aux is not None and dst_aux is not None:
+        for item, size in enumerate(src_layout.aux_items):
+            so, do = src_layout.aux_offset(item, src_aux), dst_layout.aux_offset(item, dst_aux)
+            if duties.aux_path is AuxPath.TCP:
+                plan.aux_tcp.append((so, do, size))
+            else:
+                plan.aux.append(Block(src.aux + so, dst.aux + do, size))
+    return plan

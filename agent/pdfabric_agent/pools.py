@@ -1,0 +1,182 @@
+"""KV, state and aux pools of one rank: their byte layout and their memory.
+
+Layout (all offsets in bytes from the pool base):
+- KV pool: [layer][K=0, V=1][page][head][token][dim]. Heads are the outer dimension inside a page,
+  so the head slice a TP-mismatched route moves is one contiguous block per page (upstream's
+  [token][head][dim] pages need one block per token instead).
+- state pool: [state layer][slot][bytes per layer]; one slot holds one request's state.
+- aux pool: one region per aux item, [item][slot][item bytes], like upstream MetadataBuffers.
+
+Memory: CPU pools are files under PDFABRIC_SHM_DIR mapped with mmap, so a serving engine on the
+node maps the very bytes the engine registered. GPU pools (nvlink-intra, or metadata buffers the
+device policy puts on the GPU) are allocated with torch on the rank's GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pdfabric_core.policy.rank_mapping import local_heads
+from pdfabric_core.policy.types import Device
+from pdfabric_core.spec import ModelGeometry
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    layers: int
+    local_heads: int
+    head_bytes: int  # one head of one page of one layer's K (or V)
+    kv_pages: int
+    state_layers: int
+    state_layer_bytes: int  # one slot of one state layer
+    state_slots: int
+    aux_items: tuple[int, ...]
+    aux_slots: int
+
+    @classmethod
+    def from_geometry(
+        cls, geo: ModelGeometry, tp: int, *, kv_pages: int, state_slots: int, aux_slots: int
+    ) -> PoolLayout:
+        if geo.state_bytes_per_request % geo.state_layers:
+            raise ValueError(
+                f"model.stateBytesPerRequest ({geo.state_bytes_per_request}) must divide evenly into "
+                f"model.stateLayers ({geo.state_layers})"
+            )
+        return cls(
+            layers=geo.layers,
+            local_heads=local_heads(tp, geo.kv_heads),
+            head_bytes=geo.page_size_tokens * geo.head_dim * geo.dtype_bytes,
+            kv_pages=kv_pages,
+            state_layers=geo.state_layers,
+            state_layer_bytes=geo.state_bytes_per_request // geo.state_layers,
+            state_slots=state_slots,
+            aux_items=tuple(geo.aux_row_bytes),
+            aux_slots=aux_slots,
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        return self.local_heads * self.head_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.layers * 2 * self.kv_pages * self.page_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state_layers * self.state_slots * self.state_layer_bytes
+
+    @property
+    def aux_row_bytes(self) -> int:
+        return sum(self.aux_items)
+
+    @property
+    def aux_bytes(self) -> int:
+        return self.aux_row_bytes * self.aux_slots
+
+    def kv_offset(self, layer: int, kv: int, page: int, head: int = 0) -> int:
+        return ((layer * 2 + kv) * self.kv_pages + page) * self.page_bytes + head * self.head_bytes
+
+    def state_offset(self, layer: int, slot: int) -> int:
+        return (layer * self.state_slots + slot) * self.state_layer_bytes
+
+    def aux_offset(self, item: int, slot: int) -> int:
+        return sum(self.aux_items[:item]) * self.aux_slots + slot * self.aux_items[item]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aux_items"] = list(self.aux_items)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PoolLayout:
+        return cls(**{**d, "aux_items": tuple(d["aux_items"])})
+
+
+class Pool:
+    """One registered memory region. ``addr`` is what the engine registers and peers write to."""
+
+    def __init__(self, name: str, size: int, device: Device, addr: int, handle: str, keep: Any) -> None:
+        self.name = name
+        self.size = size
+        self.device = device
+        self.addr = addr
+        self.handle = handle  # CPU: the shm file path a client maps
+        self._keep = keep  # mmap or tensor owning the memory
+
+    @classmethod
+    def allocate(cls, name: str, size: int, device: Device, *, shm_dir: str, gpu: int = 0) -> Pool:
+        size = max(size, 1)  # the engine refuses zero-length registrations; an unused pool is 1 byte
+        if device is Device.CPU:
+            path = os.path.join(shm_dir, name)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                mem = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+            return cls(name, size, device, addr, path, mem)
+        if device is Device.CUDA:
+            import torch
+
+            tensor = torch.zeros(size, dtype=torch.uint8, device=f"cuda:{gpu}")
+            return cls(name, size, device, tensor.data_ptr(), "", tensor)
+        raise ValueError(f"pools on {device.value} are not supported by this agent")
+
+    def view(self) -> memoryview:
+        if self.device is not Device.CPU:
+            raise ValueError("only CPU pools can be viewed from Python")
+        return memoryview(self._keep)
+
+    def close(self) -> None:
+        if self.device is Device.CPU and self.handle:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.handle)
+            # A ctypes view may still point into the map; then the OS frees it at exit.
+            with contextlib.suppress(BufferError):
+                self._keep.close()
+        self._keep = None
+
+
+@dataclass
+class RankPools:
+    layout: PoolLayout
+    kv: Pool
+    state: Pool
+    aux: Pool
+
+    def all(self) -> tuple[Pool, Pool, Pool]:
+        return (self.kv, self.state, self.aux)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout.to_dict(),
+            "kv": {
+                "addr": self.kv.addr,
+                "size": self.kv.size,
+                "device": self.kv.device.value,
+                "handle": self.kv.handle,
+            },
+            "state": {
+                "addr": self.state.addr,
+                "size": self.state.size,
+                "device": self.state.device.value,
+                "handle": self.state.handle,
+            },
+            "aux": {
+                "addr": self.aux.addr,
+                "size": self.aux.size,
+                "device": self.aux.device.value,
+                "handle": self.aux.handle,
+            },
+        }
+
+    def close(self) -> None:
+        for pool in self.all():
+            pool.close()

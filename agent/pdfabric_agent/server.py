@@ -1,0 +1,140 @@
+"""HTTP surfaces of the agent.
+
+- Transfer API (apiPort): the serving engine's client and peer agents. Every request must carry
+  ``Authorization: Bearer <cluster token>``, and every body names the cluster uid; anything else
+  is refused before it can change state. A refusal answers ``{"error", "reason"}``.
+- Metrics port: /metrics, /healthz (liveness: the process serves), /readyz (ready: transport
+  validated, engines up; otherwise 503 with the reason the operator surfaces).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdfabric_agent import metrics
+from pdfabric_agent.agent import Agent
+from pdfabric_agent.metrics import Refusal
+from pdfabric_agent.rooms import ApiError, malformed
+
+log = logging.getLogger("pdfabric.server")
+
+MAX_BODY = 16 * 1024 * 1024  # a room of 1M pages still fits; anything bigger is not a PD request
+
+
+@dataclass
+class Readiness:
+    ready: bool = False
+    reason: str = "Starting"
+    message: str = "the agent is starting"
+
+
+def _refuse(agent_cluster: str, exc: ApiError) -> web.Response:
+    metrics.api_refusals.labels(agent_cluster, exc.reason.value).inc()
+    return web.json_response({"error": exc.message, "reason": exc.reason.value}, status=exc.status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise malformed("body is not JSON") from None
+    if not isinstance(body, dict):
+        raise malformed("body must be a JSON object")
+    return body
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_api_app(agent: Agent) -> web.Application:
+    cluster = agent.cluster
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            agent.check_token(request.headers.get("Authorization"))
+            return await handler(request)
+        except ApiError as exc:
+            return _refuse(cluster, exc)
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "cluster": {"namespace": agent.rankmap.namespace, "name": cluster, "uid": agent.rankmap.cluster_uid},
+                "agent": agent.entry.name,
+                "transport": agent.transport,
+                "backend": agent.backend_name,
+                "ranks": {
+                    rank_id: {
+                        "role": lr.rank.role,
+                        "endpoint": lr.backend.endpoint(),
+                        "path": lr.backend.path,
+                        **lr.pools.describe(),
+                    }
+                    for rank_id, lr in agent.ranks.items()
+                },
+            }
+        )
+
+    async def send(request: web.Request) -> web.Response:
+        return web.json_response(agent.submit_send(await _body(request)))
+
+    async def receive(request: web.Request) -> web.Response:
+        return web.json_response(await agent.submit_receive(await _body(request)))
+
+    async def poll(request: web.Request) -> web.Response:
+        try:
+            room = int(request.match_info["room"])
+        except ValueError:
+            raise malformed("room must be an integer") from None
+        return web.json_response(agent.poll(request.match_info["rank"], room))
+
+    async def peer_dst(request: web.Request) -> web.Response:
+        return web.json_response(agent.accept_dst(await _body(request)))
+
+    async def peer_done(request: web.Request) -> web.Response:
+        return web.json_response(agent.accept_done(await _body(request)))
+
+    async def ping(request: web.Request) -> web.Response:
+        return web.json_response({"agent": agent.entry.name})
+
+    async def not_found(request: web.Request) -> web.Response:
+        raise ApiError(404, Refusal.MALFORMED, f"no such endpoint {request.method} {request.path}")
+
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
+    app.router.add_get("/v1/info", info)
+    app.router.add_post("/v1/send", send)
+    app.router.add_post("/v1/receive", receive)
+    app.router.add_get("/v1/rooms/{rank}/{room}", poll)
+    app.router.add_post("/v1/peer/dst", peer_dst)
+    app.router.add_post("/v1/peer/done", peer_done)
+    app.router.add_get("/v1/peer/ping", ping)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+def build_metrics_app(readiness: Readiness) -> web.Application:
+    async def metrics_view(request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(metrics.REGISTRY))
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"alive": True})
+
+    async def readyz(request: web.Request) -> web.Response:
+        body = {"ready": readiness.ready, "reason": readiness.reason, "message": readiness.message}
+        return web.json_response(body, status=200 if readiness.ready else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

@@ -1,0 +1,136 @@
+"""Synthetic serving engine: writes known KV/state/aux contents into prefill pools and checks
+them byte for byte in decode pools, independent of how the agent routed them.
+
+Content is a function of *logical* coordinates only: (room, layer, K/V, request page position,
+global KV head) for KV; (room, state layer, request state position) for state; (room, aux item)
+for aux. So a decode rank can verify its pages whatever TP/CP split produced them, and a head
+landing in the wrong slot, page or layer is caught. Each chunk counts up from a seed, so a shifted
+or partial copy inside a chunk is caught too.
+
+``expected_bytes`` is the engine's own count of what must move, derived from the geometry alone
+(not from the agent's planner), for checking the agent's byte counters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdfabric_agent.client import MappedPools
+from pdfabric_core.policy.rank_mapping import global_heads
+from pdfabric_core.spec import PDClusterSpec
+
+
+def pattern(length: int, *key: object) -> bytes:
+    seed = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
+    words = (length + 7) // 8
+    return array("Q", range(seed, seed + words)).tobytes()[:length]
+
+
+def kv_chunk(room: int, layer: int, kv: int, pos: int, head: int, head_bytes: int) -> bytes:
+    return pattern(head_bytes, "kv", room, layer, kv, pos, head)
+
+
+def state_chunk(room: int, layer: int, pos: int, layer_bytes: int) -> bytes:
+    return pattern(layer_bytes, "state", room, layer, pos)
+
+
+def aux_chunk(room: int, item: int, size: int) -> bytes:
+    return pattern(size, "aux", room, item)
+
+
+@dataclass(frozen=True)
+class ExpectedBytes:
+    kv: int
+    state: int
+    aux: int
+    state_skipped: int
+
+
+def expected_bytes(spec: PDClusterSpec, *, pages: int, state_slots: int, aux: bool) -> ExpectedBytes:
+    """Bytes one room must move to one decode replica: each decode rank receives every page's
+    local heads once, one copy of the state and of the aux row."""
+    geo = spec.model
+    dtp = spec.decode.tp
+    kv = pages * geo.layers * 2 * dtp * geo.kv_page_bytes(dtp)
+    state = dtp * state_slots * geo.state_bytes_per_request
+    p = spec.prefill
+    dedup_applies = p.cp > 1 and p.all_cp_ranks_transfer and not p.dsa_cache_layer_split
+    return ExpectedBytes(
+        kv=kv,
+        state=state,
+        aux=dtp * sum(geo.aux_row_bytes) if aux else 0,
+        state_skipped=(p.cp - 1) * state if dedup_applies else 0,
+    )
+
+
+def fill_prefill(
+    pools: MappedPools,
+    spec: PDClusterSpec,
+    *,
+    tp_rank: int,
+    room: int,
+    positions: Sequence[int],
+    pages: Sequence[int],
+    state_slots: Sequence[int] = (),
+    aux_index: int | None = None,
+) -> int:
+    """Write room's contents for the request pages at ``positions`` into local ``pages``; returns
+    bytes written."""
+    lay = pools.layout
+    heads = list(global_heads(tp_rank, spec.prefill.tp, spec.model.kv_heads))
+    written = 0
+    for layer in range(lay.layers):
+        for kv in (0, 1):
+            for pos, page in zip(positions, pages, strict=True):
+                for local, head in enumerate(heads):
+                    off = lay.kv_offset(layer, kv, page, local)
+                    pools.kv[off : off + lay.head_bytes] = kv_chunk(room, layer, kv, pos, head, lay.head_bytes)
+                    written += lay.head_bytes
+    for layer in range(lay.state_layers):
+        for pos, slot in enumerate(state_slots):
+            off = lay.state_offset(layer, slot)
+            pools.state[off : off + lay.state_layer_bytes] = state_chunk(room, layer, pos, lay.state_layer_bytes)
+            written += lay.state_layer_bytes
+    if aux_index is not None:
+        for item, size in enumerate(lay.aux_items):
+            off = lay.aux_offset(item, aux_index)
+            pools.aux[off : off + size] = aux_chunk(room, item, size)
+            written += size
+    return written
+
+
+def verify_decode(
+    pools: MappedPools,
+    spec: PDClusterSpec,
+    *,
+    tp_rank: int,
+    room: int,
+    pages: Sequence[int],
+    state_slots: Sequence[int] = (),
+    aux_index: int | None = None,
+) -> list[str]:
+    """Every mismatch, as "what where"; empty when all bytes are exact."""
+    lay = pools.layout
+    heads = list(global_heads(tp_rank, spec.decode.tp, spec.model.kv_heads))
+    errors: list[str] = []
+    for layer in range(lay.layers):
+        for kv in (0, 1):
+            for pos, page in enumerate(pages):
+                for local, head in enumerate(heads):
+                    off = lay.kv_offset(layer, kv, page, local)
+                    if pools.kv[off : off + lay.head_bytes] != kv_chunk(room, layer, kv, pos, head, lay.head_bytes):
+                        errors.append(f"kv layer {layer} {'KV'[kv]} request page {pos} (slot {page}) head {head}")
+    for layer in range(lay.state_layers):
+        for pos, slot in enumerate(state_slots):
+            off = lay.state_offset(layer, slot)
+            if pools.state[off : off + lay.state_layer_bytes] != state_chunk(room, layer, pos, lay.state_layer_bytes):
+                errors.append(f"state layer {layer} position {pos} (slot {slot})")
+    if aux_index is not None:
+        for item, size in enumerate(lay.aux_items):
+            off = lay.aux_offset(item, aux_index)
+            if pools.aux[off : off + size] != aux_chunk(room, item, size):
+                errors.append(f"aux item {item} (row {aux_index})")
+    return errors
