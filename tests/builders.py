@@ -108,23 +108,51 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         {"model": {"kvHeads": 6}, "prefill": {"tp": 3}, "decode": {"tp": 2}},
         "prefill.tp (3) and decode.tp (2) must divide each other",
     ),
-    ("prefill-tp-vs-kv-heads", {"prefill": {"tp": 3}, "decode": {"tp": 3}}, "prefill.tp (3) must divide model.kvHeads (8)"),
-    ("decode-tp-vs-kv-heads", {"model": {"kvHeads": 12}, "decode": {"tp": 8}}, "decode.tp (8) must divide model.kvHeads (12)"),
+    (
+        "prefill-tp-vs-kv-heads",
+        {"prefill": {"tp": 3}, "decode": {"tp": 3}},
+        "prefill.tp (3) must divide model.kvHeads (8)",
+    ),
+    (
+        "decode-tp-vs-kv-heads",
+        {"model": {"kvHeads": 12}, "decode": {"tp": 8}},
+        "decode.tp (8) must divide model.kvHeads (12)",
+    ),
     (
         "layer-split-cp-does-not-divide-state-layers",
         {"prefill": {"cp": 2, "dsaCacheLayerSplit": True}, "model": {"stateLayers": 3}},
         "model.stateLayers (3) must be divisible by prefill.cp (2)",
     ),
-    ("nvlink-pool-on-rdma", {"transfer": {"memPool": "NVLINK", "transport": "rdma"}}, "transport rdma cannot run on memPool NVLINK"),
+    (
+        "nvlink-pool-on-rdma",
+        {"transfer": {"memPool": "NVLINK", "transport": "rdma"}},
+        "transport rdma cannot run on memPool NVLINK",
+    ),
     (
         "intra-node-pool-on-tcp",
         {"transfer": {"memPool": "INTRA_NODE_NVLINK", "transport": "tcp"}},
         "transport tcp cannot run on memPool INTRA_NODE_NVLINK",
     ),
-    ("default-pool-on-nvlink-intra", {"transfer": {"transport": "nvlink-intra"}}, "transport nvlink-intra cannot run on memPool NONE"),
-    ("barex-on-tcp", {"transfer": {"memPool": "BAREX", "transport": "tcp"}}, "transport tcp cannot run on memPool BAREX"),
-    ("mori-with-intra-node-pool", {"backend": "mori", "transfer": {"memPool": "INTRA_NODE_NVLINK"}}, "backend mori supports only memPool NONE"),
-    ("mori-with-nvlink", {"backend": "mori", "transfer": {"memPool": "NVLINK", "transport": "nvlink"}}, "backend mori supports only"),
+    (
+        "default-pool-on-nvlink-intra",
+        {"transfer": {"transport": "nvlink-intra"}},
+        "transport nvlink-intra cannot run on memPool NONE",
+    ),
+    (
+        "barex-on-tcp",
+        {"transfer": {"memPool": "BAREX", "transport": "tcp"}},
+        "transport tcp cannot run on memPool BAREX",
+    ),
+    (
+        "mori-with-intra-node-pool",
+        {"backend": "mori", "transfer": {"memPool": "INTRA_NODE_NVLINK"}},
+        "backend mori supports only memPool NONE",
+    ),
+    (
+        "mori-with-nvlink",
+        {"backend": "mori", "transfer": {"memPool": "NVLINK", "transport": "nvlink"}},
+        "backend mori supports only",
+    ),
     (
         "intra-node-group-exceeds-node",
         {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"tp": 8}, "decode": {"tp": 4}},
@@ -132,7 +160,12 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "intra-node-group-exceeds-configured-max",
-        {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"tp": 2}, "decode": {"tp": 2}, "placement": {"maxGpusPerNode": 2}},
+        {
+            "transfer": {"memPool": "INTRA_NODE_NVLINK"},
+            "prefill": {"tp": 2},
+            "decode": {"tp": 2},
+            "placement": {"maxGpusPerNode": 2},
+        },
         "4 GPUs exceed placement.maxGpusPerNode (2)",
     ),
     (
@@ -140,7 +173,11 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
         "decode.replicas (3) must be a multiple of prefill.replicas (2)",
     ),
-    ("ports-collide", {"agent": {"metricsPort": 7400, "apiPort": 7400}}, "agent.metricsPort and agent.apiPort must differ"),
+    (
+        "ports-collide",
+        {"agent": {"metricsPort": 7400, "apiPort": 7400}},
+        "agent.metricsPort and agent.apiPort must differ",
+    ),
     ("unknown-dtype", {"model": {"dtype": "int4"}}, "spec.model.dtype"),
     ("unknown-fallback", {"placement": {"fallback": "Retry"}}, "spec.placement.fallback"),
     ("batch-entries-zero", {"transfer": {"maxBatchEntries": 0}}, "spec.transfer.maxBatchEntries"),

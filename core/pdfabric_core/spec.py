@@ -282,7 +282,9 @@ def _validate_transport(spec: PDClusterSpec) -> None:
             f"transfer.transport {explicit.value} cannot run on memPool {pool.value}; "
             f"use auto or one of: {allowed}, or change memPool"
         )
-    if spec.backend == "mori" and (pool is not MemPool.NONE or spec.transfer.effective_transport not in MORI_TRANSPORTS):
+    if spec.backend == "mori" and (
+        pool is not MemPool.NONE or spec.transfer.effective_transport not in MORI_TRANSPORTS
+    ):
         raise SpecError("backend mori supports only memPool NONE with transport tcp or rdma; use backend mooncake")
     if spec.transfer.effective_transport is Transport.NVLINK_INTRA:
         p, d = spec.prefill.replicas, spec.decode.replicas

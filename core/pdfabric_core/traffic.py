@@ -70,8 +70,14 @@ class TrafficEstimate:
             "savedByDedup": self.saved_bytes,
             # A string: status schemas keep integers exact and this is for people.
             "savedPercent": f"{saved_pct:.2f}",
-            "prefill": {"maxPerRank": self.max_prefill_rank_bytes, "maxPerRankWithoutDedup": self.max_prefill_rank_bytes_without_dedup},
-            "decode": {"maxPerRank": self.max_decode_rank_bytes, "maxPerRankWithoutDedup": self.max_decode_rank_bytes_without_dedup},
+            "prefill": {
+                "maxPerRank": self.max_prefill_rank_bytes,
+                "maxPerRankWithoutDedup": self.max_prefill_rank_bytes_without_dedup,
+            },
+            "decode": {
+                "maxPerRank": self.max_decode_rank_bytes,
+                "maxPerRankWithoutDedup": self.max_decode_rank_bytes_without_dedup,
+            },
         }
 
 
@@ -94,7 +100,9 @@ def estimate_traffic(spec: PDClusterSpec, prompt_tokens: int | None = None) -> T
         raise ValueError(f"prompt tokens must not be negative, got {tokens}")
     pages = math.ceil(tokens / m.page_size_tokens)
     routes = kv_routes(p.tp, d.tp, m.kv_heads)
-    senders = sending_cp_ranks(p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split)
+    senders = sending_cp_ranks(
+        p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split
+    )
     all_send = len(senders) == p.cp
     head_page_bytes = 2 * m.page_size_tokens * m.head_dim * m.dtype_bytes  # K and V of one head, layer, page
     state_per_layer = Fraction(m.state_bytes_per_request, m.state_layers)

@@ -113,9 +113,7 @@ def decode_ranks(text: str) -> tuple[Rank, ...]:
 
 
 def build_rankmap(ref: ClusterRef, raw_spec: Mapping[str, Any], placement: Placement) -> RankMap:
-    agents = tuple(
-        AgentEntry(agent_name(ref.name, a.node), a.node, a.ranks, a.domain) for a in placement.agents
-    )
+    agents = tuple(AgentEntry(agent_name(ref.name, a.node), a.node, a.ranks, a.domain) for a in placement.agents)
     return RankMap(
         namespace=ref.namespace,
         cluster=ref.name,
@@ -227,7 +225,10 @@ def build_agent_pod(
         ],
         "containers": [container],
         "volumes": [
-            {"name": "rankmap", "configMap": {"name": rankmap_name(ref.name), "items": [{"key": RANKMAP_KEY, "path": RANKMAP_KEY}]}},
+            {
+                "name": "rankmap",
+                "configMap": {"name": rankmap_name(ref.name), "items": [{"key": RANKMAP_KEY, "path": RANKMAP_KEY}]},
+            },
             {"name": "token", "secret": {"secretName": token_secret_name(ref.name), "defaultMode": 0o400}},
         ],
     }

@@ -264,7 +264,9 @@ def plan_placement(
             fallback = _plan(spec, Transport.TCP, requested, nodes, placed, cluster_uid, previous)
         except _NoFit as tcp_nofit:
             return PlacementFailure(
-                nofit.reason, f"{nofit.message}; the declared TCP fallback does not fit either: {tcp_nofit.message}", requested
+                nofit.reason,
+                f"{nofit.message}; the declared TCP fallback does not fit either: {tcp_nofit.message}",
+                requested,
             )
         return Placement(
             fallback.transport,

@@ -153,10 +153,15 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
         )
         if obs.lost_nodes:
             degraded = _condition(
-                c.COND_DEGRADED, True, "NodeLost", f"re-placing ranks from lost nodes: {', '.join(sorted(obs.lost_nodes))}"
+                c.COND_DEGRADED,
+                True,
+                "NodeLost",
+                f"re-placing ranks from lost nodes: {', '.join(sorted(obs.lost_nodes))}",
             )
         else:
-            degraded = _condition(c.COND_DEGRADED, False, "AsRequested", f"running {placement.transport.value} as requested")
+            degraded = _condition(
+                c.COND_DEGRADED, False, "AsRequested", f"running {placement.transport.value} as requested"
+            )
     ready = (
         _condition(c.COND_READY, True, "AgentsReady", agents_msg)
         if all_ready

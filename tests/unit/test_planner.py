@@ -6,7 +6,7 @@ import pytest
 
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import Rank
-from pdfabric_operator.planner import Placement, PlacementFailure, PlacedPod, plan_placement
+from pdfabric_operator.planner import PlacedPod, Placement, PlacementFailure, plan_placement
 from tests.builders import busy, gpu_node, pdcluster
 
 UID = "uid-1"
@@ -88,7 +88,9 @@ PLACED_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("builder", "nodes", "placed", "expected"), [c[1:] for c in PLACED_CASES], ids=[c[0] for c in PLACED_CASES])
+@pytest.mark.parametrize(
+    ("builder", "nodes", "placed", "expected"), [c[1:] for c in PLACED_CASES], ids=[c[0] for c in PLACED_CASES]
+)
 def test_placement_uses_expected_nodes(builder, nodes, placed, expected) -> None:
     result = plan_placement(builder.spec(), nodes, placed, cluster_uid=UID)
     assert isinstance(result, Placement), result
@@ -167,7 +169,9 @@ FAILURE_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("builder", "nodes", "placed", "reason", "fragment"), [c[1:] for c in FAILURE_CASES], ids=[c[0] for c in FAILURE_CASES]
+    ("builder", "nodes", "placed", "reason", "fragment"),
+    [c[1:] for c in FAILURE_CASES],
+    ids=[c[0] for c in FAILURE_CASES],
 )
 def test_unplaceable_reports_reason(builder, nodes, placed, reason, fragment) -> None:
     result = plan_placement(builder.spec(), nodes, placed, cluster_uid=UID)
@@ -260,7 +264,11 @@ def test_previous_node_without_room_is_left() -> None:
     spec = pdcluster().prefill(tp=4).decode(tp=4).spec()
     previous = {"a": (Rank("prefill", 0, t, 0, 0, t) for t in range(4))}
     result = plan_placement(
-        spec, [gpu_node("a", 8), gpu_node("b", 8)], [busy("a", 6)], cluster_uid=UID, previous={"a": tuple(previous["a"])}
+        spec,
+        [gpu_node("a", 8), gpu_node("b", 8)],
+        [busy("a", 6)],
+        cluster_uid=UID,
+        previous={"a": tuple(previous["a"])},
     )
     assert isinstance(result, Placement)
     assert _gpus(result) == {"b": 8}

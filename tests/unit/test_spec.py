@@ -75,7 +75,9 @@ TRANSPORT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("transfer", "expected"), [c[1:] for c in TRANSPORT_CASES], ids=[c[0] for c in TRANSPORT_CASES])
+@pytest.mark.parametrize(
+    ("transfer", "expected"), [c[1:] for c in TRANSPORT_CASES], ids=[c[0] for c in TRANSPORT_CASES]
+)
 def test_effective_transport(transfer: dict[str, Any], expected: Transport) -> None:
     assert parse_spec({"transfer": transfer}).transfer.effective_transport is expected
 

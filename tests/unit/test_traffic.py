@@ -39,7 +39,9 @@ CASES = [
     ),
     (
         "cp8-all-ranks-dedup-saves-7-of-8",
-        pdcluster().prefill(cp=8, allCpRanksTransfer=True).model(layers=1, expectedPromptTokens=160, stateBytesPerRequest=100),
+        pdcluster()
+        .prefill(cp=8, allCpRanksTransfer=True)
+        .model(layers=1, expectedPromptTokens=160, stateBytesPerRequest=100),
         10 * 8 * HEAD_PAGE,
         100,
         800,
@@ -65,7 +67,10 @@ CASES = [
     ),
     (
         "pp2-splits-layers-aux-from-last-stage",
-        pdcluster().prefill(pp=2).decode(pp=2).model(layers=3, expectedPromptTokens=16, stateBytesPerRequest=50, stateLayers=2),
+        pdcluster()
+        .prefill(pp=2)
+        .decode(pp=2)
+        .model(layers=3, expectedPromptTokens=16, stateBytesPerRequest=50, stateLayers=2),
         3 * 8 * HEAD_PAGE,
         50,
         50,
@@ -74,17 +79,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("builder", "kv", "state", "state_nodedup", "aux"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("builder", "kv", "state", "state_nodedup", "aux"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_expected_bytes(builder, kv, state, state_nodedup, aux) -> None:
     est = estimate_traffic(builder.spec())
-    assert (est.kv_bytes, est.state_bytes, est.state_bytes_without_dedup, est.aux_bytes) == (kv, state, state_nodedup, aux)
+    assert (est.kv_bytes, est.state_bytes, est.state_bytes_without_dedup, est.aux_bytes) == (
+        kv,
+        state,
+        state_nodedup,
+        aux,
+    )
     assert est.total_bytes_without_dedup - est.total_bytes == state_nodedup - state
 
 
 def test_status_form_reports_saving() -> None:
-    spec = pdcluster().prefill(cp=8, allCpRanksTransfer=True).model(
-        layers=1, expectedPromptTokens=128, stateBytesPerRequest=10_000, auxRowBytes=[0]
-    ).spec()
+    spec = (
+        pdcluster()
+        .prefill(cp=8, allCpRanksTransfer=True)
+        .model(layers=1, expectedPromptTokens=128, stateBytesPerRequest=10_000, auxRowBytes=[0])
+        .spec()
+    )
     status = estimate_traffic(spec).to_status()
     kv = 8 * 8 * HEAD_PAGE  # 8 pages of 8 heads, one page per CP rank
     assert status["total"] == kv + 10_000

@@ -1,0 +1,56 @@
+"""Operator settings from PDFABRIC_* environment variables, checked once at start.
+
+PDFABRIC_RECONCILE_INTERVAL  seconds between level-based reconciles of one PDCluster (default 20)
+PDFABRIC_PEERING             kopf peering object (ClusterKopfPeering) name; "" runs standalone (default pdfabric)
+PDFABRIC_PRIORITY            peering priority; unset draws a random one, so of two replicas exactly one acts
+PDFABRIC_METRICS_PORT        Prometheus metrics port, 0 disables (default 8080)
+PDFABRIC_WATCH_TIMEOUT       server-side watch timeout in seconds (default 300)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    reconcile_interval: float = 20.0
+    peering: str = "pdfabric"
+    priority: int = 0
+    metrics_port: int = 8080
+    watch_timeout: int = 300
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+
+        def number(key: str, default: float, low: float) -> float:
+            raw = env.get(key, "")
+            try:
+                value = float(raw) if raw else default
+            except ValueError as exc:
+                raise ConfigError(f"{key} must be a number, got {raw!r}") from exc
+            if value < low:
+                raise ConfigError(f"{key} must be at least {low}, got {value}")
+            return value
+
+        priority_raw = env.get("PDFABRIC_PRIORITY", "")
+        try:
+            # Random by default: kopf pauses *all* peers of equal priority, so replicas must differ.
+            priority = int(priority_raw) if priority_raw else random.SystemRandom().randint(1, 2**30)
+        except ValueError as exc:
+            raise ConfigError(f"PDFABRIC_PRIORITY must be an integer, got {priority_raw!r}") from exc
+        return cls(
+            reconcile_interval=number("PDFABRIC_RECONCILE_INTERVAL", 20.0, 0.1),
+            peering=env.get("PDFABRIC_PEERING", "pdfabric"),
+            priority=priority,
+            metrics_port=int(number("PDFABRIC_METRICS_PORT", 8080, 0)),
+            watch_timeout=int(number("PDFABRIC_WATCH_TIMEOUT", 300, 1)),
+        )

@@ -1,0 +1,335 @@
+"""kopf registrations only: each handler is glue (read, snapshot, call reconcile, record).
+
+Shape of the control loop:
+- indices (watch caches) of GPU nodes, of every pod holding extended resources, and of our agents;
+- one daemon per PDCluster that reconciles on wake-up or every PDFABRIC_RECONCILE_INTERVAL
+  (level-based: deleted children, lost nodes and drift are repaired even if an event was missed);
+- event handlers that only wake daemons (spec change, agent pod change, node readiness change);
+- a delete handler under the pdfabric.dev finalizer that removes the children;
+- peering (ClusterKopfPeering) so that of several replicas only the highest priority acts.
+
+Handler ids are persisted by kopf in live objects: do not rename them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import kopf
+from prometheus_client import start_http_server
+
+from pdfabric_operator import builders as b
+from pdfabric_operator import constants as c
+from pdfabric_operator.config import OperatorConfig
+from pdfabric_operator.kube import Kube, error_type, load_configuration
+from pdfabric_operator.metrics import CLUSTERS, ERRORS, RECONCILE_DURATION, RECONCILES, ReconcileResult
+from pdfabric_operator.planner import GpuNode, PlacedPod
+from pdfabric_operator.reconcile import LEDGER, ClusterMemory, OwnPod, Snapshot, reconcile_once
+
+
+class _State:
+    """Process-wide state of the operator (one operator per process)."""
+
+    def __init__(self) -> None:
+        self.config = OperatorConfig()
+        self.kube: Kube | None = None
+        self.wakers: dict[str, asyncio.Event] = {}
+        self.memory: dict[str, ClusterMemory] = {}
+        self.generations: dict[str, int] = {}
+        self.node_prints: dict[str, tuple[Any, ...]] = {}
+        self.metrics_started = False
+        self.last_reconcile = 0.0
+
+    def get_kube(self) -> Kube:
+        if self.kube is None:
+            self.kube = Kube.from_configuration(load_configuration())
+        return self.kube
+
+    def wake(self, uid: str | None) -> None:
+        event = self.wakers.get(uid or "")
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        for event in self.wakers.values():
+            event.set()
+
+
+STATE = _State()
+
+
+# --- startup, login, probes --------------------------------------------------------------------
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    cfg = OperatorConfig.from_env()
+    STATE.config = cfg
+    STATE.kube = None  # fresh credentials per operator run (tests restart it in-process)
+    # Our own prefix for kopf's finalizer and bookkeeping, in annotations, not in status.
+    settings.persistence.finalizer = c.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.GROUP, key="last-handled-configuration"
+    )
+    # A watch without a server-side timeout can hang forever on a silently dropped connection
+    # (kopf docs, "Networking"); the client timeout must exceed the server's.
+    settings.watching.server_timeout = cfg.watch_timeout
+    settings.watching.client_timeout = cfg.watch_timeout + 30
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    settings.posting.level = logging.WARNING  # k8s Events only for problems, not every handler run
+    if cfg.peering:
+        settings.peering.name = cfg.peering
+        settings.peering.clusterwide = True
+        settings.peering.mandatory = True
+        settings.peering.standalone = False
+        settings.peering.priority = cfg.priority
+    else:
+        settings.peering.standalone = True
+    if cfg.metrics_port and not STATE.metrics_started:
+        start_http_server(cfg.metrics_port)
+        STATE.metrics_started = True
+    logger.info(f"pdfabric operator: peering={cfg.peering or 'standalone'} priority={cfg.priority}")
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf and the reconciler use the same credentials (in-cluster, else $KUBECONFIG)."""
+    cfg = load_configuration()
+    STATE.kube = Kube.from_configuration(cfg)
+    auth = cfg.get_api_key_with_prefix("authorization") or ""
+    scheme, _, token = auth.partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme.capitalize() if token else None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
+@kopf.on.probe(id="clusters")
+def probe_clusters(**_: Any) -> int:
+    return len(STATE.wakers)
+
+
+@kopf.on.probe(id="last_reconcile_age_s")
+def probe_last_reconcile(**_: Any) -> float | None:
+    return round(time.monotonic() - STATE.last_reconcile, 1) if STATE.last_reconcile else None
+
+
+# --- watch caches ------------------------------------------------------------------------------
+
+
+def _int_quantity(value: Any) -> int:
+    # Extended resources are integers ("8"); anything else is not a device count.
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def _extended(resources: dict[str, Any]) -> dict[str, int]:
+    return {k: _int_quantity(v) for k, v in (resources or {}).items() if "/" in k}
+
+
+def node_from_body(name: str, labels: Any, spec: Any, status: Any, meta: Any) -> GpuNode:
+    conditions = {cond.get("type"): cond.get("status") for cond in status.get("conditions") or []}
+    return GpuNode(
+        name=name,
+        labels=dict(labels),
+        allocatable=_extended(status.get("allocatable") or {}),
+        ready=conditions.get("Ready") == "True",
+        schedulable=not spec.get("unschedulable") and not meta.get("deletionTimestamp"),
+    )
+
+
+@kopf.index("nodes")
+def gpu_nodes(name: str, labels: Any, spec: Any, status: Any, meta: Any, **_: Any) -> dict[str, GpuNode]:
+    return {name: node_from_body(name, labels, spec, status, meta)}
+
+
+@kopf.index("pods")
+def gpu_pods(spec: Any, status: Any, labels: Any, **_: Any) -> dict[str, PlacedPod] | None:
+    node = spec.get("nodeName")
+    if not node or status.get("phase") in ("Succeeded", "Failed"):
+        return None
+    requests: dict[str, int] = {}
+    for container in spec.get("containers") or []:
+        res = container.get("resources") or {}
+        # Extended resources must be set in limits; requests default to them.
+        for k, v in {**_extended(res.get("limits") or {}), **_extended(res.get("requests") or {})}.items():
+            requests[k] = requests.get(k, 0) + v
+    if not requests:
+        return None
+    return {node: PlacedPod(node, requests, labels.get(c.LABEL_CLUSTER_UID))}
+
+
+@kopf.index("pods", labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY})
+def agent_pods(
+    name: str, namespace: str, uid: str, spec: Any, status: Any, labels: Any, meta: Any, annotations: Any, **_: Any
+) -> dict[str, OwnPod]:
+    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in status.get("conditions") or [])
+    return {
+        labels[c.LABEL_CLUSTER_UID]: OwnPod(
+            name=name,
+            namespace=namespace,
+            uid=uid,
+            node=spec.get("nodeName") or "",
+            ready=ready,
+            deleting=bool(meta.get("deletionTimestamp")),
+            pod_hash=annotations.get(c.ANN_POD_HASH, ""),
+            ranks=annotations.get(c.ANN_RANKS, ""),
+        )
+    }
+
+
+# --- wake-ups ----------------------------------------------------------------------------------
+
+
+@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
+def pdcluster_changed(uid: str, meta: Any, **_: Any) -> None:
+    # Status writes also produce events; only a spec change (new generation) needs a reconcile now.
+    if STATE.generations.get(uid) != meta.get("generation"):
+        STATE.wake(uid)
+
+
+@kopf.on.event("pods", labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY})
+def agent_pod_changed(labels: Any, **_: Any) -> None:
+    STATE.wake(labels.get(c.LABEL_CLUSTER_UID))
+
+
+@kopf.on.event("nodes")
+def node_changed(name: str, type: str | None, body: Any, **_: Any) -> None:
+    if type == "DELETED":
+        STATE.node_prints.pop(name, None)
+        STATE.wake_all()
+        return
+    meta = body.get("metadata") or {}
+    node = node_from_body(name, meta.get("labels") or {}, body.get("spec") or {}, body.get("status") or {}, meta)
+    # Heartbeats change nothing the planner reads; wake clusters only when placement inputs change.
+    fingerprint = (
+        node.ready,
+        node.schedulable,
+        tuple(sorted(node.allocatable.items())),
+        tuple(sorted(node.labels.items())),
+    )
+    if STATE.node_prints.get(name) != fingerprint:
+        STATE.node_prints[name] = fingerprint
+        STATE.wake_all()
+
+
+# --- the reconcile loop ------------------------------------------------------------------------
+
+
+def _snapshot(gpu_nodes: kopf.Index, gpu_pods: kopf.Index, agent_pods: kopf.Index, uid: str) -> Snapshot:
+    # Runs on the event loop: the indices are only mutated there, so copying here is race-free.
+    return Snapshot(
+        nodes=[n for store in gpu_nodes.values() for n in store],
+        placed=[p for store in gpu_pods.values() for p in store],
+        own=list(agent_pods.get(uid, [])),
+    )
+
+
+@kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, id="reconcile", cancellation_timeout=10.0)
+async def reconcile_daemon(
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    uid: str,
+    stopped: kopf.DaemonStopped,
+    logger: logging.Logger,
+    gpu_nodes: kopf.Index,
+    gpu_pods: kopf.Index,
+    agent_pods: kopf.Index,
+    **_: Any,
+) -> None:
+    ref = b.ClusterRef(namespace, name, uid)
+    wake = STATE.wakers.setdefault(uid, asyncio.Event())
+    memory = STATE.memory.setdefault(uid, ClusterMemory())
+    CLUSTERS.set(len(STATE.wakers))
+    try:
+        while not stopped:
+            wake.clear()
+            if body.get("metadata", {}).get("deletionTimestamp"):
+                return
+            generation = body.get("metadata", {}).get("generation", 0)
+            STATE.generations[uid] = generation
+            snap = _snapshot(gpu_nodes, gpu_pods, agent_pods, uid)
+            started = time.monotonic()
+            try:
+                res = await asyncio.to_thread(
+                    reconcile_once,
+                    STATE.get_kube(),
+                    ref,
+                    dict(body.get("spec") or {}),
+                    generation,
+                    body.get("status"),
+                    snap,
+                    memory,
+                    recheck_children_after=STATE.config.reconcile_interval / 2,
+                )
+                RECONCILES.labels(res.result.value).inc()
+                if res.actions:
+                    logger.info(f"reconciled ({res.result.value}): {'; '.join(res.actions)}")
+            except Exception as exc:
+                RECONCILES.labels(ReconcileResult.ERROR.value).inc()
+                ERRORS.labels(error_type(exc).value).inc()
+                memory.last_status = None  # re-read the stored status next time
+                logger.warning(f"reconcile failed, retrying: {exc!r}")
+                wake.set()
+                await asyncio.sleep(1.0)
+            finally:
+                RECONCILE_DURATION.observe(time.monotonic() - started)
+                STATE.last_reconcile = time.monotonic()
+            # Coalesce bursts of events (a pod creation emits several) into one reconcile.
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=STATE.config.reconcile_interval)
+    finally:
+        STATE.wakers.pop(uid, None)
+        CLUSTERS.set(len(STATE.wakers))
+
+
+@kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, id="cleanup")
+async def cleanup(
+    name: str, namespace: str, uid: str, agent_pods: kopf.Index, logger: logging.Logger, **_: Any
+) -> None:
+    """Delete the children now (the garbage collector would too, later) and free the ledger."""
+    ref = b.ClusterRef(namespace, name, uid)
+    pods = list(agent_pods.get(uid, []))
+    kube = STATE.get_kube()
+
+    def _delete() -> None:
+        for p in pods:
+            kube.delete("Pod", p.namespace, p.name, uid=p.uid)
+        for kind, child in (
+            ("ConfigMap", b.rankmap_name(name)),
+            ("Service", b.service_name(name)),
+            ("Secret", b.token_secret_name(name)),
+        ):
+            kube.delete(kind, ref.namespace, child)
+
+    await asyncio.to_thread(_delete)
+    LEDGER.forget(uid)
+    STATE.memory.pop(uid, None)
+    STATE.generations.pop(uid, None)
+    logger.info(f"deleted {len(pods)} agent pods and the shared children")
+
+
+def run() -> None:
+    """Console entry point `pdfabric-operator`: all namespaces, liveness on :8081/healthz."""
+    import os
+
+    kopf.configure(verbose=bool(os.environ.get("PDFABRIC_VERBOSE")))
+    kopf.run(
+        clusterwide=True,
+        liveness_endpoint=os.environ.get("PDFABRIC_LIVENESS", "http://0.0.0.0:8081/healthz"),
+    )

@@ -1,0 +1,65 @@
+"""Every operator metric, declared once. Names: pdfabric_operator_<noun>_<verb>_<unit suffix>.
+
+Label values come from Enums and are pre-created, so each series exists at zero before the first
+event (a dashboard can tell "no failures" from "no data").
+"""
+
+from __future__ import annotations
+
+import enum
+
+from prometheus_client import Counter, Gauge, Histogram
+
+
+class ReconcileResult(enum.StrEnum):
+    READY = "ready"  # placed and every agent Ready
+    PROGRESSING = "progressing"  # placed, agents not all Ready yet
+    UNPLACED = "unplaced"  # no fit: Placed=False
+    INVALID = "invalid"  # spec rejected by parse_spec
+    ERROR = "error"  # an API call failed; retried on the next wake or interval
+
+
+class ErrorType(enum.StrEnum):
+    API_CONFLICT = "api_conflict"
+    API_NOT_FOUND = "api_not_found"
+    API_FORBIDDEN = "api_forbidden"
+    API_SERVER = "api_server"
+    API_OTHER = "api_other"
+    INTERNAL = "internal"
+
+
+PLACEMENT_REASONS = (
+    "NoGPUNodes",
+    "InsufficientGPUs",
+    "NoRDMANodes",
+    "NoNVLinkDomain",
+    "NVLinkDomainTooSmall",
+    "NoNodeForIntraNodeGroup",
+)
+
+RECONCILES = Counter("pdfabric_operator_reconciles_total", "PDCluster reconciles by result.", ["result"])
+RECONCILE_DURATION = Histogram(
+    "pdfabric_operator_reconcile_duration_seconds",
+    "Wall time of one PDCluster reconcile (plan, apply children, write status).",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+ERRORS = Counter("pdfabric_operator_errors_total", "Reconcile errors by type.", ["type"])
+PLACEMENT_FAILURES = Counter(
+    "pdfabric_operator_placement_failures_total", "Reconciles that found no placement, by reason.", ["reason"]
+)
+FALLBACKS = Counter("pdfabric_operator_transport_fallbacks_total", "Placements that used the declared TCP fallback.")
+API_REQUESTS = Counter(
+    "pdfabric_operator_api_requests_total",
+    "Kubernetes API requests the reconciler made (kopf's watches excluded).",
+    ["verb"],
+)
+CLUSTERS = Gauge("pdfabric_operator_clusters", "PDClusters this operator reconciles now.")
+
+for _r in ReconcileResult:
+    RECONCILES.labels(_r.value)
+for _e in ErrorType:
+    ERRORS.labels(_e.value)
+for _reason in PLACEMENT_REASONS:
+    PLACEMENT_FAILURES.labels(_reason)
+for _verb in ("get", "create", "update", "patch", "delete"):
+    API_REQUESTS.labels(_verb)

@@ -1,0 +1,250 @@
+"""One level-based reconcile of one PDCluster, as numbered steps.
+
+It runs in a worker thread on a snapshot of the watch caches (kopf indices) taken on the event
+loop, so it never iterates a dict the loop is mutating. Steps:
+
+1. Parse the spec (an invalid spec: status says why, children untouched).
+2. Plan against the snapshot plus the in-memory ledger of placements this operator just made
+   (the watch cache lags our own creates; without the ledger two clusters planned in the same
+   second would both take the same GPUs).
+3. No fit: delete every child, publish the reason. Fit: ensure Secret, Service, rank-map
+   ConfigMap, then agent pods (replace a pod whose build hash differs, delete pods no longer
+   wanted, create missing ones; deterministic names make an interrupted run safe to repeat).
+4. Compute status from what was seen and patch it only if it changed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pdfabric_core.rankmap import RankMap
+from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
+from pdfabric_operator import builders as b
+from pdfabric_operator import constants as c
+from pdfabric_operator.kube import Kube
+from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
+from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement
+from pdfabric_operator.status import AgentView, Observed, compute_status, status_patch
+
+
+@dataclass(frozen=True)
+class OwnPod:
+    """An agent pod of some PDCluster, as the pod index holds it."""
+
+    name: str
+    namespace: str
+    uid: str
+    node: str
+    ready: bool
+    deleting: bool
+    pod_hash: str
+    ranks: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: Sequence[GpuNode]
+    placed: Sequence[PlacedPod]
+    own: Sequence[OwnPod]
+
+
+class Ledger:
+    """GPUs (and RDMA devices) each PDCluster was last given by this operator: node -> requests."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._by_uid: dict[str, dict[str, dict[str, int]]] = {}
+
+    def pods(self, exclude_uid: str) -> list[PlacedPod]:
+        return [
+            PlacedPod(node, req, uid)
+            for uid, nodes in self._by_uid.items()
+            if uid != exclude_uid
+            for node, req in nodes.items()
+        ]
+
+    def uids(self) -> set[str]:
+        return set(self._by_uid)
+
+    def record(self, uid: str, usage: dict[str, dict[str, int]]) -> None:
+        self._by_uid[uid] = usage
+
+    def forget(self, uid: str) -> None:
+        self._by_uid.pop(uid, None)
+
+
+LEDGER = Ledger()
+
+
+@dataclass
+class ClusterMemory:
+    """What one PDCluster's reconciles remember between runs (lost on restart, by design)."""
+
+    last_status: dict[str, Any] | None = None
+    children_checked_at: float = 0.0
+    children_absent: bool = False
+    last_rankmap_hash: str | None = None
+
+
+@dataclass
+class Result:
+    result: ReconcileResult
+    patched: bool = False
+    actions: list[str] = field(default_factory=list)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _usage(spec: PDClusterSpec, placement: Placement) -> dict[str, dict[str, int]]:
+    usage: dict[str, dict[str, int]] = {}
+    for agent in placement.agents:
+        req = {spec.placement.gpu_resource: agent.gpus}
+        if placement.transport.value == "rdma":
+            req[spec.placement.rdma_resource] = 1
+        usage[agent.node] = req
+    return usage
+
+
+def reconcile_once(
+    kube: Kube,
+    ref: b.ClusterRef,
+    raw_spec: Mapping[str, Any],
+    generation: int,
+    stored_status: Mapping[str, Any] | None,
+    snap: Snapshot,
+    memory: ClusterMemory,
+    *,
+    recheck_children_after: float,
+    ledger: Ledger = LEDGER,
+) -> Result:
+    out = Result(ReconcileResult.PROGRESSING)
+    own = list(snap.own)
+
+    # 1. Spec.
+    try:
+        spec = parse_spec(raw_spec)
+    except SpecError as exc:
+        status = compute_status(Observed(generation, PDClusterSpec(), None, spec_error=str(exc)), ref.name)
+        out.result = ReconcileResult.INVALID
+        out.patched = _write_status(kube, ref, status, stored_status, memory)
+        return out
+
+    # 2. Plan.
+    usable = {n.name for n in snap.nodes if n.ready and n.schedulable}
+    previous: dict[str, Any] = {}
+    for p in own:
+        if not p.deleting and p.node in usable:
+            previous[p.node] = b.decode_ranks(p.ranks)
+    lost = sorted({p.node for p in own if p.node not in usable})
+    with ledger.lock:
+        known = ledger.uids()
+        placed = [p for p in snap.placed if p.owner_uid not in known] + ledger.pods(ref.uid)
+        outcome = plan_placement(spec, snap.nodes, placed, cluster_uid=ref.uid, previous=previous)
+        if isinstance(outcome, Placement):
+            ledger.record(ref.uid, _usage(spec, outcome))
+        else:
+            ledger.forget(ref.uid)
+
+    # 3. Children.
+    views: list[AgentView] = []
+    if isinstance(outcome, PlacementFailure):
+        PLACEMENT_FAILURES.labels(outcome.reason).inc()
+        out.result = ReconcileResult.UNPLACED
+        for p in own:
+            if not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
+                out.actions.append(f"delete pod {p.name}")
+        if not memory.children_absent:
+            for kind, name in (
+                ("ConfigMap", b.rankmap_name(ref.name)),
+                ("Service", b.service_name(ref.name)),
+                ("Secret", b.token_secret_name(ref.name)),
+            ):
+                if kube.delete(kind, ref.namespace, name):
+                    out.actions.append(f"delete {kind} {name}")
+            memory.children_absent = True
+            memory.children_checked_at = 0.0
+    else:
+        if outcome.is_fallback:
+            FALLBACKS.inc()
+        memory.children_absent = False
+        rankmap = b.build_rankmap(ref, raw_spec, outcome)
+        _ensure_shared_children(kube, ref, spec, rankmap, memory, recheck_children_after, out)
+        desired = {pod["metadata"]["name"]: pod for pod in b.build_agent_pods(ref, spec, outcome)}
+        existing = {p.name: p for p in own}
+        for p in own:
+            want = desired.get(p.name)
+            stale = want is None or want["metadata"]["annotations"][c.ANN_POD_HASH] != p.pod_hash
+            if stale and not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
+                out.actions.append(f"delete pod {p.name}")
+        for name, pod in desired.items():
+            if name not in existing and kube.create(pod):
+                out.actions.append(f"create pod {name}")
+        for p in own:
+            want = desired.get(p.name)
+            current = (
+                want is not None and not p.deleting and want["metadata"]["annotations"][c.ANN_POD_HASH] == p.pod_hash
+            )
+            views.append(AgentView(p.name, p.node, p.ready, current))
+
+    # 4. Status.
+    status = compute_status(Observed(generation, spec, outcome, views, lost_nodes=lost), ref.name)
+    if isinstance(outcome, Placement) and status["conditions"][0]["status"] == "True":
+        out.result = ReconcileResult.READY
+    out.patched = _write_status(kube, ref, status, stored_status, memory)
+    return out
+
+
+def _ensure_shared_children(
+    kube: Kube,
+    ref: b.ClusterRef,
+    spec: PDClusterSpec,
+    rankmap: RankMap,
+    memory: ClusterMemory,
+    recheck_after: float,
+    out: Result,
+) -> None:
+    cm = b.build_rankmap_configmap(ref, rankmap)
+    want_hash = cm["metadata"]["annotations"][c.ANN_RANKMAP_HASH]
+    fresh = time.monotonic() - memory.children_checked_at < recheck_after
+    if fresh and memory.last_rankmap_hash == want_hash:
+        return
+    if kube.get("Secret", ref.namespace, b.token_secret_name(ref.name)) is None:
+        kube.create(b.build_token_secret(ref, secrets.token_urlsafe(32)))
+        out.actions.append("create secret")
+    if kube.get("Service", ref.namespace, b.service_name(ref.name)) is None:
+        kube.create(b.build_headless_service(ref, spec))
+        out.actions.append("create service")
+    have = kube.get("ConfigMap", ref.namespace, cm["metadata"]["name"])
+    if have is None:
+        kube.create(cm)
+        out.actions.append("create configmap")
+    elif (have["metadata"].get("annotations") or {}).get(c.ANN_RANKMAP_HASH) != want_hash:
+        kube.replace(cm, have["metadata"]["resourceVersion"])
+        out.actions.append("update configmap")
+    memory.children_checked_at = time.monotonic()
+    memory.last_rankmap_hash = want_hash
+
+
+def _write_status(
+    kube: Kube,
+    ref: b.ClusterRef,
+    status: dict[str, Any],
+    stored: Mapping[str, Any] | None,
+    memory: ClusterMemory,
+) -> bool:
+    # Compare with what we last wrote when we have it: the watched body may not show it yet.
+    base = memory.last_status if memory.last_status is not None else (stored or {})
+    patch = status_patch(status, base, _now())
+    if patch is None:
+        return False
+    kube.patch_status(ref.namespace, ref.name, patch)
+    memory.last_status = {**dict(base), **patch}
+    return True
