@@ -75,6 +75,7 @@ class FastPathSender:
         self.peers = PeerMappings(device)
         self.ledger = ledger if ledger is not None else ReceiverLedger()
         self._routes: dict[Hashable, _Route] = {}
+        torch.cuda.synchronize(device)  # the counter's zero-fill ran on another stream
 
     # ---- set-up ------------------------------------------------------------------------------
     def map_pool(self, export: PoolExport) -> int:

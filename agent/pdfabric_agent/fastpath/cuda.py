@@ -117,10 +117,16 @@ def device_attribute(device: int, attr: int) -> int:
     return v.value
 
 
+_contexts: dict[int, ctypes.c_void_p] = {}
+
+
 def primary_context(device: int) -> ctypes.c_void_p:
-    """Retain the device's primary context (the one torch's runtime uses) and make it current."""
-    ctx = ctypes.c_void_p()
-    check(cu().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+    """Make the device's primary context (the one torch's runtime uses) current; retained once."""
+    ctx = _contexts.get(device)
+    if ctx is None:
+        ctx = ctypes.c_void_p()
+        check(cu().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+        _contexts[device] = ctx
     check(cu().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     return ctx
 
@@ -276,7 +282,7 @@ def module_function(mod: ctypes.c_void_p, name: str) -> ctypes.c_void_p:
 
 
 def launch(fn: ctypes.c_void_p, grid: int, block: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
-    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     check(
         cu().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream), params, None),
         "cuLaunchKernel",

@@ -105,13 +105,13 @@ __device__ __forceinline__ void run(const i64* table, int ngroups, u64 total_uni
   }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 pdf_gather_scatter(const i64* __restrict__ table, int ngroups, u64 total_units,
                    unsigned int* counter, u64* flag, u64 seq) {
   run(table, ngroups, total_units, counter, flag, seq);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 pdf_gather_scatter_small(const __grid_constant__ SmallTable t, int ngroups, u64 total_units,
                          unsigned int* counter, u64* flag, u64 seq) {
   run(t.w, ngroups, total_units, counter, flag, seq);
@@ -141,6 +141,7 @@ def compile_options(arch: str, cfg: KernelConfig) -> list[str]:
         f"-DUNROLL={cfg.unroll}",
         f"-DCHUNK={cfg.chunk_bytes}",
         f"-DTHREADS={cfg.threads}",
+        f"-DMINB={cfg.blocks_per_sm}",  # caps registers so the persistent grid is all resident
         f"-DSMALL_WORDS={SMALL_TABLE_WORDS}",
     ]
 
@@ -199,6 +200,7 @@ class GatherScatterKernel:
             ctypes.c_uint64(seq),
         ]
         grid = self.grid(total_units)
+        cuda.primary_context(self.device)  # torch may have switched devices on this thread
         if small_words is not None:
             st = SmallTable()
             st.w[: len(small_words)] = small_words
