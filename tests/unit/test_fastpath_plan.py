@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+
 from pdfabric_agent.fastpath.plan import (
     SMALL_TABLE_WORDS,
     BufferPair,

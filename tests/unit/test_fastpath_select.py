@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
 from pdfabric_agent.fastpath.select import (
