@@ -67,6 +67,12 @@ class LocalCluster:
     raw_spec: Mapping[str, Any]
     ranks_per_agent: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
+    # The rank map's transport: default the spec's; the operator writes "tcp" after a declared
+    # placement fallback, which is how pools that need GPUs are exercised on a CPU box.
+    transport: str = ""
+    # The rank map's transport: default the spec's; the operator writes "tcp" after a declared
+    # placement fallback, which is how pools that need GPUs are exercised on a CPU box.
+    transport: str = ""
     workdir: str = ""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     uid: str = "uid-" + secrets.token_hex(4)
@@ -81,7 +87,7 @@ class LocalCluster:
             "default",
             "demo",
             self.uid,
-            self.spec.transfer.effective_transport.value,
+            self.transport or self.spec.transfer.effective_transport.value,
             dict(self.raw_spec),
             tuple(entries),
         )
@@ -205,3 +211,85 @@ class LocalCluster:
                 if n == sample and all(dict(lbl).get(k) == v for k, v in labels.items()):
                     total += value
         return total
+
+
+@dataclass
+class RoomResult:
+    prefill: dict[str, dict[str, Any]]  # rank id -> final view
+    decode: dict[str, dict[str, Any]]
+    errors: dict[str, list[str]]  # decode rank id -> byte mismatches
+    elapsed_s: float
+
+
+def scattered_pages(n: int, limit: int, *, offset: int = 0) -> list[int]:
+    """n distinct pages with runs of three consecutive pages, then a gap: coalescing has work."""
+    pages = [offset + i + (i // 3) * 2 for i in range(n)]
+    if pages and pages[-1] >= limit:
+        raise ValueError(f"{n} scattered pages need a pool of {pages[-1] + 1} pages, have {limit}")
+    return pages
+
+
+def transfer_room(
+    lc: LocalCluster,
+    room: int,
+    *,
+    pages: int,
+    state_slots: int = 0,
+    aux: bool = True,
+    prefill_replica: int = 0,
+    decode_replica: int = 0,
+    fill: bool = True,
+    verify: bool = True,
+    timeout_s: float = 30.0,
+) -> RoomResult:
+    """Drive one room through real agents like a serving engine pair would: decode announces its
+    destination, every prefill rank fills its pages (synthetic contents) and sends, both sides
+    wait for a final state, decode verifies every byte."""
+    from pdfabric_agent.synthetic import fill_prefill, verify_decode
+    from pdfabric_core.policy.rank_mapping import cp_page_shard
+
+    spec = lc.spec
+    kv_pages = int(next(iter(lc.agents.values())).env["PDFABRIC_KV_PAGES"])
+    dst_pages = scattered_pages(pages, kv_pages, offset=1)
+    src_pages = scattered_pages(pages, kv_pages, offset=0)
+    dst_state = list(range(state_slots))[::-1]
+    src_state = list(range(state_slots))
+    aux_dst, aux_src = (3, 1) if aux else (None, None)
+    decode_ranks = [Rank("decode", decode_replica, d).rank_id for d in range(spec.decode.tp)]
+    prefill_ranks = [
+        Rank("prefill", prefill_replica, p, c) for c in range(spec.prefill.cp) for p in range(spec.prefill.tp)
+    ]
+    started = time.monotonic()
+    for d in decode_ranks:
+        lc.client(d).receive(
+            d, room, dst_pages, prefill_replica=prefill_replica, state_indices=dst_state, aux_index=aux_dst
+        )
+    all_send = spec.prefill.all_cp_ranks_transfer or spec.prefill.dsa_cache_layer_split
+    for r in prefill_ranks:
+        shard = cp_page_shard(pages, spec.prefill.cp, r.cp_rank, all_ranks_send=all_send)
+        mine = [src_pages[i] for i in shard]
+        client = lc.client(r.rank_id)
+        if fill:
+            pools = client.map_pools(r.rank_id)
+            try:
+                fill_prefill(
+                    pools, spec, tp_rank=r.tp_rank, room=room, positions=shard, pages=mine,
+                    state_slots=src_state, aux_index=aux_src,
+                )  # fmt: skip
+            finally:
+                pools.close()
+        client.send(r.rank_id, room, mine, decode_replica=decode_replica, state_indices=src_state, aux_index=aux_src)
+    decode_views = {d: lc.client(d).wait(d, room, timeout_s) for d in decode_ranks}
+    prefill_views = {r.rank_id: lc.client(r.rank_id).wait(r.rank_id, room, timeout_s) for r in prefill_ranks}
+    elapsed = time.monotonic() - started
+    errors: dict[str, list[str]] = {}
+    if verify:
+        for tp, d in enumerate(decode_ranks):
+            pools = lc.client(d).map_pools(d)
+            try:
+                errors[d] = verify_decode(
+                    pools, spec, tp_rank=tp, room=room, pages=dst_pages, state_slots=dst_state, aux_index=aux_dst
+                )
+            finally:
+                pools.close()
+    return RoomResult(prefill_views, decode_views, errors, elapsed)
