@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import re
 
+import prometheus_client
 import pytest
 
 import gen_dashboards
 from pdfabric_agent import metrics as agent_metrics
-from pdfabric_operator import metrics as operator_metrics
+from pdfabric_operator import metrics as operator_metrics  # noqa: F401 - registers the operator metrics
 
-PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "le", "label_values"}
 SERIES_SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
 
 
 def declared_series() -> set[str]:
     names: set[str] = set()
-    registries = [agent_metrics.REGISTRY]
-    registries.append(getattr(operator_metrics, "REGISTRY", None) or __import__("prometheus_client").REGISTRY)
-    for registry in registries:
+    # the operator registers on prometheus_client's default registry
+    for registry in (agent_metrics.REGISTRY, prometheus_client.REGISTRY):
         for family in registry.collect():
             names.add(family.name)
             names.update(family.name + s for s in SERIES_SUFFIXES)
