@@ -35,6 +35,25 @@ log = logging.getLogger("pdfabric.main")
 TICK_S = 0.1  # deadline and probe resolution; cheap (a scan of the active rooms)
 
 
+def remove_stale_pools(shm_dir: str, cluster_uid: str) -> None:
+    """Unlink pool files of this cluster left by agent processes that died without cleanup
+    (SIGKILL, OOM): each name carries its owner's pid."""
+    prefix = f"pdfabric-{cluster_uid[:8]}-"
+    for name in os.listdir(shm_dir):
+        if not name.startswith(prefix):
+            continue
+        pid_text = name[len(prefix) :].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shm_dir, name))
+        except PermissionError:  # alive, another user's
+            continue
+
+
 def build_ranks(
     cfg: AgentConfig, rankmap: RankMap, spec: PDClusterSpec, entry: AgentEntry, transport: Transport
 ) -> dict[str, LocalRank]:
@@ -43,6 +62,7 @@ def build_ranks(
     kv_device = Device.CUDA if transport in (Transport.NVLINK_INTRA, Transport.NVLINK) else Device.CPU
     aux_device = metadata_buffer_device(spec.transfer.mem_pool)
     ranks: dict[str, LocalRank] = {}
+    remove_stale_pools(cfg.shm_dir, rankmap.cluster_uid)
     tag = f"pdfabric-{rankmap.cluster_uid[:8]}-{os.getpid()}"
     for rank in entry.ranks:
         tp = spec.prefill.tp if rank.role == "prefill" else spec.decode.tp

@@ -1,0 +1,201 @@
+"""Failure behaviour of real agents: refused requests change nothing; a dead or frozen peer fails
+its rooms within the timeout, is counted, blacklisted, re-probed, and the session recovers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.client import AgentRefused
+from pdfabric_agent.localrun import LocalCluster, transfer_room
+
+SMALL = {
+    "prefill": {"tp": 1},
+    "decode": {"tp": 1},
+    "transfer": {"transport": "tcp", "timeoutSeconds": 3},
+    "model": {"layers": 2, "kvHeads": 2, "headDim": 16, "pageSizeTokens": 4, "auxRowBytes": [8, 8]},
+}
+# 32 KiB pages, 128 pages x 4 layers x K/V: a 32 MiB room, far more than loopback socket buffers
+# hold, so a frozen receiver really stalls the engine mid-transfer.
+BIG = {
+    **SMALL,
+    "model": {"layers": 4, "kvHeads": 8, "headDim": 128, "pageSizeTokens": 16, "auxRowBytes": [8, 8]},
+}
+FAST_RECOVERY = {
+    "PDFABRIC_PROBE_BACKOFF_S": "0.5",
+    "PDFABRIC_PROBE_BACKOFF_MAX_S": "1",
+    "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "3",
+}
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str) -> float:
+    """Poll predicate until true; returns seconds taken; fails the test at the deadline."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    pytest.fail(f"{what} did not happen within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[LocalCluster]:
+    with LocalCluster(SMALL) as lc:
+        yield lc
+
+
+def raw_post(lc: LocalCluster, agent: str, path: str, data: bytes, token: str) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"http://{lc.agents[agent].address}{path}", data=data, method="POST")
+    req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+REFUSALS = [
+    ("wrong-token", {"token": "x" * 32}, {}, 401, "unauthorized"),
+    ("wrong-cluster", {"uid": "uid-of-another-cluster"}, {}, 403, "wrong_cluster"),
+    ("pages-not-a-list", {}, {"kv_pages": "0,1"}, 400, "malformed"),
+    ("missing-room", {}, {"room": None}, 400, "malformed"),
+    ("room-negative", {}, {"room": -1}, 400, "out_of_range"),
+    ("page-out-of-range", {}, {"kv_pages": [0, 64]}, 400, "out_of_range"),
+    ("aux-out-of-range", {}, {"aux_index": 8}, 400, "out_of_range"),
+    ("decode-replica-out-of-range", {}, {"decode_replica": 1}, 400, "out_of_range"),
+    ("unknown-rank", {}, {"rank": "prefill-7-tp0-cp0"}, 404, "unknown_rank"),
+    ("decode-rank-on-send", {}, {"rank": "decode-0-tp0"}, 404, "unknown_rank"),
+]
+
+
+@pytest.mark.parametrize(("case", "who", "override", "status", "reason"), REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_bad_send_is_refused_and_changes_nothing(
+    small: LocalCluster, case: str, who: dict[str, str], override: dict[str, Any], status: int, reason: str
+) -> None:
+    lc = small
+    agent = lc.agent_of("prefill-0-tp0-cp0")
+    body: dict[str, Any] = {
+        "cluster": who.get("uid", lc.uid),
+        "rank": "prefill-0-tp0-cp0",
+        "room": 900,
+        "kv_pages": [0, 1],
+        "decode_replica": 0,
+        **override,
+    }
+    body = {k: v for k, v in body.items() if v is not None}
+    refused_before = lc.metric_sum("pdfabric_api_refusals_total", reason=reason)
+    bytes_before = lc.metric_sum("pdfabric_transfer_bytes_total")
+    code, doc = raw_post(lc, agent, "/v1/send", json.dumps(body).encode(), who.get("token", lc.token))
+    assert (code, doc["reason"]) == (status, reason), doc
+    assert doc["error"]
+    assert lc.metric_sum("pdfabric_api_refusals_total", reason=reason) == refused_before + 1
+    assert lc.metric_sum("pdfabric_transfer_bytes_total") == bytes_before
+    with pytest.raises(AgentRefused) as info:
+        lc.client("prefill-0-tp0-cp0").poll("prefill-0-tp0-cp0", 900)
+    assert info.value.reason == "unknown_room"
+
+
+def test_body_that_is_not_json_is_refused(small: LocalCluster) -> None:
+    code, doc = raw_post(small, small.agent_of("decode-0-tp0"), "/v1/receive", b"{not json", small.token)
+    assert (code, doc["reason"]) == (400, "malformed")
+
+
+def test_duplicate_destination_pages_are_refused(small: LocalCluster) -> None:
+    with pytest.raises(AgentRefused) as info:
+        small.client("decode-0-tp0").receive("decode-0-tp0", 901, [4, 5, 4])
+    assert (info.value.status, info.value.reason) == (400, "malformed")
+    assert "repeat" in info.value.message
+
+
+def test_done_report_for_unknown_room_is_refused(small: LocalCluster) -> None:
+    body = {
+        "cluster": small.uid,
+        "room": 902,
+        "decode_rank": "decode-0-tp0",
+        "prefill_rank": "prefill-0-tp0-cp0",
+        "ok": True,
+    }
+    code, doc = raw_post(small, small.agent_of("decode-0-tp0"), "/v1/peer/done", json.dumps(body).encode(), small.token)
+    assert (code, doc["reason"]) == (404, "unknown_room")
+
+
+def test_active_room_cannot_be_submitted_twice(small: LocalCluster) -> None:
+    small.client("decode-0-tp0").receive("decode-0-tp0", 903, [1])
+    with pytest.raises(AgentRefused) as info:
+        small.client("decode-0-tp0").receive("decode-0-tp0", 903, [2])
+    assert (info.value.status, info.value.reason) == (409, "conflict")
+
+
+def test_valid_room_still_succeeds_after_refusals(small: LocalCluster) -> None:
+    result = transfer_room(small, 904, pages=4)
+    assert result.errors == {"decode-0-tp0": []}
+
+
+def prefill_outcome(lc: LocalCluster, outcome: str) -> float:
+    return lc.metric_sum("pdfabric_requests_total", [lc.agent_of("prefill-0-tp0-cp0")], role="prefill", outcome=outcome)
+
+
+def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
+    with LocalCluster(BIG, env={**FAST_RECOVERY, "PDFABRIC_KV_PAGES": "128"}) as lc:
+        prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
+        pages = list(range(128))
+        lc.client(decode).receive(decode, 1, pages)
+        # The decode agent's room info must be at the prefill agent before it freezes.
+        wait_until(lambda: lc.client(decode).poll(decode, 1)["state"] == "WaitingForInput", 5, "room info delivered")
+        lc.kill(lc.agent_of(decode), signal.SIGSTOP)
+        sent_at = time.monotonic()
+        lc.client(prefill).send(prefill, 1, pages)
+        wait_until(lambda: lc.client(prefill).poll(prefill, 1)["state"] == "Failed", 3 + 2, "frozen peer fails room")
+        failed_after = time.monotonic() - sent_at
+        view = lc.client(prefill).poll(prefill, 1)
+        assert "did not complete within 3 s" in view["reason"]
+        assert failed_after <= 3 + 1.5
+        assert prefill_outcome(lc, "timeout") == 1
+        # Bytes counted are only confirmed batches: less than the room, never more.
+        assert view["bytes"]["kv"] < 128 * 4 * 2 * 32 * 1024
+        # While blacklisted, new rooms to that peer fail at once instead of hanging.
+        lc.client(prefill).send(prefill, 2, [0])
+        assert lc.client(prefill).wait(prefill, 2, 2)["reason"].startswith("peer agent")
+        assert prefill_outcome(lc, "failed") == 1
+
+        lc.kill(lc.agent_of(decode))  # SIGKILL the frozen process, then bring the peer back
+        lc.start(lc.agent_of(decode))
+        wait_until(lambda: lc.metric_sum("pdfabric_session_recoveries_total") >= 1, 10, "probe re-admits the peer")
+        assert lc.metric_sum("pdfabric_peers_blacklisted") == 0
+        result = transfer_room(lc, 3, pages=16)
+        assert result.errors == {decode: []}
+        assert prefill_outcome(lc, "success") == 1
+
+
+def test_killed_decode_fails_fast_and_is_counted() -> None:
+    with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
+        prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
+        lc.client(decode).receive(decode, 5, [0, 1, 2])
+        wait_until(lambda: lc.client(decode).poll(decode, 5)["state"] == "WaitingForInput", 5, "room info delivered")
+        lc.kill(lc.agent_of(decode))
+        lc.client(prefill).send(prefill, 5, [3, 4, 5])
+        view = lc.client(prefill).wait(prefill, 5, 3 + 2)
+        assert view["state"] == "Failed"
+        assert prefill_outcome(lc, "failed") + prefill_outcome(lc, "timeout") == 1
+        lc.start(lc.agent_of(decode))
+        wait_until(lambda: lc.metric_sum("pdfabric_session_recoveries_total") >= 1, 10, "probe re-admits the peer")
+        assert transfer_room(lc, 6, pages=3).errors == {decode: []}
+
+
+def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
+    with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
+        decode = "decode-0-tp0"
+        lc.client(decode).receive(decode, 7, [0, 1])
+        wait_until(lambda: lc.client(decode).poll(decode, 7)["state"] == "WaitingForInput", 5, "room info delivered")
+        lc.kill(lc.agent_of("prefill-0-tp0-cp0"))
+        view = lc.client(decode).wait(decode, 7, 3 + 2)
+        assert view["state"] == "Failed"
+        assert "no data from prefill-0-tp0-cp0" in view["reason"]
+        assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="timeout") == 1
