@@ -158,7 +158,7 @@ def address_range(ptr: int) -> tuple[int, int]:
 def ipc_get_handle(base: int) -> bytes:
     h = IpcMemHandle()
     check(cu().cuIpcGetMemHandle(ctypes.byref(h), CUdeviceptr(base)), "cuIpcGetMemHandle")
-    return bytes(h.reserved)
+    return ctypes.string_at(ctypes.addressof(h), 64)  # .reserved would stop at the first NUL byte
 
 
 def ipc_open_handle(handle: bytes) -> int:
