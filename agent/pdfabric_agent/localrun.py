@@ -121,12 +121,14 @@ class LocalCluster:
             self.agents[e.name] = AgentProc(e, api, met, env, os.path.join(self.workdir, f"{e.name}.log"))
 
     # ------------------------------------------------------------------ processes
-    def start(self, name: str | None = None, *, wait_s: float = 60.0) -> None:
+    def start(self, name: str | None = None, *, wait_s: float = 60.0, ready: bool = True) -> None:
         for agent in [self.agents[name]] if name else self.agents.values():
             with open(agent.log_path, "ab") as log:
                 agent.proc = subprocess.Popen(
                     [sys.executable, "-m", "pdfabric_agent.main"], env=agent.env, stdout=log, stderr=subprocess.STDOUT
                 )
+        if not ready:
+            return
         for agent in [self.agents[name]] if name else self.agents.values():
             self.wait_ready(agent, wait_s)
 
@@ -145,6 +147,17 @@ class LocalCluster:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"agent {agent.entry.name} not ready in {wait_s} s:\n{self.log(agent.entry.name)}")
+
+    def readyz(self, name: str) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of the agent's /readyz; (0, {}) while nothing answers."""
+        url = f"http://127.0.0.1:{self.agents[name].metrics_port}/readyz"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+        except (urllib.error.URLError, OSError):
+            return 0, {}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.agents[name].proc

@@ -1,0 +1,118 @@
+"""Start-up of real agent processes: a transport the node cannot carry is a readiness reason,
+not a silent fallback; configuration errors exit with a clear message; only the needed ports
+listen, on the configured address."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.localrun import REPO, LocalCluster
+
+MODEL = {"layers": 1, "kvHeads": 2, "headDim": 16, "pageSizeTokens": 4}
+
+
+def cluster_spec(**placement: Any) -> dict[str, Any]:
+    return {"prefill": {"tp": 2}, "decode": {"tp": 1}, "model": MODEL, "placement": placement}
+
+
+def wait_readyz(lc: LocalCluster, name: str, timeout_s: float = 60) -> tuple[int, dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status, body = lc.readyz(name)
+        # The metrics server answers before the engines start: wait for a settled reason.
+        if status and body.get("reason") != "Starting":
+            return status, body
+        time.sleep(0.1)
+    pytest.fail(f"{name} gave no settled /readyz within {timeout_s} s:\n{lc.log(name)}")
+
+
+@pytest.mark.skipif(os.path.isdir("/sys/class/infiniband"), reason="this machine has RDMA devices")
+@pytest.mark.parametrize(
+    ("transport", "reason"),
+    [("rdma", "NoRdmaDevice"), ("nvlink-intra", "NoGpu"), ("nvlink", "NoGpu")],
+    ids=["rdma-without-hca", "intra-node-nvlink-without-gpu", "mnnvl-without-gpu"],
+)
+def test_transport_the_node_cannot_carry_is_a_readiness_reason(transport: str, reason: str) -> None:
+    lc = LocalCluster(cluster_spec(), transport=transport)
+    try:
+        lc.start(lc.agent_of("decode-0-tp0"), ready=False)
+        name = lc.agent_of("decode-0-tp0")
+        status, body = wait_readyz(lc, name)
+        assert (status, body["ready"], body["reason"]) == (503, False, reason)
+        assert "placement.fallback: TCP" in body["message"]
+        # Not ready means closed: the transfer API does not listen at all.
+        with pytest.raises(OSError):
+            lc.client(name).info()
+        assert lc.metric_sum("pdfabric_agent_ready", [name]) == 0
+    finally:
+        lc.close()
+
+
+def test_declared_fallback_runs_tcp_and_says_so() -> None:
+    lc = LocalCluster(cluster_spec(fallback="TCP"), transport="rdma")
+    try:
+        lc.start(lc.agent_of("decode-0-tp0"), ready=False)
+        name = lc.agent_of("decode-0-tp0")
+        status, body = wait_readyz(lc, name)
+        assert (status, body["ready"]) == (200, True)
+        assert "NoRdmaDevice" in body["message"] and "fell back to tcp" in body["message"]
+        assert lc.client(name).info()["transport"] == "tcp"
+    finally:
+        lc.close()
+
+
+def listeners(pid: int) -> list[str]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+
+
+def test_only_the_needed_ports_listen() -> None:
+    with LocalCluster(cluster_spec()) as lc:
+        for agent in lc.agents.values():
+            assert agent.proc is not None
+            addrs = listeners(agent.proc.pid)
+            own = sorted(a for a in addrs if a.endswith((f":{agent.api_port}", f":{agent.metrics_port}")))
+            # The agent's own servers bind only the configured address (the pod IP in a pod).
+            assert own == sorted([f"127.0.0.1:{agent.api_port}", f"127.0.0.1:{agent.metrics_port}"])
+            # Besides them: the engine's handshake and data listeners, two per rank, nothing else.
+            assert len(addrs) - len(own) == 2 * len(agent.entry.ranks), addrs
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("NODE_NAME", "NODE_NAME is not set"),
+        ("PDFABRIC_TOKEN_FILE", "PDFABRIC_TOKEN_FILE is not set"),
+    ],
+    ids=["no-node-name", "no-token"],
+)
+def test_configuration_errors_exit_2_with_the_variable_named(drop: str, message: str) -> None:
+    lc = LocalCluster(cluster_spec())
+    try:
+        env = {k: v for k, v in lc.agents[lc.agent_of("decode-0-tp0")].env.items() if k != drop}
+        proc = subprocess.run(
+            [sys.executable, "-m", "pdfabric_agent.main"], env=env, capture_output=True, text=True, timeout=60, cwd=REPO
+        )
+        assert proc.returncode == 2
+        assert message in proc.stderr
+    finally:
+        lc.close()
+
+
+def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
+    lc = LocalCluster(cluster_spec())
+    try:
+        env = {**lc.agents[lc.agent_of("decode-0-tp0")].env, "NODE_NAME": "node-elsewhere"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "pdfabric_agent.main"], env=env, capture_output=True, text=True, timeout=60, cwd=REPO
+        )
+        assert proc.returncode == 2
+        assert "no agent on node 'node-elsewhere'" in proc.stderr
+    finally:
+        lc.close()
