@@ -102,46 +102,46 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("prefill-tp-zero", {"prefill": {"tp": 0}}, "spec.prefill.tp"),
     ("prefill-replicas-negative", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ("decode-cp-not-1", {"decode": {"cp": 2}}, "decode.cp must be 1"),
-    ("decode-pp-mismatch", {"prefill": {"pp": 4}, "decode": {"pp": 2}}, "decode.pp must be 1 or equal prefill.pp (4)"),
+    ("decode-pp-mismatch", {"prefill": {"pp": 4}, "decode": {"pp": 2}}, "decode.pp must be 1 or equal prefill.pp"),
     (
         "tp-sizes-do-not-divide",
         {"model": {"kvHeads": 6}, "prefill": {"tp": 3}, "decode": {"tp": 2}},
-        "prefill.tp (3) and decode.tp (2) must divide each other",
+        "prefill.tp and decode.tp must divide each other",
     ),
     (
         "prefill-tp-vs-kv-heads",
         {"prefill": {"tp": 3}, "decode": {"tp": 3}},
-        "prefill.tp (3) must divide model.kvHeads (8)",
+        "prefill.tp must divide model.kvHeads",
     ),
     (
         "decode-tp-vs-kv-heads",
         {"model": {"kvHeads": 12}, "decode": {"tp": 8}},
-        "decode.tp (8) must divide model.kvHeads (12)",
+        "decode.tp must divide model.kvHeads",
     ),
     (
         "layer-split-cp-does-not-divide-state-layers",
         {"prefill": {"cp": 2, "dsaCacheLayerSplit": True}, "model": {"stateLayers": 3}},
-        "model.stateLayers (3) must be divisible by prefill.cp (2)",
+        "model.stateLayers must be divisible by prefill.cp",
     ),
     (
         "nvlink-pool-on-rdma",
         {"transfer": {"memPool": "NVLINK", "transport": "rdma"}},
-        "transport rdma cannot run on memPool NVLINK",
+        "transfer.transport must fit transfer.memPool",
     ),
     (
         "intra-node-pool-on-tcp",
         {"transfer": {"memPool": "INTRA_NODE_NVLINK", "transport": "tcp"}},
-        "transport tcp cannot run on memPool INTRA_NODE_NVLINK",
+        "transfer.transport must fit transfer.memPool",
     ),
     (
         "default-pool-on-nvlink-intra",
         {"transfer": {"transport": "nvlink-intra"}},
-        "transport nvlink-intra cannot run on memPool NONE",
+        "transfer.transport must fit transfer.memPool",
     ),
     (
         "barex-on-tcp",
         {"transfer": {"memPool": "BAREX", "transport": "tcp"}},
-        "transport tcp cannot run on memPool BAREX",
+        "transfer.transport must fit transfer.memPool",
     ),
     (
         "mori-with-intra-node-pool",
@@ -156,7 +156,7 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     (
         "intra-node-group-exceeds-node",
         {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"tp": 8}, "decode": {"tp": 4}},
-        "12 GPUs exceed placement.maxGpusPerNode (8)",
+        "on one node, within placement.maxGpusPerNode",
     ),
     (
         "intra-node-group-exceeds-configured-max",
@@ -166,12 +166,12 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
             "decode": {"tp": 2},
             "placement": {"maxGpusPerNode": 2},
         },
-        "4 GPUs exceed placement.maxGpusPerNode (2)",
+        "on one node, within placement.maxGpusPerNode",
     ),
     (
         "intra-node-decode-not-multiple",
         {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
-        "decode.replicas (3) must be a multiple of prefill.replicas (2)",
+        "decode.replicas must be a multiple of prefill.replicas",
     ),
     (
         "ports-collide",

@@ -5,6 +5,9 @@ PDFABRIC_PEERING             kopf peering object (ClusterKopfPeering) name; "" r
 PDFABRIC_PRIORITY            peering priority; unset draws a random one, so of two replicas exactly one acts
 PDFABRIC_METRICS_PORT        Prometheus metrics port, 0 disables (default 8080)
 PDFABRIC_WATCH_TIMEOUT       server-side watch timeout in seconds (default 300)
+PDFABRIC_KUBECONFIG          kubeconfig to use instead of in-cluster credentials or $KUBECONFIG
+PDFABRIC_LIVENESS            liveness endpoint URL (default http://0.0.0.0:8081/healthz)
+PDFABRIC_VERBOSE             non-empty: debug logging
 """
 
 from __future__ import annotations

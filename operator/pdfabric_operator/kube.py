@@ -7,6 +7,7 @@ client's deserialisation keeps a 100-cluster reconcile cheap in CPU and memory.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from kubernetes import client, config
@@ -20,12 +21,19 @@ _PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Se
 
 
 def load_configuration() -> client.Configuration:
-    """In-cluster credentials when running in a pod, else $KUBECONFIG; never the global default."""
+    """$PDFABRIC_KUBECONFIG, else in-cluster credentials, else $KUBECONFIG; never the global default.
+
+    The variables are read per call: the client library reads $KUBECONFIG once at import.
+    """
     cfg = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=cfg)
-    except config.ConfigException:
-        config.load_kube_config(client_configuration=cfg)
+    explicit = os.environ.get("PDFABRIC_KUBECONFIG")
+    if explicit:
+        config.load_kube_config(config_file=explicit, client_configuration=cfg)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg)
     # Reconciles run in a thread pool; the default pool of 4 connections would serialise them.
     cfg.connection_pool_maxsize = 32
     return cfg
@@ -63,19 +71,20 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
     ) -> dict[str, Any] | None:
         API_REQUESTS.labels(verb).inc()
-        resp = self.api.call_api(
-            path,
-            _METHODS[verb],
-            path_params={},
+        method, url, headers, payload, post = self.api.param_serialize(
+            method=_METHODS[verb],
+            resource_path=path,
             query_params=query or [],
             header_params={"Content-Type": content_type, "Accept": "application/json"},
             body=body,
             auth_settings=["BearerToken"],
-            _preload_content=False,
-            _return_http_data_only=True,
-            _request_timeout=30,
         )
-        data = resp.data
+        resp = self.api.call_api(
+            method, url, header_params=headers, body=payload, post_params=post, _request_timeout=30
+        )
+        data = resp.read()
+        if not 200 <= resp.status < 300:
+            raise ApiException(http_resp=resp, body=data.decode(errors="replace") if data else None)
         return json.loads(data) if data else None
 
     @staticmethod

@@ -69,7 +69,12 @@ STATE = _State()
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     cfg = OperatorConfig.from_env()
     STATE.config = cfg
-    STATE.kube = None  # fresh credentials per operator run (tests restart it in-process)
+    # A fresh start, as a new process would have (tests restart the operator in-process).
+    STATE.kube = None
+    STATE.memory.clear()
+    STATE.generations.clear()
+    STATE.node_prints.clear()
+    LEDGER.clear()
     # Our own prefix for kopf's finalizer and bookkeeping, in annotations, not in status.
     settings.persistence.finalizer = c.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.GROUP)
@@ -102,7 +107,8 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     """kopf and the reconciler use the same credentials (in-cluster, else $KUBECONFIG)."""
     cfg = load_configuration()
     STATE.kube = Kube.from_configuration(cfg)
-    auth = cfg.get_api_key_with_prefix("authorization") or ""
+    # The client stores "Bearer <token>" under BearerToken (older releases: authorization).
+    auth = cfg.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
     scheme, _, token = auth.partition(" ")
     return kopf.ConnectionInfo(
         server=cfg.host,

@@ -78,6 +78,10 @@ class Ledger:
     def forget(self, uid: str) -> None:
         self._by_uid.pop(uid, None)
 
+    def clear(self) -> None:
+        with self.lock:
+            self._by_uid.clear()
+
 
 LEDGER = Ledger()
 

@@ -1,0 +1,193 @@
+"""Fixtures and helpers for the PDCluster operator's integration tests.
+
+The operator runs in-process under kopf.testing.KopfRunner with a token of the chart's own
+ServiceAccount, so every request it makes is checked against the chart's ClusterRole: an RBAC rule
+missing from the chart fails these tests. Each test gets its own fake GPU nodes (labelled with the
+test's namespace and selected by the PDCluster's nodeSelector), so tests never compete for GPUs
+with each other or with other suites sharing the session's control plane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+from pdfabric_devcluster.nodes import GpuNodeShape
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_NAMESPACE = "pdfabric-system"
+RELEASE = "pdfabric"  # the chart names the ServiceAccount and ClusterRole after it
+TEST_LABEL = "pdfabric.dev/test"
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.25) -> Any:
+    """Poll `predicate` until truthy; fail the test naming `what` (and the last value) at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as exc:  # the object may not exist yet
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+def render_chart(cluster: Any, *args: str) -> list[dict[str, Any]]:
+    out = cluster_helm(cluster, "template", RELEASE, str(ROOT / "charts" / "pdfabric"), "-n", OPERATOR_NAMESPACE, *args)
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def cluster_helm(cluster: Any, *args: str) -> str:
+    import subprocess
+
+    proc = subprocess.run(
+        [str(Path(cluster.bin_dir) / "helm"), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed: {proc.stderr}")
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(cluster: Any) -> Path:
+    """CRDs from crds/, the chart's ServiceAccount + RBAC, and a kubeconfig holding that SA's token."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/pdclusters.pdfabric.dev",
+        "crd/clusterkopfpeerings.kopf.dev",
+    )
+    if cluster.kubectl("get", "namespace", OPERATOR_NAMESPACE, check=False).returncode != 0:
+        cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
+    wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
+    docs = [d for d in render_chart(cluster) if d["kind"] in wanted]
+    assert {d["kind"] for d in docs} == wanted, "the chart must ship the operator's identity and RBAC"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    return cluster.service_account_kubeconfig(OPERATOR_NAMESPACE, RELEASE)
+
+
+@pytest.fixture
+def gpu_nodes(cluster: Any, namespace: str) -> Iterator[Callable[..., list[str]]]:
+    """Factory: add fake GPU nodes that only this test's PDClusters select; removed afterwards."""
+    made: list[str] = []
+
+    def add(prefix: str, count: int, **kw: Any) -> list[str]:
+        labels = {TEST_LABEL: namespace, **kw.pop("labels", {})}
+        names = cluster.add_gpu_nodes([GpuNodeShape(f"{namespace[-6:]}-{prefix}", count, labels=labels, **kw)])
+        made.extend(names)
+        return names
+
+    yield add
+    if made:
+        cluster.delete_nodes(made)
+
+
+def selector(namespace: str) -> dict[str, str]:
+    return {TEST_LABEL: namespace}
+
+
+@contextlib.contextmanager
+def running_operator(
+    cluster: Any, kubeconfig: Path, peering: str, *, interval: float = 1.0, priority: int | None = None
+) -> Iterator[KopfRunner]:
+    """The real operator (pdfabric_operator.main) in a thread, as the chart's ServiceAccount."""
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": peering}}),
+    )
+    env = {
+        "PDFABRIC_KUBECONFIG": str(kubeconfig),
+        "PDFABRIC_PEERING": peering,
+        "PDFABRIC_RECONCILE_INTERVAL": str(interval),
+        "PDFABRIC_METRICS_PORT": "0",
+        "PDFABRIC_WATCH_TIMEOUT": "30",
+    }
+    if priority is not None:
+        env["PDFABRIC_PRIORITY"] = str(priority)
+    with (
+        mock.patch.dict(os.environ, env),
+        KopfRunner(["run", "-A", "--verbose", "-m", "pdfabric_operator.main"], timeout=60) as runner,
+    ):
+        yield runner
+    assert runner.exception is None, runner.output[-5000:]
+    assert runner.exit_code == 0, runner.output[-5000:]
+
+
+@pytest.fixture
+def operator(cluster: Any, operator_kubeconfig: Path, namespace: str) -> Iterator[KopfRunner]:
+    """The operator for one test; on teardown deletes the test's PDClusters while it still runs."""
+    with running_operator(cluster, operator_kubeconfig, f"pdfabric-{namespace}") as runner:
+        yield runner
+        delete_all_pdclusters(cluster, namespace)
+
+
+def delete_all_pdclusters(cluster: Any, namespace: str, timeout: float = 60) -> None:
+    # The finalizer needs the operator: delete while it runs, or the namespace would hang.
+    cluster.kubectl("delete", "pdclusters", "--all", "-n", namespace, "--wait=false", check=False)
+    wait_until(
+        lambda: not cluster.get_json("pdclusters", "-n", namespace)["items"],
+        timeout=timeout,
+        what=f"PDClusters in {namespace} to be finalized",
+    )
+
+
+# --- reading state -----------------------------------------------------------------------------
+
+
+def pdc(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get_json("pdcluster", name, "-n", namespace)
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for cond in obj.get("status", {}).get("conditions", []):
+        if cond["type"] == type_:
+            return cond
+    return None
+
+
+def is_ready(cluster: Any, namespace: str, name: str) -> bool:
+    obj = pdc(cluster, namespace, name)
+    cond = condition(obj, "Ready")
+    return bool(
+        cond and cond["status"] == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+    )
+
+
+def wait_ready(cluster: Any, namespace: str, name: str, timeout: float = 60) -> dict[str, Any]:
+    wait_until(lambda: is_ready(cluster, namespace, name), timeout=timeout, what=f"{namespace}/{name} Ready")
+    return pdc(cluster, namespace, name)
+
+
+def agent_pods(cluster: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    items = cluster.get_json("pods", "-n", namespace, "-l", f"pdfabric.dev/cluster={name}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def children(cluster: Any, namespace: str, name: str) -> dict[str, list[str]]:
+    out = {}
+    for kind in ("pods", "configmaps", "services", "secrets"):
+        items = cluster.get_json(kind, "-n", namespace, "-l", f"pdfabric.dev/cluster={name}")["items"]
+        out[kind] = sorted(i["metadata"]["name"] for i in items)
+    return out
+
+
+def apply_pdc(cluster: Any, manifest: dict[str, Any], namespace: str) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))

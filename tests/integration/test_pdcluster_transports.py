@@ -1,0 +1,119 @@
+"""Valid PDClusters for each transport are placed, their agents Running and Ready, printer columns right."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pdfabric_core.rankmap import RankMap
+from tests.builders import pdcluster
+from tests.integration.pdcluster_harness import (  # noqa: F401 - fixtures
+    agent_pods,
+    apply_pdc,
+    children,
+    condition,
+    gpu_nodes,
+    operator,
+    operator_kubeconfig,
+    selector,
+    wait_ready,
+)
+
+# (id, node shapes: (prefix, count, options), builder, expected GPUs per agent pod, RDMA requested)
+CASES = [
+    ("tcp", [("plain", 2, {})], pdcluster().prefill(tp=4).decode(tp=4), [8], False),
+    (
+        "rdma",
+        [("plain", 2, {}), ("rdma", 2, {"rdma_resource": "rdma/hca"})],
+        pdcluster().transport("rdma").prefill(replicas=2, tp=4).decode(replicas=1, tp=4),
+        [4, 8],
+        True,
+    ),
+    (
+        "nvlink-intra",
+        [("plain", 2, {})],
+        pdcluster().transport("nvlink-intra").prefill(replicas=2, tp=2).decode(replicas=2, tp=2),
+        [4, 4],
+        False,
+    ),
+    (
+        "nvlink",
+        [("cl", 2, {"clique": "domain-x"}), ("plain", 2, {})],
+        pdcluster().transport("nvlink").prefill(replicas=1, tp=8).decode(replicas=2, tp=4),
+        [8, 8],
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize(("shapes", "builder", "gpus", "rdma"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_transport_placed_and_ready(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any, shapes: list, builder: Any, gpus: list[int], rdma: bool
+) -> None:
+    node_labels: dict[str, dict[str, str]] = {}
+    for prefix, count, opts in shapes:
+        for name in gpu_nodes(prefix, count, **opts):
+            node_labels[name] = cluster.get_json("node", name)["metadata"]["labels"]
+    manifest = builder.placement(nodeSelector=selector(namespace)).manifest()
+    manifest["metadata"]["name"] = "pd"
+    apply_pdc(cluster, manifest, namespace)
+    obj = wait_ready(cluster, namespace, "pd")
+    spec = builder.spec()
+    transport = spec.transfer.effective_transport.value
+
+    status = obj["status"]
+    assert status["transport"] == transport
+    assert condition(obj, "Placed")["status"] == "True"
+    assert condition(obj, "TransportReady")["status"] == "True"
+    assert condition(obj, "Degraded")["status"] == "False"
+    assert status["prefillReady"] == f"{spec.prefill.replicas}/{spec.prefill.replicas}"
+    assert status["decodeReady"] == f"{spec.decode.replicas}/{spec.decode.replicas}"
+    assert status["expectedBytesPerRequest"]["total"] > 0
+
+    pods = agent_pods(cluster, namespace, "pd")
+    assert all(p["status"]["phase"] == "Running" for p in pods)
+    per_pod = sorted(int(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for p in pods)
+    assert per_pod == gpus
+    for p in pods:
+        limits = p["spec"]["containers"][0]["resources"]["limits"]
+        assert ("rdma/hca" in limits) == rdma
+        labels = node_labels[p["spec"]["nodeName"]]
+        if transport == "rdma":
+            assert p["spec"]["nodeName"].split("-")[-2] == "rdma"
+        if transport == "nvlink":
+            assert labels.get("nvidia.com/gpu.clique") == "domain-x"
+        assert p["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+        env = {e["name"]: e for e in p["spec"]["containers"][0]["env"]}
+        assert env["PDFABRIC_RANKMAP"]["value"] == "/etc/pdfabric/rankmap.json"
+        assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    if transport == "nvlink-intra":
+        # each node holds one prefill replica and exactly the decode replica it feeds
+        rankmap = RankMap.from_json(
+            cluster.get_json("configmap", "pd-rankmap", "-n", namespace)["data"]["rankmap.json"]
+        )
+        for agent in rankmap.agents:
+            prefill = {r.replica for r in agent.ranks if r.role == "prefill"}
+            decode = {r.replica for r in agent.ranks if r.role == "decode"}
+            assert len(prefill) == 1
+            assert decode == set(rankmap.feeds[prefill.pop()])
+
+    kids = children(cluster, namespace, "pd")
+    assert kids["configmaps"] == ["pd-rankmap"]
+    assert kids["services"] == ["pd-agents"]
+    assert kids["secrets"] == ["pd-token"]
+    assert len(kids["pods"]) == len(gpus)
+
+    table = cluster.kubectl("get", "pdc", "pd", "-n", namespace).stdout.split("\n")
+    header, row = table[0].split(), table[1].split()
+    assert header == ["NAME", "BACKEND", "TRANSPORT", "PREFILL", "DECODE", "READY", "AGE"]
+    assert row[:6] == [
+        "pd",
+        "mooncake",
+        transport,
+        f"{spec.prefill.replicas}/{spec.prefill.replicas}",
+        f"{spec.decode.replicas}/{spec.decode.replicas}",
+        "True",
+    ]
+    json.dumps(obj)  # status is plain JSON
