@@ -184,6 +184,7 @@ class Agent:
         room.state = state
         room.reason = reason
         room.finished_at = self.clock()
+        room.finished_event.set()
         if state is RoomState.SUCCESS:
             metrics.requests.labels(self.cluster, role, Outcome.SUCCESS.value).inc()
             metrics.request_duration.labels(self.cluster, role, self.backend_name, self.transport).observe(
@@ -249,6 +250,7 @@ class Agent:
             room.state = RoomState.SUCCESS
             room.reason = f"CP rank {local.rank.cp_rank} sends nothing for this spec"
             room.finished_at = now
+            room.finished_event.set()
             return room.view()
         for agent_name in {t.agent for t in targets.values()}:
             if self.health.is_blacklisted(agent_name):
@@ -276,6 +278,7 @@ class Agent:
     def _maybe_start(self, room: PrefillRoom) -> None:
         if room.state is RoomState.BOOTSTRAPPING and all(t.dst is not None for t in room.targets.values()):
             room.state = RoomState.TRANSFERRING
+            room.marks["transferring"] = self.clock()
             room.deadline = self.clock() + self.spec.transfer.timeout_seconds
             self._spawn(self._run_prefill(room))
 
@@ -411,6 +414,7 @@ class Agent:
         except (TransferError, OSError) as exc:
             self._blacklist(target.agent, str(exc))
             raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
+        room.marks[f"written:{target.decode_rank}"] = self.clock()
         aux_rows = []
         if plan.aux_tcp:
             view = local.pools.aux.view()
@@ -447,6 +451,7 @@ class Agent:
             metrics.transfer_bytes.labels(*labels, Kind.AUX.value).inc(aux_tcp_bytes)
             room.moved["aux"] += aux_tcp_bytes
         target.done = True
+        room.marks[f"acknowledged:{target.decode_rank}"] = self.clock()
 
     # ---------------------------------------------------------------- client API: decode
     async def submit_receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -563,7 +568,16 @@ class Agent:
         return {"state": room.state.title}
 
     # ---------------------------------------------------------------- polling and upkeep
-    def poll(self, rank_id: str, room_id: int) -> dict[str, Any]:
+    async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:
+        """The room's view; with wait_s > 0, answer as soon as it is final or wait_s passed (a
+        long poll: a serving engine learns completion without polling the agent's CPU away)."""
+        room = self._room(rank_id, room_id)
+        if wait_s > 0 and not room.state.finished:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(room.finished_event.wait(), wait_s)
+        return room.view()
+
+    def _room(self, rank_id: str, room_id: int) -> PrefillRoom | DecodeRoom:
         local = self.ranks.get(rank_id)
         if local is None:
             raise ApiError(404, Refusal.UNKNOWN_RANK, f"rank {rank_id!r} is not served by agent {self.entry.name}")
@@ -573,7 +587,7 @@ class Agent:
         room = rooms.get((rank_id, room_id))
         if room is None:
             raise ApiError(404, Refusal.UNKNOWN_ROOM, f"room {room_id} is unknown on {rank_id}")
-        return room.view()
+        return room
 
     async def tick(self) -> None:
         """Deadlines, probes of blacklisted peers, forgetting old rooms; called periodically."""

@@ -60,14 +60,16 @@ class AgentClient:
         self.cluster_uid = cluster_uid
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         data = None if body is None else json.dumps({"cluster": self.cluster_uid, **body}).encode()
         req = urllib.request.Request(self.base + path, data=data, method=method)
         req.add_header("Authorization", f"Bearer {self.token}")
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             try:
@@ -137,17 +139,17 @@ class AgentClient:
             body["aux_index"] = aux_index
         return self._call("POST", "/v1/receive", body)
 
-    def poll(self, rank: str, room: int) -> dict[str, Any]:
-        return self._call("GET", f"/v1/rooms/{rank}/{room}")
+    def poll(self, rank: str, room: int, wait_s: float = 0.0) -> dict[str, Any]:
+        """The room's state; with wait_s > 0 the agent answers once it is final or wait_s passed."""
+        return self._call("GET", f"/v1/rooms/{rank}/{room}?wait_s={wait_s:g}", timeout_s=self.timeout_s + wait_s)
 
-    def wait(self, rank: str, room: int, timeout_s: float = 30.0, interval_s: float = 0.005) -> dict[str, Any]:
-        """Poll until the room is Success or Failed; raises TimeoutError at the deadline."""
+    def wait(self, rank: str, room: int, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Long-poll until the room is Success or Failed; raises TimeoutError at the deadline."""
         deadline = time.monotonic() + timeout_s
         while True:
-            view = self.poll(rank, room)
+            left = deadline - time.monotonic()
+            view = self.poll(rank, room, wait_s=max(0.0, min(left, 10.0)))
             if view["state"] in FINAL:
                 return view
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"room {room} on {rank} still {view['state']} after {timeout_s} s")
-            time.sleep(interval_s)
-            interval_s = min(interval_s * 2, 0.05)

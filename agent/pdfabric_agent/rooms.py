@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ class PrefillRoom:
     finished_at: float = 0.0
     moved: dict[str, int] = field(default_factory=lambda: {"kv": 0, "state": 0, "aux": 0})
     skipped_state: int = 0
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
+    finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
 
     def view(self) -> dict[str, Any]:
         return {
@@ -119,6 +122,7 @@ class PrefillRoom:
             "reason": self.reason,
             "bytes": dict(self.moved),
             "state_bytes_skipped": self.skipped_state,
+            "phases_s": {k: round(v - self.submitted, 6) for k, v in self.marks.items()},
         }
 
 
@@ -138,6 +142,7 @@ class DecodeRoom:
     finished_at: float = 0.0
     moved: dict[str, int] = field(default_factory=lambda: {"kv": 0, "state": 0, "aux": 0})
     senders: dict[str, dict[str, int]] = field(default_factory=dict)
+    finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
 
     def view(self) -> dict[str, Any]:
         return {

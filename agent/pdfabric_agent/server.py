@@ -25,6 +25,7 @@ from pdfabric_agent.rooms import ApiError, malformed
 
 log = logging.getLogger("pdfabric.server")
 
+MAX_WAIT_S = 30.0  # long polls end well inside common proxy and client timeouts
 MAX_BODY = 16 * 1024 * 1024  # a room of 1M pages still fits; anything bigger is not a PD request
 
 
@@ -92,9 +93,12 @@ def build_api_app(agent: Agent) -> web.Application:
     async def poll(request: web.Request) -> web.Response:
         try:
             room = int(request.match_info["room"])
+            wait_s = float(request.query.get("wait_s", "0"))
         except ValueError:
-            raise malformed("room must be an integer") from None
-        return web.json_response(agent.poll(request.match_info["rank"], room))
+            raise malformed("room must be an integer and wait_s a number of seconds") from None
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise malformed(f"wait_s must be within 0..{MAX_WAIT_S:g} seconds")
+        return web.json_response(await agent.poll(request.match_info["rank"], room, wait_s))
 
     async def peer_dst(request: web.Request) -> web.Response:
         return web.json_response(agent.accept_dst(await _body(request)))

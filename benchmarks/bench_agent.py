@@ -1,0 +1,198 @@
+"""Agent throughput next to the raw Mooncake engine on the same buffers and blocks, the effect of
+page coalescing, and the cost of the metrics.
+
+Run: ``python benchmarks/bench_agent.py [--pages 256] [--repeat 5]`` (loopback tcp, real agents).
+
+- agent: a room through real agent processes, timed by the client from ``send`` to the prefill
+  room's Success (all batches confirmed and the decode agent acknowledged), coalescing off so
+  the agent moves exactly the raw run's blocks;
+- raw: this process registers the very same pool files (mapped from /dev/shm) with two engines
+  of its own and writes the same block list with ``batch_transfer_sync_write``, chunked alike;
+- coalescing: the same room through agents with PDFABRIC_COALESCE=1 vs 0, consecutive pages;
+- metrics: the per-batch cost of the counter updates the agent makes, against the batch time.
+Medians over ``--repeat`` runs. Two cores are shared by everything here: read ratios, not GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "core"), os.path.join(ROOT, "agent")]
+os.environ.setdefault("MC_FORCE_TCP", "1")
+
+from pdfabric_agent import metrics  # noqa: E402
+from pdfabric_agent.localrun import LocalCluster  # noqa: E402
+from pdfabric_agent.plan import Bases, decode_targets, plan_transfer, sender_duties  # noqa: E402
+from pdfabric_agent.pools import PoolLayout  # noqa: E402
+from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
+
+
+def spec_for(page_kib: int) -> dict[str, Any]:
+    # One layer, 8 KV heads x 128 dims x bf16: page_kib KiB per page means page_kib/2 tokens.
+    model = {"layers": 1, "kvHeads": 8, "headDim": 128, "pageSizeTokens": page_kib // 2, "auxRowBytes": [8]}
+    return {
+        "prefill": {"tp": 1},
+        "decode": {"tp": 1},
+        "transfer": {"transport": "tcp", "timeoutSeconds": 60},
+        "model": model,
+    }
+
+
+def agent_room(lc: LocalCluster, room: int, src: list[int], dst: list[int]) -> tuple[float, float]:
+    """(client-timed submit to confirmed completion, the agent's own write phase) in seconds."""
+    p, d = "prefill-0-tp0-cp0", "decode-0-tp0"
+    lc.client(d).receive(d, room, dst)
+    start = time.perf_counter()
+    lc.client(p).send(p, room, src)
+    view = lc.client(p).wait(p, room, 60)
+    elapsed = time.perf_counter() - start
+    if view["state"] != "Success":
+        raise RuntimeError(f"room {room} failed: {view['reason']}")
+    lc.client(d).wait(d, room, 10)
+    phases = view["phases_s"]
+    return elapsed, phases["written:decode-0-tp0"] - phases["transferring"]
+
+
+def map_pool(info: dict[str, Any]) -> tuple[mmap.mmap, int]:
+    fd = os.open(info["handle"], os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, info["size"])
+    finally:
+        os.close(fd)
+    return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def raw_blocks(
+    lc: LocalCluster, src: list[int], dst: list[int], *, coalesce: bool
+) -> tuple[Any, Any, str, list[Any], Any]:
+    """Two engines of this process on the agents' own pool files, and the room's block list."""
+    from mooncake.engine import TransferEngine
+
+    pinfo = lc.client("prefill-0-tp0-cp0").info()["ranks"]["prefill-0-tp0-cp0"]
+    dinfo = lc.client("decode-0-tp0").info()["ranks"]["decode-0-tp0"]
+    (sm, sa), (dm, da) = map_pool(pinfo["kv"]), map_pool(dinfo["kv"])
+    a, b = TransferEngine(), TransferEngine()
+    for eng, addr, size in ((a, sa, pinfo["kv"]["size"]), (b, da, dinfo["kv"]["size"])):
+        if eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0 or eng.register_memory(addr, size) != 0:
+            raise RuntimeError("raw engine setup failed")
+    layout = PoolLayout.from_dict(pinfo["layout"])
+    duties = sender_duties(lc.spec, decode_targets(lc.spec, 0)[0], 0, len(dst))
+    assert duties is not None
+    plan = plan_transfer(
+        duties, src_layout=layout, dst_layout=PoolLayout.from_dict(dinfo["layout"]), src=Bases(sa, 0, 0),
+        dst=Bases(da, 0, 0), src_pages=src, dst_pages=dst, src_state=[], dst_state=[], src_aux=None, dst_aux=None,
+        coalesce=coalesce,
+    )  # fmt: skip
+    return a, (sm, dm), f"127.0.0.1:{b.get_rpc_port()}", plan.kv, b
+
+
+def raw_room(engine: Any, peer: str, blocks: list[Any], limit: int) -> float:
+    start = time.perf_counter()
+    for chunk in chunk_batch(blocks, limit):
+        rc = engine.batch_transfer_sync_write(
+            peer, [x.src for x in chunk], [x.dst for x in chunk], [x.length for x in chunk]
+        )
+        if rc != 0:
+            raise RuntimeError(f"raw batch returned {rc}")
+    return time.perf_counter() - start
+
+
+def scattered(n: int) -> tuple[list[int], list[int]]:
+    # Source every other page, destination reversed: no run survives, one block per page.
+    return [2 * i for i in range(n)], [2 * n - 1 - 2 * i for i in range(n)]
+
+
+def compare_raw(pages: int, page_kib: int, repeat: int) -> dict[str, float]:
+    env = {"PDFABRIC_KV_PAGES": str(2 * pages), "PDFABRIC_COALESCE": "0"}
+    with LocalCluster(spec_for(page_kib), env=env) as lc:
+        src, dst = scattered(pages)
+        nbytes = pages * 2 * page_kib * 1024
+        engine, maps, peer, blocks, other = raw_blocks(lc, src, dst, coalesce=False)
+        agent_t, write_t, raw_t = [], [], []
+        agent_room(lc, 0, src, dst)  # warm both paths (sessions, page faults)
+        raw_room(engine, peer, blocks, 1024)
+        for i in range(repeat):
+            total, writes = agent_room(lc, i + 1, src, dst)
+            agent_t.append(total)
+            write_t.append(writes)
+            raw_t.append(raw_room(engine, peer, blocks, 1024))
+        a, w, r = statistics.median(agent_t), statistics.median(write_t), statistics.median(raw_t)
+        del engine, other, maps
+        return {
+            "blocks": len(blocks),
+            "MiB": nbytes / 2**20,
+            "agent_GBps": nbytes / a / 1e9,
+            "write_GBps": nbytes / w / 1e9,
+            "raw_GBps": nbytes / r / 1e9,
+        }
+
+
+def coalescing(pages: int, page_kib: int, repeat: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    src, dst = list(range(pages)), list(range(pages, 2 * pages))
+    nbytes = pages * 2 * page_kib * 1024
+    for flag in ("1", "0"):
+        with LocalCluster(
+            spec_for(page_kib), env={"PDFABRIC_KV_PAGES": str(2 * pages), "PDFABRIC_COALESCE": flag}
+        ) as lc:
+            agent_room(lc, 0, src, dst)
+            t = statistics.median(agent_room(lc, i + 1, src, dst)[0] for i in range(repeat))
+            blocks = lc.metric_sum("pdfabric_transfer_blocks_total", role="prefill") / (repeat + 1)
+            out[f"coalesce={flag}"] = nbytes / t / 1e9
+            out[f"blocks={flag}"] = blocks
+    return out
+
+
+def metrics_cost(batches: int = 20000) -> float:
+    """Seconds per batch of the counter updates the agent makes after each confirmed batch."""
+    labels = ("bench", "prefill", "mooncake", "tcp", "mooncake")
+    start = time.perf_counter()
+    for _ in range(batches):
+        metrics.transfer_bytes.labels(*labels, "kv").inc(65536)
+        metrics.transfer_blocks.labels(*labels).inc(1024)
+        metrics.transfer_batches.labels(*labels).inc()
+    return (time.perf_counter() - start) / batches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--page-kib", type=int, nargs="+", default=[64, 16])
+    args = ap.parse_args()
+    print("| page | pages/room | blocks | MiB/room | raw engine GB/s | agent GB/s (submit to confirmed) | ratio "
+          "| agent write phase GB/s | ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    batch_times = {}
+    for kib in args.page_kib:
+        for pages in args.pages:
+            r = compare_raw(pages, kib, args.repeat)
+            batch_times[kib] = r["MiB"] * 2**20 / (r["raw_GBps"] * 1e9) / max(1, -(-int(r["blocks"]) // 1024))
+            print(
+                f"| {kib} KiB | {pages} | {int(r['blocks'])} | {r['MiB']:.0f} | {r['raw_GBps']:.2f} "
+                f"| {r['agent_GBps']:.2f} | {r['agent_GBps'] / r['raw_GBps']:.2f} "
+                f"| {r['write_GBps']:.2f} | {r['write_GBps'] / r['raw_GBps']:.2f} |"
+            )
+    c = coalescing(args.pages[0], 4, args.repeat)
+    print()
+    print("| 4 KiB pages, consecutive | blocks/room | agent GB/s |")
+    print("|---|---|---|")
+    print(f"| coalescing on | {c['blocks=1']:.0f} | {c['coalesce=1']:.2f} |")
+    print(f"| coalescing off | {c['blocks=0']:.0f} | {c['coalesce=0']:.2f} |")
+    per_batch = metrics_cost()
+    print()
+    print("| metrics per confirmed batch | cost | share of one 64 KiB-page batch |")
+    print("|---|---|---|")
+    print(f"| 3 counter updates | {per_batch * 1e6:.1f} us | {per_batch / batch_times[args.page_kib[0]] * 100:.3f} % |")
+
+
+if __name__ == "__main__":
+    main()

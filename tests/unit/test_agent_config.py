@@ -1,0 +1,85 @@
+"""PDFABRIC_* settings: required ones named when missing, bad values refused at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdfabric_agent.config import SETTINGS, ConfigError, load_config, settings_markdown
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    return {
+        "NODE_NAME": "node-a",
+        "PDFABRIC_RANKMAP": str(tmp_path / "rankmap.json"),
+        "PDFABRIC_TOKEN_FILE": str(token),
+    }
+
+
+def test_defaults(env: dict[str, str]) -> None:
+    cfg = load_config(env)
+    assert (cfg.token, cfg.bind_address, cfg.api_port, cfg.metrics_port) == ("t" * 32, "0.0.0.0", None, None)
+    assert (cfg.kv_pages, cfg.coalesce, cfg.bootstrap_timeout_s, cfg.probe_backoff_s, cfg.probe_backoff_max_s) == (
+        256,
+        True,
+        300.0,
+        30.0,
+        300.0,
+    )
+
+
+def test_pod_ip_is_the_default_bind_and_engine_host(env: dict[str, str]) -> None:
+    cfg = load_config({**env, "POD_IP": "10.1.2.3"})
+    assert (cfg.bind_address, cfg.engine_host) == ("10.1.2.3", "10.1.2.3")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"NODE_NAME": ""}, "NODE_NAME is not set"),
+        ({"PDFABRIC_RANKMAP": ""}, "PDFABRIC_RANKMAP is not set"),
+        ({"PDFABRIC_TOKEN_FILE": "/nonexistent/token"}, "cannot be read"),
+        ({"PDFABRIC_API_PORT": "70000"}, "must be a TCP port"),
+        ({"PDFABRIC_KV_PAGES": "0"}, "at least 1"),
+        ({"PDFABRIC_KV_PAGES": "many"}, "must be an integer"),
+        ({"PDFABRIC_BOOTSTRAP_TIMEOUT_S": "-1"}, "must be positive"),
+        ({"PDFABRIC_PEERS": "[1]"}, "must map agent names"),
+        ({"PDFABRIC_PEERS": "{"}, "not JSON"),
+        ({"PDFABRIC_COALESCE": "yes"}, "0 or 1"),
+        ({"PDFABRIC_PROBE_BACKOFF_S": "10", "PDFABRIC_PROBE_BACKOFF_MAX_S": "5"}, "at least PDFABRIC_PROBE_BACKOFF_S"),
+        ({"PDFABRIC_SHM_DIR": "/nonexistent"}, "not a directory"),
+    ],
+    ids=[
+        "no-node",
+        "no-rankmap",
+        "token-unreadable",
+        "port-too-big",
+        "zero-pages",
+        "pages-not-int",
+        "negative-timeout",
+        "peers-not-object",
+        "peers-not-json",
+        "coalesce-not-bool",
+        "backoff-max-below-initial",
+        "shm-dir-missing",
+    ],
+)
+def test_bad_settings_are_refused(env: dict[str, str], change: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config({**env, **change})
+
+
+def test_short_token_is_refused(env: dict[str, str]) -> None:
+    Path(env["PDFABRIC_TOKEN_FILE"]).write_text("short")
+    with pytest.raises(ConfigError, match="shorter than 16"):
+        load_config(env)
+
+
+def test_every_setting_is_documented_in_agent_md() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "agent.md").read_text()
+    assert settings_markdown() in doc
+    assert all(f"`{name}`" in doc for name in SETTINGS)
