@@ -15,6 +15,7 @@ MODEL = {
     "headDim": 32,
     "pageSizeTokens": 4,
     "stateBytesPerRequest": 1024,
+    "stateLayers": 4,
     "auxRowBytes": [16, 8],
 }
 
