@@ -9,17 +9,11 @@ import pytest
 
 from pdfabric_core.rankmap import RankMap
 from tests.builders import pdcluster
-from tests.integration.pdcluster_harness import (  # noqa: F401 - fixtures
-    agent_pods,
-    apply_pdc,
-    children,
-    condition,
-    gpu_nodes,
-    operator,
-    operator_kubeconfig,
-    selector,
-    wait_ready,
-)
+from tests.integration import pdcluster_harness as h
+from tests.integration.pdcluster_harness import agent_pods, apply_pdc, children, condition, selector, wait_ready
+
+# Fixtures live in the harness; binding them here makes pytest see them in this module.
+operator_kubeconfig, gpu_nodes, operator = h.operator_kubeconfig, h.gpu_nodes, h.operator
 
 # (id, node shapes: (prefix, count, options), builder, expected GPUs per agent pod, RDMA requested)
 CASES = [
@@ -34,8 +28,9 @@ CASES = [
     (
         "nvlink-intra",
         [("plain", 2, {})],
-        pdcluster().transport("nvlink-intra").prefill(replicas=2, tp=2).decode(replicas=2, tp=2),
-        [4, 4],
+        # 6-GPU groups (prefill TP4 + the decode TP2 it feeds): one per 8-GPU node
+        pdcluster().transport("nvlink-intra").prefill(replicas=2, tp=4).decode(replicas=2, tp=2),
+        [6, 6],
         False,
     ),
     (
