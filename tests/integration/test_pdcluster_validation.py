@@ -1,0 +1,84 @@
+"""The API server itself enforces the PDCluster schema: defaults, enums, minimums and CEL rules."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pdfabric_core.spec import PDClusterSpec, parse_spec
+from tests.builders import INVALID_SPECS, merge, pdcluster
+from tests.integration import pdcluster_harness as h
+
+operator_kubeconfig = h.operator_kubeconfig
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Any, operator_kubeconfig: Any) -> None:
+    """The CRDs are installed (the harness fixture does it once per session)."""
+
+
+def test_at_least_twenty_invalid_specs() -> None:
+    assert len(INVALID_SPECS) >= 20
+
+
+def test_invalid_specs_rejected_with_their_messages(cluster: Any, namespace: str, crds: None) -> None:
+    failures = []
+    for case_id, patch, fragment in INVALID_SPECS:
+        manifest = pdcluster(case_id).manifest()
+        manifest["spec"] = merge(manifest["spec"], patch)
+        proc = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+        if proc.returncode == 0:
+            failures.append(f"{case_id}: accepted")
+        elif fragment not in proc.stderr:
+            failures.append(f"{case_id}: message lacks {fragment!r}: {proc.stderr.strip()}")
+    assert not failures, "\n".join(failures)
+    # Nothing was created: no PDCluster and therefore no children.
+    assert cluster.get_json("pdclusters", "-n", namespace)["items"] == []
+    for kind in ("pods", "configmaps", "services", "secrets"):
+        assert cluster.get_json(kind, "-n", namespace, "-l", "pdfabric.dev/cluster")["items"] == []
+
+
+def test_server_defaults_equal_spec_defaults(cluster: Any, namespace: str, crds: None) -> None:
+    manifest = {"apiVersion": "pdfabric.dev/v1alpha1", "kind": "PDCluster", "metadata": {"name": "bare"}, "spec": {}}
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+    stored = cluster.get_json("pdcluster", "bare", "-n", namespace)["spec"]
+    assert parse_spec(stored) == PDClusterSpec()
+    assert stored["transfer"]["transport"] == "auto"
+    assert stored["placement"]["nvlinkDomainKey"] == "nvidia.com/gpu.clique"
+    cluster.kubectl("delete", "pdcluster", "bare", "-n", namespace)
+
+
+def test_missing_spec_rejected(cluster: Any, namespace: str, crds: None) -> None:
+    manifest = {"apiVersion": "pdfabric.dev/v1alpha1", "kind": "PDCluster", "metadata": {"name": "nospec"}}
+    proc = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert proc.returncode != 0
+    assert "spec: Required value" in proc.stderr
+
+
+def test_unknown_field_rejected(cluster: Any, namespace: str, crds: None) -> None:
+    manifest = pdcluster("typo").manifest()
+    manifest["spec"]["prefill"]["tensorParallel"] = 2
+    proc = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert proc.returncode != 0
+    assert "tensorParallel" in proc.stderr
+
+
+def test_update_to_invalid_rejected(cluster: Any, namespace: str, crds: None) -> None:
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(pdcluster("upd").manifest()))
+    proc = cluster.kubectl(
+        "patch",
+        "pdcluster",
+        "upd",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"decode": {"cp": 4}}}),
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "decode.cp must be 1" in proc.stderr
+    assert cluster.get_json("pdcluster", "upd", "-n", namespace)["spec"]["decode"]["cp"] == 1
+    cluster.kubectl("delete", "pdcluster", "upd", "-n", namespace)
