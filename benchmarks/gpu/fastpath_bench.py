@@ -33,9 +33,31 @@ AUX_ROWS, AUX_BYTES = 8, 4096
 
 def checksum(torch, pages):
     """Order-sensitive checksum of a [n, bytes] uint8 tensor (wrapping int64 arithmetic)."""
-    x = pages.contiguous().view(torch.int64)
+    x = pages.contiguous().reshape(-1).view(torch.int64)
     w = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.int64) * 2654435761
     return int((x * w).sum().item())
+
+
+def call_with_timeout(fn, timeout_s: float):
+    """Run fn in a daemon thread; a hang inside the engine's C++ must not eat the whole run."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"no answer after {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def worker(rank: int, qs, barrier, results, args) -> None:
@@ -45,6 +67,8 @@ def worker(rank: int, qs, barrier, results, args) -> None:
     except BaseException:
         out["error"] = traceback.format_exc()
         print(f"[rank{rank}] FAILED\n{out['error']}", flush=True)
+        barrier.abort()  # the peer fails fast instead of waiting out its timeouts
+        qs[rank].put(("__failed__", rank))
     results.put(out)
 
 
@@ -64,7 +88,10 @@ def run_worker(rank: int, qs, barrier, out: dict, args) -> None:
         qs[rank].put(x)
 
     def recv():
-        return qs[peer].get(timeout=300)
+        msg = qs[peer].get(timeout=90)
+        if isinstance(msg, tuple) and msg and msg[0] == "__failed__":
+            raise RuntimeError(f"rank {peer} failed")
+        return msg
 
     def log(*a):
         print(f"[rank{rank}]", *a, flush=True)
@@ -268,7 +295,7 @@ def run_worker(rank: int, qs, barrier, out: dict, args) -> None:
             from mooncake.engine import TransferEngine
 
             te = TransferEngine()
-            rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "")
+            rc = call_with_timeout(lambda: te.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", ""), 40.0)
             if rc != 0:
                 raise RuntimeError(f"TransferEngine.initialize rc={rc}")
             te_dst = torch.full((GiB,), 0x5A, dtype=torch.uint8, device=dev)
@@ -526,7 +553,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     qs = [ctx.Queue(), ctx.Queue()]
-    barrier = ctx.Barrier(2, timeout=240)
+    barrier = ctx.Barrier(2, timeout=90)
     results = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, qs, barrier, results, args)) for r in range(2)]
     for p in procs:
