@@ -20,7 +20,7 @@ import torch
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PeerMappings, PoolExport
 from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
 from pdfabric_agent.fastpath.ledger import ReceiverLedger
-from pdfabric_agent.fastpath.plan import CopyGroup, LaunchPlan, plan_launch
+from pdfabric_agent.fastpath.plan import CopyGroup, LaunchPlan, Layout, plan_launch
 
 
 class TransferTimeout(TimeoutError):
@@ -94,6 +94,16 @@ class FastPathSender:
         t0 = time.perf_counter_ns()
         plan = plan_launch(groups, chunk_bytes=self.cfg.chunk_bytes)
         return self.submit_plan(room, receiver, plan, t0=t0)
+
+    def layout(self, pools: Sequence[tuple[str, Sequence]]) -> Layout:
+        """Fixed buffers of a connection, planned once; pass it to `submit_layout` per request."""
+        return Layout(pools, chunk_bytes=self.cfg.chunk_bytes)
+
+    def submit_layout(self, room: Hashable, receiver: Hashable, layout: Layout, pages: Sequence[tuple]) -> Transfer:
+        t0 = time.perf_counter_ns()
+        if layout.chunk_bytes != self.cfg.chunk_bytes:
+            raise ValueError("layout was planned for another kernel configuration")
+        return self.submit_plan(room, receiver, layout.plan(pages), t0=t0)
 
     def submit_plan(self, room: Hashable, receiver: Hashable, plan: LaunchPlan, *, t0: int | None = None) -> Transfer:
         t0 = time.perf_counter_ns() if t0 is None else t0

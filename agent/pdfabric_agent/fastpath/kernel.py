@@ -93,13 +93,17 @@ __device__ __forceinline__ void run(const i64* table, int ngroups, u64 total_uni
     copy_chunk(src, dst, len, lane);
   }
   if (flag == 0) return;
-  __threadfence_system();
+  // Grid-barrier pattern (as cooperative groups do it): the block's threads meet at bar.sync,
+  // then one thread fences at system scope, which orders every write of the block before what
+  // that thread does next. A single-block launch (aux-sized requests) skips the counter.
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned int prev = atomicAdd(counter, 1u);
-    if (prev == gridDim.x - 1) {
-      *counter = 0u;  // ready for the next launch on this stream
-      __threadfence_system();
+    __threadfence_system();
+    if (gridDim.x == 1 || atomicAdd(counter, 1u) == gridDim.x - 1) {
+      if (gridDim.x != 1) {
+        *counter = 0u;  // ready for the next launch on this stream
+        __threadfence_system();
+      }
       asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(flag), "l"(seq) : "memory");
     }
   }
@@ -167,6 +171,12 @@ class GatherScatterKernel:
         self._module = cuda.module_load(compile_kernel(f"sm_{major}{minor}", cfg))
         self._fn = cuda.module_function(self._module, "pdf_gather_scatter")
         self._fn_small = cuda.module_function(self._module, "pdf_gather_scatter_small")
+        # Launch arguments live here and are refilled per launch (cuLaunchKernel copies them), so
+        # an aux-sized launch allocates nothing; the lock makes refill + launch atomic.
+        self._launch_lock = threading.Lock()
+        self._small = SmallTable()
+        self._table = ctypes.c_uint64()
+        self._tail = [ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()]
 
     @classmethod
     def get(cls, device: int, cfg: KernelConfig) -> GatherScatterKernel:
@@ -192,18 +202,20 @@ class GatherScatterKernel:
         flag_ptr: int,
         seq: int,
     ) -> None:
-        tail = [
-            ctypes.c_int(ngroups),
-            ctypes.c_uint64(total_units),
-            ctypes.c_uint64(counter_ptr),
-            ctypes.c_uint64(flag_ptr),
-            ctypes.c_uint64(seq),
-        ]
         grid = self.grid(total_units)
-        cuda.primary_context(self.device)  # torch may have switched devices on this thread
-        if small_words is not None:
-            st = SmallTable()
-            st.w[: len(small_words)] = small_words
-            cuda.launch(self._fn_small, grid, self.cfg.threads, stream, [st, *tail])
-        else:
-            cuda.launch(self._fn, grid, self.cfg.threads, stream, [ctypes.c_uint64(table_ptr), *tail])
+        with self._launch_lock:
+            t = self._tail
+            t[0].value, t[1].value, t[2].value, t[3].value, t[4].value = (
+                ngroups,
+                total_units,
+                counter_ptr,
+                flag_ptr,
+                seq,
+            )
+            cuda.primary_context(self.device)  # torch may have switched devices on this thread
+            if small_words is not None:
+                self._small.w[: len(small_words)] = small_words
+                cuda.launch(self._fn_small, grid, self.cfg.threads, stream, [self._small, *t])
+            else:
+                self._table.value = table_ptr
+                cuda.launch(self._fn, grid, self.cfg.threads, stream, [self._table, *t])

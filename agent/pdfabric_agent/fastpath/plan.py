@@ -78,15 +78,6 @@ def _as_index(x: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return t.to(dtype=torch.int64, device="cpu")
 
 
-def _is_small(groups: Sequence[CopyGroup]) -> bool:
-    n = 0
-    for g in groups:
-        if isinstance(g.src_pages, torch.Tensor) or isinstance(g.dst_pages, torch.Tensor):
-            return False
-        n += len(g.src_pages) + len(g.buffers)
-    return n <= SMALL_TABLE_WORDS // 4
-
-
 def split_by_item_bytes(group: CopyGroup) -> list[CopyGroup]:
     """One kernel group per item size: the kernel derives offsets from one item size per group."""
     sizes: dict[int, list[BufferPair]] = {}
@@ -95,87 +86,138 @@ def split_by_item_bytes(group: CopyGroup) -> list[CopyGroup]:
     return [CopyGroup(group.pool, bufs, group.src_pages, group.dst_pages) for bufs in sizes.values()]
 
 
-def plan_launch(groups: Sequence[CopyGroup], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LaunchPlan:
-    if chunk_bytes <= 0 or chunk_bytes % VEC_BYTES:
-        raise PlanError(f"chunk_bytes must be a positive multiple of {VEC_BYTES}, got {chunk_bytes}")
-    flat = [g for group in groups for g in split_by_item_bytes(group)]
-    small = _is_small(flat)  # aux-sized: pure Python, microseconds
-    header: list[list[int]] = []
-    bufs: list[int] = []
-    pages_t: list[torch.Tensor] = []
-    pages_l: list[int] = []
-    npage_rows = 0
-    unit = 0
-    total_bytes = 0
-    dst_by_pool: dict[str, list] = {}
-    for g in flat:
-        if small:
-            src_l, dst_l = [int(x) for x in g.src_pages], [int(x) for x in g.dst_pages]
-            n = len(src_l)
-            if n != len(dst_l):
-                raise PlanError(f"pool {g.pool}: {n} source pages but {len(dst_l)} destination pages")
-            if n == 0 or not g.buffers:
-                continue
-            lo, hi_src, hi_dst = min(min(src_l), min(dst_l)), max(src_l), max(dst_l)
-        else:
-            src, dst = _as_index(g.src_pages), _as_index(g.dst_pages)
-            n = src.numel()
-            if n != dst.numel():
-                raise PlanError(f"pool {g.pool}: {n} source pages but {dst.numel()} destination pages")
-            if n == 0 or not g.buffers:
-                continue
-            lo = min(int(src.min()), int(dst.min()))
-            hi_src, hi_dst = int(src.max()), int(dst.max())
-        if lo < 0:
-            raise PlanError(f"pool {g.pool}: negative page index")
-        item = g.buffers[0].item_bytes
-        if item <= 0:
-            raise PlanError(f"pool {g.pool}: item size must be positive, got {item}")
-        if any(b.item_bytes != item for b in g.buffers):
-            raise PlanError(f"pool {g.pool}: buffers of one kernel group must share an item size")
-        for b in g.buffers:
-            if (b.src_bytes and (hi_src + 1) * item > b.src_bytes) or (
-                b.dst_bytes and (hi_dst + 1) * item > b.dst_bytes
-            ):
+@dataclass(frozen=True)
+class _KernelGroup:
+    source: int  # index of the layout pool whose page lists this group uses
+    pool: str
+    item: int
+    nchunks: int
+    nbuf: int
+    buf_rel: int  # first word of its buffers inside the buffer region
+    src_limit: int | None  # pages per source buffer when every size is known
+    dst_limit: int | None
+
+
+class Layout:
+    """The fixed part of requests between one sender and one receiver: which buffers move together.
+
+    Pools are registered once per connection, so the per-request work is only the page lists:
+    for an aux-sized request that is a few list operations (microseconds), for a whole request a
+    couple of tensor ops. Buffers of one pool with different item sizes become separate kernel
+    groups that share the pool's page region in the table.
+    """
+
+    def __init__(self, pools: Sequence[tuple[str, Sequence[BufferPair]]], chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        if chunk_bytes <= 0 or chunk_bytes % VEC_BYTES:
+            raise PlanError(f"chunk_bytes must be a positive multiple of {VEC_BYTES}, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.pools = [name for name, _ in pools]
+        self.groups: list[_KernelGroup] = []
+        words: list[int] = []
+        for i, (name, buffers) in enumerate(pools):
+            for g in split_by_item_bytes(CopyGroup(name, buffers, [], [])):
+                item = g.buffers[0].item_bytes
+                if item <= 0:
+                    raise PlanError(f"pool {name}: item size must be positive, got {item}")
+                srcs = [b.src_bytes // item for b in g.buffers]
+                dsts = [b.dst_bytes // item for b in g.buffers]
+                self.groups.append(
+                    _KernelGroup(
+                        source=i,
+                        pool=name,
+                        item=item,
+                        nchunks=-(-item // chunk_bytes),
+                        nbuf=len(g.buffers),
+                        buf_rel=len(words),
+                        src_limit=min(srcs) if all(b.src_bytes for b in g.buffers) else None,
+                        dst_limit=min(dsts) if all(b.dst_bytes for b in g.buffers) else None,
+                    )
+                )
+                for b in g.buffers:
+                    words += [b.src_ptr, b.dst_ptr]
+        self.buf_words = words
+        self.npools_buffers = sum(len(b) for _, b in pools)
+
+    def plan(self, pages: Sequence[tuple[torch.Tensor | Sequence[int], torch.Tensor | Sequence[int]]]) -> LaunchPlan:
+        if len(pages) != len(self.pools):
+            raise PlanError(f"layout has {len(self.pools)} pools but {len(pages)} page lists were given")
+        small = all(not isinstance(x, torch.Tensor) for pair in pages for x in pair) and (
+            sum(len(s) for s, _ in pages) + self.npools_buffers <= SMALL_TABLE_WORDS // 4
+        )
+        counts: list[int] = []
+        bounds: list[tuple[int, int]] = []
+        page_words: list[int] = []
+        page_tensors: list[torch.Tensor] = []
+        page_rel: list[int] = []
+        dst_by_pool: dict[str, list] = {}
+        rel = 0
+        for name, (src_in, dst_in) in zip(self.pools, pages, strict=True):
+            if small:
+                src_l, dst_l = [int(x) for x in src_in], [int(x) for x in dst_in]
+                n = len(src_l)
+                if n != len(dst_l):
+                    raise PlanError(f"pool {name}: {n} source pages but {len(dst_l)} destination pages")
+                if n:
+                    lo, hi = min(min(src_l), min(dst_l)), (max(src_l), max(dst_l))
+                    for a, b2 in zip(src_l, dst_l, strict=True):
+                        page_words += [a, b2]
+                    dst_by_pool.setdefault(name, []).extend(dst_l)
+            else:
+                src, dst = _as_index(src_in), _as_index(dst_in)
+                n = src.numel()
+                if n != dst.numel():
+                    raise PlanError(f"pool {name}: {n} source pages but {dst.numel()} destination pages")
+                if n:
+                    lo = min(int(src.min()), int(dst.min()))
+                    hi = (int(src.max()), int(dst.max()))
+                    page_tensors.append(torch.stack([src, dst], dim=1).reshape(-1))
+                    dst_by_pool.setdefault(name, []).append(dst)
+            if n and lo < 0:
+                raise PlanError(f"pool {name}: negative page index")
+            counts.append(n)
+            bounds.append(hi if n else (0, 0))
+            page_rel.append(rel)
+            rel += 2 * n
+        live = [g for g in self.groups if counts[g.source]]
+        for g in live:
+            hs, hd = bounds[g.source]
+            if (g.src_limit is not None and hs >= g.src_limit) or (g.dst_limit is not None and hd >= g.dst_limit):
                 raise PlanError(f"pool {g.pool}: page index past the end of a buffer")
-        nchunks = -(-item // chunk_bytes)
-        header.append([unit, len(g.buffers), n, nchunks, item, len(bufs), npage_rows, 0])
-        for b in g.buffers:
-            bufs += [b.src_ptr, b.dst_ptr]
+        base_buf = len(live) * GROUP_FIELDS
+        base_page = base_buf + len(self.buf_words)
+        head: list[int] = []
+        unit = 0
+        total_bytes = 0
+        for g in live:
+            n = counts[g.source]
+            head += [unit, g.nbuf, n, g.nchunks, g.item, base_buf + g.buf_rel, base_page + page_rel[g.source], 0]
+            unit += g.nbuf * n * g.nchunks
+            total_bytes += g.nbuf * n * g.item
+        table: torch.Tensor | list[int]
         if small:
-            for a, b2 in zip(src_l, dst_l, strict=True):
-                pages_l += [a, b2]
-            dst_by_pool.setdefault(g.pool, []).extend(dst_l)
+            table = head + self.buf_words + page_words
+            by_pool: dict[str, set[int] | torch.Tensor] = {k: set(v) for k, v in dst_by_pool.items()}
         else:
-            pages_t.append(torch.stack([src, dst], dim=1).reshape(-1))
-            dst_by_pool.setdefault(g.pool, []).append(dst)
-        npage_rows += 2 * n
-        unit += len(g.buffers) * n * nchunks
-        total_bytes += len(g.buffers) * n * item
-    ngroups = len(header)
-    base_buf = ngroups * GROUP_FIELDS
-    base_page = base_buf + len(bufs)
-    for h in header:
-        h[5] += base_buf
-        h[6] += base_page
-    head = [w for h in header for w in h]
-    table: torch.Tensor | list[int]
-    if small:
-        table = head + bufs + pages_l
-        by_pool: dict[str, set[int] | torch.Tensor] = {k: set(v) for k, v in dst_by_pool.items()}
-    else:
-        table = torch.cat([torch.tensor(head + bufs, dtype=torch.int64), *pages_t])
-        by_pool = {k: torch.unique(torch.cat(v)) for k, v in dst_by_pool.items()}
-        if table.numel() * 8 > MAX_TABLE_BYTES:
-            raise PlanError(f"launch table of {table.numel() * 8} bytes exceeds {MAX_TABLE_BYTES}; split the request")
-    return LaunchPlan(
-        table=table,
-        ngroups=ngroups,
-        total_units=unit,
-        total_bytes=total_bytes,
-        chunk_bytes=chunk_bytes,
-        dst_pages_by_pool=by_pool,
-    )
+            table = torch.cat([torch.tensor(head + self.buf_words, dtype=torch.int64), *page_tensors])
+            by_pool = {k: torch.unique(torch.cat(v)) for k, v in dst_by_pool.items()}
+            if table.numel() * 8 > MAX_TABLE_BYTES:
+                raise PlanError(
+                    f"launch table of {table.numel() * 8} bytes exceeds {MAX_TABLE_BYTES}; split the request"
+                )
+        return LaunchPlan(
+            table=table,
+            ngroups=len(live),
+            total_units=unit,
+            total_bytes=total_bytes,
+            chunk_bytes=self.chunk_bytes,
+            dst_pages_by_pool=by_pool,
+        )
+
+
+def plan_launch(groups: Sequence[CopyGroup], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LaunchPlan:
+    """One-off planning; callers with fixed pools keep a `Layout` and call its `plan`."""
+    layout = Layout([(g.pool, g.buffers) for g in groups], chunk_bytes)
+    return layout.plan([(g.src_pages, g.dst_pages) for g in groups])
 
 
 def reference_copies(plan: LaunchPlan) -> list[tuple[int, int, int]]:
