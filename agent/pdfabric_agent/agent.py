@@ -138,6 +138,12 @@ class Agent:
             raise malformed(f"rank {rank_id!r} is a {local.rank.role} rank, not {role}")
         return local
 
+    def _agent_for(self, rank_id: str) -> str:
+        try:
+            return self.rankmap.agent_for_rank(rank_id).name
+        except LookupError as exc:
+            raise ApiError(404, Refusal.UNKNOWN_RANK, str(exc)) from None
+
     async def _http_session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cfg.token}"})
@@ -231,7 +237,7 @@ class Agent:
         targets: dict[str, Target] = {}
         for route in decode_targets(self.spec, local.rank.tp_rank):
             decode_rank = Rank("decode", replica, route.decode_tp_rank).rank_id
-            agent = self.rankmap.agent_for_rank(decode_rank).name
+            agent = self._agent_for(decode_rank)
             targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, agent)
         now = self.clock()
         room = PrefillRoom(
@@ -294,10 +300,17 @@ class Agent:
             if name not in body:
                 raise malformed(f"peer room info lacks {name!r}")
         try:
-            PoolLayout.from_dict(body["layout"])
-            Bases(**body["bases"])
+            dst_layout = PoolLayout.from_dict(body["layout"])
+            bases = Bases(**body["bases"])
         except (TypeError, KeyError) as exc:
             raise malformed(f"peer room info has a bad layout or bases: {exc}") from None
+        if not all(isinstance(v, int) and v > 0 for v in (bases.kv, bases.state, bases.aux)):
+            raise malformed("peer room info bases must be positive integers")
+        if not isinstance(body["endpoint"], str) or not body["endpoint"]:
+            raise malformed("peer room info endpoint must be a non-empty string")
+        field_indices(body, "kv_pages", dst_layout.kv_pages, what="KV pages", unique=True)
+        field_indices(body, "state_indices", dst_layout.state_slots, what="state slots", unique=True)
+        check_index(field_int(body, "aux_index", optional=True), dst_layout.aux_slots, name="aux_index")
         valid = {
             Rank("decode", r, route.decode_tp_rank).rank_id
             for r in range(self.spec.decode.replicas)
@@ -480,7 +493,7 @@ class Agent:
         expected = {}
         for p, c in expected_sources(self.spec, local.rank.tp_rank):
             prefill_rank = Rank("prefill", replica, p, c).rank_id
-            expected[prefill_rank] = self.rankmap.agent_for_rank(prefill_rank).name
+            expected[prefill_rank] = self._agent_for(prefill_rank)
         now = self.clock()
         room = DecodeRoom(
             rank=rank_id,
@@ -536,7 +549,8 @@ class Agent:
             raise ApiError(404, Refusal.UNKNOWN_ROOM, f"room {room_id} is unknown on {rank_id}")
         if prefill_rank not in room.expected:
             raise malformed(f"{prefill_rank} is not a source of room {room_id} on {rank_id}")
-        if room.state.finished:
+        if room.state.finished or prefill_rank in room.arrived:
+            # Late or repeated reports change nothing (and count no bytes twice).
             return {"state": room.state.title}
         if not body.get("ok"):
             self._finish(room, "decode", RoomState.FAILED, f"{prefill_rank} failed: {body.get('reason', 'unknown')}")

@@ -7,8 +7,10 @@ addresses because several agents share one loopback interface there.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -25,12 +27,15 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "PDFABRIC_TOKEN_FILE": (None, "Path of the per-cluster token; API requests must carry it (required)."),
     "PDFABRIC_BIND_ADDRESS": (
         "",
-        "Address the API and metrics servers bind; default POD_IP when set, else 0.0.0.0. "
-        "Peers on other nodes and the kubelet need the pod address, nothing else does.",
+        "Address the API and metrics servers bind; default POD_IP, else the address the pod's "
+        "hostname resolves to, else 0.0.0.0. Peers and the kubelet need the pod address, nothing else.",
     ),
     "PDFABRIC_API_PORT": ("", "Transfer API port; default spec.agent.apiPort (7400)."),
     "PDFABRIC_METRICS_PORT": ("", "Metrics and probe port; default spec.agent.metricsPort (9400)."),
-    "PDFABRIC_ENGINE_HOST": ("", "Host the transfer engines advertise to peers; default POD_IP, else 127.0.0.1."),
+    "PDFABRIC_ENGINE_HOST": (
+        "",
+        "Host the transfer engines advertise to peers; default POD_IP, else the hostname's address, else 127.0.0.1.",
+    ),
     "PDFABRIC_PEERS": ("", 'JSON {"agent-name": "host:port"} overriding peer API addresses (local runs).'),
     "PDFABRIC_PEER_HOST_TEMPLATE": (
         "{name}.{cluster}-agents.{namespace}.svc",
@@ -105,6 +110,16 @@ def _port(env: Mapping[str, str], name: str) -> int | None:
     return port
 
 
+def own_address() -> str | None:
+    """The pod's address as its hostname resolves (Kubernetes writes it to /etc/hosts); None when
+    that is a loopback address or does not resolve, as on many developer machines."""
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(addr).is_loopback else addr
+
+
 def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
     env = os.environ if env is None else env
     for required in ("NODE_NAME", "PDFABRIC_RANKMAP", "PDFABRIC_TOKEN_FILE"):
@@ -124,7 +139,7 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
         raise ConfigError(f"PDFABRIC_PEERS is not JSON: {exc}") from None
     if not isinstance(peers, dict) or not all(isinstance(v, str) and ":" in v for v in peers.values()):
         raise ConfigError('PDFABRIC_PEERS must map agent names to "host:port" strings')
-    pod_ip = env.get("POD_IP", "")
+    pod_ip = env.get("POD_IP", "") or own_address() or ""
     shm_dir = env.get("PDFABRIC_SHM_DIR") or "/dev/shm"
     if not os.path.isdir(shm_dir):
         raise ConfigError(f"PDFABRIC_SHM_DIR {shm_dir!r} is not a directory")
@@ -136,7 +151,7 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
         pod_name=env.get("POD_NAME", ""),
         rankmap_path=env["PDFABRIC_RANKMAP"],
         token=token,
-        bind_address=env.get("PDFABRIC_BIND_ADDRESS") or pod_ip or "0.0.0.0",
+        bind_address=env.get("PDFABRIC_BIND_ADDRESS") or pod_ip or "0.0.0.0",  # 0.0.0.0: no address known
         api_port=_port(env, "PDFABRIC_API_PORT"),
         metrics_port=_port(env, "PDFABRIC_METRICS_PORT"),
         engine_host=env.get("PDFABRIC_ENGINE_HOST") or pod_ip or "127.0.0.1",

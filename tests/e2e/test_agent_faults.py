@@ -16,6 +16,9 @@ import pytest
 from pdfabric_agent.client import AgentRefused
 from pdfabric_agent.localrun import LocalCluster, transfer_room
 
+# Real agent processes over the real engine; tests that start a cluster of their own are `slow`.
+pytestmark = pytest.mark.e2e
+
 SMALL = {
     "prefill": {"tp": 1},
     "decode": {"tp": 1},
@@ -142,6 +145,7 @@ def prefill_outcome(lc: LocalCluster, outcome: str) -> float:
     return lc.metric_sum("pdfabric_requests_total", [lc.agent_of("prefill-0-tp0-cp0")], role="prefill", outcome=outcome)
 
 
+@pytest.mark.slow
 def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
     with LocalCluster(BIG, env={**FAST_RECOVERY, "PDFABRIC_KV_PAGES": "128"}) as lc:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
@@ -174,6 +178,7 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
         assert prefill_outcome(lc, "success") == 1
 
 
+@pytest.mark.slow
 def test_killed_decode_fails_fast_and_is_counted() -> None:
     with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
@@ -189,6 +194,7 @@ def test_killed_decode_fails_fast_and_is_counted() -> None:
         assert transfer_room(lc, 6, pages=3).errors == {decode: []}
 
 
+@pytest.mark.slow
 def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
     with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
         decode = "decode-0-tp0"
@@ -199,3 +205,37 @@ def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
         assert view["state"] == "Failed"
         assert "no data from prefill-0-tp0-cp0" in view["reason"]
         assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="timeout") == 1
+
+
+def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalCluster) -> None:
+    from pdfabric_agent.synthetic import fill_prefill, verify_decode
+
+    lc, p, d = small, "prefill-0-tp0-cp0", "decode-0-tp0"
+    pools = lc.client(p).map_pools(p)
+    try:
+        fill_prefill(pools, lc.spec, tp_rank=0, room=905, positions=range(3), pages=[7, 8, 20])
+    finally:
+        pools.close()
+    assert lc.client(p).send(p, 905, [7, 8, 20])["state"] == "Bootstrapping"
+    assert lc.client(p).poll(p, 905, wait_s=0.3)["state"] == "Bootstrapping"  # nothing to send to yet
+    lc.client(d).receive(d, 905, [30, 31, 32])
+    assert lc.client(d).wait(d, 905, 10)["state"] == "Success"
+    assert lc.client(p).wait(p, 905, 10)["state"] == "Success"
+    pools = lc.client(d).map_pools(d)
+    try:
+        assert verify_decode(pools, lc.spec, tp_rank=0, room=905, pages=[30, 31, 32]) == []
+    finally:
+        pools.close()
+
+
+@pytest.mark.slow
+def test_prefill_room_without_decode_fails_at_the_bootstrap_deadline() -> None:
+    with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
+        p = "prefill-0-tp0-cp0"
+        start = time.monotonic()
+        lc.client(p).send(p, 9, [0])
+        view = lc.client(p).wait(p, 9, 3 + 2)
+        assert view["state"] == "Failed"
+        assert view["reason"] == "no room info from decode-0-tp0 in time"
+        assert time.monotonic() - start <= 3 + 1.5
+        assert prefill_outcome(lc, "timeout") == 1

@@ -14,6 +14,9 @@ import pytest
 
 from pdfabric_agent.localrun import REPO, LocalCluster
 
+# Real agent processes over the real engine; every test here starts at least one cluster.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 MODEL = {"layers": 1, "kvHeads": 2, "headDim": 16, "pageSizeTokens": 4}
 
 

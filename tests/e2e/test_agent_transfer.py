@@ -11,6 +11,9 @@ import pytest
 from pdfabric_agent.localrun import LocalCluster, transfer_room
 from pdfabric_agent.synthetic import expected_bytes
 
+# Real agent processes over the real engine; every test here starts at least one cluster.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 GEOMETRY = {
     "layers": 2,
     "kvHeads": 4,

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from pdfabric_agent import config
 from pdfabric_agent.config import SETTINGS, ConfigError, load_config, settings_markdown
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setattr(config, "own_address", lambda: None)
     token = tmp_path / "token"
     token.write_text("t" * 32 + "\n")
     return {
@@ -35,6 +37,17 @@ def test_defaults(env: dict[str, str]) -> None:
 def test_pod_ip_is_the_default_bind_and_engine_host(env: dict[str, str]) -> None:
     cfg = load_config({**env, "POD_IP": "10.1.2.3"})
     assert (cfg.bind_address, cfg.engine_host) == ("10.1.2.3", "10.1.2.3")
+
+
+def test_without_pod_ip_the_hostname_address_is_used(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "own_address", lambda: "10.9.8.7")
+    cfg = load_config(env)
+    assert (cfg.bind_address, cfg.engine_host) == ("10.9.8.7", "10.9.8.7")
+
+
+def test_explicit_addresses_win(env: dict[str, str]) -> None:
+    cfg = load_config({**env, "POD_IP": "10.1.2.3", "PDFABRIC_BIND_ADDRESS": "127.0.0.1", "PDFABRIC_ENGINE_HOST": "h"})
+    assert (cfg.bind_address, cfg.engine_host) == ("127.0.0.1", "h")
 
 
 @pytest.mark.parametrize(
