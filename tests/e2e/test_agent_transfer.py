@@ -153,3 +153,16 @@ def test_aux_path_follows_policy(transfer: dict[str, Any], path: str) -> None:
             assert lc.metric_sum("pdfabric_transfer_bytes_total", role=role, kind="aux", path=path) == aux
             other = "mooncake" if path != "mooncake" else "tcp-side-channel"
             assert lc.metric_sum("pdfabric_transfer_bytes_total", role=role, kind="aux", path=other) == 0
+
+
+def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:
+    # 1500 scattered pages x 2 layers x K/V = 6000 blocks: one tcp batch of that size would fail
+    # and poison the session; chunked it is 6 batches, and the next room still works.
+    geometry = {"layers": 2, "kvHeads": 2, "headDim": 8, "pageSizeTokens": 2, "auxRowBytes": [8]}
+    raw = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "transfer": {"transport": "tcp"}, "model": geometry}
+    with LocalCluster(raw, env={"PDFABRIC_KV_PAGES": "2600", "PDFABRIC_COALESCE": "0"}) as lc:
+        for room in (1, 2):
+            result = transfer_room(lc, room, pages=1500, aux=False)
+            assert result.errors == {"decode-0-tp0": []}
+        assert lc.metric_sum("pdfabric_transfer_blocks_total", role="prefill") == 2 * 6000
+        assert lc.metric_sum("pdfabric_transfer_batches_total", role="prefill") == 2 * 6

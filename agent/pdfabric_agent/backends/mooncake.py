@@ -5,6 +5,7 @@ server), transport chosen by the MC_* environment the agent sets before the firs
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Sequence
 
 from pdfabric_agent.backend import TransferError
@@ -59,10 +60,16 @@ class MooncakeBackend:
         if rc != 0:
             raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
 
-    def probe(self, peer: str) -> bool:
-        # A zero-byte probe is not portable across engine versions; the agent probes the peer's
-        # API instead and lets the next real write re-open the engine session.
-        return True
+    def probe(self, peer: str, timeout_s: float = 1.0) -> bool:
+        """True when the peer engine's handshake listener accepts a connection. This Mooncake
+        build has no data-less probe call, and a write needs a destination, so this checks the
+        listener that every new session starts with."""
+        host, _, port = peer.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         for addr, _size in self._registered:

@@ -1,0 +1,66 @@
+"""The Mooncake backend on the real engine in one process (tcp on loopback): the calls the agent
+relies on, with no agent around them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from pdfabric_agent.backend import TransferBackend
+from pdfabric_agent.backends.mooncake import MooncakeBackend
+from pdfabric_agent.plan import Block
+from pdfabric_agent.pools import Pool
+from pdfabric_agent.transport import mooncake_env
+from pdfabric_core.policy.types import Device, Transport
+
+SIZE = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MooncakeBackend, MooncakeBackend, Pool, Pool]]:
+    os.environ.update(mooncake_env(Transport.TCP, 10))
+    shm = str(tmp_path_factory.mktemp("pools"))
+    a = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
+    b = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
+    pa = Pool.allocate("unit-a", SIZE, Device.CPU, shm_dir=shm)
+    pb = Pool.allocate("unit-b", SIZE, Device.CPU, shm_dir=shm)
+    a.register(pa)
+    b.register(pb)
+    yield a, b, pa, pb
+    for backend in (a, b):
+        backend.close()
+    pa.close()
+    pb.close()
+
+
+def test_is_a_transfer_backend(engines: tuple[MooncakeBackend, ...]) -> None:
+    a = engines[0]
+    assert isinstance(a, TransferBackend)
+    assert (a.name, a.path, a.endpoint().startswith("127.0.0.1:")) == ("mooncake", "mooncake", True)
+
+
+def test_batch_lands_byte_exact_and_nothing_else_changes(engines: tuple) -> None:  # type: ignore[type-arg]
+    a, b, pa, pb = engines
+    src = pa.view()
+    src[0:4096] = bytes(range(256)) * 16
+    src[8192:8200] = b"pdfabric"
+    a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr + 65536, 4096), Block(pa.addr + 8192, pb.addr + 12, 8)])
+    dst = pb.view()
+    assert bytes(dst[65536 : 65536 + 4096]) == bytes(range(256)) * 16
+    assert bytes(dst[12:20]) == b"pdfabric"
+    assert bytes(dst[0:12]) == bytes(12) and bytes(dst[20:64]) == bytes(44)
+
+
+def test_oversized_batch_is_refused_before_the_engine(engines: tuple) -> None:  # type: ignore[type-arg]
+    a, b, pa, pb = engines
+    with pytest.raises(ValueError, match="exceed max_batch_entries 8"):
+        a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 1)] * 9)
+
+
+def test_probe_sees_a_live_listener_and_a_dead_port(engines: tuple) -> None:  # type: ignore[type-arg]
+    a, b = engines[0], engines[1]
+    assert a.probe(b.endpoint()) is True
+    assert a.probe("127.0.0.1:1") is False
+    assert a.probe("not-an-endpoint") is False
