@@ -104,6 +104,9 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine")
         self._http: aiohttp.ClientSession | None = None
+        self._heartbeat_due = 0.0
+        self._heartbeat_running = False
+        self._missed: dict[str, int] = {}  # prefill agent -> consecutive missed heartbeats
         self.backend_name = spec.backend
 
     # ---------------------------------------------------------------- identity and peers
@@ -603,9 +606,40 @@ class Agent:
             raise ApiError(404, Refusal.UNKNOWN_ROOM, f"room {room_id} is unknown on {rank_id}")
         return room
 
+    HEARTBEAT_MISSES = 2  # upstream: two missed heartbeats fail the rooms
+
+    async def _heartbeat(self) -> None:
+        """Decode side: ping the prefill agents that waiting rooms still expect data from; an
+        agent that misses twice fails those rooms now instead of at the waiting deadline."""
+        try:
+            waiting: dict[str, list[DecodeRoom]] = {}
+            for room in self.decode_rooms.values():
+                if not room.state.finished:
+                    for prefill_rank, agent_name in room.expected.items():
+                        if prefill_rank not in room.arrived:
+                            waiting.setdefault(agent_name, []).append(room)
+            names = sorted(waiting)
+            results = await asyncio.gather(
+                *(self.probe_peer(n, timeout_s=min(2.0, self.cfg.heartbeat_s)) for n in names)
+            )
+            for name, ok in zip(names, results, strict=True):
+                self._missed[name] = 0 if ok else self._missed.get(name, 0) + 1
+                if self._missed[name] >= self.HEARTBEAT_MISSES:
+                    self._missed[name] = 0
+                    self._blacklist(name, f"missed {self.HEARTBEAT_MISSES} heartbeats")
+                    for room in waiting[name]:
+                        self._finish(room, "decode", RoomState.FAILED, f"prefill agent {name} stopped answering")
+        finally:
+            self._heartbeat_running = False
+
     async def tick(self) -> None:
-        """Deadlines, probes of blacklisted peers, forgetting old rooms; called periodically."""
+        """Deadlines, heartbeats, probes of blacklisted peers, forgetting old rooms; called
+        periodically."""
         now = self.clock()
+        if now >= self._heartbeat_due and not self._heartbeat_running:
+            self._heartbeat_due = now + self.cfg.heartbeat_s
+            self._heartbeat_running = True
+            self._spawn(self._heartbeat())
         for room in list(self.prefill_rooms.values()):
             if room.state is RoomState.BOOTSTRAPPING and now >= room.deadline:
                 missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)

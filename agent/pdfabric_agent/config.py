@@ -49,6 +49,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "PDFABRIC_BOOTSTRAP_TIMEOUT_S": ("300", "Deadline for a room's peer information to arrive (upstream 300 s)."),
     "PDFABRIC_PROBE_BACKOFF_S": ("30", "First re-probe delay of a blacklisted peer (upstream 30 s)."),
     "PDFABRIC_PROBE_BACKOFF_MAX_S": ("300", "Longest re-probe delay (upstream 300 s)."),
+    "PDFABRIC_HEARTBEAT_S": (
+        "5",
+        "Decode pings the prefill agents of its waiting rooms this often; 2 misses fail the rooms (upstream 5 s).",
+    ),
     "PDFABRIC_ROOM_TTL_S": ("600", "Finished rooms are forgotten after this long."),
     "PDFABRIC_WORKERS": ("8", "Threads issuing blocking engine calls."),
     "PDFABRIC_LOG_LEVEL": ("INFO", "Python log level."),
@@ -75,6 +79,7 @@ class AgentConfig:
     bootstrap_timeout_s: float = 300.0
     probe_backoff_s: float = 30.0
     probe_backoff_max_s: float = 300.0
+    heartbeat_s: float = 5.0
     room_ttl_s: float = 600.0
     workers: int = 8
 
@@ -165,6 +170,7 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
         bootstrap_timeout_s=_float(env, "PDFABRIC_BOOTSTRAP_TIMEOUT_S"),
         probe_backoff_s=_float(env, "PDFABRIC_PROBE_BACKOFF_S"),
         probe_backoff_max_s=_float(env, "PDFABRIC_PROBE_BACKOFF_MAX_S"),
+        heartbeat_s=_float(env, "PDFABRIC_HEARTBEAT_S"),
         room_ttl_s=_float(env, "PDFABRIC_ROOM_TTL_S"),
         workers=_int(env, "PDFABRIC_WORKERS"),
     )

@@ -239,3 +239,20 @@ def test_prefill_room_without_decode_fails_at_the_bootstrap_deadline() -> None:
         assert view["reason"] == "no room info from decode-0-tp0 in time"
         assert time.monotonic() - start <= 3 + 1.5
         assert prefill_outcome(lc, "timeout") == 1
+
+
+@pytest.mark.slow
+def test_missed_heartbeats_fail_decode_rooms_long_before_the_deadline() -> None:
+    env = {**FAST_RECOVERY, "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "60", "PDFABRIC_HEARTBEAT_S": "0.3"}
+    with LocalCluster(SMALL, env=env) as lc:
+        decode = "decode-0-tp0"
+        lc.client(decode).receive(decode, 8, [0, 1])
+        wait_until(lambda: lc.client(decode).poll(decode, 8)["state"] == "WaitingForInput", 5, "room info delivered")
+        lc.kill(lc.agent_of("prefill-0-tp0-cp0"))
+        start = time.monotonic()
+        view = lc.client(decode).wait(decode, 8, 10)
+        assert view["state"] == "Failed"
+        assert view["reason"] == f"prefill agent {lc.agent_of('prefill-0-tp0-cp0')} stopped answering"
+        # Two missed heartbeats 0.3 s apart (each ping may wait up to 0.3 s), far from the 60 s deadline.
+        assert time.monotonic() - start < 3
+        assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="failed") == 1
