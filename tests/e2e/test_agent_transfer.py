@@ -166,3 +166,36 @@ def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:
             assert result.errors == {"decode-0-tp0": []}
         assert lc.metric_sum("pdfabric_transfer_blocks_total", role="prefill") == 2 * 6000
         assert lc.metric_sum("pdfabric_transfer_batches_total", role="prefill") == 2 * 6
+
+
+def test_many_rooms_in_flight_do_not_mix() -> None:
+    from pdfabric_agent.synthetic import fill_prefill, verify_decode
+
+    with LocalCluster(spec({"tp": 2}, {"tp": 4})) as lc:
+        rooms = {
+            room: (list(range(8 * i, 8 * i + 8)), list(range(63 - 8 * i, 55 - 8 * i, -1)))
+            for i, room in enumerate(range(70, 77))
+        }
+        decodes = [f"decode-0-tp{d}" for d in range(4)]
+        prefills = [f"prefill-0-tp{p}-cp0" for p in range(2)]
+        for room, (_, dst) in rooms.items():
+            for d in decodes:
+                lc.client(d).receive(d, room, dst, state_indices=[room % 8], aux_index=room % 8)
+        for p_tp, p in enumerate(prefills):
+            pools = lc.client(p).map_pools(p)
+            for room, (src, _) in rooms.items():
+                fill_prefill(pools, lc.spec, tp_rank=p_tp, room=room, positions=range(8), pages=src,
+                             state_slots=[room % 8], aux_index=room % 8)  # fmt: skip
+            pools.close()
+        for room, (src, _) in rooms.items():  # all sends back to back: rooms overlap in the agents
+            for p in prefills:
+                lc.client(p).send(p, room, src, state_indices=[room % 8], aux_index=room % 8)
+        for room in rooms:
+            assert {lc.client(d).wait(d, room, 30)["state"] for d in decodes} == {"Success"}
+        for d_tp, d in enumerate(decodes):
+            pools = lc.client(d).map_pools(d)
+            for room, (_, dst) in rooms.items():
+                errors = verify_decode(pools, lc.spec, tp_rank=d_tp, room=room, pages=dst,
+                                       state_slots=[room % 8], aux_index=room % 8)  # fmt: skip
+                assert errors == [], (room, d, errors[:3])
+            pools.close()
