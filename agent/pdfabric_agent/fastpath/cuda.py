@@ -281,8 +281,19 @@ def module_function(mod: ctypes.c_void_p, name: str) -> ctypes.c_void_p:
     return fn
 
 
+def kernel_params(args: Sequence[ctypes._SimpleCData | ctypes.Structure]) -> ctypes.Array:
+    """The void*[] cuLaunchKernel reads; build once over argument objects that are refilled in place."""
+    return (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+
+
+def launch_params(fn: ctypes.c_void_p, grid: int, block: int, stream: int, params: ctypes.Array) -> None:
+    rc = cu().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream), params, None)
+    if rc != CUDA_SUCCESS:
+        check(rc, "cuLaunchKernel")
+
+
 def launch(fn: ctypes.c_void_p, grid: int, block: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
-    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    params = kernel_params(args)
     check(
         cu().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream), params, None),
         "cuLaunchKernel",

@@ -177,6 +177,8 @@ class GatherScatterKernel:
         self._small = SmallTable()
         self._table = ctypes.c_uint64()
         self._tail = [ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()]
+        self._params_small = cuda.kernel_params([self._small, *self._tail])
+        self._params = cuda.kernel_params([self._table, *self._tail])
 
     @classmethod
     def get(cls, device: int, cfg: KernelConfig) -> GatherScatterKernel:
@@ -215,7 +217,7 @@ class GatherScatterKernel:
             cuda.primary_context(self.device)  # torch may have switched devices on this thread
             if small_words is not None:
                 self._small.w[: len(small_words)] = small_words
-                cuda.launch(self._fn_small, grid, self.cfg.threads, stream, [self._small, *t])
+                cuda.launch_params(self._fn_small, grid, self.cfg.threads, stream, self._params_small)
             else:
                 self._table.value = table_ptr
-                cuda.launch(self._fn, grid, self.cfg.threads, stream, [self._table, *t])
+                cuda.launch_params(self._fn, grid, self.cfg.threads, stream, self._params)

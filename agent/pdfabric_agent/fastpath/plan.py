@@ -137,13 +137,60 @@ class Layout:
                     words += [b.src_ptr, b.dst_ptr]
         self.buf_words = words
         self.npools_buffers = sum(len(b) for _, b in pools)
+        self._small_ok = self.npools_buffers <= SMALL_TABLE_WORDS // 4
+
+    def _plan_small(self, pages: Sequence[tuple[list[int], list[int]]]) -> LaunchPlan:
+        """Aux-sized requests on the hot path: plain lists only, no tensors, no intermediate objects."""
+        counts: list[int] = []
+        his: list[tuple[int, int]] = []
+        rel: list[int] = []
+        words: list[int] = []
+        by_pool: dict[str, set[int] | torch.Tensor] = {}
+        for name, (src, dst) in zip(self.pools, pages, strict=True):
+            n = len(src)
+            if n != len(dst):
+                raise PlanError(f"pool {name}: {n} source pages but {len(dst)} destination pages")
+            rel.append(len(words))
+            counts.append(n)
+            if n:
+                if min(src) < 0 or min(dst) < 0:
+                    raise PlanError(f"pool {name}: negative page index")
+                his.append((max(src), max(dst)))
+                for a, b in zip(src, dst, strict=True):
+                    words.append(a)
+                    words.append(b)
+                got = by_pool.get(name)
+                by_pool[name] = set(dst) if got is None else got | set(dst)  # type: ignore[operator]
+            else:
+                his.append((0, 0))
+        live = [g for g in self.groups if counts[g.source]]
+        base_buf = len(live) * GROUP_FIELDS
+        base_page = base_buf + len(self.buf_words)
+        head: list[int] = []
+        unit = total = 0
+        for g in live:
+            n = counts[g.source]
+            hs, hd = his[g.source]
+            if (g.src_limit is not None and hs >= g.src_limit) or (g.dst_limit is not None and hd >= g.dst_limit):
+                raise PlanError(f"pool {g.pool}: page index past the end of a buffer")
+            head += (unit, g.nbuf, n, g.nchunks, g.item, base_buf + g.buf_rel, base_page + rel[g.source], 0)
+            unit += g.nbuf * n * g.nchunks
+            total += g.nbuf * n * g.item
+        return LaunchPlan(head + self.buf_words + words, len(live), unit, total, self.chunk_bytes, by_pool)
 
     def plan(self, pages: Sequence[tuple[torch.Tensor | Sequence[int], torch.Tensor | Sequence[int]]]) -> LaunchPlan:
         if len(pages) != len(self.pools):
             raise PlanError(f"layout has {len(self.pools)} pools but {len(pages)} page lists were given")
-        small = all(not isinstance(x, torch.Tensor) for pair in pages for x in pair) and (
-            sum(len(s) for s, _ in pages) + self.npools_buffers <= SMALL_TABLE_WORDS // 4
-        )
+        if self._small_ok:
+            n = self.npools_buffers
+            for s_in, d_in in pages:
+                if type(s_in) is not list or type(d_in) is not list:
+                    break
+                n += len(s_in)
+            else:
+                if n <= SMALL_TABLE_WORDS // 4:
+                    return self._plan_small(pages)
+        small = False
         counts: list[int] = []
         bounds: list[tuple[int, int]] = []
         page_words: list[int] = []
