@@ -588,11 +588,34 @@ class Agent:
     async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:
         """The room's view; with wait_s > 0, answer as soon as it is final or wait_s passed (a
         long poll: a serving engine learns completion without polling the agent's CPU away)."""
+        early = self._early_view(rank_id, room_id)
+        if early is not None:
+            return early
         room = self._room(rank_id, room_id)
         if wait_s > 0 and not room.state.finished:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(room.finished_event.wait(), wait_s)
         return room.view()
+
+    def _early_view(self, rank_id: str, room_id: int) -> dict[str, Any] | None:
+        """A prefill room not sent yet whose decode side already announced itself: upstream's
+        Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
+        key = (rank_id, room_id)
+        infos = self._early_dst.get(key)
+        room = self.prefill_rooms.get(key)
+        if not infos or (room is not None and not room.state.finished):
+            return None
+        local = self.ranks[rank_id]
+        needed = len(decode_targets(self.spec, local.rank.tp_rank))
+        state = RoomState.WAITING_FOR_INPUT if len(infos) >= needed else RoomState.BOOTSTRAPPING
+        return {
+            "rank": rank_id,
+            "room": room_id,
+            "state": state.title,
+            "code": int(state),
+            "reason": "",
+            "decode_ranks_ready": sorted(infos),
+        }
 
     def _room(self, rank_id: str, room_id: int) -> PrefillRoom | DecodeRoom:
         local = self.ranks.get(rank_id)

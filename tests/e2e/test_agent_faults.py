@@ -207,6 +207,17 @@ def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
         assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="timeout") == 1
 
 
+def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalCluster) -> None:
+    lc, p, d = small, "prefill-0-tp0-cp0", "decode-0-tp0"
+    with pytest.raises(AgentRefused):
+        lc.client(p).poll(p, 906)
+    lc.client(d).receive(d, 906, [40])
+    wait_until(lambda: lc.client(p).poll(p, 906)["state"] == "WaitingForInput", 5, "prefill sees decode ready")
+    assert lc.client(p).poll(p, 906)["decode_ranks_ready"] == [d]
+    lc.client(p).send(p, 906, [41])
+    assert lc.client(p).wait(p, 906, 10)["state"] == "Success"
+
+
 def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalCluster) -> None:
     from pdfabric_agent.synthetic import fill_prefill, verify_decode
 
