@@ -10,7 +10,13 @@ def make_backend(name: str, transport: Transport, *, host: str, gpu: int, max_ba
     if name == "mooncake":
         from pdfabric_agent.backends.mooncake import MooncakeBackend
 
-        return MooncakeBackend(transport, host=host, gpu=gpu, max_batch_entries=max_batch_entries)
+        backend = MooncakeBackend(transport, host=host, gpu=gpu, max_batch_entries=max_batch_entries)
+        if transport is Transport.NVLINK_INTRA:
+            # NVLink gather/scatter kernels for GPU pools of agents on this node; engine as fallback.
+            from pdfabric_agent.fastpath.backend import maybe_fast_path
+
+            return maybe_fast_path(backend, gpu=gpu)
+        return backend
     if name == "mori":
         from pdfabric_agent.backends.mori import MoriBackend
 

@@ -6,6 +6,7 @@ in-process ledger per agent sees every concurrent request.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Hashable, Iterable, Mapping
 
@@ -29,6 +30,8 @@ class ReceiverLedger:
         self._lock = threading.Lock()
         self._busy: dict[tuple[Hashable, str], set[int]] = {}
         self._rooms: dict[Hashable, list[tuple[tuple[Hashable, str], set[int]]]] = {}
+        self._ranges: dict[Hashable, list[tuple[int, int, Hashable]]] = {}  # per receiver, sorted
+        self._room_ranges: dict[Hashable, tuple[Hashable, list[tuple[int, int, Hashable]]]] = {}
 
     def reserve(self, room: Hashable, receiver: Hashable, pages_by_pool: Mapping[str, set[int] | torch.Tensor]) -> None:
         wanted = [((receiver, pool), _as_set(p)) for pool, p in pages_by_pool.items()]
@@ -46,8 +49,31 @@ class ReceiverLedger:
                 self._busy.setdefault(key, set()).update(pages)
             self._rooms[room] = wanted
 
+    def reserve_ranges(self, room: Hashable, receiver: Hashable, ranges: Iterable[tuple[int, int]]) -> None:
+        """Byte ranges [start, end) in the receiver's address space (block writes, exact overlap)."""
+        new = sorted((s, e, room) for s, e in ranges if e > s)
+        with self._lock:
+            if room in self._rooms or room in self._room_ranges:
+                raise OverlapError(f"room {room!r} is already in flight")
+            busy = self._ranges.setdefault(receiver, [])
+            for s, e, _ in new:
+                j = bisect.bisect_left(busy, (s,))
+                if (j > 0 and busy[j - 1][1] > s) or (j < len(busy) and busy[j][0] < e):
+                    raise OverlapError(f"receiver {receiver!r}: bytes {s:#x}..{e:#x} are in flight for another request")
+            for r in new:
+                bisect.insort(busy, r)
+            self._room_ranges[room] = (receiver, new)
+
     def release(self, room: Hashable) -> None:
         with self._lock:
+            held = self._room_ranges.pop(room, None)
+            if held is not None:
+                receiver, ranges = held
+                busy = self._ranges.get(receiver, [])
+                for r in ranges:
+                    j = bisect.bisect_left(busy, r)
+                    if j < len(busy) and busy[j] == r:
+                        busy.pop(j)
             for key, pages in self._rooms.pop(room, []):
                 busy = self._busy.get(key)
                 if busy is not None:
@@ -57,4 +83,4 @@ class ReceiverLedger:
 
     def in_flight(self) -> int:
         with self._lock:
-            return len(self._rooms)
+            return len(self._rooms) + len(self._room_ranges)

@@ -267,6 +267,51 @@ def plan_launch(groups: Sequence[CopyGroup], chunk_bytes: int = DEFAULT_CHUNK_BY
     return layout.plan([(g.src_pages, g.dst_pages) for g in groups])
 
 
+def plan_blocks(
+    src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> LaunchPlan:
+    """Absolute (src, dst, length) blocks, as the agent's engine interface hands them over, in the
+    same table format: blocks of one length form one group whose "buffers" are the blocks and whose
+    only page is 0, so a few lengths (page, head slice, state, aux items) mean a few groups."""
+    if chunk_bytes <= 0 or chunk_bytes % VEC_BYTES:
+        raise PlanError(f"chunk_bytes must be a positive multiple of {VEC_BYTES}, got {chunk_bytes}")
+    if not (src.numel() == dst.numel() == length.numel()):
+        raise PlanError("src, dst and length must have one entry per block")
+    if length.numel() and int(length.min()) <= 0:
+        raise PlanError("block lengths must be positive")
+    order = torch.argsort(length, stable=True)
+    src, dst, length = src[order], dst[order], length[order]
+    sizes, counts = torch.unique_consecutive(length, return_counts=True)
+    g = sizes.numel()
+    nchunks = (sizes + chunk_bytes - 1) // chunk_bytes
+    units = counts * nchunks
+    unit_start = torch.cumsum(units, 0) - units
+    buf_start = torch.cumsum(counts, 0) - counts
+    base_buf = g * GROUP_FIELDS
+    base_page = base_buf + 2 * src.numel()
+    head = torch.stack(
+        [
+            unit_start,
+            counts,
+            torch.ones_like(counts),
+            nchunks,
+            sizes,
+            base_buf + 2 * buf_start,
+            torch.full_like(counts, base_page),
+            torch.zeros_like(counts),
+        ],
+        dim=1,
+    ).reshape(-1)
+    table = torch.cat([head, torch.stack([src, dst], dim=1).reshape(-1), torch.zeros(2, dtype=torch.int64)])
+    return LaunchPlan(
+        table=table,
+        ngroups=g,
+        total_units=int(units.sum()) if g else 0,
+        total_bytes=int(length.sum()) if g else 0,
+        chunk_bytes=chunk_bytes,
+    )
+
+
 def reference_copies(plan: LaunchPlan) -> list[tuple[int, int, int]]:
     """(src_addr, dst_addr, nbytes) per unit, decoded exactly as the kernel does; for tests."""
     t = plan.words()

@@ -1,0 +1,190 @@
+"""The fast path behind the agent's TransferBackend interface, with the engine kept as fallback.
+
+`FastPathBackend` wraps the rank's engine backend (Mooncake under INTRA_NODE_NVLINK). It registers
+every pool with the engine as before and, for GPU pools, also publishes their CUDA IPC exports in
+a small JSON file in the agent's shared-memory directory, named after the engine endpoint. A
+`write_batch` to a peer endpoint whose file exists there (an agent on the same node) and whose
+blocks all fall inside GPU pools on both sides runs as one kernel launch into the peer's mapped
+pools; anything else (another node, CPU pools, a peer without exports) goes through the engine.
+Completion is confirmed on a completion board before `write_batch` returns, so the agent's
+"written, then tell the peer" sequence keeps its meaning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdfabric_agent.fastpath.channel import FastPathSender
+from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
+from pdfabric_agent.fastpath.kernel import KernelConfig
+from pdfabric_agent.fastpath.plan import plan_blocks
+from pdfabric_agent.fastpath.select import TransferPath
+
+log = logging.getLogger("pdfabric.fastpath")
+
+
+def export_file(shm_dir: str, endpoint: str) -> str:
+    safe = "".join(c if c.isalnum() else "_" for c in endpoint)
+    return os.path.join(shm_dir, f"pdfabric-fastpath-{safe}.json")
+
+
+@dataclass(frozen=True)
+class _PeerMap:
+    ranges: tuple[tuple[int, int, int], ...]  # (peer addr, size, address writable from here)
+
+    def translate(self, dst: torch.Tensor, length: torch.Tensor) -> torch.Tensor | None:
+        out = torch.full_like(dst, -1)
+        for base, size, mapped in self.ranges:
+            inside = (dst >= base) & (dst + length <= base + size)
+            out = torch.where(inside, dst - base + mapped, out)
+        return None if bool((out < 0).any()) else out
+
+
+class FastPathBackend:
+    path = TransferPath.FASTPATH.value
+
+    def __init__(self, inner, *, gpu: int, shm_dir: str, cfg: KernelConfig | None = None, timeout_s: float = 30.0):
+        self.inner = inner
+        self.name = inner.name
+        self.transport = inner.transport
+        self.max_batch_entries = inner.max_batch_entries
+        self.gpu = gpu
+        self.timeout_s = timeout_s
+        self._dir = shm_dir
+        self._lock = threading.Lock()
+        self._local: list[tuple[int, int]] = []
+        self._exports: list[dict] = []
+        self._peers: dict[str, _PeerMap | None] = {}
+        self._sender = FastPathSender(gpu, cfg=cfg)
+        self._board = CompletionBoard()
+        self._slots = itertools.count()
+        self._batches = itertools.count()
+        self.kernel_batches = 0
+        self.engine_batches = 0
+
+    def endpoint(self) -> str:
+        return self.inner.endpoint()
+
+    def register(self, pool) -> None:
+        self.inner.register(pool)
+        if getattr(pool.device, "value", pool.device) != "cuda":
+            return
+        torch.cuda.synchronize(self.gpu)  # the pool's zero-fill must land before a peer writes it
+        exp = export_pool(pool.addr, pool.size, self.gpu)
+        self._local.append((pool.addr, pool.size))
+        self._exports.append({"addr": pool.addr, "size": pool.size, "export": exp.to_json()})
+        path = export_file(self._dir, self.endpoint())
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"pid": os.getpid(), "gpu": self.gpu, "pools": self._exports}, fh)
+        os.replace(tmp, path)  # readers never see half a file
+
+    def _peer(self, peer: str) -> _PeerMap | None:
+        with self._lock:
+            if peer in self._peers:
+                return self._peers[peer]
+            pm = None
+            try:
+                with open(export_file(self._dir, peer), encoding="utf-8") as fh:
+                    info = json.load(fh)
+                if info["gpu"] != self.gpu:
+                    if info["pid"] == os.getpid():  # same process: the addresses are valid here already
+                        ranges = tuple((p["addr"], p["size"], p["addr"]) for p in info["pools"])
+                    else:
+                        ranges = tuple(
+                            (p["addr"], p["size"], self._sender.map_pool(PoolExport.from_json(p["export"])))
+                            for p in info["pools"]
+                        )
+                    slot = next(self._slots)
+                    if slot >= BOARD_SLOTS:
+                        raise RuntimeError("completion board full")
+                    self._sender.connect(peer, self._board, slot)
+                    pm = _PeerMap(ranges)
+            except FileNotFoundError:
+                pm = None  # not on this node, or not a fast-path agent: the engine carries it
+            except Exception as exc:  # a peer we cannot map must not break the transfer
+                log.warning("fast path to %s unavailable, using the engine: %s", peer, exc)
+                pm = None
+            self._peers[peer] = pm
+            return pm
+
+    def write_batch(self, peer: str, blocks: Sequence) -> None:
+        if not blocks:
+            return
+        pm = self._peer(peer)
+        if pm is not None:
+            t = torch.tensor([(b.src, b.dst, b.length) for b in blocks], dtype=torch.int64)
+            src, dst, length = t[:, 0], t[:, 1], t[:, 2]
+            local_ok = torch.zeros_like(src, dtype=torch.bool)
+            for base, size in self._local:
+                local_ok |= (src >= base) & (src + length <= base + size)
+            mapped = pm.translate(dst, length) if bool(local_ok.all()) else None
+            if mapped is not None:
+                room = ("batch", next(self._batches))
+                plan = plan_blocks(src, mapped, length, self._sender.cfg.chunk_bytes)
+                # Exact byte ranges on the receiver: an overlapping concurrent batch is refused.
+                self._sender.ledger.reserve_ranges(room, peer, zip(dst.tolist(), (dst + length).tolist(), strict=True))
+                try:
+                    tr = self._sender.submit_plan(room, peer, plan)
+                except BaseException:
+                    self._sender.ledger.release(room)
+                    raise
+                tr.wait(self.timeout_s)
+                self.kernel_batches += 1
+                return
+        self.engine_batches += 1
+        self.inner.write_batch(peer, blocks)
+
+    def probe(self, peer: str) -> bool:
+        return self.inner.probe(peer)
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.unlink(export_file(self._dir, self.endpoint()))
+        with contextlib.suppress(Exception):
+            self._sender.close()
+        with contextlib.suppress(Exception):
+            self._board.close()
+        self.inner.close()
+
+
+def maybe_fast_path(inner, *, gpu: int, env: dict[str, str] | None = None):
+    """The backend an intra-node NVLink rank uses: the fast path over `inner` when this process can
+    run it (peer access from its GPU, driver + NVRTC, not disabled), else `inner` alone. Never
+    raises: the engine path is always there to fall back on, and the reason is logged."""
+    from pdfabric_agent.fastpath import cuda
+    from pdfabric_agent.fastpath.select import choose_path, fastpath_enabled
+    from pdfabric_core.policy.types import MemPool
+
+    env = dict(os.environ) if env is None else env
+    try:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        ok, why = cuda.available()
+        peers = [p for p in range(visible) if p != gpu]
+        peer_access = bool(peers) and ok and all(cuda.can_access_peer(gpu, p) for p in peers)
+        choice = choose_path(
+            MemPool.INTRA_NODE_NVLINK,
+            inner.transport,
+            visible_gpus=visible,
+            src_device=gpu,
+            dst_device=peers[0] if peers else gpu,
+            peer_access=peer_access,
+            kernel_available=(ok, why),
+            enabled=fastpath_enabled(env),
+        )
+        if choice.path is not TransferPath.FASTPATH:
+            log.info("GPU %d: engine path (%s)", gpu, choice.reason)
+            return inner
+        return FastPathBackend(inner, gpu=gpu, shm_dir=env.get("PDFABRIC_SHM_DIR") or "/dev/shm")
+    except Exception as exc:
+        log.warning("GPU %d: fast path unavailable, engine path kept: %s", gpu, exc)
+        return inner
