@@ -1,0 +1,138 @@
+"""Whole request through the agent API on a 2-GPU NVLink machine: real agent processes (prefill
+on GPU 0, decode on GPU 1, INTRA_NODE_NVLINK), the synthetic engine's client calls, timed from
+`send` to the prefill room's Success (every batch confirmed, the decode agent acknowledged).
+
+Geometry: 70B-class KV for one rank of TP 2 (80 layers, 8 KV heads / 2 = 4 per rank, head dim
+128, bf16, 16-token pages = 16 KiB per page per layer per K/V), a 32768-token prompt = 2048 pages,
+plus one aux row of 8 items x 4 KiB. Two page patterns: contiguous (a fresh cache: pages coalesce
+into one block per layer and K/V) and scattered (random pages: one block per page per layer).
+
+Run on the GPU machine from the repo root: python3 benchmarks/gpu/agent_request.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(ROOT, "core"), os.path.join(ROOT, "agent")]
+
+from pdfabric_agent import localrun  # noqa: E402
+from pdfabric_core.rankmap import AgentEntry, Rank  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS, TOKENS = 80, 4, 128, 16, 32768
+PAGES = TOKENS // PAGE_TOKENS
+POOL_PAGES = PAGES + PAGES // 4
+SPEC = {
+    "prefill": {"tp": 1},
+    "decode": {"tp": 1},
+    "transfer": {"memPool": "INTRA_NODE_NVLINK", "transport": "nvlink-intra", "timeoutSeconds": 60},
+    "model": {
+        "layers": LAYERS,
+        "kvHeads": HEADS,
+        "headDim": HEAD_DIM,
+        "pageSizeTokens": PAGE_TOKENS,
+        "auxRowBytes": [4096] * 8,
+    },
+}
+
+_place = localrun.place
+
+
+def place_on_two_gpus(spec, *, ranks_per_agent: int = 0) -> list[AgentEntry]:
+    """Same agents as the local default, with the decode ranks on GPU 1 of this machine."""
+    out = []
+    for e in _place(spec, ranks_per_agent=ranks_per_agent):
+        ranks = tuple(
+            Rank(r.role, r.replica, r.tp_rank, r.cp_rank, r.pp_rank, 1 if r.role == "decode" else 0) for r in e.ranks
+        )
+        out.append(AgentEntry(e.name, e.node, ranks))
+    return out
+
+
+def room(lc, k: int, src: list[int], dst: list[int]) -> tuple[float, float]:
+    p, d = "prefill-0-tp0-cp0", "decode-0-tp0"
+    lc.client(d).receive(d, k, dst, aux_index=k % 64)
+    t0 = time.perf_counter()
+    lc.client(p).send(p, k, src, aux_index=(k * 7) % 64)
+    view = lc.client(p).wait(p, k, 120)
+    dt = time.perf_counter() - t0
+    if view["state"] != "Success":
+        raise RuntimeError(f"room {k}: {view['state']} {view.get('reason')}")
+    lc.client(d).wait(d, k, 30)
+    ph = view["phases_s"]
+    return dt, ph["written:decode-0-tp0"] - ph["transferring"]
+
+
+def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dict) -> None:
+    k = 0
+    for mode, reps in (("contiguous", 5), ("scattered", 2)):
+        times, writes = [], []
+        for i in range(reps + 1):
+            if mode == "contiguous":
+                s0, d0 = rng.randrange(0, POOL_PAGES - PAGES), rng.randrange(0, POOL_PAGES - PAGES)
+                src, dst = list(range(s0, s0 + PAGES)), list(range(d0, d0 + PAGES))
+            else:
+                src, dst = rng.sample(range(POOL_PAGES), PAGES), rng.sample(range(POOL_PAGES), PAGES)
+            dt, w = room(lc, k, src, dst)
+            k += 1
+            if i:  # the first room of each mode warms sessions and mappings
+                times.append(dt)
+                writes.append(w)
+        t, w = statistics.median(times), statistics.median(writes)
+        result[mode] = {"send_to_success_ms": t * 1e3, "write_phase_ms": w * 1e3}
+        lines.append(
+            f"- {mode} pages: send -> Success median {t * 1e3:.2f} ms = {nbytes / t / 1e9:.1f} GB/s; "
+            f"agent write phase {w * 1e3:.2f} ms = {nbytes / w / 1e9:.1f} GB/s ({reps} rooms)"
+        )
+        print(lines[-1], flush=True)
+
+
+def main() -> None:
+    localrun.place = place_on_two_gpus
+    env = {
+        "PDFABRIC_KV_PAGES": str(POOL_PAGES),
+        "PDFABRIC_STATE_SLOTS": "1",
+        "PDFABRIC_AUX_SLOTS": "64",
+        # localrun sets PYTHONPATH to the repo; keep the carried Mooncake wheel importable too
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.join(ROOT, "core"), os.path.join(ROOT, "agent"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
+    nbytes = LAYERS * 2 * PAGES * PAGE_TOKENS * HEADS * HEAD_DIM * 2 + 8 * 4096
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    lines = [f"Whole request through the agent API: {nbytes} bytes ({nbytes / 1e9:.3f} GB) per room, send -> Success."]
+    result: dict = {"bytes": nbytes}
+    lc = localrun.LocalCluster(SPEC, env=env)
+    try:
+        lc.start(wait_s=120)
+        run_modes(lc, nbytes, rng, lines, result)
+        paths = {
+            p: lc.metric_sum("pdfabric_transfer_bytes_total", role="prefill", path=p)
+            for p in ("nvlink-kernel", "mooncake")
+        }
+        result["bytes_by_path"] = paths
+        lines.append(f"- bytes by metrics label path (prefill): {json.dumps(paths)}")
+    except Exception:
+        for name in lc.agents:
+            print(f"--- {name} log ---\n{lc.log(name)}", flush=True)
+        raise
+    finally:
+        lc.close()
+    text = "\n".join(lines)
+    print(text, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "agent_request.md"), "w") as fh:
+            fh.write(text + "\n")
+        with open(os.path.join(out, "agent_request.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
