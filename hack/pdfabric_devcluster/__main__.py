@@ -37,6 +37,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     shapes = parse_node_shapes(args.nodes) if args.nodes else default_node_shapes()
     cluster = LocalCluster(ClusterConfig(workdir=args.dir, node_shapes=shapes))
+    cluster.remove_data()  # every `up` is a fresh cluster: new PKI, empty etcd
     try:
         cluster.start()
     except ClusterError as exc:

@@ -102,6 +102,18 @@ class LocalCluster:
         self.ports: dict[str, int] = {}
         self.startup_seconds: float | None = None
 
+    @classmethod
+    def attach(cls, workdir: Path) -> LocalCluster:
+        """Use a cluster that `python -m pdfabric_devcluster up` started (it is not stopped here)."""
+        state_path = workdir / "state.json"
+        if not state_path.exists():
+            raise ClusterError(f"no cluster running in {workdir}: run make cluster-up")
+        state = json.loads(state_path.read_text())
+        cluster = cls(ClusterConfig(workdir=workdir, node_shapes=(), bin_dir=Path(state["bin_dir"])))
+        cluster.server = state["server"]
+        cluster.ca = workdir / "pki" / "ca.crt"
+        return cluster
+
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> LocalCluster:
         t0 = time.monotonic()

@@ -32,6 +32,16 @@ def console_scripts() -> dict[str, str]:
         return dict(tomllib.load(fh)["project"]["scripts"])
 
 
+def console_argv(command: list[str]) -> list[str]:
+    """argv running one of this project's console scripts from the repository sources, as the
+    script pip generates would (the container's entry point, without an install)."""
+    scripts = console_scripts()
+    if command[0] not in scripts:
+        raise ClusterError(f"command {command[0]!r} is not one of this project's scripts {sorted(scripts)}")
+    module, func = scripts[command[0]].split(":")
+    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())", *command[1:]]
+
+
 @dataclass
 class LocalPod:
     name: str

@@ -5,23 +5,17 @@ against it and the byte counters equal the bytes the synthetic engine verified o
 
 from __future__ import annotations
 
-import base64
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import gen_dashboards
-from pdfabric_agent.client import AgentClient
-from pdfabric_agent.config import SETTINGS
 from pdfabric_agent.localrun import transfer_room
 from pdfabric_agent.synthetic import expected_bytes
-from pdfabric_core.rankmap import RANKMAP_KEY, RankMap
-from pdfabric_core.spec import PDClusterSpec, parse_spec
+from pdfabric_devcluster.fabric import KubeFabric, agent_ready
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.prometheus import Prometheus
 from tests.builders import pdcluster
@@ -38,38 +32,6 @@ GEOMETRY = {
     "stateLayers": 4,
     "auxRowBytes": [16, 8, 40],
 }
-
-
-class KubeFabric:
-    """What a serving engine sees of a placed PDCluster: its rank map, token and agent addresses."""
-
-    def __init__(self, cluster: Any, namespace: str, name: str, runner: PodRunner) -> None:
-        obj = cluster.get_json("pdcluster", name, "-n", namespace)
-        self.spec: PDClusterSpec = parse_spec(obj["spec"])
-        maps = cluster.get_json("configmaps", "-n", namespace, "-l", f"pdfabric.dev/cluster={name}")["items"]
-        (cm,) = [m for m in maps if RANKMAP_KEY in m.get("data", {})]
-        self.rankmap = RankMap.from_json(cm["data"][RANKMAP_KEY])
-        secrets = cluster.get_json("secrets", "-n", namespace, "-l", f"pdfabric.dev/cluster={name}")["items"]
-        (secret,) = secrets
-        (token_b64,) = secret["data"].values()
-        self.token = base64.b64decode(token_b64).decode().strip()
-        self.runner = runner
-        # transfer_room sizes page indices from the agents' pool size (the agent default here)
-        self.agents = {
-            p: SimpleNamespace(env={"PDFABRIC_KV_PAGES": SETTINGS["PDFABRIC_KV_PAGES"][0]}) for p in runner.pods
-        }
-
-    def client(self, rank_id: str) -> AgentClient:
-        pod = self.runner.pods[self.rankmap.agent_for_rank(rank_id).name]
-        return AgentClient(f"127.0.0.1:{pod.ports['api']}", self.token, self.rankmap.cluster_uid)
-
-
-def readyz(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -110,7 +72,7 @@ def test_apply_place_transfer_scrape(
     pods = runner.sync()
     assert len(pods) >= 1
     h.wait_until(
-        lambda: all(readyz(p.ports["metrics"]) for p in pods.values()),
+        lambda: all(agent_ready(p.ports["metrics"]) for p in pods.values()),
         timeout=90,
         what="every agent process ready (engines up, pools registered)",
     )

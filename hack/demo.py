@@ -1,0 +1,187 @@
+"""The demo on the embedded default: the whole fabric on this machine.
+
+1. a real control plane with fake GPU nodes (already up: `python -m pdfabric_devcluster up`);
+2. `helm install` of charts/pdfabric (CRDs, RBAC, dashboards; the operator Deployment is scaled to
+   0 because fake nodes run nothing) and the operator itself as a local process, authenticated as
+   the chart's ServiceAccount;
+3. `kubectl apply` of examples/: a TCP PDCluster, an intra-node NVLink one, and one that cannot be
+   placed, to show the reason the operator reports; an invalid one, to show the API server's message;
+4. the agent pods' real command as local processes, real bytes over the Mooncake engine, verified
+   on arrival, scraped by a real Prometheus, and a summary read back from it.
+Local processes stop at the end; the cluster stays up for `kubectl` (stop it: make cluster-down).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from pdfabric_agent.localrun import transfer_room
+from pdfabric_agent.synthetic import expected_bytes
+from pdfabric_devcluster.cluster import REPO_ROOT, LocalCluster, free_port, wait_for
+from pdfabric_devcluster.fabric import KubeFabric, agent_ready
+from pdfabric_devcluster.podrunner import PodRunner, console_argv
+from pdfabric_devcluster.prometheus import Prometheus
+
+NAMESPACE = "demo"
+SYSTEM_NAMESPACE = "pdfabric-system"
+WORKDIR = REPO_ROOT / ".artifacts" / "demo"
+ROOMS = 8
+PAGES = 24
+EXAMPLES = ("demo", "llama-70b", "dsv4-cp8")
+# Prefill TP8 and the two decode TP8 replicas it feeds must share one NVLink domain: 24 GPUs,
+# and the demo fleet's only domain has 16.
+TOO_BIG = {
+    "apiVersion": "pdfabric.dev/v1alpha1",
+    "kind": "PDCluster",
+    "metadata": {"name": "too-big"},
+    "spec": {"transfer": {"memPool": "NVLINK"}, "prefill": {"tp": 8}, "decode": {"replicas": 2, "tp": 8}},
+}
+
+
+def step(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+def show(cluster: LocalCluster, *args: str, input: str | None = None) -> None:
+    print(cluster.kubectl(*args, input=input).stdout.rstrip(), flush=True)
+
+
+def pdc_condition(cluster: LocalCluster, name: str, type_: str) -> dict | None:
+    obj = cluster.get_json("pdcluster", name, "-n", NAMESPACE)
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), None)
+
+
+def main() -> int:
+    cluster = LocalCluster.attach(REPO_ROOT / ".artifacts" / "cluster")
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    helm = str(cluster.bin_dir / "helm")
+
+    step("helm install charts/pdfabric (CRDs, RBAC, dashboards)")
+    subprocess.run(
+        [helm, "upgrade", "--install", "pdfabric", str(REPO_ROOT / "charts" / "pdfabric"), "-n", SYSTEM_NAMESPACE,
+         "--create-namespace", "--set", "replicaCount=0", f"--kubeconfig={cluster.kubeconfig}"],
+        check=True,
+    )  # fmt: skip
+    show(cluster, "get", "crd", "pdclusters.pdfabric.dev")
+    show(cluster, "get", "configmaps", "-n", SYSTEM_NAMESPACE, "-l", "grafana_dashboard=1")
+
+    step("operator running as the chart's ServiceAccount (least-privilege RBAC)")
+    metrics_port = free_port()
+    env = {
+        **os.environ,
+        "PDFABRIC_KUBECONFIG": str(cluster.service_account_kubeconfig(SYSTEM_NAMESPACE, "pdfabric")),
+        "PDFABRIC_METRICS_PORT": str(metrics_port),
+        "PDFABRIC_LIVENESS": f"http://127.0.0.1:{free_port()}/healthz",
+        "PDFABRIC_RECONCILE_INTERVAL": "2",
+        "PYTHONPATH": os.pathsep.join(str(REPO_ROOT / p) for p in ("core", "operator", "agent")),
+    }
+    operator_log = WORKDIR / "operator.log"
+    with open(operator_log, "wb") as log:
+        operator = subprocess.Popen(console_argv(["pdfabric-operator"]), env=env, stdout=log, stderr=subprocess.STDOUT)
+    print(f"operator pid {operator.pid}, log {operator_log}")
+    runner = PodRunner(cluster, NAMESPACE, "app.kubernetes.io/component=agent", WORKDIR / "pods")
+    prometheus = Prometheus(WORKDIR / "prometheus")
+    try:
+        return run_demo(cluster, runner, prometheus, metrics_port)
+    finally:
+        runner.stop()
+        prometheus.stop()
+        operator.terminate()
+        operator.wait(timeout=30)
+
+
+def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, operator_metrics: int) -> int:
+    step(f"kubectl apply -f examples/ -n {NAMESPACE}")
+    cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+    show(cluster, "apply", "-n", NAMESPACE, "-f", str(REPO_ROOT / "examples"))
+    show(cluster, "apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(TOO_BIG))
+    wait_for(
+        lambda: all(pdc_condition(cluster, n, "Placed") is not None for n in (*EXAMPLES, "too-big")),
+        timeout=60,
+        interval=0.5,
+        what="the operator to place or refuse every PDCluster",
+    )
+    wait_for(
+        lambda: (c := pdc_condition(cluster, "demo", "Ready")) and c["status"] == "True",
+        timeout=60,
+        interval=0.5,
+        what="PDCluster demo Ready",
+    )
+    show(cluster, "get", "pdc", "-n", NAMESPACE)
+    for name in (*EXAMPLES, "too-big"):
+        placed = pdc_condition(cluster, name, "Placed") or {}
+        print(f"  {name}: Placed={placed.get('status')} ({placed.get('reason')}): {placed.get('message')}")
+    show(cluster, "get", "pods", "-n", NAMESPACE, "-o", "wide")
+
+    step("an invalid PDCluster is refused by the API server (schema + CEL)")
+    bad = {
+        "apiVersion": "pdfabric.dev/v1alpha1",
+        "kind": "PDCluster",
+        "metadata": {"name": "bad"},
+        "spec": {"prefill": {"tp": 2}, "decode": {"tp": 2, "cp": 2}},
+    }
+    refused = cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(bad), check=False)
+    print(refused.stderr.strip())
+
+    step("agents of PDCluster demo: their pods' real command, run locally")
+    pods = {n: p for n, p in runner.sync().items() if n.startswith("demo")}
+    wait_for(lambda: all(agent_ready(p.ports["metrics"]) for p in pods.values()), timeout=120, interval=0.5,
+             what="every agent ready")  # fmt: skip
+    for name, pod in pods.items():
+        print(f"  {name:32} node {pod.node:14} api 127.0.0.1:{pod.ports['api']}  metrics :{pod.ports['metrics']}")
+
+    step("Prometheus scraping the agents and the operator")
+    prometheus.start()
+    targets = [(f"127.0.0.1:{p.ports['metrics']}", {"pod": n}) for n, p in pods.items()]
+    prometheus.set_targets([*targets, (f"127.0.0.1:{operator_metrics}", {"pod": "operator"})])
+    prometheus.wait_targets_up(len(targets) + 1)
+    print(f"  {prometheus.url}")
+
+    step(f"{ROOMS} requests: prefill TP2 x CP2 -> decode TP4 over Mooncake tcp, verified byte by byte")
+    fabric = KubeFabric(cluster, NAMESPACE, "demo", runner)
+    for room in range(1, ROOMS + 1):
+        result = transfer_room(fabric, room, pages=PAGES, state_slots=1, aux=True)  # type: ignore[arg-type]
+        states = {v["state"] for v in result.decode.values()}
+        bad_bytes = sum(len(e) for e in result.errors.values())
+        print(
+            f"  room {room}: {'/'.join(sorted(states))} in {result.elapsed_s * 1000:.1f} ms, mismatched bytes: {bad_bytes}"
+        )
+        if states != {"Success"} or bad_bytes:
+            return 1
+
+    step("what Prometheus saw")
+    time.sleep(2.5)  # two more scrapes
+    queries = {
+        "KV bytes": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="prefill",kind="kv"})',
+        "state bytes": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="prefill",kind="state"})',
+        "aux bytes": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="prefill",kind="aux"})',
+        "state bytes saved by CP dedup": 'sum(pdfabric_state_dedup_skipped_bytes_total{cluster="demo"})',
+        "successful rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome="success"})',
+        "engine blocks / batches": 'sum(pdfabric_transfer_blocks_total{cluster="demo",role="prefill"}) / '
+        'sum(pdfabric_transfer_batches_total{cluster="demo",role="prefill"})',
+        "p50 submit-to-completion (s)": "histogram_quantile(0.5, sum by (le) "
+        '(rate(pdfabric_request_duration_seconds_bucket{cluster="demo",role="prefill"}[1m])))',
+        "operator reconciles": "sum(pdfabric_operator_reconciles_total)",
+    }
+    for label, expr in queries.items():
+        result = prometheus.query(expr)
+        value = float(result[0]["value"][1]) if result else float("nan")
+        print(f"  {label:32} {value:,.0f}" if value >= 100 else f"  {label:32} {value:.4g}")
+    want = expected_bytes(fabric.spec, pages=PAGES, state_slots=1, aux=True)
+    print(f"  the synthetic engine's own count for {ROOMS} requests: KV {ROOMS * want.kv:,}, state "
+          f"{ROOMS * want.state:,}, aux {ROOMS * want.aux:,}, state saved {ROOMS * want.state_skipped:,}")  # fmt: skip
+
+    step("done")
+    print("The cluster stays up:")
+    print(f"  export KUBECONFIG={cluster.kubeconfig} PATH={cluster.bin_dir}:$PATH")
+    print(f"  kubectl get pdc -n {NAMESPACE}")
+    print("Stop it with: make cluster-down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
