@@ -125,7 +125,7 @@ async def serve(cfg: AgentConfig) -> int:
         choice = choose_transport(spec, rankmap.transport, hw, gpus)
         if choice.fell_back_from is not None:
             log.warning("transport: %s", choice.note)
-        os.environ.update(mooncake_env(choice.transport, spec.transfer.timeout_seconds))
+        os.environ.update(mooncake_env(choice.transport, spec.transfer.timeout_seconds, cfg.engine_host))
         ranks = build_ranks(cfg, rankmap, spec, entry, choice.transport)
         roles = sorted({lr.rank.role for lr in ranks.values()})
         paths = tuple(sorted({lr.backend.path for lr in ranks.values()} | {TCP_SIDE_CHANNEL}))

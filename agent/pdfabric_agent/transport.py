@@ -69,9 +69,12 @@ def choose_transport(spec: PDClusterSpec, rankmap_transport: str, hw: Hardware, 
     raise TransportError(reason, message + " (set placement.fallback: TCP to allow tcp instead)")
 
 
-def mooncake_env(transport: Transport, timeout_s: float) -> Mapping[str, str]:
+def mooncake_env(transport: Transport, timeout_s: float, bind_host: str = "") -> Mapping[str, str]:
     """Mooncake picks its transport from the environment, not from the protocol string."""
     env = {"MC_TRANSFER_TIMEOUT": str(max(1, round(timeout_s)))}
+    if bind_host:
+        # Honoured by newer engines; 0.3.13 still listens on every interface (see docs/agent.md).
+        env["MC_TCP_BIND_ADDRESS"] = bind_host
     if transport is Transport.TCP:
         env["MC_FORCE_TCP"] = "1"
     elif transport is Transport.NVLINK_INTRA:

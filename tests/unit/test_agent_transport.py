@@ -72,3 +72,11 @@ def test_declared_fallback_goes_to_tcp_and_says_why() -> None:
 )
 def test_mooncake_env(transport: Transport, env: dict[str, str]) -> None:
     assert mooncake_env(transport, 30.0) == env
+
+
+def test_mooncake_env_names_the_bind_address() -> None:
+    assert mooncake_env(Transport.TCP, 2.4, "10.0.0.7") == {
+        "MC_FORCE_TCP": "1",
+        "MC_TRANSFER_TIMEOUT": "2",
+        "MC_TCP_BIND_ADDRESS": "10.0.0.7",
+    }
