@@ -106,6 +106,7 @@ def _run(rank: int, shm: str, qs, barrier) -> dict:
     if rank == 0:
         barrier.wait()
         qs[0].put(content)
+    barrier.wait()  # rank 0 stays alive until rank 1 has read the tensor it shares
     be.close()
     return report
 
