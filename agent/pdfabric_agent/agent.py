@@ -399,20 +399,29 @@ class Agent:
         )
         return plan, dst["endpoint"]
 
-    async def _write(self, local: LocalRank, peer: str, blocks: Sequence[Block], kind: Kind, room: PrefillRoom) -> int:
-        labels = self._labels("prefill", local.backend.path)
+    async def _write(
+        self,
+        local: LocalRank,
+        peer: str,
+        blocks: Sequence[Block],
+        kind: Kind,
+        room: PrefillRoom,
+        by_path: dict[str, dict[str, int]],
+    ) -> None:
         loop = asyncio.get_running_loop()
-        total = 0
         for chunk in chunk_batch(blocks, min(local.backend.max_batch_entries, self.spec.transfer.max_batch_entries)):
-            await loop.run_in_executor(self._pool, local.backend.write_batch, peer, chunk)
+            used = await loop.run_in_executor(self._pool, local.backend.write_batch, peer, chunk)
+            # A backend with several paths (GPU kernel with engine fallback) names the one it used.
+            path = used if isinstance(used, str) else local.backend.path
+            labels = self._labels("prefill", path)
             moved = sum(b.length for b in chunk)
             # Count per confirmed batch: a room that fails later still shows what really moved.
             metrics.transfer_bytes.labels(*labels, kind.value).inc(moved)
             metrics.transfer_blocks.labels(*labels).inc(len(chunk))
             metrics.transfer_batches.labels(*labels).inc()
             room.moved[kind.value] += moved
-            total += moved
-        return total
+            per_kind = by_path.setdefault(path, {"kv": 0, "state": 0, "aux": 0})
+            per_kind[kind.value] += moved
 
     async def _send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
         if self.health.is_blacklisted(target.agent):
@@ -421,12 +430,12 @@ class Agent:
             plan, peer = self._plan(room, local, target)
         except ValueError as exc:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
-        sent = {}
+        by_path: dict[str, dict[str, int]] = {}
         try:
-            sent["kv"] = await self._write(local, peer, plan.kv, Kind.KV, room)
-            sent["state"] = await self._write(local, peer, plan.state, Kind.STATE, room)
+            await self._write(local, peer, plan.kv, Kind.KV, room, by_path)
+            await self._write(local, peer, plan.state, Kind.STATE, room, by_path)
             # Aux rows go as one batch of their own through the engine (upstream send_aux).
-            sent["aux"] = await self._write(local, peer, plan.aux, Kind.AUX, room)
+            await self._write(local, peer, plan.aux, Kind.AUX, room, by_path)
         except (TransferError, OSError) as exc:
             self._blacklist(target.agent, str(exc))
             raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
@@ -437,7 +446,8 @@ class Agent:
             for src_off, dst_off, size in plan.aux_tcp:
                 aux_rows.append([dst_off, base64.b64encode(bytes(view[src_off : src_off + size])).decode()])
         aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
-        sent["aux"] += aux_tcp_bytes
+        if aux_tcp_bytes:
+            by_path[TCP_SIDE_CHANNEL] = {"kv": 0, "state": 0, "aux": aux_tcp_bytes}
         if plan.state_skipped_bytes:
             metrics.state_bytes_skipped.labels(self.cluster, self.backend_name).inc(plan.state_skipped_bytes)
             room.skipped_state += plan.state_skipped_bytes
@@ -450,11 +460,7 @@ class Agent:
                     "decode_rank": target.decode_rank,
                     "prefill_rank": room.rank,
                     "ok": True,
-                    "bytes": sent,
-                    "paths": {
-                        "engine": local.backend.path,
-                        "aux": TCP_SIDE_CHANNEL if plan.aux_tcp else local.backend.path,
-                    },
+                    "bytes_by_path": by_path,
                     "aux_rows": aux_rows,
                 },
                 max(0.1, room.deadline - self.clock()),
@@ -558,7 +564,11 @@ class Agent:
         if not body.get("ok"):
             self._finish(room, "decode", RoomState.FAILED, f"{prefill_rank} failed: {body.get('reason', 'unknown')}")
             return {"state": room.state.title}
-        sent = body.get("bytes") or {}
+        by_path = body.get("bytes_by_path") or {}
+        if not isinstance(by_path, dict) or not all(
+            isinstance(v, dict) and all(isinstance(n, int) and n >= 0 for n in v.values()) for v in by_path.values()
+        ):
+            raise malformed("bytes_by_path must map paths to {kind: bytes}")
         rows = body.get("aux_rows") or []
         view = local.pools.aux.view() if rows else None
         for dst_off, data in rows:
@@ -569,14 +579,15 @@ class Agent:
             raw = base64.b64decode(data)
             assert view is not None
             view[dst_off : dst_off + len(raw)] = raw
-        paths = body.get("paths") or {}
-        for kind in Kind:
-            n = int(sent.get(kind.value, 0))
-            if n:
-                path = paths.get("aux" if kind is Kind.AUX else "engine", "unknown")
-                metrics.transfer_bytes.labels(*self._labels("decode", path), kind.value).inc(n)
-                room.moved[kind.value] += n
-        room.senders[prefill_rank] = {k: int(sent.get(k, 0)) for k in ("kv", "state", "aux")}
+        sent = {"kv": 0, "state": 0, "aux": 0}
+        for path, per_kind in sorted(by_path.items()):
+            for kind in Kind:
+                n = per_kind.get(kind.value, 0)
+                if n:
+                    metrics.transfer_bytes.labels(*self._labels("decode", path), kind.value).inc(n)
+                    room.moved[kind.value] += n
+                    sent[kind.value] += n
+        room.senders[prefill_rank] = sent
         room.arrived.add(prefill_rank)
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING

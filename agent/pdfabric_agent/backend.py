@@ -36,8 +36,11 @@ class TransferBackend(Protocol):
         """Make pool.addr .. pool.addr + pool.size a valid source and destination."""
         ...
 
-    def write_batch(self, peer: str, blocks: Sequence[Block]) -> None:
-        """Write every block to the peer session and return once all landed; raise TransferError."""
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
+        """Write every block to the peer session and return once all landed; raise TransferError.
+
+        Returns the `path` label of the route the batch took when a backend has more than one
+        (e.g. a GPU kernel with the engine as fallback); None means ``self.path``."""
         ...
 
     def probe(self, peer: str) -> bool:

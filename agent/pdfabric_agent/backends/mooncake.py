@@ -48,17 +48,18 @@ class MooncakeBackend:
             raise TransferError(f"Mooncake register_memory({pool.name}, {pool.size} bytes) returned {rc}")
         self._registered.append((pool.addr, pool.size))
 
-    def write_batch(self, peer: str, blocks: Sequence[Block]) -> None:
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
         if len(blocks) > self.max_batch_entries:
             # Guard the session: an oversized tcp batch poisons it for every later transfer.
             raise ValueError(f"{len(blocks)} blocks exceed max_batch_entries {self.max_batch_entries}")
         if not blocks:
-            return
+            return None
         rc = self._engine.batch_transfer_sync_write(
             peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
         )
         if rc != 0:
             raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
+        return None
 
     def probe(self, peer: str, timeout_s: float = 1.0) -> bool:
         """True when the peer engine's handshake listener accepts a connection. This Mooncake

@@ -103,11 +103,11 @@ class MoriBackend:
                 self._peers[peer] = regions
             return regions
 
-    def write_batch(self, peer: str, blocks: Sequence[Block]) -> None:
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
         if len(blocks) > self.max_batch_entries:
             raise ValueError(f"{len(blocks)} blocks exceed max_batch_entries {self.max_batch_entries}")
         if not blocks:
-            return
+            return None
         remote = self._peer(peer)
         # MORI batches per (local region, remote region) pair: group the blocks accordingly.
         groups: dict[tuple[int, int], tuple[_Region, _Region, list[int], list[int], list[int]]] = {}
@@ -131,6 +131,7 @@ class MoriBackend:
         failed = [s for s in statuses if not s.Succeeded()]
         if failed:
             raise TransferError(f"MORI batch write to a peer failed: {failed[0].Message()}")
+        return None
 
     def probe(self, peer: str) -> bool:
         return True
