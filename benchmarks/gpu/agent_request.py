@@ -127,6 +127,7 @@ def main() -> None:
         "PDFABRIC_KV_PAGES": str(POOL_PAGES),
         "PDFABRIC_STATE_SLOTS": "1",
         "PDFABRIC_AUX_SLOTS": "64",
+        "PDFABRIC_FASTPATH_TRACE": "1",
         # localrun sets PYTHONPATH to the repo; keep the carried Mooncake wheel importable too
         "PYTHONPATH": os.pathsep.join(
             [
@@ -154,6 +155,8 @@ def main() -> None:
         }
         result["bytes_by_path"] = paths
         lines.append(f"- bytes by metrics label path (prefill): {json.dumps(paths)}")
+        trace = [ln for name in lc.agents for ln in lc.log(name).splitlines() if "fastpath batch" in ln]
+        print("\n".join(trace[-8:]), flush=True)
     except Exception:
         for name in lc.agents:
             print(f"--- {name} log ---\n{lc.log(name)}", flush=True)

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ class FastPathBackend:
         self._batches = itertools.count()
         self.kernel_batches = 0
         self.engine_batches = 0
+        self._trace = os.environ.get("PDFABRIC_FASTPATH_TRACE") == "1"  # per-batch timings in the log
 
     def endpoint(self) -> str:
         return self.inner.endpoint()
@@ -120,6 +122,7 @@ class FastPathBackend:
     def write_batch(self, peer: str, blocks: Sequence) -> None:
         if not blocks:
             return
+        t0 = time.perf_counter()
         pm = self._peer(peer)
         if pm is not None:
             t = torch.tensor([(b.src, b.dst, b.length) for b in blocks], dtype=torch.int64)
@@ -138,8 +141,15 @@ class FastPathBackend:
                 except BaseException:
                     self._sender.ledger.release(room)
                     raise
+                t1 = time.perf_counter()
                 tr.wait(self.timeout_s)
                 self.kernel_batches += 1
+                if self._trace:
+                    t2 = time.perf_counter()
+                    log.info(
+                        "fastpath batch: %d blocks, %d bytes, prepare+launch %.3f ms, launch->confirmed %.3f ms",
+                        len(blocks), plan.total_bytes, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                    )  # fmt: skip
                 return
         self.engine_batches += 1
         self.inner.write_batch(peer, blocks)
