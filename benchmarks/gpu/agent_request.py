@@ -66,6 +66,7 @@ def room(lc, k: int, src: list[int], dst: list[int]) -> tuple[float, float]:
         raise RuntimeError(f"room {k}: {view['state']} {view.get('reason')}")
     lc.client(d).wait(d, k, 30)
     ph = view["phases_s"]
+    room.last_phases = ph  # type: ignore[attr-defined]
     return dt, ph["written:decode-0-tp0"] - ph["transferring"]
 
 
@@ -90,7 +91,7 @@ def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dic
             f"- {mode} pages: send -> Success median {t * 1e3:.2f} ms = {nbytes / t / 1e9:.1f} GB/s; "
             f"agent write phase {w * 1e3:.2f} ms = {nbytes / w / 1e9:.1f} GB/s ({reps} rooms)"
         )
-        print(lines[-1], flush=True)
+        print(lines[-1], "phases of the last room (s):", json.dumps(getattr(room, "last_phases", {})), flush=True)
 
 
 # What-if, clearly separate from the as-shipped numbers: the agent's planner recomputes the page
