@@ -180,8 +180,15 @@ class LocalCluster:
                     agent.proc.wait(timeout=10)
 
     def close(self) -> None:
+        from pdfabric_agent.main import remove_stale_pools
+
         self.stop()
+        # Agents killed with SIGKILL could not unlink their pool files; nobody restarts them now.
+        remove_stale_pools(self.agents_env("PDFABRIC_SHM_DIR") or "/dev/shm", self.uid)
         self._tmp.cleanup()
+
+    def agents_env(self, name: str) -> str:
+        return next(iter(self.agents.values())).env.get(name, "") if self.agents else ""
 
     def __enter__(self) -> LocalCluster:
         self.start()
