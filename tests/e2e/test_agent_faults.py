@@ -267,3 +267,17 @@ def test_missed_heartbeats_fail_decode_rooms_long_before_the_deadline() -> None:
         # Two missed heartbeats 0.3 s apart (each ping may wait up to 0.3 s), far from the 60 s deadline.
         assert time.monotonic() - start < 3
         assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="failed") == 1
+
+
+def test_latency_runs_from_submit_to_the_decode_acknowledgement(small: LocalCluster) -> None:
+    lc, p = small, "prefill-0-tp0-cp0"
+    agent = [lc.agent_of(p)]
+    count = lc.metric_sum("pdfabric_request_duration_seconds_count", agent, role="prefill")
+    total = lc.metric_sum("pdfabric_request_duration_seconds_sum", agent, role="prefill")
+    view = transfer_room(lc, 907, pages=4).prefill[p]
+    assert lc.metric_sum("pdfabric_request_duration_seconds_count", agent, role="prefill") == count + 1
+    observed = lc.metric_sum("pdfabric_request_duration_seconds_sum", agent, role="prefill") - total
+    phases = view["phases_s"]
+    # Not from the last chunk (upstream #31993): the observation covers the writes and the ack.
+    assert phases["transferring"] <= phases["written:decode-0-tp0"] <= phases["acknowledged:decode-0-tp0"]
+    assert observed >= phases["acknowledged:decode-0-tp0"]
