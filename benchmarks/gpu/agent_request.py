@@ -70,9 +70,11 @@ def room(lc, k: int, src: list[int], dst: list[int]) -> tuple[float, float]:
     return dt, ph["written:decode-0-tp0"] - ph["transferring"]
 
 
-def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dict) -> None:
+def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dict, modes: list[str]) -> None:
     k = 0
     for mode, reps in (("contiguous", 5), ("scattered", 2)):
+        if mode not in modes:
+            continue
         times, writes = [], []
         for i in range(reps + 1):
             if mode == "contiguous":
@@ -115,6 +117,7 @@ def main() -> None:
     import tempfile
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default="contiguous,scattered")
     ap.add_argument("--memo-runs", action="store_true", help="what-if: planner computes page runs once per request")
     args = ap.parse_args()
     localrun.place = place_on_two_gpus
@@ -149,7 +152,7 @@ def main() -> None:
     lc = localrun.LocalCluster(SPEC, env=env)
     try:
         lc.start(wait_s=120)
-        run_modes(lc, nbytes, rng, lines, result)
+        run_modes(lc, nbytes, rng, lines, result, args.modes.split(","))
         paths = {
             p: lc.metric_sum("pdfabric_transfer_bytes_total", role="prefill", path=p)
             for p in ("nvlink-kernel", "mooncake")
@@ -157,7 +160,8 @@ def main() -> None:
         result["bytes_by_path"] = paths
         lines.append(f"- bytes by metrics label path (prefill): {json.dumps(paths)}")
         trace = [ln for name in lc.agents for ln in lc.log(name).splitlines() if "fastpath batch" in ln]
-        print("\n".join(trace[-8:]), flush=True)
+        big = [ln for ln in trace if " 1024 blocks" not in ln]  # the contiguous rooms' batches
+        print("\n".join(big[-8:] + trace[-3:]), flush=True)
     except Exception:
         for name in lc.agents:
             print(f"--- {name} log ---\n{lc.log(name)}", flush=True)
