@@ -35,6 +35,12 @@ log = logging.getLogger("pdfabric.main")
 TICK_S = 0.1  # deadline and probe resolution; cheap (a scan of the active rooms)
 
 
+class UnsupportedSpec(RuntimeError):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def remove_stale_pools(shm_dir: str, cluster_uid: str) -> None:
     """Unlink pool files of this cluster left by agent processes that died without cleanup
     (SIGKILL, OOM): each name carries its owner's pid."""
@@ -120,6 +126,13 @@ async def serve(cfg: AgentConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        if spec.prefill.pp > 1 or spec.decode.pp > 1:
+            # Ranks are routed without their PP stage: a stage > 0 would write its layers into the
+            # wrong decode layers. Refuse loudly instead of corrupting KV.
+            raise UnsupportedSpec(
+                "PipelineParallelUnsupported",
+                f"prefill.pp={spec.prefill.pp}, decode.pp={spec.decode.pp}: this agent moves KV for pp=1 only",
+            )
         gpus = sorted({r.gpu for r in entry.ranks})
         hw = detect_hardware(gpus)
         choice = choose_transport(spec, rankmap.transport, hw, gpus)
@@ -142,9 +155,9 @@ async def serve(cfg: AgentConfig) -> int:
         )
         metrics.agent_ready.labels(cluster).set(1)
         log.info("agent %s ready: %s", entry.name, readiness.message)
-    except TransportError as exc:
+    except (TransportError, UnsupportedSpec) as exc:
         readiness.reason, readiness.message = exc.reason, str(exc)
-        log.error("transport not usable: %s (%s)", exc, exc.reason)
+        log.error("cannot serve: %s (%s)", exc, exc.reason)
     except Exception as exc:  # engine init or pool allocation: stay up, not ready, say why
         readiness.reason, readiness.message = "EngineFailed", f"{type(exc).__name__}: {exc}"
         log.exception("agent start failed")
