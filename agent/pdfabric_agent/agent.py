@@ -441,10 +441,8 @@ class Agent:
             raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
         room.marks[f"written:{target.decode_rank}"] = self.clock()
         aux_rows = []
-        if plan.aux_tcp:
-            view = local.pools.aux.view()
-            for src_off, dst_off, size in plan.aux_tcp:
-                aux_rows.append([dst_off, base64.b64encode(bytes(view[src_off : src_off + size])).decode()])
+        for src_off, dst_off, size in plan.aux_tcp:
+            aux_rows.append([dst_off, base64.b64encode(local.pools.aux.read(src_off, size)).decode()])
         aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
         if aux_tcp_bytes:
             by_path[TCP_SIDE_CHANNEL] = {"kv": 0, "state": 0, "aux": aux_tcp_bytes}
@@ -569,16 +567,9 @@ class Agent:
             isinstance(v, dict) and all(isinstance(n, int) and n >= 0 for n in v.values()) for v in by_path.values()
         ):
             raise malformed("bytes_by_path must map paths to {kind: bytes}")
-        rows = body.get("aux_rows") or []
-        view = local.pools.aux.view() if rows else None
-        for dst_off, data in rows:
-            raw = base64.b64decode(data)
-            if not isinstance(dst_off, int) or dst_off < 0 or dst_off + len(raw) > local.pools.aux.size:
-                raise ApiError(400, Refusal.OUT_OF_RANGE, f"aux row at {dst_off} does not fit the aux pool")
-        for dst_off, data in rows:
-            raw = base64.b64decode(data)
-            assert view is not None
-            view[dst_off : dst_off + len(raw)] = raw
+        rows = self._aux_rows(body.get("aux_rows") or [], local, room)
+        for dst_off, raw in rows:
+            local.pools.aux.write(dst_off, raw)
         sent = {"kv": 0, "state": 0, "aux": 0}
         for path, per_kind in sorted(by_path.items()):
             for kind in Kind:
@@ -594,6 +585,30 @@ class Agent:
         if room.arrived == set(room.expected):
             self._finish(room, "decode", RoomState.SUCCESS)
         return {"state": room.state.title}
+
+    @staticmethod
+    def _aux_rows(rows: Any, local: LocalRank, room: DecodeRoom) -> list[tuple[int, bytes]]:
+        """Side-channel aux rows, checked before any is written: each must be exactly one item
+        of this room's own aux row, so a report cannot write elsewhere in the pool."""
+        lay = local.layout
+        allowed = (
+            {lay.aux_offset(i, room.dst_aux): size for i, size in enumerate(lay.aux_items)}
+            if room.dst_aux is not None
+            else {}
+        )
+        out: list[tuple[int, bytes]] = []
+        if not isinstance(rows, list):
+            raise malformed("aux_rows must be a list of [offset, base64] pairs")
+        for row in rows:
+            try:
+                dst_off, data = row
+                raw = base64.b64decode(data, validate=True)
+            except (TypeError, ValueError):
+                raise malformed("aux_rows must be a list of [offset, base64] pairs") from None
+            if allowed.get(dst_off) != len(raw):
+                raise ApiError(400, Refusal.OUT_OF_RANGE, f"aux row at {dst_off} is not an item of this room's aux row")
+            out.append((dst_off, raw))
+        return out
 
     # ---------------------------------------------------------------- polling and upkeep
     async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:

@@ -134,6 +134,24 @@ class Pool:
             raise ValueError("only CPU pools can be viewed from Python")
         return memoryview(self._keep)
 
+    def read(self, offset: int, length: int) -> bytes:
+        """Copy bytes out (the TCP side channel reads aux rows this way, from CPU or GPU pools)."""
+        if not 0 <= offset <= offset + length <= self.size:
+            raise ValueError(f"{self.name}: {length} bytes at {offset} outside {self.size}")
+        if self.device is Device.CPU:
+            return bytes(memoryview(self._keep)[offset : offset + length])
+        return bytes(self._keep[offset : offset + length].cpu().numpy().tobytes())
+
+    def write(self, offset: int, data: bytes) -> None:
+        if not 0 <= offset <= offset + len(data) <= self.size:
+            raise ValueError(f"{self.name}: {len(data)} bytes at {offset} outside {self.size}")
+        if self.device is Device.CPU:
+            memoryview(self._keep)[offset : offset + len(data)] = data
+            return
+        import torch
+
+        self._keep[offset : offset + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
     def close(self) -> None:
         if self.device is Device.CPU and self.handle:
             with contextlib.suppress(FileNotFoundError):

@@ -281,3 +281,29 @@ def test_latency_runs_from_submit_to_the_decode_acknowledgement(small: LocalClus
     # Not from the last chunk (upstream #31993): the observation covers the writes and the ack.
     assert phases["transferring"] <= phases["written:decode-0-tp0"] <= phases["acknowledged:decode-0-tp0"]
     assert observed >= phases["acknowledged:decode-0-tp0"]
+
+
+def test_done_report_cannot_write_outside_the_rooms_aux_row(small: LocalCluster) -> None:
+    import base64
+
+    lc, d = small, "decode-0-tp0"
+    lc.client(d).receive(d, 908, [50], aux_index=2)
+    wait_until(lambda: lc.client(d).poll(d, 908)["state"] == "WaitingForInput", 5, "room info delivered")
+    pools = lc.client(d).map_pools(d)
+    try:
+        before = bytes(pools.aux[:])
+        body = {
+            "cluster": lc.uid,
+            "room": 908,
+            "decode_rank": d,
+            "prefill_rank": "prefill-0-tp0-cp0",
+            "ok": True,
+            "bytes_by_path": {},
+            "aux_rows": [[0, base64.b64encode(b"X" * 8).decode()]],  # item 0 of row 0, not row 2
+        }
+        code, doc = raw_post(lc, lc.agent_of(d), "/v1/peer/done", json.dumps(body).encode(), lc.token)
+        assert (code, doc["reason"]) == (400, "out_of_range")
+        assert bytes(pools.aux[:]) == before
+        assert lc.client(d).poll(d, 908)["state"] == "WaitingForInput"
+    finally:
+        pools.close()

@@ -83,3 +83,14 @@ def test_empty_pool_is_one_byte(tmp_path: Path) -> None:
     pool = Pool.allocate("unit-empty", 0, Device.CPU, shm_dir=str(tmp_path))
     assert pool.size == 1
     pool.close()
+
+
+def test_read_and_write_are_bounded(tmp_path: Path) -> None:
+    pool = Pool.allocate("unit-rw", 64, Device.CPU, shm_dir=str(tmp_path))
+    pool.write(60, b"abcd")
+    assert pool.read(58, 6) == b"\0\0abcd"
+    with pytest.raises(ValueError, match="outside 64"):
+        pool.write(61, b"abcd")
+    with pytest.raises(ValueError, match="outside 64"):
+        pool.read(-1, 2)
+    pool.close()
