@@ -28,6 +28,7 @@ def _worker(rank: int, shm: str, qs, barrier, results) -> None:
 
 def _run(rank: int, shm: str, qs, barrier) -> dict:
     sys.path[:0] = [os.path.join(ROOT, "agent"), os.path.join(ROOT, "core")]
+    from pdfabric_agent.fastpath import backend as fp_backend
     from pdfabric_agent.fastpath.backend import FastPathBackend
     from pdfabric_agent.fastpath.ledger import OverlapError
     from pdfabric_agent.plan import Block
@@ -79,7 +80,9 @@ def _run(rank: int, shm: str, qs, barrier) -> dict:
                 else int(torch.randint(0, POOL - n, (1,), generator=gen))
             )
             blocks.append(Block(pool.addr + s, peer_addr + slot * SLOT, n))
-        be.write_batch("127.0.0.1:17001", blocks)
+        be.write_batch("127.0.0.1:17001", blocks[:24])  # planned in plain Python
+        fp_backend.SMALL_BATCH = 0
+        be.write_batch("127.0.0.1:17001", blocks[24:])  # planned with tensors
         report["kernel_batches"] = be.kernel_batches
         be.write_batch("127.0.0.1:17999", blocks[:3])  # no such peer on this node: the engine
         report["engine_calls"] = list(engine.batches)
@@ -128,7 +131,7 @@ def test_backend_moves_same_node_blocks_with_the_kernel_and_falls_back_otherwise
     for r in (0, 1):
         assert got[r][0] == "ok", got[r][1]
     r0, r1 = got[0][1], got[1][1]
-    assert r0["kernel_batches"] == 1
+    assert r0["kernel_batches"] == 2
     assert r0["engine_calls"] == [("127.0.0.1:17999", 3)]
     assert "in flight" in r0["overlap"]
     assert r1["verified_blocks"] == 48

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.plan import PlanError, plan_blocks, reference_copies
+from pdfabric_agent.fastpath.plan import PlanError, plan_blocks, plan_blocks_list, reference_copies
 from pdfabric_core.policy.types import Transport
 
 
@@ -34,6 +34,7 @@ def test_blocks_replay_exactly_whatever_their_lengths() -> None:
         assert n <= 4096
         dst_mem[d : d + n] = src_mem[s : s + n]
     assert dst_mem == expect
+    assert plan_blocks_list(blocks, chunk_bytes=4096).words() == plan.words()  # same table either way
 
 
 def test_block_plan_rejects_bad_input() -> None:

@@ -27,10 +27,11 @@ import torch
 from pdfabric_agent.fastpath.channel import FastPathSender
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
 from pdfabric_agent.fastpath.kernel import KernelConfig
-from pdfabric_agent.fastpath.plan import plan_blocks
+from pdfabric_agent.fastpath.plan import plan_blocks, plan_blocks_list
 from pdfabric_agent.fastpath.select import TransferPath
 
 log = logging.getLogger("pdfabric.fastpath")
+SMALL_BATCH = 256  # up to this many blocks are planned in plain Python (aux rows, coalesced requests)
 
 
 def export_file(shm_dir: str, endpoint: str) -> str:
@@ -41,6 +42,12 @@ def export_file(shm_dir: str, endpoint: str) -> str:
 @dataclass(frozen=True)
 class _PeerMap:
     ranges: tuple[tuple[int, int, int], ...]  # (peer addr, size, address writable from here)
+
+    def translate_one(self, dst: int, length: int) -> int | None:
+        for base, size, mapped in self.ranges:
+            if base <= dst and dst + length <= base + size:
+                return dst - base + mapped
+        return None
 
     def translate(self, dst: torch.Tensor, length: torch.Tensor) -> torch.Tensor | None:
         out = torch.full_like(dst, -1)
@@ -125,17 +132,12 @@ class FastPathBackend:
         t0 = time.perf_counter()
         pm = self._peer(peer)
         if pm is not None:
-            t = torch.tensor([(b.src, b.dst, b.length) for b in blocks], dtype=torch.int64)
-            src, dst, length = t[:, 0], t[:, 1], t[:, 2]
-            local_ok = torch.zeros_like(src, dtype=torch.bool)
-            for base, size in self._local:
-                local_ok |= (src >= base) & (src + length <= base + size)
-            mapped = pm.translate(dst, length) if bool(local_ok.all()) else None
-            if mapped is not None:
+            planned = self._plan_small(pm, blocks) if len(blocks) <= SMALL_BATCH else self._plan_large(pm, blocks)
+            if planned is not None:
+                plan, ranges = planned
                 room = ("batch", next(self._batches))
-                plan = plan_blocks(src, mapped, length, self._sender.cfg.chunk_bytes)
                 # Exact byte ranges on the receiver: an overlapping concurrent batch is refused.
-                self._sender.ledger.reserve_ranges(room, peer, zip(dst.tolist(), (dst + length).tolist(), strict=True))
+                self._sender.ledger.reserve_ranges(room, peer, ranges)
                 try:
                     tr = self._sender.submit_plan(room, peer, plan)
                 except BaseException:
@@ -153,6 +155,31 @@ class FastPathBackend:
                 return
         self.engine_batches += 1
         self.inner.write_batch(peer, blocks)
+
+    def _local_ok(self, src: int, length: int) -> bool:
+        return any(base <= src and src + length <= base + size for base, size in self._local)
+
+    def _plan_small(self, pm: _PeerMap, blocks: Sequence):
+        triples, ranges = [], []
+        for b in blocks:
+            mapped = pm.translate_one(b.dst, b.length)
+            if mapped is None or not self._local_ok(b.src, b.length):
+                return None
+            triples.append((b.src, mapped, b.length))
+            ranges.append((b.dst, b.dst + b.length))
+        return plan_blocks_list(triples, self._sender.cfg.chunk_bytes), ranges
+
+    def _plan_large(self, pm: _PeerMap, blocks: Sequence):
+        t = torch.tensor([(b.src, b.dst, b.length) for b in blocks], dtype=torch.int64)
+        src, dst, length = t[:, 0], t[:, 1], t[:, 2]
+        local_ok = torch.zeros_like(src, dtype=torch.bool)
+        for base, size in self._local:
+            local_ok |= (src >= base) & (src + length <= base + size)
+        mapped = pm.translate(dst, length) if bool(local_ok.all()) else None
+        if mapped is None:
+            return None
+        ranges = zip(dst.tolist(), (dst + length).tolist(), strict=True)
+        return plan_blocks(src, mapped, length, self._sender.cfg.chunk_bytes), ranges
 
     def probe(self, peer: str) -> bool:
         return self.inner.probe(peer)

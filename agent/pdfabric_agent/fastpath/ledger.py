@@ -6,7 +6,6 @@ in-process ledger per agent sees every concurrent request.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Hashable, Iterable, Mapping
 
@@ -30,8 +29,8 @@ class ReceiverLedger:
         self._lock = threading.Lock()
         self._busy: dict[tuple[Hashable, str], set[int]] = {}
         self._rooms: dict[Hashable, list[tuple[tuple[Hashable, str], set[int]]]] = {}
-        self._ranges: dict[Hashable, list[tuple[int, int, Hashable]]] = {}  # per receiver, sorted
-        self._room_ranges: dict[Hashable, tuple[Hashable, list[tuple[int, int, Hashable]]]] = {}
+        self._ranges: dict[Hashable, dict[Hashable, list[tuple[int, int]]]] = {}  # receiver -> room -> sorted
+        self._room_ranges: dict[Hashable, Hashable] = {}  # room -> receiver
 
     def reserve(self, room: Hashable, receiver: Hashable, pages_by_pool: Mapping[str, set[int] | torch.Tensor]) -> None:
         wanted = [((receiver, pool), _as_set(p)) for pool, p in pages_by_pool.items()]
@@ -50,30 +49,36 @@ class ReceiverLedger:
             self._rooms[room] = wanted
 
     def reserve_ranges(self, room: Hashable, receiver: Hashable, ranges: Iterable[tuple[int, int]]) -> None:
-        """Byte ranges [start, end) in the receiver's address space (block writes, exact overlap)."""
-        new = sorted((s, e, room) for s, e in ranges if e > s)
+        """Byte ranges [start, end) in the receiver's address space (block writes, exact overlap).
+
+        Each room keeps its own sorted list; a new room is checked against the rooms in flight to
+        the same receiver with one merge walk each, so the common case (nothing else in flight)
+        costs one sort."""
+        new = sorted((s, e) for s, e in ranges if e > s)
         with self._lock:
             if room in self._rooms or room in self._room_ranges:
                 raise OverlapError(f"room {room!r} is already in flight")
-            busy = self._ranges.setdefault(receiver, [])
-            for s, e, _ in new:
-                j = bisect.bisect_left(busy, (s,))
-                if (j > 0 and busy[j - 1][1] > s) or (j < len(busy) and busy[j][0] < e):
-                    raise OverlapError(f"receiver {receiver!r}: bytes {s:#x}..{e:#x} are in flight for another request")
-            for r in new:
-                bisect.insort(busy, r)
-            self._room_ranges[room] = (receiver, new)
+            others = self._ranges.setdefault(receiver, {})
+            for busy in others.values():
+                i = j = 0
+                while i < len(new) and j < len(busy):
+                    (s, e), (bs, be) = new[i], busy[j]
+                    if s < be and bs < e:
+                        raise OverlapError(
+                            f"receiver {receiver!r}: bytes {max(s, bs):#x}..{min(e, be):#x} are in flight for another request"
+                        )
+                    if e <= be:
+                        i += 1
+                    else:
+                        j += 1
+            others[room] = new
+            self._room_ranges[room] = receiver
 
     def release(self, room: Hashable) -> None:
         with self._lock:
-            held = self._room_ranges.pop(room, None)
-            if held is not None:
-                receiver, ranges = held
-                busy = self._ranges.get(receiver, [])
-                for r in ranges:
-                    j = bisect.bisect_left(busy, r)
-                    if j < len(busy) and busy[j] == r:
-                        busy.pop(j)
+            receiver = self._room_ranges.pop(room, None)
+            if receiver is not None:
+                self._ranges.get(receiver, {}).pop(room, None)
             for key, pages in self._rooms.pop(room, []):
                 busy = self._busy.get(key)
                 if busy is not None:

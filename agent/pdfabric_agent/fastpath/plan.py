@@ -312,6 +312,31 @@ def plan_blocks(
     )
 
 
+def plan_blocks_list(blocks: Sequence[tuple[int, int, int]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LaunchPlan:
+    """`plan_blocks` for a handful of blocks (aux rows, a coalesced request) in plain Python:
+    the same table, word for word, without the fixed cost of a dozen small tensor ops."""
+    by_len: dict[int, list[tuple[int, int]]] = {}
+    for s, d, n in blocks:
+        if n <= 0:
+            raise PlanError("block lengths must be positive")
+        by_len.setdefault(n, []).append((s, d))
+    sizes = sorted(by_len)
+    base_buf = len(sizes) * GROUP_FIELDS
+    base_page = base_buf + 2 * len(blocks)
+    head: list[int] = []
+    bufs: list[int] = []
+    unit = total = 0
+    for n in sizes:
+        pairs = by_len[n]
+        nchunks = -(-n // chunk_bytes)
+        head += (unit, len(pairs), 1, nchunks, n, base_buf + len(bufs), base_page, 0)
+        for s, d in pairs:
+            bufs += (s, d)
+        unit += len(pairs) * nchunks
+        total += len(pairs) * n
+    return LaunchPlan(head + bufs + [0, 0], len(sizes), unit, total, chunk_bytes)
+
+
 def reference_copies(plan: LaunchPlan) -> list[tuple[int, int, int]]:
     """(src_addr, dst_addr, nbytes) per unit, decoded exactly as the kernel does; for tests."""
     t = plan.words()
