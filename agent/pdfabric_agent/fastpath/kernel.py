@@ -129,9 +129,11 @@ class SmallTable(ctypes.Structure):
 
 @dataclass(frozen=True)
 class KernelConfig:
-    unroll: int = 8  # 16-byte loads in flight per lane; chunk = unroll * 512 bytes
+    # Swept on 2x H200 (benchmarks/results/gpu-2026-11-30.md): 4 configs within 0.5% of each other;
+    # this one was best at 4 and 64 KiB pages. 16 loads in flight per lane, 8 KiB chunks.
+    unroll: int = 16  # 16-byte loads in flight per lane; chunk = unroll * 512 bytes
     threads: int = 512
-    blocks_per_sm: int = 2
+    blocks_per_sm: int = 1
 
     @property
     def chunk_bytes(self) -> int:
