@@ -6,8 +6,10 @@ Run: ``python benchmarks/bench_agent.py [--pages 256] [--repeat 5]`` (loopback t
 - agent: a room through real agent processes, timed by the client from ``send`` to the prefill
   room's Success (all batches confirmed and the decode agent acknowledged), coalescing off so
   the agent moves exactly the raw run's blocks;
-- raw: this process registers the very same pool files (mapped from /dev/shm) with two engines
-  of its own and writes the same block list with ``batch_transfer_sync_write``, chunked alike;
+- raw: this process registers the prefill pool file (mapped from /dev/shm) with an engine of its
+  own and writes the same block list with ``batch_transfer_sync_write``, chunked alike, (1) into
+  the decode pool file mapped and registered here, and (2) into the decode agent's own engine and
+  pool, the receiver the agent path uses;
 - coalescing: the same room through agents with PDFABRIC_COALESCE=1 vs 0, consecutive pages;
 - metrics: the per-batch cost of the counter updates the agent makes, against the batch time.
 Medians over ``--repeat`` runs. Two cores are shared by everything here: read ratios, not GB/s.
