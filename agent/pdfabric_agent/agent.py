@@ -56,6 +56,7 @@ from pdfabric_agent.rooms import (
     malformed,
 )
 from pdfabric_core.policy.chunking import chunk_batch
+from pdfabric_core.policy.rank_mapping import decode_pp_stage
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 
@@ -239,7 +240,7 @@ class Agent:
             raise ApiError(409, Refusal.CONFLICT, f"room {room_id} is already {old.state.title} on {rank_id}")
         targets: dict[str, Target] = {}
         for route in decode_targets(self.spec, local.rank.tp_rank):
-            decode_rank = Rank("decode", replica, route.decode_tp_rank).rank_id
+            decode_rank = Rank("decode", replica, route.decode_tp_rank, 0, self._decode_stage(local)).rank_id
             agent = self._agent_for(decode_rank)
             targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, agent)
         now = self.clock()
@@ -275,6 +276,9 @@ class Agent:
                 targets[decode_rank].dst = info
         self._maybe_start(room)
         return room.view()
+
+    def _decode_stage(self, local: LocalRank) -> int:
+        return decode_pp_stage(local.rank.pp_rank, self.spec.prefill.pp, self.spec.decode.pp)
 
     def _sends_anything(self, local: LocalRank) -> bool:
         from pdfabric_core.policy.rank_mapping import sending_cp_ranks
@@ -315,7 +319,7 @@ class Agent:
         field_indices(body, "state_indices", dst_layout.state_slots, what="state slots", unique=True)
         check_index(field_int(body, "aux_index", optional=True), dst_layout.aux_slots, name="aux_index")
         valid = {
-            Rank("decode", r, route.decode_tp_rank).rank_id
+            Rank("decode", r, route.decode_tp_rank, 0, self._decode_stage(local)).rank_id
             for r in range(self.spec.decode.replicas)
             for route in decode_targets(self.spec, local.rank.tp_rank)
         }
@@ -381,7 +385,7 @@ class Agent:
         dst = target.dst
         assert dst is not None
         route = next(r for r in decode_targets(self.spec, local.rank.tp_rank) if r.decode_tp_rank == target.decode_tp)
-        duties = sender_duties(self.spec, route, local.rank.cp_rank, len(dst["kv_pages"]))
+        duties = sender_duties(self.spec, route, local.rank.cp_rank, len(dst["kv_pages"]), local.rank.pp_rank)
         assert duties is not None  # _sends_anything already filtered non-sending CP ranks
         plan = plan_transfer(
             duties,
@@ -498,8 +502,8 @@ class Agent:
         if old is not None and not old.state.finished:
             raise ApiError(409, Refusal.CONFLICT, f"room {room_id} is already {old.state.title} on {rank_id}")
         expected = {}
-        for p, c in expected_sources(self.spec, local.rank.tp_rank):
-            prefill_rank = Rank("prefill", replica, p, c).rank_id
+        for p, c, s in expected_sources(self.spec, local.rank.tp_rank, local.rank.pp_rank):
+            prefill_rank = Rank("prefill", replica, p, c, s).rank_id
             expected[prefill_rank] = self._agent_for(prefill_rank)
         now = self.clock()
         room = DecodeRoom(

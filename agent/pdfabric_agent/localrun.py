@@ -36,10 +36,16 @@ def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0) -> list[AgentEntry]:
     agents: list[AgentEntry] = []
     groups: list[tuple[str, int, list[Rank]]] = []
     for r in range(spec.prefill.replicas):
-        ranks = [Rank("prefill", r, tp, cp) for cp in range(spec.prefill.cp) for tp in range(spec.prefill.tp)]
+        ranks = [
+            Rank("prefill", r, tp, cp, pp)
+            for pp in range(spec.prefill.pp)
+            for cp in range(spec.prefill.cp)
+            for tp in range(spec.prefill.tp)
+        ]
         groups.append(("prefill", r, ranks))
     for r in range(spec.decode.replicas):
-        groups.append(("decode", r, [Rank("decode", r, tp) for tp in range(spec.decode.tp)]))
+        ranks = [Rank("decode", r, tp, 0, pp) for pp in range(spec.decode.pp) for tp in range(spec.decode.tp)]
+        groups.append(("decode", r, ranks))
     for role, replica, ranks in groups:
         size = ranks_per_agent or len(ranks)
         for i in range(0, len(ranks), size):
@@ -265,8 +271,9 @@ def transfer_room(
     """Drive one room through real agents like a serving engine pair would: decode announces its
     destination, every prefill rank fills its pages (synthetic contents) and sends, both sides
     wait for a final state, decode verifies every byte."""
+    from pdfabric_agent.plan import receives_request_rows
     from pdfabric_agent.synthetic import fill_prefill, verify_decode
-    from pdfabric_core.policy.rank_mapping import cp_page_shard
+    from pdfabric_core.policy.rank_mapping import cp_page_shard, pp_layer_range
 
     spec = lc.spec
     kv_pages = int(next(iter(lc.agents.values())).env["PDFABRIC_KV_PAGES"])
@@ -275,10 +282,17 @@ def transfer_room(
     dst_state = list(range(state_slots))[::-1]
     src_state = list(range(state_slots))
     aux_dst, aux_src = (3, 1) if aux else (None, None)
-    decode_ranks = [Rank("decode", decode_replica, d).rank_id for d in range(spec.decode.tp)]
-    prefill_ranks = [
-        Rank("prefill", prefill_replica, p, c) for c in range(spec.prefill.cp) for p in range(spec.prefill.tp)
+    decode_rank_objs = [
+        Rank("decode", decode_replica, d, 0, s) for s in range(spec.decode.pp) for d in range(spec.decode.tp)
     ]
+    decode_ranks = [r.rank_id for r in decode_rank_objs]
+    prefill_ranks = [
+        Rank("prefill", prefill_replica, p, c, s)
+        for s in range(spec.prefill.pp)
+        for c in range(spec.prefill.cp)
+        for p in range(spec.prefill.tp)
+    ]
+    layers = spec.model.layers
     started = time.monotonic()
     for d in decode_ranks:
         lc.client(d).receive(
@@ -295,6 +309,7 @@ def transfer_room(
                 fill_prefill(
                     pools, spec, tp_rank=r.tp_rank, room=room, positions=shard, pages=mine,
                     state_slots=src_state, aux_index=aux_src,
+                    first_layer=pp_layer_range(layers, spec.prefill.pp, r.pp_rank).start,
                 )  # fmt: skip
             finally:
                 pools.close()
@@ -304,12 +319,16 @@ def transfer_room(
     elapsed = time.monotonic() - started
     errors: dict[str, list[str]] = {}
     if verify:
-        for tp, d in enumerate(decode_ranks):
+        for r in decode_rank_objs:
+            d = r.rank_id
+            rows = receives_request_rows(spec, r.pp_rank)  # aux and state land on one stage only
             pools = lc.client(d).map_pools(d)
             try:
                 errors[d] = verify_decode(
-                    pools, spec, tp_rank=tp, room=room, pages=dst_pages, state_slots=dst_state, aux_index=aux_dst
-                )
+                    pools, spec, tp_rank=r.tp_rank, room=room, pages=dst_pages,
+                    state_slots=dst_state if rows else (), aux_index=aux_dst if rows else None,
+                    first_layer=pp_layer_range(layers, spec.decode.pp, r.pp_rank).start,
+                )  # fmt: skip
             finally:
                 pools.close()
     return RoomResult(prefill_views, decode_views, errors, elapsed)

@@ -35,12 +35,6 @@ log = logging.getLogger("pdfabric.main")
 TICK_S = 0.1  # deadline and probe resolution; cheap (a scan of the active rooms)
 
 
-class UnsupportedSpec(RuntimeError):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
 def remove_stale_pools(shm_dir: str, cluster_uid: str) -> None:
     """Unlink pool files of this cluster left by agent processes that died without cleanup
     (SIGKILL, OOM): each name carries its owner's pid."""
@@ -72,8 +66,15 @@ def build_ranks(
     tag = f"pdfabric-{rankmap.cluster_uid[:8]}-{os.getpid()}"
     for rank in entry.ranks:
         tp = spec.prefill.tp if rank.role == "prefill" else spec.decode.tp
+        pp = spec.prefill.pp if rank.role == "prefill" else spec.decode.pp
         layout = PoolLayout.from_geometry(
-            spec.model, tp, kv_pages=cfg.kv_pages, state_slots=cfg.state_slots, aux_slots=cfg.aux_slots
+            spec.model,
+            tp,
+            kv_pages=cfg.kv_pages,
+            state_slots=cfg.state_slots,
+            aux_slots=cfg.aux_slots,
+            pp=pp,
+            pp_stage=rank.pp_rank,
         )
         pools = RankPools(
             layout,
@@ -126,13 +127,6 @@ async def serve(cfg: AgentConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        if spec.prefill.pp > 1 or spec.decode.pp > 1:
-            # Ranks are routed without their PP stage: a stage > 0 would write its layers into the
-            # wrong decode layers. Refuse loudly instead of corrupting KV.
-            raise UnsupportedSpec(
-                "PipelineParallelUnsupported",
-                f"prefill.pp={spec.prefill.pp}, decode.pp={spec.decode.pp}: this agent moves KV for pp=1 only",
-            )
         gpus = sorted({r.gpu for r in entry.ranks})
         hw = detect_hardware(gpus)
         choice = choose_transport(spec, rankmap.transport, hw, gpus)
@@ -155,7 +149,7 @@ async def serve(cfg: AgentConfig) -> int:
         )
         metrics.agent_ready.labels(cluster).set(1)
         log.info("agent %s ready: %s", entry.name, readiness.message)
-    except (TransportError, UnsupportedSpec) as exc:
+    except TransportError as exc:
         readiness.reason, readiness.message = exc.reason, str(exc)
         log.error("cannot serve: %s (%s)", exc, exc.reason)
     except Exception as exc:  # engine init or pool allocation: stay up, not ready, say why

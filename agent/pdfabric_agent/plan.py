@@ -8,7 +8,9 @@ A prefill rank (tp p, cp c) sending room R to decode rank d moves:
   (state_layer_shard), and nothing when the dedup rule says CP rank 0 sends it (cp_dedup);
 - aux: only from d's primary source at CP rank 0, through the engine or over the TCP side
   channel as aux_path says.
-Which (p, c) a decode rank waits for is ``expected_sources``; both sides use the same rules.
+- pipeline parallel: PP stage s sends its own layers to the decode stage decode_pp_stage names,
+  shifted to that stage's layer numbering; aux and state leave from the last stage only.
+Which (p, c, s) a decode rank waits for is ``expected_sources``; both sides use the same rules.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from pdfabric_core.policy.cp_dedup import should_skip_state_transfer
 from pdfabric_core.policy.rank_mapping import (
     KvRoute,
     cp_page_shard,
+    decode_pp_stage,
+    pp_layer_range,
     primary_source,
     routes_from_prefill,
     sending_cp_ranks,
+    sends_request_rows,
     state_layer_shard,
 )
 from pdfabric_core.spec import PDClusterSpec
@@ -55,6 +60,7 @@ class Duties:
     state_skipped: bool  # True when the dedup rule dropped this rank's state
     send_aux: bool
     aux_path: AuxPath
+    dst_layer_offset: int = 0  # decode local layer = prefill local layer + this (PP stages)
 
 
 @dataclass
@@ -81,8 +87,11 @@ def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
     return routes_from_prefill(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
 
 
-def sender_duties(spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: int) -> Duties | None:
-    """Duties of prefill (route.prefill_tp_rank, cp_rank) for route's decode rank; None: nothing."""
+def sender_duties(
+    spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: int, pp_stage: int = 0
+) -> Duties | None:
+    """Duties of prefill (route.prefill_tp_rank, cp_rank, pp_stage) for route's decode rank (at
+    the decode stage ``decode_pp_stage`` names); None: nothing."""
     cp = spec.prefill.cp
     split = spec.prefill.dsa_cache_layer_split
     if cp_rank not in sending_cp_ranks(
@@ -95,6 +104,11 @@ def sender_duties(spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: 
     skip = should_skip_state_transfer(cp, cp_rank, dsa_cache_layer_split=split)
     state_layers = state_layer_shard(spec.model.state_layers, cp, cp_rank, dsa_cache_layer_split=split)
     has_state = spec.model.state_bytes_per_request > 0
+    pp, dpp, layers = spec.prefill.pp, spec.decode.pp, spec.model.layers
+    rows = sends_request_rows(pp_stage, pp)
+    primary = primary and rows
+    offset = pp_layer_range(layers, pp, pp_stage).start
+    offset -= pp_layer_range(layers, dpp, decode_pp_stage(pp_stage, pp, dpp)).start
     return Duties(
         route=route,
         pages=cp_page_shard(num_pages, cp, cp_rank, all_ranks_send=all_ranks_send(spec)),
@@ -102,11 +116,12 @@ def sender_duties(spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: 
         state_skipped=primary and has_state and skip,
         send_aux=primary and cp_rank == 0,
         aux_path=choose_aux_path(spec.transfer.mem_pool, aux_over_tcp=spec.transfer.aux_over_tcp),
+        dst_layer_offset=offset,
     )
 
 
-def expected_sources(spec: PDClusterSpec, decode_tp_rank: int) -> list[tuple[int, int]]:
-    """(prefill tp rank, cp rank) pairs decode rank d waits for before its room is complete."""
+def expected_sources(spec: PDClusterSpec, decode_tp_rank: int, decode_stage: int = 0) -> list[tuple[int, int, int]]:
+    """(prefill tp rank, cp rank, pp stage) a decode rank waits for before its room is complete."""
     cps = sending_cp_ranks(
         spec.prefill.cp,
         all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer,
@@ -115,7 +130,15 @@ def expected_sources(spec: PDClusterSpec, decode_tp_rank: int) -> list[tuple[int
     tps = sorted(
         {r.prefill_tp_rank for r in routes_for_decode(spec, decode_tp_rank)},
     )
-    return [(p, c) for p in tps for c in cps]
+    pp, dpp = spec.prefill.pp, spec.decode.pp
+    stages = [s for s in range(pp) if decode_pp_stage(s, pp, dpp) == decode_stage]
+    return [(p, c, s) for s in stages for p in tps for c in cps]
+
+
+def receives_request_rows(spec: PDClusterSpec, decode_stage: int) -> bool:
+    """The decode stage the last prefill stage sends aux and state to."""
+    pp = spec.prefill.pp
+    return decode_stage == decode_pp_stage(pp - 1, pp, spec.decode.pp)
 
 
 def routes_for_decode(spec: PDClusterSpec, decode_tp_rank: int) -> list[KvRoute]:
@@ -158,6 +181,11 @@ def plan_transfer(
     shard_dst = [dst_pages[i] for i in duties.pages]
     route = duties.route
     plan = TransferPlan()
+    shift = duties.dst_layer_offset
+    if not 0 <= shift <= shift + src_layout.layers <= dst_layout.layers:
+        raise ValueError(
+            f"layers {shift}..{shift + src_layout.layers - 1} do not fit the decode pool's {dst_layout.layers} layers"
+        )
     if route.whole_page:
         if src_layout.page_bytes != dst_layout.page_bytes:
             raise ValueError(f"page size differs: {src_layout.page_bytes} vs {dst_layout.page_bytes} bytes")
@@ -168,7 +196,7 @@ def plan_transfer(
                     plan.kv.append(
                         Block(
                             src.kv + src_layout.kv_offset(layer, kv, s),
-                            dst.kv + dst_layout.kv_offset(layer, kv, d),
+                            dst.kv + dst_layout.kv_offset(layer + shift, kv, d),
                             n * page,
                         )
                     )
@@ -180,7 +208,7 @@ def plan_transfer(
                     plan.kv.append(
                         Block(
                             src.kv + src_layout.kv_offset(layer, kv, s, route.src_head_offset),
-                            dst.kv + dst_layout.kv_offset(layer, kv, d, route.dst_head_offset),
+                            dst.kv + dst_layout.kv_offset(layer + shift, kv, d, route.dst_head_offset),
                             length,
                         )
                     )

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdfabric_core.policy.rank_mapping import local_heads
+from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
 from pdfabric_core.policy.types import Device
 from pdfabric_core.spec import ModelGeometry
 
@@ -40,15 +40,24 @@ class PoolLayout:
 
     @classmethod
     def from_geometry(
-        cls, geo: ModelGeometry, tp: int, *, kv_pages: int, state_slots: int, aux_slots: int
+        cls,
+        geo: ModelGeometry,
+        tp: int,
+        *,
+        kv_pages: int,
+        state_slots: int,
+        aux_slots: int,
+        pp: int = 1,
+        pp_stage: int = 0,
     ) -> PoolLayout:
+        """One rank's layout; a PP stage holds only its own layers (pp_layer_range)."""
         if geo.state_bytes_per_request % geo.state_layers:
             raise ValueError(
                 f"model.stateBytesPerRequest ({geo.state_bytes_per_request}) must divide evenly into "
                 f"model.stateLayers ({geo.state_layers})"
             )
         return cls(
-            layers=geo.layers,
+            layers=len(pp_layer_range(geo.layers, pp, pp_stage)),
             local_heads=local_heads(tp, geo.kv_heads),
             head_bytes=geo.page_size_tokens * geo.head_dim * geo.dtype_bytes,
             kv_pages=kv_pages,

@@ -76,9 +76,10 @@ def fill_prefill(
     pages: Sequence[int],
     state_slots: Sequence[int] = (),
     aux_index: int | None = None,
+    first_layer: int = 0,
 ) -> int:
     """Write room's contents for the request pages at ``positions`` into local ``pages``; returns
-    bytes written."""
+    bytes written. ``first_layer`` is the global number of the pool's layer 0 (PP stages)."""
     lay = pools.layout
     heads = list(global_heads(tp_rank, spec.prefill.tp, spec.model.kv_heads))
     written = 0
@@ -87,7 +88,8 @@ def fill_prefill(
             for pos, page in zip(positions, pages, strict=True):
                 for local, head in enumerate(heads):
                     off = lay.kv_offset(layer, kv, page, local)
-                    pools.kv[off : off + lay.head_bytes] = kv_chunk(room, layer, kv, pos, head, lay.head_bytes)
+                    chunk = kv_chunk(room, first_layer + layer, kv, pos, head, lay.head_bytes)
+                    pools.kv[off : off + lay.head_bytes] = chunk
                     written += lay.head_bytes
     for layer in range(lay.state_layers):
         for pos, slot in enumerate(state_slots):
@@ -111,6 +113,7 @@ def verify_decode(
     pages: Sequence[int],
     state_slots: Sequence[int] = (),
     aux_index: int | None = None,
+    first_layer: int = 0,
 ) -> list[str]:
     """Every mismatch, as "what where"; empty when all bytes are exact."""
     lay = pools.layout
@@ -121,8 +124,11 @@ def verify_decode(
             for pos, page in enumerate(pages):
                 for local, head in enumerate(heads):
                     off = lay.kv_offset(layer, kv, page, local)
-                    if pools.kv[off : off + lay.head_bytes] != kv_chunk(room, layer, kv, pos, head, lay.head_bytes):
-                        errors.append(f"kv layer {layer} {'KV'[kv]} request page {pos} (slot {page}) head {head}")
+                    want = kv_chunk(room, first_layer + layer, kv, pos, head, lay.head_bytes)
+                    if pools.kv[off : off + lay.head_bytes] != want:
+                        errors.append(
+                            f"kv layer {first_layer + layer} {'KV'[kv]} request page {pos} (slot {page}) head {head}"
+                        )
     for layer in range(lay.state_layers):
         for pos, slot in enumerate(state_slots):
             off = lay.state_offset(layer, slot)

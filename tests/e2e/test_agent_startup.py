@@ -119,15 +119,3 @@ def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
         assert "no agent on node 'node-elsewhere'" in proc.stderr
     finally:
         lc.close()
-
-
-def test_pipeline_parallel_is_refused_not_corrupted() -> None:
-    raw = {"prefill": {"tp": 1, "pp": 2}, "decode": {"tp": 1}, "model": MODEL, "transfer": {"transport": "tcp"}}
-    lc = LocalCluster(raw)
-    try:
-        name = lc.agent_of("decode-0-tp0")
-        lc.start(name, ready=False)
-        status, body = wait_readyz(lc, name)
-        assert (status, body["reason"]) == (503, "PipelineParallelUnsupported")
-    finally:
-        lc.close()

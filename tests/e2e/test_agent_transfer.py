@@ -76,6 +76,18 @@ def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[st
         check_room(lc, room=11, pages=5)
 
 
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [({"tp": 1, "pp": 2}, {"tp": 1}), ({"tp": 2, "pp": 2}, {"tp": 1, "pp": 2})],
+    ids=["prefill-pp2-into-decode-pp1", "prefill-tp2-pp2-into-decode-tp1-pp2"],
+)
+def test_pipeline_stages_land_in_their_decode_layers(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    raw = spec(prefill, decode)
+    raw["model"] = {**GEOMETRY, "layers": 5}  # uneven: stage 0 holds 3 layers, stage 1 holds 2
+    with LocalCluster(raw) as lc:
+        check_room(lc, room=61)
+
+
 @pytest.fixture(scope="module")
 def cp4_all_ranks() -> Iterator[LocalCluster]:
     with LocalCluster(spec({"tp": 1, "cp": 4, "allCpRanksTransfer": True}, {"tp": 1})) as lc:

@@ -16,9 +16,9 @@ DST = Bases(kv=0x40000000, state=0x50000000, aux=0x60000000)
 
 
 def make_spec(
-    prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None, **transfer: Any
+    prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None, layers: int = 1, **transfer: Any
 ) -> PDClusterSpec:
-    model = {"layers": 1, "kvHeads": 4, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32"}
+    model = {"layers": layers, "kvHeads": 4, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32"}
     model.update({"stateBytesPerRequest": 64, "stateLayers": 2, "auxRowBytes": [8, 16]})
     return parse_spec(
         {
@@ -147,19 +147,49 @@ def test_aux_blocks_follow_the_aux_path(transfer: dict[str, Any], path: AuxPath)
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode", "d", "expected"),
+    ("prefill", "decode", "d", "stage", "expected"),
     [
-        ({"tp": 2}, {"tp": 4}, 3, [(1, 0)]),
-        ({"tp": 4}, {"tp": 2}, 1, [(2, 0), (3, 0)]),
-        ({"cp": 4}, {}, 0, [(0, 0)]),
-        ({"cp": 4, "allCpRanksTransfer": True}, {}, 0, [(0, 0), (0, 1), (0, 2), (0, 3)]),
+        ({"tp": 2}, {"tp": 4}, 3, 0, [(1, 0, 0)]),
+        ({"tp": 4}, {"tp": 2}, 1, 0, [(2, 0, 0), (3, 0, 0)]),
+        ({"cp": 4}, {}, 0, 0, [(0, 0, 0)]),
+        ({"cp": 4, "allCpRanksTransfer": True}, {}, 0, 0, [(0, 0, 0), (0, 1, 0), (0, 2, 0), (0, 3, 0)]),
+        ({"pp": 2}, {}, 0, 0, [(0, 0, 0), (0, 0, 1)]),
+        ({"pp": 2}, {"pp": 2}, 0, 1, [(0, 0, 1)]),
     ],
-    ids=["decode-more", "decode-fewer", "cp-rank0-only", "cp-all-ranks"],
+    ids=["decode-more", "decode-fewer", "cp-rank0-only", "cp-all-ranks", "pp2-into-pp1", "pp2-stage-to-stage"],
 )
 def test_expected_sources(
-    prefill: dict[str, Any], decode: dict[str, Any], d: int, expected: list[tuple[int, int]]
+    prefill: dict[str, Any], decode: dict[str, Any], d: int, stage: int, expected: list[tuple[int, int, int]]
 ) -> None:
-    assert expected_sources(make_spec(prefill, decode), d) == expected
+    assert expected_sources(make_spec(prefill, decode), d, stage) == expected
+
+
+@pytest.mark.parametrize(
+    ("decode", "stage", "offset", "rows"),
+    [({}, 0, 0, False), ({}, 1, 1, True), ({"pp": 2}, 0, 0, False), ({"pp": 2}, 1, 0, True)],
+    ids=["pp1-decode-stage0", "pp1-decode-stage1-shifted", "pp2-stage0", "pp2-stage1-local-numbering"],
+)
+def test_pp_stage_duties(decode: dict[str, Any], stage: int, offset: int, rows: bool) -> None:
+    spec = make_spec({"pp": 2}, decode, layers=2)
+    duties = sender_duties(spec, decode_targets(spec, 0)[0], 0, 4, stage)
+    assert duties is not None
+    assert (duties.dst_layer_offset, duties.send_aux, bool(duties.state_layers)) == (offset, rows, rows)
+
+
+def test_pp_stage_writes_into_its_decode_layers() -> None:
+    spec = make_spec({"pp": 2}, {}, layers=2)
+    duties = sender_duties(spec, decode_targets(spec, 0)[0], 0, 1, 1)
+    assert duties is not None
+    src_layout = PoolLayout.from_geometry(spec.model, 1, kv_pages=16, state_slots=4, aux_slots=4, pp=2, pp_stage=1)
+    p = plan_transfer(
+        duties, src_layout=src_layout, dst_layout=layout(spec, 1), src=SRC, dst=DST, src_pages=[0], dst_pages=[5],
+        src_state=[0], dst_state=[2], src_aux=1, dst_aux=3,
+    )  # fmt: skip
+    # The stage holds one layer (its local layer 0 = global layer 1): K and V land in decode layer 1.
+    assert p.kv == [
+        Block(SRC.kv, DST.kv + (2 * 16 + 5) * PAGE, PAGE),
+        Block(SRC.kv + 16 * PAGE, DST.kv + (3 * 16 + 5) * PAGE, PAGE),
+    ]
 
 
 def test_source_page_count_must_match_the_shard() -> None:

@@ -8,11 +8,14 @@ from pdfabric_core.policy.rank_mapping import (
     KvRoute,
     candidate_sources,
     cp_page_shard,
+    decode_pp_stage,
     global_heads,
     kv_routes,
+    pp_layer_range,
     primary_source,
     routes_from_prefill,
     sending_cp_ranks,
+    sends_request_rows,
     state_layer_shard,
     validate_pp,
     validate_tp,
@@ -135,6 +138,31 @@ def test_state_layer_shard(layers: int, cp: int, rank: int, split: bool, expecte
 
 
 @pytest.mark.parametrize(
+    ("layers", "pp", "stage", "expected"),
+    [(32, 1, 0, range(0, 32)), (32, 2, 1, range(16, 32)), (10, 4, 0, range(0, 3)), (10, 4, 3, range(8, 10))],
+    ids=["no-pp", "pp2-second-half", "uneven-first-takes-remainder", "uneven-last"],
+)
+def test_pp_layer_range(layers: int, pp: int, stage: int, expected: range) -> None:
+    assert pp_layer_range(layers, pp, stage) == expected
+
+
+@pytest.mark.parametrize(
+    ("stage", "ppp", "dpp", "expected"),
+    [(0, 1, 1, 0), (1, 2, 2, 1), (1, 2, 1, 0), (3, 4, 1, 0)],
+    ids=["no-pp", "stage-to-stage", "into-decode-pp1", "last-into-pp1"],
+)
+def test_decode_pp_stage(stage: int, ppp: int, dpp: int, expected: int) -> None:
+    assert decode_pp_stage(stage, ppp, dpp) == expected
+
+
+@pytest.mark.parametrize(
+    ("stage", "pp", "rows"), [(0, 1, True), (0, 2, False), (1, 2, True)], ids=["no-pp", "first", "last"]
+)
+def test_request_rows_leave_from_the_last_stage(stage: int, pp: int, rows: bool) -> None:
+    assert sends_request_rows(stage, pp) is rows
+
+
+@pytest.mark.parametrize(
     ("call", "message"),
     [
         (lambda: validate_tp(3, 8, role="prefill"), "do not divide"),
@@ -144,6 +172,9 @@ def test_state_layer_shard(layers: int, cp: int, rank: int, split: bool, expecte
         (lambda: cp_page_shard(4, 2, 2, all_ranks_send=True), "outside"),
         (lambda: global_heads(2, 2, 8), "outside"),
         (lambda: primary_source(5, 2, 4, 8), "outside"),
+        (lambda: pp_layer_range(8, 2, 2), "outside a pipeline"),
+        (lambda: decode_pp_stage(0, 2, 3), "decode PP"),
+        (lambda: decode_pp_stage(2, 2, 2), "outside a pipeline"),
     ],
     ids=[
         "tp-heads-indivisible",
@@ -153,6 +184,9 @@ def test_state_layer_shard(layers: int, cp: int, rank: int, split: bool, expecte
         "cp-rank-outside",
         "tp-rank-outside",
         "decode-rank-outside",
+        "pp-stage-outside",
+        "pp-mismatch-stage",
+        "pp-stage-too-big",
     ],
 )
 def test_invalid_layouts_are_rejected(call: object, message: str) -> None:

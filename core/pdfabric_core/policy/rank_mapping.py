@@ -146,6 +146,28 @@ def validate_pp(prefill_pp: int, decode_pp: int) -> None:
         raise ValueError(f"decode PP must equal prefill PP ({prefill_pp}) or be 1, got {decode_pp}")
 
 
+def pp_layer_range(layers: int, pp: int, stage: int) -> range:
+    """Global layers PP stage `stage` holds: contiguous, the first stages take the remainder."""
+    if pp < 1 or not 0 <= stage < pp:
+        raise ValueError(f"PP stage {stage} is outside a pipeline of {pp} stages")
+    base, extra = divmod(layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def decode_pp_stage(prefill_stage: int, prefill_pp: int, decode_pp: int) -> int:
+    """The decode stage a prefill stage sends to: the same stage, or 0 when decode PP is 1."""
+    validate_pp(prefill_pp, decode_pp)
+    if not 0 <= prefill_stage < prefill_pp:
+        raise ValueError(f"PP stage {prefill_stage} is outside a pipeline of {prefill_pp} stages")
+    return 0 if decode_pp == 1 else prefill_stage
+
+
+def sends_request_rows(prefill_stage: int, prefill_pp: int) -> bool:
+    """Per-request rows (aux, state) leave from the last PP stage only (upstream send_aux)."""
+    return prefill_stage == prefill_pp - 1
+
+
 def primary_source(decode_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> int:
     """The prefill TP rank that sends a decode rank its per-request rows (state, aux).
 
