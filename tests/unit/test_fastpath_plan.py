@@ -137,3 +137,20 @@ def test_whole_request_is_one_launch_table() -> None:
 def test_grid_is_persistent_and_covers_small_requests() -> None:
     assert grid_for(8, sms=132, blocks_per_sm=2, threads=512) == 1
     assert grid_for(10**6, sms=132, blocks_per_sm=2, threads=512) == 264
+
+
+def test_one_page_per_pool_shortcut_builds_the_general_table() -> None:
+    from pdfabric_agent.fastpath.plan import Layout
+
+    aux = [
+        BufferPair(SRC_BASE + 64 * i, DST_BASE + 64 * i, size, 8 * size, 8 * size)
+        for i, size in enumerate((16, 8, 16, 4096))
+    ]
+    state = [BufferPair(SRC_BASE + (1 << 20), DST_BASE + (1 << 20), 8192, 4 * 8192, 4 * 8192)]
+    layout = Layout([("aux", aux), ("state", state)], chunk_bytes=4096)
+    fast = layout.plan([([3], [5]), ([1], [2])])
+    general = layout.plan([(torch.tensor([3]), torch.tensor([5])), (torch.tensor([1]), torch.tensor([2]))])
+    assert fast.small and fast.words() == general.words()
+    assert (fast.total_units, fast.total_bytes, fast.ngroups) == (general.total_units, general.total_bytes, 4)
+    with pytest.raises(PlanError, match="past the end"):
+        layout.plan([([8], [0]), ([0], [0])])

@@ -61,6 +61,7 @@ class _Route:
     board: CompletionBoard
     slot: int
     seq: itertools.count
+    flag: int  # where this sender's kernels store the slot's sequence number
 
 
 class FastPathSender:
@@ -76,6 +77,8 @@ class FastPathSender:
         self.ledger = ledger if ledger is not None else ReceiverLedger()
         self._routes: dict[Hashable, _Route] = {}
         torch.cuda.synchronize(device)  # the counter's zero-fill ran on another stream
+        self._stream_ptr = self.stream.cuda_stream  # cached: each lookup is a call into torch
+        self._counter_ptr = self.counter.data_ptr()
 
     # ---- set-up ------------------------------------------------------------------------------
     def map_pool(self, export: PoolExport) -> int:
@@ -86,8 +89,8 @@ class FastPathSender:
         if not 0 <= slot < BOARD_SLOTS:
             raise ValueError(f"board slot {slot} outside 0..{BOARD_SLOTS - 1}")
         start = board.read(slot) + 1  # sequence numbers only rise, also across sender restarts
-        self._routes[receiver] = _Route(board, slot, itertools.count(start))
-        board.device_pointer(self.device, slot)  # pin now, not on the first request
+        # Pin now, not on the first request.
+        self._routes[receiver] = _Route(board, slot, itertools.count(start), board.device_pointer(self.device, slot))
 
     # ---- data path ---------------------------------------------------------------------------
     def submit(self, room: Hashable, receiver: Hashable, groups: Sequence[CopyGroup]) -> Transfer:
@@ -111,7 +114,7 @@ class FastPathSender:
         self.ledger.reserve(room, receiver, plan.dst_pages_by_pool)
         try:
             seq = next(route.seq)
-            flag = route.board.device_pointer(self.device, route.slot)
+            flag = route.flag
             keep = None
             if plan.total_units == 0:
                 words, table_ptr = [0] * 8, 0
@@ -130,8 +133,8 @@ class FastPathSender:
                 small_words=words,
                 ngroups=plan.ngroups,
                 total_units=plan.total_units,
-                stream=self.stream.cuda_stream,
-                counter_ptr=self.counter.data_ptr(),
+                stream=self._stream_ptr,
+                counter_ptr=self._counter_ptr,
                 flag_ptr=flag,
                 seq=seq,
             )

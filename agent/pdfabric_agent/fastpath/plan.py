@@ -138,9 +138,39 @@ class Layout:
         self.buf_words = words
         self.npools_buffers = sum(len(b) for _, b in pools)
         self._small_ok = self.npools_buffers <= SMALL_TABLE_WORDS // 4
+        # Aux-sized requests move one page per pool: their header never changes, so keep it.
+        base_buf = len(self.groups) * GROUP_FIELDS
+        base_page = base_buf + len(words)
+        head: list[int] = []
+        unit = total = 0
+        for g in self.groups:
+            head += (unit, g.nbuf, 1, g.nchunks, g.item, base_buf + g.buf_rel, base_page + 2 * g.source, 0)
+            unit += g.nbuf * g.nchunks
+            total += g.nbuf * g.item
+        self._one_prefix = head + words
+        self._one_units, self._one_bytes = unit, total
+
+    def _plan_one_page(self, pages: Sequence[tuple[list[int], list[int]]]) -> LaunchPlan:
+        words = list(self._one_prefix)
+        by_pool: dict[str, set[int] | torch.Tensor] = {}
+        for name, (src, dst) in zip(self.pools, pages, strict=True):
+            s, d = src[0], dst[0]
+            if s < 0 or d < 0:
+                raise PlanError(f"pool {name}: negative page index")
+            words += (s, d)
+            got = by_pool.get(name)
+            by_pool[name] = {d} if got is None else got | {d}  # type: ignore[operator]
+        for g in self.groups:
+            if (g.src_limit is not None and pages[g.source][0][0] >= g.src_limit) or (
+                g.dst_limit is not None and pages[g.source][1][0] >= g.dst_limit
+            ):
+                raise PlanError(f"pool {g.pool}: page index past the end of a buffer")
+        return LaunchPlan(words, len(self.groups), self._one_units, self._one_bytes, self.chunk_bytes, by_pool)
 
     def _plan_small(self, pages: Sequence[tuple[list[int], list[int]]]) -> LaunchPlan:
         """Aux-sized requests on the hot path: plain lists only, no tensors, no intermediate objects."""
+        if all(len(s) == 1 and len(d) == 1 for s, d in pages):
+            return self._plan_one_page(pages)
         counts: list[int] = []
         his: list[tuple[int, int]] = []
         rel: list[int] = []
