@@ -3,6 +3,7 @@
 PDFABRIC_RECONCILE_INTERVAL  seconds between level-based reconciles of one PDCluster (default 20)
 PDFABRIC_PEERING             kopf peering object (ClusterKopfPeering) name; "" runs standalone (default pdfabric)
 PDFABRIC_PRIORITY            peering priority; unset draws a random one, so of two replicas exactly one acts
+PDFABRIC_PEERING_LIFETIME    seconds a silent peer counts as alive (default 60): the failover delay
 PDFABRIC_METRICS_PORT        Prometheus metrics port, 0 disables (default 8080)
 PDFABRIC_WATCH_TIMEOUT       server-side watch timeout in seconds (default 300)
 PDFABRIC_KUBECONFIG          kubeconfig to use instead of in-cluster credentials or $KUBECONFIG
@@ -29,6 +30,7 @@ class OperatorConfig:
     priority: int = 0
     metrics_port: int = 8080
     watch_timeout: int = 300
+    peering_lifetime: int = 60
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -56,4 +58,5 @@ class OperatorConfig:
             priority=priority,
             metrics_port=int(number("PDFABRIC_METRICS_PORT", 8080, 0)),
             watch_timeout=int(number("PDFABRIC_WATCH_TIMEOUT", 300, 1)),
+            peering_lifetime=int(number("PDFABRIC_PEERING_LIFETIME", 60, 1)),
         )

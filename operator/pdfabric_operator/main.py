@@ -94,6 +94,7 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
         settings.peering.mandatory = True
         settings.peering.standalone = False
         settings.peering.priority = cfg.priority
+        settings.peering.lifetime = cfg.peering_lifetime
     else:
         settings.peering.standalone = True
     if cfg.metrics_port and not STATE.metrics_started:

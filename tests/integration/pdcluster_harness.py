@@ -104,7 +104,13 @@ def selector(namespace: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running_operator(
-    cluster: Any, kubeconfig: Path, peering: str, *, interval: float = 1.0, priority: int | None = None
+    cluster: Any,
+    kubeconfig: Path,
+    peering: str,
+    *,
+    interval: float = 1.0,
+    priority: int | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[KopfRunner]:
     """The real operator (pdfabric_operator.main) in a thread, as the chart's ServiceAccount."""
     cluster.kubectl(
@@ -122,6 +128,7 @@ def running_operator(
     }
     if priority is not None:
         env["PDFABRIC_PRIORITY"] = str(priority)
+    env.update(extra_env or {})
     with (
         mock.patch.dict(os.environ, env),
         KopfRunner(["run", "-A", "--verbose", "-m", "pdfabric_operator.main"], timeout=60) as runner,
@@ -129,6 +136,21 @@ def running_operator(
         yield runner
     assert runner.exception is None, runner.output[-5000:]
     assert runner.exit_code == 0, runner.output[-5000:]
+
+
+def operator_subprocess_env(kubeconfig: Path, peering: str, **extra: str) -> dict[str, str]:
+    """Environment for an operator replica run as its own process (`python -m kopf run ...`)."""
+    paths = [str(ROOT / p) for p in ("core", "operator")]
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(paths),
+        "PDFABRIC_KUBECONFIG": str(kubeconfig),
+        "PDFABRIC_PEERING": peering,
+        "PDFABRIC_RECONCILE_INTERVAL": "1",
+        "PDFABRIC_METRICS_PORT": "0",
+        "PDFABRIC_WATCH_TIMEOUT": "30",
+        **extra,
+    }
 
 
 @pytest.fixture
