@@ -1,0 +1,113 @@
+"""Builders: child objects are deterministic, owned, labelled, and carry the agent contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdfabric_core.rankmap import Rank, RankMap
+from pdfabric_operator import builders as b
+from pdfabric_operator.planner import Placement, plan_placement
+from tests.builders import gpu_node, pdcluster
+
+REF = b.ClusterRef("ns", "pd", "uid-1")
+
+
+def _placed(builder, nodes) -> Placement:
+    result = plan_placement(builder.spec(), nodes, [], cluster_uid=REF.uid)
+    assert isinstance(result, Placement)
+    return result
+
+
+# (id, cluster, node, expected name)
+NAME_CASES = [
+    ("short", "pd", "gpu-1", "pd-gpu-1-" + b._short_hash("gpu-1")),
+    ("dots-become-dashes", "pd", "node.rack.a", "pd-node-rack-a-" + b._short_hash("node.rack.a")),
+    ("long-truncated", "c" * 40, "n" * 40, ("c" * 40 + "-" + "n" * 14) + "-" + b._short_hash("n" * 40)),
+]
+
+
+@pytest.mark.parametrize(("cluster", "node", "expected"), [c[1:] for c in NAME_CASES], ids=[c[0] for c in NAME_CASES])
+def test_agent_name(cluster: str, node: str, expected: str) -> None:
+    name = b.agent_name(cluster, node)
+    assert name == expected
+    assert len(name) <= 63
+
+
+def test_agent_names_distinct_when_truncation_collides() -> None:
+    assert b.agent_name("pd", "x" * 80 + "a") != b.agent_name("pd", "x" * 80 + "b")
+
+
+def test_rank_annotation_round_trips() -> None:
+    ranks = (Rank("prefill", 1, 2, 3, 1, 0), Rank("decode", 0, 7, 0, 0, 5))
+    assert b.decode_ranks(b.encode_ranks(ranks)) == ranks
+
+
+def test_agent_pod_contract() -> None:
+    builder = pdcluster().transport("rdma").prefill(tp=2).decode(tp=2).agent(resources={"limits": {"memory": "1Gi"}})
+    placement = _placed(builder, [gpu_node("n1", 8, rdma=2)])
+    (pod,) = b.build_agent_pods(REF, builder.spec(), placement)
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert spec["nodeName"] == "n1"
+    assert container["command"] == ["pdfabric-agent"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["PDFABRIC_RANKMAP"]["value"] == "/etc/pdfabric/rankmap.json"
+    assert env["PDFABRIC_TOKEN_FILE"]["value"] == "/etc/pdfabric/token/token"
+    assert container["resources"]["limits"] == {"memory": "1Gi", "nvidia.com/gpu": "4", "rdma/hca": "1"}
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": "4", "rdma/hca": "1"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts == {"rankmap": "/etc/pdfabric", "token": "/etc/pdfabric/token"}
+    assert spec["subdomain"] == b.service_name("pd")
+    assert pod["metadata"]["ownerReferences"] == [REF.owner_reference()]
+    assert pod["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == "uid-1"
+    assert b.decode_ranks(pod["metadata"]["annotations"]["pdfabric.dev/ranks"]) == placement.agents[0].ranks
+
+
+def test_tcp_pod_requests_no_rdma() -> None:
+    builder = pdcluster()
+    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8, rdma=2)]))
+    assert "rdma/hca" not in pod["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_pod_hash_changes_with_ranks_only() -> None:
+    nodes = [gpu_node("n1", 8)]
+    one = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
+    same = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
+    more = pdcluster().prefill(tp=2)
+    other = b.build_agent_pods(REF, more.spec(), _placed(more, nodes))[0]
+    key = "pdfabric.dev/pod-hash"
+    assert one["metadata"]["annotations"][key] == same["metadata"]["annotations"][key]
+    assert one["metadata"]["annotations"][key] != other["metadata"]["annotations"][key]
+
+
+def test_rankmap_configmap_round_trips() -> None:
+    builder = pdcluster().transport("nvlink").prefill(replicas=2, tp=4).decode(tp=8)
+    placement = _placed(
+        builder, [gpu_node("a", 8, clique="x"), gpu_node("b", 8, clique="x"), gpu_node("c", 8, clique="x")]
+    )
+    rankmap = b.build_rankmap(REF, builder.raw_spec(), placement)
+    cm = b.build_rankmap_configmap(REF, rankmap)
+    back = RankMap.from_json(cm["data"]["rankmap.json"])
+    assert back == rankmap
+    assert back.transport == "nvlink"
+    assert {a.domain for a in back.agents} == {"x"}
+    assert [a.name for a in back.agents] == [b.agent_name("pd", a.node) for a in placement.agents]
+    assert cm["metadata"]["annotations"]["pdfabric.dev/rankmap-hash"]
+
+
+def test_service_is_headless_and_selects_agents() -> None:
+    svc = b.build_headless_service(REF, pdcluster().spec())
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {"pdfabric.dev/cluster-uid": "uid-1", "app.kubernetes.io/component": "agent"}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {7400, 9400}
+
+
+def test_secret_holds_the_token() -> None:
+    secret = b.build_token_secret(REF, "s3cret")
+    assert secret["stringData"] == {"token": "s3cret"}
+    assert secret["metadata"]["name"] == "pd-token"
+    assert secret["metadata"]["ownerReferences"][0]["controller"] is True

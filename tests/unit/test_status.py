@@ -1,0 +1,125 @@
+"""The status writer: conditions per outcome, ready counts, patch only on change."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdfabric_operator.builders import agent_name
+from pdfabric_operator.planner import Placement, PlacementFailure, plan_placement
+from pdfabric_operator.status import AgentView, Observed, compute_status, status_patch
+from tests.builders import gpu_node, pdcluster
+
+NODES = [gpu_node("a", 8), gpu_node("b", 8)]
+
+
+def _conds(status: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def _placement(builder) -> Placement:
+    result = plan_placement(builder.spec(), NODES, [], cluster_uid="u")
+    assert isinstance(result, Placement)
+    return result
+
+
+def _views(placement: Placement, ready: set[str], current: bool = True) -> list[AgentView]:
+    return [AgentView(agent_name("pd", a.node), a.node, a.node in ready, current) for a in placement.agents]
+
+
+BUILDER = pdcluster().prefill(replicas=2, tp=4).decode(replicas=2, tp=4)
+
+# (id, ready nodes, current, expected Ready, prefillReady, decodeReady)
+READY_CASES = [
+    ("all-ready", {"a", "b"}, True, ("True", "AgentsReady"), "2/2", "2/2"),
+    ("one-node-ready", {"a"}, True, ("False", "AgentsNotReady"), None, None),
+    ("none-ready", set(), True, ("False", "AgentsNotReady"), "0/2", "0/2"),
+    ("stale-pods-do-not-count", {"a", "b"}, False, ("False", "AgentsNotReady"), "0/2", "0/2"),
+]
+
+
+@pytest.mark.parametrize(
+    ("ready", "current", "expected", "p_ready", "d_ready"),
+    [c[1:] for c in READY_CASES],
+    ids=[c[0] for c in READY_CASES],
+)
+def test_ready_counts(ready, current, expected, p_ready, d_ready) -> None:
+    placement = _placement(BUILDER)
+    status = compute_status(Observed(3, BUILDER.spec(), placement, _views(placement, ready, current)), "pd")
+    assert _conds(status)["Ready"] == expected
+    assert _conds(status)["Placed"] == ("True", "Placed")
+    assert status["observedGeneration"] == 3
+    if p_ready is not None:
+        assert (status["prefillReady"], status["decodeReady"]) == (p_ready, d_ready)
+    assert sum(p["gpus"] for p in status["placement"]) == 16
+
+
+def test_one_ready_node_counts_its_whole_replicas() -> None:
+    placement = _placement(BUILDER)
+    node = placement.agents[0].node
+    status = compute_status(Observed(1, BUILDER.spec(), placement, _views(placement, {node})), "pd")
+    on_node = {(r.role, r.replica) for r in placement.agents[0].ranks}
+    prefill = sum(1 for role, _ in on_node if role == "prefill")
+    assert status["prefill"]["ready"] == prefill
+    assert status["decode"]["ready"] == len(on_node) - prefill
+
+
+def test_failure_conditions() -> None:
+    failure = PlacementFailure(
+        "NoRDMANodes", "no rdma here", pdcluster().transport("rdma").spec().transfer.effective_transport
+    )
+    status = compute_status(Observed(1, pdcluster().spec(), failure), "pd")
+    assert _conds(status) == {
+        "Ready": ("False", "NotPlaced"),
+        "Placed": ("False", "NoRDMANodes"),
+        "TransportReady": ("False", "NotPlaced"),
+        "Degraded": ("False", "NotPlaced"),
+    }
+    assert status["placement"] == [] and status["transport"] is None
+
+
+def test_fallback_conditions() -> None:
+    builder = pdcluster().transport("rdma").placement(fallback="TCP")
+    result = plan_placement(builder.spec(), NODES, [], cluster_uid="u")
+    assert isinstance(result, Placement) and result.is_fallback
+    status = compute_status(Observed(1, builder.spec(), result, _views(result, {"a", "b"})), "pd")
+    assert _conds(status) == {
+        "Ready": ("True", "AgentsReady"),
+        "Placed": ("True", "FallbackTCP"),
+        "TransportReady": ("False", "FallbackTCP"),
+        "Degraded": ("True", "TransportFallback"),
+    }
+    assert (status["transport"], status["requestedTransport"]) == ("tcp", "rdma")
+
+
+def test_lost_node_is_degraded() -> None:
+    placement = _placement(BUILDER)
+    obs = Observed(1, BUILDER.spec(), placement, _views(placement, {"a"}), lost_nodes=("gone",))
+    assert _conds(compute_status(obs, "pd"))["Degraded"] == ("True", "NodeLost")
+
+
+def test_invalid_spec() -> None:
+    status = compute_status(Observed(1, pdcluster().spec(), None, spec_error="bad"), "pd")
+    assert _conds(status)["Placed"] == ("False", "InvalidSpec")
+    assert status["expectedBytesPerRequest"] is None
+
+
+def test_patch_only_on_change_and_transition_time_kept() -> None:
+    placement = _placement(BUILDER)
+    desired = compute_status(Observed(1, BUILDER.spec(), placement, _views(placement, set())), "pd")
+    first = status_patch(desired, None, "T1")
+    assert first is not None and all(c["lastTransitionTime"] == "T1" for c in first["conditions"])
+    stored = dict(first)
+    assert status_patch(desired, stored, "T2") is None
+    ready = compute_status(Observed(1, BUILDER.spec(), placement, _views(placement, {"a", "b"})), "pd")
+    patch = status_patch(ready, stored, "T3")
+    assert patch is not None
+    times = {c["type"]: c["lastTransitionTime"] for c in patch["conditions"]}
+    assert times == {"Ready": "T3", "Placed": "T1", "TransportReady": "T3", "Degraded": "T1"}
+    assert "expectedBytesPerRequest" not in patch  # unchanged keys are not sent
+
+
+def test_patch_clears_keys_that_went_away() -> None:
+    stored = {"nvlinkDomain": "x"}
+    desired = compute_status(Observed(1, pdcluster().spec(), _placement(pdcluster()), []), "pd")
+    patch = status_patch(desired, stored, "T")
+    assert patch is not None and patch["nvlinkDomain"] is None  # merge patch: null deletes
