@@ -1,0 +1,301 @@
+"""Operator at scale: apply-to-Ready latency, then many PDClusters on many fake GPU nodes.
+
+Starts a private local control plane with `--nodes` fake 8-GPU nodes (NVLink domains of 8 nodes,
+each with an RDMA device), installs the CRDs and the chart's RBAC, and runs the real operator as its
+own process under the chart's ServiceAccount. Then:
+
+1. latency: `--latency-runs` PDClusters created one at a time; time from the create call until
+   the API server shows Ready=True for the current generation (polled every 50 ms);
+2. bulk: the remaining PDClusters (up to `--clusters`) created back to back; time until all are
+   Ready; the transports rotate tcp, rdma, nvlink-intra, nvlink; each cluster takes 16 GPUs.
+
+Reported: latency median/max, time to all Ready, operator peak RSS (VmHWM of its process), and API
+requests the operator made, counted two ways: server-side (the API server's priority-and-fairness
+counter for the `service-accounts` flow, which in this private cluster only the operator uses)
+and client-side (the reconciler's own counter; kopf's watches and patches excluded there).
+
+Default size runs in a few minutes on a 2-core machine; `--full` is the issue's 500 nodes x 8 GPUs
+with 100 PDClusters (goal: all Ready within 60 s, operator under 300 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "hack")]
+
+import yaml  # noqa: E402
+
+from pdfabric_devcluster import ClusterConfig, LocalCluster  # noqa: E402
+from pdfabric_devcluster.cluster import ensure_binaries, free_port  # noqa: E402
+from pdfabric_devcluster.nodes import GpuNodeShape  # noqa: E402
+
+GOAL_ALL_READY_S = 60.0
+GOAL_RSS_MB = 300.0
+OPERATOR_NS = "pdfabric-system"
+TRANSPORTS = ("tcp", "rdma", "nvlink-intra", "nvlink")
+
+
+def pdcluster(name: str, transport: str) -> dict[str, Any]:
+    pool = {"nvlink-intra": "INTRA_NODE_NVLINK", "nvlink": "NVLINK"}.get(transport, "NONE")
+    spec: dict[str, Any] = {
+        "transfer": {"memPool": pool, "transport": transport},
+        # 16 GPUs: two prefill TP4 replicas and two decode TP4 replicas (intra-node: 2 x 8 per node)
+        "prefill": {"replicas": 2, "tp": 4},
+        "decode": {"replicas": 2, "tp": 4},
+        "placement": {"nodeSelector": {"pool": "bench"}},
+    }
+    return {"apiVersion": "pdfabric.dev/v1alpha1", "kind": "PDCluster", "metadata": {"name": name}, "spec": spec}
+
+
+def node_shapes(nodes: int) -> list[GpuNodeShape]:
+    shapes = []
+    for i in range(0, nodes, 8):
+        shapes.append(
+            GpuNodeShape(
+                f"b{i // 8}",
+                min(8, nodes - i),
+                clique=f"dom-{i // 8}",
+                rdma_resource="rdma/hca",
+                labels={"pool": "bench"},
+            )
+        )
+    return shapes
+
+
+class Operator:
+    """The operator as a child process, with its RSS sampled for the peak."""
+
+    def __init__(self, cluster: LocalCluster, kubeconfig: Path, log: Path) -> None:
+        self.metrics_port, self.health_port = free_port(), free_port()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("core", "operator")),
+            "PDFABRIC_KUBECONFIG": str(kubeconfig),
+            "PDFABRIC_PEERING": "pdfabric",
+            "PDFABRIC_METRICS_PORT": str(self.metrics_port),
+            "PDFABRIC_RECONCILE_INTERVAL": "20",
+        }
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kopf",
+                "run",
+                "-A",
+                "--quiet",
+                f"--liveness=http://127.0.0.1:{self.health_port}/healthz",
+                "-m",
+                "pdfabric_operator.main",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.peak_rss_mb = 0.0
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _status(self, field: str) -> float:
+        text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+        return int(match.group(1)) / 1024 if match else 0.0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set() and self.proc.poll() is None:
+            self.peak_rss_mb = max(self.peak_rss_mb, self._status("VmRSS"))
+            time.sleep(0.2)
+
+    def wait_live(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("operator liveness endpoint did not answer")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("pdfabric_operator_"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> float:
+        peak = max(self.peak_rss_mb, self._status("VmHWM") if self.proc.poll() is None else 0.0)
+        self._stop.set()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        return peak
+
+
+def apf_requests(cluster: LocalCluster) -> float:
+    """Requests the API server dispatched for the `service-accounts` flow (the operator's SA)."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    total = 0.0
+    for line in text.splitlines():
+        if (
+            line.startswith("apiserver_flowcontrol_dispatched_requests_total")
+            and 'flow_schema="service-accounts"' in line
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def ready_names(api: Any) -> set[str]:
+    items = api.list_namespaced_custom_object("pdfabric.dev", "v1alpha1", "bench", "pdclusters")["items"]
+    ready = set()
+    for obj in items:
+        status = obj.get("status") or {}
+        if status.get("observedGeneration") != obj["metadata"]["generation"]:
+            continue
+        for cond in status.get("conditions") or []:
+            if cond["type"] == "Ready" and cond["status"] == "True":
+                ready.add(obj["metadata"]["name"])
+    return ready
+
+
+def install(cluster: LocalCluster) -> Path:
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/pdclusters.pdfabric.dev")
+    cluster.kubectl("create", "namespace", OPERATOR_NS)
+    cluster.kubectl("create", "namespace", "bench")
+    rendered = subprocess.run(
+        [str(cluster.bin_dir / "helm"), "template", "pdfabric", str(ROOT / "charts" / "pdfabric"), "-n", OPERATOR_NS],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    keep = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in keep]
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    return cluster.service_account_kubeconfig(OPERATOR_NS, "pdfabric")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--clusters", type=int, default=16)
+    parser.add_argument("--latency-runs", type=int, default=4)
+    parser.add_argument("--full", action="store_true", help="500 nodes x 8 GPUs, 100 PDClusters")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if args.full:
+        args.nodes, args.clusters = 500, 100
+    if args.clusters * 16 > args.nodes * 8:
+        parser.error("not enough GPUs: each PDCluster takes 16")
+
+    from kubernetes import client, config
+
+    bin_dir = ensure_binaries(quiet=True)
+    with tempfile.TemporaryDirectory(prefix="pdfabric-bench-op-") as tmp:
+        work = Path(tmp)
+        t0 = time.monotonic()
+        cluster = LocalCluster(ClusterConfig(workdir=work, bin_dir=bin_dir, node_shapes=node_shapes(args.nodes)))
+        cluster.start()
+        print(f"control plane with {args.nodes} nodes ready in {time.monotonic() - t0:.1f} s")
+        operator: Operator | None = None
+        try:
+            kubeconfig = install(cluster)
+            api = client.CustomObjectsApi(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
+            apf_before = apf_requests(cluster)
+            operator = Operator(cluster, kubeconfig, work / "operator.log")
+            operator.wait_live()
+
+            latencies = []
+            names = [f"pd-{i:03d}" for i in range(args.clusters)]
+            for i, name in enumerate(names[: args.latency_runs]):
+                start = time.monotonic()
+                api.create_namespaced_custom_object(
+                    "pdfabric.dev", "v1alpha1", "bench", "pdclusters", pdcluster(name, TRANSPORTS[i % 4])
+                )
+                while name not in ready_names(api):
+                    if time.monotonic() - start > 60:
+                        raise RuntimeError(f"{name} not Ready after 60 s")
+                    time.sleep(0.05)
+                latencies.append(time.monotonic() - start)
+
+            bulk = names[args.latency_runs :]
+            start = time.monotonic()
+            for i, name in enumerate(bulk, start=args.latency_runs):
+                api.create_namespaced_custom_object(
+                    "pdfabric.dev", "v1alpha1", "bench", "pdclusters", pdcluster(name, TRANSPORTS[i % 4])
+                )
+            created = time.monotonic() - start
+            while True:
+                ready = ready_names(api)
+                if ready >= set(names):
+                    break
+                if time.monotonic() - start > args.timeout:
+                    raise RuntimeError(f"only {len(ready)}/{len(names)} Ready after {args.timeout:.0f} s")
+                time.sleep(0.5)
+            all_ready = time.monotonic() - start
+            time.sleep(2)  # let the last status writes land before counting
+            apf = apf_requests(cluster) - apf_before
+            metrics = operator.metrics()
+        finally:
+            peak = operator.stop() if operator else 0.0
+            cluster.stop()
+
+    client_requests = sum(v for k, v in metrics.items() if k.startswith("pdfabric_operator_api_requests_total"))
+    reconciles = {
+        re.search(r'result="(\w+)"', k).group(1): v  # type: ignore[union-attr]
+        for k, v in metrics.items()
+        if k.startswith("pdfabric_operator_reconciles_total{")
+    }
+    results = {
+        "nodes": args.nodes,
+        "gpus": args.nodes * 8,
+        "clusters": args.clusters,
+        "latency_s": {"median": statistics.median(latencies), "max": max(latencies), "runs": latencies},
+        "bulk_clusters": len(bulk),
+        "bulk_created_s": created,
+        "all_ready_s": all_ready,
+        "operator_peak_rss_mb": peak,
+        "api_requests_server_side": apf,
+        "api_requests_reconciler": client_requests,
+        "reconciles": reconciles,
+    }
+    print(f"\n{'metric':42} {'value':>12} {'goal':>10}")
+    print(f"{'apply-to-Ready latency, median (s)':42} {results['latency_s']['median']:>12.2f}")
+    print(f"{'apply-to-Ready latency, max (s)':42} {results['latency_s']['max']:>12.2f}")
+    print(f"{f'{len(bulk)} more PDClusters: all Ready (s)':42} {all_ready:>12.2f} {GOAL_ALL_READY_S:>10.0f}")
+    print(f"{'operator peak RSS (MB)':42} {peak:>12.1f} {GOAL_RSS_MB:>10.0f}")
+    print(f"{'API requests (server-side, operator SA)':42} {apf:>12.0f}")
+    print(f"{'API requests (reconciler, client-side)':42} {client_requests:>12.0f}")
+    print(f"{'reconciles by result':42} {json.dumps({k: int(v) for k, v in reconciles.items() if v})}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    ok = all_ready <= GOAL_ALL_READY_S and peak <= GOAL_RSS_MB
+    print(f"\n{'PASS' if ok else 'FAIL'}: {args.nodes} nodes x 8 GPUs, {args.clusters} PDClusters")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
