@@ -135,3 +135,56 @@ def test_backend_moves_same_node_blocks_with_the_kernel_and_falls_back_otherwise
     assert r0["engine_calls"] == [("127.0.0.1:17999", 3)]
     assert "in flight" in r0["overlap"]
     assert r1["verified_blocks"] == 48
+
+
+def test_same_process_peer_and_a_republished_peer() -> None:
+    """Two ranks of one agent process (GPU 0 -> GPU 1, no IPC: peer access), and a peer that
+    publishes new pools under the same endpoint (an agent restart) is remapped, not written
+    through the stale mapping."""
+    sys.path[:0] = [os.path.join(ROOT, "agent"), os.path.join(ROOT, "core")]
+    from pdfabric_agent.fastpath.backend import FastPathBackend
+    from pdfabric_agent.plan import Block
+    from pdfabric_agent.pools import Pool
+    from pdfabric_core.policy.types import Device, Transport
+
+    class Engine:
+        name, path, transport, max_batch_entries = "mooncake", "mooncake", Transport.NVLINK_INTRA, 1024
+
+        def __init__(self, port: int) -> None:
+            self.port, self.batches = port, 0
+
+        def endpoint(self) -> str:
+            return f"127.0.0.1:{self.port}"
+
+        def register(self, pool) -> None:
+            pass
+
+        def write_batch(self, peer, blocks) -> None:
+            self.batches += 1
+
+        def probe(self, peer) -> bool:
+            return True
+
+        def close(self) -> None:
+            pass
+
+    with tempfile.TemporaryDirectory() as shm:
+        e0, e1 = Engine(18000), Engine(18001)
+        b0 = FastPathBackend(e0, gpu=0, shm_dir=shm)
+        b1 = FastPathBackend(e1, gpu=1, shm_dir=shm)
+        src = Pool.allocate("same-src", POOL, Device.CUDA, shm_dir=shm, gpu=0)
+        src._keep.random_(0, 256)
+        b0.register(src)
+        for generation in range(2):
+            dst = Pool.allocate(f"same-dst-{generation}", POOL, Device.CUDA, shm_dir=shm, gpu=1)
+            b1.register(dst)  # (re)publishes the endpoint's pools
+            offs = torch.randperm(POOL // SLOT)[:16].tolist()
+            blocks = [Block(src.addr + i * SLOT, dst.addr + o * SLOT, SLOT) for i, o in enumerate(offs)]
+            b0.write_batch(e1.endpoint(), blocks)
+            got = dst._keep.view(-1, SLOT)[offs].cpu()
+            want = src._keep.view(-1, SLOT)[: len(offs)].cpu()
+            assert torch.equal(got, want), f"generation {generation}: bytes differ"
+            b1._exports.clear()  # the next generation publishes only its new pool
+        assert b0.kernel_batches == 2 and e0.batches == 0
+        b0.close()
+        b1.close()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.channel import FastPathSender
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
 from pdfabric_agent.fastpath.kernel import KernelConfig
@@ -71,7 +72,8 @@ class FastPathBackend:
         self._lock = threading.Lock()
         self._local: list[tuple[int, int]] = []
         self._exports: list[dict] = []
-        self._peers: dict[str, _PeerMap | None] = {}
+        self._peers: dict[str, tuple[tuple[int, int] | None, _PeerMap | None]] = {}  # peer -> (file stamp, map)
+        self._slot_of: dict[str, int] = {}
         self._sender = FastPathSender(gpu, cfg=cfg)
         self._board = CompletionBoard()
         self._slots = itertools.count()
@@ -98,33 +100,47 @@ class FastPathBackend:
         os.replace(tmp, path)  # readers never see half a file
 
     def _peer(self, peer: str) -> _PeerMap | None:
+        """The peer's pools as writable here, or None (engine path). The export file is checked on
+        every batch (one stat): a peer agent that restarted publishes new pools under the same
+        endpoint, and writing through the old mapping would land in memory nobody reads."""
+        path = export_file(self._dir, peer)
+        try:
+            st = os.stat(path)
+            stamp: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)  # each publish is a new file
+        except OSError:
+            stamp = None
         with self._lock:
-            if peer in self._peers:
-                return self._peers[peer]
+            cached = self._peers.get(peer)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
             pm = None
-            try:
-                with open(export_file(self._dir, peer), encoding="utf-8") as fh:
-                    info = json.load(fh)
-                if info["gpu"] != self.gpu:
-                    if info["pid"] == os.getpid():  # same process: the addresses are valid here already
-                        ranges = tuple((p["addr"], p["size"], p["addr"]) for p in info["pools"])
-                    else:
-                        ranges = tuple(
-                            (p["addr"], p["size"], self._sender.map_pool(PoolExport.from_json(p["export"])))
-                            for p in info["pools"]
-                        )
-                    slot = next(self._slots)
-                    if slot >= BOARD_SLOTS:
-                        raise RuntimeError("completion board full")
-                    self._sender.connect(peer, self._board, slot)
-                    pm = _PeerMap(ranges)
-            except FileNotFoundError:
-                pm = None  # not on this node, or not a fast-path agent: the engine carries it
-            except Exception as exc:  # a peer we cannot map must not break the transfer
-                log.warning("fast path to %s unavailable, using the engine: %s", peer, exc)
-                pm = None
-            self._peers[peer] = pm
+            if stamp is not None:
+                try:
+                    pm = self._map_peer(peer, path)
+                except Exception as exc:  # a peer we cannot map must not break the transfer
+                    log.warning("fast path to %s unavailable, using the engine: %s", peer, exc)
+            self._peers[peer] = (stamp, pm)
             return pm
+
+    def _map_peer(self, peer: str, path: str) -> _PeerMap | None:
+        with open(path, encoding="utf-8") as fh:
+            info = json.load(fh)
+        if info["gpu"] == self.gpu:
+            return None  # same GPU: nothing for NVLink to do
+        if info["pid"] == os.getpid():  # same process: its addresses are valid here once peers can talk
+            cuda.enable_peer_access(self.gpu, info["gpu"])
+            ranges = tuple((p["addr"], p["size"], p["addr"]) for p in info["pools"])
+        else:
+            ranges = tuple(
+                (p["addr"], p["size"], self._sender.map_pool(PoolExport.from_json(p["export"]))) for p in info["pools"]
+            )
+        if peer not in self._slot_of:
+            slot = next(self._slots)
+            if slot >= BOARD_SLOTS:
+                raise RuntimeError("completion board full")
+            self._slot_of[peer] = slot
+        self._sender.connect(peer, self._board, self._slot_of[peer])
+        return _PeerMap(ranges)
 
     def write_batch(self, peer: str, blocks: Sequence) -> None:
         if not blocks:
@@ -198,7 +214,6 @@ def maybe_fast_path(inner, *, gpu: int, env: dict[str, str] | None = None):
     """The backend an intra-node NVLink rank uses: the fast path over `inner` when this process can
     run it (peer access from its GPU, driver + NVRTC, not disabled), else `inner` alone. Never
     raises: the engine path is always there to fall back on, and the reason is logged."""
-    from pdfabric_agent.fastpath import cuda
     from pdfabric_agent.fastpath.select import choose_path, fastpath_enabled
     from pdfabric_core.policy.types import MemPool
 
