@@ -1,0 +1,130 @@
+"""reconcile_once against an in-memory API: steady state writes nothing, the ledger prevents
+double-booking before the watch cache catches up, stale pods are replaced, no fit removes children."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdfabric_operator import builders as b
+from pdfabric_operator.metrics import ReconcileResult
+from pdfabric_operator.planner import PlacedPod
+from pdfabric_operator.reconcile import ClusterMemory, Ledger, OwnPod, Snapshot, reconcile_once
+from tests.builders import gpu_node, pdcluster
+
+
+class FakeKube:
+    """Just enough of pdfabric_operator.kube.Kube, recording every call."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str]] = []
+        self.status: dict[str, Any] = {}
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get", kind, name))
+        return self.objects.get((kind, namespace, name))
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        self.calls.append(("create", *key[::2]))
+        if key in self.objects:
+            return False
+        self.objects[key] = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
+        return True
+
+    def replace(self, obj: dict[str, Any], resource_version: str) -> None:
+        self.calls.append(("update", obj["kind"], obj["metadata"]["name"]))
+        self.objects[(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
+
+    def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        self.calls.append(("delete", kind, name))
+        return self.objects.pop((kind, namespace, name), None) is not None
+
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.calls.append(("patch", "status", name))
+        self.status.update(patch)
+
+    def pods(self, uid: str, ready: bool = True) -> list[OwnPod]:
+        return [
+            OwnPod(
+                o["metadata"]["name"],
+                o["metadata"]["namespace"],
+                "pod-uid",
+                o["spec"]["nodeName"],
+                ready,
+                False,
+                o["metadata"]["annotations"]["pdfabric.dev/pod-hash"],
+                o["metadata"]["annotations"]["pdfabric.dev/ranks"],
+            )
+            for (kind, _, _), o in self.objects.items()
+            if kind == "Pod" and o["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == uid
+        ]
+
+
+def _run(kube: FakeKube, ref: b.ClusterRef, builder: Any, snap: Snapshot, memory: ClusterMemory, ledger: Ledger):
+    return reconcile_once(
+        kube, ref, builder.raw_spec(), 1, kube.status, snap, memory, recheck_children_after=1e9, ledger=ledger
+    )
+
+
+def test_converges_then_steady_state_makes_no_writes() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("a", 8)]
+    first = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    assert first.result is ReconcileResult.PROGRESSING
+    assert sorted(a.split()[1] for a in first.actions) == ["configmap", "pod", "secret", "service"]
+    # Agents report Ready: one status write, then nothing at all.
+    second = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert second.result is ReconcileResult.READY and second.patched and not second.actions
+    kube.calls.clear()
+    third = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert not third.patched and not third.actions
+    assert [c for c in kube.calls if c[0] != "get"] == []
+
+
+def test_ledger_prevents_double_booking_before_the_cache_catches_up() -> None:
+    kube, ledger = FakeKube(), Ledger()
+    nodes = [gpu_node("a", 8), gpu_node("b", 8)]
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    # Neither cluster's pods are in the (empty) watch cache yet.
+    for uid in ("u1", "u2"):
+        _run(kube, b.ClusterRef("ns", f"pd-{uid}", uid), builder, Snapshot(nodes, [], []), ClusterMemory(), ledger)
+    used = [o["spec"]["nodeName"] for (kind, _, _), o in kube.objects.items() if kind == "Pod"]
+    assert sorted(used) == ["a", "b"], "two 8-GPU clusters must not share one 8-GPU node"
+
+
+def test_foreign_pods_count_until_ledger_knows_the_owner() -> None:
+    kube, ledger = FakeKube(), Ledger()
+    nodes = [gpu_node("a", 8), gpu_node("b", 8)]
+    cached = [PlacedPod("a", {"nvidia.com/gpu": 8}, None)]  # not a PDCluster's pod
+    _run(
+        kube,
+        b.ClusterRef("ns", "pd", "u1"),
+        pdcluster().prefill(tp=4).decode(tp=4),
+        Snapshot(nodes, cached, []),
+        ClusterMemory(),
+        ledger,
+    )
+    (pod,) = [o for (kind, _, _), o in kube.objects.items() if kind == "Pod"]
+    assert pod["spec"]["nodeName"] == "b"
+
+
+def test_stale_pod_is_replaced_and_unplaceable_removes_children() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
+    (old,) = kube.pods("u1")
+    grown = pdcluster().prefill(tp=2)
+    res = _run(kube, ref, grown, Snapshot(nodes, [], [old]), memory, ledger)
+    assert f"delete pod {old.name}" in res.actions  # same name, new hash: recreated next round
+    res = _run(kube, ref, grown, Snapshot(nodes, [], []), memory, ledger)
+    assert f"create pod {old.name}" in res.actions
+    too_big = pdcluster().prefill(tp=8).decode(tp=8)
+    res = _run(kube, ref, too_big, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert res.result is ReconcileResult.UNPLACED
+    assert kube.objects == {}
+    assert kube.status["conditions"][1]["reason"] == "InsufficientGPUs"
+    assert ledger.uids() == set()
