@@ -190,6 +190,11 @@ def build_agent_pod(
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            # The agent binds and advertises its engine on the pod address.
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # Peers by DNS under the headless Service, spelled with the name this builder gave it
+            # (it differs from "<cluster>-agents" when a long or dotted cluster name was shortened).
+            {"name": "PDFABRIC_PEER_HOST_TEMPLATE", "value": "{name}." + service_name(ref.name) + ".{namespace}.svc"},
             {"name": "PDFABRIC_RANKMAP", "value": c.RANKMAP_PATH},
             {"name": "PDFABRIC_TOKEN_FILE", "value": c.TOKEN_PATH},
             {"name": "PDFABRIC_METRICS_PORT", "value": str(spec.agent.metrics_port)},

@@ -55,6 +55,8 @@ def test_agent_pod_contract() -> None:
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["PDFABRIC_RANKMAP"]["value"] == "/etc/pdfabric/rankmap.json"
     assert env["PDFABRIC_TOKEN_FILE"]["value"] == "/etc/pdfabric/token/token"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PDFABRIC_PEER_HOST_TEMPLATE"]["value"] == "{name}.pd-agents.{namespace}.svc"
     assert container["resources"]["limits"] == {"memory": "1Gi", "nvidia.com/gpu": "4", "rdma/hca": "1"}
     assert container["resources"]["requests"] == {"nvidia.com/gpu": "4", "rdma/hca": "1"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
