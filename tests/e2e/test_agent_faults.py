@@ -212,7 +212,14 @@ def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalCluste
     with pytest.raises(AgentRefused):
         lc.client(p).poll(p, 906)
     lc.client(d).receive(d, 906, [40])
-    wait_until(lambda: lc.client(p).poll(p, 906)["state"] == "WaitingForInput", 5, "prefill sees decode ready")
+
+    def prefill_state() -> str:
+        try:
+            return lc.client(p).poll(p, 906)["state"]
+        except AgentRefused:  # the decode agent's announcement is still on its way
+            return ""
+
+    wait_until(lambda: prefill_state() == "WaitingForInput", 5, "prefill sees decode ready")
     assert lc.client(p).poll(p, 906)["decode_ranks_ready"] == [d]
     lc.client(p).send(p, 906, [41])
     assert lc.client(p).wait(p, 906, 10)["state"] == "Success"
