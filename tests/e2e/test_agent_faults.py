@@ -160,7 +160,7 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
         failed_after = time.monotonic() - sent_at
         view = lc.client(prefill).poll(prefill, 1)
         assert "did not complete within 3 s" in view["reason"]
-        assert failed_after <= 3 + 1.5
+        assert failed_after <= 3 + 2
         assert prefill_outcome(lc, "timeout") == 1
         # Bytes counted are only confirmed batches: less than the room, never more.
         assert view["bytes"]["kv"] < 128 * 4 * 2 * 32 * 1024
@@ -255,7 +255,7 @@ def test_prefill_room_without_decode_fails_at_the_bootstrap_deadline() -> None:
         view = lc.client(p).wait(p, 9, 3 + 2)
         assert view["state"] == "Failed"
         assert view["reason"] == "no room info from decode-0-tp0 in time"
-        assert time.monotonic() - start <= 3 + 1.5
+        assert time.monotonic() - start <= 3 + 2
         assert prefill_outcome(lc, "timeout") == 1
 
 
