@@ -210,6 +210,13 @@ def build_agent_pod(
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
+        # The agent's liveness endpoint answers while the process serves; restart it when it stops.
+        "livenessProbe": {
+            "httpGet": {"path": c.LIVENESS_PATH, "port": "metrics"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
         "volumeMounts": [
             {"name": "rankmap", "mountPath": c.RANKMAP_DIR, "readOnly": True},
             {"name": "token", "mountPath": c.TOKEN_DIR, "readOnly": True},

@@ -38,6 +38,7 @@ TOKEN_DIR = f"{RANKMAP_DIR}/token"
 TOKEN_KEY = "token"
 TOKEN_PATH = f"{TOKEN_DIR}/{TOKEN_KEY}"
 READINESS_PATH = "/readyz"
+LIVENESS_PATH = "/healthz"
 
 # Condition types on PDCluster status.
 COND_READY = "Ready"

@@ -60,6 +60,7 @@ def test_agent_pod_contract() -> None:
     assert container["resources"]["limits"] == {"memory": "1Gi", "nvidia.com/gpu": "4", "rdma/hca": "1"}
     assert container["resources"]["requests"] == {"nvidia.com/gpu": "4", "rdma/hca": "1"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts == {"rankmap": "/etc/pdfabric", "token": "/etc/pdfabric/token"}
     assert spec["subdomain"] == b.service_name("pd")
