@@ -349,6 +349,7 @@ DEMO_CASES: dict[str, dict[str, Any]] = {
     "prefill-tp4-decode-tp2": {"prefill": {"tp": 4}, "decode": {"tp": 2}},
     "prefill-cp4-all-ranks": {"prefill": {"cp": 4, "allCpRanksTransfer": True}, "decode": {}},
     "prefill-cp4-layer-split": {"prefill": {"cp": 4, "dsaCacheLayerSplit": True}, "decode": {}},
+    "prefill-pp2-decode-pp1": {"prefill": {"pp": 2}, "decode": {}},
 }
 
 
