@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import hmac
 import logging
@@ -105,7 +106,15 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine")
         self._http: aiohttp.ClientSession | None = None
-        self._heartbeat_due = 0.0
+        # Rooms not yet final, scanned every tick; finished ones wait in finish order for their TTL,
+        # so the tick never walks the (large) history of finished rooms.
+        self._open: dict[tuple[str, str, int], PrefillRoom | DecodeRoom] = {}
+        self._finished: collections.deque[tuple[float, str, tuple[str, int], PrefillRoom | DecodeRoom]] = (
+            collections.deque()
+        )
+        self._gc_due = 0.0
+        self._probing: set[str] = set()
+        self._heartbeat_due = clock() + cfg.heartbeat_s
         self._heartbeat_running = False
         self._missed: dict[str, int] = {}  # prefill agent -> consecutive missed heartbeats
         self.backend_name = spec.backend
@@ -193,8 +202,7 @@ class Agent:
             return
         room.state = state
         room.reason = reason
-        room.finished_at = self.clock()
-        room.finished_event.set()
+        self._retire(role, room)
         if state is RoomState.SUCCESS:
             metrics.requests.labels(self.cluster, role, Outcome.SUCCESS.value).inc()
             metrics.request_duration.labels(self.cluster, role, self.backend_name, self.transport).observe(
@@ -203,6 +211,17 @@ class Agent:
         else:
             metrics.requests.labels(self.cluster, role, (outcome or Outcome.FAILED).value).inc()
             log.warning("%s room %s on %s failed: %s", role, room.room, room.rank, reason)
+
+    def _track(self, role: str, room: PrefillRoom | DecodeRoom) -> None:
+        self._open[(role, room.rank, room.room)] = room
+
+    def _retire(self, role: str, room: PrefillRoom | DecodeRoom) -> None:
+        """The room is final: wake long polls, stop scanning it, queue it for forgetting."""
+        room.finished_at = self.clock()
+        room.finished_event.set()
+        if self._open.get((role, room.rank, room.room)) is room:
+            del self._open[(role, room.rank, room.room)]
+        self._finished.append((room.finished_at, role, (room.rank, room.room), room))
 
     def _blacklist(self, agent_name: str, reason: str) -> None:
         self.health.fail(agent_name, reason)
@@ -255,12 +274,12 @@ class Agent:
             targets=targets,
         )
         self.prefill_rooms[key] = room
+        self._track("prefill", room)
         if not self._sends_anything(local):
             # Without all-CP-ranks transfer only CP rank 0 sends; the other ranks have no work.
             room.state = RoomState.SUCCESS
             room.reason = f"CP rank {local.rank.cp_rank} sends nothing for this spec"
-            room.finished_at = now
-            room.finished_event.set()
+            self._retire("prefill", room)
             return room.view()
         for agent_name in {t.agent for t in targets.values()}:
             if self.health.is_blacklisted(agent_name):
@@ -517,6 +536,7 @@ class Agent:
             expected=expected,
         )
         self.decode_rooms[key] = room
+        self._track("decode", room)
         info = {
             "room": room_id,
             "decode_rank": rank_id,
@@ -666,8 +686,8 @@ class Agent:
         agent that misses twice fails those rooms now instead of at the waiting deadline."""
         try:
             waiting: dict[str, list[DecodeRoom]] = {}
-            for room in self.decode_rooms.values():
-                if not room.state.finished:
+            for room in list(self._open.values()):
+                if isinstance(room, DecodeRoom) and not room.state.finished:
                     for prefill_rank, agent_name in room.expected.items():
                         if prefill_rank not in room.arrived:
                             waiting.setdefault(agent_name, []).append(room)
@@ -693,38 +713,45 @@ class Agent:
             self._heartbeat_due = now + self.cfg.heartbeat_s
             self._heartbeat_running = True
             self._spawn(self._heartbeat())
-        for room in list(self.prefill_rooms.values()):
-            if room.state is RoomState.BOOTSTRAPPING and now >= room.deadline:
-                missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
-                self._finish(
-                    room,
-                    "prefill",
-                    RoomState.FAILED,
-                    f"no room info from {', '.join(missing)} in time",
-                    outcome=Outcome.TIMEOUT,
-                )
-        for room in list(self.decode_rooms.values()):
-            if not room.state.finished and now >= room.deadline:
+        for (role, _, _), room in list(self._open.items()):
+            if now < room.deadline or room.state.finished:
+                continue
+            if isinstance(room, PrefillRoom):
+                if room.state is RoomState.BOOTSTRAPPING:  # Transferring has its own deadline task
+                    missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
+                    reason = f"no room info from {', '.join(missing)} in time"
+                    self._finish(room, role, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+            else:
                 missing = sorted(set(room.expected) - room.arrived)
-                self._finish(
-                    room,
-                    "decode",
-                    RoomState.FAILED,
-                    f"no data from {', '.join(missing)} in time",
-                    outcome=Outcome.TIMEOUT,
-                )
+                reason = f"no data from {', '.join(missing)} in time"
+                self._finish(room, role, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
         for agent_name in self.health.due():
+            if agent_name not in self._probing:  # probes run beside the tick, never inside it
+                self._probing.add(agent_name)
+                self._spawn(self._probe(agent_name))
+        if now >= self._gc_due:
+            self._gc_due = now + 1.0
+            self._forget(now)
+
+    async def _probe(self, agent_name: str) -> None:
+        try:
             ok = await self.probe_peer(agent_name)
             metrics.peer_probes.labels(self.cluster, "ok" if ok else "failed").inc()
             if self.health.probe_result(agent_name, ok):
                 metrics.session_recoveries.labels(self.cluster).inc()
                 log.info("peer agent %s answers again; re-admitted", agent_name)
-        metrics.peers_blacklisted.labels(self.cluster).set(len(self.health.blacklisted))
+            metrics.peers_blacklisted.labels(self.cluster).set(len(self.health.blacklisted))
+        finally:
+            self._probing.discard(agent_name)
+
+    def _forget(self, now: float) -> None:
+        """Drop finished rooms after their TTL and room info nobody claimed in time."""
         ttl = self.cfg.room_ttl_s
-        for rooms in (self.prefill_rooms, self.decode_rooms):
-            for key, room in list(rooms.items()):
-                if room.state.finished and now - room.finished_at > ttl:
-                    del rooms[key]
+        while self._finished and now - self._finished[0][0] > ttl:
+            _, role, key, room = self._finished.popleft()
+            rooms: dict[tuple[str, int], Any] = self.prefill_rooms if role == "prefill" else self.decode_rooms
+            if rooms.get(key) is room:  # a newer use of the same room id stays
+                del rooms[key]
         for key, infos in list(self._early_dst.items()):
             for decode_rank, (at, _) in list(infos.items()):
                 if now - at > self.cfg.bootstrap_timeout_s:

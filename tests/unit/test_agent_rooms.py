@@ -1,0 +1,106 @@
+"""The agent's room bookkeeping on a fake clock: deadlines scan only open rooms, finished rooms are
+forgotten after their TTL (a newer room with the same id stays), unclaimed room info expires."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.agent import Agent
+from pdfabric_agent.config import load_config
+from pdfabric_agent.rooms import DecodeRoom, PrefillRoom, RoomState, Target
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
+from pdfabric_core.spec import parse_spec
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Agent:
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    env = {
+        "NODE_NAME": "n1",
+        "PDFABRIC_RANKMAP": "unused",
+        "PDFABRIC_TOKEN_FILE": str(token),
+        "PDFABRIC_ROOM_TTL_S": "10",
+        "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "5",
+        "PDFABRIC_HEARTBEAT_S": "1000",
+    }
+    raw: dict[str, Any] = {"prefill": {"tp": 1}, "decode": {"tp": 1}}
+    entries = (
+        AgentEntry("a1", "n1", (Rank("prefill", 0, 0),)),
+        AgentEntry("a2", "n2", (Rank("decode", 0, 0),)),
+    )
+    rankmap = RankMap("ns", "c", "uid-1", "tcp", raw, entries)
+    return Agent(load_config(env), rankmap, parse_spec(raw), {}, "tcp", clock=Clock())
+
+
+def prefill_room(agent: Agent, room: int) -> PrefillRoom:
+    r = PrefillRoom(
+        rank="prefill-0-tp0-cp0", room=room, submitted=agent.clock(), deadline=agent.clock() + 5,
+        src_pages=[0], src_state=[], src_aux=None, targets={"decode-0-tp0": Target("decode-0-tp0", 0, "a2")},
+    )  # fmt: skip
+    agent.prefill_rooms[(r.rank, room)] = r
+    agent._track("prefill", r)
+    return r
+
+
+def decode_room(agent: Agent, room: int) -> DecodeRoom:
+    r = DecodeRoom(
+        rank="decode-0-tp0", room=room, submitted=agent.clock(), deadline=agent.clock() + 5, dst_pages=[0],
+        dst_state=[], dst_aux=None, expected={"prefill-0-tp0-cp0": "a1"},
+    )  # fmt: skip
+    agent.decode_rooms[(r.rank, room)] = r
+    agent._track("decode", r)
+    return r
+
+
+def tick(agent: Agent, at: float) -> None:
+    agent.clock.now = at  # type: ignore[attr-defined]
+    asyncio.run(agent.tick())
+
+
+def test_deadlines_fail_open_rooms_with_timeout(agent: Agent) -> None:
+    p, d = prefill_room(agent, 1), decode_room(agent, 1)
+    tick(agent, 104.9)
+    assert (p.state, d.state) == (RoomState.BOOTSTRAPPING, RoomState.BOOTSTRAPPING)
+    tick(agent, 105.0)
+    assert (p.state, p.reason) == (RoomState.FAILED, "no room info from decode-0-tp0 in time")
+    assert (d.state, d.reason) == (RoomState.FAILED, "no data from prefill-0-tp0-cp0 in time")
+    assert agent._open == {}
+
+
+def test_transferring_prefill_room_is_left_to_its_transfer_task(agent: Agent) -> None:
+    p = prefill_room(agent, 2)
+    p.state = RoomState.TRANSFERRING
+    tick(agent, 200)
+    assert p.state is RoomState.TRANSFERRING
+
+
+def test_finished_rooms_are_forgotten_after_the_ttl_but_a_newer_use_stays(agent: Agent) -> None:
+    old = prefill_room(agent, 3)
+    agent._finish(old, "prefill", RoomState.SUCCESS)
+    agent.clock.now = 105  # type: ignore[attr-defined]
+    new = prefill_room(agent, 3)  # the same room id used again
+    agent._finish(new, "prefill", RoomState.SUCCESS)
+    tick(agent, 110.5)  # old is past its 10 s TTL, new is not
+    assert agent.prefill_rooms[("prefill-0-tp0-cp0", 3)] is new
+    tick(agent, 116)
+    assert ("prefill-0-tp0-cp0", 3) not in agent.prefill_rooms
+
+
+def test_unclaimed_room_info_expires(agent: Agent) -> None:
+    agent._early_dst[("prefill-0-tp0-cp0", 4)] = {"decode-0-tp0": (100.0, {})}
+    tick(agent, 104)
+    assert ("prefill-0-tp0-cp0", 4) in agent._early_dst
+    tick(agent, 106)
+    assert agent._early_dst == {}
