@@ -164,9 +164,12 @@ async def serve(cfg: AgentConfig) -> int:
                 await agent.tick()
     finally:
         readiness.ready = False
+        readiness.reason, readiness.message = "ShuttingDown", "the agent is stopping"
+        metrics.agent_ready.labels(cluster).set(0)
         if agent is not None:
             await agent.close()
-            for lr in agent.ranks.values():
+            for rank_id, lr in agent.ranks.items():
+                metrics.engine_up.labels(cluster, rank_id, spec.backend, agent.transport).set(0)
                 lr.backend.close()
                 lr.pools.close()
         for runner in runners:
