@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pdfabric_core.rankmap import RankMap
+from pdfabric_core.rankmap import RANKMAP_KEY, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
 from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
@@ -94,6 +94,7 @@ class ClusterMemory:
     children_checked_at: float = 0.0
     children_absent: bool = False
     last_rankmap_hash: str | None = None
+    last_plan: dict[str, tuple[Rank, ...]] | None = None  # node -> ranks of the last placement
 
 
 @dataclass
@@ -141,12 +142,12 @@ def reconcile_once(
         out.patched = _write_status(kube, ref, status, stored_status, memory)
         return out
 
-    # 2. Plan.
+    # 2. Plan, sticky to the last plan (not to the pods: a pod being replaced would make the plan
+    # flip between two nodes). After a restart the rank map is the durable record of that plan.
     usable = {n.name for n in snap.nodes if n.ready and n.schedulable}
-    previous: dict[str, Any] = {}
-    for p in own:
-        if not p.deleting and p.node in usable:
-            previous[p.node] = b.decode_ranks(p.ranks)
+    if memory.last_plan is None:
+        memory.last_plan = _plan_on_record(kube, ref, own)
+    previous = memory.last_plan
     lost = sorted({p.node for p in own if p.node not in usable})
     with ledger.lock:
         known = ledger.uids()
@@ -154,8 +155,10 @@ def reconcile_once(
         outcome = plan_placement(spec, snap.nodes, placed, cluster_uid=ref.uid, previous=previous)
         if isinstance(outcome, Placement):
             ledger.record(ref.uid, _usage(spec, outcome))
+            memory.last_plan = outcome.ranks_by_node()
         else:
             ledger.forget(ref.uid)
+            memory.last_plan = {}
 
     # 3. Children.
     views: list[AgentView] = []
@@ -204,6 +207,19 @@ def reconcile_once(
         out.result = ReconcileResult.READY
     out.patched = _write_status(kube, ref, status, stored_status, memory)
     return out
+
+
+def _plan_on_record(kube: Kube, ref: b.ClusterRef, own: Sequence[OwnPod]) -> dict[str, tuple[Rank, ...]]:
+    """The last placement: the rank map if it is this cluster's, else the live agent pods' ranks."""
+    cm = kube.get("ConfigMap", ref.namespace, b.rankmap_name(ref.name))
+    if cm is not None:
+        try:
+            rankmap = RankMap.from_json(cm["data"][RANKMAP_KEY])
+        except (KeyError, ValueError):
+            rankmap = None
+        if rankmap is not None and rankmap.cluster_uid == ref.uid:
+            return {a.node: a.ranks for a in rankmap.agents}
+    return {p.node: b.decode_ranks(p.ranks) for p in own if not p.deleting}
 
 
 def _ensure_shared_children(

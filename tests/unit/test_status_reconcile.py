@@ -128,3 +128,24 @@ def test_stale_pod_is_replaced_and_unplaceable_removes_children() -> None:
     assert kube.objects == {}
     assert kube.status["conditions"][1]["reason"] == "InsufficientGPUs"
     assert ledger.uids() == set()
+
+
+def test_replan_after_node_loss_is_stable_while_pods_are_replaced() -> None:
+    # Regression: stickiness read from pods flipped ranks between two nodes while one pod was
+    # being replaced (its deleting pod no longer counted, so the plan moved the other way).
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(replicas=2, tp=4).decode(replicas=1, tp=4)
+    nodes = [gpu_node(n, 8) for n in "abc"]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    before = kube.pods("u1")
+    victim = max(before, key=lambda p: len(p.ranks)).node
+    nodes = [gpu_node(n, 8, ready=n != victim) for n in "abc"]
+    _run(kube, ref, builder, Snapshot(nodes, [], before), memory, ledger)
+    plan = dict(memory.last_plan or {})
+    assert victim not in plan and sum(len(r) for r in plan.values()) == 12
+    lingering = [OwnPod(p.name, p.namespace, p.uid, p.node, False, True, p.pod_hash, p.ranks) for p in before]
+    for _ in range(3):
+        res = _run(kube, ref, builder, Snapshot(nodes, [], lingering + kube.pods("u1")), memory, ledger)
+        assert memory.last_plan == plan
+        assert not [a for a in res.actions if a.startswith("delete pod")]
