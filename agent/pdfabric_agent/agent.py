@@ -57,7 +57,7 @@ from pdfabric_agent.rooms import (
     malformed,
 )
 from pdfabric_core.policy.chunking import chunk_batch
-from pdfabric_core.policy.rank_mapping import decode_pp_stage
+from pdfabric_core.policy.rank_mapping import decode_pp_stage, sending_cp_ranks
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 
@@ -300,8 +300,6 @@ class Agent:
         return decode_pp_stage(local.rank.pp_rank, self.spec.prefill.pp, self.spec.decode.pp)
 
     def _sends_anything(self, local: LocalRank) -> bool:
-        from pdfabric_core.policy.rank_mapping import sending_cp_ranks
-
         p = self.spec.prefill
         return local.rank.cp_rank in sending_cp_ranks(
             p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split

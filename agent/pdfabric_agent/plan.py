@@ -71,13 +71,6 @@ class TransferPlan:
     aux_tcp: list[tuple[int, int, int]] = field(default_factory=list)  # (src offset, dst offset, len)
     state_skipped_bytes: int = 0
 
-    def bytes_of(self, blocks: Sequence[Block]) -> int:
-        return sum(b.length for b in blocks)
-
-    @property
-    def engine_blocks(self) -> list[Block]:
-        return [*self.kv, *self.state, *self.aux]
-
 
 def all_ranks_send(spec: PDClusterSpec) -> bool:
     return spec.prefill.all_cp_ranks_transfer or spec.prefill.dsa_cache_layer_split
