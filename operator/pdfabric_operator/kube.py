@@ -130,6 +130,7 @@ class Kube:
             raise
         return True
 
-    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch .status; returns the object as written (its resourceVersion matters)."""
         path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}/status"
-        self.request("patch", path, {"status": patch}, content_type="application/merge-patch+json")
+        return self.request("patch", path, {"status": patch}, content_type="application/merge-patch+json")

@@ -282,6 +282,7 @@ async def reconcile_daemon(
                     snap,
                     memory,
                     recheck_children_after=STATE.config.reconcile_interval / 2,
+                    stored_rv=body.get("metadata", {}).get("resourceVersion"),
                 )
                 RECONCILES.labels(res.result.value).inc()
                 if res.actions:

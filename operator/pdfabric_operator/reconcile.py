@@ -91,6 +91,7 @@ class ClusterMemory:
     """What one PDCluster's reconciles remember between runs (lost on restart, by design)."""
 
     last_status: dict[str, Any] | None = None
+    last_status_rv: str | None = None  # resourceVersion our last status patch produced
     children_checked_at: float = 0.0
     children_absent: bool = False
     last_rankmap_hash: str | None = None
@@ -128,6 +129,7 @@ def reconcile_once(
     memory: ClusterMemory,
     *,
     recheck_children_after: float,
+    stored_rv: str | None = None,
     ledger: Ledger = LEDGER,
 ) -> Result:
     out = Result(ReconcileResult.PROGRESSING)
@@ -139,7 +141,7 @@ def reconcile_once(
     except SpecError as exc:
         status = compute_status(Observed(generation, PDClusterSpec(), None, spec_error=str(exc)), ref.name)
         out.result = ReconcileResult.INVALID
-        out.patched = _write_status(kube, ref, status, stored_status, memory)
+        out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
         return out
 
     # 2. Plan, sticky to the last plan (not to the pods: a pod being replaced would make the plan
@@ -205,7 +207,7 @@ def reconcile_once(
     status = compute_status(Observed(generation, spec, outcome, views, lost_nodes=lost), ref.name)
     if isinstance(outcome, Placement) and status["conditions"][0]["status"] == "True":
         out.result = ReconcileResult.READY
-    out.patched = _write_status(kube, ref, status, stored_status, memory)
+    out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
     return out
 
 
@@ -258,13 +260,20 @@ def _write_status(
     ref: b.ClusterRef,
     status: dict[str, Any],
     stored: Mapping[str, Any] | None,
+    stored_rv: str | None,
     memory: ClusterMemory,
 ) -> bool:
-    # Compare with what we last wrote when we have it: the watched body may not show it yet.
-    base = memory.last_status if memory.last_status is not None else (stored or {})
+    # Compare with what we last wrote while the stored object is still the one our write made
+    # (the watch may lag behind it); once anything else changed the object, compare with what is
+    # stored, so a status written by someone else (a replica on its way out) is corrected.
+    if memory.last_status is not None and (stored_rv is None or stored_rv == memory.last_status_rv):
+        base: Mapping[str, Any] = memory.last_status
+    else:
+        base = stored or {}
     patch = status_patch(status, base, _now())
     if patch is None:
         return False
-    kube.patch_status(ref.namespace, ref.name, patch)
+    written = kube.patch_status(ref.namespace, ref.name, patch)
     memory.last_status = {**dict(base), **patch}
+    memory.last_status_rv = (written or {}).get("metadata", {}).get("resourceVersion")
     return True

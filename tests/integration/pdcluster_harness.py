@@ -194,8 +194,22 @@ def is_ready(cluster: Any, namespace: str, name: str) -> bool:
 
 
 def wait_ready(cluster: Any, namespace: str, name: str, timeout: float = 60) -> dict[str, Any]:
-    wait_until(lambda: is_ready(cluster, namespace, name), timeout=timeout, what=f"{namespace}/{name} Ready")
-    return pdc(cluster, namespace, name)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_ready(cluster, namespace, name):
+            return pdc(cluster, namespace, name)
+        time.sleep(0.25)
+    # Say what the operator reported, not only that the deadline passed (print is swallowed while
+    # KopfRunner holds stdout, so it goes into the failure message).
+    status = pdc(cluster, namespace, name).get("status", {})
+    pods = [
+        (p["metadata"]["name"], p["status"].get("phase"), bool(p["metadata"].get("deletionTimestamp")))
+        for p in cluster.get_json("pods", "-n", namespace, "-l", f"pdfabric.dev/cluster={name}")["items"]
+    ]
+    pytest.fail(
+        f"{namespace}/{name} not Ready after {timeout:.0f}s; conditions={status.get('conditions')} "
+        f"agents={status.get('agents')} observedGeneration={status.get('observedGeneration')} pods={pods}"
+    )
 
 
 def agent_pods(cluster: Any, namespace: str, name: str) -> list[dict[str, Any]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 
 from pdfabric_operator.kube import Kube
+from pdfabric_operator.main import STATE
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h
 from tests.integration.pdcluster_harness import (
@@ -33,42 +33,53 @@ def test_restart_mid_reconcile_converges_without_duplicates(
     cluster: Any, namespace: str, gpu_nodes: Any, operator_kubeconfig: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gpu_nodes("n", 4)
-    killed = threading.Event()
-    real_create = Kube.create
+    # "Killing" the in-process operator: its API client fails every later request, as a dead
+    # process would make none (its worker thread may still be mid-reconcile when the runner stops).
+    killed: dict[str, Kube] = {}
+    real_request, real_create = Kube.request, Kube.create
+
+    def request(self: Kube, *args: Any, **kwargs: Any) -> Any:
+        if killed.get("kube") is self:
+            raise RuntimeError("operator process killed")
+        return real_request(self, *args, **kwargs)
 
     def slow_create(self: Kube, obj: dict[str, Any]) -> bool:
-        # A killed process makes no more requests; a slow one leaves time to kill it mid-way.
-        if killed.is_set():
-            raise RuntimeError("operator process killed")
         created = real_create(self, obj)
-        if obj["kind"] == "Pod":
-            time.sleep(0.7)
+        if obj["kind"] == "Pod" and not killed:
+            time.sleep(0.7)  # leaves time to kill the first operator between two pods
         return created
 
+    monkeypatch.setattr(Kube, "request", request)
     monkeypatch.setattr(Kube, "create", slow_create)
     spec = pdcluster().prefill(replicas=2, tp=8).decode(replicas=2, tp=8).placement(nodeSelector=selector(namespace))
     peering = f"pdfabric-{namespace}"
     with running_operator(cluster, operator_kubeconfig, peering):
         apply_pdc(cluster, spec.manifest(), namespace)
         wait_until(lambda: len(agent_pods(cluster, namespace, "pd")) >= 1, timeout=30, what="a first agent pod")
-        killed.set()
+        assert STATE.kube is not None
+        killed["kube"] = STATE.kube
     partial = agent_pods(cluster, namespace, "pd")
     assert 1 <= len(partial) < 4, "the operator must have stopped mid-reconcile"
     assert not is_ready(cluster, namespace, "pd")
     token = cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"]
 
-    monkeypatch.setattr(Kube, "create", real_create)
     with running_operator(cluster, operator_kubeconfig, peering):
-        wait_ready(cluster, namespace, "pd")
-        pods = agent_pods(cluster, namespace, "pd")
-        assert len(pods) == 4
-        assert len({p["spec"]["nodeName"] for p in pods}) == 4
-        assert {p["metadata"]["name"] for p in partial} <= {p["metadata"]["name"] for p in pods}
-        kids = children(cluster, namespace, "pd")
-        assert (len(kids["configmaps"]), len(kids["services"]), len(kids["secrets"])) == (1, 1, 1)
-        # The restarted operator kept the existing token: agents and engines stay paired.
-        assert cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"] == token
-        delete_all_pdclusters(cluster, namespace)
+        try:
+            _check_converged(cluster, namespace, partial, token)
+        finally:
+            delete_all_pdclusters(cluster, namespace)
+
+
+def _check_converged(cluster: Any, namespace: str, partial: list[dict[str, Any]], token: str) -> None:
+    wait_ready(cluster, namespace, "pd")
+    pods = agent_pods(cluster, namespace, "pd")
+    assert len(pods) == 4
+    assert len({p["spec"]["nodeName"] for p in pods}) == 4
+    assert {p["metadata"]["name"] for p in partial} <= {p["metadata"]["name"] for p in pods}
+    kids = children(cluster, namespace, "pd")
+    assert (len(kids["configmaps"]), len(kids["services"]), len(kids["secrets"])) == (1, 1, 1)
+    # The restarted operator kept the existing token: agents and engines stay paired.
+    assert cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"] == token
 
 
 def test_two_replicas_only_one_acts_and_the_other_takes_over(
@@ -102,7 +113,13 @@ def test_two_replicas_only_one_acts_and_the_other_takes_over(
             wait_until(lambda: "Pausing operations in favour of" in caplog.text, timeout=30, what="standby pauses")
             apply_pdc(cluster, pdcluster("a").placement(nodeSelector=sel).manifest(), namespace)
             wait_ready(cluster, namespace, "a")
-            assert "reconciled" not in caplog.text, "the paused replica acted"
+            # kopf tags object log records with k8s_ref; other namespaces' leftovers are not ours.
+            acted = [
+                r.getMessage()
+                for r in caplog.records
+                if "reconciled" in r.getMessage() and (getattr(r, "k8s_ref", None) or {}).get("namespace") == namespace
+            ]
+            assert not acted, f"the paused replica acted: {acted}"
             resumed_before = caplog.text.count("Resuming operations after the pause")
         finally:
             leader.kill()  # SIGKILL: no goodbye in the peering object, the lifetime must expire

@@ -19,6 +19,7 @@ class FakeKube:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.calls: list[tuple[str, str, str]] = []
         self.status: dict[str, Any] = {}
+        self.rv = 0
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get", kind, name))
@@ -40,9 +41,11 @@ class FakeKube:
         self.calls.append(("delete", kind, name))
         return self.objects.pop((kind, namespace, name), None) is not None
 
-    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("patch", "status", name))
         self.status.update(patch)
+        self.rv += 1
+        return {"metadata": {"resourceVersion": str(self.rv)}, "status": self.status}
 
     def pods(self, uid: str, ready: bool = True) -> list[OwnPod]:
         return [
@@ -63,7 +66,16 @@ class FakeKube:
 
 def _run(kube: FakeKube, ref: b.ClusterRef, builder: Any, snap: Snapshot, memory: ClusterMemory, ledger: Ledger):
     return reconcile_once(
-        kube, ref, builder.raw_spec(), 1, kube.status, snap, memory, recheck_children_after=1e9, ledger=ledger
+        kube,
+        ref,
+        builder.raw_spec(),
+        1,
+        dict(kube.status),
+        snap,
+        memory,
+        recheck_children_after=1e9,
+        ledger=ledger,
+        stored_rv=str(kube.rv),
     )
 
 
@@ -149,3 +161,18 @@ def test_replan_after_node_loss_is_stable_while_pods_are_replaced() -> None:
         res = _run(kube, ref, builder, Snapshot(nodes, [], lingering + kube.pods("u1")), memory, ledger)
         assert memory.last_plan == plan
         assert not [a for a in res.actions if a.startswith("delete pod")]
+
+
+def test_status_written_by_someone_else_is_corrected() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
+    _run(kube, ref, pdcluster(), Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert kube.status["conditions"][0]["status"] == "True"
+    # A stale writer (say, a replica on its way out) overwrites Ready; the object changed under us.
+    kube.status["conditions"] = [dict(c, status="False") for c in kube.status["conditions"]]
+    kube.rv += 1
+    res = _run(kube, ref, pdcluster(), Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert res.patched
+    assert kube.status["conditions"][0]["status"] == "True"
