@@ -417,8 +417,28 @@ class Agent:
             src_aux=room.src_aux,
             dst_aux=dst.get("aux_index"),
             coalesce=self.cfg.coalesce,
+            kv_blocks=False,  # page runs once per request, blocks only if the engine moves the KV
         )
         return plan, dst["endpoint"]
+
+    def _count(
+        self,
+        room: PrefillRoom,
+        by_path: dict[str, dict[str, int]],
+        path: str,
+        kind: Kind,
+        moved: int,
+        blocks: int,
+    ) -> None:
+        """Count one confirmed batch under the path that really moved it: a room that fails later
+        still shows what moved."""
+        labels = self._labels("prefill", path)
+        metrics.transfer_bytes.labels(*labels, kind.value).inc(moved)
+        metrics.transfer_blocks.labels(*labels).inc(blocks)
+        metrics.transfer_batches.labels(*labels).inc()
+        room.moved[kind.value] += moved
+        per_kind = by_path.setdefault(path, {"kv": 0, "state": 0, "aux": 0})
+        per_kind[kind.value] += moved
 
     async def _write(
         self,
@@ -429,20 +449,41 @@ class Agent:
         room: PrefillRoom,
         by_path: dict[str, dict[str, int]],
     ) -> None:
+        if not blocks:
+            return
         loop = asyncio.get_running_loop()
-        for chunk in chunk_batch(blocks, min(local.backend.max_batch_entries, self.spec.transfer.max_batch_entries)):
-            used = await loop.run_in_executor(self._pool, local.backend.write_batch, peer, chunk)
+        backend = local.backend
+        kernel = getattr(backend, "try_write_blocks", None)
+        if kernel is not None:
+            # A kernel path takes any number of blocks in one launch; None: it moved nothing.
+            used = await loop.run_in_executor(self._pool, kernel, peer, blocks)
+            if used is not None:
+                self._count(room, by_path, used, kind, sum(b.length for b in blocks), len(blocks))
+                return
+        # The engine's batch limit (the tcp engine fails oversized batches) applies from here on.
+        for chunk in chunk_batch(blocks, min(backend.max_batch_entries, self.spec.transfer.max_batch_entries)):
+            used = await loop.run_in_executor(self._pool, backend.write_batch, peer, chunk)
             # A backend with several paths (GPU kernel with engine fallback) names the one it used.
-            path = used if isinstance(used, str) else local.backend.path
-            labels = self._labels("prefill", path)
-            moved = sum(b.length for b in chunk)
-            # Count per confirmed batch: a room that fails later still shows what really moved.
-            metrics.transfer_bytes.labels(*labels, kind.value).inc(moved)
-            metrics.transfer_blocks.labels(*labels).inc(len(chunk))
-            metrics.transfer_batches.labels(*labels).inc()
-            room.moved[kind.value] += moved
-            per_kind = by_path.setdefault(path, {"kv": 0, "state": 0, "aux": 0})
-            per_kind[kind.value] += moved
+            path = used if isinstance(used, str) else backend.path
+            self._count(room, by_path, path, kind, sum(b.length for b in chunk), len(chunk))
+
+    async def _write_kv(
+        self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: dict[str, dict[str, int]]
+    ) -> None:
+        kvp = plan.kv_pages
+        if kvp is None or not kvp.num_pages:
+            await self._write(local, peer, plan.kv, Kind.KV, room, by_path)
+            return
+        loop = asyncio.get_running_loop()
+        pages = getattr(local.backend, "try_write_pages", None)
+        if pages is not None:
+            # The route's page lists as they are: every layer and K/V in one kernel launch.
+            used = await loop.run_in_executor(self._pool, pages, peer, kvp)
+            if used is not None:
+                self._count(room, by_path, used, Kind.KV, kvp.nbytes, kvp.units)
+                return
+        blocks = plan.kv or await loop.run_in_executor(self._pool, kvp.blocks, self.cfg.coalesce)
+        await self._write(local, peer, blocks, Kind.KV, room, by_path)
 
     async def _send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
         if self.health.is_blacklisted(target.agent):
@@ -453,7 +494,7 @@ class Agent:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
         by_path: dict[str, dict[str, int]] = {}
         try:
-            await self._write(local, peer, plan.kv, Kind.KV, room, by_path)
+            await self._write_kv(local, peer, plan, room, by_path)
             await self._write(local, peer, plan.state, Kind.STATE, room, by_path)
             # Aux rows go as one batch of their own through the engine (upstream send_aux).
             await self._write(local, peer, plan.aux, Kind.AUX, room, by_path)

@@ -21,14 +21,14 @@ from pdfabric_agent import metrics
 from pdfabric_agent.agent import TCP_SIDE_CHANNEL, Agent, LocalRank
 from pdfabric_agent.backends import make_backend
 from pdfabric_agent.config import AgentConfig, ConfigError, load_config
-from pdfabric_agent.hardware import detect_hardware
+from pdfabric_agent.hardware import Hardware, detect_hardware
 from pdfabric_agent.pools import Pool, PoolLayout, RankPools
 from pdfabric_agent.server import Readiness, build_api_app, build_metrics_app
-from pdfabric_agent.transport import TransportError, choose_transport, mooncake_env
+from pdfabric_agent.transport import TransportChoice, TransportError, choose_transport, mooncake_env
 from pdfabric_core.policy.buffer_device import metadata_buffer_device
-from pdfabric_core.policy.types import Device, Transport
+from pdfabric_core.policy.types import Device, MemPool, Transport
 from pdfabric_core.rankmap import AgentEntry, RankMap
-from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
+from pdfabric_core.spec import FallbackPolicy, PDClusterSpec, SpecError, parse_spec
 
 log = logging.getLogger("pdfabric.main")
 
@@ -103,6 +103,30 @@ def build_ranks(
     return ranks
 
 
+INTRA_NODE_NVLINK_ONE_GPU = "IntraNodeNvlinkOneGpu"  # readiness reason
+
+
+def check_mem_pool(spec: PDClusterSpec, hw: Hardware, choice: TransportChoice, env: dict[str, str]) -> TransportChoice:
+    """INTRA_NODE_NVLINK maps the peer GPUs' memory, so a process that sees one GPU cannot work
+    (upstream dropped the TCP fallback there): a start-up error with the fix in the message
+    (``check_intra_node_nvlink_startup``), raised as a readiness reason, unless the spec declares
+    placement.fallback TCP, which then moves this agent to tcp."""
+    if spec.transfer.mem_pool != MemPool.INTRA_NODE_NVLINK or choice.transport is Transport.TCP:
+        return choice
+    from pdfabric_agent.fastpath.select import IntraNodeNvlinkError, check_intra_node_nvlink_startup
+
+    try:
+        check_intra_node_nvlink_startup(
+            spec.transfer.mem_pool, hw.gpus, cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES")
+        )
+    except IntraNodeNvlinkError as exc:
+        if spec.placement.fallback == FallbackPolicy.TCP:
+            note = f"{INTRA_NODE_NVLINK_ONE_GPU}: {exc}; fell back to tcp"
+            return TransportChoice(Transport.TCP, fell_back_from=choice.transport, note=note)
+        raise TransportError(INTRA_NODE_NVLINK_ONE_GPU, str(exc)) from None
+    return choice
+
+
 async def serve(cfg: AgentConfig) -> int:
     readiness = Readiness()
     try:
@@ -130,12 +154,18 @@ async def serve(cfg: AgentConfig) -> int:
         gpus = sorted({r.gpu for r in entry.ranks})
         hw = detect_hardware(gpus)
         choice = choose_transport(spec, rankmap.transport, hw, gpus)
+        choice = check_mem_pool(spec, hw, choice, dict(os.environ))
         if choice.fell_back_from is not None:
             log.warning("transport: %s", choice.note)
         os.environ.update(mooncake_env(choice.transport, spec.transfer.timeout_seconds, cfg.engine_host))
         ranks = build_ranks(cfg, rankmap, spec, entry, choice.transport)
         roles = sorted({lr.rank.role for lr in ranks.values()})
-        paths = tuple(sorted({lr.backend.path for lr in ranks.values()} | {TCP_SIDE_CHANNEL}))
+        paths = tuple(
+            sorted(
+                {p for lr in ranks.values() for p in getattr(lr.backend, "paths", (lr.backend.path,))}
+                | {TCP_SIDE_CHANNEL}
+            )
+        )
         for role in roles:
             metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
         agent = Agent(cfg, rankmap, spec, ranks, choice.transport.value)

@@ -63,9 +63,61 @@ class Duties:
     dst_layer_offset: int = 0  # decode local layer = prefill local layer + this (PP stages)
 
 
+@dataclass(frozen=True)
+class KvPages:
+    """One route's KV as page lists, planned once per request: for every (layer, K/V) buffer b and
+    every i, ``item`` bytes move from ``src_bases[b] + src_pages[i] * src_stride`` to
+    ``dst_bases[b] + dst_pages[i] * dst_stride``. Whole-page routes have item == both strides
+    (a buffer's pages are contiguous, see pools.py); head-slice routes move a slice of each page.
+    A kernel backend takes this as it is (one launch); an engine gets ``blocks``."""
+
+    src_bases: tuple[int, ...]
+    dst_bases: tuple[int, ...]
+    item: int
+    src_stride: int
+    dst_stride: int
+    src_pages: Sequence[int]
+    dst_pages: Sequence[int]
+    whole_page: bool
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.src_pages)
+
+    @property
+    def units(self) -> int:
+        """(buffer, page) pairs: the blocks a per-page engine batch would carry."""
+        return len(self.src_bases) * len(self.src_pages)
+
+    @property
+    def nbytes(self) -> int:
+        return self.units * self.item
+
+    def blocks(self, coalesce: bool = True) -> list[Block]:
+        """Engine blocks, in (layer, K/V, run) order; the runs are computed once for all buffers."""
+        if not self.src_pages:
+            return []
+        if self.whole_page:
+            runs = _runs(self.src_pages, self.dst_pages, coalesce)
+            page = self.item
+            return [
+                Block(sb + s * page, db + d * page, n * page)
+                for sb, db in zip(self.src_bases, self.dst_bases, strict=True)
+                for s, d, n in runs
+            ]
+        ss, ds, n = self.src_stride, self.dst_stride, self.item
+        pairs = list(zip(self.src_pages, self.dst_pages, strict=True))
+        return [
+            Block(sb + s * ss, db + d * ds, n)
+            for sb, db in zip(self.src_bases, self.dst_bases, strict=True)
+            for s, d in pairs
+        ]
+
+
 @dataclass
 class TransferPlan:
-    kv: list[Block] = field(default_factory=list)
+    kv: list[Block] = field(default_factory=list)  # empty when planned with kv_blocks=False
+    kv_pages: KvPages | None = None
     state: list[Block] = field(default_factory=list)
     aux: list[Block] = field(default_factory=list)  # engine path only
     aux_tcp: list[tuple[int, int, int]] = field(default_factory=list)  # (src offset, dst offset, len)
@@ -163,9 +215,12 @@ def plan_transfer(
     src_aux: int | None,
     dst_aux: int | None,
     coalesce: bool = True,
+    kv_blocks: bool = True,
 ) -> TransferPlan:
     """Blocks for one (prefill rank, decode rank, room). ``dst_pages`` is the request's full list;
-    ``src_pages`` holds the sender's pages for its CP shard, in request order."""
+    ``src_pages`` holds the sender's pages for its CP shard, in request order. The KV part is
+    always in ``plan.kv_pages``; with ``kv_blocks=False`` its engine blocks are left to the
+    caller (``plan.kv_pages.blocks``), who may not need them at all (a kernel backend)."""
     if len(src_pages) != len(duties.pages):
         raise ValueError(
             f"this CP rank sends request pages {duties.pages.start}..{duties.pages.stop - 1} "
@@ -179,37 +234,35 @@ def plan_transfer(
         raise ValueError(
             f"layers {shift}..{shift + src_layout.layers - 1} do not fit the decode pool's {dst_layout.layers} layers"
         )
+    layers = range(src_layout.layers)
     if route.whole_page:
         if src_layout.page_bytes != dst_layout.page_bytes:
             raise ValueError(f"page size differs: {src_layout.page_bytes} vs {dst_layout.page_bytes} bytes")
-        page = src_layout.page_bytes
-        for layer in range(src_layout.layers):
-            for kv in (0, 1):
-                for s, d, n in _runs(src_pages, shard_dst, coalesce):
-                    plan.kv.append(
-                        Block(
-                            src.kv + src_layout.kv_offset(layer, kv, s),
-                            dst.kv + dst_layout.kv_offset(layer + shift, kv, d),
-                            n * page,
-                        )
-                    )
+        src_head = dst_head = 0
+        item = src_layout.page_bytes
     else:
-        length = route.num_heads * src_layout.head_bytes
-        for layer in range(src_layout.layers):
-            for kv in (0, 1):
-                for s, d in zip(src_pages, shard_dst, strict=True):
-                    plan.kv.append(
-                        Block(
-                            src.kv + src_layout.kv_offset(layer, kv, s, route.src_head_offset),
-                            dst.kv + dst_layout.kv_offset(layer + shift, kv, d, route.dst_head_offset),
-                            length,
-                        )
-                    )
+        src_head, dst_head = route.src_head_offset, route.dst_head_offset
+        item = route.num_heads * src_layout.head_bytes
+    plan.kv_pages = KvPages(
+        src_bases=tuple(src.kv + src_layout.kv_offset(layer, kv, 0, src_head) for layer in layers for kv in (0, 1)),
+        dst_bases=tuple(
+            dst.kv + dst_layout.kv_offset(layer + shift, kv, 0, dst_head) for layer in layers for kv in (0, 1)
+        ),
+        item=item,
+        src_stride=src_layout.page_bytes,
+        dst_stride=dst_layout.page_bytes,
+        src_pages=list(src_pages),
+        dst_pages=shard_dst,
+        whole_page=route.whole_page,
+    )
+    if kv_blocks:
+        plan.kv = plan.kv_pages.blocks(coalesce)
     if len(src_state) != len(dst_state):
         raise ValueError(f"{len(src_state)} source state slots but {len(dst_state)} destination slots")
     layer_bytes = src_layout.state_layer_bytes
+    state_runs = _runs(src_state, dst_state, coalesce) if duties.state_layers else []
     for layer in duties.state_layers:
-        for s, d, n in _runs(src_state, dst_state, coalesce):
+        for s, d, n in state_runs:
             plan.state.append(
                 Block(
                     src.state + src_layout.state_offset(layer, s),

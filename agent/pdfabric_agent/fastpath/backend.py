@@ -28,11 +28,14 @@ from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.channel import FastPathSender
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
 from pdfabric_agent.fastpath.kernel import KernelConfig
-from pdfabric_agent.fastpath.plan import plan_blocks, plan_blocks_list
+from pdfabric_agent.fastpath.plan import Layout, page_layout, plan_blocks, plan_blocks_list, plan_pages
 from pdfabric_agent.fastpath.select import TransferPath
 
 log = logging.getLogger("pdfabric.fastpath")
 SMALL_BATCH = 256  # up to this many blocks are planned in plain Python (aux rows, coalesced requests)
+# The most blocks one kernel batch takes: its table (16 bytes a block) stays within MAX_TABLE_BYTES.
+KERNEL_MAX_BLOCKS = 1 << 21
+SPIN_S = 200e-6  # spin this long on the completion word, then poll with short sleeps (frees the GIL)
 
 
 def export_file(shm_dir: str, endpoint: str) -> str:
@@ -58,14 +61,42 @@ class _PeerMap:
         return None if bool((out < 0).any()) else out
 
 
+def page_spans(kvp) -> list[tuple[int, int, int, int]] | None:
+    """(src base, src span, dst base, dst span) per buffer of a KvPages: the bytes its page list
+    can touch, from page 0 to the highest page; None when a page index is negative."""
+    if not kvp.src_pages:
+        return []
+    if min(kvp.src_pages) < 0 or min(kvp.dst_pages) < 0:
+        return None
+    s_span = max(kvp.src_pages) * kvp.src_stride + kvp.item
+    d_span = max(kvp.dst_pages) * kvp.dst_stride + kvp.item
+    return [(sb, s_span, db, d_span) for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True)]
+
+
 class FastPathBackend:
+    """Engine backend plus the kernel path. Besides the protocol's ``write_batch`` (kernel when it
+    can, else the engine; returns the label of what moved the batch), the agent uses two
+    kernel-only calls that return None, having moved nothing, when the kernel cannot take the
+    data: ``try_write_pages`` (a route's whole KV from its page lists, one launch) and
+    ``try_write_blocks`` (any number of blocks up to KERNEL_MAX_BLOCKS, one launch)."""
+
     path = TransferPath.FASTPATH.value
 
-    def __init__(self, inner, *, gpu: int, shm_dir: str, cfg: KernelConfig | None = None, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        inner,
+        *,
+        gpu: int,
+        shm_dir: str,
+        cfg: KernelConfig | None = None,
+        timeout_s: float = 30.0,
+        sender: FastPathSender | None = None,  # tests hand in a stand-in (no GPU)
+    ):
         self.inner = inner
         self.name = inner.name
         self.transport = inner.transport
-        self.max_batch_entries = inner.max_batch_entries
+        self.max_batch_entries = inner.max_batch_entries  # write_batch may fall back to the engine
+        self.paths = (self.path, inner.path)  # every `path` label this backend can report
         self.gpu = gpu
         self.timeout_s = timeout_s
         self._dir = shm_dir
@@ -74,13 +105,15 @@ class FastPathBackend:
         self._exports: list[dict] = []
         self._peers: dict[str, tuple[tuple[int, int] | None, _PeerMap | None]] = {}  # peer -> (file stamp, map)
         self._slot_of: dict[str, int] = {}
-        self._sender = FastPathSender(gpu, cfg=cfg)
+        self._sender = sender if sender is not None else FastPathSender(gpu, cfg=cfg)
         self._board = CompletionBoard()
         self._slots = itertools.count()
         self._batches = itertools.count()
         self.kernel_batches = 0
         self.engine_batches = 0
         self._trace = os.environ.get("PDFABRIC_FASTPATH_TRACE") == "1"  # per-batch timings in the log
+        self._submit_lock = threading.Lock()  # sequence numbers must reach the stream in order
+        self._layouts: dict[tuple, Layout] = {}  # whole-page tables by (buffer pairs, item)
 
     def endpoint(self) -> str:
         return self.inner.endpoint()
@@ -142,35 +175,91 @@ class FastPathBackend:
         self._sender.connect(peer, self._board, self._slot_of[peer])
         return _PeerMap(ranges)
 
-    def write_batch(self, peer: str, blocks: Sequence) -> None:
+    def write_batch(self, peer: str, blocks: Sequence) -> str | None:
         if not blocks:
-            return
+            return None
+        used = self.try_write_blocks(peer, blocks)
+        if used is not None:
+            return used
+        self.engine_batches += 1
+        return self.inner.write_batch(peer, blocks) or self.inner.path
+
+    def try_write_blocks(self, peer: str, blocks: Sequence) -> str | None:
+        """All blocks in one kernel launch, confirmed; None (nothing moved) when the kernel cannot
+        take them: peer not on this node, a block outside the GPU pools, too many blocks."""
+        if not blocks or len(blocks) > KERNEL_MAX_BLOCKS:
+            return None
         t0 = time.perf_counter()
         pm = self._peer(peer)
-        if pm is not None:
-            planned = self._plan_small(pm, blocks) if len(blocks) <= SMALL_BATCH else self._plan_large(pm, blocks)
-            if planned is not None:
-                plan, ranges = planned
-                room = ("batch", next(self._batches))
+        if pm is None:
+            return None
+        planned = self._plan_small(pm, blocks) if len(blocks) <= SMALL_BATCH else self._plan_large(pm, blocks)
+        if planned is None:
+            return None
+        plan, ranges = planned
+        self._launch(peer, plan, ranges, t0, f"{len(blocks)} blocks")
+        return self.path
+
+    def try_write_pages(self, peer: str, kvp) -> str | None:
+        """A route's KV (``plan.KvPages``: every layer and K/V of its page lists) in one launch,
+        confirmed; None (nothing moved) when the kernel cannot take it."""
+        if not kvp.src_pages:
+            return None
+        t0 = time.perf_counter()
+        pm = self._peer(peer)
+        spans = page_spans(kvp)
+        if pm is None or spans is None:
+            return None
+        pairs = []
+        for sb, s_span, db, d_span in spans:
+            mapped = pm.translate_one(db, d_span)
+            if mapped is None or not self._local_ok(sb, s_span):
+                return None
+            pairs.append((sb, mapped))
+        # The ledger key: this route's slice of the receiver's KV pool (a decode page index names
+        # the same bytes in every layer and K/V buffer of it).
+        pool = f"kv@{kvp.dst_bases[0]:#x}/{kvp.item}"
+        chunk = self._sender.cfg.chunk_bytes
+        layout = None
+        if kvp.whole_page:
+            key = (tuple(pairs), kvp.item)
+            layout = self._layouts.get(key)
+            if layout is None:
+                if len(self._layouts) > 64:
+                    self._layouts.clear()
+                layout = self._layouts[key] = page_layout(pool, pairs, kvp.item, chunk)
+        plan = plan_pages(
+            pool, pairs, kvp.item, kvp.src_stride, kvp.dst_stride, kvp.src_pages, kvp.dst_pages, chunk, layout
+        )
+        self._launch(peer, plan, None, t0, f"{kvp.units} pages x buffers")
+        return self.path
+
+    def _launch(self, peer: str, plan, ranges, t0: float, what: str) -> None:
+        room = ("batch", next(self._batches))
+        with self._submit_lock:
+            if ranges is not None:
                 # Exact byte ranges on the receiver: an overlapping concurrent batch is refused.
                 self._sender.ledger.reserve_ranges(room, peer, ranges)
-                try:
-                    tr = self._sender.submit_plan(room, peer, plan)
-                except BaseException:
-                    self._sender.ledger.release(room)
-                    raise
-                t1 = time.perf_counter()
-                tr.wait(self.timeout_s)
-                self.kernel_batches += 1
-                if self._trace:
-                    t2 = time.perf_counter()
-                    log.info(
-                        "fastpath batch: %d blocks, %d bytes, prepare+launch %.3f ms, launch->confirmed %.3f ms",
-                        len(blocks), plan.total_bytes, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
-                    )  # fmt: skip
-                return
-        self.engine_batches += 1
-        self.inner.write_batch(peer, blocks)
+            try:
+                tr = self._sender.submit_plan(room, peer, plan)  # reserves plan.dst_pages_by_pool
+            except BaseException:
+                self._sender.ledger.release(room)
+                raise
+        t1 = time.perf_counter()
+        deadline = t1 + self.timeout_s
+        while not tr.done():
+            now = time.perf_counter()
+            if now > deadline:
+                tr.wait(0.0)  # raises TransferTimeout with the room in the message
+            if now - t1 > SPIN_S:
+                time.sleep(20e-6)
+        self.kernel_batches += 1
+        if self._trace:
+            t2 = time.perf_counter()
+            log.info(
+                "fastpath batch: %s, %d bytes, prepare+launch %.3f ms, launch->confirmed %.3f ms",
+                what, plan.total_bytes, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+            )  # fmt: skip
 
     def _local_ok(self, src: int, length: int) -> bool:
         return any(base <= src and src + length <= base + size for base, size in self._local)

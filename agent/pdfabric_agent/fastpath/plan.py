@@ -367,6 +367,51 @@ def plan_blocks_list(blocks: Sequence[tuple[int, int, int]], chunk_bytes: int = 
     return LaunchPlan(head + bufs + [0, 0], len(sizes), unit, total, chunk_bytes)
 
 
+def plan_pages(
+    pool: str,
+    pairs: Sequence[tuple[int, int]],
+    item: int,
+    src_stride: int,
+    dst_stride: int,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    layout: Layout | None = None,
+) -> LaunchPlan:
+    """One launch for buffers that move the same page lists: pair b's page i moves ``item`` bytes
+    from ``src + src_pages[i] * src_stride`` to ``dst + dst_pages[i] * dst_stride`` (the agent's
+    KV of one route: one pair per layer and K/V). When pages are whole (item == both strides) the
+    table holds the pairs and the page list once (a few KiB for a whole request); a head slice of
+    each page (stride > item) becomes one block per (pair, page). ``dst_pages_by_pool[pool]``
+    names the destination pages for the receiver ledger either way. ``layout``: a cached
+    ``Layout`` of exactly these pairs (whole pages only), to skip rebuilding it per request."""
+    if item <= 0 or src_stride < item or dst_stride < item:
+        raise PlanError(f"item of {item} bytes does not fit strides {src_stride} / {dst_stride}")
+    if len(src_pages) != len(dst_pages):
+        raise PlanError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    if item == src_stride == dst_stride:
+        if layout is None:
+            layout = page_layout(pool, pairs, item, chunk_bytes)
+        return layout.plan([(src_pages, dst_pages)])
+    sp, dp = _as_index(src_pages), _as_index(dst_pages)
+    if sp.numel() and min(int(sp.min()), int(dp.min())) < 0:
+        raise PlanError(f"pool {pool}: negative page index")
+    bases = torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
+    src = (bases[:, :1] + (sp * src_stride)[None, :]).reshape(-1)
+    dst = (bases[:, 1:] + (dp * dst_stride)[None, :]).reshape(-1)
+    plan = plan_blocks(src, dst, torch.full_like(src, item), chunk_bytes)
+    if sp.numel():
+        plan.dst_pages_by_pool = {pool: torch.unique(dp)}
+    return plan
+
+
+def page_layout(
+    pool: str, pairs: Sequence[tuple[int, int]], item: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Layout:
+    """The fixed part of ``plan_pages`` for whole pages (one group: the pairs share the page list)."""
+    return Layout([(pool, [BufferPair(s, d, item) for s, d in pairs])], chunk_bytes)
+
+
 def reference_copies(plan: LaunchPlan) -> list[tuple[int, int, int]]:
     """(src_addr, dst_addr, nbytes) per unit, decoded exactly as the kernel does; for tests."""
     t = plan.words()

@@ -1,0 +1,176 @@
+"""How the agent hands a room to a backend with a kernel path (no GPU): the KV as page lists in
+one call, the rest as whole block lists, the engine's 1024-block chunking only when the engine
+moves the data, and bytes counted under the path that moved them. Also the INTRA_NODE_NVLINK
+start-up check."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.agent import Agent, LocalRank
+from pdfabric_agent.config import load_config
+from pdfabric_agent.hardware import Hardware
+from pdfabric_agent.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
+from pdfabric_agent.pools import PoolLayout, RankPools
+from pdfabric_agent.rooms import PrefillRoom, Target
+from pdfabric_agent.transport import TransportChoice, TransportError
+from pdfabric_core.policy.types import Transport
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
+from pdfabric_core.spec import parse_spec
+
+RAW: dict[str, Any] = {
+    "prefill": {"tp": 1},
+    "decode": {"tp": 1},
+    "transfer": {"maxBatchEntries": 16},
+    "model": {
+        "layers": 4,
+        "kvHeads": 2,
+        "headDim": 8,
+        "pageSizeTokens": 2,
+        "dtype": "float32",
+        "stateBytesPerRequest": 64,
+        "stateLayers": 2,
+        "auxRowBytes": [8, 16],
+    },
+}
+
+
+class Backend:
+    """Engine plus, when `kernel`, the kernel-only calls; `takes` says whether the kernel accepts."""
+
+    name = "mooncake"
+    transport = Transport.NVLINK_INTRA
+    max_batch_entries = 1024
+
+    def __init__(self, kernel: bool, takes: bool) -> None:
+        self.path = "nvlink-kernel" if kernel else "mooncake"
+        self.takes = takes
+        self.calls: list[tuple[str, int]] = []
+        if kernel:
+            self.try_write_pages = self._pages
+            self.try_write_blocks = self._blocks
+
+    def endpoint(self) -> str:
+        return "127.0.0.1:1"
+
+    def _pages(self, peer: str, kvp: Any) -> str | None:
+        self.calls.append(("pages", kvp.units))
+        return "nvlink-kernel" if self.takes else None
+
+    def _blocks(self, peer: str, blocks: Any) -> str | None:
+        self.calls.append(("blocks", len(blocks)))
+        return "nvlink-kernel" if self.takes else None
+
+    def write_batch(self, peer: str, blocks: Any) -> str | None:
+        self.calls.append(("engine", len(blocks)))
+        return "mooncake" if self.path == "nvlink-kernel" else None
+
+
+def make_agent(tmp_path: Path) -> Agent:
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    env = {"NODE_NAME": "n1", "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
+    entries = (
+        AgentEntry("a1", "n1", (Rank("prefill", 0, 0),)),
+        AgentEntry("a2", "n2", (Rank("decode", 0, 0),)),
+    )
+    spec = parse_spec(RAW)
+    rankmap = RankMap("ns", "c", "uid-1", "nvlink-intra", RAW, entries)
+    return Agent(load_config(env), rankmap, spec, {}, "nvlink-intra")
+
+
+def run_room(tmp_path: Path, backend: Backend, pages: list[int]) -> tuple[dict[str, Any], PrefillRoom]:
+    agent = make_agent(tmp_path)
+    layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
+    pool = SimpleNamespace(addr=0x1000_0000)
+    local = LocalRank(Rank("prefill", 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
+    dst = {
+        "endpoint": "peer:1",
+        "layout": layout.to_dict(),
+        "bases": {"kv": 0x4000_0000, "state": 0x5000_0000, "aux": 0x6000_0000},
+        "kv_pages": list(range(len(pages))),
+        "state_indices": [1],
+        "aux_index": 1,
+    }
+    target = Target("decode-0-tp0", 0, "a2")
+    target.dst = dst
+    room = PrefillRoom(
+        rank="prefill-0-tp0-cp0", room=1, submitted=0.0, deadline=1e9, src_pages=pages, src_state=[0],
+        src_aux=0, targets={"decode-0-tp0": target},
+    )  # fmt: skip
+    sent: dict[str, Any] = {}
+
+    async def post(agent_name: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        sent.update(body)
+        return {}
+
+    agent._post_peer = post  # type: ignore[method-assign]
+
+    async def go() -> None:
+        try:
+            await agent._send_target(room, local, target)
+        finally:
+            await agent.close()
+
+    asyncio.run(go())
+    return sent, room
+
+
+KV_BYTES = 40 * 4 * 2 * 128  # pages x layers x K,V x page bytes (2 heads x 2 tokens x 8 x 4 B)
+
+
+def test_kernel_backend_gets_the_kv_as_page_lists_in_one_call(tmp_path: Path) -> None:
+    pages = list(range(64))[::-1][:40]  # scattered enough that nothing coalesces
+    backend = Backend(kernel=True, takes=True)
+    sent, room = run_room(tmp_path, backend, pages)
+    # KV: one call with every layer and K/V; state (2 layers) and aux (2 items) one call each.
+    assert backend.calls == [("pages", 4 * 2 * 40), ("blocks", 2), ("blocks", 2)]
+    assert sent["bytes_by_path"] == {"nvlink-kernel": {"kv": KV_BYTES, "state": 64, "aux": 24}}
+    assert room.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
+
+
+def test_kernel_declining_falls_back_to_chunked_engine_batches(tmp_path: Path) -> None:
+    pages = list(range(64))[::-1][:40]
+    backend = Backend(kernel=True, takes=False)
+    sent, room = run_room(tmp_path, backend, pages)
+    # 320 per-page blocks through the engine in batches of transfer.maxBatchEntries (16).
+    engine = [n for what, n in backend.calls if what == "engine"]
+    assert backend.calls[0] == ("pages", 320)
+    assert engine[:20] == [16] * 20 and sum(engine) == 320 + 2 + 2
+    # Counted under the engine's label, not the kernel's, though the backend is the wrapper.
+    assert sent["bytes_by_path"] == {"mooncake": {"kv": KV_BYTES, "state": 64, "aux": 24}}
+    assert room.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
+
+
+def test_engine_only_backend_gets_coalesced_blocks(tmp_path: Path) -> None:
+    backend = Backend(kernel=False, takes=False)
+    sent, _ = run_room(tmp_path, backend, list(range(40)))
+    assert backend.calls == [("engine", 8), ("engine", 2), ("engine", 2)]  # one run per layer and K/V
+    assert sent["bytes_by_path"] == {"mooncake": {"kv": KV_BYTES, "state": 64, "aux": 24}}
+
+
+def spec_for(pool: str, fallback: str = "Fail") -> Any:
+    return parse_spec({"transfer": {"memPool": pool}, "placement": {"fallback": fallback}})
+
+
+def test_intra_node_nvlink_with_one_visible_gpu_is_a_startup_error() -> None:
+    choice = TransportChoice(Transport.NVLINK_INTRA)
+    with pytest.raises(TransportError) as err:
+        check_mem_pool(spec_for("INTRA_NODE_NVLINK"), Hardware(gpus=1), choice, {"CUDA_VISIBLE_DEVICES": "3"})
+    assert err.value.reason == INTRA_NODE_NVLINK_ONE_GPU
+    assert "sees 1 GPU(s)" in str(err.value) and "'3'" in str(err.value)
+    # Enough GPUs, or another pool: unchanged.
+    assert check_mem_pool(spec_for("INTRA_NODE_NVLINK"), Hardware(gpus=2), choice, {}) is choice
+    assert check_mem_pool(spec_for("NONE"), Hardware(gpus=1), choice, {}) is choice
+
+
+def test_intra_node_nvlink_with_one_gpu_falls_back_when_the_spec_says_so() -> None:
+    choice = TransportChoice(Transport.NVLINK_INTRA)
+    got = check_mem_pool(spec_for("INTRA_NODE_NVLINK", "TCP"), Hardware(gpus=1), choice, {})
+    assert got.transport is Transport.TCP and got.fell_back_from is Transport.NVLINK_INTRA
+    assert INTRA_NODE_NVLINK_ONE_GPU in got.note
