@@ -52,7 +52,8 @@ class Observed:
     outcome: Placement | PlacementFailure | None  # None: the spec itself was unusable
     agents: Sequence[AgentView] = ()
     spec_error: str | None = None
-    lost_nodes: Sequence[str] = field(default_factory=tuple)  # nodes our ranks just left
+    # Nodes lost under our agents; Degraded while their ranks are not yet Ready elsewhere.
+    lost_nodes: Sequence[str] = field(default_factory=tuple)
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -151,7 +152,7 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
             if all_ready
             else _condition(c.COND_TRANSPORT_READY, False, "AgentsNotReady", agents_msg)
         )
-        if obs.lost_nodes:
+        if obs.lost_nodes and not all_ready:
             degraded = _condition(
                 c.COND_DEGRADED,
                 True,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from pdfabric_core.rankmap import RankMap
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h
@@ -82,14 +84,18 @@ def test_deleted_children_come_back(cluster: Any, namespace: str, gpu_nodes: Any
     assert cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"] not in ("", token)
 
 
-def test_lost_node_ranks_are_replaced(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
+@pytest.mark.parametrize("how", ["not-ready", "deleted"])
+def test_lost_node_ranks_are_replaced(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any, how: str) -> None:
     gpu_nodes("n", 3)
     builder = pdcluster().prefill(replicas=2, tp=4).decode(replicas=1, tp=4).placement(nodeSelector=selector(namespace))
     apply_pdc(cluster, builder.manifest(), namespace)
     wait_ready(cluster, namespace, "pd")
     before = _gpus_by_node(cluster, namespace)
     victim = sorted(before)[0]
-    cluster.set_node_down(victim)
+    if how == "not-ready":
+        cluster.set_node_down(victim)
+    else:
+        cluster.delete_nodes([victim])
     wait_until(
         lambda: (
             victim not in _gpus_by_node(cluster, namespace) and sum(_gpus_by_node(cluster, namespace).values()) == 12
@@ -106,7 +112,8 @@ def test_lost_node_ranks_are_replaced(cluster: Any, namespace: str, gpu_nodes: A
             assert after.get(node, 0) >= gpus
     _no_duplicates(cluster, namespace)
     assert condition(obj, "Degraded")["status"] == "False"
-    cluster.set_node_down(victim, down=False)
+    if how == "not-ready":
+        cluster.set_node_down(victim, down=False)
 
 
 def test_deletion_leaves_no_orphans(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
