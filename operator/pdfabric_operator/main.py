@@ -262,6 +262,7 @@ async def reconcile_daemon(
     wake = STATE.wakers.setdefault(uid, asyncio.Event())
     memory = STATE.memory.setdefault(uid, ClusterMemory())
     CLUSTERS.set(len(STATE.wakers))
+    last_problem: tuple[str, str] | None = None
     try:
         while not stopped:
             wake.clear()
@@ -287,6 +288,10 @@ async def reconcile_daemon(
                 RECONCILES.labels(res.result.value).inc()
                 if res.actions:
                     logger.info(f"reconciled ({res.result.value}): {'; '.join(res.actions)}")
+                # One Event per new problem (kubectl describe shows it), not one per reconcile.
+                if res.problem != last_problem and res.problem is not None:
+                    kopf.warn(body, reason=res.problem[0], message=res.problem[1])
+                last_problem = res.problem
             except Exception as exc:
                 RECONCILES.labels(ReconcileResult.ERROR.value).inc()
                 ERRORS.labels(error_type(exc).value).inc()

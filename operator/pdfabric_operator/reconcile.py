@@ -103,6 +103,8 @@ class Result:
     result: ReconcileResult
     patched: bool = False
     actions: list[str] = field(default_factory=list)
+    # Why the cluster cannot run as asked (no fit, or the declared fallback), for a k8s Event.
+    problem: tuple[str, str] | None = None
 
 
 def _now() -> str:
@@ -167,6 +169,7 @@ def reconcile_once(
     if isinstance(outcome, PlacementFailure):
         PLACEMENT_FAILURES.labels(outcome.reason).inc()
         out.result = ReconcileResult.UNPLACED
+        out.problem = (outcome.reason, outcome.message)
         for p in own:
             if not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
@@ -183,6 +186,10 @@ def reconcile_once(
     else:
         if outcome.is_fallback:
             FALLBACKS.inc()
+            out.problem = (
+                "FallbackTCP",
+                f"running tcp instead of {outcome.requested_transport.value}: {outcome.fallback_reason}",
+            )
         memory.children_absent = False
         rankmap = b.build_rankmap(ref, raw_spec, outcome)
         _ensure_shared_children(kube, ref, spec, rankmap, memory, recheck_children_after, out)

@@ -73,6 +73,17 @@ def test_unplaceable_reports_why_and_creates_nothing(
     assert children(cluster, namespace, "pd") == NO_CHILDREN
     wide = cluster.kubectl("get", "pdc", "pd", "-n", namespace, "-o", "wide").stdout
     assert reason in wide
+    # ... and `kubectl describe` shows it once as a Warning event.
+    events = wait_until(
+        lambda: [
+            e
+            for e in cluster.get_json("events", "-n", namespace, "--field-selector", "involvedObject.name=pd")["items"]
+            if e["reason"] == reason
+        ],
+        timeout=30,
+        what=f"a {reason} event",
+    )
+    assert events[0]["type"] == "Warning" and fragment in events[0]["message"]
 
 
 def test_declared_tcp_fallback_is_recorded(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
