@@ -13,8 +13,9 @@ PlacementFailure whose reason and message say exactly what is missing. The algor
    a replica larger than any node's free GPUs is spread rank by rank (tcp, rdma, nvlink only).
 4. Sticky first: a unit whose ranks all sat on one node that is still eligible and has room stays
    there, so node loss, scale changes and other clusters' churn move only what must move.
-5. The rest goes best-fit (the node with the least free GPUs that still fits, ties by name), which
-   keeps whole nodes free for large units. nvlink tries each NVLink domain (current one first,
+5. The rest goes best-fit (the node with the least free GPUs that still fits), which keeps whole
+   nodes free for large units; ties go to nodes without RDMA devices or an NVLink domain (kept for
+   the clusters that need them), then by name. nvlink tries each NVLink domain (current one first,
    then the largest) and needs every unit inside that one domain.
 6. No fit: a PlacementFailure, or with placement.fallback TCP a tcp placement flagged as fallback.
 """
@@ -169,9 +170,15 @@ def _pack(
     previous: Mapping[str, Sequence[Rank]],
     *,
     what: str,
+    scarcity: Mapping[str, int] | None = None,
 ) -> dict[str, list[Rank]]:
-    """Assign units to nodes (sticky, then best-fit); raises _NoFit naming the first unit left over."""
+    """Assign units to nodes (sticky, then best-fit); raises _NoFit naming the first unit left over.
+
+    Among equally good fits, nodes with fewer scarce features (RDMA devices, an NVLink domain) go
+    first, so a tcp cluster does not take the nodes an rdma or nvlink cluster will need.
+    """
     free = dict(free)
+    scarcity = scarcity or {}
     where_before: dict[Rank, str] = {}
     for node, ranks in previous.items():
         for r in ranks:
@@ -191,9 +198,9 @@ def _pack(
     # Largest units first: best-fit decreasing wastes the fewest GPUs.
     for unit in sorted(pending, key=lambda u: (-len(u.ranks), u.key)):
         need = len(unit.ranks)
-        fits = sorted((f, n) for n, f in free.items() if f >= need)
+        fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need)
         if fits:
-            node = fits[0][1]
+            node = fits[0][2]
             out.setdefault(node, []).extend(unit.ranks)
             free[node] -= need
             continue
@@ -317,8 +324,12 @@ def _plan(
             )
     free = _free(eligible, placed, gpu, uid)
     units = _units(spec, transport)
+    scarcity = {
+        n.name: int(n.allocatable.get(pl.rdma_resource, 0) > 0) + int(bool(n.labels.get(pl.nvlink_domain_key)))
+        for n in eligible
+    }
     if transport is not Transport.NVLINK:
-        assigned = _pack(units, free, previous, what=where)
+        assigned = _pack(units, free, previous, what=where, scarcity=scarcity)
         return Placement(transport, requested, _agents(assigned, {}), plan_feeds(spec, transport))
 
     key = pl.nvlink_domain_key
@@ -345,6 +356,7 @@ def _plan(
                 {n: f for n, f in free.items() if n in members},
                 {n: r for n, r in previous.items() if n in members},
                 what=f"nodes of NVLink domain {d}",
+                scarcity=scarcity,
             )
         except _NoFit:
             continue

@@ -65,6 +65,20 @@ PLACED_CASES = [
         {"y1": 8, "y2": 8},
     ),
     (
+        "tcp-leaves-rdma-and-nvlink-nodes-free",
+        pdcluster().prefill(tp=4).decode(tp=4),
+        [gpu_node("a-rdma", 8, rdma=1), gpu_node("b-clique", 8, clique="x"), gpu_node("c-plain", 8)],
+        [],
+        {"c-plain": 8},
+    ),
+    (
+        "best-fit-beats-scarcity",
+        pdcluster().prefill(tp=2).decode(tp=2),
+        [gpu_node("a-rdma", 4, rdma=1), gpu_node("c-plain", 8)],
+        [],
+        {"a-rdma": 4},
+    ),
+    (
         "node-selector-honoured",
         pdcluster().placement(nodeSelector={"pool": "pd"}),
         [gpu_node("a", 8), gpu_node("b", 8, labels={"pool": "pd"})],
