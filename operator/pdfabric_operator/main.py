@@ -194,6 +194,7 @@ def agent_pods(
             deleting=bool(meta.get("deletionTimestamp")),
             pod_hash=annotations.get(c.ANN_POD_HASH, ""),
             ranks=annotations.get(c.ANN_RANKS, ""),
+            failed=status.get("phase") in ("Failed", "Succeeded"),
         )
     }
 

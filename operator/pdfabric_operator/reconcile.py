@@ -45,6 +45,7 @@ class OwnPod:
     deleting: bool
     pod_hash: str
     ranks: str
+    failed: bool = False  # phase Failed (e.g. the kubelet refused it): replace it
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,29 @@ class Ledger:
         self.lock = threading.Lock()
         self._by_uid: dict[str, dict[str, dict[str, int]]] = {}
 
-    def pods(self, exclude_uid: str) -> list[PlacedPod]:
-        return [
-            PlacedPod(node, req, uid)
-            for uid, nodes in self._by_uid.items()
-            if uid != exclude_uid
-            for node, req in nodes.items()
-        ]
+    def merged(self, cached: Sequence[PlacedPod], exclude_uid: str) -> list[PlacedPod]:
+        """What holds GPUs now: the watch cache, raised to the ledger where the ledger knows more.
+
+        Per (cluster, node, resource) the larger of the two counts: the ledger covers pods we just
+        created that the cache has not seen; the cache covers pods of an older placement that are
+        still terminating (they hold their devices until the kubelet lets go).
+        """
+        usage: dict[tuple[str | None, str], dict[str, int]] = {}
+        out: list[PlacedPod] = []
+        for pod in cached:
+            if pod.owner_uid is None or pod.owner_uid not in self._by_uid:
+                out.append(pod)
+                continue
+            acc = usage.setdefault((pod.owner_uid, pod.node), {})
+            for k, v in pod.requests.items():
+                acc[k] = acc.get(k, 0) + v
+        for uid, nodes in self._by_uid.items():
+            for node, req in nodes.items():
+                acc = usage.setdefault((uid, node), {})
+                for k, v in req.items():
+                    acc[k] = max(acc.get(k, 0), v)
+        out += [PlacedPod(node, req, uid) for (uid, node), req in usage.items() if uid != exclude_uid]
+        return out
 
     def uids(self) -> set[str]:
         return set(self._by_uid)
@@ -154,8 +171,7 @@ def reconcile_once(
     previous = memory.last_plan
     lost = sorted({p.node for p in own if p.node not in usable})
     with ledger.lock:
-        known = ledger.uids()
-        placed = [p for p in snap.placed if p.owner_uid not in known] + ledger.pods(ref.uid)
+        placed = ledger.merged(snap.placed, ref.uid)
         outcome = plan_placement(spec, snap.nodes, placed, cluster_uid=ref.uid, previous=previous)
         if isinstance(outcome, Placement):
             ledger.record(ref.uid, _usage(spec, outcome))
@@ -197,7 +213,7 @@ def reconcile_once(
         existing = {p.name: p for p in own}
         for p in own:
             want = desired.get(p.name)
-            stale = want is None or want["metadata"]["annotations"][c.ANN_POD_HASH] != p.pod_hash
+            stale = want is None or p.failed or want["metadata"]["annotations"][c.ANN_POD_HASH] != p.pod_hash
             if stale and not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
         for name, pod in desired.items():
@@ -206,7 +222,10 @@ def reconcile_once(
         for p in own:
             want = desired.get(p.name)
             current = (
-                want is not None and not p.deleting and want["metadata"]["annotations"][c.ANN_POD_HASH] == p.pod_hash
+                want is not None
+                and not p.deleting
+                and not p.failed
+                and want["metadata"]["annotations"][c.ANN_POD_HASH] == p.pod_hash
             )
             views.append(AgentView(p.name, p.node, p.ready, current))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pdfabric_operator import builders as b
 from pdfabric_operator.metrics import ReconcileResult
 from pdfabric_operator.planner import PlacedPod
@@ -176,3 +178,38 @@ def test_status_written_by_someone_else_is_corrected() -> None:
     res = _run(kube, ref, pdcluster(), Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     assert res.patched
     assert kube.status["conditions"][0]["status"] == "True"
+
+
+def test_failed_agent_is_replaced() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
+    (pod,) = kube.pods("u1")
+    failed = OwnPod(pod.name, pod.namespace, pod.uid, pod.node, False, False, pod.pod_hash, pod.ranks, failed=True)
+    res = _run(kube, ref, pdcluster(), Snapshot(nodes, [], [failed]), memory, ledger)
+    assert res.actions == [f"delete pod {pod.name}"]
+    assert kube.status["agents"] == {"desired": 1, "ready": 0}
+
+
+# (id, cached pods, ledger usage of "other", expected GPUs held by "other" per node)
+MERGE_CASES = [
+    ("cache-only-for-unknown-owner", [PlacedPod("a", {"g": 4}, "other")], None, {"a": 4}),
+    ("ledger-ahead-of-cache", [], {"b": {"g": 8}}, {"b": 8}),
+    ("terminating-old-pod-still-counts", [PlacedPod("a", {"g": 8}, "other")], {"b": {"g": 8}}, {"a": 8, "b": 8}),
+    ("bigger-of-the-two", [PlacedPod("a", {"g": 4}, "other")], {"a": {"g": 8}}, {"a": 8}),
+    ("own-cluster-excluded", [PlacedPod("a", {"g": 4}, "me")], None, {}),
+]
+
+
+@pytest.mark.parametrize(("cached", "usage", "expected"), [c[1:] for c in MERGE_CASES], ids=[c[0] for c in MERGE_CASES])
+def test_ledger_merge(cached, usage, expected) -> None:
+    ledger = Ledger()
+    if usage is not None:
+        ledger.record("other", usage)
+    ledger.record("me", {"z": {"g": 1}})
+    held: dict[str, int] = {}
+    for pod in ledger.merged(cached, exclude_uid="me"):
+        assert pod.owner_uid != "me"
+        held[pod.node] = held.get(pod.node, 0) + pod.requests.get("g", 0)
+    assert held == expected
