@@ -11,8 +11,9 @@ the sender.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,8 @@ from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PeerMappin
 from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
 from pdfabric_agent.fastpath.ledger import ReceiverLedger
 from pdfabric_agent.fastpath.plan import CopyGroup, LaunchPlan, Layout, plan_launch
+
+STAGE_WORDS = 1 << 17  # 1 MiB of table words staged without a per-launch pinned allocation
 
 
 class TransferTimeout(TimeoutError):
@@ -38,11 +41,14 @@ class Transfer:
     _ledger: ReceiverLedger | None
     _keepalive: object = None
     _done: bool = field(default=False)
+    _on_done: Callable[[], None] | None = None  # frees the sender's table staging buffers
 
     def done(self) -> bool:
         if not self._done and self.board.read(self.slot) >= self.seq:
             self._done = True
             self._keepalive = None
+            if self._on_done is not None:
+                self._on_done()
             if self._ledger is not None:
                 self._ledger.release(self.room)
         return self._done
@@ -76,6 +82,14 @@ class FastPathSender:
         self.peers = PeerMappings(device)
         self.ledger = ledger if ledger is not None else ReceiverLedger()
         self._routes: dict[Hashable, _Route] = {}
+        # One reusable pinned + device table (a whole request's page-list table is a few KiB): the
+        # upload is a memcpy and one async copy instead of a pinned allocation per launch. Used by
+        # one launch at a time, freed when its completion is seen; otherwise tables are pinned anew.
+        self._stage_words = STAGE_WORDS
+        self._stage_host = torch.empty(STAGE_WORDS, dtype=torch.int64).pin_memory()
+        self._stage_dev = torch.empty(STAGE_WORDS, dtype=torch.int64, device=f"cuda:{device}")
+        self._stage_lock = threading.Lock()
+        self._stage_busy = False
         torch.cuda.synchronize(device)  # the counter's zero-fill ran on another stream
         self._stream_ptr = self.stream.cuda_stream  # cached: each lookup is a call into torch
         self._counter_ptr = self.counter.data_ptr()
@@ -116,6 +130,7 @@ class FastPathSender:
             seq = next(route.seq)
             flag = route.flag
             keep = None
+            on_done = None
             if plan.total_units == 0:
                 words, table_ptr = [0] * 8, 0
             elif plan.small:
@@ -125,9 +140,21 @@ class FastPathSender:
                 table = (
                     plan.table if isinstance(plan.table, torch.Tensor) else torch.tensor(plan.table, dtype=torch.int64)
                 )
-                with torch.cuda.stream(self.stream):
-                    keep = table.pin_memory().to(f"cuda:{self.device}", non_blocking=True)
-                table_ptr = keep.data_ptr()
+                n = table.numel()
+                with self._stage_lock:
+                    staged = n <= self._stage_words and not self._stage_busy
+                    if staged:
+                        self._stage_busy = True
+                if staged:
+                    self._stage_host[:n].copy_(table)
+                    with torch.cuda.stream(self.stream):
+                        self._stage_dev[:n].copy_(self._stage_host[:n], non_blocking=True)
+                    table_ptr = self._stage_dev.data_ptr()
+                    on_done = self._free_stage
+                else:
+                    with torch.cuda.stream(self.stream):
+                        keep = table.pin_memory().to(f"cuda:{self.device}", non_blocking=True)
+                    table_ptr = keep.data_ptr()
             self.kernel.launch(
                 table_ptr=table_ptr,
                 small_words=words,
@@ -139,9 +166,15 @@ class FastPathSender:
                 seq=seq,
             )
         except BaseException:
+            if on_done is not None:
+                on_done()
             self.ledger.release(room)
             raise
-        return Transfer(room, seq, route.board, route.slot, plan.total_bytes, t0, self.ledger, keep)
+        return Transfer(room, seq, route.board, route.slot, plan.total_bytes, t0, self.ledger, keep, _on_done=on_done)
+
+    def _free_stage(self) -> None:
+        with self._stage_lock:
+            self._stage_busy = False
 
     def close(self) -> None:
         self.stream.synchronize()
