@@ -98,3 +98,30 @@ def test_values_schema_rejects(bad: str) -> None:
     proc = _run("template", "pdfabric", str(CHART), "--set", bad)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
+
+
+def test_chart_env_is_valid_operator_config() -> None:
+    from pdfabric_operator.config import OperatorConfig
+
+    (dep,) = [d for d in _render("--set", "operator.reconcileInterval=7") if d["kind"] == "Deployment"]
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    cfg = OperatorConfig.from_env(env)
+    assert (cfg.reconcile_interval, cfg.peering, cfg.metrics_port, cfg.watch_timeout) == (7.0, "pdfabric", 8080, 300)
+    assert 1 <= cfg.priority <= 2**30, "replicas draw a random peering priority"
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"PDFABRIC_RECONCILE_INTERVAL": "soon"}, "must be a number"),
+        ({"PDFABRIC_RECONCILE_INTERVAL": "0"}, "at least 0.1"),
+        ({"PDFABRIC_PRIORITY": "high"}, "must be an integer"),
+        ({"PDFABRIC_METRICS_PORT": "-1"}, "at least 0"),
+    ],
+    ids=["interval-not-a-number", "interval-zero", "priority-not-an-integer", "negative-port"],
+)
+def test_operator_config_rejects(env: dict[str, str], fragment: str) -> None:
+    from pdfabric_operator.config import ConfigError, OperatorConfig
+
+    with pytest.raises(ConfigError, match=fragment):
+        OperatorConfig.from_env(env)
