@@ -332,7 +332,8 @@ async def cleanup(
             kube.delete(kind, ref.namespace, child)
 
     await asyncio.to_thread(_delete)
-    LEDGER.forget(uid)
+    with LEDGER.lock:  # reconciles of other clusters may be planning in worker threads
+        LEDGER.forget(uid)
     STATE.memory.pop(uid, None)
     STATE.generations.pop(uid, None)
     logger.info(f"deleted {len(pods)} agent pods and the shared children")
