@@ -64,6 +64,9 @@ from pdfabric_core.spec import PDClusterSpec
 log = logging.getLogger("pdfabric.agent")
 
 TCP_SIDE_CHANNEL = "tcp-side-channel"  # `path` label of aux rows sent in the done report
+# Block lists up to this size are launched from the event loop (a table built in microseconds);
+# larger ones are planned in a worker thread.
+LOOP_SUBMIT_BLOCKS = 256
 
 
 @dataclass
@@ -485,6 +488,47 @@ class Agent:
         blocks = plan.kv or await loop.run_in_executor(self._pool, kvp.blocks, self.cfg.coalesce)
         await self._write(local, peer, blocks, Kind.KV, room, by_path)
 
+    async def _write_launched(
+        self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: dict[str, dict[str, int]]
+    ) -> None:
+        """Kernel backend: launch the room's KV (whole pages: a table of the page list) and its small
+        state and aux batches right here, back to back on the sender's stream, then wait for all
+        of them in one worker call; whatever the kernel did not take goes the usual way after."""
+        backend = local.backend
+        launched: list[tuple[Any, Kind, int, int]] = []
+        later: list[Callable[[], Any]] = []
+        try:
+            kvp = plan.kv_pages
+            if kvp is not None and kvp.num_pages:
+                h = backend.submit_pages(peer, kvp) if kvp.whole_page else None  # type: ignore[attr-defined]
+                if h is not None:
+                    launched.append((h, Kind.KV, kvp.nbytes, kvp.units))
+                else:
+                    later.append(lambda: self._write_kv(local, peer, plan, room, by_path))
+            elif plan.kv:
+                later.append(lambda: self._write(local, peer, plan.kv, Kind.KV, room, by_path))
+            for kind, blocks in ((Kind.STATE, plan.state), (Kind.AUX, plan.aux)):
+                if not blocks:
+                    continue
+                h = backend.submit_blocks(peer, blocks) if len(blocks) <= LOOP_SUBMIT_BLOCKS else None  # type: ignore[attr-defined]
+                if h is not None:
+                    launched.append((h, kind, sum(b.length for b in blocks), len(blocks)))
+                else:
+                    later.append(lambda b=blocks, k=kind: self._write(local, peer, b, k, room, by_path))
+        finally:
+            # Launched batches are always waited for (their receiver reservations are released on
+            # completion) and counted, also when a later launch was refused.
+            if launched:
+                loop = asyncio.get_running_loop()
+                paths = await loop.run_in_executor(
+                    self._pool,
+                    lambda: [backend.wait(h) for h, *_ in launched],  # type: ignore[attr-defined]
+                )
+                for path, (_, kind, moved, units) in zip(paths, launched, strict=True):
+                    self._count(room, by_path, path, kind, moved, units)
+        for write in later:
+            await write()
+
     async def _send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
         if self.health.is_blacklisted(target.agent):
             raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
@@ -494,10 +538,13 @@ class Agent:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
         by_path: dict[str, dict[str, int]] = {}
         try:
-            await self._write_kv(local, peer, plan, room, by_path)
-            await self._write(local, peer, plan.state, Kind.STATE, room, by_path)
-            # Aux rows go as one batch of their own through the engine (upstream send_aux).
-            await self._write(local, peer, plan.aux, Kind.AUX, room, by_path)
+            if hasattr(local.backend, "submit_pages"):
+                await self._write_launched(local, peer, plan, room, by_path)
+            else:
+                await self._write_kv(local, peer, plan, room, by_path)
+                await self._write(local, peer, plan.state, Kind.STATE, room, by_path)
+                # Aux rows go as one batch of their own through the engine (upstream send_aux).
+                await self._write(local, peer, plan.aux, Kind.AUX, room, by_path)
         except (TransferError, OSError) as exc:
             self._blacklist(target.agent, str(exc))
             raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None

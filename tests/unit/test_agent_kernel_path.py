@@ -47,13 +47,32 @@ class Backend:
     transport = Transport.NVLINK_INTRA
     max_batch_entries = 1024
 
-    def __init__(self, kernel: bool, takes: bool) -> None:
+    def __init__(self, kernel: bool, takes: bool, launch: bool = False, refuse_aux: bool = False) -> None:
         self.path = "nvlink-kernel" if kernel else "mooncake"
         self.takes = takes
+        self.refuse_aux = refuse_aux
         self.calls: list[tuple[str, int]] = []
         if kernel:
             self.try_write_pages = self._pages
             self.try_write_blocks = self._blocks
+        if launch:  # launch without waiting, wait later (the real FastPathBackend)
+            self.submit_pages = self._submit_pages
+            self.submit_blocks = self._submit_blocks
+            self.wait = self._wait
+
+    def _submit_pages(self, peer: str, kvp: Any) -> Any:
+        self.calls.append(("submit_pages", kvp.units))
+        return ("h", kvp.units) if self.takes else None
+
+    def _submit_blocks(self, peer: str, blocks: Any) -> Any:
+        if self.refuse_aux and len(blocks) == 2 and blocks[0].length == 8:
+            raise RuntimeError("receiver pages in flight for another request")
+        self.calls.append(("submit_blocks", len(blocks)))
+        return ("h", len(blocks)) if self.takes else None
+
+    def _wait(self, handle: Any) -> str:
+        self.calls.append(("wait", handle[1]))
+        return "nvlink-kernel"
 
     def endpoint(self) -> str:
         return "127.0.0.1:1"
@@ -145,6 +164,36 @@ def test_kernel_declining_falls_back_to_chunked_engine_batches(tmp_path: Path) -
     # Counted under the engine's label, not the kernel's, though the backend is the wrapper.
     assert sent["bytes_by_path"] == {"mooncake": {"kv": KV_BYTES, "state": 64, "aux": 24}}
     assert room.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
+
+
+def test_launches_back_to_back_then_one_wait(tmp_path: Path) -> None:
+    pages = list(range(64))[::-1][:40]
+    backend = Backend(kernel=True, takes=True, launch=True)
+    sent, room = run_room(tmp_path, backend, pages)
+    assert backend.calls == [
+        ("submit_pages", 320),
+        ("submit_blocks", 2),
+        ("submit_blocks", 2),
+        ("wait", 320),
+        ("wait", 2),
+        ("wait", 2),
+    ]
+    assert sent["bytes_by_path"] == {"nvlink-kernel": {"kv": KV_BYTES, "state": 64, "aux": 24}}
+    assert room.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
+
+
+def test_launch_declined_goes_the_usual_way(tmp_path: Path) -> None:
+    backend = Backend(kernel=True, takes=False, launch=True)
+    sent, _ = run_room(tmp_path, backend, list(range(64))[::-1][:40])
+    assert backend.calls[:4] == [("submit_pages", 320), ("submit_blocks", 2), ("submit_blocks", 2), ("pages", 320)]
+    assert sent["bytes_by_path"] == {"mooncake": {"kv": KV_BYTES, "state": 64, "aux": 24}}
+
+
+def test_refused_launch_still_waits_for_and_counts_what_was_launched(tmp_path: Path) -> None:
+    backend = Backend(kernel=True, takes=True, launch=True, refuse_aux=True)
+    with pytest.raises(Exception, match="in flight"):
+        run_room(tmp_path, backend, list(range(40)))
+    assert backend.calls == [("submit_pages", 320), ("submit_blocks", 2), ("wait", 320), ("wait", 2)]
 
 
 def test_engine_only_backend_gets_coalesced_blocks(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pdfabric_agent.fastpath import cuda
-from pdfabric_agent.fastpath.channel import FastPathSender
+from pdfabric_agent.fastpath.channel import FastPathSender, Transfer
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
 from pdfabric_agent.fastpath.kernel import KernelConfig
 from pdfabric_agent.fastpath.plan import Layout, page_layout, plan_blocks, plan_blocks_list, plan_pages
@@ -59,6 +59,17 @@ class _PeerMap:
             inside = (dst >= base) & (dst + length <= base + size)
             out = torch.where(inside, dst - base + mapped, out)
         return None if bool((out < 0).any()) else out
+
+
+@dataclass
+class Launched:
+    """A kernel batch on its way; ``FastPathBackend.wait`` confirms it."""
+
+    transfer: Transfer
+    t0: float
+    t1: float
+    what: str
+    nbytes: int
 
 
 def page_spans(kvp) -> list[tuple[int, int, int, int]] | None:
@@ -187,6 +198,17 @@ class FastPathBackend:
     def try_write_blocks(self, peer: str, blocks: Sequence) -> str | None:
         """All blocks in one kernel launch, confirmed; None (nothing moved) when the kernel cannot
         take them: peer not on this node, a block outside the GPU pools, too many blocks."""
+        launched = self.submit_blocks(peer, blocks)
+        return None if launched is None else self.wait(launched)
+
+    def try_write_pages(self, peer: str, kvp) -> str | None:
+        """A route's KV (``plan.KvPages``: every layer and K/V of its page lists) in one launch,
+        confirmed; None (nothing moved) when the kernel cannot take it."""
+        launched = self.submit_pages(peer, kvp)
+        return None if launched is None else self.wait(launched)
+
+    def submit_blocks(self, peer: str, blocks: Sequence) -> Launched | None:
+        """``try_write_blocks`` up to the launch: returns without waiting; pass it to ``wait``."""
         if not blocks or len(blocks) > KERNEL_MAX_BLOCKS:
             return None
         t0 = time.perf_counter()
@@ -197,12 +219,10 @@ class FastPathBackend:
         if planned is None:
             return None
         plan, ranges = planned
-        self._launch(peer, plan, ranges, t0, f"{len(blocks)} blocks")
-        return self.path
+        return self._launch(peer, plan, ranges, t0, f"{len(blocks)} blocks")
 
-    def try_write_pages(self, peer: str, kvp) -> str | None:
-        """A route's KV (``plan.KvPages``: every layer and K/V of its page lists) in one launch,
-        confirmed; None (nothing moved) when the kernel cannot take it."""
+    def submit_pages(self, peer: str, kvp) -> Launched | None:
+        """``try_write_pages`` up to the launch: returns without waiting; pass it to ``wait``."""
         if not kvp.src_pages:
             return None
         t0 = time.perf_counter()
@@ -231,10 +251,9 @@ class FastPathBackend:
         plan = plan_pages(
             pool, pairs, kvp.item, kvp.src_stride, kvp.dst_stride, kvp.src_pages, kvp.dst_pages, chunk, layout
         )
-        self._launch(peer, plan, None, t0, f"{kvp.units} pages x buffers")
-        return self.path
+        return self._launch(peer, plan, None, t0, f"{kvp.units} pages x buffers")
 
-    def _launch(self, peer: str, plan, ranges, t0: float, what: str) -> None:
+    def _launch(self, peer: str, plan, ranges, t0: float, what: str) -> Launched:
         room = ("batch", next(self._batches))
         with self._submit_lock:
             if ranges is not None:
@@ -245,7 +264,12 @@ class FastPathBackend:
             except BaseException:
                 self._sender.ledger.release(room)
                 raise
-        t1 = time.perf_counter()
+        return Launched(tr, t0, time.perf_counter(), what, plan.total_bytes)
+
+    def wait(self, launched: Launched) -> str:
+        """Until the receiver's completion word says every byte of the launch landed; returns the
+        path label. Spins briefly, then polls with short sleeps (other threads keep the GIL)."""
+        tr, t1 = launched.transfer, launched.t1
         deadline = t1 + self.timeout_s
         while not tr.done():
             now = time.perf_counter()
@@ -258,8 +282,9 @@ class FastPathBackend:
             t2 = time.perf_counter()
             log.info(
                 "fastpath batch: %s, %d bytes, prepare+launch %.3f ms, launch->confirmed %.3f ms",
-                what, plan.total_bytes, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                launched.what, launched.nbytes, (t1 - launched.t0) * 1e3, (t2 - t1) * 1e3,
             )  # fmt: skip
+        return self.path
 
     def _local_ok(self, src: int, length: int) -> bool:
         return any(base <= src and src + length <= base + size for base, size in self._local)
