@@ -131,11 +131,14 @@ def running_operator(
     if priority is not None:
         env["PDFABRIC_PRIORITY"] = str(priority)
     env.update(extra_env or {})
-    with (
-        mock.patch.dict(os.environ, env),
-        KopfRunner(["run", "-A", "--verbose", "-m", "pdfabric_operator.main"], timeout=60) as runner,
-    ):
-        yield runner
+    try:
+        with (
+            mock.patch.dict(os.environ, env),
+            KopfRunner(["run", "-A", "--verbose", "-m", "pdfabric_operator.main"], timeout=60) as runner,
+        ):
+            yield runner
+    finally:
+        cluster.kubectl("delete", "clusterkopfpeering", peering, "--ignore-not-found", check=False)
     assert runner.exception is None, runner.output[-5000:]
     assert runner.exit_code == 0, runner.output[-5000:]
 
