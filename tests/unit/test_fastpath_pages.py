@@ -14,7 +14,7 @@ import torch
 from pdfabric_agent.fastpath.backend import FastPathBackend, _PeerMap
 from pdfabric_agent.fastpath.kernel import KernelConfig
 from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.plan import LaunchPlan, plan_pages, reference_copies
+from pdfabric_agent.fastpath.plan import LaunchPlan, PlanError, plan_pages, reference_copies
 from pdfabric_agent.plan import Bases, KvPages, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_core.policy.types import Transport
@@ -137,6 +137,25 @@ def test_whole_request_table_is_pairs_plus_one_page_list() -> None:
     table = plan_pages("kv", pairs, kvp.item, kvp.src_stride, kvp.dst_stride, kvp.src_pages, kvp.dst_pages)
     assert table.ngroups == 1
     assert len(table.words()) == 8 + 2 * len(pairs) + 2 * 16  # header, buffer pairs, page pairs
+
+
+def test_list_fast_table_equals_the_generic_one() -> None:
+    rng = random.Random(5)
+    kvp, _, _ = kv_pages(1, rng.sample(range(24), 20), rng.sample(range(24), 20))
+    pairs = list(zip(kvp.src_bases, kvp.dst_bases, strict=True))
+    fast = plan_pages("kv", pairs, kvp.item, kvp.src_stride, kvp.dst_stride, list(kvp.src_pages), list(kvp.dst_pages))
+    generic = plan_pages(
+        "kv", pairs, kvp.item, kvp.src_stride, kvp.dst_stride, torch.tensor(kvp.src_pages), torch.tensor(kvp.dst_pages)
+    )
+    assert fast.words() == generic.words()
+    assert (fast.ngroups, fast.total_units, fast.total_bytes) == (
+        generic.ngroups,
+        generic.total_units,
+        generic.total_bytes,
+    )
+    assert fast.dst_pages_by_pool["kv"] == set(generic.dst_pages_by_pool["kv"].tolist())  # type: ignore[union-attr]
+    with pytest.raises(PlanError, match="negative"):
+        plan_pages("kv", pairs, kvp.item, kvp.src_stride, kvp.dst_stride, [0, -1], [1, 2])
 
 
 def test_runs_are_computed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,14 @@ from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.channel import FastPathSender, Transfer
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
 from pdfabric_agent.fastpath.kernel import KernelConfig
-from pdfabric_agent.fastpath.plan import Layout, page_layout, plan_blocks, plan_blocks_list, plan_pages
+from pdfabric_agent.fastpath.plan import (
+    Layout,
+    index_tensor,
+    page_layout,
+    plan_blocks,
+    plan_blocks_list,
+    plan_pages,
+)
 from pdfabric_agent.fastpath.select import TransferPath
 
 log = logging.getLogger("pdfabric.fastpath")
@@ -70,17 +77,21 @@ class Launched:
     t1: float
     what: str
     nbytes: int
+    t_planned: float = 0.0  # when the table was ready (the rest of t0..t1 is reserve + upload + launch)
 
 
-def page_spans(kvp) -> list[tuple[int, int, int, int]] | None:
-    """(src base, src span, dst base, dst span) per buffer of a KvPages: the bytes its page list
-    can touch, from page 0 to the highest page; None when a page index is negative."""
-    if not kvp.src_pages:
+def page_spans(kvp, src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+    """(src base, src span, dst base, dst span) per buffer of a KvPages (page index tensors
+    ``src``, ``dst``): the bytes its page list can touch, from page 0 to the highest page; None
+    when a page index is negative."""
+    if not src.numel():
         return []
-    if min(kvp.src_pages) < 0 or min(kvp.dst_pages) < 0:
+    s_lo, s_hi = (int(v) for v in torch.aminmax(src))
+    d_lo, d_hi = (int(v) for v in torch.aminmax(dst))
+    if min(s_lo, d_lo) < 0:
         return None
-    s_span = max(kvp.src_pages) * kvp.src_stride + kvp.item
-    d_span = max(kvp.dst_pages) * kvp.dst_stride + kvp.item
+    s_span = s_hi * kvp.src_stride + kvp.item
+    d_span = d_hi * kvp.dst_stride + kvp.item
     return [(sb, s_span, db, d_span) for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True)]
 
 
@@ -219,7 +230,7 @@ class FastPathBackend:
         if planned is None:
             return None
         plan, ranges = planned
-        return self._launch(peer, plan, ranges, t0, f"{len(blocks)} blocks")
+        return self._launch(peer, plan, ranges, t0, f"{len(blocks)} blocks", time.perf_counter())
 
     def submit_pages(self, peer: str, kvp) -> Launched | None:
         """``try_write_pages`` up to the launch: returns without waiting; pass it to ``wait``."""
@@ -227,8 +238,11 @@ class FastPathBackend:
             return None
         t0 = time.perf_counter()
         pm = self._peer(peer)
-        spans = page_spans(kvp)
-        if pm is None or spans is None:
+        if pm is None or len(kvp.src_pages) != len(kvp.dst_pages):
+            return None
+        sp, dp = index_tensor(kvp.src_pages), index_tensor(kvp.dst_pages)
+        spans = page_spans(kvp, sp, dp)
+        if spans is None:
             return None
         pairs = []
         for sb, s_span, db, d_span in spans:
@@ -248,12 +262,11 @@ class FastPathBackend:
                 if len(self._layouts) > 64:
                     self._layouts.clear()
                 layout = self._layouts[key] = page_layout(pool, pairs, kvp.item, chunk)
-        plan = plan_pages(
-            pool, pairs, kvp.item, kvp.src_stride, kvp.dst_stride, kvp.src_pages, kvp.dst_pages, chunk, layout
-        )
-        return self._launch(peer, plan, None, t0, f"{kvp.units} pages x buffers")
+        dst_set = set(kvp.dst_pages) if isinstance(kvp.dst_pages, list) else None
+        plan = plan_pages(pool, pairs, kvp.item, kvp.src_stride, kvp.dst_stride, sp, dp, chunk, layout, dst_set)
+        return self._launch(peer, plan, None, t0, f"{kvp.units} pages x buffers", time.perf_counter())
 
-    def _launch(self, peer: str, plan, ranges, t0: float, what: str) -> Launched:
+    def _launch(self, peer: str, plan, ranges, t0: float, what: str, t_planned: float) -> Launched:
         room = ("batch", next(self._batches))
         with self._submit_lock:
             if ranges is not None:
@@ -264,7 +277,7 @@ class FastPathBackend:
             except BaseException:
                 self._sender.ledger.release(room)
                 raise
-        return Launched(tr, t0, time.perf_counter(), what, plan.total_bytes)
+        return Launched(tr, t0, time.perf_counter(), what, plan.total_bytes, t_planned)
 
     def wait(self, launched: Launched) -> str:
         """Until the receiver's completion word says every byte of the launch landed; returns the
@@ -281,8 +294,9 @@ class FastPathBackend:
         if self._trace:
             t2 = time.perf_counter()
             log.info(
-                "fastpath batch: %s, %d bytes, prepare+launch %.3f ms, launch->confirmed %.3f ms",
-                launched.what, launched.nbytes, (t1 - launched.t0) * 1e3, (t2 - t1) * 1e3,
+                "fastpath batch: %s, %d bytes, prepare+launch %.3f ms (plan %.3f), launch->confirmed %.3f ms",
+                launched.what, launched.nbytes, (t1 - launched.t0) * 1e3, (launched.t_planned - launched.t0) * 1e3,
+                (t2 - t1) * 1e3,
             )  # fmt: skip
         return self.path
 

@@ -15,6 +15,7 @@ Offsets are in int64 elements from the table start; groups sit first.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -377,6 +378,7 @@ def plan_pages(
     dst_pages: Sequence[int],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     layout: Layout | None = None,
+    dst_set: set[int] | None = None,
 ) -> LaunchPlan:
     """One launch for buffers that move the same page lists: pair b's page i moves ``item`` bytes
     from ``src + src_pages[i] * src_stride`` to ``dst + dst_pages[i] * dst_stride`` (the agent's
@@ -384,7 +386,8 @@ def plan_pages(
     table holds the pairs and the page list once (a few KiB for a whole request); a head slice of
     each page (stride > item) becomes one block per (pair, page). ``dst_pages_by_pool[pool]``
     names the destination pages for the receiver ledger either way. ``layout``: a cached
-    ``Layout`` of exactly these pairs (whole pages only), to skip rebuilding it per request."""
+    ``Layout`` of exactly these pairs (whole pages only), to skip rebuilding it per request;
+    ``dst_set``: ``set(dst_pages)`` when the caller has it."""
     if item <= 0 or src_stride < item or dst_stride < item:
         raise PlanError(f"item of {item} bytes does not fit strides {src_stride} / {dst_stride}")
     if len(src_pages) != len(dst_pages):
@@ -392,6 +395,10 @@ def plan_pages(
     if item == src_stride == dst_stride:
         if layout is None:
             layout = page_layout(pool, pairs, item, chunk_bytes)
+        if len(layout.groups) == 1 and len(src_pages):
+            if dst_set is None and isinstance(dst_pages, list):
+                dst_set = set(dst_pages)  # the ledger's form
+            return _plan_one_group(layout, index_tensor(src_pages), index_tensor(dst_pages), dst_set)
         return layout.plan([(src_pages, dst_pages)])
     sp, dp = _as_index(src_pages), _as_index(dst_pages)
     if sp.numel() and min(int(sp.min()), int(dp.min())) < 0:
@@ -403,6 +410,45 @@ def plan_pages(
     if sp.numel():
         plan.dst_pages_by_pool = {pool: torch.unique(dp)}
     return plan
+
+
+def index_tensor(x: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Page indices as a CPU int64 tensor; a list goes through array('q') (a third of the cost of
+    torch.tensor on a list of ints)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype=torch.int64, device="cpu")
+    a = array.array("q", x)
+    return torch.frombuffer(a, dtype=torch.int64) if len(a) else torch.zeros(0, dtype=torch.int64)
+
+
+def _plan_one_group(layout: Layout, sp: torch.Tensor, dp: torch.Tensor, dst_set: set[int] | None) -> LaunchPlan:
+    """``Layout.plan`` for one group (the agent's whole-page KV), the same table word for word from
+    two index tensors with a handful of tensor ops (it sits on the launch path of every request)."""
+    g = layout.groups[0]
+    n = sp.numel()
+    if n != dp.numel():
+        raise PlanError(f"pool {g.pool}: {n} source pages but {dp.numel()} destination pages")
+    s_lo, s_hi = (int(v) for v in torch.aminmax(sp))
+    d_lo, d_hi = (int(v) for v in torch.aminmax(dp))
+    if min(s_lo, d_lo) < 0:
+        raise PlanError(f"pool {g.pool}: negative page index")
+    if (g.src_limit is not None and s_hi >= g.src_limit) or (g.dst_limit is not None and d_hi >= g.dst_limit):
+        raise PlanError(f"pool {g.pool}: page index past the end of a buffer")
+    fixed = GROUP_FIELDS + len(layout.buf_words)
+    head = [0, g.nbuf, n, g.nchunks, g.item, GROUP_FIELDS + g.buf_rel, fixed, 0]
+    table = torch.empty(fixed + 2 * n, dtype=torch.int64)
+    table[:fixed] = torch.tensor(head + layout.buf_words, dtype=torch.int64)
+    pages = table[fixed:].view(n, 2)
+    pages[:, 0] = sp
+    pages[:, 1] = dp
+    return LaunchPlan(
+        table=table,
+        ngroups=1,
+        total_units=g.nbuf * n * g.nchunks,
+        total_bytes=g.nbuf * n * g.item,
+        chunk_bytes=layout.chunk_bytes,
+        dst_pages_by_pool={g.pool: dst_set if dst_set is not None else dp},
+    )
 
 
 def page_layout(
