@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
+import time
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from pdfabric_core.rankmap import RankMap
 from tests.builders import pdcluster
@@ -142,9 +143,9 @@ def test_status_not_rewritten_when_steady(cluster: Any, namespace: str, gpu_node
     apply_pdc(cluster, pdcluster().placement(nodeSelector=selector(namespace)).manifest(), namespace)
     wait_ready(cluster, namespace, "pd")
     rv = pdc(cluster, namespace, "pd")["metadata"]["resourceVersion"]
+    before = REGISTRY.get_sample_value("pdfabric_operator_reconciles_total", {"result": "ready"}) or 0
     # Several reconcile intervals (1 s in tests) pass; nothing changed, so nothing is written.
-    import time
-
     time.sleep(4)
+    after = REGISTRY.get_sample_value("pdfabric_operator_reconciles_total", {"result": "ready"}) or 0
+    assert after - before >= 2, "the periodic reconcile ran"
     assert pdc(cluster, namespace, "pd")["metadata"]["resourceVersion"] == rv
-    json.dumps(rv)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -111,4 +110,3 @@ def test_transport_placed_and_ready(
         f"{spec.decode.replicas}/{spec.decode.replicas}",
         "True",
     ]
-    json.dumps(obj)  # status is plain JSON
