@@ -113,6 +113,7 @@ def running_operator(
     interval: float = 1.0,
     priority: int | None = None,
     extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[KopfRunner]:
     """The real operator (pdfabric_operator.main) in a thread, as the chart's ServiceAccount."""
     cluster.kubectl(
@@ -134,7 +135,7 @@ def running_operator(
     try:
         with (
             mock.patch.dict(os.environ, env),
-            KopfRunner(["run", "-A", "--verbose", "-m", "pdfabric_operator.main"], timeout=60) as runner,
+            KopfRunner(["run", "-A", "--verbose", *extra_args, "-m", "pdfabric_operator.main"], timeout=60) as runner,
         ):
             yield runner
     finally:
