@@ -211,11 +211,25 @@ def reconcile_once(
         _ensure_shared_children(kube, ref, spec, rankmap, memory, recheck_children_after, out)
         desired = {pod["metadata"]["name"]: pod for pod in b.build_agent_pods(ref, spec, outcome)}
         existing = {p.name: p for p in own}
+        # Pods whose ranks moved (or that failed, or are no longer wanted) go at once: the plan
+        # needs them elsewhere. Pods that only drifted (image, resources, ports) roll one at a
+        # time, and only while every other agent is Ready, so the fabric keeps moving KV.
+        rolling: list[OwnPod] = []
         for p in own:
             want = desired.get(p.name)
-            stale = want is None or p.failed or want["metadata"]["annotations"][c.ANN_POD_HASH] != p.pod_hash
-            if stale and not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
+            if p.deleting or (
+                want is not None and not p.failed and want["metadata"]["annotations"][c.ANN_POD_HASH] == p.pod_hash
+            ):
+                continue
+            if want is not None and not p.failed and want["metadata"]["annotations"][c.ANN_RANKS] == p.ranks:
+                rolling.append(p)
+            elif kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
+        settled = all(existing.get(n) is not None and existing[n].ready and not existing[n].deleting for n in desired)
+        if rolling and settled:
+            p = min(rolling, key=lambda x: x.name)
+            if kube.delete("Pod", p.namespace, p.name, uid=p.uid):
+                out.actions.append(f"delete pod {p.name} (rolling)")
         for name, pod in desired.items():
             if name not in existing and kube.create(pod):
                 out.actions.append(f"create pod {name}")

@@ -149,3 +149,24 @@ def test_status_not_rewritten_when_steady(cluster: Any, namespace: str, gpu_node
     after = REGISTRY.get_sample_value("pdfabric_operator_reconciles_total", {"result": "ready"}) or 0
     assert after - before >= 2, "the periodic reconcile ran"
     assert pdc(cluster, namespace, "pd")["metadata"]["resourceVersion"] == rv
+
+
+def test_agent_image_change_rolls_out(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
+    gpu_nodes("n", 3)
+    builder = pdcluster().prefill(replicas=2, tp=8).decode(tp=8).placement(nodeSelector=selector(namespace))
+    apply_pdc(cluster, builder.manifest(), namespace)
+    wait_ready(cluster, namespace, "pd")
+    nodes_before = _gpus_by_node(cluster, namespace)
+    apply_pdc(cluster, builder.agent(image="pdfabric/agent:v2").manifest(), namespace)
+
+    def rolled() -> bool:
+        pods = agent_pods(cluster, namespace, "pd")
+        return len(pods) == 3 and all(p["spec"]["containers"][0]["image"] == "pdfabric/agent:v2" for p in pods)
+
+    wait_until(rolled, timeout=60, what="every agent on the new image")
+    wait_ready(cluster, namespace, "pd")
+    assert _gpus_by_node(cluster, namespace) == nodes_before, "an image change moves no ranks"
+    assert (
+        '"image": "pdfabric/agent:v2"'
+        in cluster.get_json("configmap", "pd-rankmap", "-n", namespace)["data"]["rankmap.json"]
+    )

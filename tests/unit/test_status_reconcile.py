@@ -3,6 +3,7 @@ double-booking before the watch cache catches up, stale pods are replaced, no fi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -213,3 +214,28 @@ def test_ledger_merge(cached, usage, expected) -> None:
         assert pod.owner_uid != "me"
         held[pod.node] = held.get(pod.node, 0) + pod.requests.get("g", 0)
     assert held == expected
+
+
+def test_image_change_rolls_one_agent_at_a_time() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node(n, 8) for n in "abc"]
+    old = pdcluster().prefill(replicas=2, tp=8).decode(tp=8)
+    _run(kube, ref, old, Snapshot(nodes, [], []), memory, ledger)
+    pods = kube.pods("u1")
+    assert len(pods) == 3
+    new = pdcluster().prefill(replicas=2, tp=8).decode(tp=8).agent(image="pdfabric/agent:v2")
+    res = _run(kube, ref, new, Snapshot(nodes, [], pods), memory, ledger)
+    rolled = [a for a in res.actions if a.endswith("(rolling)")]
+    assert len(rolled) == 1 and [a for a in res.actions if "pod" in a] == rolled  # the rank map is updated too
+    first = rolled[0].split()[2]
+    # While the replaced agent is gone or not Ready, nobody else is touched.
+    waiting = [p for p in pods if p.name != first]
+    res = _run(kube, ref, new, Snapshot(nodes, [], waiting), memory, ledger)
+    assert res.actions == [f"create pod {first}"]
+    not_ready = [p if p.name != first else dataclasses.replace(p, ready=False) for p in kube.pods("u1")]
+    assert not _run(kube, ref, new, Snapshot(nodes, [], not_ready), memory, ledger).actions
+    # Replacement Ready: the next one goes.
+    res = _run(kube, ref, new, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    (second,) = [a for a in res.actions if a.endswith("(rolling)")]
+    assert second.split()[2] != first
