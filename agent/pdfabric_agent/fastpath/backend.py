@@ -80,19 +80,14 @@ class Launched:
     t_planned: float = 0.0  # when the table was ready (the rest of t0..t1 is reserve + upload + launch)
 
 
-def page_spans(kvp, src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
-    """(src base, src span, dst base, dst span) per buffer of a KvPages (page index tensors
-    ``src``, ``dst``): the bytes its page list can touch, from page 0 to the highest page; None
-    when a page index is negative."""
-    if not src.numel():
-        return []
+def page_spans(kvp, src: torch.Tensor, dst: torch.Tensor) -> tuple[int, int] | None:
+    """Bytes one buffer of a KvPages can touch from its base (page 0 up to the highest page of
+    ``src`` / ``dst``) on each side; None when a page index is negative."""
     s_lo, s_hi = (int(v) for v in torch.aminmax(src))
     d_lo, d_hi = (int(v) for v in torch.aminmax(dst))
     if min(s_lo, d_lo) < 0:
         return None
-    s_span = s_hi * kvp.src_stride + kvp.item
-    d_span = d_hi * kvp.dst_stride + kvp.item
-    return [(sb, s_span, db, d_span) for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True)]
+    return s_hi * kvp.src_stride + kvp.item, d_hi * kvp.dst_stride + kvp.item
 
 
 class FastPathBackend:
@@ -244,19 +239,28 @@ class FastPathBackend:
         spans = page_spans(kvp, sp, dp)
         if spans is None:
             return None
-        pairs = []
-        for sb, s_span, db, d_span in spans:
-            mapped = pm.translate_one(db, d_span)
-            if mapped is None or not self._local_ok(sb, s_span):
-                return None
-            pairs.append((sb, mapped))
+        s_span, d_span = spans
+        # A route's buffers (every layer and K/V) lie in one KV pool on each side: check the
+        # envelope once and shift every destination by one offset; buffer by buffer otherwise.
+        lo_s, lo_d = min(kvp.src_bases), min(kvp.dst_bases)
+        mapped_lo = pm.translate_one(lo_d, max(kvp.dst_bases) - lo_d + d_span)
+        if mapped_lo is not None and self._local_ok(lo_s, max(kvp.src_bases) - lo_s + s_span):
+            delta = mapped_lo - lo_d
+            pairs = [(sb, db + delta) for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True)]
+        else:
+            pairs = []
+            for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True):
+                mapped = pm.translate_one(db, d_span)
+                if mapped is None or not self._local_ok(sb, s_span):
+                    return None
+                pairs.append((sb, mapped))
         # The ledger key: this route's slice of the receiver's KV pool (a decode page index names
         # the same bytes in every layer and K/V buffer of it).
         pool = f"kv@{kvp.dst_bases[0]:#x}/{kvp.item}"
         chunk = self._sender.cfg.chunk_bytes
         layout = None
         if kvp.whole_page:
-            key = (tuple(pairs), kvp.item)
+            key = (kvp.src_bases, tuple(d for _, d in pairs), kvp.item)
             layout = self._layouts.get(key)
             if layout is None:
                 if len(self._layouts) > 64:

@@ -137,6 +137,7 @@ class Layout:
                 for b in g.buffers:
                     words += [b.src_ptr, b.dst_ptr]
         self.buf_words = words
+        self.buf_tensor: torch.Tensor | None = None  # buf_words as a tensor, made on first use
         self.npools_buffers = sum(len(b) for _, b in pools)
         self._small_ok = self.npools_buffers <= SMALL_TABLE_WORDS // 4
         # Aux-sized requests move one page per pool: their header never changes, so keep it.
@@ -437,7 +438,10 @@ def _plan_one_group(layout: Layout, sp: torch.Tensor, dp: torch.Tensor, dst_set:
     fixed = GROUP_FIELDS + len(layout.buf_words)
     head = [0, g.nbuf, n, g.nchunks, g.item, GROUP_FIELDS + g.buf_rel, fixed, 0]
     table = torch.empty(fixed + 2 * n, dtype=torch.int64)
-    table[:fixed] = torch.tensor(head + layout.buf_words, dtype=torch.int64)
+    if layout.buf_tensor is None:
+        layout.buf_tensor = torch.tensor(layout.buf_words, dtype=torch.int64)
+    table[:GROUP_FIELDS] = torch.tensor(head, dtype=torch.int64)
+    table[GROUP_FIELDS:fixed] = layout.buf_tensor
     pages = table[fixed:].view(n, 2)
     pages[:, 0] = sp
     pages[:, 1] = dp
