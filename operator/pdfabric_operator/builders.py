@@ -8,6 +8,7 @@ instead of duplicating.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -174,6 +175,22 @@ def _resources(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport)
     return {"requests": requests, "limits": limits}
 
 
+def agent_config_hash(spec: PDClusterSpec, placement: Placement) -> str:
+    """What an agent sets itself up from at start (engine, pools, transport): a change restarts it.
+
+    Placement settings and replica counts are not in it: they move ranks, which the ranks
+    annotation already tracks.
+    """
+    config = {
+        "backend": spec.backend,
+        "transfer": dataclasses.asdict(spec.transfer),
+        "model": dataclasses.asdict(spec.model),
+        "transport": placement.transport.value,
+        "ports": [spec.agent.api_port, spec.agent.metrics_port],
+    }
+    return _short_hash(json.dumps(config, sort_keys=True, default=str), 16)
+
+
 def build_agent_pod(
     ref: ClusterRef,
     spec: PDClusterSpec,
@@ -246,10 +263,12 @@ def build_agent_pod(
     }
     meta = _meta(ref, name, **{c.LABEL_COMPONENT: c.COMPONENT_AGENT, c.LABEL_NODE: _dns_label(agent.node, 63)})
     ranks = encode_ranks(agent.ranks)
-    # The hash covers everything the pod was built from; a differing hash means "replace the pod"
-    # (pod specs are mostly immutable, so drift is fixed by delete + create, never by patch).
-    pod_hash = _short_hash(json.dumps([pod_spec, meta["labels"], ranks], sort_keys=True), 16)
-    meta["annotations"] = {c.ANN_RANKS: ranks, c.ANN_POD_HASH: pod_hash}
+    config = agent_config_hash(spec, placement)
+    # The hash covers everything the pod was built from, including the settings the agent reads
+    # from the rank map at start; a differing hash means "replace the pod" (pod specs are mostly
+    # immutable, so drift is fixed by delete + create, never by patch).
+    pod_hash = _short_hash(json.dumps([pod_spec, meta["labels"], ranks, config], sort_keys=True), 16)
+    meta["annotations"] = {c.ANN_RANKS: ranks, c.ANN_POD_HASH: pod_hash, c.ANN_CONFIG_HASH: config}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -29,6 +29,7 @@ COMPONENT_AGENT = "agent"
 ANN_RANKS = f"{GROUP}/ranks"
 ANN_POD_HASH = f"{GROUP}/pod-hash"
 ANN_RANKMAP_HASH = f"{GROUP}/rankmap-hash"
+ANN_CONFIG_HASH = f"{GROUP}/config-hash"
 
 # Paths and env inside the agent pod: the contract with pdfabric_agent.main.
 AGENT_COMMAND = "pdfabric-agent"

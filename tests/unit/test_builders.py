@@ -114,3 +114,25 @@ def test_secret_holds_the_token() -> None:
     assert secret["stringData"] == {"token": "s3cret"}
     assert secret["metadata"]["name"] == "pd-token"
     assert secret["metadata"]["ownerReferences"][0]["controller"] is True
+
+
+# (id, change applied to the default cluster, pod must be replaced)
+CONFIG_CASES = [
+    ("batch-entries", lambda x: x.transfer(maxBatchEntries=256), True),
+    ("model-geometry", lambda x: x.model(layers=61), True),
+    ("backend", lambda x: x.backend("mori"), True),
+    ("image", lambda x: x.agent(image="pdfabric/agent:v2"), True),
+    ("node-selector-only", lambda x: x.placement(nodeSelector={"pool": "x"}), False),
+    ("fallback-policy-only", lambda x: x.placement(fallback="TCP"), False),
+]
+
+
+@pytest.mark.parametrize(("change", "replaced"), [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
+def test_pod_hash_tracks_agent_config(change, replaced: bool) -> None:
+    nodes = [gpu_node("n1", 8, labels={"pool": "x"})]
+    base = pdcluster()
+    changed = change(pdcluster())
+    before = b.build_agent_pods(REF, base.spec(), _placed(base, nodes))[0]["metadata"]["annotations"]
+    after = b.build_agent_pods(REF, changed.spec(), _placed(changed, nodes))[0]["metadata"]["annotations"]
+    assert (before["pdfabric.dev/pod-hash"] != after["pdfabric.dev/pod-hash"]) is replaced
+    assert before["pdfabric.dev/ranks"] == after["pdfabric.dev/ranks"]
