@@ -72,7 +72,9 @@ def test_chart_ships_identical_crds() -> None:
     assert ours, "crds/ is empty"
     assert sorted(p.name for p in CHART_CRD_DIR.glob("*.yaml")) == ours
     for name in ours:
-        assert (CHART_CRD_DIR / name).read_bytes() == (CRD_DIR / name).read_bytes(), f"{name} differs; copy it: cp crds/*.yaml charts/pdfabric/crds/"
+        assert (CHART_CRD_DIR / name).read_bytes() == (CRD_DIR / name).read_bytes(), (
+            f"{name} differs; copy it: cp crds/*.yaml charts/pdfabric/crds/"
+        )
 
 
 def test_api_reference_is_generated_from_the_crd() -> None:
