@@ -49,7 +49,14 @@ class Rank:
         role = d["role"]
         if role not in ("prefill", "decode"):
             raise ValueError(f"rank role must be prefill or decode, got {role!r}")
-        return cls(role, int(d["replica"]), int(d["tpRank"]), int(d.get("cpRank", 0)), int(d.get("ppRank", 0)), int(d.get("gpu", 0)))
+        return cls(
+            role,
+            int(d["replica"]),
+            int(d["tpRank"]),
+            int(d.get("cpRank", 0)),
+            int(d.get("ppRank", 0)),
+            int(d.get("gpu", 0)),
+        )
 
 
 @dataclass(frozen=True)
