@@ -33,6 +33,14 @@ cluster-down: ## stop the local control plane
 demo: deps ## run the demo on the embedded default configuration
 	@PYTHON=$(PYTHON) bash hack/demo.sh
 
+.PHONY: generate
+generate: venv ## regenerate generated files: chart CRDs, docs/api.md, docs/metrics.md, dashboards
+	@for f in crds/*.yaml; do [[ -s $$f ]] || { echo "$$f is empty" >&2; exit 1; }; done
+	@cp crds/*.yaml charts/pdfabric/crds/
+	@$(PYTHON) hack/gen_api_docs.py
+	@PYTHONPATH=core:agent $(PYTHON) -m pdfabric_agent.metrics > docs/metrics.md
+	@$(PYTHON) hack/gen_dashboards.py
+
 .PHONY: lint
 lint: venv ## ruff (lint + format check) and the import layering contracts
 	@$(PYTHON) -m ruff check .
