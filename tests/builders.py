@@ -8,6 +8,18 @@ from typing import Any
 from pdfabric_core.spec import PDClusterSpec, parse_spec
 from pdfabric_operator.planner import GpuNode, PlacedPod
 
+# A model small enough for real agents on 2 cores yet with every pool kind: KV pages of 4 tokens,
+# 4 state layers (so CP4 layer split has one each) and three aux rows.
+SMALL_MODEL: dict[str, Any] = {
+    "layers": 2,
+    "kvHeads": 4,
+    "headDim": 32,
+    "pageSizeTokens": 4,
+    "stateBytesPerRequest": 1024,
+    "stateLayers": 4,
+    "auxRowBytes": [16, 8, 40],
+}
+
 
 class PDClusterBuilder:
     """Builds a PDCluster manifest (camelCase spec as users write it)."""

@@ -10,19 +10,10 @@ import pytest
 
 from pdfabric_agent.localrun import LocalCluster, transfer_room
 from pdfabric_agent.synthetic import expected_bytes
+from tests.builders import SMALL_MODEL
 
 # Real agent processes over the real engine; every test here starts at least one cluster.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-GEOMETRY = {
-    "layers": 2,
-    "kvHeads": 4,
-    "headDim": 32,
-    "pageSizeTokens": 4,
-    "stateBytesPerRequest": 1024,
-    "stateLayers": 4,
-    "auxRowBytes": [16, 8, 40],
-}
 
 
 def spec(prefill: dict[str, Any], decode: dict[str, Any], **transfer: Any) -> dict[str, Any]:
@@ -35,7 +26,7 @@ def spec(prefill: dict[str, Any], decode: dict[str, Any], **transfer: Any) -> di
         "prefill": prefill,
         "decode": decode,
         "transfer": transfer,
-        "model": GEOMETRY,
+        "model": SMALL_MODEL,
         "placement": {"fallback": "TCP"},
     }
 
@@ -83,7 +74,7 @@ def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[st
 )
 def test_pipeline_stages_land_in_their_decode_layers(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
     raw = spec(prefill, decode)
-    raw["model"] = {**GEOMETRY, "layers": 5}  # uneven: stage 0 holds 3 layers, stage 1 holds 2
+    raw["model"] = {**SMALL_MODEL, "layers": 5}  # uneven: stage 0 holds 3 layers, stage 1 holds 2
     with LocalCluster(raw) as lc:
         check_room(lc, room=61)
 

@@ -18,20 +18,10 @@ from pdfabric_agent.synthetic import expected_bytes
 from pdfabric_devcluster.fabric import KubeFabric, agent_ready
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.prometheus import Prometheus
-from tests.builders import pdcluster
+from tests.builders import SMALL_MODEL, pdcluster
 from tests.integration import pdcluster_harness as h
 
 operator_kubeconfig, gpu_nodes, operator = h.operator_kubeconfig, h.gpu_nodes, h.operator
-
-GEOMETRY = {
-    "layers": 2,
-    "kvHeads": 4,
-    "headDim": 32,
-    "pageSizeTokens": 4,
-    "stateBytesPerRequest": 1024,
-    "stateLayers": 4,
-    "auxRowBytes": [16, 8, 40],
-}
 
 
 @pytest.fixture
@@ -62,7 +52,7 @@ def test_apply_place_transfer_scrape(
         .transport("tcp")
         .prefill(tp=2, cp=2, allCpRanksTransfer=True)
         .decode(tp=4)
-        .model(**GEOMETRY)
+        .model(**SMALL_MODEL)
         .transfer(timeoutSeconds=10)
         .placement(nodeSelector=h.selector(namespace))
     )
