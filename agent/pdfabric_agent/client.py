@@ -107,16 +107,8 @@ class AgentClient:
         state_indices: list[int] | None = None,
         aux_index: int | None = None,
     ) -> dict[str, Any]:
-        body = {
-            "rank": rank,
-            "room": room,
-            "kv_pages": kv_pages,
-            "state_indices": state_indices or [],
-            "decode_replica": decode_replica,
-        }
-        if aux_index is not None:
-            body["aux_index"] = aux_index
-        return self._call("POST", "/v1/send", body)
+        """Prefill side: send room `room` from these pages to decode replica `decode_replica`."""
+        return self._room("/v1/send", rank, room, kv_pages, state_indices, aux_index, decode_replica=decode_replica)
 
     def receive(
         self,
@@ -128,16 +120,26 @@ class AgentClient:
         state_indices: list[int] | None = None,
         aux_index: int | None = None,
     ) -> dict[str, Any]:
-        body = {
-            "rank": rank,
-            "room": room,
-            "kv_pages": kv_pages,
-            "state_indices": state_indices or [],
-            "prefill_replica": prefill_replica,
-        }
+        """Decode side: announce where room `room` from prefill replica `prefill_replica` lands."""
+        return self._room(
+            "/v1/receive", rank, room, kv_pages, state_indices, aux_index, prefill_replica=prefill_replica
+        )
+
+    def _room(
+        self,
+        path: str,
+        rank: str,
+        room: int,
+        kv_pages: list[int],
+        state_indices: list[int] | None,
+        aux_index: int | None,
+        **peer: int,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"rank": rank, "room": room, "kv_pages": kv_pages, "state_indices": state_indices or []}
+        body.update(peer)
         if aux_index is not None:
             body["aux_index"] = aux_index
-        return self._call("POST", "/v1/receive", body)
+        return self._call("POST", path, body)
 
     def poll(self, rank: str, room: int, wait_s: float = 0.0) -> dict[str, Any]:
         """The room's state; with wait_s > 0 the agent answers once it is final or wait_s passed."""

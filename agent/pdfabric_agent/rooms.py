@@ -95,22 +95,18 @@ class Target:
     done: bool = False
 
 
-@dataclass
-class PrefillRoom:
+@dataclass(kw_only=True)
+class Room:
+    """What a prefill and a decode room share: identity, deadline, state and the bytes moved."""
+
     rank: str
     room: int
     submitted: float
     deadline: float  # bootstrap deadline, then the transfer deadline
-    src_pages: list[int]
-    src_state: list[int]
-    src_aux: int | None
-    targets: dict[str, Target]
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
     finished_at: float = 0.0
     moved: dict[str, int] = field(default_factory=lambda: {"kv": 0, "state": 0, "aux": 0})
-    skipped_state: int = 0
-    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
 
     def view(self) -> dict[str, Any]:
@@ -121,36 +117,34 @@ class PrefillRoom:
             "code": int(self.state),
             "reason": self.reason,
             "bytes": dict(self.moved),
+        }
+
+
+@dataclass(kw_only=True)
+class PrefillRoom(Room):
+    src_pages: list[int]
+    src_state: list[int]
+    src_aux: int | None
+    targets: dict[str, Target]
+    skipped_state: int = 0
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
+
+    def view(self) -> dict[str, Any]:
+        return {
+            **super().view(),
             "state_bytes_skipped": self.skipped_state,
             "phases_s": {k: round(v - self.submitted, 6) for k, v in self.marks.items()},
         }
 
 
-@dataclass
-class DecodeRoom:
-    rank: str
-    room: int
-    submitted: float
-    deadline: float
+@dataclass(kw_only=True)
+class DecodeRoom(Room):
     dst_pages: list[int]
     dst_state: list[int]
     dst_aux: int | None
     expected: dict[str, str]  # prefill rank id -> agent name
     arrived: set[str] = field(default_factory=set)
-    state: RoomState = RoomState.BOOTSTRAPPING
-    reason: str = ""
-    finished_at: float = 0.0
-    moved: dict[str, int] = field(default_factory=lambda: {"kv": 0, "state": 0, "aux": 0})
     senders: dict[str, dict[str, int]] = field(default_factory=dict)
-    finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
 
     def view(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "room": self.room,
-            "state": self.state.title,
-            "code": int(self.state),
-            "reason": self.reason,
-            "bytes": dict(self.moved),
-            "senders": {k: dict(v) for k, v in sorted(self.senders.items())},
-        }
+        return {**super().view(), "senders": {k: dict(v) for k, v in sorted(self.senders.items())}}
