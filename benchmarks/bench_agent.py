@@ -31,7 +31,7 @@ sys.path[:0] = [os.path.join(ROOT, "core"), os.path.join(ROOT, "agent")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
 from pdfabric_agent import metrics  # noqa: E402
-from pdfabric_agent.localrun import LocalCluster  # noqa: E402
+from pdfabric_agent.localrun import LocalFabric  # noqa: E402
 from pdfabric_agent.plan import Bases, decode_targets, plan_transfer, sender_duties  # noqa: E402
 from pdfabric_agent.pools import PoolLayout  # noqa: E402
 from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
@@ -48,7 +48,7 @@ def spec_for(page_kib: int) -> dict[str, Any]:
     }
 
 
-def agent_room(lc: LocalCluster, room: int, src: list[int], dst: list[int]) -> tuple[float, float]:
+def agent_room(lc: LocalFabric, room: int, src: list[int], dst: list[int]) -> tuple[float, float]:
     """(client-timed submit to confirmed completion, the agent's own write phase) in seconds."""
     p, d = "prefill-0-tp0-cp0", "decode-0-tp0"
     lc.client(d).receive(d, room, dst)
@@ -73,7 +73,7 @@ def map_pool(info: dict[str, Any]) -> tuple[mmap.mmap, int]:
 
 
 def raw_blocks(
-    lc: LocalCluster, src: list[int], dst: list[int], *, coalesce: bool
+    lc: LocalFabric, src: list[int], dst: list[int], *, coalesce: bool
 ) -> tuple[Any, Any, str, list[Any], Any]:
     """Two engines of this process on the agents' own pool files, and the room's block list."""
     from mooncake.engine import TransferEngine
@@ -123,7 +123,7 @@ def scattered(n: int) -> tuple[list[int], list[int]]:
 
 def compare_raw(pages: int, page_kib: int, repeat: int) -> dict[str, float]:
     env = {"PDFABRIC_KV_PAGES": str(2 * pages), "PDFABRIC_COALESCE": "0"}
-    with LocalCluster(spec_for(page_kib), env=env) as lc:
+    with LocalFabric(spec_for(page_kib), env=env) as lc:
         src, dst = scattered(pages)
         nbytes = pages * 2 * page_kib * 1024
         engine, keep, (peer, blocks), (agent_peer, agent_blocks) = raw_blocks(lc, src, dst, coalesce=False)
@@ -154,7 +154,7 @@ def coalescing(pages: int, page_kib: int, repeat: int) -> dict[str, float]:
     src, dst = list(range(pages)), list(range(pages, 2 * pages))
     nbytes = pages * 2 * page_kib * 1024
     for flag in ("1", "0"):
-        with LocalCluster(
+        with LocalFabric(
             spec_for(page_kib), env={"PDFABRIC_KV_PAGES": str(2 * pages), "PDFABRIC_COALESCE": flag}
         ) as lc:
             agent_room(lc, 0, src, dst)

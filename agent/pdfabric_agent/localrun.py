@@ -69,7 +69,7 @@ class AgentProc:
 
 
 @dataclass
-class LocalCluster:
+class LocalFabric:
     raw_spec: Mapping[str, Any]
     ranks_per_agent: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
@@ -196,7 +196,7 @@ class LocalCluster:
     def agents_env(self, name: str) -> str:
         return next(iter(self.agents.values())).env.get(name, "") if self.agents else ""
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> LocalFabric:
         self.start()
         return self
 
@@ -256,7 +256,7 @@ def scattered_pages(n: int, limit: int, *, offset: int = 0) -> list[int]:
 
 
 def transfer_room(
-    lc: LocalCluster,
+    lc: LocalFabric,
     room: int,
     *,
     pages: int,
@@ -361,7 +361,7 @@ def demo(cases: list[str], pages: int) -> int:
     print(f"{'case':26} {'verified':9} {'kv bytes':>10} {'state':>7} {'aux':>5} {'dedup saved':>12} {'ms':>7}")
     for name in cases:
         raw = {**DEMO_CASES[name], "transfer": {"transport": "tcp"}, "model": DEMO_MODEL}
-        with LocalCluster(raw) as lc:
+        with LocalFabric(raw) as lc:
             result = transfer_room(lc, 1, pages=pages, state_slots=1)
             want = expected_bytes(lc.spec, pages=pages, state_slots=1, aux=True)
             got = {

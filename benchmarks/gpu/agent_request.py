@@ -214,7 +214,7 @@ def main() -> None:
             f"= {nbytes / (0.8 * result['ceiling_gbps'] * 1e9) * 1e3:.2f} ms per room"
         )
         print(lines[-1], flush=True)
-    lc = localrun.LocalCluster(SPEC, env=env)
+    lc = localrun.LocalFabric(SPEC, env=env)
     try:
         lc.start(wait_s=120)
         run_modes(lc, nbytes, rng, lines, result, args.modes.split(","))

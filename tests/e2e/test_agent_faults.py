@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.client import AgentRefused
-from pdfabric_agent.localrun import LocalCluster, transfer_room
+from pdfabric_agent.localrun import LocalFabric, transfer_room
 
 # Real agent processes over the real engine; tests that start a cluster of their own are `slow`.
 pytestmark = pytest.mark.e2e
@@ -49,12 +49,12 @@ def wait_until(predicate: Any, timeout_s: float, what: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def small() -> Iterator[LocalCluster]:
-    with LocalCluster(SMALL) as lc:
+def small() -> Iterator[LocalFabric]:
+    with LocalFabric(SMALL) as lc:
         yield lc
 
 
-def raw_post(lc: LocalCluster, agent: str, path: str, data: bytes, token: str) -> tuple[int, dict[str, Any]]:
+def raw_post(lc: LocalFabric, agent: str, path: str, data: bytes, token: str) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(f"http://{lc.agents[agent].address}{path}", data=data, method="POST")
     req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -80,7 +80,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("case", "who", "override", "status", "reason"), REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_bad_send_is_refused_and_changes_nothing(
-    small: LocalCluster, case: str, who: dict[str, str], override: dict[str, Any], status: int, reason: str
+    small: LocalFabric, case: str, who: dict[str, str], override: dict[str, Any], status: int, reason: str
 ) -> None:
     lc = small
     agent = lc.agent_of("prefill-0-tp0-cp0")
@@ -105,19 +105,19 @@ def test_bad_send_is_refused_and_changes_nothing(
     assert info.value.reason == "unknown_room"
 
 
-def test_body_that_is_not_json_is_refused(small: LocalCluster) -> None:
+def test_body_that_is_not_json_is_refused(small: LocalFabric) -> None:
     code, doc = raw_post(small, small.agent_of("decode-0-tp0"), "/v1/receive", b"{not json", small.token)
     assert (code, doc["reason"]) == (400, "malformed")
 
 
-def test_duplicate_destination_pages_are_refused(small: LocalCluster) -> None:
+def test_duplicate_destination_pages_are_refused(small: LocalFabric) -> None:
     with pytest.raises(AgentRefused) as info:
         small.client("decode-0-tp0").receive("decode-0-tp0", 901, [4, 5, 4])
     assert (info.value.status, info.value.reason) == (400, "malformed")
     assert "repeat" in info.value.message
 
 
-def test_done_report_for_unknown_room_is_refused(small: LocalCluster) -> None:
+def test_done_report_for_unknown_room_is_refused(small: LocalFabric) -> None:
     body = {
         "cluster": small.uid,
         "room": 902,
@@ -129,25 +129,25 @@ def test_done_report_for_unknown_room_is_refused(small: LocalCluster) -> None:
     assert (code, doc["reason"]) == (404, "unknown_room")
 
 
-def test_active_room_cannot_be_submitted_twice(small: LocalCluster) -> None:
+def test_active_room_cannot_be_submitted_twice(small: LocalFabric) -> None:
     small.client("decode-0-tp0").receive("decode-0-tp0", 903, [1])
     with pytest.raises(AgentRefused) as info:
         small.client("decode-0-tp0").receive("decode-0-tp0", 903, [2])
     assert (info.value.status, info.value.reason) == (409, "conflict")
 
 
-def test_valid_room_still_succeeds_after_refusals(small: LocalCluster) -> None:
+def test_valid_room_still_succeeds_after_refusals(small: LocalFabric) -> None:
     result = transfer_room(small, 904, pages=4)
     assert result.errors == {"decode-0-tp0": []}
 
 
-def prefill_outcome(lc: LocalCluster, outcome: str) -> float:
+def prefill_outcome(lc: LocalFabric, outcome: str) -> float:
     return lc.metric_sum("pdfabric_requests_total", [lc.agent_of("prefill-0-tp0-cp0")], role="prefill", outcome=outcome)
 
 
 @pytest.mark.slow
 def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
-    with LocalCluster(BIG, env={**FAST_RECOVERY, "PDFABRIC_KV_PAGES": "128"}) as lc:
+    with LocalFabric(BIG, env={**FAST_RECOVERY, "PDFABRIC_KV_PAGES": "128"}) as lc:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
         pages = list(range(128))
         lc.client(decode).receive(decode, 1, pages)
@@ -180,7 +180,7 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
 
 @pytest.mark.slow
 def test_killed_decode_fails_fast_and_is_counted() -> None:
-    with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
+    with LocalFabric(SMALL, env=FAST_RECOVERY) as lc:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
         lc.client(decode).receive(decode, 5, [0, 1, 2])
         wait_until(lambda: lc.client(decode).poll(decode, 5)["state"] == "WaitingForInput", 5, "room info delivered")
@@ -196,7 +196,7 @@ def test_killed_decode_fails_fast_and_is_counted() -> None:
 
 @pytest.mark.slow
 def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
-    with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
+    with LocalFabric(SMALL, env=FAST_RECOVERY) as lc:
         decode = "decode-0-tp0"
         lc.client(decode).receive(decode, 7, [0, 1])
         wait_until(lambda: lc.client(decode).poll(decode, 7)["state"] == "WaitingForInput", 5, "room info delivered")
@@ -207,7 +207,7 @@ def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
         assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="timeout") == 1
 
 
-def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalCluster) -> None:
+def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalFabric) -> None:
     lc, p, d = small, "prefill-0-tp0-cp0", "decode-0-tp0"
     with pytest.raises(AgentRefused):
         lc.client(p).poll(p, 906)
@@ -225,7 +225,7 @@ def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalCluste
     assert lc.client(p).wait(p, 906, 10)["state"] == "Success"
 
 
-def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalCluster) -> None:
+def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalFabric) -> None:
     from pdfabric_agent.synthetic import fill_prefill, verify_decode
 
     lc, p, d = small, "prefill-0-tp0-cp0", "decode-0-tp0"
@@ -248,7 +248,7 @@ def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalCl
 
 @pytest.mark.slow
 def test_prefill_room_without_decode_fails_at_the_bootstrap_deadline() -> None:
-    with LocalCluster(SMALL, env=FAST_RECOVERY) as lc:
+    with LocalFabric(SMALL, env=FAST_RECOVERY) as lc:
         p = "prefill-0-tp0-cp0"
         start = time.monotonic()
         lc.client(p).send(p, 9, [0])
@@ -262,7 +262,7 @@ def test_prefill_room_without_decode_fails_at_the_bootstrap_deadline() -> None:
 @pytest.mark.slow
 def test_missed_heartbeats_fail_decode_rooms_long_before_the_deadline() -> None:
     env = {**FAST_RECOVERY, "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "60", "PDFABRIC_HEARTBEAT_S": "0.3"}
-    with LocalCluster(SMALL, env=env) as lc:
+    with LocalFabric(SMALL, env=env) as lc:
         decode = "decode-0-tp0"
         lc.client(decode).receive(decode, 8, [0, 1])
         wait_until(lambda: lc.client(decode).poll(decode, 8)["state"] == "WaitingForInput", 5, "room info delivered")
@@ -276,7 +276,7 @@ def test_missed_heartbeats_fail_decode_rooms_long_before_the_deadline() -> None:
         assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="failed") == 1
 
 
-def test_latency_runs_from_submit_to_the_decode_acknowledgement(small: LocalCluster) -> None:
+def test_latency_runs_from_submit_to_the_decode_acknowledgement(small: LocalFabric) -> None:
     lc, p = small, "prefill-0-tp0-cp0"
     agent = [lc.agent_of(p)]
     count = lc.metric_sum("pdfabric_request_duration_seconds_count", agent, role="prefill")
@@ -290,7 +290,7 @@ def test_latency_runs_from_submit_to_the_decode_acknowledgement(small: LocalClus
     assert observed >= phases["acknowledged:decode-0-tp0"]
 
 
-def test_done_report_cannot_write_outside_the_rooms_aux_row(small: LocalCluster) -> None:
+def test_done_report_cannot_write_outside_the_rooms_aux_row(small: LocalFabric) -> None:
     import base64
 
     lc, d = small, "decode-0-tp0"

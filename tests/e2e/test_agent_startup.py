@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.localrun import REPO, LocalCluster
+from pdfabric_agent.localrun import REPO, LocalFabric
 
 # Real agent processes over the real engine; every test here starts at least one cluster.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -24,7 +24,7 @@ def cluster_spec(**placement: Any) -> dict[str, Any]:
     return {"prefill": {"tp": 2}, "decode": {"tp": 1}, "model": MODEL, "placement": placement}
 
 
-def wait_readyz(lc: LocalCluster, name: str, timeout_s: float = 60) -> tuple[int, dict[str, Any]]:
+def wait_readyz(lc: LocalFabric, name: str, timeout_s: float = 60) -> tuple[int, dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status, body = lc.readyz(name)
@@ -42,7 +42,7 @@ def wait_readyz(lc: LocalCluster, name: str, timeout_s: float = 60) -> tuple[int
     ids=["rdma-without-hca", "intra-node-nvlink-without-gpu", "mnnvl-without-gpu"],
 )
 def test_transport_the_node_cannot_carry_is_a_readiness_reason(transport: str, reason: str) -> None:
-    lc = LocalCluster(cluster_spec(), transport=transport)
+    lc = LocalFabric(cluster_spec(), transport=transport)
     try:
         lc.start(lc.agent_of("decode-0-tp0"), ready=False)
         name = lc.agent_of("decode-0-tp0")
@@ -58,7 +58,7 @@ def test_transport_the_node_cannot_carry_is_a_readiness_reason(transport: str, r
 
 
 def test_declared_fallback_runs_tcp_and_says_so() -> None:
-    lc = LocalCluster(cluster_spec(fallback="TCP"), transport="rdma")
+    lc = LocalFabric(cluster_spec(fallback="TCP"), transport="rdma")
     try:
         lc.start(lc.agent_of("decode-0-tp0"), ready=False)
         name = lc.agent_of("decode-0-tp0")
@@ -76,7 +76,7 @@ def listeners(pid: int) -> list[str]:
 
 
 def test_only_the_needed_ports_listen() -> None:
-    with LocalCluster(cluster_spec()) as lc:
+    with LocalFabric(cluster_spec()) as lc:
         for agent in lc.agents.values():
             assert agent.proc is not None
             addrs = listeners(agent.proc.pid)
@@ -96,7 +96,7 @@ def test_only_the_needed_ports_listen() -> None:
     ids=["no-node-name", "no-token"],
 )
 def test_configuration_errors_exit_2_with_the_variable_named(drop: str, message: str) -> None:
-    lc = LocalCluster(cluster_spec())
+    lc = LocalFabric(cluster_spec())
     try:
         env = {k: v for k, v in lc.agents[lc.agent_of("decode-0-tp0")].env.items() if k != drop}
         proc = subprocess.run(
@@ -109,7 +109,7 @@ def test_configuration_errors_exit_2_with_the_variable_named(drop: str, message:
 
 
 def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
-    lc = LocalCluster(cluster_spec())
+    lc = LocalFabric(cluster_spec())
     try:
         env = {**lc.agents[lc.agent_of("decode-0-tp0")].env, "NODE_NAME": "node-elsewhere"}
         proc = subprocess.run(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.localrun import LocalCluster, transfer_room
+from pdfabric_agent.localrun import LocalFabric, transfer_room
 from pdfabric_agent.synthetic import expected_bytes
 from tests.builders import SMALL_MODEL
 
@@ -31,13 +31,13 @@ def spec(prefill: dict[str, Any], decode: dict[str, Any], **transfer: Any) -> di
     }
 
 
-def traffic(lc: LocalCluster, role: str) -> dict[str, float]:
+def traffic(lc: LocalFabric, role: str) -> dict[str, float]:
     return {
         kind: lc.metric_sum("pdfabric_transfer_bytes_total", role=role, kind=kind) for kind in ("kv", "state", "aux")
     }
 
 
-def check_room(lc: LocalCluster, room: int, pages: int = 7, state_slots: int = 2) -> None:
+def check_room(lc: LocalFabric, room: int, pages: int = 7, state_slots: int = 2) -> None:
     before = {role: traffic(lc, role) for role in ("prefill", "decode")}
     result = transfer_room(lc, room, pages=pages, state_slots=state_slots, aux=True)
     assert {v["state"] for v in result.decode.values()} == {"Success"}, result.decode
@@ -61,7 +61,7 @@ def check_room(lc: LocalCluster, room: int, pages: int = 7, state_slots: int = 2
     ids=["equal-tp2", "prefill-tp2-decode-tp4", "prefill-tp4-decode-tp2-agent-per-rank", "replicated-heads-tp8-tp2"],
 )
 def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[str, Any], ranks_per_agent: int) -> None:
-    with LocalCluster(spec(prefill, decode), ranks_per_agent=ranks_per_agent) as lc:
+    with LocalFabric(spec(prefill, decode), ranks_per_agent=ranks_per_agent) as lc:
         check_room(lc, room=11)
         # The same room id again after completion is a new request, and must be exact again.
         check_room(lc, room=11, pages=5)
@@ -75,17 +75,17 @@ def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[st
 def test_pipeline_stages_land_in_their_decode_layers(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
     raw = spec(prefill, decode)
     raw["model"] = {**SMALL_MODEL, "layers": 5}  # uneven: stage 0 holds 3 layers, stage 1 holds 2
-    with LocalCluster(raw) as lc:
+    with LocalFabric(raw) as lc:
         check_room(lc, room=61)
 
 
 @pytest.fixture(scope="module")
-def cp4_all_ranks() -> Iterator[LocalCluster]:
-    with LocalCluster(spec({"tp": 1, "cp": 4, "allCpRanksTransfer": True}, {"tp": 1})) as lc:
+def cp4_all_ranks() -> Iterator[LocalFabric]:
+    with LocalFabric(spec({"tp": 1, "cp": 4, "allCpRanksTransfer": True}, {"tp": 1})) as lc:
         yield lc
 
 
-def test_cp4_all_ranks_sends_state_once_from_cp_rank_0(cp4_all_ranks: LocalCluster) -> None:
+def test_cp4_all_ranks_sends_state_once_from_cp_rank_0(cp4_all_ranks: LocalFabric) -> None:
     lc = cp4_all_ranks
     skipped_before = lc.metric_sum("pdfabric_state_dedup_skipped_bytes_total")
     result = transfer_room(lc, 21, pages=10, state_slots=2)
@@ -113,7 +113,7 @@ def test_cp4_all_ranks_sends_state_once_from_cp_rank_0(cp4_all_ranks: LocalClust
 
 
 def test_cp4_layer_split_every_cp_rank_sends_its_own_state_layers() -> None:
-    with LocalCluster(spec({"tp": 1, "cp": 4, "dsaCacheLayerSplit": True}, {"tp": 1})) as lc:
+    with LocalFabric(spec({"tp": 1, "cp": 4, "dsaCacheLayerSplit": True}, {"tp": 1})) as lc:
         result = transfer_room(lc, 31, pages=8, state_slots=2)
         assert result.errors == {"decode-0-tp0": []}
         layer = lc.spec.model.state_bytes_per_request // lc.spec.model.state_layers
@@ -123,7 +123,7 @@ def test_cp4_layer_split_every_cp_rank_sends_its_own_state_layers() -> None:
 
 
 def test_cp4_without_all_ranks_transfer_only_cp_rank_0_sends() -> None:
-    with LocalCluster(spec({"tp": 1, "cp": 4}, {"tp": 1})) as lc:
+    with LocalFabric(spec({"tp": 1, "cp": 4}, {"tp": 1})) as lc:
         result = transfer_room(lc, 41, pages=6, state_slots=1)
         assert result.errors == {"decode-0-tp0": []}
         assert list(result.decode["decode-0-tp0"]["senders"]) == ["prefill-0-tp0-cp0"]
@@ -148,7 +148,7 @@ def test_cp4_without_all_ranks_transfer_only_cp_rank_0_sends() -> None:
 def test_aux_path_follows_policy(transfer: dict[str, Any], path: str) -> None:
     # INTRA_NODE_NVLINK (the substring trap) needs GPU aux buffers, so it is covered by the pure
     # plan and policy tests; here every pool that runs on a CPU box goes end to end.
-    with LocalCluster(spec({"tp": 1}, {"tp": 1}, **transfer), transport="tcp") as lc:
+    with LocalFabric(spec({"tp": 1}, {"tp": 1}, **transfer), transport="tcp") as lc:
         result = transfer_room(lc, 51, pages=3)
         assert result.errors == {"decode-0-tp0": []}
         aux = sum(lc.spec.model.aux_row_bytes)
@@ -163,7 +163,7 @@ def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:
     # and poison the session; chunked it is 6 batches, and the next room still works.
     geometry = {"layers": 2, "kvHeads": 2, "headDim": 8, "pageSizeTokens": 2, "auxRowBytes": [8]}
     raw = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "transfer": {"transport": "tcp"}, "model": geometry}
-    with LocalCluster(raw, env={"PDFABRIC_KV_PAGES": "2600", "PDFABRIC_COALESCE": "0"}) as lc:
+    with LocalFabric(raw, env={"PDFABRIC_KV_PAGES": "2600", "PDFABRIC_COALESCE": "0"}) as lc:
         for room in (1, 2):
             result = transfer_room(lc, room, pages=1500, aux=False)
             assert result.errors == {"decode-0-tp0": []}
@@ -174,7 +174,7 @@ def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:
 def test_many_rooms_in_flight_do_not_mix() -> None:
     from pdfabric_agent.synthetic import fill_prefill, verify_decode
 
-    with LocalCluster(spec({"tp": 2}, {"tp": 4})) as lc:
+    with LocalFabric(spec({"tp": 2}, {"tp": 4})) as lc:
         rooms = {
             room: (list(range(8 * i, 8 * i + 8)), list(range(63 - 8 * i, 55 - 8 * i, -1)))
             for i, room in enumerate(range(70, 77))
