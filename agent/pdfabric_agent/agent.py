@@ -48,6 +48,7 @@ from pdfabric_agent.rooms import (
     ApiError,
     DecodeRoom,
     PrefillRoom,
+    Room,
     RoomState,
     Target,
     check_index,
@@ -82,6 +83,25 @@ class LocalRank:
     @property
     def bases(self) -> Bases:
         return Bases(self.pools.kv.addr, self.pools.state.addr, self.pools.aux.addr)
+
+
+@dataclass(frozen=True)
+class RoomRequest:
+    """A send or receive request after validation."""
+
+    rank_id: str
+    local: LocalRank
+    room_id: int
+    pages: list[int]
+    state: list[int]
+    aux: int | None
+    peer_replica: int
+
+
+def refuse_active_room(old: Room | None, room_id: int, rank_id: str) -> None:
+    """A room id is reusable once finished; while active a second submit is a conflict."""
+    if old is not None and not old.state.finished:
+        raise ApiError(409, Refusal.CONFLICT, f"room {room_id} is already {old.state.title} on {rank_id}")
 
 
 class Agent:
@@ -230,25 +250,34 @@ class Agent:
         self.health.fail(agent_name, reason)
         metrics.peers_blacklisted.labels(self.cluster).set(len(self.health.blacklisted))
 
-    # ---------------------------------------------------------------- client API: prefill
-    def submit_send(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate everything first; only a request that passes creates a room."""
+    # ---------------------------------------------------------------- client API: shared
+    def _room_request(self, body: Mapping[str, Any], role: str, *, unique: bool) -> RoomRequest:
+        """Validate what send and receive share; the peer replica is the other role's."""
         self.check_cluster(body)
         rank_id = field_str(body, "rank")
-        local = self._local(rank_id, "prefill")
+        local = self._local(rank_id, role)
         room_id = field_int(body, "room")
         assert room_id is not None
         layout = local.layout
-        src_pages = field_indices(body, "kv_pages", layout.kv_pages, what="KV pages", unique=False)
-        src_state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=False)
-        src_aux = field_int(body, "aux_index", optional=True)
-        check_index(src_aux, layout.aux_slots, name="aux_index")
-        replica = field_int(body, "decode_replica")
+        pages = field_indices(body, "kv_pages", layout.kv_pages, what="KV pages", unique=unique)
+        state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=unique)
+        aux = field_int(body, "aux_index", optional=True)
+        check_index(aux, layout.aux_slots, name="aux_index")
+        peer_role, peer_replicas = (
+            ("decode", self.spec.decode.replicas) if role == "prefill" else ("prefill", self.spec.prefill.replicas)
+        )
+        replica = field_int(body, f"{peer_role}_replica")
         assert replica is not None
-        if replica >= self.spec.decode.replicas:
-            raise ApiError(
-                400, Refusal.OUT_OF_RANGE, f"decode_replica {replica} outside 0..{self.spec.decode.replicas - 1}"
-            )
+        if replica >= peer_replicas:
+            raise ApiError(400, Refusal.OUT_OF_RANGE, f"{peer_role}_replica {replica} outside 0..{peer_replicas - 1}")
+        return RoomRequest(rank_id, local, room_id, pages, state, aux, replica)
+
+    # ---------------------------------------------------------------- client API: prefill
+    def submit_send(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate everything first; only a request that passes creates a room."""
+        req = self._room_request(body, "prefill", unique=False)
+        rank_id, local, room_id, replica = req.rank_id, req.local, req.room_id, req.peer_replica
+        src_pages, src_state, src_aux = req.pages, req.state, req.aux
         feeds = self.rankmap.feeds.get(local.rank.replica)
         if feeds is not None and replica not in feeds:
             raise ApiError(
@@ -257,9 +286,7 @@ class Agent:
                 f"prefill replica {local.rank.replica} does not feed decode replica {replica}",
             )
         key = (rank_id, room_id)
-        old = self.prefill_rooms.get(key)
-        if old is not None and not old.state.finished:
-            raise ApiError(409, Refusal.CONFLICT, f"room {room_id} is already {old.state.title} on {rank_id}")
+        refuse_active_room(self.prefill_rooms.get(key), room_id, rank_id)
         targets: dict[str, Target] = {}
         for route in decode_targets(self.spec, local.rank.tp_rank):
             decode_rank = Rank("decode", replica, route.decode_tp_rank, 0, self._decode_stage(local)).rank_id
@@ -584,28 +611,14 @@ class Agent:
 
     # ---------------------------------------------------------------- client API: decode
     async def submit_receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        self.check_cluster(body)
-        rank_id = field_str(body, "rank")
-        local = self._local(rank_id, "decode")
-        room_id = field_int(body, "room")
-        assert room_id is not None
-        layout = local.layout
-        dst_pages = field_indices(body, "kv_pages", layout.kv_pages, what="KV pages", unique=True)
-        dst_state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=True)
-        dst_aux = field_int(body, "aux_index", optional=True)
-        check_index(dst_aux, layout.aux_slots, name="aux_index")
-        replica = field_int(body, "prefill_replica")
-        assert replica is not None
-        if replica >= self.spec.prefill.replicas:
-            raise ApiError(
-                400, Refusal.OUT_OF_RANGE, f"prefill_replica {replica} outside 0..{self.spec.prefill.replicas - 1}"
-            )
+        # Destination pages must be distinct: two sources writing one page would corrupt it.
+        req = self._room_request(body, "decode", unique=True)
+        rank_id, local, room_id, replica = req.rank_id, req.local, req.room_id, req.peer_replica
+        dst_pages, dst_state, dst_aux = req.pages, req.state, req.aux
         if not dst_pages:
             raise malformed("kv_pages is empty: a room moves at least one page")
         key = (rank_id, room_id)
-        old = self.decode_rooms.get(key)
-        if old is not None and not old.state.finished:
-            raise ApiError(409, Refusal.CONFLICT, f"room {room_id} is already {old.state.title} on {rank_id}")
+        refuse_active_room(self.decode_rooms.get(key), room_id, rank_id)
         expected = {}
         for p, c, s in expected_sources(self.spec, local.rank.tp_rank, local.rank.pp_rank):
             prefill_rank = Rank("prefill", replica, p, c, s).rank_id
@@ -627,7 +640,7 @@ class Agent:
             "room": room_id,
             "decode_rank": rank_id,
             "endpoint": local.backend.endpoint(),
-            "layout": layout.to_dict(),
+            "layout": local.layout.to_dict(),
             "bases": {"kv": local.pools.kv.addr, "state": local.pools.state.addr, "aux": local.pools.aux.addr},
             "kv_pages": dst_pages,
             "state_indices": dst_state,
