@@ -11,6 +11,13 @@ Protocol between agents (all over the token-protected API, JSON):
 3. The decode room turns Success when every expected source reported; the prefill room turns
    Success when every report was acknowledged. That acknowledgement is "confirmed completion".
 Either order of 1 and 2 works: early room info waits in ``_early_dst``.
+
+Kernel path (a backend that launches and names completion marks, see fastpath/): when all of a
+target's data went into kernel launches, the prefill agent posts /v1/peer/launched with the
+launches' completion marks right after launching, while the kernels run; the decode agent watches
+the marks in shared memory (``completion.CompletionWatcher``) and takes the source as arrived the
+moment the last word is there. No done report follows; a failure after the notice still sends
+one (``ok: false``). If the notice is refused, the done report goes as above.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import aiohttp
 
 from pdfabric_agent import metrics
 from pdfabric_agent.backend import TransferBackend, TransferError
+from pdfabric_agent.completion import CompletionMark, CompletionWatcher
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.metrics import Kind, Outcome, Refusal
 from pdfabric_agent.peers import PeerHealth
@@ -141,6 +149,7 @@ class Agent:
         self._heartbeat_running = False
         self._missed: dict[str, int] = {}  # prefill agent -> consecutive missed heartbeats
         self.backend_name = spec.backend
+        self.completions = CompletionWatcher(cfg.shm_dir)  # kernel senders' completion words
 
     # ---------------------------------------------------------------- identity and peers
     def check_token(self, header: str | None) -> None:
@@ -516,14 +525,23 @@ class Agent:
         await self._write(local, peer, blocks, Kind.KV, room, by_path)
 
     async def _write_launched(
-        self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: dict[str, dict[str, int]]
-    ) -> None:
+        self,
+        local: LocalRank,
+        peer: str,
+        plan: TransferPlan,
+        room: PrefillRoom,
+        target: Target,
+        by_path: dict[str, dict[str, int]],
+    ) -> bool:
         """Kernel backend: launch the room's KV (whole pages: a table of the page list) and its small
         state and aux batches right here, back to back on the sender's stream, then wait for all
-        of them in one worker call; whatever the kernel did not take goes the usual way after."""
+        of them in one worker call; whatever the kernel did not take goes the usual way after.
+        When the kernels took everything, the decode agent is told their completion marks while
+        they run; True: it accepted them and counts this target's bytes itself (no done report)."""
         backend = local.backend
         launched: list[tuple[Any, Kind, int, int]] = []
         later: list[Callable[[], Any]] = []
+        notice: asyncio.Future[dict[str, Any]] | None = None
         try:
             kvp = plan.kv_pages
             if kvp is not None and kvp.num_pages:
@@ -542,19 +560,71 @@ class Agent:
                     launched.append((h, kind, sum(b.length for b in blocks), len(blocks)))
                 else:
                     later.append(lambda b=blocks, k=kind: self._write(local, peer, b, k, room, by_path))
+            mark = getattr(backend, "completion_mark", None)
+            if launched and not later and not plan.aux_tcp and mark is not None:
+                marks = [mark(h) for h, *_ in launched]
+                # While the kernels run: the decode agent watches the marks instead of awaiting a report.
+                notice = asyncio.ensure_future(self._post_launched(room, target, marks, backend.path, launched))
+        except BaseException:
+            if notice is not None:
+                notice.cancel()
+            raise
         finally:
             # Launched batches are always waited for (their receiver reservations are released on
             # completion) and counted, also when a later launch was refused.
             if launched:
                 loop = asyncio.get_running_loop()
-                paths = await loop.run_in_executor(
-                    self._pool,
-                    lambda: [backend.wait(h) for h, *_ in launched],  # type: ignore[attr-defined]
-                )
+                try:
+                    paths = await loop.run_in_executor(
+                        self._pool,
+                        lambda: [backend.wait(h) for h, *_ in launched],  # type: ignore[attr-defined]
+                    )
+                except BaseException:
+                    if notice is not None:
+                        notice.cancel()
+                    raise
                 for path, (_, kind, moved, units) in zip(paths, launched, strict=True):
                     self._count(room, by_path, path, kind, moved, units)
         for write in later:
             await write()
+        if notice is None:
+            return False
+        try:
+            await notice
+        except (aiohttp.ClientError, TimeoutError, OSError, RuntimeError) as exc:
+            log.info(
+                "room %s: %s did not take the completion marks (%s); sending the done report",
+                room.room,
+                target.agent,
+                exc,
+            )
+            return False
+        room.marks[f"notified:{target.decode_rank}"] = self.clock()
+        return True
+
+    async def _post_launched(
+        self,
+        room: PrefillRoom,
+        target: Target,
+        marks: list[CompletionMark],
+        path: str,
+        launched: Sequence[tuple[Any, Kind, int, int]],
+    ) -> dict[str, Any]:
+        sent = {"kv": 0, "state": 0, "aux": 0}
+        for _, kind, moved, _ in launched:
+            sent[kind.value] += moved
+        return await self._post_peer(
+            target.agent,
+            "/v1/peer/launched",
+            {
+                "room": room.room,
+                "decode_rank": target.decode_rank,
+                "prefill_rank": room.rank,
+                "marks": [m.to_json() for m in marks],
+                "bytes_by_path": {path: sent},
+            },
+            max(0.1, min(5.0, room.deadline - self.clock())),
+        )
 
     async def _send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
         if self.health.is_blacklisted(target.agent):
@@ -564,9 +634,10 @@ class Agent:
         except ValueError as exc:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
         by_path: dict[str, dict[str, int]] = {}
+        watched = False
         try:
             if hasattr(local.backend, "submit_pages"):
-                await self._write_launched(local, peer, plan, room, by_path)
+                watched = await self._write_launched(local, peer, plan, room, target, by_path)
             else:
                 await self._write_kv(local, peer, plan, room, by_path)
                 await self._write(local, peer, plan.state, Kind.STATE, room, by_path)
@@ -576,15 +647,20 @@ class Agent:
             self._blacklist(target.agent, str(exc))
             raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
         room.marks[f"written:{target.decode_rank}"] = self.clock()
+        if plan.state_skipped_bytes:
+            metrics.state_bytes_skipped.labels(self.cluster, self.backend_name).inc(plan.state_skipped_bytes)
+            room.skipped_state += plan.state_skipped_bytes
+        if watched:
+            # The decode agent took the completion marks and counted the bytes when it saw them.
+            target.done = True
+            room.marks[f"acknowledged:{target.decode_rank}"] = self.clock()
+            return
         aux_rows = []
         for src_off, dst_off, size in plan.aux_tcp:
             aux_rows.append([dst_off, base64.b64encode(local.pools.aux.read(src_off, size)).decode()])
         aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
         if aux_tcp_bytes:
             by_path[TCP_SIDE_CHANNEL] = {"kv": 0, "state": 0, "aux": aux_tcp_bytes}
-        if plan.state_skipped_bytes:
-            metrics.state_bytes_skipped.labels(self.cluster, self.backend_name).inc(plan.state_skipped_bytes)
-            room.skipped_state += plan.state_skipped_bytes
         try:
             await self._post_peer(
                 target.agent,
@@ -667,7 +743,8 @@ class Agent:
         if room.state is RoomState.BOOTSTRAPPING:
             room.state = RoomState.WAITING_FOR_INPUT
 
-    def accept_done(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def _source_report(self, body: Mapping[str, Any]) -> tuple[DecodeRoom, LocalRank, str]:
+        """What a done report and a launch notice share: the decode room and which source speaks."""
         self.check_cluster(body)
         rank_id = field_str(body, "decode_rank")
         local = self._local(rank_id, "decode")
@@ -679,18 +756,63 @@ class Agent:
             raise ApiError(404, Refusal.UNKNOWN_ROOM, f"room {room_id} is unknown on {rank_id}")
         if prefill_rank not in room.expected:
             raise malformed(f"{prefill_rank} is not a source of room {room_id} on {rank_id}")
+        return room, local, prefill_rank
+
+    @staticmethod
+    def _bytes_by_path(body: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+        by_path = body.get("bytes_by_path") or {}
+        if not isinstance(by_path, dict) or not all(
+            isinstance(v, dict) and all(isinstance(n, int) and n >= 0 for n in v.values()) for v in by_path.values()
+        ):
+            raise malformed("bytes_by_path must map paths to {kind: bytes}")
+        return by_path
+
+    def accept_done(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        room, local, prefill_rank = self._source_report(body)
         if room.state.finished or prefill_rank in room.arrived:
             # Late or repeated reports change nothing (and count no bytes twice).
             return {"state": room.state.title}
         if not body.get("ok"):
             self._finish(room, "decode", RoomState.FAILED, f"{prefill_rank} failed: {body.get('reason', 'unknown')}")
             return {"state": room.state.title}
-        by_path = body.get("bytes_by_path") or {}
-        if not isinstance(by_path, dict) or not all(
-            isinstance(v, dict) and all(isinstance(n, int) and n >= 0 for n in v.values()) for v in by_path.values()
-        ):
-            raise malformed("bytes_by_path must map paths to {kind: bytes}")
+        by_path = self._bytes_by_path(body)
         rows = self._aux_rows(body.get("aux_rows") or [], local, room)
+        self._source_arrived(room, local, prefill_rank, by_path, rows)
+        return {"state": room.state.title}
+
+    def accept_launched(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A source's kernels are on their way: watch their completion marks; the source has arrived
+        (its bytes counted, the room Success when it was the last) once every mark is reached."""
+        room, local, prefill_rank = self._source_report(body)
+        if room.state.finished or prefill_rank in room.arrived:
+            return {"state": room.state.title}
+        by_path = self._bytes_by_path(body)
+        raw = body.get("marks")
+        if not isinstance(raw, list) or not raw:
+            raise malformed("marks must be a non-empty list of {board, slot, seq}")
+        try:
+            marks = [CompletionMark.from_json(m) for m in raw]
+            self.completions.watch(
+                marks,
+                lambda: self._source_arrived(room, local, prefill_rank, by_path, []),
+                cancelled=lambda: room.state.finished or prefill_rank in room.arrived,
+            )
+        except ValueError as exc:
+            raise malformed(f"cannot watch the completion of room {room.room}: {exc}") from None
+        if room.state is not RoomState.FAILED:
+            room.state = RoomState.TRANSFERRING
+        return {"state": room.state.title, "watching": len(marks)}
+
+    def _source_arrived(
+        self,
+        room: DecodeRoom,
+        local: LocalRank,
+        prefill_rank: str,
+        by_path: Mapping[str, Mapping[str, int]],
+        rows: Sequence[tuple[int, bytes]],
+    ) -> None:
+        if room.state.finished or prefill_rank in room.arrived:
+            return  # a done report and a completion mark of one source: counted once
         for dst_off, raw in rows:
             local.pools.aux.write(dst_off, raw)
         sent = {"kv": 0, "state": 0, "aux": 0}
@@ -707,7 +829,6 @@ class Agent:
             room.state = RoomState.TRANSFERRING
         if room.arrived == set(room.expected):
             self._finish(room, "decode", RoomState.SUCCESS)
-        return {"state": room.state.title}
 
     @staticmethod
     def _aux_rows(rows: Any, local: LocalRank, room: DecodeRoom) -> list[tuple[int, bytes]]:
@@ -863,4 +984,5 @@ class Agent:
             task.cancel()
         if self._http is not None:
             await self._http.close()
+        self.completions.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

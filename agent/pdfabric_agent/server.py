@@ -106,6 +106,9 @@ def build_api_app(agent: Agent) -> web.Application:
     async def peer_done(request: web.Request) -> web.Response:
         return web.json_response(agent.accept_done(await _body(request)))
 
+    async def peer_launched(request: web.Request) -> web.Response:
+        return web.json_response(agent.accept_launched(await _body(request)))
+
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})
 
@@ -119,6 +122,7 @@ def build_api_app(agent: Agent) -> web.Application:
     app.router.add_get("/v1/rooms/{rank}/{room}", poll)
     app.router.add_post("/v1/peer/dst", peer_dst)
     app.router.add_post("/v1/peer/done", peer_done)
+    app.router.add_post("/v1/peer/launched", peer_launched)
     app.router.add_get("/v1/peer/ping", ping)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

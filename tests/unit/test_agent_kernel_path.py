@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.agent import Agent, LocalRank
+from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.config import load_config
 from pdfabric_agent.hardware import Hardware
 from pdfabric_agent.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
@@ -47,7 +48,9 @@ class Backend:
     transport = Transport.NVLINK_INTRA
     max_batch_entries = 1024
 
-    def __init__(self, kernel: bool, takes: bool, launch: bool = False, refuse_aux: bool = False) -> None:
+    def __init__(
+        self, kernel: bool, takes: bool, launch: bool = False, refuse_aux: bool = False, marks: bool = False
+    ) -> None:
         self.path = "nvlink-kernel" if kernel else "mooncake"
         self.takes = takes
         self.refuse_aux = refuse_aux
@@ -59,6 +62,8 @@ class Backend:
             self.submit_pages = self._submit_pages
             self.submit_blocks = self._submit_blocks
             self.wait = self._wait
+        if marks:  # launches name where the receiver sees them complete (the real FastPathBackend)
+            self.completion_mark = self._mark
 
     def _submit_pages(self, peer: str, kvp: Any) -> Any:
         self.calls.append(("submit_pages", kvp.units))
@@ -69,6 +74,10 @@ class Backend:
             raise RuntimeError("receiver pages in flight for another request")
         self.calls.append(("submit_blocks", len(blocks)))
         return ("h", len(blocks)) if self.takes else None
+
+    def _mark(self, handle: Any) -> CompletionMark:
+        self.calls.append(("mark", handle[1]))
+        return CompletionMark("pdfabric-board-00000000abcd", 3, 100 + handle[1])
 
     def _wait(self, handle: Any) -> str:
         self.calls.append(("wait", handle[1]))
@@ -103,7 +112,14 @@ def make_agent(tmp_path: Path) -> Agent:
     return Agent(load_config(env), rankmap, spec, {}, "nvlink-intra")
 
 
-def run_room(tmp_path: Path, backend: Backend, pages: list[int]) -> tuple[dict[str, Any], PrefillRoom]:
+def run_room(
+    tmp_path: Path,
+    backend: Backend,
+    pages: list[int],
+    posts: list[tuple[str, dict[str, Any]]] | None = None,
+    refuse: str = "",
+) -> tuple[dict[str, Any], PrefillRoom]:
+    """One room through `_send_target`; peer posts are recorded in `posts` (path `refuse` fails)."""
     agent = make_agent(tmp_path)
     layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
     pool = SimpleNamespace(addr=0x1000_0000)
@@ -125,6 +141,10 @@ def run_room(tmp_path: Path, backend: Backend, pages: list[int]) -> tuple[dict[s
     sent: dict[str, Any] = {}
 
     async def post(agent_name: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        if posts is not None:
+            posts.append((path, body))
+        if path == refuse:
+            raise RuntimeError(f"{agent_name} refused {path}: HTTP 400 cannot watch")
         sent.update(body)
         return {}
 
@@ -180,6 +200,50 @@ def test_launches_back_to_back_then_one_wait(tmp_path: Path) -> None:
     ]
     assert sent["bytes_by_path"] == {"nvlink-kernel": {"kv": KV_BYTES, "state": 64, "aux": 24}}
     assert room.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
+
+
+def test_marks_go_to_the_decode_agent_while_the_kernels_run_and_replace_the_done_report(tmp_path: Path) -> None:
+    backend = Backend(kernel=True, takes=True, launch=True, marks=True)
+    posts: list[tuple[str, dict[str, Any]]] = []
+    _, room = run_room(tmp_path, backend, list(range(64))[::-1][:40], posts)
+    # Marks are taken after the launches and before the wait: the notice travels while kernels run.
+    assert backend.calls == [
+        ("submit_pages", 320),
+        ("submit_blocks", 2),
+        ("submit_blocks", 2),
+        ("mark", 320),
+        ("mark", 2),
+        ("mark", 2),
+        ("wait", 320),
+        ("wait", 2),
+        ("wait", 2),
+    ]
+    assert [p for p, _ in posts] == ["/v1/peer/launched"]  # no done report
+    body = posts[0][1]
+    assert body["marks"] == [{"board": "pdfabric-board-00000000abcd", "slot": 3, "seq": s} for s in (420, 102, 102)]
+    assert body["bytes_by_path"] == {"nvlink-kernel": {"kv": KV_BYTES, "state": 64, "aux": 24}}
+    assert (body["decode_rank"], body["prefill_rank"], body["room"]) == ("decode-0-tp0", "prefill-0-tp0-cp0", 1)
+    assert room.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
+    assert room.targets["decode-0-tp0"].done
+    assert {"written:decode-0-tp0", "notified:decode-0-tp0", "acknowledged:decode-0-tp0"} <= set(room.marks)
+
+
+def test_refused_marks_fall_back_to_the_done_report(tmp_path: Path) -> None:
+    backend = Backend(kernel=True, takes=True, launch=True, marks=True)
+    posts: list[tuple[str, dict[str, Any]]] = []
+    sent, room = run_room(tmp_path, backend, list(range(64))[::-1][:40], posts, refuse="/v1/peer/launched")
+    assert [p for p, _ in posts] == ["/v1/peer/launched", "/v1/peer/done"]
+    assert sent["ok"] and sent["bytes_by_path"] == {"nvlink-kernel": {"kv": KV_BYTES, "state": 64, "aux": 24}}
+    assert room.targets["decode-0-tp0"].done and "notified:decode-0-tp0" not in room.marks
+
+
+def test_no_marks_when_part_of_the_room_takes_the_engine(tmp_path: Path) -> None:
+    # The kernel refuses the launch: the engine moves the room, the done report says so.
+    backend = Backend(kernel=True, takes=False, launch=True, marks=True)
+    posts: list[tuple[str, dict[str, Any]]] = []
+    run_room(tmp_path, backend, list(range(64))[::-1][:40], posts)
+    assert [p for p, _ in posts] == ["/v1/peer/done"]
+    assert not any(what == "mark" for what, _ in backend.calls)
 
 
 def test_launch_declined_goes_the_usual_way(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ a small JSON file in the agent's shared-memory directory, named after the engine
 blocks all fall inside GPU pools on both sides runs as one kernel launch into the peer's mapped
 pools; anything else (another node, CPU pools, a peer without exports) goes through the engine.
 Completion is confirmed on a completion board before `write_batch` returns, so the agent's
-"written, then tell the peer" sequence keeps its meaning.
+"written, then tell the peer" sequence keeps its meaning. The board is a file beside the exports;
+`completion_mark` names a launch's word on it, so the receiving agent can watch the word itself
+(`pdfabric_agent.completion`) instead of waiting for a report sent after completion.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.channel import FastPathSender, Transfer
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
@@ -123,7 +126,7 @@ class FastPathBackend:
         self._peers: dict[str, tuple[tuple[int, int] | None, _PeerMap | None]] = {}  # peer -> (file stamp, map)
         self._slot_of: dict[str, int] = {}
         self._sender = sender if sender is not None else FastPathSender(gpu, cfg=cfg)
-        self._board = CompletionBoard()
+        self._board = CompletionBoard(directory=shm_dir)  # beside the exports: peers read it there
         self._slots = itertools.count()
         self._batches = itertools.count()
         self.kernel_batches = 0
@@ -282,6 +285,11 @@ class FastPathBackend:
                 self._sender.ledger.release(room)
                 raise
         return Launched(tr, t0, time.perf_counter(), what, plan.total_bytes, t_planned)
+
+    def completion_mark(self, launched: Launched) -> CompletionMark:
+        """Where the receiver sees this launch complete: its sequence number on this sender's board."""
+        tr = launched.transfer
+        return CompletionMark(tr.board.name, tr.slot, tr.seq)
 
     def wait(self, launched: Launched) -> str:
         """Until the receiver's completion word says every byte of the launch landed; returns the

@@ -5,9 +5,10 @@ pool's offset inside that allocation (torch's caching allocator may place a tens
 segment). Pools from cuMemCreate (torch's expandable segments, fabric memory) have no legacy
 handle: export fails and the caller keeps the engine path.
 
-The completion board is a small file in /dev/shm that the receiver polls from the CPU and the
-sender pins and maps for its kernels: the kernel's last block stores the request's sequence
-number there after a system-scope fence, so seeing the number means the data have landed.
+The completion board is a small file in the agent's shared-memory directory that the sender pins
+and maps for its kernels and the receiver reads from the CPU (`pdfabric_agent.completion`): the
+kernel's last block stores the request's sequence number there after a system-scope fence, so
+seeing the number means the data have landed.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from pdfabric_agent.completion import BOARD_BYTES, BOARD_SLOTS
 from pdfabric_agent.fastpath import cuda
 
-BOARD_SLOTS = 512
 _PAGE = 4096
 
 
@@ -86,11 +87,10 @@ class PeerMappings:
 class CompletionBoard:
     """BOARD_SLOTS monotonically rising u64 sequence numbers in shared memory."""
 
-    def __init__(self, name: str | None = None, *, create: bool = True) -> None:
+    def __init__(self, name: str | None = None, *, create: bool = True, directory: str = "/dev/shm") -> None:
         self.name = name or f"pdfabric-board-{uuid.uuid4().hex[:12]}"
-        self.path = os.path.join("/dev/shm", self.name)
-        size = BOARD_SLOTS * 8
-        size = -(-size // _PAGE) * _PAGE
+        self.path = os.path.join(directory, self.name)
+        size = -(-BOARD_BYTES // _PAGE) * _PAGE
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:

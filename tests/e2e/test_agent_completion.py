@@ -1,0 +1,139 @@
+"""A real decode agent learning completion from a sender's completion board (no GPU here): the
+test writes the board word a fast-path kernel's last block would store, after posting the launch
+notice a prefill agent sends while its kernels run. The GPU tests run the same with the kernel."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.completion import BOARD_BYTES
+from pdfabric_agent.localrun import LocalFabric
+from tests.e2e.test_agent_faults import SMALL, raw_post, wait_until
+
+pytestmark = pytest.mark.e2e
+
+D, P = "decode-0-tp0", "prefill-0-tp0-cp0"
+
+
+class Board:
+    """A sender's completion board in the agents' shared-memory directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.name = f"pdfabric-board-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join(directory, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, BOARD_BYTES)
+        self.mm = mmap.mmap(fd, BOARD_BYTES)
+        os.close(fd)
+
+    def store(self, slot: int, seq: int) -> None:
+        struct.pack_into("<Q", self.mm, 8 * slot, seq)
+
+    def close(self) -> None:
+        self.mm.close()
+        os.unlink(self.path)
+
+
+@pytest.fixture(scope="module")
+def fabric() -> Iterator[LocalFabric]:
+    with LocalFabric(SMALL) as lc:
+        yield lc
+
+
+@pytest.fixture
+def board(fabric: LocalFabric) -> Iterator[Board]:
+    b = Board(fabric.agents_env("PDFABRIC_SHM_DIR") or "/dev/shm")
+    yield b
+    b.close()
+
+
+def notice(lc: LocalFabric, room: int, marks: list[dict[str, Any]], kv: int = 4096) -> tuple[int, dict[str, Any]]:
+    body = {
+        "cluster": lc.uid,
+        "room": room,
+        "decode_rank": D,
+        "prefill_rank": P,
+        "marks": marks,
+        "bytes_by_path": {"nvlink-kernel": {"kv": kv, "state": 0, "aux": 16}},
+    }
+    return raw_post(lc, lc.agent_of(D), "/v1/peer/launched", json.dumps(body).encode(), lc.token)
+
+
+def open_room(lc: LocalFabric, room: int) -> None:
+    lc.client(D).receive(D, room, [1, 2], aux_index=1)
+    wait_until(lambda: lc.client(D).poll(D, room)["state"] == "WaitingForInput", 5, "room info delivered")
+
+
+def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, board: Board) -> None:
+    lc = fabric
+    open_room(lc, 1001)
+    before = lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel")
+    code, doc = notice(
+        lc, 1001, [{"board": board.name, "slot": 4, "seq": 7}, {"board": board.name, "slot": 4, "seq": 8}]
+    )
+    assert (code, doc["state"], doc["watching"]) == (200, "Transferring", 2)
+    board.store(4, 7)  # the first launch landed, the second not yet
+    view = lc.client(D).poll(D, 1001, wait_s=0.3)
+    assert view["state"] == "Transferring" and view["bytes"]["kv"] == 0
+    board.store(4, 8)
+    view = lc.client(D).wait(D, 1001, 5)
+    assert view["state"] == "Success"
+    assert view["bytes"] == {"kv": 4096, "state": 0, "aux": 16}
+    assert view["senders"] == {P: {"kv": 4096, "state": 0, "aux": 16}}
+    after = lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel")
+    assert after - before == 4096 + 16
+    # A done report of the same source afterwards changes nothing (no bytes counted twice).
+    body = {"cluster": lc.uid, "room": 1001, "decode_rank": D, "prefill_rank": P, "ok": True,
+            "bytes_by_path": {"nvlink-kernel": {"kv": 4096}}}  # fmt: skip
+    code, doc = raw_post(lc, lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), lc.token)
+    assert (code, doc["state"]) == (200, "Success")
+    assert lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel") == after
+
+
+def test_failure_report_after_the_notice_fails_the_room_and_the_word_changes_nothing(
+    fabric: LocalFabric, board: Board
+) -> None:
+    lc = fabric
+    open_room(lc, 1002)
+    assert notice(lc, 1002, [{"board": board.name, "slot": 9, "seq": 1}])[0] == 200
+    body = {"cluster": lc.uid, "room": 1002, "decode_rank": D, "prefill_rank": P, "ok": False,
+            "reason": "kernel timed out"}  # fmt: skip
+    raw_post(lc, lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), lc.token)
+    view = lc.client(D).wait(D, 1002, 5)
+    assert view["state"] == "Failed" and "kernel timed out" in view["reason"]
+    board.store(9, 1)
+    assert lc.client(D).poll(D, 1002, wait_s=0.2)["state"] == "Failed"
+
+
+BAD_MARKS = [
+    ("path-in-name", [{"board": "../../etc/shadow", "slot": 0, "seq": 1}], "is not pdfabric-board"),
+    ("no-such-board", [{"board": "pdfabric-board-000000000000", "slot": 0, "seq": 1}], "is not in"),
+    ("slot-out-of-range", [{"board": "BOARD", "slot": 512, "seq": 1}], "outside 0..511"),
+    ("no-marks", [], "non-empty list"),
+]
+
+
+@pytest.mark.parametrize(("case", "marks", "message"), BAD_MARKS, ids=[c[0] for c in BAD_MARKS])
+def test_bad_notice_is_refused_and_the_room_waits_on(
+    fabric: LocalFabric, board: Board, case: str, marks: list[dict[str, Any]], message: str
+) -> None:
+    lc = fabric
+    room = 1010 + [c[0] for c in BAD_MARKS].index(case)
+    open_room(lc, room)
+    marks = [{**m, "board": board.name} if m["board"] == "BOARD" else m for m in marks]
+    code, doc = notice(lc, room, marks)
+    assert (code, doc["reason"]) == (400, "malformed") and message in doc["error"], doc
+    assert lc.client(D).poll(D, room)["state"] == "WaitingForInput"
+
+
+def test_notice_for_an_unknown_room_is_refused(fabric: LocalFabric, board: Board) -> None:
+    code, doc = notice(fabric, 1099, [{"board": board.name, "slot": 0, "seq": 1}])
+    assert (code, doc["reason"]) == (404, "unknown_room")
