@@ -1,6 +1,8 @@
 """Small Python client for a serving engine (and for tests, demo and benchmarks).
 
-Blocking, standard library only, so a serving engine takes no new dependency:
+Blocking, standard library only, so a serving engine takes no new dependency. Each thread keeps
+one keep-alive connection to the agent (a request costs no TCP handshake; a long poll is one
+request on it):
 
     c = AgentClient("127.0.0.1:7400", token, cluster_uid)
     pools = c.map_pools("decode-0-tp0")          # the rank's registered pools, mapped here
@@ -11,12 +13,12 @@ Blocking, standard library only, so a serving engine takes no new dependency:
 
 from __future__ import annotations
 
+import http.client
 import json
 import mmap
 import os
+import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,30 +55,74 @@ def _map(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
+# Raised when the agent closed an idle keep-alive connection before reading the request: the
+# request did not reach it, so sending it again on a fresh connection is safe.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
 class AgentClient:
     def __init__(self, address: str, token: str, cluster_uid: str, timeout_s: float = 10.0) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"agent address {address!r} is not host:port")
         self.base = f"http://{address}"
+        self.host, self.port = host.strip("[]"), int(port)
         self.token = token
         self.cluster_uid = cluster_uid
         self.timeout_s = timeout_s
+        self._local = threading.local()  # one connection per thread: http.client is not thread-safe
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+            self._local.conn = conn
+        conn.timeout = timeout_s
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        return conn
+
+    def close(self) -> None:
+        """Close this thread's connection (others close when their threads' clients go away)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
 
     def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
     ) -> dict[str, Any]:
         data = None if body is None else json.dumps({"cluster": self.cluster_uid, **body}).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
+        headers = {"Authorization": f"Bearer {self.token}"}
         if data is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
+            headers["Content-Type"] = "application/json"
+        for attempt in (0, 1):
+            conn = self._connection(timeout_s or self.timeout_s)
+            reused = conn.sock is not None
             try:
-                doc = json.loads(exc.read())
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+            except _STALE:
+                conn.close()
+                if reused and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                conn.close()  # a half-read response must not be mistaken for the next one
+                raise
+            if resp.will_close:
+                conn.close()
+            break
+        if resp.status >= 400:
+            try:
+                doc = json.loads(raw)
             except ValueError:
                 doc = {}
-            raise AgentRefused(exc.code, doc.get("reason", ""), doc.get("error", str(exc))) from None
+            if not isinstance(doc, dict):
+                doc = {}
+            raise AgentRefused(resp.status, doc.get("reason", ""), doc.get("error", resp.reason))
+        return json.loads(raw)
 
     def info(self) -> dict[str, Any]:
         return self._call("GET", "/v1/info")

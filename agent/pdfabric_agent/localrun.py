@@ -86,6 +86,7 @@ class LocalFabric:
 
     def __post_init__(self) -> None:
         self.spec = parse_spec(self.raw_spec)
+        self._clients: dict[tuple[str, str, str], AgentClient] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="pdfabric-local-")
         self.workdir = self._tmp.name
         entries = place(self.spec, ranks_per_agent=self.ranks_per_agent)
@@ -216,7 +217,12 @@ class LocalFabric:
 
     def client(self, rank_id_or_agent: str, *, token: str | None = None, uid: str | None = None) -> AgentClient:
         name = rank_id_or_agent if rank_id_or_agent in self.agents else self.agent_of(rank_id_or_agent)
-        return AgentClient(self.agents[name].address, token or self.token, uid or self.uid)
+        address = self.agents[name].address
+        key = (address, token or self.token, uid or self.uid)
+        client = self._clients.get(key)
+        if client is None:  # one per agent and identity, so its keep-alive connections are reused
+            client = self._clients[key] = AgentClient(*key)
+        return client
 
     def scrape(self, name: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         """Parse the agent's /metrics into {(sample name, labels): value}."""
