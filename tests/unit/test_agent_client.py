@@ -1,0 +1,119 @@
+"""AgentClient's connection handling against a small local HTTP/1.1 server: calls share one
+keep-alive connection per thread, a connection the server dropped while idle is replaced without
+the caller noticing, refusals arrive as AgentRefused with the agent's reason."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pdfabric_agent.client import AgentClient, AgentRefused
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive unless told otherwise
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.connections += 1  # type: ignore[attr-defined]
+
+    def _answer(self, status: int, doc: dict) -> None:
+        raw = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self) -> None:
+        if self.headers.get("Authorization") != "Bearer tok":
+            self._answer(401, {"error": "missing or wrong cluster token", "reason": "unauthorized"})
+        elif self.path.startswith("/v1/rooms/"):
+            self._answer(200, {"state": "Success", "path": self.path})
+        else:
+            self._answer(200, {"agent": "a1"})
+        if self.server.drop_after_answer:  # type: ignore[attr-defined]
+            self.close_connection = True  # the idle keep-alive connection goes away under the client
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self._answer(409, {"error": f"room {body['room']} is already Transferring", "reason": "conflict"})
+
+
+@pytest.fixture
+def server() -> Iterator[ThreadingHTTPServer]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.connections = 0  # type: ignore[attr-defined]
+    srv.drop_after_answer = False  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def client_for(srv: ThreadingHTTPServer, token: str = "tok") -> AgentClient:
+    return AgentClient(f"127.0.0.1:{srv.server_address[1]}", token, "uid-1")
+
+
+def test_calls_share_one_connection(server: ThreadingHTTPServer) -> None:
+    c = client_for(server)
+    for _ in range(5):
+        assert c.info() == {"agent": "a1"}
+    assert c.poll("decode-0-tp0", 7, wait_s=0.5)["path"] == "/v1/rooms/decode-0-tp0/7?wait_s=0.5"
+    assert server.connections == 1  # type: ignore[attr-defined]
+    c.close()
+
+
+def test_connection_dropped_while_idle_is_replaced(server: ThreadingHTTPServer) -> None:
+    server.drop_after_answer = True  # type: ignore[attr-defined]
+    c = client_for(server)
+    for _ in range(3):
+        assert c.info() == {"agent": "a1"}
+    assert server.connections == 3  # type: ignore[attr-defined]
+
+
+def test_each_thread_has_its_own_connection(server: ThreadingHTTPServer) -> None:
+    c = client_for(server)
+    results: list[dict] = []
+    threads = [threading.Thread(target=lambda: results.extend(c.info() for _ in range(3))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 9 and server.connections == 3  # type: ignore[attr-defined]
+
+
+def test_refusals_carry_status_reason_and_message(server: ThreadingHTTPServer) -> None:
+    c = client_for(server)
+    with pytest.raises(AgentRefused) as info:
+        c.send("prefill-0-tp0-cp0", 3, [1, 2])
+    assert (info.value.status, info.value.reason) == (409, "conflict")
+    assert "room 3 is already Transferring" in info.value.message
+    with pytest.raises(AgentRefused) as info:
+        client_for(server, token="wrong").info()
+    assert (info.value.status, info.value.reason) == (401, "unauthorized")
+    assert c.info() == {"agent": "a1"}  # the connection survives a refusal
+
+
+def test_unreachable_agent_raises_oserror() -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(OSError):
+        AgentClient(f"127.0.0.1:{port}", "tok", "uid-1", timeout_s=2).info()
+
+
+def test_address_must_be_host_and_port() -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        AgentClient("agent-without-port", "tok", "uid-1")
