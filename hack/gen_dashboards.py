@@ -67,6 +67,13 @@ TRANSFER_PANELS = (
         description="From the API call to the decode side's confirmation (not from the last chunk).",
     ),
     Panel(
+        "How decode learned completion",
+        ((f"sum by (how) (rate(pdfabric_decode_completions_total{{{SEL}}}[{RATE}]))", "{{how}}"),),
+        unit="ops",
+        description="completion-board: the decode agent read the GPU kernel's completion word itself; "
+        "done-report: it waited for the sender's report.",
+    ),
+    Panel(
         "State bytes saved by CP dedup",
         ((f"sum(rate(pdfabric_state_dedup_skipped_bytes_total{{{SEL}}}[{RATE}]))", "saved"),),
         unit="Bps",

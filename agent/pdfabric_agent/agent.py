@@ -40,7 +40,7 @@ from pdfabric_agent import metrics
 from pdfabric_agent.backend import TransferBackend, TransferError
 from pdfabric_agent.completion import CompletionMark, CompletionWatcher
 from pdfabric_agent.config import AgentConfig
-from pdfabric_agent.metrics import Kind, Outcome, Refusal
+from pdfabric_agent.metrics import Completion, Kind, Outcome, Refusal
 from pdfabric_agent.peers import PeerHealth
 from pdfabric_agent.plan import (
     Bases,
@@ -777,7 +777,7 @@ class Agent:
             return {"state": room.state.title}
         by_path = self._bytes_by_path(body)
         rows = self._aux_rows(body.get("aux_rows") or [], local, room)
-        self._source_arrived(room, local, prefill_rank, by_path, rows)
+        self._source_arrived(room, local, prefill_rank, by_path, rows, Completion.DONE_REPORT)
         return {"state": room.state.title}
 
     def accept_launched(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -794,7 +794,7 @@ class Agent:
             marks = [CompletionMark.from_json(m) for m in raw]
             self.completions.watch(
                 marks,
-                lambda: self._source_arrived(room, local, prefill_rank, by_path, []),
+                lambda: self._source_arrived(room, local, prefill_rank, by_path, [], Completion.COMPLETION_BOARD),
                 cancelled=lambda: room.state.finished or prefill_rank in room.arrived,
             )
         except ValueError as exc:
@@ -810,9 +810,11 @@ class Agent:
         prefill_rank: str,
         by_path: Mapping[str, Mapping[str, int]],
         rows: Sequence[tuple[int, bytes]],
+        how: Completion,
     ) -> None:
         if room.state.finished or prefill_rank in room.arrived:
             return  # a done report and a completion mark of one source: counted once
+        metrics.decode_completions.labels(self.cluster, how.value).inc()
         for dst_off, raw in rows:
             local.pools.aux.write(dst_off, raw)
         sent = {"kv": 0, "state": 0, "aux": 0}

@@ -41,6 +41,13 @@ class Outcome(enum.StrEnum):
     TIMEOUT = "timeout"  # a deadline (bootstrap, transfer, waiting) passed first
 
 
+class Completion(enum.StrEnum):
+    """How a decode agent learned that one source's data had landed."""
+
+    COMPLETION_BOARD = "completion-board"  # read the sender kernel's completion word itself
+    DONE_REPORT = "done-report"  # the sender's report after its batches were confirmed
+
+
 class Refusal(enum.StrEnum):
     UNAUTHORIZED = "unauthorized"  # missing or wrong cluster token
     WRONG_CLUSTER = "wrong_cluster"
@@ -86,6 +93,12 @@ request_duration = Histogram(
     "Submit to confirmed completion of a successful room (all batches done and the peer acknowledged).",
     ["cluster", "role", "backend", "transport"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
+)
+decode_completions = Counter(
+    "pdfabric_decode_completions_total",
+    "Sources of decode rooms seen complete, by how the decode agent learned it (completion board: no message after the data).",
+    ["cluster", "how"],
     registry=REGISTRY,
 )
 api_refusals = Counter(
@@ -138,6 +151,7 @@ ALL_METRICS: tuple[MetricWrapperBase, ...] = (
     transfer_batches,
     requests,
     request_duration,
+    decode_completions,
     api_refusals,
     engine_up,
     agent_ready,
@@ -159,6 +173,8 @@ def precreate(cluster: str, role: str, backend: str, transport: str, paths: tupl
         requests.labels(cluster, role, outcome.value)
     for reason in Refusal:
         api_refusals.labels(cluster, reason.value)
+    for how in Completion:
+        decode_completions.labels(cluster, how.value)
     request_duration.labels(cluster, role, backend, transport)
     state_bytes_skipped.labels(cluster, backend)
     peers_blacklisted.labels(cluster)
@@ -186,7 +202,7 @@ def render_markdown() -> str:
         labels = ", ".join(f"`{n}`" for n in m._labelnames)
         lines.append(f"| `{name}` | {m._type} | {labels} | {m._documentation} |")
     lines += ["", "Closed label values (pre-created at zero):", ""]
-    for enum_cls, label in ((Kind, "kind"), (Outcome, "outcome"), (Refusal, "reason")):
+    for enum_cls, label in ((Kind, "kind"), (Outcome, "outcome"), (Completion, "how"), (Refusal, "reason")):
         lines.append(f"- `{label}`: " + ", ".join(f"`{v.value}`" for v in enum_cls))
     lines.append("- `result` (probes): `ok`, `failed`")
     return "\n".join(lines) + "\n"

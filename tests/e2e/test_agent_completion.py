@@ -76,6 +76,7 @@ def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, 
     lc = fabric
     open_room(lc, 1001)
     before = lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel")
+    seen = lc.metric_sum("pdfabric_decode_completions_total", how="completion-board")
     code, doc = notice(
         lc, 1001, [{"board": board.name, "slot": 4, "seq": 7}, {"board": board.name, "slot": 4, "seq": 8}]
     )
@@ -90,6 +91,7 @@ def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, 
     assert view["senders"] == {P: {"kv": 4096, "state": 0, "aux": 16}}
     after = lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel")
     assert after - before == 4096 + 16
+    assert lc.metric_sum("pdfabric_decode_completions_total", how="completion-board") == seen + 1
     # A done report of the same source afterwards changes nothing (no bytes counted twice).
     body = {"cluster": lc.uid, "room": 1001, "decode_rank": D, "prefill_rank": P, "ok": True,
             "bytes_by_path": {"nvlink-kernel": {"kv": 4096}}}  # fmt: skip
