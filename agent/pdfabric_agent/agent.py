@@ -560,6 +560,7 @@ class Agent:
                     launched.append((h, kind, sum(b.length for b in blocks), len(blocks)))
                 else:
                     later.append(lambda b=blocks, k=kind: self._write(local, peer, b, k, room, by_path))
+            room.marks[f"launched:{target.decode_rank}"] = self.clock()
             mark = getattr(backend, "completion_mark", None)
             if launched and not later and not plan.aux_tcp and mark is not None:
                 marks = [mark(h) for h, *_ in launched]
@@ -633,6 +634,7 @@ class Agent:
             plan, peer = self._plan(room, local, target)
         except ValueError as exc:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
+        room.marks[f"planned:{target.decode_rank}"] = self.clock()
         by_path: dict[str, dict[str, int]] = {}
         watched = False
         try:
@@ -801,6 +803,7 @@ class Agent:
             raise malformed(f"cannot watch the completion of room {room.room}: {exc}") from None
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING
+        room.marks[f"notified:{prefill_rank}"] = self.clock()
         return {"state": room.state.title, "watching": len(marks)}
 
     def _source_arrived(
@@ -815,6 +818,7 @@ class Agent:
         if room.state.finished or prefill_rank in room.arrived:
             return  # a done report and a completion mark of one source: counted once
         metrics.decode_completions.labels(self.cluster, how.value).inc()
+        room.marks[f"arrived:{prefill_rank}"] = self.clock()
         for dst_off, raw in rows:
             local.pools.aux.write(dst_off, raw)
         sent = {"kv": 0, "state": 0, "aux": 0}

@@ -108,6 +108,7 @@ class Room:
     finished_at: float = 0.0
     moved: dict[str, int] = field(default_factory=lambda: {"kv": 0, "state": 0, "aux": 0})
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
 
     def view(self) -> dict[str, Any]:
         return {
@@ -117,6 +118,9 @@ class Room:
             "code": int(self.state),
             "reason": self.reason,
             "bytes": dict(self.moved),
+            # The agent's monotonic clock (node-wide): phases of rooms on one node line up.
+            "submitted_at": round(self.submitted, 6),
+            "phases_s": {k: round(v - self.submitted, 6) for k, v in self.marks.items()},
         }
 
 
@@ -127,14 +131,9 @@ class PrefillRoom(Room):
     src_aux: int | None
     targets: dict[str, Target]
     skipped_state: int = 0
-    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
 
     def view(self) -> dict[str, Any]:
-        return {
-            **super().view(),
-            "state_bytes_skipped": self.skipped_state,
-            "phases_s": {k: round(v - self.submitted, 6) for k, v in self.marks.items()},
-        }
+        return {**super().view(), "state_bytes_skipped": self.skipped_state}
 
 
 @dataclass(kw_only=True)

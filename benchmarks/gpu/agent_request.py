@@ -90,10 +90,10 @@ def bulk_ceiling(nbytes: int = 1 << 30, reps: int = 20) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def room(lc, k: int, src: list[int], dst: list[int]) -> tuple[float, float, float, float]:
+def room(lc, k: int, src: list[int], dst: list[int]) -> dict[str, float]:
     """One room; seconds from `send` to the decode room's Success (the decode agent's own view:
-    what a decode engine waits for), to the prefill room's Success, the prefill agent's write
-    phase and its submitted -> decode-confirmed phase."""
+    what a decode engine waits for) and to the prefill room's Success, and where the time went
+    (agents and this script read one node-wide monotonic clock, so their marks line up)."""
     p, d = "prefill-0-tp0-cp0", "decode-0-tp0"
     lc.client(d).receive(d, k, dst, aux_index=k % 64)
     deadline = time.monotonic() + 10
@@ -106,20 +106,41 @@ def room(lc, k: int, src: list[int], dst: list[int]) -> tuple[float, float, floa
         if time.monotonic() > deadline:
             raise RuntimeError(f"room {k}: decode room info did not reach the prefill agent")
         time.sleep(0.001)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     lc.client(p).send(p, k, src, aux_index=(k * 7) % 64)
     dview = lc.client(d).wait(d, k, 120)
-    t_decode = time.perf_counter() - t0
+    t_decode = time.monotonic()
     view = lc.client(p).wait(p, k, 30)
-    t_prefill = time.perf_counter() - t0
+    t_prefill = time.monotonic()
     for v in (dview, view):
         if v["state"] != "Success":
             raise RuntimeError(f"room {k}: {v['rank']} {v['state']} {v.get('reason')}")
     if dview["bytes"] != view["bytes"]:
         raise RuntimeError(f"room {k}: decode counted {dview['bytes']}, prefill sent {view['bytes']}")
-    ph = view["phases_s"]
-    room.last_phases = ph  # type: ignore[attr-defined]
-    return t_decode, t_prefill, ph["written:decode-0-tp0"] - ph["transferring"], ph["acknowledged:decode-0-tp0"]
+    ph, dph = view["phases_s"], dview["phases_s"]
+    room.last_phases = {"prefill": ph, "decode": dph}  # type: ignore[attr-defined]
+    sub = view["submitted_at"]
+    arrived = dview["submitted_at"] + dph[f"arrived:{p}"]
+    launched = ph.get(f"launched:{d}", ph[f"planned:{d}"])  # the engine path has no launch of its own
+    return {
+        "decode": t_decode - t0,
+        "prefill": t_prefill - t0,
+        "confirmed": ph[f"acknowledged:{d}"],
+        "b_send_in": sub - t0,
+        "b_plan": ph[f"planned:{d}"],
+        "b_launch": launched - ph[f"planned:{d}"],
+        "b_kernel_seen": arrived - (sub + launched),
+        "b_answer": t_decode - arrived,
+    }
+
+
+BREAKDOWN = (
+    ("b_send_in", "client send -> prefill room created"),
+    ("b_plan", "room planned"),
+    ("b_launch", "kernels launched"),
+    ("b_kernel_seen", "launch -> decode agent saw the completion word"),
+    ("b_answer", "-> client's long poll answered"),
+)
 
 
 def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dict, modes: list[str]) -> None:
@@ -127,21 +148,20 @@ def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dic
     for mode, reps in (("contiguous", 9), ("scattered", 9)):
         if mode not in modes:
             continue
-        decodes, prefills, writes, acks = [], [], [], []
+        rows: list[dict[str, float]] = []
         for i in range(reps + 1):
             if mode == "contiguous":
                 s0, d0 = rng.randrange(0, POOL_PAGES - PAGES), rng.randrange(0, POOL_PAGES - PAGES)
                 src, dst = list(range(s0, s0 + PAGES)), list(range(d0, d0 + PAGES))
             else:
                 src, dst = rng.sample(range(POOL_PAGES), PAGES), rng.sample(range(POOL_PAGES), PAGES)
-            td, tp, w, a = room(lc, k, src, dst)
+            r = room(lc, k, src, dst)
             k += 1
             if i:  # the first room of each mode warms sessions and mappings
-                decodes.append(td)
-                prefills.append(tp)
-                writes.append(w)
-                acks.append(a)
-        t, tp, w, a = (statistics.median(x) for x in (decodes, prefills, writes, acks))
+                rows.append(r)
+        med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        decodes = [r["decode"] for r in rows]
+        t = med["decode"]
         ceiling = result.get("ceiling_gbps")
 
         def ratio(sec: float, ceiling: float | None = ceiling) -> str:
@@ -149,9 +169,8 @@ def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dic
 
         result[mode] = {
             "send_to_decode_success_ms": t * 1e3,
-            "send_to_prefill_success_ms": tp * 1e3,
-            "write_phase_ms": w * 1e3,
-            "submitted_to_acknowledged_ms": a * 1e3,
+            "send_to_prefill_success_ms": med["prefill"] * 1e3,
+            "medians_ms": {key: v * 1e3 for key, v in med.items()},
             "all_decode_ms": [x * 1e3 for x in decodes],
         }
         lines.append(
@@ -159,11 +178,15 @@ def run_modes(lc, nbytes: int, rng: random.Random, lines: list[str], result: dic
             f"(min {min(decodes) * 1e3:.2f}, max {max(decodes) * 1e3:.2f} ms; {reps} rooms)"
         )
         lines.append(
-            f"  send -> prefill Success median {tp * 1e3:.2f} ms{ratio(tp)}; prefill agent's clock: write phase "
-            f"{w * 1e3:.2f} ms, room submitted -> decode confirmed {a * 1e3:.2f} ms{ratio(a)}"
+            f"  send -> prefill Success median {med['prefill'] * 1e3:.2f} ms{ratio(med['prefill'])}; prefill agent's "
+            f"clock, room submitted -> decode confirmed {med['confirmed'] * 1e3:.2f} ms{ratio(med['confirmed'])}"
+        )
+        lines.append(
+            "  where the time goes (medians, ms): "
+            + "; ".join(f"{label} {med[key] * 1e3:.2f}" for key, label in BREAKDOWN)
         )
         print(
-            "\n".join(lines[-2:]),
+            "\n".join(lines[-3:]),
             "phases of the last room (s):",
             json.dumps(getattr(room, "last_phases", {})),
             flush=True,

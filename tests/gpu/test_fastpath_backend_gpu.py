@@ -121,7 +121,7 @@ def test_backend_moves_same_node_blocks_with_the_kernel_and_falls_back_otherwise
     qs = [ctx.Queue(), ctx.Queue()]
     barrier = ctx.Barrier(2, timeout=120)
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as shm:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         procs = [ctx.Process(target=_worker, args=(r, shm, qs, barrier, results)) for r in range(2)]
         for p in procs:
             p.start()
@@ -168,7 +168,7 @@ def test_same_process_peer_and_a_republished_peer() -> None:
         def close(self) -> None:
             pass
 
-    with tempfile.TemporaryDirectory() as shm:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         e0, e1 = Engine(18000), Engine(18001)
         b0 = FastPathBackend(e0, gpu=0, shm_dir=shm)
         b1 = FastPathBackend(e1, gpu=1, shm_dir=shm)

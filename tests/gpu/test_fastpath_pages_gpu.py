@@ -58,7 +58,7 @@ def test_route_pages_in_one_launch(decode_tp: int) -> None:
     src_l = PoolLayout.from_geometry(spec.model, 1, kv_pages=pages, state_slots=1, aux_slots=1)
     dst_l = PoolLayout.from_geometry(spec.model, decode_tp, kv_pages=pages, state_slots=1, aux_slots=1)
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    with tempfile.TemporaryDirectory() as shm:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         e0, e1 = Engine(19000 + decode_tp), Engine(19100 + decode_tp)
         b0 = FastPathBackend(e0, gpu=0, shm_dir=shm)
         b1 = FastPathBackend(e1, gpu=1, shm_dir=shm)

@@ -114,7 +114,14 @@ class CompletionBoard:
             cuda.primary_context(device)
             # PORTABLE registration is valid in every context, so one registration serves all devices.
             if not self._device_ptr:
-                self._device_ptr[device] = cuda.host_register(self.addr, self.size)
+                try:
+                    self._device_ptr[device] = cuda.host_register(self.addr, self.size)
+                except cuda.CudaError as exc:
+                    # Pages of a file on disk cannot be pinned; those of a tmpfs (/dev/shm) can.
+                    raise cuda.CudaError(
+                        f"completion board {self.path} cannot be pinned for the GPU ({exc}); "
+                        "the shared-memory directory (PDFABRIC_SHM_DIR) must be a tmpfs such as /dev/shm"
+                    ) from None
             else:
                 self._device_ptr[device] = next(iter(self._device_ptr.values()))
         return self._device_ptr[device] + 8 * slot

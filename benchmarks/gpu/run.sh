@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the device tool, kind nvidia-h200-x2), from the repo root, with the
+# Mooncake CUDA engine carried in .gpu-deps (/work/shared/tools/gpu-deps fetch .gpu-deps):
+#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent]      (default: all three)
+# Output goes to stdout and, when the device tool sets $OUT, into files there.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$(mktemp -d)}
+export OUT
+eval "$(.gpu-deps/gpu-deps load .gpu-deps)"
+steps=${*:-tests fastpath agent}
+echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+nvidia-smi topo -m | head -4
+python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)'
+rc=0
+for step in $steps; do
+  echo "== $step $(date -u +%T)"
+  case $step in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || rc=1 ;;
+    fastpath) python3 benchmarks/gpu/fastpath_bench.py 2>&1 | tee "$OUT/fastpath_bench.txt" | tail -40 || rc=1 ;;
+    agent) python3 benchmarks/gpu/agent_request.py 2>&1 | tee "$OUT/agent_request.txt" | tail -40 || rc=1 ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+done
+echo "== done $(date -u +%T) rc=$rc"
+exit $rc
