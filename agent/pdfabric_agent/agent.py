@@ -383,6 +383,7 @@ class Agent:
             raise malformed(f"{decode_rank} is not fed by {rank_id}")
         key = (rank_id, room_id)
         info = dict(body)
+        info["layout"], info["bases"] = dst_layout, bases  # parsed once, here, not on the send path
         room = self.prefill_rooms.get(key)
         if room is not None and room.state is RoomState.BOOTSTRAPPING and decode_rank in room.targets:
             room.targets[decode_rank].dst = info
@@ -446,9 +447,9 @@ class Agent:
         plan = plan_transfer(
             duties,
             src_layout=local.layout,
-            dst_layout=PoolLayout.from_dict(dst["layout"]),
+            dst_layout=dst["layout"],
             src=local.bases,
-            dst=Bases(**dst["bases"]),
+            dst=dst["bases"],
             src_pages=room.src_pages,
             dst_pages=dst["kv_pages"],
             src_state=room.src_state if duties.state_layers or duties.state_skipped else [],

@@ -15,6 +15,7 @@ Which (p, c, s) a decode rank waits for is ``expected_sources``; both sides use 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +80,8 @@ class KvPages:
     src_pages: Sequence[int]
     dst_pages: Sequence[int]
     whole_page: bool
+    src_limit: int = 0  # pages per source buffer (the layout's kv_pages); 0: unknown
+    dst_limit: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -201,6 +204,13 @@ def _runs(src: Sequence[int], dst: Sequence[int], coalesce: bool) -> list[tuple[
     return [(s, d, 1) for s, d in zip(src, dst, strict=True)]
 
 
+@functools.lru_cache(maxsize=256)
+def buffer_bases(layout: PoolLayout, kv_base: int, layers: range, shift: int, head: int) -> tuple[int, ...]:
+    """Address of page 0 (at head `head`) of every (layer, K/V) buffer, in (layer, K/V) order; the
+    same for every room between two ranks, so it is computed once per pair of pools."""
+    return tuple(kv_base + layout.kv_offset(layer + shift, kv, 0, head) for layer in layers for kv in (0, 1))
+
+
 def plan_transfer(
     duties: Duties,
     *,
@@ -226,7 +236,12 @@ def plan_transfer(
             f"this CP rank sends request pages {duties.pages.start}..{duties.pages.stop - 1} "
             f"({len(duties.pages)} pages) but the request gave {len(src_pages)} source pages"
         )
-    shard_dst = [dst_pages[i] for i in duties.pages]
+    # Every CP rank's shard is a range of request positions: a slice (the whole list without CP).
+    shard_dst = (
+        dst_pages[duties.pages.start : duties.pages.stop]
+        if duties.pages.step == 1
+        else [dst_pages[i] for i in duties.pages]
+    )
     route = duties.route
     plan = TransferPlan()
     shift = duties.dst_layer_offset
@@ -244,16 +259,16 @@ def plan_transfer(
         src_head, dst_head = route.src_head_offset, route.dst_head_offset
         item = route.num_heads * src_layout.head_bytes
     plan.kv_pages = KvPages(
-        src_bases=tuple(src.kv + src_layout.kv_offset(layer, kv, 0, src_head) for layer in layers for kv in (0, 1)),
-        dst_bases=tuple(
-            dst.kv + dst_layout.kv_offset(layer + shift, kv, 0, dst_head) for layer in layers for kv in (0, 1)
-        ),
+        src_bases=buffer_bases(src_layout, src.kv, layers, 0, src_head),
+        dst_bases=buffer_bases(dst_layout, dst.kv, layers, shift, dst_head),
         item=item,
         src_stride=src_layout.page_bytes,
         dst_stride=dst_layout.page_bytes,
-        src_pages=list(src_pages),
+        src_pages=src_pages,
         dst_pages=shard_dst,
         whole_page=route.whole_page,
+        src_limit=src_layout.kv_pages,
+        dst_limit=dst_layout.kv_pages,
     )
     if kv_blocks:
         plan.kv = plan.kv_pages.blocks(coalesce)

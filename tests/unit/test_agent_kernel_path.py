@@ -17,6 +17,7 @@ from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.config import load_config
 from pdfabric_agent.hardware import Hardware
 from pdfabric_agent.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
+from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout, RankPools
 from pdfabric_agent.rooms import PrefillRoom, Target
 from pdfabric_agent.transport import TransportChoice, TransportError
@@ -126,8 +127,8 @@ def run_room(
     local = LocalRank(Rank("prefill", 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
     dst = {
         "endpoint": "peer:1",
-        "layout": layout.to_dict(),
-        "bases": {"kv": 0x4000_0000, "state": 0x5000_0000, "aux": 0x6000_0000},
+        "layout": layout,  # parsed, as accept_dst keeps them
+        "bases": Bases(0x4000_0000, 0x5000_0000, 0x6000_0000),
         "kv_pages": list(range(len(pages))),
         "state_indices": [1],
         "aux_index": 1,

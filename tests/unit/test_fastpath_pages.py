@@ -4,6 +4,7 @@ declines having moved nothing, and the path label says what moved a batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Hashable
 from typing import Any
@@ -62,8 +63,10 @@ def geometry(decode_tp: int = 1, pages: int = 24, layers: int = 3) -> tuple[Any,
     return spec, src, dst
 
 
-def kv_pages(decode_tp: int, src_pages: list[int], dst_pages: list[int], d: int = 0) -> tuple[KvPages, Any, Any]:
-    spec, src_l, dst_l = geometry(decode_tp)
+def kv_pages(
+    decode_tp: int, src_pages: list[int], dst_pages: list[int], d: int = 0, pool_pages: int = 24
+) -> tuple[KvPages, Any, Any]:
+    spec, src_l, dst_l = geometry(decode_tp, pages=pool_pages)
     route = next(r for r in decode_targets(spec, 0) if r.decode_tp_rank == d)
     duties = sender_duties(spec, route, 0, len(dst_pages))
     assert duties is not None
@@ -300,5 +303,60 @@ def test_overlapping_request_in_flight_is_refused(tmp_path: Any) -> None:
         disjoint, _, _ = kv_pages(1, [7, 8], [10, 11])
         sender.complete = True
         assert fp.try_write_pages("decode", disjoint) == "nvlink-kernel"
+    finally:
+        fp._board.close()
+
+
+def test_large_request_launches_its_first_eighth_alone_then_the_rest(tmp_path: Any) -> None:
+    rng = random.Random(11)
+    src_pages, dst_pages = rng.sample(range(160), 100), rng.sample(range(160), 100)
+    kvp, plan, (src_l, dst_l) = kv_pages(1, src_pages, dst_pages, pool_pages=160)
+    fp, mem = backend_for(src_l, dst_l, tmp_path)
+    sender: FakeSender = fp._sender  # type: ignore[assignment]
+    try:
+        launched = fp.submit_pages("decode", kvp)
+        assert launched is not None and launched.before is not None
+        # 100 // 8 = 12 pages first (every layer and K/V), then the other 88: 6 buffers each.
+        assert [p.total_units // p.ngroups for p in sender.plans] == [6 * 12, 6 * 88]
+        assert launched.nbytes + launched.before.nbytes == kvp.nbytes
+        assert fp.wait(launched) == "nvlink-kernel"
+        expect, _ = memories(src_l, dst_l, 1)
+        for b in plan.kv:
+            expect.copy(b.src, b.dst, b.length)
+        assert mem.regions[MAPPED] == expect.regions[DST_BASE]
+        assert sender.ledger.in_flight() == 0  # both launches released
+    finally:
+        fp._board.close()
+
+
+def test_refused_second_launch_lets_the_first_land_then_raises(tmp_path: Any) -> None:
+    src_pages, dst_pages = list(range(100)), list(range(100, 200))
+    kvp, _, (src_l, dst_l) = kv_pages(1, src_pages, dst_pages, pool_pages=200)
+    fp, _ = backend_for(src_l, dst_l, tmp_path)
+    sender: FakeSender = fp._sender  # type: ignore[assignment]
+    pool = f"kv@{kvp.dst_bases[0]:#x}/{kvp.item}"
+    sender.ledger.reserve("another request", "decode", {pool: {150}})  # in flight: a page of the rest
+    try:
+        with pytest.raises(OverlapError, match=r"pages \[150\]"):
+            fp.submit_pages("decode", kvp)
+        assert len(sender.plans) == 1  # the first eighth went, and was waited for
+        assert sender.ledger.in_flight() == 1  # only the other request holds pages now
+    finally:
+        fp._board.close()
+
+
+@pytest.mark.parametrize("pages", [3, 100])  # one launch; pipelined (the bad page in the second launch)
+def test_page_past_the_end_of_the_pool_is_refused_before_it_is_written(tmp_path: Any, pages: int) -> None:
+    src_pages, dst_pages = list(range(pages)), list(range(pages))
+    dst_pages[-1] = 200  # the decode pool has 200 pages: 0..199
+    kvp, _, (src_l, dst_l) = kv_pages(1, src_pages, list(range(pages)), pool_pages=200)
+    kvp = dataclasses.replace(kvp, dst_pages=dst_pages)
+    fp, _ = backend_for(src_l, dst_l, tmp_path)
+    sender: FakeSender = fp._sender  # type: ignore[assignment]
+    try:
+        with pytest.raises(PlanError, match="past the end"):
+            fp.submit_pages("decode", kvp)
+        assert len(sender.plans) == (0 if pages < 64 else 1)  # at most the first eighth, all in bounds
+        assert sender.ledger.in_flight() == 0
     finally:
         fp._board.close()

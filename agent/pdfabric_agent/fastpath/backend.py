@@ -33,7 +33,6 @@ from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport
 from pdfabric_agent.fastpath.kernel import KernelConfig
 from pdfabric_agent.fastpath.plan import (
     Layout,
-    index_tensor,
     page_layout,
     plan_blocks,
     plan_blocks_list,
@@ -45,6 +44,9 @@ log = logging.getLogger("pdfabric.fastpath")
 SMALL_BATCH = 256  # up to this many blocks are planned in plain Python (aux rows, coalesced requests)
 # The most blocks one kernel batch takes: its table (16 bytes a block) stays within MAX_TABLE_BYTES.
 KERNEL_MAX_BLOCKS = 1 << 21
+# Requests of at least PIPELINE_MIN_PAGES pages launch their first 1/PIPELINE_HEAD of pages alone.
+PIPELINE_MIN_PAGES = 64
+PIPELINE_HEAD = 8
 SPIN_S = 200e-6  # spin this long on the completion word, then poll with short sleeps (frees the GIL)
 
 
@@ -81,16 +83,27 @@ class Launched:
     what: str
     nbytes: int
     t_planned: float = 0.0  # when the table was ready (the rest of t0..t1 is reserve + upload + launch)
+    before: Launched | None = None  # an earlier launch of the same request on the same stream
 
 
-def page_spans(kvp, src: torch.Tensor, dst: torch.Tensor) -> tuple[int, int] | None:
-    """Bytes one buffer of a KvPages can touch from its base (page 0 up to the highest page of
-    ``src`` / ``dst``) on each side; None when a page index is negative."""
-    s_lo, s_hi = (int(v) for v in torch.aminmax(src))
-    d_lo, d_hi = (int(v) for v in torch.aminmax(dst))
+def page_spans(kvp) -> tuple[int, int] | None:
+    """Bytes one buffer of a KvPages can touch from its base on each side: all its pages when the
+    page counts are known (the launch tables then refuse any page past them), else page 0 up to
+    the highest page of its lists; None when a page index is negative."""
+    if kvp.src_limit > 0 and kvp.dst_limit > 0:
+        return (kvp.src_limit - 1) * kvp.src_stride + kvp.item, (kvp.dst_limit - 1) * kvp.dst_stride + kvp.item
+    s_lo, s_hi = _bounds(kvp.src_pages)
+    d_lo, d_hi = _bounds(kvp.dst_pages)
     if min(s_lo, d_lo) < 0:
         return None
     return s_hi * kvp.src_stride + kvp.item, d_hi * kvp.dst_stride + kvp.item
+
+
+def _bounds(pages) -> tuple[int, int]:
+    if isinstance(pages, torch.Tensor):
+        lo, hi = torch.aminmax(pages)
+        return int(lo), int(hi)
+    return min(pages), max(pages)  # a list: two C loops, no conversion
 
 
 class FastPathBackend:
@@ -133,7 +146,9 @@ class FastPathBackend:
         self.engine_batches = 0
         self._trace = os.environ.get("PDFABRIC_FASTPATH_TRACE") == "1"  # per-batch timings in the log
         self._submit_lock = threading.Lock()  # sequence numbers must reach the stream in order
-        self._layouts: dict[tuple, Layout] = {}  # whole-page tables by (buffer pairs, item)
+        # Per pair of pools (a connection): the whole-page table's fixed part and the buffer pairs.
+        self._layouts: dict[tuple, Layout] = {}
+        self._pairs: dict[tuple, list[tuple[int, int]]] = {}
 
     def endpoint(self) -> str:
         return self.inner.endpoint()
@@ -231,15 +246,19 @@ class FastPathBackend:
         return self._launch(peer, plan, ranges, t0, f"{len(blocks)} blocks", time.perf_counter())
 
     def submit_pages(self, peer: str, kvp) -> Launched | None:
-        """``try_write_pages`` up to the launch: returns without waiting; pass it to ``wait``."""
+        """``try_write_pages`` up to the launch: returns without waiting; pass it to ``wait``.
+
+        A large request goes as two launches on the one stream: the first PIPELINE_HEAD-th of its
+        pages, planned and launched first, then the rest, planned while the first one runs, so
+        the GPU starts after a small fraction of the planning. The handle is the second launch
+        (its completion implies the first's: stream order) holding the first in ``before``."""
         if not kvp.src_pages:
             return None
         t0 = time.perf_counter()
         pm = self._peer(peer)
         if pm is None or len(kvp.src_pages) != len(kvp.dst_pages):
             return None
-        sp, dp = index_tensor(kvp.src_pages), index_tensor(kvp.dst_pages)
-        spans = page_spans(kvp, sp, dp)
+        spans = page_spans(kvp)
         if spans is None:
             return None
         s_span, d_span = spans
@@ -249,7 +268,10 @@ class FastPathBackend:
         mapped_lo = pm.translate_one(lo_d, max(kvp.dst_bases) - lo_d + d_span)
         if mapped_lo is not None and self._local_ok(lo_s, max(kvp.src_bases) - lo_s + s_span):
             delta = mapped_lo - lo_d
-            pairs = [(sb, db + delta) for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True)]
+            key: tuple = (kvp.src_bases, kvp.dst_bases, delta, kvp.item, kvp.src_limit, kvp.dst_limit)
+            pairs = self._pairs.get(key)
+            if pairs is None:
+                pairs = [(sb, db + delta) for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True)]
         else:
             pairs = []
             for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True):
@@ -257,21 +279,45 @@ class FastPathBackend:
                 if mapped is None or not self._local_ok(sb, s_span):
                     return None
                 pairs.append((sb, mapped))
+            key = (kvp.src_bases, tuple(pairs), kvp.item, kvp.src_limit, kvp.dst_limit)
         # The ledger key: this route's slice of the receiver's KV pool (a decode page index names
         # the same bytes in every layer and K/V buffer of it).
         pool = f"kv@{kvp.dst_bases[0]:#x}/{kvp.item}"
         chunk = self._sender.cfg.chunk_bytes
         layout = None
         if kvp.whole_page:
-            key = (kvp.src_bases, tuple(d for _, d in pairs), kvp.item)
             layout = self._layouts.get(key)
             if layout is None:
                 if len(self._layouts) > 64:
                     self._layouts.clear()
-                layout = self._layouts[key] = page_layout(pool, pairs, kvp.item, chunk)
-        dst_set = set(kvp.dst_pages) if isinstance(kvp.dst_pages, list) else None
-        plan = plan_pages(pool, pairs, kvp.item, kvp.src_stride, kvp.dst_stride, sp, dp, chunk, layout, dst_set)
-        return self._launch(peer, plan, None, t0, f"{kvp.units} pages x buffers", time.perf_counter())
+                    self._pairs.clear()
+                layout = self._layouts[key] = page_layout(
+                    pool, pairs, kvp.item, chunk, src_pages=kvp.src_limit, dst_pages=kvp.dst_limit
+                )
+                self._pairs[key] = pairs
+        src, dst = kvp.src_pages, kvp.dst_pages
+        n = len(src)
+        head = n // PIPELINE_HEAD if n >= PIPELINE_MIN_PAGES else 0
+
+        def launch(lo: int, hi: int, t_start: float) -> Launched:
+            s_part, d_part = (src, dst) if (lo, hi) == (0, n) else (src[lo:hi], dst[lo:hi])
+            plan = plan_pages(
+                pool, pairs, kvp.item, kvp.src_stride, kvp.dst_stride, s_part, d_part, chunk, layout,
+                limits=(kvp.src_limit, kvp.dst_limit),
+            )  # fmt: skip
+            what = f"{len(pairs) * (hi - lo)} pages x buffers"
+            return self._launch(peer, plan, None, t_start, what, time.perf_counter())
+
+        if not head:
+            return launch(0, n, t0)
+        first = launch(0, head, t0)
+        try:
+            rest = launch(head, n, time.perf_counter())
+        except BaseException:
+            self.wait(first)  # its pages are being written: let them land (and free the ledger)
+            raise
+        rest.before = first
+        return rest
 
     def _launch(self, peer: str, plan, ranges, t0: float, what: str, t_planned: float) -> Launched:
         room = ("batch", next(self._batches))
@@ -294,6 +340,8 @@ class FastPathBackend:
     def wait(self, launched: Launched) -> str:
         """Until the receiver's completion word says every byte of the launch landed; returns the
         path label. Spins briefly, then polls with short sleeps (other threads keep the GIL)."""
+        if launched.before is not None:
+            self.wait(launched.before)
         tr, t1 = launched.transfer, launched.t1
         deadline = t1 + self.timeout_s
         while not tr.done():

@@ -10,6 +10,7 @@ the sender.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -23,7 +24,8 @@ from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
 from pdfabric_agent.fastpath.ledger import ReceiverLedger
 from pdfabric_agent.fastpath.plan import CopyGroup, LaunchPlan, Layout, plan_launch
 
-STAGE_WORDS = 1 << 17  # 1 MiB of table words staged without a per-launch pinned allocation
+STAGE_WORDS = 1 << 17  # 1 MiB of table words per staging slot (no pinned allocation per launch)
+STAGE_SLOTS = 4  # launches in flight at once with staged tables (a pipelined request uses two)
 
 
 class TransferTimeout(TimeoutError):
@@ -82,14 +84,15 @@ class FastPathSender:
         self.peers = PeerMappings(device)
         self.ledger = ledger if ledger is not None else ReceiverLedger()
         self._routes: dict[Hashable, _Route] = {}
-        # One reusable pinned + device table (a whole request's page-list table is a few KiB): the
-        # upload is a memcpy and one async copy instead of a pinned allocation per launch. Used by
-        # one launch at a time, freed when its completion is seen; otherwise tables are pinned anew.
+        # Reusable pinned + device table slots (a whole request's page-list table is a few KiB): the
+        # upload is a memcpy and one async copy instead of a pinned allocation per launch. A slot
+        # serves one launch at a time and is freed when its completion is seen; with every slot
+        # busy, tables are pinned anew.
         self._stage_words = STAGE_WORDS
-        self._stage_host = torch.empty(STAGE_WORDS, dtype=torch.int64).pin_memory()
-        self._stage_dev = torch.empty(STAGE_WORDS, dtype=torch.int64, device=f"cuda:{device}")
+        self._stage_host = torch.empty(STAGE_SLOTS, STAGE_WORDS, dtype=torch.int64).pin_memory()
+        self._stage_dev = torch.empty(STAGE_SLOTS, STAGE_WORDS, dtype=torch.int64, device=f"cuda:{device}")
         self._stage_lock = threading.Lock()
-        self._stage_busy = False
+        self._stage_free = list(range(STAGE_SLOTS))
         torch.cuda.synchronize(device)  # the counter's zero-fill ran on another stream
         self._stream_ptr = self.stream.cuda_stream  # cached: each lookup is a call into torch
         self._counter_ptr = self.counter.data_ptr()
@@ -141,16 +144,17 @@ class FastPathSender:
                     plan.table if isinstance(plan.table, torch.Tensor) else torch.tensor(plan.table, dtype=torch.int64)
                 )
                 n = table.numel()
-                with self._stage_lock:
-                    staged = n <= self._stage_words and not self._stage_busy
-                    if staged:
-                        self._stage_busy = True
-                if staged:
-                    self._stage_host[:n].copy_(table)
+                slot = None
+                if n <= self._stage_words:
+                    with self._stage_lock:
+                        slot = self._stage_free.pop() if self._stage_free else None
+                if slot is not None:
+                    host, dev = self._stage_host[slot], self._stage_dev[slot]
+                    host[:n].copy_(table)
                     with torch.cuda.stream(self.stream):
-                        self._stage_dev[:n].copy_(self._stage_host[:n], non_blocking=True)
-                    table_ptr = self._stage_dev.data_ptr()
-                    on_done = self._free_stage
+                        dev[:n].copy_(host[:n], non_blocking=True)
+                    table_ptr = dev.data_ptr()
+                    on_done = functools.partial(self._free_stage, slot)
                 else:
                     with torch.cuda.stream(self.stream):
                         keep = table.pin_memory().to(f"cuda:{self.device}", non_blocking=True)
@@ -172,9 +176,9 @@ class FastPathSender:
             raise
         return Transfer(room, seq, route.board, route.slot, plan.total_bytes, t0, self.ledger, keep, _on_done=on_done)
 
-    def _free_stage(self) -> None:
+    def _free_stage(self, slot: int) -> None:
         with self._stage_lock:
-            self._stage_busy = False
+            self._stage_free.append(slot)
 
     def close(self) -> None:
         self.stream.synchronize()

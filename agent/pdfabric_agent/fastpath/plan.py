@@ -380,6 +380,7 @@ def plan_pages(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     layout: Layout | None = None,
     dst_set: set[int] | None = None,
+    limits: tuple[int, int] = (0, 0),
 ) -> LaunchPlan:
     """One launch for buffers that move the same page lists: pair b's page i moves ``item`` bytes
     from ``src + src_pages[i] * src_stride`` to ``dst + dst_pages[i] * dst_stride`` (the agent's
@@ -388,14 +389,15 @@ def plan_pages(
     each page (stride > item) becomes one block per (pair, page). ``dst_pages_by_pool[pool]``
     names the destination pages for the receiver ledger either way. ``layout``: a cached
     ``Layout`` of exactly these pairs (whole pages only), to skip rebuilding it per request;
-    ``dst_set``: ``set(dst_pages)`` when the caller has it."""
+    ``dst_set``: ``set(dst_pages)`` when the caller has it. ``limits``: pages per buffer on the
+    source and destination side (0: unchecked); a page index at or past them is refused."""
     if item <= 0 or src_stride < item or dst_stride < item:
         raise PlanError(f"item of {item} bytes does not fit strides {src_stride} / {dst_stride}")
     if len(src_pages) != len(dst_pages):
         raise PlanError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
     if item == src_stride == dst_stride:
         if layout is None:
-            layout = page_layout(pool, pairs, item, chunk_bytes)
+            layout = page_layout(pool, pairs, item, chunk_bytes, src_pages=limits[0], dst_pages=limits[1])
         if len(layout.groups) == 1 and len(src_pages):
             if dst_set is None and isinstance(dst_pages, list):
                 dst_set = set(dst_pages)  # the ledger's form
@@ -404,6 +406,8 @@ def plan_pages(
     sp, dp = _as_index(src_pages), _as_index(dst_pages)
     if sp.numel() and min(int(sp.min()), int(dp.min())) < 0:
         raise PlanError(f"pool {pool}: negative page index")
+    if sp.numel() and any(lim and int(t.max()) >= lim for t, lim in zip((sp, dp), limits, strict=True)):
+        raise PlanError(f"pool {pool}: page index past the end of a buffer")
     bases = torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
     src = (bases[:, :1] + (sp * src_stride)[None, :]).reshape(-1)
     dst = (bases[:, 1:] + (dp * dst_stride)[None, :]).reshape(-1)
@@ -456,10 +460,18 @@ def _plan_one_group(layout: Layout, sp: torch.Tensor, dp: torch.Tensor, dst_set:
 
 
 def page_layout(
-    pool: str, pairs: Sequence[tuple[int, int]], item: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    pool: str,
+    pairs: Sequence[tuple[int, int]],
+    item: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    src_pages: int = 0,
+    dst_pages: int = 0,
 ) -> Layout:
-    """The fixed part of ``plan_pages`` for whole pages (one group: the pairs share the page list)."""
-    return Layout([(pool, [BufferPair(s, d, item) for s, d in pairs])], chunk_bytes)
+    """The fixed part of ``plan_pages`` for whole pages (one group: the pairs share the page list).
+    ``src_pages`` / ``dst_pages``: pages per buffer on each side when known; a page index at or past
+    them is then refused by every plan of this layout (0: unchecked)."""
+    return Layout([(pool, [BufferPair(s, d, item, src_pages * item, dst_pages * item) for s, d in pairs])], chunk_bytes)
 
 
 def reference_copies(plan: LaunchPlan) -> list[tuple[int, int, int]]:
