@@ -29,9 +29,9 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -104,6 +104,19 @@ class RoomRequest:
     state: list[int]
     aux: int | None
     peer_replica: int
+
+
+@dataclass
+class Launch:
+    """One target's kernel batches, launched without waiting (``Agent._start_target``)."""
+
+    plan: TransferPlan
+    peer: str
+    by_path: dict[str, dict[str, int]] = field(default_factory=dict)
+    launched: list[tuple[Any, Kind, int, int]] = field(default_factory=list)  # (handle, kind, bytes, units)
+    later: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # what the kernel did not take
+    notice: asyncio.Future[dict[str, Any]] | None = None  # the completion marks on their way to decode
+    error: Exception | None = None  # a launch failed after others went: raised once they landed
 
 
 def refuse_active_room(old: Room | None, room_id: int, rank_id: str) -> None:
@@ -349,7 +362,17 @@ class Agent:
             room.state = RoomState.TRANSFERRING
             room.marks["transferring"] = self.clock()
             room.deadline = self.clock() + self.spec.transfer.timeout_seconds
-            self._spawn(self._run_prefill(room))
+            local = self.ranks[room.rank]
+            started: dict[str, Launch | Exception] = {}
+            if hasattr(local.backend, "submit_pages"):
+                # A kernel backend launches here, inside the API call that made the room ready,
+                # so the GPU starts before that call answers; the task below only waits.
+                for t in room.targets.values():
+                    try:
+                        started[t.decode_rank] = self._start_target(room, local, t)
+                    except Exception as exc:  # raised where the task would have raised it
+                        started[t.decode_rank] = exc
+            self._spawn(self._run_prefill(room, started))
 
     # ---------------------------------------------------------------- peer API: prefill side
     def accept_dst(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -393,13 +416,12 @@ class Agent:
         self._early_dst.setdefault(key, {})[decode_rank] = (self.clock(), info)
         return {"accepted": "early"}
 
-    async def _run_prefill(self, room: PrefillRoom) -> None:
+    async def _run_prefill(self, room: PrefillRoom, started: Mapping[str, Launch | Exception]) -> None:
         local = self.ranks[room.rank]
         try:
             remaining = max(0.0, room.deadline - self.clock())
-            await asyncio.wait_for(
-                asyncio.gather(*(self._send_target(room, local, t) for t in room.targets.values())), timeout=remaining
-            )
+            sends = [self._send_target(room, local, t, started.get(t.decode_rank)) for t in room.targets.values()]
+            await asyncio.wait_for(sends[0] if len(sends) == 1 else asyncio.gather(*sends), timeout=remaining)
         except TimeoutError:
             agents = sorted({t.agent for t in room.targets.values() if not t.done})
             for agent_name in agents:
@@ -439,6 +461,12 @@ class Agent:
                 )
 
     def _plan(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
+        try:
+            return self._plan_target(room, local, target)
+        except ValueError as exc:
+            raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
+
+    def _plan_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
         dst = target.dst
         assert dst is not None
         route = next(r for r in decode_targets(self.spec, local.rank.tp_rank) if r.decode_tp_rank == target.decode_tp)
@@ -525,69 +553,72 @@ class Agent:
         blocks = plan.kv or await loop.run_in_executor(self._pool, kvp.blocks, self.cfg.coalesce)
         await self._write(local, peer, blocks, Kind.KV, room, by_path)
 
-    async def _write_launched(
-        self,
-        local: LocalRank,
-        peer: str,
-        plan: TransferPlan,
-        room: PrefillRoom,
-        target: Target,
-        by_path: dict[str, dict[str, int]],
-    ) -> bool:
-        """Kernel backend: launch the room's KV (whole pages: a table of the page list) and its small
-        state and aux batches right here, back to back on the sender's stream, then wait for all
-        of them in one worker call; whatever the kernel did not take goes the usual way after.
-        When the kernels took everything, the decode agent is told their completion marks while
-        they run; True: it accepted them and counts this target's bytes itself (no done report)."""
+    def _start_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> Launch:
+        """Kernel backend: plan the target and launch its KV (whole pages: a table of the page
+        list) and its small state and aux batches back to back on the sender's stream, without
+        waiting; what the kernel does not take goes the usual way in ``_await_launch``. When the
+        kernels took everything, the decode agent is told their completion marks while they run.
+        A launch that fails is kept in ``error``: whatever went before it is waited for first."""
+        if self.health.is_blacklisted(target.agent):
+            raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
+        plan, peer = self._plan(room, local, target)
+        room.marks[f"planned:{target.decode_rank}"] = self.clock()
+        launch = Launch(plan, peer)
         backend = local.backend
-        launched: list[tuple[Any, Kind, int, int]] = []
-        later: list[Callable[[], Any]] = []
-        notice: asyncio.Future[dict[str, Any]] | None = None
+        by_path = launch.by_path
         try:
             kvp = plan.kv_pages
             if kvp is not None and kvp.num_pages:
                 h = backend.submit_pages(peer, kvp) if kvp.whole_page else None  # type: ignore[attr-defined]
                 if h is not None:
-                    launched.append((h, Kind.KV, kvp.nbytes, kvp.units))
+                    launch.launched.append((h, Kind.KV, kvp.nbytes, kvp.units))
                 else:
-                    later.append(lambda: self._write_kv(local, peer, plan, room, by_path))
+                    launch.later.append(lambda: self._write_kv(local, peer, plan, room, by_path))
             elif plan.kv:
-                later.append(lambda: self._write(local, peer, plan.kv, Kind.KV, room, by_path))
+                launch.later.append(lambda: self._write(local, peer, plan.kv, Kind.KV, room, by_path))
             for kind, blocks in ((Kind.STATE, plan.state), (Kind.AUX, plan.aux)):
                 if not blocks:
                     continue
                 h = backend.submit_blocks(peer, blocks) if len(blocks) <= LOOP_SUBMIT_BLOCKS else None  # type: ignore[attr-defined]
                 if h is not None:
-                    launched.append((h, kind, sum(b.length for b in blocks), len(blocks)))
+                    launch.launched.append((h, kind, sum(b.length for b in blocks), len(blocks)))
                 else:
-                    later.append(lambda b=blocks, k=kind: self._write(local, peer, b, k, room, by_path))
+                    launch.later.append(lambda b=blocks, k=kind: self._write(local, peer, b, k, room, by_path))
             room.marks[f"launched:{target.decode_rank}"] = self.clock()
             mark = getattr(backend, "completion_mark", None)
-            if launched and not later and not plan.aux_tcp and mark is not None:
-                marks = [mark(h) for h, *_ in launched]
+            if launch.launched and not launch.later and not plan.aux_tcp and mark is not None:
+                marks = [mark(h) for h, *_ in launch.launched]
                 # While the kernels run: the decode agent watches the marks instead of awaiting a report.
-                notice = asyncio.ensure_future(self._post_launched(room, target, marks, backend.path, launched))
+                launch.notice = asyncio.ensure_future(
+                    self._post_launched(room, target, marks, backend.path, launch.launched)
+                )
+        except Exception as exc:  # raised by `_await_launch` once what did go has landed
+            launch.error = exc
+        return launch
+
+    async def _await_launch(self, local: LocalRank, room: PrefillRoom, target: Target, launch: Launch) -> bool:
+        """Wait for a target's launches (one worker call), count them, run what the kernel did not
+        take; True when the decode agent took the completion marks and counts the bytes itself."""
+        backend = local.backend
+        notice = launch.notice
+        try:
+            # Launched batches are always waited for (their receiver reservations are released on
+            # completion) and counted, also when a later launch was refused.
+            if launch.launched:
+                loop = asyncio.get_running_loop()
+                paths = await loop.run_in_executor(
+                    self._pool,
+                    lambda: [backend.wait(h) for h, *_ in launch.launched],  # type: ignore[attr-defined]
+                )
+                for path, (_, kind, moved, units) in zip(paths, launch.launched, strict=True):
+                    self._count(room, launch.by_path, path, kind, moved, units)
+            if launch.error is not None:
+                raise launch.error
         except BaseException:
             if notice is not None:
                 notice.cancel()
             raise
-        finally:
-            # Launched batches are always waited for (their receiver reservations are released on
-            # completion) and counted, also when a later launch was refused.
-            if launched:
-                loop = asyncio.get_running_loop()
-                try:
-                    paths = await loop.run_in_executor(
-                        self._pool,
-                        lambda: [backend.wait(h) for h, *_ in launched],  # type: ignore[attr-defined]
-                    )
-                except BaseException:
-                    if notice is not None:
-                        notice.cancel()
-                    raise
-                for path, (_, kind, moved, units) in zip(paths, launched, strict=True):
-                    self._count(room, by_path, path, kind, moved, units)
-        for write in later:
+        for write in launch.later:
             await write()
         if notice is None:
             return False
@@ -628,19 +659,25 @@ class Agent:
             max(0.1, min(5.0, room.deadline - self.clock())),
         )
 
-    async def _send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
-        if self.health.is_blacklisted(target.agent):
-            raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
-        try:
+    async def _send_target(
+        self, room: PrefillRoom, local: LocalRank, target: Target, started: Launch | Exception | None = None
+    ) -> None:
+        if isinstance(started, Exception):
+            raise started
+        if started is None and hasattr(local.backend, "submit_pages"):
+            started = self._start_target(room, local, target)
+        if started is None:
+            if self.health.is_blacklisted(target.agent):
+                raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
             plan, peer = self._plan(room, local, target)
-        except ValueError as exc:
-            raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
-        room.marks[f"planned:{target.decode_rank}"] = self.clock()
-        by_path: dict[str, dict[str, int]] = {}
+            room.marks[f"planned:{target.decode_rank}"] = self.clock()
+            by_path: dict[str, dict[str, int]] = {}
+        else:
+            plan, by_path = started.plan, started.by_path
         watched = False
         try:
-            if hasattr(local.backend, "submit_pages"):
-                watched = await self._write_launched(local, peer, plan, room, target, by_path)
+            if started is not None:
+                watched = await self._await_launch(local, room, target, started)
             else:
                 await self._write_kv(local, peer, plan, room, by_path)
                 await self._write(local, peer, plan.state, Kind.STATE, room, by_path)
@@ -871,7 +908,8 @@ class Agent:
         room = self._room(rank_id, room_id)
         if wait_s > 0 and not room.state.finished:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(room.finished_event.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await room.finished_event.wait()
         return room.view()
 
     def _early_view(self, rank_id: str, room_id: int) -> dict[str, Any] | None:

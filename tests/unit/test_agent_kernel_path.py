@@ -288,3 +288,47 @@ def test_intra_node_nvlink_with_one_gpu_falls_back_when_the_spec_says_so() -> No
     got = check_mem_pool(spec_for("INTRA_NODE_NVLINK", "TCP"), Hardware(gpus=1), choice, {})
     assert got.transport is Transport.TCP and got.fell_back_from is Transport.NVLINK_INTRA
     assert INTRA_NODE_NVLINK_ONE_GPU in got.note
+
+
+def test_ready_room_is_launched_inside_the_call_that_made_it_ready(tmp_path: Path) -> None:
+    """Decode's room info first, then `send`: the kernels are launched before `send` answers (the
+    GPU starts at once); the task after it only waits, and the room ends Success."""
+    agent = make_agent(tmp_path)
+    layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
+    pool = SimpleNamespace(addr=0x1000_0000)
+    backend = Backend(kernel=True, takes=True, launch=True, marks=True)
+    agent.ranks["prefill-0-tp0-cp0"] = LocalRank(Rank("prefill", 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
+    posts: list[str] = []
+
+    async def post(agent_name: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        posts.append(path)
+        return {}
+
+    agent._post_peer = post  # type: ignore[method-assign]
+    pages = list(range(64))[::-1][:40]
+
+    async def go() -> None:
+        try:
+            agent.accept_dst(
+                {"cluster": "uid-1", "prefill_rank": "prefill-0-tp0-cp0", "decode_rank": "decode-0-tp0", "room": 5,
+                 "endpoint": "peer:1", "layout": layout.to_dict(),
+                 "bases": {"kv": 0x4000_0000, "state": 0x5000_0000, "aux": 0x6000_0000},
+                 "kv_pages": list(range(40)), "state_indices": [1], "aux_index": 1}
+            )  # fmt: skip
+            view = agent.submit_send(
+                {"cluster": "uid-1", "rank": "prefill-0-tp0-cp0", "room": 5, "kv_pages": pages,
+                 "state_indices": [0], "aux_index": 0, "decode_replica": 0}
+            )  # fmt: skip
+            assert view["state"] == "Transferring"
+            assert [what for what, _ in backend.calls] == ["submit_pages", "submit_blocks", "submit_blocks"] + [
+                "mark"
+            ] * 3  # launched (and marked) before `send` answered; nothing waited for yet
+            final = await agent.poll("prefill-0-tp0-cp0", 5, wait_s=5)
+            assert final["state"] == "Success", final
+            assert [what for what, _ in backend.calls][-3:] == ["wait"] * 3
+            assert posts == ["/v1/peer/launched"]
+            assert final["bytes"] == {"kv": KV_BYTES, "state": 64, "aux": 24}
+        finally:
+            await agent.close()
+
+    asyncio.run(go())
