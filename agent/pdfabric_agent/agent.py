@@ -64,6 +64,7 @@ from pdfabric_agent.rooms import (
     field_int,
     field_str,
     malformed,
+    pack_indices,
 )
 from pdfabric_core.policy.chunking import chunk_batch
 from pdfabric_core.policy.rank_mapping import decode_pp_stage, sending_cp_ranks
@@ -394,8 +395,8 @@ class Agent:
             raise malformed("peer room info bases must be positive integers")
         if not isinstance(body["endpoint"], str) or not body["endpoint"]:
             raise malformed("peer room info endpoint must be a non-empty string")
-        field_indices(body, "kv_pages", dst_layout.kv_pages, what="KV pages", unique=True)
-        field_indices(body, "state_indices", dst_layout.state_slots, what="state slots", unique=True)
+        dst_pages = field_indices(body, "kv_pages", dst_layout.kv_pages, what="KV pages", unique=True)
+        dst_state = field_indices(body, "state_indices", dst_layout.state_slots, what="state slots", unique=True)
         check_index(field_int(body, "aux_index", optional=True), dst_layout.aux_slots, name="aux_index")
         valid = {
             Rank("decode", r, route.decode_tp_rank, 0, self._decode_stage(local)).rank_id
@@ -406,7 +407,8 @@ class Agent:
             raise malformed(f"{decode_rank} is not fed by {rank_id}")
         key = (rank_id, room_id)
         info = dict(body)
-        info["layout"], info["bases"] = dst_layout, bases  # parsed once, here, not on the send path
+        # Parsed once, here, not on the send path.
+        info.update(layout=dst_layout, bases=bases, kv_pages=dst_pages, state_indices=dst_state)
         room = self.prefill_rooms.get(key)
         if room is not None and room.state is RoomState.BOOTSTRAPPING and decode_rank in room.targets:
             room.targets[decode_rank].dst = info
@@ -758,7 +760,7 @@ class Agent:
             "endpoint": local.backend.endpoint(),
             "layout": local.layout.to_dict(),
             "bases": {"kv": local.pools.kv.addr, "state": local.pools.state.addr, "aux": local.pools.aux.addr},
-            "kv_pages": dst_pages,
+            "kv_pages": pack_indices(dst_pages),
             "state_indices": dst_state,
             "aux_index": dst_aux,
         }

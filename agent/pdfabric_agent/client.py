@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.rooms import pack_indices
 
 FINAL = ("Success", "Failed")
+PACK_ABOVE = 64  # page lists longer than this are sent packed
 
 
 class AgentRefused(RuntimeError):
@@ -181,7 +183,9 @@ class AgentClient:
         aux_index: int | None,
         **peer: int,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"rank": rank, "room": room, "kv_pages": kv_pages, "state_indices": state_indices or []}
+        # Long page lists travel packed (base64 int32): no JSON number per page on either side.
+        pages: Any = pack_indices(kv_pages) if len(kv_pages) > PACK_ABOVE else kv_pages
+        body: dict[str, Any] = {"rank": rank, "room": room, "kv_pages": pages, "state_indices": state_indices or []}
         body.update(peer)
         if aux_index is not None:
             body["aux_index"] = aux_index
