@@ -13,6 +13,7 @@ request on it):
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import json
 import mmap
@@ -37,16 +38,75 @@ class AgentRefused(RuntimeError):
         self.message = message
 
 
+class GpuPool:
+    """A rank's GPU pool opened in this process through CUDA IPC (same node, the GPU visible here).
+    ``ptr`` is a device address valid in this process; ``torch.as_tensor(pool, device=...)`` views
+    it as uint8 without a copy (``__cuda_array_interface__``); ``read`` / ``write`` copy bytes."""
+
+    def __init__(self, ptr: int, size: int, gpu: int) -> None:
+        self.ptr, self.size, self.gpu = ptr, size, gpu
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def _check(self, offset: int, n: int) -> None:
+        if not 0 <= offset <= offset + n <= self.size:
+            raise ValueError(f"{n} bytes at {offset} are outside this pool of {self.size} bytes")
+
+    def _span(self, key: slice) -> tuple[int, int]:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a GPU pool is indexed by a contiguous byte slice")
+        start, stop, _ = key.indices(self.size)
+        return start, max(0, stop - start)
+
+    def __getitem__(self, key: slice) -> bytes:  # the mmap idiom: pools.kv[a:b]
+        return self.read(*self._span(key))
+
+    def __setitem__(self, key: slice, data: bytes) -> None:
+        start, n = self._span(key)
+        if len(data) != n:
+            raise ValueError(f"{len(data)} bytes do not fill a slice of {n}")
+        self.write(start, data)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, offset: int, n: int) -> bytes:
+        from pdfabric_agent.fastpath import cuda
+
+        self._check(offset, n)
+        buf = (ctypes.c_char * n)()
+        cuda.primary_context(self.gpu)
+        cuda.memcpy_dtoh(ctypes.addressof(buf), self.ptr + offset, n)
+        return buf.raw
+
+    def write(self, offset: int, data: bytes) -> None:
+        from pdfabric_agent.fastpath import cuda
+
+        self._check(offset, len(data))
+        buf = ctypes.create_string_buffer(data, len(data))
+        cuda.primary_context(self.gpu)
+        cuda.memcpy_htod(self.ptr + offset, ctypes.addressof(buf), len(data))
+
+
 @dataclass
 class MappedPools:
+    """A rank's pools mapped here: mmaps of the shared-memory files (CPU pools) or GpuPools."""
+
     layout: PoolLayout
-    kv: mmap.mmap
-    state: mmap.mmap
-    aux: mmap.mmap
+    kv: mmap.mmap | GpuPool
+    state: mmap.mmap | GpuPool
+    aux: mmap.mmap | GpuPool
+    _ipc: Any = None  # the CUDA IPC mappings behind GpuPools, closed with them
 
     def close(self) -> None:
         for m in (self.kv, self.state, self.aux):
-            m.close()
+            if isinstance(m, mmap.mmap):
+                m.close()
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
 
 
 def _map(path: str, size: int) -> mmap.mmap:
@@ -129,21 +189,40 @@ class AgentClient:
     def info(self) -> dict[str, Any]:
         return self._call("GET", "/v1/info")
 
-    def map_pools(self, rank_id: str) -> MappedPools:
-        """Map a rank's CPU pools (shared memory files on this node)."""
+    def map_pools(self, rank_id: str, gpu: int | None = None) -> MappedPools:
+        """Map a rank's pools here: CPU pools are shared-memory files; GPU pools are opened through
+        CUDA IPC on ``gpu`` (default: the agent's index of the pool's GPU; pass this process's
+        index of the same GPU when CUDA_VISIBLE_DEVICES differs). GPU pools need torch's CUDA
+        driver bindings in this process (the agent's fast-path modules)."""
         rank = self.info()["ranks"][rank_id]
-        for kind in ("kv", "state", "aux"):
-            if rank[kind]["device"] != "cpu":
-                raise NotImplementedError(
-                    f"{rank_id} {kind} pool is on {rank[kind]['device']}: "
-                    "mapping GPU pools (CUDA IPC) is not implemented yet"
-                )
-        return MappedPools(
-            PoolLayout.from_dict(rank["layout"]),
-            _map(rank["kv"]["handle"], rank["kv"]["size"]),
-            _map(rank["state"]["handle"], rank["state"]["size"]),
-            _map(rank["aux"]["handle"], rank["aux"]["size"]),
-        )
+        kinds = ("kv", "state", "aux")
+        mapped: dict[str, mmap.mmap | GpuPool] = {}
+        ipc = None
+        try:
+            for kind in kinds:
+                d = rank[kind]
+                if d["device"] == "cpu":
+                    mapped[kind] = _map(d["handle"], d["size"])
+                    continue
+                if not d.get("handle"):
+                    raise RuntimeError(
+                        f"{rank_id} {kind} pool on {d['device']} has no CUDA IPC export "
+                        "(allocated with expandable segments?); it cannot be mapped by a client"
+                    )
+                from pdfabric_agent.fastpath.ipc import PeerMappings, PoolExport
+
+                device = d["gpu"] if gpu is None else gpu
+                if ipc is None:
+                    ipc = PeerMappings(device)
+                mapped[kind] = GpuPool(ipc.map(PoolExport.from_json(json.loads(d["handle"]))), d["size"], device)
+        except BaseException:
+            for m in mapped.values():
+                if isinstance(m, mmap.mmap):
+                    m.close()
+            if ipc is not None:
+                ipc.close()
+            raise
+        return MappedPools(PoolLayout.from_dict(rank["layout"]), mapped["kv"], mapped["state"], mapped["aux"], ipc)
 
     def send(
         self,

@@ -31,8 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0) -> list[AgentEntry]:
-    """One agent per (role, replica), or per ``ranks_per_agent`` ranks of it when > 0."""
+def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0, decode_gpu: int = 0) -> list[AgentEntry]:
+    """One agent per (role, replica), or per ``ranks_per_agent`` ranks of it when > 0; decode ranks
+    on GPU ``decode_gpu``, prefill ranks on GPU 0."""
     agents: list[AgentEntry] = []
     groups: list[tuple[str, int, list[Rank]]] = []
     for r in range(spec.prefill.replicas):
@@ -44,7 +45,9 @@ def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0) -> list[AgentEntry]:
         ]
         groups.append(("prefill", r, ranks))
     for r in range(spec.decode.replicas):
-        ranks = [Rank("decode", r, tp, 0, pp) for pp in range(spec.decode.pp) for tp in range(spec.decode.tp)]
+        ranks = [
+            Rank("decode", r, tp, 0, pp, decode_gpu) for pp in range(spec.decode.pp) for tp in range(spec.decode.tp)
+        ]
         groups.append(("decode", r, ranks))
     for role, replica, ranks in groups:
         size = ranks_per_agent or len(ranks)
@@ -76,9 +79,9 @@ class LocalFabric:
     # The rank map's transport: default the spec's; the operator writes "tcp" after a declared
     # placement fallback, which is how pools that need GPUs are exercised on a CPU box.
     transport: str = ""
-    # The rank map's transport: default the spec's; the operator writes "tcp" after a declared
-    # placement fallback, which is how pools that need GPUs are exercised on a CPU box.
-    transport: str = ""
+    # The GPU decode ranks use (prefill ranks use GPU 0): 1 on a two-GPU machine puts the roles
+    # on two GPUs, as INTRA_NODE_NVLINK between prefill and decode needs.
+    decode_gpu: int = 0
     workdir: str = ""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     uid: str = "uid-" + secrets.token_hex(4)
@@ -89,7 +92,7 @@ class LocalFabric:
         self._clients: dict[tuple[str, str, str], AgentClient] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="pdfabric-local-")
         self.workdir = self._tmp.name
-        entries = place(self.spec, ranks_per_agent=self.ranks_per_agent)
+        entries = place(self.spec, ranks_per_agent=self.ranks_per_agent, decode_gpu=self.decode_gpu)
         self.rankmap = RankMap(
             "default",
             "demo",
@@ -122,7 +125,10 @@ class LocalFabric:
                 "PDFABRIC_KV_PAGES": "64",
                 "PDFABRIC_STATE_SLOTS": "8",
                 "PDFABRIC_AUX_SLOTS": "8",
-                "PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("core", "agent")),
+                # The repo's packages first, then whatever this process was given (a carried engine).
+                "PYTHONPATH": os.pathsep.join(
+                    [*(os.path.join(REPO, p) for p in ("core", "agent")), *filter(None, [os.environ.get("PYTHONPATH")])]
+                ),
                 **self.env,
             }
             self.agents[e.name] = AgentProc(e, api, met, env, os.path.join(self.workdir, f"{e.name}.log"))

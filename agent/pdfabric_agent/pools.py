@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import logging
 import mmap
 import os
 from dataclasses import asdict, dataclass
@@ -24,6 +26,8 @@ from typing import Any
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
 from pdfabric_core.policy.types import Device
 from pdfabric_core.spec import ModelGeometry
+
+log = logging.getLogger("pdfabric.pools")
 
 
 @dataclass(frozen=True)
@@ -110,12 +114,17 @@ class PoolLayout:
 class Pool:
     """One registered memory region. ``addr`` is what the engine registers and peers write to."""
 
-    def __init__(self, name: str, size: int, device: Device, addr: int, handle: str, keep: Any) -> None:
+    def __init__(
+        self, name: str, size: int, device: Device, addr: int, handle: str, keep: Any, gpu: int | None = None
+    ) -> None:
         self.name = name
         self.size = size
         self.device = device
         self.addr = addr
-        self.handle = handle  # CPU: the shm file path a client maps
+        # CPU: the shm file path a client maps. CUDA: the pool's CUDA IPC export (JSON) a client on
+        # this node opens, "" when the allocation cannot be exported (then clients cannot map it).
+        self.handle = handle
+        self.gpu = gpu
         self._keep = keep  # mmap or tensor owning the memory
 
     @classmethod
@@ -135,7 +144,7 @@ class Pool:
             import torch
 
             tensor = torch.zeros(size, dtype=torch.uint8, device=f"cuda:{gpu}")
-            return cls(name, size, device, tensor.data_ptr(), "", tensor)
+            return cls(name, size, device, tensor.data_ptr(), _ipc_handle(tensor, gpu), tensor, gpu)
         raise ValueError(f"pools on {device.value} are not supported by this agent")
 
     def view(self) -> memoryview:
@@ -171,6 +180,21 @@ class Pool:
         self._keep = None
 
 
+def _ipc_handle(tensor: Any, gpu: int) -> str:
+    """The CUDA IPC export of a GPU pool as JSON, or "" (logged) when it has none: pools from
+    cuMemCreate (torch's expandable segments) have no legacy IPC handle."""
+    from pdfabric_agent.fastpath import cuda, ipc
+
+    try:
+        import torch
+
+        torch.cuda.synchronize(gpu)  # the zero-fill lands before anyone else maps the pool
+        return json.dumps(ipc.export_pool(tensor.data_ptr(), tensor.numel(), gpu).to_json())
+    except cuda.CudaError as exc:
+        log.warning("GPU pool on cuda:%d cannot be exported for clients: %s", gpu, exc)
+        return ""
+
+
 @dataclass
 class RankPools:
     layout: PoolLayout
@@ -184,23 +208,9 @@ class RankPools:
     def describe(self) -> dict[str, Any]:
         return {
             "layout": self.layout.to_dict(),
-            "kv": {
-                "addr": self.kv.addr,
-                "size": self.kv.size,
-                "device": self.kv.device.value,
-                "handle": self.kv.handle,
-            },
-            "state": {
-                "addr": self.state.addr,
-                "size": self.state.size,
-                "device": self.state.device.value,
-                "handle": self.state.handle,
-            },
-            "aux": {
-                "addr": self.aux.addr,
-                "size": self.aux.size,
-                "device": self.aux.device.value,
-                "handle": self.aux.handle,
+            **{
+                kind: {"addr": p.addr, "size": p.size, "device": p.device.value, "handle": p.handle, "gpu": p.gpu}
+                for kind, p in (("kv", self.kv), ("state", self.state), ("aux", self.aux))
             },
         }
 

@@ -34,7 +34,6 @@ sys.path[:0] = [os.path.join(ROOT, "core"), os.path.join(ROOT, "agent")]
 
 from pdfabric_agent import localrun  # noqa: E402
 from pdfabric_agent.client import AgentRefused  # noqa: E402
-from pdfabric_core.rankmap import AgentEntry, Rank  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS, TOKENS = 80, 4, 128, 16, 32768
 PAGES = TOKENS // PAGE_TOKENS
@@ -51,19 +50,6 @@ SPEC = {
         "auxRowBytes": [4096] * 8,
     },
 }
-
-_place = localrun.place
-
-
-def place_on_two_gpus(spec, *, ranks_per_agent: int = 0) -> list[AgentEntry]:
-    """Same agents as the local default, with the decode ranks on GPU 1 of this machine."""
-    out = []
-    for e in _place(spec, ranks_per_agent=ranks_per_agent):
-        ranks = tuple(
-            Rank(r.role, r.replica, r.tp_rank, r.cp_rank, r.pp_rank, 1 if r.role == "decode" else 0) for r in e.ranks
-        )
-        out.append(AgentEntry(e.name, e.node, ranks))
-    return out
 
 
 def bulk_ceiling(nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -200,20 +186,11 @@ def main() -> None:
     ap.add_argument("--modes", default="contiguous,scattered")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the bulk-copy ceiling")
     args = ap.parse_args()
-    localrun.place = place_on_two_gpus
     env = {
         "PDFABRIC_KV_PAGES": str(POOL_PAGES),
         "PDFABRIC_STATE_SLOTS": "1",
         "PDFABRIC_AUX_SLOTS": "64",
         "PDFABRIC_FASTPATH_TRACE": "1",
-        # localrun sets PYTHONPATH to the repo; keep the carried Mooncake wheel importable too
-        "PYTHONPATH": os.pathsep.join(
-            [
-                os.path.join(ROOT, "core"),
-                os.path.join(ROOT, "agent"),
-                *filter(None, [os.environ.get("PYTHONPATH")]),
-            ]
-        ),
     }
     nbytes = LAYERS * 2 * PAGES * PAGE_TOKENS * HEADS * HEAD_DIM * 2 + 8 * 4096
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
@@ -227,7 +204,7 @@ def main() -> None:
             f"= {nbytes / (0.8 * result['ceiling_gbps'] * 1e9) * 1e3:.2f} ms per room"
         )
         print(lines[-1], flush=True)
-    lc = localrun.LocalFabric(SPEC, env=env)
+    lc = localrun.LocalFabric(SPEC, env=env, decode_gpu=1)
     try:
         lc.start(wait_s=120)
         run_modes(lc, nbytes, rng, lines, result, args.modes.split(","))

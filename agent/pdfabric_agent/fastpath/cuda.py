@@ -224,6 +224,15 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     )
 
 
+def memcpy_dtoh(dst_host: int, src: int, nbytes: int) -> None:
+    """Device (or IPC-mapped peer) memory to host memory; returns once the bytes are there."""
+    check(cu().cuMemcpyDtoH_v2(ctypes.c_void_p(dst_host), CUdeviceptr(src), ctypes.c_size_t(nbytes)), "cuMemcpyDtoH")
+
+
+def memcpy_htod(dst: int, src_host: int, nbytes: int) -> None:
+    check(cu().cuMemcpyHtoD_v2(CUdeviceptr(dst), ctypes.c_void_p(src_host), ctypes.c_size_t(nbytes)), "cuMemcpyHtoD")
+
+
 def stream_synchronize(stream: int) -> None:
     check(cu().cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
 
