@@ -20,6 +20,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,37 @@ def _map(path: str, size: int) -> mmap.mmap:
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
+def map_rank_pools(rank_id: str, rank: Mapping[str, Any], gpu: int | None = None) -> MappedPools:
+    """``AgentClient.map_pools`` from a rank's entry of /v1/info (its pools' ``describe()``)."""
+    mapped: dict[str, mmap.mmap | GpuPool] = {}
+    ipc = None
+    try:
+        for kind in ("kv", "state", "aux"):
+            d = rank[kind]
+            if d["device"] == "cpu":
+                mapped[kind] = _map(d["handle"], d["size"])
+                continue
+            if not d.get("handle"):
+                raise RuntimeError(
+                    f"{rank_id} {kind} pool on {d['device']} has no CUDA IPC export "
+                    "(allocated with expandable segments?); it cannot be mapped by a client"
+                )
+            from pdfabric_agent.fastpath.ipc import PeerMappings, PoolExport
+
+            device = d["gpu"] if gpu is None else gpu
+            if ipc is None:
+                ipc = PeerMappings(device)
+            mapped[kind] = GpuPool(ipc.map(PoolExport.from_json(json.loads(d["handle"]))), d["size"], device)
+    except BaseException:
+        for m in mapped.values():
+            if isinstance(m, mmap.mmap):
+                m.close()
+        if ipc is not None:
+            ipc.close()
+        raise
+    return MappedPools(PoolLayout.from_dict(rank["layout"]), mapped["kv"], mapped["state"], mapped["aux"], ipc)
+
+
 class AgentClient:
     def __init__(self, address: str, token: str, cluster_uid: str, timeout_s: float = 10.0) -> None:
         host, _, port = address.rpartition(":")
@@ -194,35 +226,7 @@ class AgentClient:
         CUDA IPC on ``gpu`` (default: the agent's index of the pool's GPU; pass this process's
         index of the same GPU when CUDA_VISIBLE_DEVICES differs). GPU pools need torch's CUDA
         driver bindings in this process (the agent's fast-path modules)."""
-        rank = self.info()["ranks"][rank_id]
-        kinds = ("kv", "state", "aux")
-        mapped: dict[str, mmap.mmap | GpuPool] = {}
-        ipc = None
-        try:
-            for kind in kinds:
-                d = rank[kind]
-                if d["device"] == "cpu":
-                    mapped[kind] = _map(d["handle"], d["size"])
-                    continue
-                if not d.get("handle"):
-                    raise RuntimeError(
-                        f"{rank_id} {kind} pool on {d['device']} has no CUDA IPC export "
-                        "(allocated with expandable segments?); it cannot be mapped by a client"
-                    )
-                from pdfabric_agent.fastpath.ipc import PeerMappings, PoolExport
-
-                device = d["gpu"] if gpu is None else gpu
-                if ipc is None:
-                    ipc = PeerMappings(device)
-                mapped[kind] = GpuPool(ipc.map(PoolExport.from_json(json.loads(d["handle"]))), d["size"], device)
-        except BaseException:
-            for m in mapped.values():
-                if isinstance(m, mmap.mmap):
-                    m.close()
-            if ipc is not None:
-                ipc.close()
-            raise
-        return MappedPools(PoolLayout.from_dict(rank["layout"]), mapped["kv"], mapped["state"], mapped["aux"], ipc)
+        return map_rank_pools(rank_id, self.info()["ranks"][rank_id], gpu)
 
     def send(
         self,
