@@ -12,6 +12,8 @@ import traceback
 import pytest
 import torch
 
+from tests.gpu.stub_engine import StubEngine
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,32 +35,11 @@ def _run(rank: int, shm: str, qs, barrier) -> dict:
     from pdfabric_agent.fastpath.ledger import OverlapError
     from pdfabric_agent.plan import Block
     from pdfabric_agent.pools import Pool
-    from pdfabric_core.policy.types import Device, Transport
-
-    class Engine:
-        name, path, transport, max_batch_entries = "mooncake", "mooncake", Transport.NVLINK_INTRA, 1024
-
-        def __init__(self) -> None:
-            self.batches: list[tuple[str, int]] = []
-
-        def endpoint(self) -> str:
-            return f"127.0.0.1:{17000 + rank}"
-
-        def register(self, pool) -> None:
-            pass
-
-        def write_batch(self, peer, blocks) -> None:
-            self.batches.append((peer, len(blocks)))
-
-        def probe(self, peer) -> bool:
-            return True
-
-        def close(self) -> None:
-            pass
+    from pdfabric_core.policy.types import Device
 
     torch.cuda.set_device(rank)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    engine = Engine()
+    engine = StubEngine(17000 + rank)
     be = FastPathBackend(engine, gpu=rank, shm_dir=shm)
     pool = Pool.allocate(f"fp-test-{rank}", POOL, Device.CUDA, shm_dir=shm, gpu=rank)
     content = torch.randint(0, 256, (POOL,), dtype=torch.uint8, generator=gen)
@@ -145,31 +126,10 @@ def test_same_process_peer_and_a_republished_peer() -> None:
     from pdfabric_agent.fastpath.backend import FastPathBackend
     from pdfabric_agent.plan import Block
     from pdfabric_agent.pools import Pool
-    from pdfabric_core.policy.types import Device, Transport
-
-    class Engine:
-        name, path, transport, max_batch_entries = "mooncake", "mooncake", Transport.NVLINK_INTRA, 1024
-
-        def __init__(self, port: int) -> None:
-            self.port, self.batches = port, 0
-
-        def endpoint(self) -> str:
-            return f"127.0.0.1:{self.port}"
-
-        def register(self, pool) -> None:
-            pass
-
-        def write_batch(self, peer, blocks) -> None:
-            self.batches += 1
-
-        def probe(self, peer) -> bool:
-            return True
-
-        def close(self) -> None:
-            pass
+    from pdfabric_core.policy.types import Device
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
-        e0, e1 = Engine(18000), Engine(18001)
+        e0, e1 = StubEngine(18000), StubEngine(18001)
         b0 = FastPathBackend(e0, gpu=0, shm_dir=shm)
         b1 = FastPathBackend(e1, gpu=1, shm_dir=shm)
         src = Pool.allocate("same-src", POOL, Device.CUDA, shm_dir=shm, gpu=0)
@@ -185,6 +145,6 @@ def test_same_process_peer_and_a_republished_peer() -> None:
             want = src._keep.view(-1, SLOT)[: len(offs)].cpu()
             assert torch.equal(got, want), f"generation {generation}: bytes differ"
             b1._exports.clear()  # the next generation publishes only its new pool
-        assert b0.kernel_batches == 2 and e0.batches == 0
+        assert b0.kernel_batches == 2 and e0.batches == []
         b0.close()
         b1.close()

@@ -12,6 +12,8 @@ import tempfile
 import pytest
 import torch
 
+from tests.gpu.stub_engine import StubEngine
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,29 +25,8 @@ def test_route_pages_in_one_launch(decode_tp: int) -> None:
     from pdfabric_agent.fastpath.backend import FastPathBackend
     from pdfabric_agent.plan import Bases, decode_targets, plan_transfer, sender_duties
     from pdfabric_agent.pools import Pool, PoolLayout
-    from pdfabric_core.policy.types import Device, Transport
+    from pdfabric_core.policy.types import Device
     from pdfabric_core.spec import parse_spec
-
-    class Engine:
-        name, path, transport, max_batch_entries = "mooncake", "mooncake", Transport.NVLINK_INTRA, 1024
-
-        def __init__(self, port: int) -> None:
-            self.port, self.batches = port, 0
-
-        def endpoint(self) -> str:
-            return f"127.0.0.1:{self.port}"
-
-        def register(self, pool) -> None:
-            pass
-
-        def write_batch(self, peer, blocks) -> None:
-            self.batches += 1
-
-        def probe(self, peer) -> bool:
-            return True
-
-        def close(self) -> None:
-            pass
 
     spec = parse_spec(
         {
@@ -59,7 +40,7 @@ def test_route_pages_in_one_launch(decode_tp: int) -> None:
     dst_l = PoolLayout.from_geometry(spec.model, decode_tp, kv_pages=pages, state_slots=1, aux_slots=1)
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
-        e0, e1 = Engine(19000 + decode_tp), Engine(19100 + decode_tp)
+        e0, e1 = StubEngine(19000 + decode_tp), StubEngine(19100 + decode_tp)
         b0 = FastPathBackend(e0, gpu=0, shm_dir=shm)
         b1 = FastPathBackend(e1, gpu=1, shm_dir=shm)
         src = Pool.allocate("pages-src", src_l.kv_bytes, Device.CUDA, shm_dir=shm, gpu=0)
@@ -102,6 +83,6 @@ def test_route_pages_in_one_launch(decode_tp: int) -> None:
             if not torch.equal(got, expect):
                 bad = (got != expect).nonzero().flatten()
                 raise AssertionError(f"{bad.numel()} wrong bytes, first at {int(bad[0])}")
-        assert b0.kernel_batches == 2 and e0.batches == 0
+        assert b0.kernel_batches == 2 and e0.batches == []
         b0.close()
         b1.close()

@@ -320,6 +320,7 @@ def test_large_request_launches_its_first_eighth_alone_then_the_rest(tmp_path: A
         assert [p.total_units // p.ngroups for p in sender.plans] == [6 * 12, 6 * 88]
         assert launched.nbytes + launched.before.nbytes == kvp.nbytes
         assert fp.wait(launched) == "nvlink-kernel"
+        assert fp.kernel_batches == 1  # one request, though two launches
         expect, _ = memories(src_l, dst_l, 1)
         for b in plan.kv:
             expect.copy(b.src, b.dst, b.length)

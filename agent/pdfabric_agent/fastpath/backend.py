@@ -339,9 +339,15 @@ class FastPathBackend:
 
     def wait(self, launched: Launched) -> str:
         """Until the receiver's completion word says every byte of the launch landed; returns the
-        path label. Spins briefly, then polls with short sleeps (other threads keep the GIL)."""
+        path label. Spins briefly, then polls with short sleeps (other threads keep the GIL).
+        ``kernel_batches`` counts requests (a pipelined request's two launches are one)."""
         if launched.before is not None:
-            self.wait(launched.before)
+            self._wait_launch(launched.before)
+        self._wait_launch(launched)
+        self.kernel_batches += 1
+        return self.path
+
+    def _wait_launch(self, launched: Launched) -> None:
         tr, t1 = launched.transfer, launched.t1
         deadline = t1 + self.timeout_s
         while not tr.done():
@@ -350,7 +356,6 @@ class FastPathBackend:
                 tr.wait(0.0)  # raises TransferTimeout with the room in the message
             if now - t1 > SPIN_S:
                 time.sleep(20e-6)
-        self.kernel_batches += 1
         if self._trace:
             t2 = time.perf_counter()
             log.info(
@@ -358,7 +363,6 @@ class FastPathBackend:
                 launched.what, launched.nbytes, (t1 - launched.t0) * 1e3, (launched.t_planned - launched.t0) * 1e3,
                 (t2 - t1) * 1e3,
             )  # fmt: skip
-        return self.path
 
     def _local_ok(self, src: int, length: int) -> bool:
         return any(base <= src and src + length <= base + size for base, size in self._local)
