@@ -1,8 +1,8 @@
 """Small Python client for a serving engine (and for tests, demo and benchmarks).
 
 Blocking, standard library only, so a serving engine takes no new dependency. Each thread keeps
-one keep-alive connection to the agent (a request costs no TCP handshake; a long poll is one
-request on it):
+one keep-alive connection to the agent (``http1``: a request costs no TCP handshake and little
+Python; a long poll is one request on it):
 
     c = AgentClient("127.0.0.1:7400", token, cluster_uid)
     pools = c.map_pools("decode-0-tp0")          # the rank's registered pools, mapped here
@@ -14,7 +14,6 @@ request on it):
 from __future__ import annotations
 
 import ctypes
-import http.client
 import json
 import mmap
 import os
@@ -24,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdfabric_agent.http1 import Connection, StaleConnection
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.rooms import pack_indices
 
@@ -118,11 +118,6 @@ def _map(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-# Raised when the agent closed an idle keep-alive connection before reading the request: the
-# request did not reach it, so sending it again on a fresh connection is safe.
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
-
-
 def map_rank_pools(rank_id: str, rank: Mapping[str, Any], gpu: int | None = None) -> MappedPools:
     """``AgentClient.map_pools`` from a rank's entry of /v1/info (its pools' ``describe()``)."""
     mapped: dict[str, mmap.mmap | GpuPool] = {}
@@ -164,16 +159,12 @@ class AgentClient:
         self.token = token
         self.cluster_uid = cluster_uid
         self.timeout_s = timeout_s
-        self._local = threading.local()  # one connection per thread: http.client is not thread-safe
+        self._local = threading.local()  # one connection per thread
 
-    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _connection(self) -> Connection:
+        conn: Connection | None = getattr(self._local, "conn", None)
         if conn is None:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
-            self._local.conn = conn
-        conn.timeout = timeout_s
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout_s)
+            conn = self._local.conn = Connection(self.host, self.port)
         return conn
 
     def close(self) -> None:
@@ -181,7 +172,6 @@ class AgentClient:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
-            self._local.conn = None
 
     def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
@@ -190,33 +180,20 @@ class AgentClient:
         headers = {"Authorization": f"Bearer {self.token}"}
         if data is not None:
             headers["Content-Type"] = "application/json"
-        for attempt in (0, 1):
-            conn = self._connection(timeout_s or self.timeout_s)
-            reused = conn.sock is not None
-            try:
-                conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                raw = resp.read()
-            except _STALE:
-                conn.close()
-                if reused and attempt == 0:
-                    continue
-                raise
-            except BaseException:
-                conn.close()  # a half-read response must not be mistaken for the next one
-                raise
-            if resp.will_close:
-                conn.close()
-            break
+        conn = self._connection()
+        try:
+            resp = conn.request(method, path, data, headers, timeout_s or self.timeout_s)
+        except StaleConnection:  # the agent closed the idle connection; the request never reached it
+            resp = conn.request(method, path, data, headers, timeout_s or self.timeout_s)
         if resp.status >= 400:
             try:
-                doc = json.loads(raw)
+                doc = json.loads(resp.body)
             except ValueError:
                 doc = {}
             if not isinstance(doc, dict):
                 doc = {}
             raise AgentRefused(resp.status, doc.get("reason", ""), doc.get("error", resp.reason))
-        return json.loads(raw)
+        return json.loads(resp.body)
 
     def info(self) -> dict[str, Any]:
         return self._call("GET", "/v1/info")
