@@ -250,10 +250,13 @@ class Agent:
         room.reason = reason
         self._retire(role, room)
         if state is RoomState.SUCCESS:
-            metrics.requests.labels(self.cluster, role, Outcome.SUCCESS.value).inc()
-            metrics.request_duration.labels(self.cluster, role, self.backend_name, self.transport).observe(
-                room.finished_at - room.submitted
-            )
+            duration = room.finished_at - room.submitted
+
+            def count() -> None:
+                metrics.requests.labels(self.cluster, role, Outcome.SUCCESS.value).inc()
+                metrics.request_duration.labels(self.cluster, role, self.backend_name, self.transport).observe(duration)
+
+            self._later(count)
         else:
             metrics.requests.labels(self.cluster, role, (outcome or Outcome.FAILED).value).inc()
             log.warning("%s room %s on %s failed: %s", role, room.room, room.rank, reason)
@@ -857,24 +860,39 @@ class Agent:
     ) -> None:
         if room.state.finished or prefill_rank in room.arrived:
             return  # a done report and a completion mark of one source: counted once
-        metrics.decode_completions.labels(self.cluster, how.value).inc()
         room.marks[f"arrived:{prefill_rank}"] = self.clock()
         for dst_off, raw in rows:
             local.pools.aux.write(dst_off, raw)
         sent = {"kv": 0, "state": 0, "aux": 0}
-        for path, per_kind in sorted(by_path.items()):
+        for per_kind in by_path.values():
             for kind in Kind:
                 n = per_kind.get(kind.value, 0)
-                if n:
-                    metrics.transfer_bytes.labels(*self._labels("decode", path), kind.value).inc(n)
-                    room.moved[kind.value] += n
-                    sent[kind.value] += n
+                room.moved[kind.value] += n
+                sent[kind.value] += n
         room.senders[prefill_rank] = sent
         room.arrived.add(prefill_rank)
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING
         if room.arrived == set(room.expected):
             self._finish(room, "decode", RoomState.SUCCESS)
+        self._later(lambda: self._count_arrival(by_path, how))
+
+    def _count_arrival(self, by_path: Mapping[str, Mapping[str, int]], how: Completion) -> None:
+        metrics.decode_completions.labels(self.cluster, how.value).inc()
+        for path, per_kind in sorted(by_path.items()):
+            for kind in Kind:
+                n = per_kind.get(kind.value, 0)
+                if n:
+                    metrics.transfer_bytes.labels(*self._labels("decode", path), kind.value).inc(n)
+
+    @staticmethod
+    def _later(fn: Callable[[], None]) -> None:
+        """Run `fn` after what is ready now (a long poll woken by a room's end answers first);
+        at once when no event loop runs here."""
+        try:
+            asyncio.get_running_loop().call_soon(fn)
+        except RuntimeError:
+            fn()
 
     @staticmethod
     def _aux_rows(rows: Any, local: LocalRank, room: DecodeRoom) -> list[tuple[int, bytes]]:
