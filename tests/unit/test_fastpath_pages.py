@@ -15,7 +15,7 @@ import torch
 from pdfabric_agent.fastpath.backend import FastPathBackend, _PeerMap
 from pdfabric_agent.fastpath.kernel import KernelConfig
 from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.plan import LaunchPlan, PlanError, plan_pages, reference_copies
+from pdfabric_agent.fastpath.plan import LaunchPlan, PlanError, page_layout, plan_pages, reference_copies
 from pdfabric_agent.plan import Bases, KvPages, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_core.policy.types import Transport
@@ -147,9 +147,12 @@ def test_list_fast_table_equals_the_generic_one() -> None:
     kvp, _, _ = kv_pages(1, rng.sample(range(24), 20), rng.sample(range(24), 20))
     pairs = list(zip(kvp.src_bases, kvp.dst_bases, strict=True))
     fast = plan_pages("kv", pairs, kvp.item, kvp.src_stride, kvp.dst_stride, list(kvp.src_pages), list(kvp.dst_pages))
-    generic = plan_pages(
+    # The generic planner (Layout.plan, tensor path) against plan_pages' one-group fast path.
+    generic = page_layout("kv", pairs, kvp.item).plan([(torch.tensor(kvp.src_pages), torch.tensor(kvp.dst_pages))])
+    from_tensors = plan_pages(
         "kv", pairs, kvp.item, kvp.src_stride, kvp.dst_stride, torch.tensor(kvp.src_pages), torch.tensor(kvp.dst_pages)
     )
+    assert from_tensors.words() == generic.words()
     assert fast.words() == generic.words()
     assert (fast.ngroups, fast.total_units, fast.total_bytes) == (
         generic.ngroups,

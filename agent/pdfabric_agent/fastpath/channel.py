@@ -10,6 +10,7 @@ the sender.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PeerMappings, PoolExport
 from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
 from pdfabric_agent.fastpath.ledger import ReceiverLedger
@@ -93,6 +95,7 @@ class FastPathSender:
         self._stage_dev = torch.empty(STAGE_SLOTS, STAGE_WORDS, dtype=torch.int64, device=f"cuda:{device}")
         self._stage_lock = threading.Lock()
         self._stage_free = list(range(STAGE_SLOTS))
+        self._stage_ptrs = [(self._stage_host[i].data_ptr(), self._stage_dev[i].data_ptr()) for i in range(STAGE_SLOTS)]
         torch.cuda.synchronize(device)  # the counter's zero-fill ran on another stream
         self._stream_ptr = self.stream.cuda_stream  # cached: each lookup is a call into torch
         self._counter_ptr = self.counter.data_ptr()
@@ -149,11 +152,12 @@ class FastPathSender:
                     with self._stage_lock:
                         slot = self._stage_free.pop() if self._stage_free else None
                 if slot is not None:
-                    host, dev = self._stage_host[slot], self._stage_dev[slot]
-                    host[:n].copy_(table)
-                    with torch.cuda.stream(self.stream):
-                        dev[:n].copy_(host[:n], non_blocking=True)
-                    table_ptr = dev.data_ptr()
+                    # Driver calls, not torch ops: a few microseconds instead of tens on the send path.
+                    host_ptr, table_ptr = self._stage_ptrs[slot]
+                    table = table.contiguous()
+                    ctypes.memmove(host_ptr, table.data_ptr(), 8 * n)
+                    cuda.primary_context(self.device)
+                    cuda.memcpy_htod_async(table_ptr, host_ptr, 8 * n, self._stream_ptr)
                     on_done = functools.partial(self._free_stage, slot)
                 else:
                     with torch.cuda.stream(self.stream):

@@ -19,6 +19,7 @@ import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 GROUP_FIELDS = 8
@@ -137,7 +138,7 @@ class Layout:
                 for b in g.buffers:
                     words += [b.src_ptr, b.dst_ptr]
         self.buf_words = words
-        self.buf_tensor: torch.Tensor | None = None  # buf_words as a tensor, made on first use
+        self.buf_array: np.ndarray | None = None  # buf_words as an array, made on first use
         self.npools_buffers = sum(len(b) for _, b in pools)
         self._small_ok = self.npools_buffers <= SMALL_TABLE_WORDS // 4
         # Aux-sized requests move one page per pool: their header never changes, so keep it.
@@ -401,7 +402,7 @@ def plan_pages(
         if len(layout.groups) == 1 and len(src_pages):
             if dst_set is None and isinstance(dst_pages, list):
                 dst_set = set(dst_pages)  # the ledger's form
-            return _plan_one_group(layout, index_tensor(src_pages), index_tensor(dst_pages), dst_set)
+            return _plan_one_group(layout, src_pages, dst_pages, dst_set)
         return layout.plan([(src_pages, dst_pages)])
     sp, dp = _as_index(src_pages), _as_index(dst_pages)
     if sp.numel() and min(int(sp.min()), int(dp.min())) < 0:
@@ -426,37 +427,52 @@ def index_tensor(x: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return torch.frombuffer(a, dtype=torch.int64) if len(a) else torch.zeros(0, dtype=torch.int64)
 
 
-def _plan_one_group(layout: Layout, sp: torch.Tensor, dp: torch.Tensor, dst_set: set[int] | None) -> LaunchPlan:
-    """``Layout.plan`` for one group (the agent's whole-page KV), the same table word for word from
-    two index tensors with a handful of tensor ops (it sits on the launch path of every request)."""
+def _plan_one_group(
+    layout: Layout,
+    src_pages: torch.Tensor | Sequence[int],
+    dst_pages: torch.Tensor | Sequence[int],
+    dst_set: set[int] | None,
+) -> LaunchPlan:
+    """``Layout.plan`` for one group (the agent's whole-page KV), the same table word for word,
+    written with a handful of numpy operations (it sits on the launch path of every request:
+    numpy's per-call cost is a fraction of torch's); the table is a zero-copy tensor of it."""
     g = layout.groups[0]
-    n = sp.numel()
-    if n != dp.numel():
-        raise PlanError(f"pool {g.pool}: {n} source pages but {dp.numel()} destination pages")
-    s_lo, s_hi = (int(v) for v in torch.aminmax(sp))
-    d_lo, d_hi = (int(v) for v in torch.aminmax(dp))
-    if min(s_lo, d_lo) < 0:
-        raise PlanError(f"pool {g.pool}: negative page index")
-    if (g.src_limit is not None and s_hi >= g.src_limit) or (g.dst_limit is not None and d_hi >= g.dst_limit):
-        raise PlanError(f"pool {g.pool}: page index past the end of a buffer")
+    sp, dp = _as_np(src_pages), _as_np(dst_pages)
+    n = len(sp)
+    if n != len(dp):
+        raise PlanError(f"pool {g.pool}: {n} source pages but {len(dp)} destination pages")
     fixed = GROUP_FIELDS + len(layout.buf_words)
-    head = [0, g.nbuf, n, g.nchunks, g.item, GROUP_FIELDS + g.buf_rel, fixed, 0]
-    table = torch.empty(fixed + 2 * n, dtype=torch.int64)
-    if layout.buf_tensor is None:
-        layout.buf_tensor = torch.tensor(layout.buf_words, dtype=torch.int64)
-    table[:GROUP_FIELDS] = torch.tensor(head, dtype=torch.int64)
-    table[GROUP_FIELDS:fixed] = layout.buf_tensor
-    pages = table[fixed:].view(n, 2)
-    pages[:, 0] = sp
-    pages[:, 1] = dp
+    table = np.empty(fixed + 2 * n, dtype=np.int64)
+    if layout.buf_array is None:
+        layout.buf_array = np.array(layout.buf_words, dtype=np.int64)
+    table[:GROUP_FIELDS] = (0, g.nbuf, n, g.nchunks, g.item, GROUP_FIELDS + g.buf_rel, fixed, 0)
+    table[GROUP_FIELDS:fixed] = layout.buf_array
+    table[fixed::2] = sp
+    table[fixed + 1 :: 2] = dp
+    if n:
+        s_lo, s_hi, d_lo, d_hi = int(sp.min()), int(sp.max()), int(dp.min()), int(dp.max())
+        if min(s_lo, d_lo) < 0:
+            raise PlanError(f"pool {g.pool}: negative page index")
+        if (g.src_limit is not None and s_hi >= g.src_limit) or (g.dst_limit is not None and d_hi >= g.dst_limit):
+            raise PlanError(f"pool {g.pool}: page index past the end of a buffer")
+    if dst_set is None:
+        dst_set = set(dst_pages) if isinstance(dst_pages, list) else set(dp.tolist())
     return LaunchPlan(
-        table=table,
+        table=torch.from_numpy(table),
         ngroups=1,
         total_units=g.nbuf * n * g.nchunks,
         total_bytes=g.nbuf * n * g.item,
         chunk_bytes=layout.chunk_bytes,
-        dst_pages_by_pool={g.pool: dst_set if dst_set is not None else dp},
+        dst_pages_by_pool={g.pool: dst_set},
     )
+
+
+def _as_np(x: torch.Tensor | Sequence[int]) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype=torch.int64, device="cpu").numpy()
+    if isinstance(x, np.ndarray):
+        return x.astype(np.int64, copy=False)
+    return np.fromiter(x, dtype=np.int64, count=len(x))
 
 
 def page_layout(
