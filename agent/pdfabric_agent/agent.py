@@ -465,11 +465,16 @@ class Agent:
                     2.0,
                 )
 
-    def _plan(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
+    def _prepare(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
+        """Before any write to a target, kernel or engine: its peer is admitted, its room planned."""
+        if self.health.is_blacklisted(target.agent):
+            raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
         try:
-            return self._plan_target(room, local, target)
+            planned = self._plan_target(room, local, target)
         except ValueError as exc:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
+        room.marks[f"planned:{target.decode_rank}"] = self.clock()
+        return planned
 
     def _plan_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
         dst = target.dst
@@ -564,10 +569,7 @@ class Agent:
         waiting; what the kernel does not take goes the usual way in ``_await_launch``. When the
         kernels took everything, the decode agent is told their completion marks while they run.
         A launch that fails is kept in ``error``: whatever went before it is waited for first."""
-        if self.health.is_blacklisted(target.agent):
-            raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
-        plan, peer = self._plan(room, local, target)
-        room.marks[f"planned:{target.decode_rank}"] = self.clock()
+        plan, peer = self._prepare(room, local, target)
         launch = Launch(plan, peer)
         backend = local.backend
         by_path = launch.by_path
@@ -672,10 +674,7 @@ class Agent:
         if started is None and hasattr(local.backend, "submit_pages"):
             started = self._start_target(room, local, target)
         if started is None:
-            if self.health.is_blacklisted(target.agent):
-                raise TransferError(f"peer agent {target.agent} is blacklisted: {self.health.reason(target.agent)}")
-            plan, peer = self._plan(room, local, target)
-            room.marks[f"planned:{target.decode_rank}"] = self.clock()
+            plan, peer = self._prepare(room, local, target)
             by_path: dict[str, dict[str, int]] = {}
         else:
             plan, by_path = started.plan, started.by_path

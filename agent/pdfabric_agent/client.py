@@ -154,7 +154,6 @@ class AgentClient:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"agent address {address!r} is not host:port")
-        self.base = f"http://{address}"
         self.host, self.port = host.strip("[]"), int(port)
         self.token = token
         self.cluster_uid = cluster_uid

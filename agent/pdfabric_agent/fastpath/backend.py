@@ -157,10 +157,11 @@ class FastPathBackend:
         self.inner.register(pool)
         if getattr(pool.device, "value", pool.device) != "cuda":
             return
-        torch.cuda.synchronize(self.gpu)  # the pool's zero-fill must land before a peer writes it
-        exp = export_pool(pool.addr, pool.size, self.gpu)
+        torch.cuda.synchronize(self.gpu)  # what was written into the pool lands before a peer writes it
+        # Pool.allocate already exported it for clients; the same export serves peers.
+        exp = json.loads(pool.handle) if pool.handle else export_pool(pool.addr, pool.size, self.gpu).to_json()
         self._local.append((pool.addr, pool.size))
-        self._exports.append({"addr": pool.addr, "size": pool.size, "export": exp.to_json()})
+        self._exports.append({"addr": pool.addr, "size": pool.size, "export": exp})
         path = export_file(self._dir, self.endpoint())
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:

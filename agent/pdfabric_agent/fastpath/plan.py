@@ -15,7 +15,6 @@ Offsets are in int64 elements from the table start; groups sit first.
 
 from __future__ import annotations
 
-import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -400,8 +399,6 @@ def plan_pages(
         if layout is None:
             layout = page_layout(pool, pairs, item, chunk_bytes, src_pages=limits[0], dst_pages=limits[1])
         if len(layout.groups) == 1 and len(src_pages):
-            if dst_set is None and isinstance(dst_pages, list):
-                dst_set = set(dst_pages)  # the ledger's form
             return _plan_one_group(layout, src_pages, dst_pages, dst_set)
         return layout.plan([(src_pages, dst_pages)])
     sp, dp = _as_index(src_pages), _as_index(dst_pages)
@@ -416,15 +413,6 @@ def plan_pages(
     if sp.numel():
         plan.dst_pages_by_pool = {pool: torch.unique(dp)}
     return plan
-
-
-def index_tensor(x: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """Page indices as a CPU int64 tensor; a list goes through array('q') (a third of the cost of
-    torch.tensor on a list of ints)."""
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype=torch.int64, device="cpu")
-    a = array.array("q", x)
-    return torch.frombuffer(a, dtype=torch.int64) if len(a) else torch.zeros(0, dtype=torch.int64)
 
 
 def _plan_one_group(
