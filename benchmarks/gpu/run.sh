@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool, kind nvidia-h200-x2), from the repo root, with the
-# Mooncake CUDA engine carried in .gpu-deps (/work/shared/tools/gpu-deps fetch .gpu-deps):
+# Mooncake CUDA engine carried in .gpu-deps (fetched there with the gpu-deps tool: `gpu-deps fetch .gpu-deps`):
 #   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent]      (default: all three)
 # Output goes to stdout and, when the device tool sets $OUT, into files there.
 set -uo pipefail
