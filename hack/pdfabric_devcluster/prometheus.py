@@ -111,12 +111,6 @@ class Prometheus:
         """Instant query; returns the result vector (raises on a PromQL error)."""
         return self.api("query", query=expr, time=f"{time.time():.3f}")["result"]
 
-    def scalar(self, expr: str) -> float:
-        result = self.query(expr)
-        if len(result) != 1:
-            raise ClusterError(f"{expr!r} returned {len(result)} series, expected 1")
-        return float(result[0]["value"][1])
-
     def wait_targets_up(self, count: int, timeout: float = 30) -> None:
         def up() -> bool:
             active = self.api("targets", state="active")["activeTargets"]

@@ -1,11 +1,32 @@
-"""The kernel source compiles for Hopper with NVRTC (CPU-only); skipped where NVRTC is absent."""
+"""The kernel source compiles for Hopper with NVRTC (CPU-only); skipped where NVRTC is absent.
+The launch's persistent grid size, from the method the launch calls."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from pdfabric_agent.fastpath import cuda
-from pdfabric_agent.fastpath.kernel import KernelConfig, compile_kernel
+from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig, compile_kernel
+
+
+@pytest.mark.parametrize(
+    ("units", "threads", "blocks_per_sm", "grid"),
+    [
+        (8, 512, 2, 1),  # fewer units than one block's warps: one block
+        (16, 512, 2, 1),  # exactly one block's 16 warps
+        (17, 512, 2, 2),  # one unit more: a second block
+        (10**6, 512, 2, 264),  # capped at what the machine holds resident (132 SMs x 2)
+        (10**6, 512, 1, 132),
+        (0, 512, 1, 1),  # never an empty launch
+    ],
+    ids=["small", "one-block", "one-more", "capped-2-per-sm", "capped-1-per-sm", "no-units"],
+)
+def test_grid_is_persistent_and_covers_small_requests(units: int, threads: int, blocks_per_sm: int, grid: int) -> None:
+    # The real method on a stand-in for a loaded kernel on a 132-SM H200 (no GPU needed).
+    kernel = SimpleNamespace(cfg=KernelConfig(threads=threads, blocks_per_sm=blocks_per_sm), sms=132)
+    assert GatherScatterKernel.grid(kernel, units) == grid  # type: ignore[arg-type]
 
 
 def _nvrtc() -> None:

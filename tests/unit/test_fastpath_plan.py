@@ -14,7 +14,6 @@ from pdfabric_agent.fastpath.plan import (
     BufferPair,
     CopyGroup,
     PlanError,
-    grid_for,
     plan_launch,
     reference_copies,
 )
@@ -132,11 +131,6 @@ def test_whole_request_is_one_launch_table() -> None:
     plan = plan_launch([CopyGroup("kv", bufs, pages, torch.randperm(4096)[:2048])])
     assert plan.total_bytes == 160 * 2048 * item == 5_368_709_120
     assert plan.ngroups == 1 and plan.table.numel() == 8 + 2 * 160 + 2 * 2048
-
-
-def test_grid_is_persistent_and_covers_small_requests() -> None:
-    assert grid_for(8, sms=132, blocks_per_sm=2, threads=512) == 1
-    assert grid_for(10**6, sms=132, blocks_per_sm=2, threads=512) == 264
 
 
 def test_one_page_per_pool_shortcut_builds_the_general_table() -> None:

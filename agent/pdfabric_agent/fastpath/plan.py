@@ -494,10 +494,3 @@ def reference_copies(plan: LaunchPlan) -> list[tuple[int, int, int]]:
             out.append((src_base + src_page * item + off, dst_base + dst_page * item + off, n))
         assert unit_start + nbuf * npages * nchunks <= plan.total_units
     return out
-
-
-def grid_for(total_units: int, *, sms: int, blocks_per_sm: int, threads: int) -> int:
-    """Persistent grid: enough warps to cover the units, never more than the machine holds."""
-    warps_per_block = threads // 32
-    need = -(-total_units // warps_per_block)
-    return max(1, min(need, sms * blocks_per_sm))
