@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pdfabric_core.policy.types import Role
+
+if TYPE_CHECKING:
+    from pdfabric_core.spec import PDClusterSpec
 
 RANKMAP_VERSION = 1
 RANKMAP_KEY = "rankmap.json"
@@ -20,23 +25,27 @@ RANKMAP_KEY = "rankmap.json"
 class Rank:
     """One GPU worth of a PD instance: prefill (replica, tp, cp) or decode (replica, tp)."""
 
-    role: str  # "prefill" | "decode"
+    role: Role
     replica: int
     tp_rank: int
     cp_rank: int = 0
     pp_rank: int = 0
     gpu: int = 0  # device index on the node
 
+    def __post_init__(self) -> None:
+        # Callers may pass "prefill"/"decode"; store the enum so the role is always one of the two.
+        object.__setattr__(self, "role", Role(self.role))
+
     @property
     def rank_id(self) -> str:
         base = f"{self.role}-{self.replica}-tp{self.tp_rank}"
-        if self.role == "prefill":
+        if self.role is Role.PREFILL:
             base += f"-cp{self.cp_rank}"
         return base + (f"-pp{self.pp_rank}" if self.pp_rank else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "role": self.role,
+            "role": self.role.value,
             "replica": self.replica,
             "tpRank": self.tp_rank,
             "cpRank": self.cp_rank,
@@ -46,9 +55,10 @@ class Rank:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Rank:
-        role = d["role"]
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"rank role must be prefill or decode, got {role!r}")
+        try:
+            role = Role(d["role"])
+        except ValueError:
+            raise ValueError(f"rank role must be prefill or decode, got {d['role']!r}") from None
         return cls(
             role,
             int(d["replica"]),
@@ -57,6 +67,22 @@ class Rank:
             int(d.get("ppRank", 0)),
             int(d.get("gpu", 0)),
         )
+
+
+def replica_ranks(spec: PDClusterSpec, role: Role, replica: int, *, gpu: int = 0) -> list[Rank]:
+    """Every rank of one replica of `role`, in the order ranks are numbered: pp outermost, then cp
+    (prefill only; decode CP is 1), then tp. Each rank gets device index `gpu` (placement assigns
+    the real ones)."""
+    if Role(role) is Role.PREFILL:
+        p = spec.prefill
+        return [
+            Rank(Role.PREFILL, replica, tp, cp, pp, gpu)
+            for pp in range(p.pp)
+            for cp in range(p.cp)
+            for tp in range(p.tp)
+        ]
+    d = spec.decode
+    return [Rank(Role.DECODE, replica, tp, 0, pp, gpu) for pp in range(d.pp) for tp in range(d.tp)]
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,35 @@ from an API server that skipped defaulting still means the same thing.
 
 from __future__ import annotations
 
+import enum
+import functools
+import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
-from pdfabric_core.policy.rank_mapping import local_heads, validate_pp, validate_tp
-from pdfabric_core.policy.types import MemPool, Transport, implied_transport
+from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, local_heads, validate_pp, validate_tp
+from pdfabric_core.policy.transports import Locality, implied_transport, mem_pool_traits, transport_traits
+from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, MemPool, Transport
+
+__all__ = [
+    "DEFAULT_AUX_ROW_BYTES",
+    "DTYPE_BYTES",
+    "AgentSpec",
+    "DecodeSpec",
+    "FallbackPolicy",
+    "ModelGeometry",
+    "PDClusterSpec",
+    "PlacementSpec",
+    "PrefillSpec",
+    "SpecError",
+    "TransferSpec",
+    "crd_key",
+    "field_default",
+    "parse_spec",
+    "validate_spec",
+]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -22,6 +44,9 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "f
 # output ids, cached tokens, logprob values/indices, top-logprobs, hidden states (bf16, 8192
 # hidden), bootstrap room, checksum. Users override them per model.
 DEFAULT_AUX_ROW_BYTES = (16, 8, 8, 8, 128, 16384, 8, 8)
+
+# Field metadata key: the stored value that means None (transfer.transport "auto").
+_NONE_VALUE = "pdfabric.none_value"
 
 
 class SpecError(ValueError):
@@ -41,6 +66,13 @@ class PrefillSpec:
     def ranks_per_replica(self) -> int:
         return self.tp * self.cp * self.pp
 
+    @property
+    def all_cp_ranks_send(self) -> bool:
+        """Every CP rank sends its own share, not only CP rank 0 (rank_mapping.all_cp_ranks_send)."""
+        return all_cp_ranks_send(
+            all_cp_ranks_transfer=self.all_cp_ranks_transfer, dsa_cache_layer_split=self.dsa_cache_layer_split
+        )
+
 
 @dataclass(frozen=True)
 class DecodeSpec:
@@ -57,7 +89,8 @@ class DecodeSpec:
 @dataclass(frozen=True)
 class TransferSpec:
     mem_pool: MemPool = MemPool.NONE
-    transport: Transport | None = None  # None: the one the pool implies
+    # None (stored as "auto"): the one the pool implies
+    transport: Transport | None = field(default=None, metadata={_NONE_VALUE: AUTO_TRANSPORT})
     aux_over_tcp: bool = False
     max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
     timeout_seconds: float = 30.0
@@ -89,32 +122,13 @@ class ModelGeometry:
         return self.page_size_tokens * local_heads(tp, self.kv_heads) * self.head_dim * self.dtype_bytes
 
 
-class FallbackPolicy:
-    FAIL = "Fail"
-    TCP = "TCP"
-
-
-# Transports each custom pool can actually run on. NVLINK (MNNVL) needs fabric memory that only
-# its own pool allocates; Mooncake's intra-node NVLink needs whole cudaMalloc segments, which only
-# the INTRA_NODE_NVLINK pool provides; BAREX is an RDMA pool; the default pool runs tcp or rdma.
-ALLOWED_TRANSPORTS: dict[MemPool, frozenset[Transport]] = {
-    MemPool.NONE: frozenset({Transport.TCP, Transport.RDMA}),
-    MemPool.NVLINK: frozenset({Transport.NVLINK}),
-    MemPool.INTRA_NODE_NVLINK: frozenset({Transport.NVLINK_INTRA}),
-    MemPool.BAREX: frozenset({Transport.RDMA}),
-}
-
-# MORI-IO has XGMI, RDMA and TCP backends and none of Mooncake's custom pools.
-MORI_TRANSPORTS = frozenset({Transport.TCP, Transport.RDMA})
-
-
 @dataclass(frozen=True)
 class PlacementSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     nvlink_domain_key: str = "nvidia.com/gpu.clique"
     rdma_resource: str = "rdma/hca"
     gpu_resource: str = "nvidia.com/gpu"
-    fallback: str = FallbackPolicy.FAIL
+    fallback: FallbackPolicy = FallbackPolicy.FAIL
     # GPUs one node offers at most; bounds what intra-node NVLink may ask of a single node.
     max_gpus_per_node: int = 8
 
@@ -129,7 +143,7 @@ class AgentSpec:
 
 @dataclass(frozen=True)
 class PDClusterSpec:
-    backend: str = "mooncake"
+    backend: Backend = Backend.MOONCAKE
     transfer: TransferSpec = TransferSpec()
     prefill: PrefillSpec = PrefillSpec()
     decode: DecodeSpec = DecodeSpec()
@@ -148,73 +162,79 @@ class PDClusterSpec:
         return self.prefill.ranks_per_replica + self.decode_per_prefill * self.decode.ranks_per_replica
 
 
-def _get(obj: Mapping[str, Any], key: str, default: Any) -> Any:
-    value = obj.get(key, default)
-    return default if value is None else value
+def crd_key(name: str) -> str:
+    """The CRD's (camelCase) key of a spec dataclass field: max_gpus_per_node -> maxGpusPerNode."""
+    first, *rest = name.split("_")
+    return first + "".join(word.capitalize() for word in rest)
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    """`value` as stored (JSON) turned into the field type `tp`."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in get_args(tp) if a is not type(None)]
+        return _convert(inner, value, where)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = ", ".join(str(m.value) for m in tp)
+            raise ValueError(f"{where} must be one of {allowed}, got {value!r}") from None
+    if origin is tuple:
+        return tuple(_convert(get_args(tp)[0], x, where) for x in value)
+    if origin is not None and issubclass(origin, Mapping):
+        return dict(value)
+    if tp in (bool, int, float, str):
+        return tp(value)
+    raise TypeError(f"{where}: no parser for field type {tp!r}")
+
+
+@functools.cache
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _parse_fields(cls: type[Any], raw: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Keyword arguments for dataclass `cls` from its stored section: a field that is absent (or
+    null) keeps the dataclass default, so the defaults live in the dataclasses alone."""
+    hints = _hints(cls)
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            continue
+        value = raw.get(crd_key(f.name))
+        if value is None:
+            continue
+        if _NONE_VALUE in f.metadata and value == f.metadata[_NONE_VALUE]:
+            out[f.name] = None
+            continue
+        out[f.name] = _convert(hints[f.name], value, f"{prefix}{crd_key(f.name)}")
+    return out
+
+
+def field_default(f: Field[Any]) -> Any:
+    """A dataclass field's default value (calling its default_factory)."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    raise LookupError(f"field {f.name} has no default")
 
 
 def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
     """Parse a PDCluster `.spec` (camelCase, as stored) and check the cross-field rules.
 
-    Raises SpecError naming the field and what to change.
+    Every field the spec leaves out takes its dataclass default (equal to the CRD's, which a unit
+    test checks). Raises SpecError naming the field and what to change.
     """
     try:
-        t = raw.get("transfer") or {}
-        p = raw.get("prefill") or {}
-        d = raw.get("decode") or {}
-        m = raw.get("model") or {}
-        pl = raw.get("placement") or {}
-        a = raw.get("agent") or {}
-        transport = t.get("transport")
-        spec = PDClusterSpec(
-            backend=_get(raw, "backend", "mooncake"),
-            transfer=TransferSpec(
-                mem_pool=MemPool(_get(t, "memPool", "NONE")),
-                transport=None if transport in (None, "auto") else Transport(transport),
-                aux_over_tcp=bool(_get(t, "auxOverTcp", False)),
-                max_batch_entries=int(_get(t, "maxBatchEntries", DEFAULT_MAX_BATCH_ENTRIES)),
-                timeout_seconds=float(_get(t, "timeoutSeconds", 30)),
-            ),
-            prefill=PrefillSpec(
-                replicas=int(_get(p, "replicas", 1)),
-                tp=int(_get(p, "tp", 1)),
-                cp=int(_get(p, "cp", 1)),
-                pp=int(_get(p, "pp", 1)),
-                all_cp_ranks_transfer=bool(_get(p, "allCpRanksTransfer", False)),
-                dsa_cache_layer_split=bool(_get(p, "dsaCacheLayerSplit", False)),
-            ),
-            decode=DecodeSpec(
-                replicas=int(_get(d, "replicas", 1)),
-                tp=int(_get(d, "tp", 1)),
-                cp=int(_get(d, "cp", 1)),
-                pp=int(_get(d, "pp", 1)),
-            ),
-            model=ModelGeometry(
-                layers=int(_get(m, "layers", 32)),
-                kv_heads=int(_get(m, "kvHeads", 8)),
-                head_dim=int(_get(m, "headDim", 128)),
-                dtype=str(_get(m, "dtype", "bfloat16")),
-                page_size_tokens=int(_get(m, "pageSizeTokens", 16)),
-                state_bytes_per_request=int(_get(m, "stateBytesPerRequest", 0)),
-                state_layers=int(_get(m, "stateLayers", 1)),
-                aux_row_bytes=tuple(int(x) for x in _get(m, "auxRowBytes", DEFAULT_AUX_ROW_BYTES)),
-                expected_prompt_tokens=int(_get(m, "expectedPromptTokens", 4096)),
-            ),
-            placement=PlacementSpec(
-                node_selector=dict(_get(pl, "nodeSelector", {})),
-                nvlink_domain_key=str(_get(pl, "nvlinkDomainKey", "nvidia.com/gpu.clique")),
-                rdma_resource=str(_get(pl, "rdmaResource", "rdma/hca")),
-                gpu_resource=str(_get(pl, "gpuResource", "nvidia.com/gpu")),
-                fallback=str(_get(pl, "fallback", FallbackPolicy.FAIL)),
-                max_gpus_per_node=int(_get(pl, "maxGpusPerNode", 8)),
-            ),
-            agent=AgentSpec(
-                image=str(_get(a, "image", "pdfabric/agent:latest")),
-                metrics_port=int(_get(a, "metricsPort", 9400)),
-                api_port=int(_get(a, "apiPort", 7400)),
-                resources=dict(_get(a, "resources", {})),
-            ),
-        )
+        top = _parse_fields(PDClusterSpec, raw, "")
+        hints = _hints(PDClusterSpec)
+        for f in fields(PDClusterSpec):
+            section = hints[f.name]
+            if is_dataclass(section):
+                top[f.name] = section(**_parse_fields(section, raw.get(crd_key(f.name)) or {}, f"{crd_key(f.name)}."))
+        spec = PDClusterSpec(**top)
     except (ValueError, TypeError) as exc:
         raise SpecError(f"invalid PDCluster spec: {exc}") from exc
     validate_spec(spec)
@@ -223,8 +243,8 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
 
 def validate_spec(spec: PDClusterSpec) -> None:
     """The cross-field rules, mirrored from the CRD's CEL so parsed specs are always sane."""
-    if spec.backend not in ("mooncake", "mori"):
-        raise SpecError(f"backend must be mooncake or mori, got {spec.backend!r}")
+    if spec.backend not in tuple(Backend):
+        raise SpecError(f"backend must be one of {', '.join(Backend)}, got {spec.backend!r}")
     if spec.model.dtype not in DTYPE_BYTES:
         raise SpecError(f"model.dtype must be one of {sorted(DTYPE_BYTES)}, got {spec.model.dtype!r}")
     for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
@@ -244,14 +264,22 @@ def validate_spec(spec: PDClusterSpec) -> None:
         validate_pp(spec.prefill.pp, spec.decode.pp)
     except ValueError as exc:
         raise SpecError(str(exc)) from exc
+    if spec.model.state_bytes_per_request % spec.model.state_layers:
+        raise SpecError(
+            f"model.stateBytesPerRequest ({spec.model.state_bytes_per_request}) must be divisible by "
+            f"model.stateLayers ({spec.model.state_layers}): each state layer has the same size; "
+            f"change one of them"
+        )
     if spec.prefill.dsa_cache_layer_split and spec.model.state_layers % spec.prefill.cp:
         raise SpecError(
             f"model.stateLayers ({spec.model.state_layers}) must be divisible by prefill.cp "
             f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
         )
     _validate_transport(spec)
-    if spec.placement.fallback not in (FallbackPolicy.FAIL, FallbackPolicy.TCP):
-        raise SpecError(f"placement.fallback must be Fail or TCP, got {spec.placement.fallback!r}")
+    if spec.placement.fallback not in tuple(FallbackPolicy):
+        raise SpecError(
+            f"placement.fallback must be one of {', '.join(FallbackPolicy)}, got {spec.placement.fallback!r}"
+        )
     if spec.placement.max_gpus_per_node < 1:
         raise SpecError("placement.maxGpusPerNode must be at least 1")
     if spec.agent.metrics_port == spec.agent.api_port:
@@ -276,17 +304,21 @@ def validate_spec(spec: PDClusterSpec) -> None:
 
 def _validate_transport(spec: PDClusterSpec) -> None:
     pool, explicit = spec.transfer.mem_pool, spec.transfer.transport
-    if explicit is not None and explicit not in ALLOWED_TRANSPORTS[pool]:
-        allowed = ", ".join(sorted(t.value for t in ALLOWED_TRANSPORTS[pool]))
+    pool_traits = mem_pool_traits(pool)
+    if explicit is not None and explicit not in pool_traits.transports:
+        allowed = ", ".join(sorted(t.value for t in pool_traits.transports))
         raise SpecError(
             f"transfer.transport {explicit.value} cannot run on memPool {pool.value}; "
             f"use auto or one of: {allowed}, or change memPool"
         )
-    if spec.backend == "mori" and (
-        pool is not MemPool.NONE or spec.transfer.effective_transport not in MORI_TRANSPORTS
-    ):
-        raise SpecError("backend mori supports only memPool NONE with transport tcp or rdma; use backend mooncake")
-    if spec.transfer.effective_transport is Transport.NVLINK_INTRA:
+    transport = spec.transfer.effective_transport
+    if spec.backend not in pool_traits.backends or spec.backend not in transport_traits(transport).backends:
+        pools = ", ".join(p.value for p in MemPool if spec.backend in mem_pool_traits(p).backends)
+        carried = " or ".join(t.value for t in Transport if spec.backend in transport_traits(t).backends)
+        raise SpecError(
+            f"backend {spec.backend} supports only memPool {pools} with transport {carried}; use backend mooncake"
+        )
+    if transport_traits(transport).locality is Locality.NODE:
         p, d = spec.prefill.replicas, spec.decode.replicas
         if d % p:
             raise SpecError(

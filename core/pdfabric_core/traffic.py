@@ -7,14 +7,14 @@ agents' measured bytes with the prediction and see what the dedup saves.
 Model of one request (every rule comes from the policy modules, nothing is re-derived here):
 - KV: the prompt's pages, K and V, for every layer. Each (prefill TP rank -> decode TP rank)
   route from `kv_routes` carries its heads; prefill CP ranks that send (`sending_cp_ranks`) each
-  send their page shard (`cp_page_shard`); PP stage s holds its share of the layers and feeds
-  decode stage s (or the single decode stage when decode PP is 1).
+  send their page shard (`cp_page_shard`); PP stage s holds its share of the layers
+  (`pp_layer_range`) and feeds the decode stage `decode_pp_stage` names.
 - State: `model.stateBytesPerRequest` is one prefill rank's full state for one request across
   `model.stateLayers`. Every route carries the state layers its sending CP rank owns
-  (`state_layer_shard`) within its PP stage; with dedup, `should_skip_state_transfer` drops the
-  copies CP ranks other than 0 would send again.
+  (`state_layer_shard`) within its PP stage (`pp_layer_range`); with dedup,
+  `should_skip_state_transfer` drops the copies CP ranks other than 0 would send again.
 - Aux: one metadata row (`model.auxRowBytes` summed) per route and sending CP rank from the last
-  PP stage, which produces the output ids; dedup does not touch it.
+  PP stage (`sends_request_rows`), which produces the output ids; dedup does not touch it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ from fractions import Fraction
 from typing import Any
 
 from pdfabric_core.policy.cp_dedup import should_skip_state_transfer
-from pdfabric_core.policy.rank_mapping import cp_page_shard, kv_routes, sending_cp_ranks, state_layer_shard
+from pdfabric_core.policy.rank_mapping import (
+    cp_page_shard,
+    decode_pp_stage,
+    kv_routes,
+    pp_layer_range,
+    sending_cp_ranks,
+    sends_request_rows,
+    state_layer_shard,
+)
 from pdfabric_core.spec import PDClusterSpec
 
 
@@ -81,13 +89,6 @@ class TrafficEstimate:
         }
 
 
-def _shard(n: int, parts: int, index: int) -> range:
-    """Contiguous share `index` of n items split over `parts` (the first shares take the remainder)."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return range(start, start + base + (1 if index < extra else 0))
-
-
 def _overlap(a: range, b: range) -> int:
     return max(0, min(a.stop, b.stop) - max(a.start, b.start))
 
@@ -103,7 +104,7 @@ def estimate_traffic(spec: PDClusterSpec, prompt_tokens: int | None = None) -> T
     senders = sending_cp_ranks(
         p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split
     )
-    all_send = len(senders) == p.cp
+    all_send = p.all_cp_ranks_send
     head_page_bytes = 2 * m.page_size_tokens * m.head_dim * m.dtype_bytes  # K and V of one head, layer, page
     state_per_layer = Fraction(m.state_bytes_per_request, m.state_layers)
     aux_row = sum(m.aux_row_bytes)
@@ -113,16 +114,16 @@ def estimate_traffic(spec: PDClusterSpec, prompt_tokens: int | None = None) -> T
     sent: dict[tuple[int, int, int], list[Fraction]] = defaultdict(lambda: [Fraction(0), Fraction(0)])
     received: dict[tuple[int, int], list[Fraction]] = defaultdict(lambda: [Fraction(0), Fraction(0)])
     for stage in range(p.pp):
-        layers = len(_shard(m.layers, p.pp, stage))
-        stage_state = _shard(m.state_layers, p.pp, stage)
-        dst_stage = stage if d.pp == p.pp else 0
+        layers = len(pp_layer_range(m.layers, p.pp, stage))
+        stage_state = pp_layer_range(m.state_layers, p.pp, stage)
+        dst_stage = decode_pp_stage(stage, p.pp, d.pp)
         for cp_rank in senders:
             cp_pages = len(cp_page_shard(pages, p.cp, cp_rank, all_ranks_send=all_send))
             owned = state_layer_shard(m.state_layers, p.cp, cp_rank, dsa_cache_layer_split=p.dsa_cache_layer_split)
             state_full = state_per_layer * _overlap(owned, stage_state)
             skip = should_skip_state_transfer(p.cp, cp_rank, dsa_cache_layer_split=p.dsa_cache_layer_split)
             state = Fraction(0) if skip else state_full
-            aux = aux_row if stage == p.pp - 1 else 0
+            aux = aux_row if sends_request_rows(stage, p.pp) else 0
             for route in routes:
                 kv = cp_pages * layers * route.num_heads * head_page_bytes
                 kv_total += kv

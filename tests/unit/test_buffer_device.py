@@ -1,11 +1,11 @@
-"""Metadata/aux buffer device (sglang #26707)."""
+"""Metadata/aux buffer device (sglang #26707) and the KV/state pool device per transport."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdfabric_core.policy.buffer_device import metadata_buffer_device, room_dtype
-from pdfabric_core.policy.types import Device, MemPool
+from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
+from pdfabric_core.policy.types import Device, MemPool, Transport
 
 
 @pytest.mark.parametrize(
@@ -31,6 +31,15 @@ def test_metadata_buffer_device(pool: MemPool, npu: bool, expected: Device) -> N
     assert metadata_buffer_device(pool, is_npu=npu) is expected
 
 
-@pytest.mark.parametrize(("npu", "dtype"), [(True, "int64"), (False, "uint64")], ids=["npu", "other"])
-def test_room_dtype(npu: bool, dtype: str) -> None:
-    assert room_dtype(is_npu=npu) == dtype
+@pytest.mark.parametrize(
+    ("transport", "expected"),
+    [
+        (Transport.TCP, Device.CPU),
+        (Transport.RDMA, Device.CPU),
+        (Transport.NVLINK_INTRA, Device.CUDA),
+        (Transport.NVLINK, Device.CUDA),
+    ],
+    ids=["tcp-host", "rdma-host", "intra-node-nvlink-gpu", "mnnvl-gpu"],
+)
+def test_kv_buffer_device(transport: Transport, expected: Device) -> None:
+    assert kv_buffer_device(transport) is expected

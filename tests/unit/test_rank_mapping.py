@@ -6,7 +6,9 @@ import pytest
 
 from pdfabric_core.policy.rank_mapping import (
     KvRoute,
+    all_cp_ranks_send,
     candidate_sources,
+    contiguous_shard,
     cp_page_shard,
     decode_pp_stage,
     global_heads,
@@ -20,6 +22,7 @@ from pdfabric_core.policy.rank_mapping import (
     validate_pp,
     validate_tp,
 )
+from pdfabric_core.spec import PrefillSpec
 
 
 def r(p: int, d: int, so: int, do: int, n: int, sl: int, dl: int) -> KvRoute:
@@ -192,3 +195,40 @@ def test_request_rows_leave_from_the_last_stage(stage: int, pp: int, rows: bool)
 def test_invalid_layouts_are_rejected(call: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("n", "parts", "expected"),
+    [
+        (10, 4, [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]),
+        (8, 4, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+        (2, 4, [range(0, 1), range(1, 2), range(2, 2), range(2, 2)]),
+        (5, 1, [range(0, 5)]),
+        (0, 3, [range(0, 0)] * 3),
+    ],
+    ids=["remainder-to-first-shares", "even", "fewer-items-than-parts", "one-part", "nothing"],
+)
+def test_contiguous_shard(n: int, parts: int, expected: list[range]) -> None:
+    shards = [contiguous_shard(n, parts, i) for i in range(parts)]
+    assert shards == expected
+    assert [i for s in shards for i in s] == list(range(n))
+
+
+@pytest.mark.parametrize(("parts", "index"), [(0, 0), (3, 3), (3, -1)], ids=["no-parts", "past-end", "negative"])
+def test_contiguous_shard_rejects_a_share_outside_the_split(parts: int, index: int) -> None:
+    with pytest.raises(ValueError, match="outside a split"):
+        contiguous_shard(10, parts, index)
+
+
+@pytest.mark.parametrize(
+    ("all_ranks", "split", "expected"),
+    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
+    ids=["rank-0-only", "all-cp-ranks-transfer", "dsa-layer-split", "both"],
+)
+def test_all_cp_ranks_send(all_ranks: bool, split: bool, expected: bool) -> None:
+    assert all_cp_ranks_send(all_cp_ranks_transfer=all_ranks, dsa_cache_layer_split=split) is expected
+    spec = PrefillSpec(cp=4, all_cp_ranks_transfer=all_ranks, dsa_cache_layer_split=split)
+    assert spec.all_cp_ranks_send is expected
+    assert (
+        sending_cp_ranks(4, all_cp_ranks_transfer=all_ranks, dsa_cache_layer_split=split) == [0, 1, 2, 3]
+    ) is expected

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import Field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import pytest
 import yaml
 
-from pdfabric_core.policy.types import MemPool, Transport
-from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
+from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS
+from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, MemPool, Transport
+from pdfabric_core.spec import DTYPE_BYTES, PDClusterSpec, SpecError, crd_key, field_default, parse_spec
 from tests.builders import INVALID_SPECS, merge, pdcluster
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "pdcluster.yaml"
@@ -39,23 +41,75 @@ def test_crd_defaults_equal_spec_defaults() -> None:
     assert parse_spec(defaulted) == parse_spec({}) == PDClusterSpec()
 
 
-def _leaf_defaults(schema: dict[str, Any], path: str = "") -> dict[str, Any]:
-    out = {}
-    for key, sub in schema.get("properties", {}).items():
-        if sub.get("type") == "object" and "properties" in sub:
-            out.update(_leaf_defaults(sub, f"{path}{key}."))
-        elif "default" in sub:
-            out[f"{path}{key}"] = sub["default"]
+def _spec_fields() -> list[tuple[str | None, Field[Any]]]:
+    """(section, field) for every leaf field of PDClusterSpec; section None for top-level ones."""
+    out: list[tuple[str | None, Field[Any]]] = []
+    hints = get_type_hints(PDClusterSpec)
+    for f in fields(PDClusterSpec):
+        if is_dataclass(hints[f.name]):
+            out += [(f.name, sub) for sub in fields(hints[f.name])]
+        else:
+            out.append((None, f))
     return out
 
 
-def test_every_scalar_field_has_a_crd_default() -> None:
-    # Fields without a default in the CRD must be optional maps (nodeSelector, resources).
-    leaves = _leaf_defaults(_spec_schema())
-    assert "transfer.transport" in leaves and leaves["transfer.transport"] == "auto"
-    assert leaves["placement.nvlinkDomainKey"] == "nvidia.com/gpu.clique"
-    # backend 1 + transfer 5 + prefill 6 + decode 4 + model 9 + placement 5 + agent 3
-    assert len(leaves) == 33
+SPEC_FIELDS = _spec_fields()
+
+
+def _field_id(section: str | None, f: Field[Any]) -> str:
+    return f"{crd_key(section)}.{crd_key(f.name)}" if section else crd_key(f.name)
+
+
+@pytest.mark.parametrize(("section", "f"), SPEC_FIELDS, ids=[_field_id(s, f) for s, f in SPEC_FIELDS])
+def test_crd_default_of_each_field_parses_to_the_dataclass_default(section: str | None, f: Field[Any]) -> None:
+    # The dataclasses hold the defaults; the CRD must say the same, field by field. Fields without
+    # a CRD default are the optional maps (nodeSelector, resources), empty in the dataclass too.
+    schema = _spec_schema()
+    node = schema["properties"][crd_key(section)] if section else schema
+    prop = node["properties"].get(crd_key(f.name))
+    assert prop is not None, f"the CRD has no {_field_id(section, f)}"
+    default = field_default(f)
+    if "default" not in prop:
+        assert default == {} and prop["type"] == "object", f"{_field_id(section, f)} has no CRD default"
+        return
+    raw = {crd_key(section): {crd_key(f.name): prop["default"]}} if section else {crd_key(f.name): prop["default"]}
+    parsed = parse_spec(raw)
+    got = getattr(getattr(parsed, section), f.name) if section else getattr(parsed, f.name)
+    assert got == default
+
+
+def test_every_crd_field_is_a_spec_field() -> None:
+    schema = _spec_schema()
+    crd = {
+        f"{key}.{sub}" if sub_node is not None else key
+        for key, node in schema["properties"].items()
+        for sub, sub_node in (node.get("properties", {}).items() if node["type"] == "object" else [(key, None)])
+    }
+    assert crd == {_field_id(s, f) for s, f in SPEC_FIELDS}
+
+
+# (CRD field, the vocabulary it must list)
+VOCABULARY = [
+    ("backend", [b.value for b in Backend]),
+    ("transfer.memPool", [m.value for m in MemPool]),
+    ("transfer.transport", [AUTO_TRANSPORT, *(t.value for t in Transport)]),
+    ("model.dtype", list(DTYPE_BYTES)),
+    ("placement.fallback", [f.value for f in FallbackPolicy]),
+]
+
+
+@pytest.mark.parametrize(("path", "values"), VOCABULARY, ids=[v[0] for v in VOCABULARY])
+def test_crd_enums_equal_the_python_vocabulary(path: str, values: list[str]) -> None:
+    node = _spec_schema()
+    for key in path.split("."):
+        node = node["properties"][key]
+    assert node["enum"] == values
+
+
+def test_every_transport_and_pool_has_a_traits_row() -> None:
+    assert set(TRANSPORTS) == set(Transport)
+    assert set(MEM_POOLS) == set(MemPool)
+    assert all(MEM_POOLS[p].implied_transport in MEM_POOLS[p].transports for p in MemPool)
 
 
 @pytest.mark.parametrize(("patch", "fragment"), [c[1:] for c in INVALID_SPECS], ids=[c[0] for c in INVALID_SPECS])
@@ -93,3 +147,19 @@ def test_new_fields_parse() -> None:
     spec = parse_spec({"model": {"expectedPromptTokens": 100}, "placement": {"maxGpusPerNode": 4}})
     assert spec.model.expected_prompt_tokens == 100
     assert spec.placement.max_gpus_per_node == 4
+
+
+def test_state_bytes_must_split_evenly_over_state_layers() -> None:
+    with pytest.raises(SpecError, match=r"must be divisible by model\.stateLayers"):
+        parse_spec({"model": {"stateBytesPerRequest": 1000, "stateLayers": 3}})
+    assert parse_spec({"model": {"stateBytesPerRequest": 999, "stateLayers": 3}}).model.state_layers == 3
+
+
+def test_unknown_enum_value_names_the_field_and_the_choices() -> None:
+    with pytest.raises(SpecError, match=r"placement.fallback must be one of Fail, TCP, got 'tcp'"):
+        parse_spec({"placement": {"fallback": "tcp"}})
+
+
+def test_enum_fields_parse_to_enum_members() -> None:
+    spec = parse_spec({"backend": "mori", "placement": {"fallback": "TCP"}})
+    assert spec.backend is Backend.MORI and spec.placement.fallback is FallbackPolicy.TCP

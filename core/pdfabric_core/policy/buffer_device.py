@@ -1,26 +1,28 @@
-"""Where the metadata/aux buffers live (sglang #26707, MetadataBuffers device choice).
+"""Where the KV, state and metadata/aux buffers live.
 
-Upstream order: NPU first; then any custom pool of type NVLINK or BAREX keeps them on the CPU
-(upstream TODO: cuda once the MNNVL transport is bug-free); INTRA_NODE_NVLINK puts them on the
-GPU, which is required because Mooncake's intra-node NVLink transport refuses host memory;
-everything else stays on the CPU.
+Metadata/aux (sglang #26707, MetadataBuffers device choice). Upstream order: NPU first; then any
+custom pool of type NVLINK or BAREX keeps them on the CPU (upstream TODO: cuda once the MNNVL
+transport is bug-free); INTRA_NODE_NVLINK puts them on the GPU, which is required because
+Mooncake's intra-node NVLink transport refuses host memory; everything else stays on the CPU.
+
+KV and state: on the GPU for the NVLink transports (intra-node and multi-node NVLink move GPU
+memory only), in host memory for tcp and rdma.
+
+Both come from the tables in ``policy/transports.py``.
 """
 
 from __future__ import annotations
 
-from pdfabric_core.policy.types import Device, MemPool
+from pdfabric_core.policy.transports import mem_pool_traits, transport_traits
+from pdfabric_core.policy.types import Device, MemPool, Transport
 
 
 def metadata_buffer_device(pool: MemPool, *, is_npu: bool = False) -> Device:
     if is_npu:
         return Device.NPU
-    if pool in (MemPool.NVLINK, MemPool.BAREX):
-        return Device.CPU
-    if pool is MemPool.INTRA_NODE_NVLINK:
-        return Device.CUDA
-    return Device.CPU
+    return mem_pool_traits(pool).metadata_device
 
 
-def room_dtype(*, is_npu: bool) -> str:
-    """Bootstrap-room column dtype: NPU kernels need int64 (upstream), elsewhere uint64."""
-    return "int64" if is_npu else "uint64"
+def kv_buffer_device(transport: Transport) -> Device:
+    """Device of a rank's KV and state pools for the transport the agent runs."""
+    return transport_traits(transport).kv_device

@@ -108,11 +108,29 @@ def routes_from_prefill(prefill_tp_rank: int, prefill_tp: int, decode_tp: int, k
     return [r for r in kv_routes(prefill_tp, decode_tp, kv_heads) if r.prefill_tp_rank == prefill_tp_rank]
 
 
+def contiguous_shard(n: int, parts: int, index: int) -> range:
+    """Share `index` of n items split into `parts` contiguous shares; the first shares take the
+    remainder (n=10, parts=4: 3, 3, 2, 2). CP page shards, CP state-layer shards and PP layer
+    ranges all split this way."""
+    if parts < 1 or not 0 <= index < parts:
+        raise ValueError(f"share {index} is outside a split into {parts} parts")
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
+
+
+def all_cp_ranks_send(*, all_cp_ranks_transfer: bool, dsa_cache_layer_split: bool) -> bool:
+    """Whether every prefill CP rank sends its own share (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER,
+    or the DSA cache layer split, under which each CP rank owns different state layers); else only
+    CP rank 0 sends. ``PrefillSpec.all_cp_ranks_send`` asks this of a spec."""
+    return all_cp_ranks_transfer or dsa_cache_layer_split
+
+
 def sending_cp_ranks(cp_size: int, *, all_cp_ranks_transfer: bool, dsa_cache_layer_split: bool) -> list[int]:
     """Prefill CP ranks that send KV to decode (decode CP is always 1)."""
     if cp_size < 1:
         raise ValueError(f"CP size must be at least 1, got {cp_size}")
-    if all_cp_ranks_transfer or dsa_cache_layer_split:
+    if all_cp_ranks_send(all_cp_ranks_transfer=all_cp_ranks_transfer, dsa_cache_layer_split=dsa_cache_layer_split):
         return list(range(cp_size))
     return [0]
 
@@ -120,25 +138,21 @@ def sending_cp_ranks(cp_size: int, *, all_cp_ranks_transfer: bool, dsa_cache_lay
 def cp_page_shard(num_pages: int, cp_size: int, cp_rank: int, *, all_ranks_send: bool) -> range:
     """Request pages (by position in the request) that prefill CP rank `cp_rank` sends.
 
-    With all ranks sending, each rank sends its contiguous token shard (the first shards take the
-    remainder); otherwise CP rank 0 sends every page and the others send none.
+    With all ranks sending, each rank sends its contiguous token shard (`contiguous_shard`);
+    otherwise CP rank 0 sends every page and the others send none.
     """
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside a CP group of size {cp_size}")
     if not all_ranks_send:
         return range(num_pages) if cp_rank == 0 else range(0)
-    base, extra = divmod(num_pages, cp_size)
-    start = cp_rank * base + min(cp_rank, extra)
-    return range(start, start + base + (1 if cp_rank < extra else 0))
+    return contiguous_shard(num_pages, cp_size, cp_rank)
 
 
 def state_layer_shard(state_layers: int, cp_size: int, cp_rank: int, *, dsa_cache_layer_split: bool) -> range:
     """State layers CP rank `cp_rank` owns: all of them, or its share under the layer split."""
     if not dsa_cache_layer_split:
         return range(state_layers)
-    base, extra = divmod(state_layers, cp_size)
-    start = cp_rank * base + min(cp_rank, extra)
-    return range(start, start + base + (1 if cp_rank < extra else 0))
+    return contiguous_shard(state_layers, cp_size, cp_rank)
 
 
 def validate_pp(prefill_pp: int, decode_pp: int) -> None:
@@ -150,9 +164,7 @@ def pp_layer_range(layers: int, pp: int, stage: int) -> range:
     """Global layers PP stage `stage` holds: contiguous, the first stages take the remainder."""
     if pp < 1 or not 0 <= stage < pp:
         raise ValueError(f"PP stage {stage} is outside a pipeline of {pp} stages")
-    base, extra = divmod(layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+    return contiguous_shard(layers, pp, stage)
 
 
 def decode_pp_stage(prefill_stage: int, prefill_pp: int, decode_pp: int) -> int:

@@ -1,4 +1,9 @@
-"""Vocabulary of the PD rules: memory pools, transports, devices."""
+"""Vocabulary of the PD rules: memory pools, transports, devices, roles, backends, fallback.
+
+Every name here is a StrEnum spelled as the CRD spells it (crds/pdcluster.yaml), so a member
+compares equal to the string a user wrote; a unit test keeps the CRD's enums equal to these.
+What each pool and transport needs and implies is one table, ``policy/transports.py``.
+"""
 
 from __future__ import annotations
 
@@ -21,21 +26,30 @@ class Transport(enum.StrEnum):
     NVLINK = "nvlink"  # multi-node NVLink inside one NVLink domain (gpu.clique)
 
 
+# spec.transfer.transport's extra value: the transport the pool implies (parsed to None).
+AUTO_TRANSPORT = "auto"
+
+
 class Device(enum.StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
     NPU = "npu"
 
 
-# The transport each custom pool implies when the spec leaves transport unset.
-TRANSPORT_FOR_POOL: dict[MemPool, Transport] = {
-    MemPool.NONE: Transport.TCP,
-    MemPool.NVLINK: Transport.NVLINK,
-    MemPool.INTRA_NODE_NVLINK: Transport.NVLINK_INTRA,
-    MemPool.BAREX: Transport.RDMA,
-}
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
-def implied_transport(pool: MemPool, explicit: Transport | None) -> Transport:
-    """The transport a deployment runs: the explicit choice, else the one the pool implies."""
-    return explicit if explicit is not None else TRANSPORT_FOR_POOL[pool]
+class Backend(enum.StrEnum):
+    """The transfer engine the agents run (spec.backend)."""
+
+    MOONCAKE = "mooncake"
+    MORI = "mori"
+
+
+class FallbackPolicy(enum.StrEnum):
+    """spec.placement.fallback: what to do when the requested transport cannot run."""
+
+    FAIL = "Fail"  # report why (Placed=False, or the agent's readiness reason)
+    TCP = "TCP"  # run tcp instead, flagged Degraded
