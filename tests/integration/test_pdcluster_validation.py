@@ -40,6 +40,18 @@ def test_invalid_specs_rejected_with_their_messages(cluster: Any, namespace: str
         assert cluster.get_json(kind, "-n", namespace, "-l", "pdfabric.dev/cluster")["items"] == []
 
 
+def test_state_bytes_that_state_layers_do_not_divide_rejected(cluster: Any, namespace: str, crds: None) -> None:
+    manifest = pdcluster("state-split").manifest()
+    manifest["spec"] = merge(manifest["spec"], {"model": {"stateBytesPerRequest": 1000, "stateLayers": 3}})
+    proc = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert proc.returncode != 0
+    assert "model.stateBytesPerRequest must be divisible by model.stateLayers" in proc.stderr
+    # The same geometry with an even split is accepted.
+    manifest["spec"]["model"]["stateBytesPerRequest"] = 999
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+    cluster.kubectl("delete", "pdcluster", "state-split", "-n", namespace)
+
+
 def test_server_defaults_equal_spec_defaults(cluster: Any, namespace: str, crds: None) -> None:
     manifest = {"apiVersion": "pdfabric.dev/v1alpha1", "kind": "PDCluster", "metadata": {"name": "bare"}, "spec": {}}
     cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))
