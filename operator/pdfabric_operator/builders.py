@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric_core.policy.types import Transport
+from pdfabric_core.policy.transports import transport_traits
+from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator import constants as c
@@ -72,6 +73,15 @@ def service_name(cluster: str) -> str:
     return _dns_label(f"{cluster}-agents", 63)
 
 
+def shared_children(cluster: str) -> list[tuple[str, str]]:
+    """(kind, name) of the children every agent of `cluster` shares: rank map, Service, token."""
+    return [
+        ("ConfigMap", rankmap_name(cluster)),
+        ("Service", service_name(cluster)),
+        ("Secret", token_secret_name(cluster)),
+    ]
+
+
 def labels_for(ref: ClusterRef, **extra: str) -> dict[str, str]:
     labels = {
         c.LABEL_APP: c.APP_NAME,
@@ -81,11 +91,6 @@ def labels_for(ref: ClusterRef, **extra: str) -> dict[str, str]:
     }
     labels.update(extra)
     return labels
-
-
-def selector_for(ref: ClusterRef) -> str:
-    """Label selector of every child of one PDCluster (uid, so a recreated namesake is distinct)."""
-    return f"{c.LABEL_CLUSTER_UID}={ref.uid}"
 
 
 def _meta(ref: ClusterRef, name: str, **extra_labels: str) -> dict[str, Any]:
@@ -107,7 +112,7 @@ def decode_ranks(text: str) -> tuple[Rank, ...]:
     for item in filter(None, text.split(",")):
         rank_id, _, gpu = item.partition("@")
         parts = rank_id.split("-")
-        role, replica = parts[0], int(parts[1])
+        role, replica = Role(parts[0]), int(parts[1])
         fields = {p[:2]: int(p[2:]) for p in parts[2:]}
         ranks.append(Rank(role, replica, fields.get("tp", 0), fields.get("cp", 0), fields.get("pp", 0), int(gpu or 0)))
     return tuple(ranks)
@@ -162,14 +167,21 @@ def build_headless_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, An
     }
 
 
+def agent_device_requests(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport) -> dict[str, int]:
+    """Extended resources one agent pod holds: its ranks' GPUs, and one RDMA device when the
+    transport needs one (its `device_resource` trait)."""
+    requests = {spec.placement.gpu_resource: agent.gpus}
+    if transport_traits(transport).device_resource:
+        requests[spec.placement.rdma_resource] = 1
+    return requests
+
+
 def _resources(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport) -> dict[str, Any]:
     user = spec.agent.resources or {}
     requests = dict(user.get("requests") or {})
     limits = dict(user.get("limits") or {})
     # Extended resources cannot overcommit: request == limit, both set.
-    extended = {spec.placement.gpu_resource: str(agent.gpus)}
-    if transport is Transport.RDMA:
-        extended[spec.placement.rdma_resource] = "1"
+    extended = {k: str(v) for k, v in agent_device_requests(spec, agent, transport).items()}
     requests.update(extended)
     limits.update(extended)
     return {"requests": requests, "limits": limits}

@@ -12,7 +12,6 @@ KIND = "PDCluster"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 FINALIZER = f"{GROUP}/finalizer"
-PEERING_NAME = "pdfabric"
 
 # Labels on every child object; selectors and the pod index use them.
 LABEL_APP = "app.kubernetes.io/name"
@@ -46,4 +45,3 @@ COND_READY = "Ready"
 COND_PLACED = "Placed"
 COND_TRANSPORT_READY = "TransportReady"
 COND_DEGRADED = "Degraded"
-CONDITION_TYPES = (COND_READY, COND_PLACED, COND_TRANSPORT_READY, COND_DEGRADED)

@@ -324,11 +324,7 @@ async def cleanup(
     def _delete() -> None:
         for p in pods:
             kube.delete("Pod", p.namespace, p.name, uid=p.uid)
-        for kind, child in (
-            ("ConfigMap", b.rankmap_name(name)),
-            ("Service", b.service_name(name)),
-            ("Secret", b.token_secret_name(name)),
-        ):
+        for kind, child in b.shared_children(name):
             kube.delete(kind, ref.namespace, child)
 
     await asyncio.to_thread(_delete)

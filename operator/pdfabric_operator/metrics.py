@@ -10,6 +10,8 @@ import enum
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdfabric_operator.planner import PlacementReason
+
 
 class ReconcileResult(enum.StrEnum):
     READY = "ready"  # placed and every agent Ready
@@ -27,15 +29,6 @@ class ErrorType(enum.StrEnum):
     API_OTHER = "api_other"
     INTERNAL = "internal"
 
-
-PLACEMENT_REASONS = (
-    "NoGPUNodes",
-    "InsufficientGPUs",
-    "NoRDMANodes",
-    "NoNVLinkDomain",
-    "NVLinkDomainTooSmall",
-    "NoNodeForIntraNodeGroup",
-)
 
 RECONCILES = Counter("pdfabric_operator_reconciles_total", "PDCluster reconciles by result.", ["result"])
 RECONCILE_DURATION = Histogram(
@@ -59,7 +52,7 @@ for _r in ReconcileResult:
     RECONCILES.labels(_r.value)
 for _e in ErrorType:
     ERRORS.labels(_e.value)
-for _reason in PLACEMENT_REASONS:
-    PLACEMENT_FAILURES.labels(_reason)
+for _reason in PlacementReason:
+    PLACEMENT_FAILURES.labels(_reason.value)
 for _verb in ("get", "create", "update", "patch", "delete"):
     API_REQUESTS.labels(_verb)

@@ -22,13 +22,26 @@ PlacementFailure whose reason and message say exactly what is missing. The algor
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdfabric_core.policy.types import Transport
-from pdfabric_core.rankmap import Rank
-from pdfabric_core.spec import FallbackPolicy, PDClusterSpec
+from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, Locality, tcp_fallback_allowed, transport_traits
+from pdfabric_core.policy.types import Role, Transport
+from pdfabric_core.rankmap import Rank, replica_ranks
+from pdfabric_core.spec import PDClusterSpec
+
+
+class PlacementReason(enum.StrEnum):
+    """Why no placement fits: the Placed condition's reason and the failure metric's label."""
+
+    NO_GPU_NODES = "NoGPUNodes"
+    INSUFFICIENT_GPUS = "InsufficientGPUs"
+    NO_RDMA_NODES = "NoRDMANodes"
+    NO_NVLINK_DOMAIN = "NoNVLinkDomain"
+    NVLINK_DOMAIN_TOO_SMALL = "NVLinkDomainTooSmall"
+    NO_NODE_FOR_INTRA_NODE_GROUP = "NoNodeForIntraNodeGroup"
 
 
 @dataclass(frozen=True)
@@ -79,7 +92,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class PlacementFailure:
-    reason: str  # CamelCase, for the Placed condition
+    reason: PlacementReason
     message: str  # says what is missing and what to change
     requested_transport: Transport
 
@@ -87,28 +100,9 @@ class PlacementFailure:
 # --- units -------------------------------------------------------------------------------------
 
 
-def prefill_ranks(spec: PDClusterSpec, replica: int) -> list[Rank]:
-    p = spec.prefill
-    return [Rank("prefill", replica, tp, cp, pp) for pp in range(p.pp) for cp in range(p.cp) for tp in range(p.tp)]
-
-
-def decode_ranks(spec: PDClusterSpec, replica: int) -> list[Rank]:
-    d = spec.decode
-    return [Rank("decode", replica, tp, 0, pp) for pp in range(d.pp) for tp in range(d.tp)]
-
-
-def all_ranks(spec: PDClusterSpec) -> list[Rank]:
-    out: list[Rank] = []
-    for r in range(spec.prefill.replicas):
-        out += prefill_ranks(spec, r)
-    for r in range(spec.decode.replicas):
-        out += decode_ranks(spec, r)
-    return out
-
-
 def plan_feeds(spec: PDClusterSpec, transport: Transport) -> dict[int, tuple[int, ...]]:
     """prefill replica -> decode replicas it may feed; intra-node NVLink confines them to its node."""
-    if transport is Transport.NVLINK_INTRA:
+    if transport_traits(transport).locality is Locality.NODE:
         k = spec.decode_per_prefill
         return {p: tuple(range(p * k, p * k + k)) for p in range(spec.prefill.replicas)}
     every = tuple(range(spec.decode.replicas))
@@ -123,16 +117,20 @@ class _Unit:
 
 
 def _units(spec: PDClusterSpec, transport: Transport) -> list[_Unit]:
-    if transport is Transport.NVLINK_INTRA:
+    if transport_traits(transport).locality is Locality.NODE:
         units = []
         for p, decodes in plan_feeds(spec, transport).items():
-            ranks = prefill_ranks(spec, p)
+            ranks = replica_ranks(spec, Role.PREFILL, p)
             for d in decodes:
-                ranks += decode_ranks(spec, d)
+                ranks += replica_ranks(spec, Role.DECODE, d)
             units.append(_Unit(f"group-{p}", tuple(ranks), splittable=False))
         return units
-    units = [_Unit(f"prefill-{r}", tuple(prefill_ranks(spec, r)), True) for r in range(spec.prefill.replicas)]
-    units += [_Unit(f"decode-{r}", tuple(decode_ranks(spec, r)), True) for r in range(spec.decode.replicas)]
+    units = [
+        _Unit(f"prefill-{r}", tuple(replica_ranks(spec, Role.PREFILL, r)), True) for r in range(spec.prefill.replicas)
+    ]
+    units += [
+        _Unit(f"decode-{r}", tuple(replica_ranks(spec, Role.DECODE, r)), True) for r in range(spec.decode.replicas)
+    ]
     return units
 
 
@@ -158,7 +156,7 @@ def _describe(free: Mapping[str, int], limit: int = 3) -> str:
 
 
 class _NoFit(Exception):
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: PlacementReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -216,12 +214,12 @@ def _pack(
             continue
         if unit.splittable:
             raise _NoFit(
-                "InsufficientGPUs",
+                PlacementReason.INSUFFICIENT_GPUS,
                 f"{unit.key} needs {need} GPUs but {what} have {total} free in all "
                 f"(most free: {_describe(free)}); add GPU nodes, free GPUs or lower replicas/TP/CP/PP",
             )
         raise _NoFit(
-            "NoNodeForIntraNodeGroup",
+            PlacementReason.NO_NODE_FOR_INTRA_NODE_GROUP,
             f"intra-node NVLink needs {need} free GPUs on one node for {unit.key} "
             f"(a prefill replica and the decode replicas it feeds); {what} offer at most "
             f"{max([0, *free.values()])} (most free: {_describe(free)}); free GPUs, lower TP/CP/PP "
@@ -245,7 +243,7 @@ def _agents(assigned: Mapping[str, list[Rank]], domain_of: Mapping[str, str | No
 
 
 def _rank_order(r: Rank) -> tuple[int, int, int, int, int]:
-    return (0 if r.role == "prefill" else 1, r.replica, r.pp_rank, r.cp_rank, r.tp_rank)
+    return (0 if r.role is Role.PREFILL else 1, r.replica, r.pp_rank, r.cp_rank, r.tp_rank)
 
 
 # --- the planner -------------------------------------------------------------------------------
@@ -265,10 +263,10 @@ def plan_placement(
     try:
         return _plan(spec, requested, requested, nodes, placed, cluster_uid, previous)
     except _NoFit as nofit:
-        if spec.placement.fallback != FallbackPolicy.TCP or requested is Transport.TCP:
+        if not tcp_fallback_allowed(spec.placement.fallback, requested):
             return PlacementFailure(nofit.reason, nofit.message, requested)
         try:
-            fallback = _plan(spec, Transport.TCP, requested, nodes, placed, cluster_uid, previous)
+            fallback = _plan(spec, FALLBACK_TRANSPORT, requested, nodes, placed, cluster_uid, previous)
         except _NoFit as tcp_nofit:
             return PlacementFailure(
                 nofit.reason,
@@ -302,24 +300,25 @@ def _plan(
     where = f"ready nodes matching nodeSelector {dict(pl.node_selector)}" if pl.node_selector else "ready nodes"
     if not eligible:
         raise _NoFit(
-            "NoGPUNodes",
+            PlacementReason.NO_GPU_NODES,
             f"no {where} have allocatable {gpu} ({len(nodes)} nodes seen, {len(ready)} ready, "
             f"{len(selected)} matching); add GPU nodes or relax placement.nodeSelector",
         )
-    if transport is Transport.RDMA:
+    traits = transport_traits(transport)
+    if traits.device_resource:
         rdma_free = _free(eligible, placed, pl.rdma_resource, uid)
         with_rdma = [n for n in eligible if n.allocatable.get(pl.rdma_resource, 0) > 0]
         if not with_rdma:
             raise _NoFit(
-                "NoRDMANodes",
-                f"transport rdma needs nodes with allocatable {pl.rdma_resource}; none of the {len(eligible)} "
+                PlacementReason.NO_RDMA_NODES,
+                f"transport {transport.value} needs nodes with allocatable {pl.rdma_resource}; none of the {len(eligible)} "
                 f"{where} with {gpu} has it; set placement.rdmaResource to your cluster's RDMA resource, "
                 f"add RDMA nodes, or declare placement.fallback TCP",
             )
         eligible = [n for n in with_rdma if rdma_free[n.name] >= 1]
         if not eligible:
             raise _NoFit(
-                "NoRDMANodes",
+                PlacementReason.NO_RDMA_NODES,
                 f"every node with {pl.rdma_resource} has it fully requested by other pods; free some or add RDMA nodes",
             )
     free = _free(eligible, placed, gpu, uid)
@@ -328,7 +327,7 @@ def _plan(
         n.name: int(n.allocatable.get(pl.rdma_resource, 0) > 0) + int(bool(n.labels.get(pl.nvlink_domain_key)))
         for n in eligible
     }
-    if transport is not Transport.NVLINK:
+    if traits.locality is not Locality.DOMAIN:
         assigned = _pack(units, free, previous, what=where, scarcity=scarcity)
         return Placement(transport, requested, _agents(assigned, {}), plan_feeds(spec, transport))
 
@@ -339,8 +338,8 @@ def _plan(
             domains.setdefault(n.labels[key], []).append(n.name)
     if not domains:
         raise _NoFit(
-            "NoNVLinkDomain",
-            f"transport nvlink needs nodes labelled {key} (the NVLink domain); none of the {len(eligible)} "
+            PlacementReason.NO_NVLINK_DOMAIN,
+            f"transport {transport.value} needs nodes labelled {key} (the NVLink domain); none of the {len(eligible)} "
             f"{where} with {gpu} has it; set placement.nvlinkDomainKey, use another transport or declare fallback TCP",
         )
     need = sum(len(u.ranks) for u in units)
@@ -365,8 +364,8 @@ def _plan(
         )
     largest = max(order, key=lambda d: (size[d], d))
     raise _NoFit(
-        "NVLinkDomainTooSmall",
-        f"transport nvlink needs all {need} GPUs inside one NVLink domain ({key}); the largest, {largest}, "
+        PlacementReason.NVLINK_DOMAIN_TOO_SMALL,
+        f"transport {transport.value} needs all {need} GPUs inside one NVLink domain ({key}); the largest, {largest}, "
         f"has {size[largest]} free across {len(domains[largest])} nodes ({len(domains)} domains); "
         f"lower replicas/TP/CP/PP, free GPUs in one domain or declare fallback TCP",
     )

@@ -129,13 +129,17 @@ def _now() -> str:
 
 
 def _usage(spec: PDClusterSpec, placement: Placement) -> dict[str, dict[str, int]]:
-    usage: dict[str, dict[str, int]] = {}
-    for agent in placement.agents:
-        req = {spec.placement.gpu_resource: agent.gpus}
-        if placement.transport.value == "rdma":
-            req[spec.placement.rdma_resource] = 1
-        usage[agent.node] = req
-    return usage
+    return {a.node: b.agent_device_requests(spec, a, placement.transport) for a in placement.agents}
+
+
+def _is_current(pod: OwnPod, want: Mapping[str, Any] | None) -> bool:
+    """The pod is the one the builders want now: same build hash, not failed, not on its way out."""
+    return (
+        want is not None
+        and not pod.deleting
+        and not pod.failed
+        and want["metadata"]["annotations"][c.ANN_POD_HASH] == pod.pod_hash
+    )
 
 
 def reconcile_once(
@@ -183,18 +187,14 @@ def reconcile_once(
     # 3. Children.
     views: list[AgentView] = []
     if isinstance(outcome, PlacementFailure):
-        PLACEMENT_FAILURES.labels(outcome.reason).inc()
+        PLACEMENT_FAILURES.labels(outcome.reason.value).inc()
         out.result = ReconcileResult.UNPLACED
         out.problem = (outcome.reason, outcome.message)
         for p in own:
             if not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
         if not memory.children_absent:
-            for kind, name in (
-                ("ConfigMap", b.rankmap_name(ref.name)),
-                ("Service", b.service_name(ref.name)),
-                ("Secret", b.token_secret_name(ref.name)),
-            ):
+            for kind, name in b.shared_children(ref.name):
                 if kube.delete(kind, ref.namespace, name):
                     out.actions.append(f"delete {kind} {name}")
             memory.children_absent = True
@@ -217,9 +217,7 @@ def reconcile_once(
         rolling: list[OwnPod] = []
         for p in own:
             want = desired.get(p.name)
-            if p.deleting or (
-                want is not None and not p.failed and want["metadata"]["annotations"][c.ANN_POD_HASH] == p.pod_hash
-            ):
+            if p.deleting or _is_current(p, want):
                 continue
             if want is not None and not p.failed and want["metadata"]["annotations"][c.ANN_RANKS] == p.ranks:
                 rolling.append(p)
@@ -234,14 +232,7 @@ def reconcile_once(
             if name not in existing and kube.create(pod):
                 out.actions.append(f"create pod {name}")
         for p in own:
-            want = desired.get(p.name)
-            current = (
-                want is not None
-                and not p.deleting
-                and not p.failed
-                and want["metadata"]["annotations"][c.ANN_POD_HASH] == p.pod_hash
-            )
-            views.append(AgentView(p.name, p.node, p.ready, current))
+            views.append(AgentView(p.name, p.node, p.ready, _is_current(p, desired.get(p.name))))
 
     # 4. Status.
     status = compute_status(Observed(generation, spec, outcome, views, lost_nodes=lost), ref.name)

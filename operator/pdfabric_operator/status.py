@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_core.traffic import estimate_traffic
@@ -60,7 +61,7 @@ def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def _ready_replicas(role: str, replicas: int, placement: Placement, ready_nodes: set[str]) -> int:
+def _ready_replicas(role: Role, replicas: int, placement: Placement, ready_nodes: set[str]) -> int:
     """Replicas of `role` whose every rank sits on a node whose agent is Ready."""
     nodes_of: dict[int, set[str]] = {}
     for a in placement.agents:
@@ -107,8 +108,8 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
     wanted = {agent_name(cluster, a.node): a.node for a in placement.agents}
     ready_nodes = {v.node for v in obs.agents if v.ready and v.current and wanted.get(v.name) == v.node}
     ready_agents = len(ready_nodes & set(wanted.values()))
-    p_ready = _ready_replicas("prefill", p_desired, placement, ready_nodes)
-    d_ready = _ready_replicas("decode", d_desired, placement, ready_nodes)
+    p_ready = _ready_replicas(Role.PREFILL, p_desired, placement, ready_nodes)
+    d_ready = _ready_replicas(Role.DECODE, d_desired, placement, ready_nodes)
     all_ready = ready_agents == len(wanted) and p_ready == p_desired and d_ready == d_desired
     status.update(
         {
