@@ -127,10 +127,6 @@ class TransferPlan:
     state_skipped_bytes: int = 0
 
 
-def all_ranks_send(spec: PDClusterSpec) -> bool:
-    return spec.prefill.all_cp_ranks_transfer or spec.prefill.dsa_cache_layer_split
-
-
 def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
     return routes_from_prefill(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
 
@@ -159,7 +155,7 @@ def sender_duties(
     offset -= pp_layer_range(layers, dpp, decode_pp_stage(pp_stage, pp, dpp)).start
     return Duties(
         route=route,
-        pages=cp_page_shard(num_pages, cp, cp_rank, all_ranks_send=all_ranks_send(spec)),
+        pages=cp_page_shard(num_pages, cp, cp_rank, all_ranks_send=spec.prefill.all_cp_ranks_send),
         state_layers=state_layers if (primary and has_state and not skip) else range(0),
         state_skipped=primary and has_state and skip,
         send_aux=primary and cp_rank == 0,
