@@ -25,10 +25,11 @@ from pdfabric_agent.hardware import Hardware, detect_hardware
 from pdfabric_agent.pools import Pool, PoolLayout, RankPools
 from pdfabric_agent.server import Readiness, build_api_app, build_metrics_app
 from pdfabric_agent.transport import TransportChoice, TransportError, choose_transport, mooncake_env
-from pdfabric_core.policy.buffer_device import metadata_buffer_device
-from pdfabric_core.policy.types import Device, MemPool, Transport
+from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
+from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, tcp_fallback_allowed
+from pdfabric_core.policy.types import MemPool, Transport
 from pdfabric_core.rankmap import AgentEntry, RankMap
-from pdfabric_core.spec import FallbackPolicy, PDClusterSpec, SpecError, parse_spec
+from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
 
 log = logging.getLogger("pdfabric.main")
 
@@ -59,7 +60,7 @@ def build_ranks(
 ) -> dict[str, LocalRank]:
     """Pools sized from the model geometry, on the devices the upstream policy names, registered
     with one engine per rank."""
-    kv_device = Device.CUDA if transport in (Transport.NVLINK_INTRA, Transport.NVLINK) else Device.CPU
+    kv_device = kv_buffer_device(transport)
     aux_device = metadata_buffer_device(spec.transfer.mem_pool)
     ranks: dict[str, LocalRank] = {}
     remove_stale_pools(cfg.shm_dir, rankmap.cluster_uid)
@@ -120,9 +121,9 @@ def check_mem_pool(spec: PDClusterSpec, hw: Hardware, choice: TransportChoice, e
             spec.transfer.mem_pool, hw.gpus, cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES")
         )
     except IntraNodeNvlinkError as exc:
-        if spec.placement.fallback == FallbackPolicy.TCP:
-            note = f"{INTRA_NODE_NVLINK_ONE_GPU}: {exc}; fell back to tcp"
-            return TransportChoice(Transport.TCP, fell_back_from=choice.transport, note=note)
+        if tcp_fallback_allowed(spec.placement.fallback, choice.transport):
+            note = f"{INTRA_NODE_NVLINK_ONE_GPU}: {exc}; fell back to {FALLBACK_TRANSPORT.value}"
+            return TransportChoice(FALLBACK_TRANSPORT, fell_back_from=choice.transport, note=note)
         raise TransportError(INTRA_NODE_NVLINK_ONE_GPU, str(exc)) from None
     return choice
 
