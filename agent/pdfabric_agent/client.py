@@ -25,10 +25,9 @@ from typing import Any
 
 from pdfabric_agent.http1 import Connection, StaleConnection
 from pdfabric_agent.pools import PoolLayout
-from pdfabric_agent.rooms import pack_indices
+from pdfabric_agent.wire import ReceiveRequest, RoomSubmit, SendRequest
 
 FINAL = ("Success", "Failed")
-PACK_ABOVE = 64  # page lists longer than this are sent packed
 
 
 class AgentRefused(RuntimeError):
@@ -149,6 +148,10 @@ def map_rank_pools(rank_id: str, rank: Mapping[str, Any], gpu: int | None = None
     return MappedPools(PoolLayout.from_dict(rank["layout"]), mapped["kv"], mapped["state"], mapped["aux"], ipc)
 
 
+class _ThreadConnection(threading.local):
+    conn: Connection | None = None
+
+
 class AgentClient:
     def __init__(self, address: str, token: str, cluster_uid: str, timeout_s: float = 10.0) -> None:
         host, _, port = address.rpartition(":")
@@ -158,19 +161,17 @@ class AgentClient:
         self.token = token
         self.cluster_uid = cluster_uid
         self.timeout_s = timeout_s
-        self._local = threading.local()  # one connection per thread
+        self._local = _ThreadConnection()  # one connection per thread
 
     def _connection(self) -> Connection:
-        conn: Connection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = Connection(self.host, self.port)
-        return conn
+        if self._local.conn is None:
+            self._local.conn = Connection(self.host, self.port)
+        return self._local.conn
 
     def close(self) -> None:
         """Close this thread's connection (others close when their threads' clients go away)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
+        if self._local.conn is not None:
+            self._local.conn.close()
 
     def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
@@ -215,7 +216,7 @@ class AgentClient:
         aux_index: int | None = None,
     ) -> dict[str, Any]:
         """Prefill side: send room `room` from these pages to decode replica `decode_replica`."""
-        return self._room("/v1/send", rank, room, kv_pages, state_indices, aux_index, decode_replica=decode_replica)
+        return self.submit(SendRequest(rank, room, kv_pages, state_indices or [], aux_index, decode_replica))
 
     def receive(
         self,
@@ -228,27 +229,11 @@ class AgentClient:
         aux_index: int | None = None,
     ) -> dict[str, Any]:
         """Decode side: announce where room `room` from prefill replica `prefill_replica` lands."""
-        return self._room(
-            "/v1/receive", rank, room, kv_pages, state_indices, aux_index, prefill_replica=prefill_replica
-        )
+        return self.submit(ReceiveRequest(rank, room, kv_pages, state_indices or [], aux_index, prefill_replica))
 
-    def _room(
-        self,
-        path: str,
-        rank: str,
-        room: int,
-        kv_pages: list[int],
-        state_indices: list[int] | None,
-        aux_index: int | None,
-        **peer: int,
-    ) -> dict[str, Any]:
-        # Long page lists travel packed (base64 int32): no JSON number per page on either side.
-        pages: Any = pack_indices(kv_pages) if len(kv_pages) > PACK_ABOVE else kv_pages
-        body: dict[str, Any] = {"rank": rank, "room": room, "kv_pages": pages, "state_indices": state_indices or []}
-        body.update(peer)
-        if aux_index is not None:
-            body["aux_index"] = aux_index
-        return self._call("POST", path, body)
+    def submit(self, msg: RoomSubmit) -> dict[str, Any]:
+        """A send or receive as its wire message (long page lists travel packed: base64 int32)."""
+        return self._call("POST", msg.PATH, msg.to_json())
 
     def poll(self, rank: str, room: int, wait_s: float = 0.0) -> dict[str, Any]:
         """The room's state; with wait_s > 0 the agent answers once it is final or wait_s passed."""

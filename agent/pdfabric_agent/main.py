@@ -18,13 +18,15 @@ import sys
 from aiohttp import web
 
 from pdfabric_agent import metrics
-from pdfabric_agent.agent import TCP_SIDE_CHANNEL, Agent, LocalRank
+from pdfabric_agent.agent import Agent
 from pdfabric_agent.backends import make_backend
 from pdfabric_agent.config import AgentConfig, ConfigError, load_config
 from pdfabric_agent.hardware import Hardware, detect_hardware
 from pdfabric_agent.pools import Pool, PoolLayout, RankPools
+from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.server import Readiness, build_api_app, build_metrics_app
 from pdfabric_agent.transport import TransportChoice, TransportError, choose_transport, mooncake_env
+from pdfabric_agent.writer import TCP_SIDE_CHANNEL
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
 from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, tcp_fallback_allowed
 from pdfabric_core.policy.types import MemPool, Transport
@@ -161,12 +163,7 @@ async def serve(cfg: AgentConfig) -> int:
         os.environ.update(mooncake_env(choice.transport, spec.transfer.timeout_seconds, cfg.engine_host))
         ranks = build_ranks(cfg, rankmap, spec, entry, choice.transport)
         roles = sorted({lr.rank.role for lr in ranks.values()})
-        paths = tuple(
-            sorted(
-                {p for lr in ranks.values() for p in getattr(lr.backend, "paths", (lr.backend.path,))}
-                | {TCP_SIDE_CHANNEL}
-            )
-        )
+        paths = tuple(sorted({p for lr in ranks.values() for p in lr.backend.paths} | {TCP_SIDE_CHANNEL}))
         for role in roles:
             metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
         agent = Agent(cfg, rankmap, spec, ranks, choice.transport.value)

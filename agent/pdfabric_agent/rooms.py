@@ -1,17 +1,31 @@
-"""Request state and the checks every API body passes before it may change anything."""
+"""Rooms: one request's transfer on one local rank, its state machine, and the registry of rooms.
+
+A room is Bootstrapping until both sides are known, then Transferring, then Success or Failed
+(SGLang's KVPoll values). The registry holds the rooms of every local rank: open ones are scanned
+by the tick for deadlines; finished ones are kept for their TTL in finish order (so a late poll
+still sees the outcome) and then forgotten, without the tick walking that history.
+"""
 
 from __future__ import annotations
 
-import array
 import asyncio
-import base64
+import collections
 import enum
-import sys
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from pdfabric_agent.metrics import Refusal
+from pdfabric_agent import metrics
+from pdfabric_agent.errors import conflict, unknown_room
+from pdfabric_agent.metrics import Outcome
+from pdfabric_agent.tasks import later
+from pdfabric_agent.wire import KindBytes, RoomInfo, zero_bytes
+
+log = logging.getLogger("pdfabric.agent")
+
+Role = Literal["prefill", "decode"]
+RoomKey = tuple[str, int]  # (local rank id, room id)
 
 
 class RoomState(enum.IntEnum):
@@ -32,93 +46,6 @@ class RoomState(enum.IntEnum):
         return self in (RoomState.FAILED, RoomState.SUCCESS)
 
 
-class ApiError(Exception):
-    """A refused request: HTTP status, refusal reason (metric label) and a message for humans."""
-
-    def __init__(self, status: int, reason: Refusal, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-
-def malformed(message: str) -> ApiError:
-    return ApiError(400, Refusal.MALFORMED, message)
-
-
-def out_of_range(message: str) -> ApiError:
-    return ApiError(400, Refusal.OUT_OF_RANGE, message)
-
-
-def field_int(body: Mapping[str, Any], name: str, *, minimum: int = 0, optional: bool = False) -> int | None:
-    if name not in body or body[name] is None:
-        if optional:
-            return None
-        raise malformed(f"field {name!r} is required")
-    value = body[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise malformed(f"field {name!r} must be an integer, got {type(value).__name__}")
-    if value < minimum:
-        raise out_of_range(f"field {name!r} must be at least {minimum}, got {value}")
-    return value
-
-
-def field_str(body: Mapping[str, Any], name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise malformed(f"field {name!r} must be a non-empty string")
-    return value
-
-
-PACKED_INDICES = "int32le"  # {"int32le": base64 of little-endian int32}: a compact list of indices
-
-
-def pack_indices(values: Sequence[int]) -> dict[str, str]:
-    """The compact form of an index list (a room of thousands of pages: no JSON number per page)."""
-    a = array.array("i", values)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return {PACKED_INDICES: base64.b64encode(a.tobytes()).decode()}
-
-
-def _unpack_indices(name: str, value: Mapping[str, Any]) -> list[int]:
-    raw = value.get(PACKED_INDICES)
-    if set(value) != {PACKED_INDICES} or not isinstance(raw, str):
-        raise malformed(f"field {name!r} must be a list of integers or {{{PACKED_INDICES!r}: base64}}")
-    try:
-        data = base64.b64decode(raw, validate=True)
-    except ValueError:
-        raise malformed(f"field {name!r}: {PACKED_INDICES} is not base64") from None
-    if len(data) % 4:
-        raise malformed(f"field {name!r}: {PACKED_INDICES} holds {len(data)} bytes, not a whole number of int32")
-    a = array.array("i")
-    a.frombytes(data)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tolist()
-
-
-def field_indices(body: Mapping[str, Any], name: str, limit: int, *, what: str, unique: bool) -> list[int]:
-    value = body.get(name, [])
-    if isinstance(value, Mapping):
-        value = _unpack_indices(name, value)  # ints by construction
-    # `type(v) is int` refuses bools too; min/max run in C: a room of thousands of pages is checked
-    # in tens of microseconds on the send path.
-    elif not isinstance(value, list) or not all(type(v) is int for v in value):
-        raise malformed(f"field {name!r} must be a list of integers")
-    if value and (min(value) < 0 or max(value) >= limit):
-        bad = [v for v in value if not 0 <= v < limit]
-        raise out_of_range(f"{name}: {what} {bad[:5]} outside 0..{limit - 1}")
-    if unique and len(set(value)) != len(value):
-        raise malformed(f"{name}: {what} repeat; every destination must be written once")
-    return value
-
-
-def check_index(value: int | None, limit: int, *, name: str) -> None:
-    if value is not None and not 0 <= value < limit:
-        raise out_of_range(f"{name} {value} outside 0..{limit - 1}")
-
-
 @dataclass
 class Target:
     """One decode rank a prefill room sends to."""
@@ -126,7 +53,7 @@ class Target:
     decode_rank: str
     decode_tp: int
     agent: str
-    dst: dict[str, Any] | None = None  # the decode side's room info, once it arrived
+    dst: RoomInfo | None = None  # the decode side's room info, once it arrived
     done: bool = False
 
 
@@ -141,7 +68,7 @@ class Room:
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
     finished_at: float = 0.0
-    moved: dict[str, int] = field(default_factory=lambda: {"kv": 0, "state": 0, "aux": 0})
+    moved: KindBytes = field(default_factory=zero_bytes)
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
     marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
 
@@ -178,7 +105,110 @@ class DecodeRoom(Room):
     dst_aux: int | None
     expected: dict[str, str]  # prefill rank id -> agent name
     arrived: set[str] = field(default_factory=set)
-    senders: dict[str, dict[str, int]] = field(default_factory=dict)
+    senders: dict[str, KindBytes] = field(default_factory=dict)
 
     def view(self) -> dict[str, Any]:
         return {**super().view(), "senders": {k: dict(v) for k, v in sorted(self.senders.items())}}
+
+
+AnyRoom = PrefillRoom | DecodeRoom
+
+
+@dataclass(frozen=True)
+class MetricLabels:
+    """The labels every room outcome is counted under."""
+
+    cluster: str
+    backend: str
+    transport: str
+
+
+class RoomRegistry:
+    """The rooms of this agent's ranks, by role, and the decode room info that came before its
+    prefill room (``early``)."""
+
+    def __init__(self, labels: MetricLabels, clock: Callable[[], float]) -> None:
+        self.labels = labels
+        self.clock = clock
+        self.prefill: dict[RoomKey, PrefillRoom] = {}
+        self.decode: dict[RoomKey, DecodeRoom] = {}
+        # (prefill rank, room) -> decode rank -> (arrival time, room info): the decode side was
+        # first, or the previous use of this room id finished.
+        self.early: dict[RoomKey, dict[str, tuple[float, RoomInfo]]] = {}
+        self._open: dict[tuple[Role, str, int], AnyRoom] = {}
+        self._finished: collections.deque[tuple[float, Role, RoomKey, AnyRoom]] = collections.deque()
+
+    def _rooms(self, role: Role) -> dict[RoomKey, Any]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def get(self, role: Role, rank_id: str, room_id: int) -> AnyRoom | None:
+        room: AnyRoom | None = self._rooms(role).get((rank_id, room_id))
+        return room
+
+    def lookup(self, role: Role, rank_id: str, room_id: int) -> AnyRoom:
+        room = self.get(role, rank_id, room_id)
+        if room is None:
+            raise unknown_room(room_id, rank_id)
+        return room
+
+    def refuse_active(self, role: Role, rank_id: str, room_id: int) -> None:
+        """A room id is reusable once finished; while active a second submit is a conflict."""
+        old = self.get(role, rank_id, room_id)
+        if old is not None and not old.state.finished:
+            raise conflict(f"room {room_id} is already {old.state.title} on {rank_id}")
+
+    def add(self, role: Role, room: AnyRoom) -> None:
+        self._rooms(role)[(room.rank, room.room)] = room
+        self._open[(role, room.rank, room.room)] = room
+
+    def open_rooms(self) -> Iterator[tuple[Role, AnyRoom]]:
+        for (role, _, _), room in list(self._open.items()):
+            yield role, room
+
+    def finish(
+        self, room: AnyRoom, role: Role, state: RoomState, reason: str = "", *, outcome: Outcome | None = None
+    ) -> None:
+        """The room's one outcome: later calls change nothing."""
+        if room.state.finished:
+            return
+        room.state = state
+        room.reason = reason
+        self.retire(role, room)
+        lab = self.labels
+        if state is RoomState.SUCCESS:
+            duration = room.finished_at - room.submitted
+
+            def count() -> None:
+                metrics.requests.labels(lab.cluster, role, Outcome.SUCCESS.value).inc()
+                metrics.request_duration.labels(lab.cluster, role, lab.backend, lab.transport).observe(duration)
+
+            later(count)
+        else:
+            metrics.requests.labels(lab.cluster, role, (outcome or Outcome.FAILED).value).inc()
+            log.warning("%s room %s on %s failed: %s", role, room.room, room.rank, reason)
+
+    def retire(self, role: Role, room: AnyRoom) -> None:
+        """The room is final: wake long polls, stop scanning it, queue it for forgetting."""
+        room.finished_at = self.clock()
+        room.finished_event.set()
+        if self._open.get((role, room.rank, room.room)) is room:
+            del self._open[(role, room.rank, room.room)]
+        self._finished.append((room.finished_at, role, (room.rank, room.room), room))
+
+    def forget(self, now: float, ttl_s: float, early_ttl_s: float) -> None:
+        """Drop finished rooms after their TTL and room info nobody claimed in time."""
+        while self._finished and now - self._finished[0][0] > ttl_s:
+            _, role, key, room = self._finished.popleft()
+            rooms = self._rooms(role)
+            if rooms.get(key) is room:  # a newer use of the same room id stays
+                del rooms[key]
+        for key, infos in list(self.early.items()):
+            for decode_rank, (at, _) in list(infos.items()):
+                if now - at > early_ttl_s:
+                    del infos[decode_rank]
+            if not infos:
+                del self.early[key]
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)

@@ -13,15 +13,16 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Self, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdfabric_agent import metrics
 from pdfabric_agent.agent import Agent
+from pdfabric_agent.errors import ApiError, malformed
 from pdfabric_agent.metrics import Refusal
-from pdfabric_agent.rooms import ApiError, malformed
+from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
 
 log = logging.getLogger("pdfabric.server")
 
@@ -51,6 +52,12 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+class _Message(Protocol):
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self: ...
+
+
+M = TypeVar("M", bound=_Message)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -84,11 +91,17 @@ def build_api_app(agent: Agent) -> web.Application:
             }
         )
 
+    async def parsed(request: web.Request, message: type[M]) -> M:
+        """The boundary: a JSON object for this cluster, parsed into its typed message."""
+        body = await _body(request)
+        agent.check_cluster(body)
+        return message.parse(body)
+
     async def send(request: web.Request) -> web.Response:
-        return web.json_response(agent.submit_send(await _body(request)))
+        return web.json_response(agent.submit_send(await parsed(request, SendRequest)))
 
     async def receive(request: web.Request) -> web.Response:
-        return web.json_response(await agent.submit_receive(await _body(request)))
+        return web.json_response(agent.submit_receive(await parsed(request, ReceiveRequest)))
 
     async def poll(request: web.Request) -> web.Response:
         try:
@@ -101,13 +114,13 @@ def build_api_app(agent: Agent) -> web.Application:
         return web.json_response(await agent.poll(request.match_info["rank"], room, wait_s))
 
     async def peer_dst(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_dst(await _body(request)))
+        return web.json_response(agent.accept_dst(await parsed(request, RoomInfo)))
 
     async def peer_done(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_done(await _body(request)))
+        return web.json_response(agent.accept_done(await parsed(request, DoneReport)))
 
     async def peer_launched(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_launched(await _body(request)))
+        return web.json_response(agent.accept_launched(await parsed(request, LaunchNotice)))
 
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})

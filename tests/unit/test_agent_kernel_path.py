@@ -12,15 +12,19 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.agent import Agent, LocalRank
+from pdfabric_agent.agent import Agent
+from pdfabric_agent.backend import KernelPath, TransferBackend
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.config import load_config
 from pdfabric_agent.hardware import Hardware
 from pdfabric_agent.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
+from pdfabric_agent.peer_client import PeerRefused
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout, RankPools
+from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, Target
 from pdfabric_agent.transport import TransportChoice, TransportError
+from pdfabric_agent.wire import PeerMessage, RoomInfo, SendRequest
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec
@@ -42,8 +46,49 @@ RAW: dict[str, Any] = {
 }
 
 
-class Backend:
-    """Engine plus, when `kernel`, the kernel-only calls; `takes` says whether the kernel accepts."""
+class Kernel(KernelPath):
+    """The kernel-only calls; `takes` says whether the kernel accepts, `launch` whether it launches
+    without waiting (else only the try_write_* calls take data), `marks` whether launches name
+    where the receiver sees them complete (the real FastPathBackend does all three)."""
+
+    def __init__(self, calls: list[tuple[str, int]], takes: bool, launch: bool, refuse_aux: bool, marks: bool) -> None:
+        self.calls, self.takes, self.launch, self.refuse_aux, self.marks = calls, takes, launch, refuse_aux, marks
+
+    def submit_pages(self, peer: str, kvp: Any) -> Any:
+        if not self.launch:
+            return None
+        self.calls.append(("submit_pages", kvp.units))
+        return ("h", kvp.units) if self.takes else None
+
+    def submit_blocks(self, peer: str, blocks: Any) -> Any:
+        if not self.launch:
+            return None
+        if self.refuse_aux and len(blocks) == 2 and blocks[0].length == 8:
+            raise RuntimeError("receiver pages in flight for another request")
+        self.calls.append(("submit_blocks", len(blocks)))
+        return ("h", len(blocks)) if self.takes else None
+
+    def completion_mark(self, handle: Any) -> CompletionMark | None:
+        if not self.marks:
+            return None
+        self.calls.append(("mark", handle[1]))
+        return CompletionMark("pdfabric-board-00000000abcd", 3, 100 + handle[1])
+
+    def wait(self, handle: Any) -> str:
+        self.calls.append(("wait", handle[1]))
+        return "nvlink-kernel"
+
+    def try_write_pages(self, peer: str, kvp: Any) -> str | None:
+        self.calls.append(("pages", kvp.units))
+        return "nvlink-kernel" if self.takes else None
+
+    def try_write_blocks(self, peer: str, blocks: Any) -> str | None:
+        self.calls.append(("blocks", len(blocks)))
+        return "nvlink-kernel" if self.takes else None
+
+
+class Backend(TransferBackend):
+    """Engine plus, when `kernel`, a kernel path (``Kernel``)."""
 
     name = "mooncake"
     transport = Transport.NVLINK_INTRA
@@ -53,51 +98,44 @@ class Backend:
         self, kernel: bool, takes: bool, launch: bool = False, refuse_aux: bool = False, marks: bool = False
     ) -> None:
         self.path = "nvlink-kernel" if kernel else "mooncake"
-        self.takes = takes
-        self.refuse_aux = refuse_aux
         self.calls: list[tuple[str, int]] = []
-        if kernel:
-            self.try_write_pages = self._pages
-            self.try_write_blocks = self._blocks
-        if launch:  # launch without waiting, wait later (the real FastPathBackend)
-            self.submit_pages = self._submit_pages
-            self.submit_blocks = self._submit_blocks
-            self.wait = self._wait
-        if marks:  # launches name where the receiver sees them complete (the real FastPathBackend)
-            self.completion_mark = self._mark
+        self._kernel = Kernel(self.calls, takes, launch, refuse_aux, marks) if kernel else None
 
-    def _submit_pages(self, peer: str, kvp: Any) -> Any:
-        self.calls.append(("submit_pages", kvp.units))
-        return ("h", kvp.units) if self.takes else None
-
-    def _submit_blocks(self, peer: str, blocks: Any) -> Any:
-        if self.refuse_aux and len(blocks) == 2 and blocks[0].length == 8:
-            raise RuntimeError("receiver pages in flight for another request")
-        self.calls.append(("submit_blocks", len(blocks)))
-        return ("h", len(blocks)) if self.takes else None
-
-    def _mark(self, handle: Any) -> CompletionMark:
-        self.calls.append(("mark", handle[1]))
-        return CompletionMark("pdfabric-board-00000000abcd", 3, 100 + handle[1])
-
-    def _wait(self, handle: Any) -> str:
-        self.calls.append(("wait", handle[1]))
-        return "nvlink-kernel"
+    @property
+    def kernel(self) -> KernelPath | None:
+        return self._kernel
 
     def endpoint(self) -> str:
         return "127.0.0.1:1"
 
-    def _pages(self, peer: str, kvp: Any) -> str | None:
-        self.calls.append(("pages", kvp.units))
-        return "nvlink-kernel" if self.takes else None
-
-    def _blocks(self, peer: str, blocks: Any) -> str | None:
-        self.calls.append(("blocks", len(blocks)))
-        return "nvlink-kernel" if self.takes else None
+    def register(self, pool: Any) -> None:
+        pass
 
     def write_batch(self, peer: str, blocks: Any) -> str | None:
         self.calls.append(("engine", len(blocks)))
         return "mooncake" if self.path == "nvlink-kernel" else None
+
+    def probe(self, peer: str) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def record_posts(agent: Agent, posts: list[tuple[str, dict[str, Any]]], refuse: str = "") -> dict[str, Any]:
+    """Replace the agent's peer posts by a recorder; posts to path `refuse` are refused."""
+    sent: dict[str, Any] = {}
+
+    async def post(agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
+        body = msg.to_json()
+        posts.append((msg.PATH, body))
+        if refuse == msg.PATH:
+            raise PeerRefused(agent_name, msg.PATH, 400, "malformed", "cannot watch")
+        sent.update(body)
+        return {}
+
+    agent.peers.post = post  # type: ignore[method-assign]
+    return sent
 
 
 def make_agent(tmp_path: Path) -> Agent:
@@ -125,35 +163,22 @@ def run_room(
     layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
     pool = SimpleNamespace(addr=0x1000_0000)
     local = LocalRank(Rank("prefill", 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
-    dst = {
-        "endpoint": "peer:1",
-        "layout": layout,  # parsed, as accept_dst keeps them
-        "bases": Bases(0x4000_0000, 0x5000_0000, 0x6000_0000),
-        "kv_pages": list(range(len(pages))),
-        "state_indices": [1],
-        "aux_index": 1,
-    }
+    dst = RoomInfo(
+        room=1, decode_rank="decode-0-tp0", prefill_rank="prefill-0-tp0-cp0", endpoint="peer:1", layout=layout,
+        bases=Bases(0x4000_0000, 0x5000_0000, 0x6000_0000), kv_pages=list(range(len(pages))), state_indices=[1],
+        aux_index=1,
+    )  # fmt: skip
     target = Target("decode-0-tp0", 0, "a2")
     target.dst = dst
     room = PrefillRoom(
         rank="prefill-0-tp0-cp0", room=1, submitted=0.0, deadline=1e9, src_pages=pages, src_state=[0],
         src_aux=0, targets={"decode-0-tp0": target},
     )  # fmt: skip
-    sent: dict[str, Any] = {}
-
-    async def post(agent_name: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        if posts is not None:
-            posts.append((path, body))
-        if path == refuse:
-            raise RuntimeError(f"{agent_name} refused {path}: HTTP 400 cannot watch")
-        sent.update(body)
-        return {}
-
-    agent._post_peer = post  # type: ignore[method-assign]
+    sent = record_posts(agent, posts if posts is not None else [], refuse)
 
     async def go() -> None:
         try:
-            await agent._send_target(room, local, target)
+            await agent.sender._send_target(room, local, target)
         finally:
             await agent.close()
 
@@ -298,27 +323,22 @@ def test_ready_room_is_launched_inside_the_call_that_made_it_ready(tmp_path: Pat
     pool = SimpleNamespace(addr=0x1000_0000)
     backend = Backend(kernel=True, takes=True, launch=True, marks=True)
     agent.ranks["prefill-0-tp0-cp0"] = LocalRank(Rank("prefill", 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
-    posts: list[str] = []
-
-    async def post(agent_name: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        posts.append(path)
-        return {}
-
-    agent._post_peer = post  # type: ignore[method-assign]
+    recorded: list[tuple[str, dict[str, Any]]] = []
+    record_posts(agent, recorded)
     pages = list(range(64))[::-1][:40]
 
     async def go() -> None:
         try:
-            agent.accept_dst(
+            agent.accept_dst(RoomInfo.parse(
                 {"cluster": "uid-1", "prefill_rank": "prefill-0-tp0-cp0", "decode_rank": "decode-0-tp0", "room": 5,
                  "endpoint": "peer:1", "layout": layout.to_dict(),
                  "bases": {"kv": 0x4000_0000, "state": 0x5000_0000, "aux": 0x6000_0000},
                  "kv_pages": list(range(40)), "state_indices": [1], "aux_index": 1}
-            )  # fmt: skip
-            view = agent.submit_send(
+            ))  # fmt: skip
+            view = agent.submit_send(SendRequest.parse(
                 {"cluster": "uid-1", "rank": "prefill-0-tp0-cp0", "room": 5, "kv_pages": pages,
                  "state_indices": [0], "aux_index": 0, "decode_replica": 0}
-            )  # fmt: skip
+            ))  # fmt: skip
             assert view["state"] == "Transferring"
             assert [what for what, _ in backend.calls] == ["submit_pages", "submit_blocks", "submit_blocks"] + [
                 "mark"
@@ -326,7 +346,7 @@ def test_ready_room_is_launched_inside_the_call_that_made_it_ready(tmp_path: Pat
             final = await agent.poll("prefill-0-tp0-cp0", 5, wait_s=5)
             assert final["state"] == "Success", final
             assert [what for what, _ in backend.calls][-3:] == ["wait"] * 3
-            assert posts == ["/v1/peer/launched"]
+            assert [path for path, _ in recorded] == ["/v1/peer/launched"]
             assert final["bytes"] == {"kv": KV_BYTES, "state": 64, "aux": 24}
         finally:
             await agent.close()

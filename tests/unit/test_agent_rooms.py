@@ -11,7 +11,10 @@ import pytest
 
 from pdfabric_agent.agent import Agent
 from pdfabric_agent.config import load_config
+from pdfabric_agent.plan import Bases
+from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.rooms import DecodeRoom, PrefillRoom, RoomState, Target
+from pdfabric_agent.wire import RoomInfo
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec
 
@@ -49,8 +52,7 @@ def prefill_room(agent: Agent, room: int) -> PrefillRoom:
         rank="prefill-0-tp0-cp0", room=room, submitted=agent.clock(), deadline=agent.clock() + 5,
         src_pages=[0], src_state=[], src_aux=None, targets={"decode-0-tp0": Target("decode-0-tp0", 0, "a2")},
     )  # fmt: skip
-    agent.prefill_rooms[(r.rank, room)] = r
-    agent._track("prefill", r)
+    agent.rooms.add("prefill", r)
     return r
 
 
@@ -59,8 +61,7 @@ def decode_room(agent: Agent, room: int) -> DecodeRoom:
         rank="decode-0-tp0", room=room, submitted=agent.clock(), deadline=agent.clock() + 5, dst_pages=[0],
         dst_state=[], dst_aux=None, expected={"prefill-0-tp0-cp0": "a1"},
     )  # fmt: skip
-    agent.decode_rooms[(r.rank, room)] = r
-    agent._track("decode", r)
+    agent.rooms.add("decode", r)
     return r
 
 
@@ -76,7 +77,7 @@ def test_deadlines_fail_open_rooms_with_timeout(agent: Agent) -> None:
     tick(agent, 105.0)
     assert (p.state, p.reason) == (RoomState.FAILED, "no room info from decode-0-tp0 in time")
     assert (d.state, d.reason) == (RoomState.FAILED, "no data from prefill-0-tp0-cp0 in time")
-    assert agent._open == {}
+    assert agent.rooms.open_count == 0
 
 
 def test_transferring_prefill_room_is_left_to_its_transfer_task(agent: Agent) -> None:
@@ -88,19 +89,21 @@ def test_transferring_prefill_room_is_left_to_its_transfer_task(agent: Agent) ->
 
 def test_finished_rooms_are_forgotten_after_the_ttl_but_a_newer_use_stays(agent: Agent) -> None:
     old = prefill_room(agent, 3)
-    agent._finish(old, "prefill", RoomState.SUCCESS)
+    agent.rooms.finish(old, "prefill", RoomState.SUCCESS)
     agent.clock.now = 105  # type: ignore[attr-defined]
     new = prefill_room(agent, 3)  # the same room id used again
-    agent._finish(new, "prefill", RoomState.SUCCESS)
+    agent.rooms.finish(new, "prefill", RoomState.SUCCESS)
     tick(agent, 110.5)  # old is past its 10 s TTL, new is not
-    assert agent.prefill_rooms[("prefill-0-tp0-cp0", 3)] is new
+    assert agent.rooms.prefill[("prefill-0-tp0-cp0", 3)] is new
     tick(agent, 116)
-    assert ("prefill-0-tp0-cp0", 3) not in agent.prefill_rooms
+    assert ("prefill-0-tp0-cp0", 3) not in agent.rooms.prefill
 
 
 def test_unclaimed_room_info_expires(agent: Agent) -> None:
-    agent._early_dst[("prefill-0-tp0-cp0", 4)] = {"decode-0-tp0": (100.0, {})}
+    layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=4, state_slots=1, aux_slots=1)
+    info = RoomInfo(4, "decode-0-tp0", "prefill-0-tp0-cp0", "peer:1", layout, Bases(1, 1, 1), [0], [], None)
+    agent.rooms.early[("prefill-0-tp0-cp0", 4)] = {"decode-0-tp0": (100.0, info)}
     tick(agent, 104)
-    assert ("prefill-0-tp0-cp0", 4) in agent._early_dst
+    assert ("prefill-0-tp0-cp0", 4) in agent.rooms.early
     tick(agent, 106)
-    assert agent._early_dst == {}
+    assert agent.rooms.early == {}

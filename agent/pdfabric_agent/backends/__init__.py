@@ -1,24 +1,63 @@
-"""Transfer backends; ``make_backend`` picks one by the spec's backend name."""
+"""Transfer backends by name: the spec's ``backend`` picks one from this registry.
+
+Each backend is one module with a ``create(transport, BackendOptions) -> TransferBackend``
+factory, registered here behind a function that imports the module on first use, so its engine
+bindings (Mooncake, MORI: native wheels) load only when a spec asks for that backend. A new engine
+backend (NIXL, say) is one new module and one registration here.
+"""
 
 from __future__ import annotations
 
-from pdfabric_agent.backend import TransferBackend
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from pdfabric_core.policy.types import Transport
+
+if TYPE_CHECKING:
+    from pdfabric_agent.backend import TransferBackend
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    host: str  # the address the engine advertises to peers
+    gpu: int  # the rank's GPU (local index)
+    max_batch_entries: int  # the spec's transfer.maxBatchEntries
+
+
+BackendFactory = Callable[[Transport, BackendOptions], "TransferBackend"]
+
+_REGISTRY: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    if name in _REGISTRY and _REGISTRY[name] is not factory:
+        raise ValueError(f"backend {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def backend_names() -> list[str]:
+    return sorted(_REGISTRY)
 
 
 def make_backend(name: str, transport: Transport, *, host: str, gpu: int, max_batch_entries: int) -> TransferBackend:
-    if name == "mooncake":
-        from pdfabric_agent.backends.mooncake import MooncakeBackend
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"unknown backend {name!r}: one of {', '.join(backend_names())}")
+    return factory(transport, BackendOptions(host=host, gpu=gpu, max_batch_entries=max_batch_entries))
 
-        backend = MooncakeBackend(transport, host=host, gpu=gpu, max_batch_entries=max_batch_entries)
-        if transport is Transport.NVLINK_INTRA:
-            # NVLink gather/scatter kernels for GPU pools of agents on this node; engine as fallback.
-            from pdfabric_agent.fastpath.backend import maybe_fast_path
 
-            return maybe_fast_path(backend, gpu=gpu)
-        return backend
-    if name == "mori":
-        from pdfabric_agent.backends.mori import MoriBackend
+def _mooncake(transport: Transport, opts: BackendOptions) -> TransferBackend:
+    from pdfabric_agent.backends import mooncake
 
-        return MoriBackend(transport, host=host, gpu=gpu, max_batch_entries=max_batch_entries)
-    raise ValueError(f"unknown backend {name!r}: mooncake or mori")
+    return mooncake.create(transport, opts)
+
+
+def _mori(transport: Transport, opts: BackendOptions) -> TransferBackend:
+    from pdfabric_agent.backends import mori
+
+    return mori.create(transport, opts)
+
+
+register_backend("mooncake", _mooncake)
+register_backend("mori", _mori)

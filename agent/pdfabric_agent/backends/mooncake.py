@@ -8,7 +8,8 @@ import contextlib
 import socket
 from collections.abc import Sequence
 
-from pdfabric_agent.backend import TransferError
+from pdfabric_agent.backend import TransferBackend, TransferError
+from pdfabric_agent.backends import BackendOptions
 from pdfabric_agent.plan import Block
 from pdfabric_agent.pools import Pool
 from pdfabric_core.policy.types import Transport
@@ -22,7 +23,7 @@ _PROTOCOL = {
 }
 
 
-class MooncakeBackend:
+class MooncakeBackend(TransferBackend):
     name = "mooncake"
     path = "mooncake"
 
@@ -78,3 +79,14 @@ class MooncakeBackend:
             with contextlib.suppress(Exception):
                 self._engine.unregister_memory(addr)
         self._registered.clear()
+
+
+def create(transport: Transport, opts: BackendOptions) -> TransferBackend:
+    """The registry's factory: under INTRA_NODE_NVLINK the NVLink gather/scatter kernels for GPU
+    pools of agents on this node, with the engine as fallback (``maybe_fast_path``)."""
+    backend = MooncakeBackend(transport, host=opts.host, gpu=opts.gpu, max_batch_entries=opts.max_batch_entries)
+    if transport is Transport.NVLINK_INTRA:
+        from pdfabric_agent.fastpath.backend import maybe_fast_path
+
+        return maybe_fast_path(backend, gpu=opts.gpu)
+    return backend

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric_agent.backend import TransferError
+from pdfabric_agent.backend import TransferBackend, TransferError
+from pdfabric_agent.backends import BackendOptions
 from pdfabric_agent.plan import Block
 from pdfabric_agent.pools import Pool
 from pdfabric_core.policy.types import Device, Transport
@@ -48,7 +49,7 @@ def _find(regions: Sequence[_Region], addr: int, length: int) -> tuple[_Region, 
     raise TransferError(f"block {addr:#x}+{length} lies in no registered MORI region")
 
 
-class MoriBackend:
+class MoriBackend(TransferBackend):
     name = "mori"
     path = "mori"
 
@@ -142,3 +143,7 @@ class MoriBackend:
             with contextlib.suppress(Exception):
                 self._engine.deregister_memory(region.desc)
         self._local.clear()
+
+
+def create(transport: Transport, opts: BackendOptions) -> TransferBackend:
+    return MoriBackend(transport, host=opts.host, gpu=opts.gpu, max_batch_entries=opts.max_batch_entries)

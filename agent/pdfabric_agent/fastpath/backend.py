@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdfabric_agent.backend import KernelPath, TransferBackend
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.channel import FastPathSender, Transfer
@@ -106,12 +107,13 @@ def _bounds(pages) -> tuple[int, int]:
     return min(pages), max(pages)  # a list: two C loops, no conversion
 
 
-class FastPathBackend:
+class FastPathBackend(TransferBackend):
     """Engine backend plus the kernel path. Besides the protocol's ``write_batch`` (kernel when it
-    can, else the engine; returns the label of what moved the batch), the agent uses two
-    kernel-only calls that return None, having moved nothing, when the kernel cannot take the
-    data: ``try_write_pages`` (a route's whole KV from its page lists, one launch) and
-    ``try_write_blocks`` (any number of blocks up to KERNEL_MAX_BLOCKS, one launch)."""
+    can, else the engine; returns the label of what moved the batch), it offers ``kernel`` (itself:
+    see ``backend.KernelPath``): launch-now calls that return None, having moved nothing, when the
+    kernel cannot take the data: ``submit_pages``/``try_write_pages`` (a route's whole KV from its
+    page lists, one launch) and ``submit_blocks``/``try_write_blocks`` (any number of blocks up to
+    KERNEL_MAX_BLOCKS, one launch)."""
 
     path = TransferPath.FASTPATH.value
 
@@ -129,7 +131,6 @@ class FastPathBackend:
         self.name = inner.name
         self.transport = inner.transport
         self.max_batch_entries = inner.max_batch_entries  # write_batch may fall back to the engine
-        self.paths = (self.path, inner.path)  # every `path` label this backend can report
         self.gpu = gpu
         self.timeout_s = timeout_s
         self._dir = shm_dir
@@ -149,6 +150,14 @@ class FastPathBackend:
         # Per pair of pools (a connection): the whole-page table's fixed part and the buffer pairs.
         self._layouts: dict[tuple, Layout] = {}
         self._pairs: dict[tuple, list[tuple[int, int]]] = {}
+
+    @property
+    def kernel(self) -> KernelPath:
+        return self
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path, self.inner.path)
 
     def endpoint(self) -> str:
         return self.inner.endpoint()

@@ -1,0 +1,226 @@
+"""The decode side: a `receive` opens a room, its room info goes to every prefill rank that sends
+to it, and each source's arrival is learned from its done report or from its kernels' completion
+marks; the room is Success once every expected source arrived.
+
+1. ``submit_receive``: checks the request, opens the room expecting the prefill (tp, cp, pp) ranks
+   the rank mapping names, and pushes a ``RoomInfo`` to each of their agents (``_bootstrap``); an
+   unreachable agent fails the room and is blacklisted.
+2. ``accept_done``: a source's ``DoneReport``; its side-channel aux rows are written after checking
+   that each is one item of this room's own aux row.
+3. ``accept_launched``: a source's ``LaunchNotice``; the completion watcher reads the marks on the
+   sender's board and the source has arrived once every mark is reached.
+4. ``heartbeat``: the prefill agents that waiting rooms still expect are pinged; two misses fail
+   those rooms now instead of at their deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdfabric_agent import metrics
+from pdfabric_agent.completion import CompletionWatcher
+from pdfabric_agent.context import AgentContext
+from pdfabric_agent.errors import malformed, out_of_range
+from pdfabric_agent.metrics import Completion, Kind, Outcome
+from pdfabric_agent.peer_client import PEER_ERRORS, PeerRefused
+from pdfabric_agent.plan import expected_sources
+from pdfabric_agent.ranks import LocalRank
+from pdfabric_agent.rooms import DecodeRoom, RoomState
+from pdfabric_agent.tasks import later
+from pdfabric_agent.wire import (
+    BytesByPath,
+    DoneReport,
+    LaunchNotice,
+    ReceiveRequest,
+    RoomInfo,
+    SourceReport,
+    zero_bytes,
+)
+from pdfabric_core.rankmap import Rank
+
+log = logging.getLogger("pdfabric.agent")
+
+
+class DecodeArrivals:
+    def __init__(self, ctx: AgentContext, completions: CompletionWatcher) -> None:
+        self.ctx = ctx
+        self.completions = completions  # kernel senders' completion words
+
+    # ------------------------------------------------------------ client API
+    def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
+        ctx = self.ctx
+        local = ctx.ranks.local(msg.rank, "decode")
+        msg.check_bounds(local.layout, ctx.spec.prefill.replicas)
+        ctx.rooms.refuse_active("decode", msg.rank, msg.room)
+        expected = {}
+        for p, c, s in expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank):
+            prefill_rank = Rank("prefill", msg.peer_replica, p, c, s).rank_id
+            expected[prefill_rank] = ctx.ranks.agent_for(prefill_rank)
+        now = ctx.clock()
+        room = DecodeRoom(
+            rank=msg.rank,
+            room=msg.room,
+            submitted=now,
+            deadline=now + ctx.cfg.bootstrap_timeout_s,
+            dst_pages=msg.kv_pages,
+            dst_state=msg.state_indices,
+            dst_aux=msg.aux_index,
+            expected=expected,
+        )
+        ctx.rooms.add("decode", room)
+        info = RoomInfo(
+            room=msg.room,
+            decode_rank=msg.rank,
+            prefill_rank="",  # one per source, set when pushed
+            endpoint=local.backend.endpoint(),
+            layout=local.layout,
+            bases=local.bases,
+            kv_pages=msg.kv_pages,
+            state_indices=msg.state_indices,
+            aux_index=msg.aux_index,
+        )
+        ctx.tasks.spawn(self._bootstrap(room, info))
+        return room.view()
+
+    async def _bootstrap(self, room: DecodeRoom, info: RoomInfo) -> None:
+        ctx = self.ctx
+
+        async def push(prefill_rank: str, agent_name: str) -> None:
+            if ctx.peers.is_blacklisted(agent_name):
+                raise RuntimeError(ctx.peers.why_blacklisted(agent_name))
+            msg = dataclasses.replace(info, prefill_rank=prefill_rank)
+            try:
+                await ctx.peers.post(agent_name, msg, 5.0)
+            except PeerRefused:
+                raise
+            except PEER_ERRORS as exc:
+                ctx.peers.blacklist(agent_name, f"room info push failed: {exc}")
+                raise RuntimeError(f"prefill agent {agent_name} unreachable: {exc}") from None
+
+        try:
+            await asyncio.gather(*(push(r, a) for r, a in room.expected.items()))
+        except Exception as exc:
+            ctx.rooms.finish(room, "decode", RoomState.FAILED, str(exc))
+            return
+        if room.state is RoomState.BOOTSTRAPPING:
+            room.state = RoomState.WAITING_FOR_INPUT
+
+    def expire(self, room: DecodeRoom) -> None:
+        missing = sorted(set(room.expected) - room.arrived)
+        reason = f"no data from {', '.join(missing)} in time"
+        self.ctx.rooms.finish(room, "decode", RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+
+    # ------------------------------------------------------------ peer API
+    def _source(self, msg: SourceReport) -> tuple[DecodeRoom, LocalRank]:
+        """The decode room a report speaks of, and a check that the speaker is one of its sources."""
+        local = self.ctx.ranks.local(msg.decode_rank, "decode")
+        room = self.ctx.rooms.lookup("decode", msg.decode_rank, msg.room)
+        assert isinstance(room, DecodeRoom)
+        if msg.prefill_rank not in room.expected:
+            raise malformed(f"{msg.prefill_rank} is not a source of room {msg.room} on {msg.decode_rank}")
+        return room, local
+
+    def accept_done(self, msg: DoneReport) -> dict[str, Any]:
+        room, local = self._source(msg)
+        if room.state.finished or msg.prefill_rank in room.arrived:
+            # Late or repeated reports change nothing (and count no bytes twice).
+            return {"state": room.state.title}
+        if not msg.ok:
+            self.ctx.rooms.finish(room, "decode", RoomState.FAILED, f"{msg.prefill_rank} failed: {msg.reason}")
+            return {"state": room.state.title}
+        rows = self._aux_rows(msg.aux_rows, local, room)
+        self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
+        return {"state": room.state.title}
+
+    def accept_launched(self, msg: LaunchNotice) -> dict[str, Any]:
+        """A source's kernels are on their way: watch their completion marks; the source has arrived
+        (its bytes counted, the room Success when it was the last) once every mark is reached."""
+        room, local = self._source(msg)
+        source = msg.prefill_rank
+        if room.state.finished or source in room.arrived:
+            return {"state": room.state.title}
+        try:
+            self.completions.watch(
+                list(msg.marks),
+                lambda: self._arrived(room, local, source, msg.bytes_by_path, [], Completion.COMPLETION_BOARD),
+                cancelled=lambda: room.state.finished or source in room.arrived,
+            )
+        except ValueError as exc:
+            raise malformed(f"cannot watch the completion of room {room.room}: {exc}") from None
+        if room.state is not RoomState.FAILED:
+            room.state = RoomState.TRANSFERRING
+        room.marks[f"notified:{source}"] = self.ctx.clock()
+        return {"state": room.state.title, "watching": len(msg.marks)}
+
+    def _arrived(
+        self,
+        room: DecodeRoom,
+        local: LocalRank,
+        prefill_rank: str,
+        by_path: BytesByPath,
+        rows: Sequence[tuple[int, bytes]],
+        how: Completion,
+    ) -> None:
+        if room.state.finished or prefill_rank in room.arrived:
+            return  # a done report and a completion mark of one source: counted once
+        room.marks[f"arrived:{prefill_rank}"] = self.ctx.clock()
+        for dst_off, raw in rows:
+            local.pools.aux.write(dst_off, raw)
+        sent = zero_bytes()
+        for per_kind in by_path.values():
+            for kind in Kind:
+                n = per_kind.get(kind.value, 0)
+                room.moved[kind.value] += n
+                sent[kind.value] += n
+        room.senders[prefill_rank] = sent
+        room.arrived.add(prefill_rank)
+        if room.state is not RoomState.FAILED:
+            room.state = RoomState.TRANSFERRING
+        if room.arrived == set(room.expected):
+            self.ctx.rooms.finish(room, "decode", RoomState.SUCCESS)
+        later(lambda: self._count_arrival(by_path, how))
+
+    def _count_arrival(self, by_path: Mapping[str, Mapping[str, int]], how: Completion) -> None:
+        metrics.decode_completions.labels(self.ctx.labels.cluster, how.value).inc()
+        for path, per_kind in sorted(by_path.items()):
+            for kind in Kind:
+                n = per_kind.get(kind.value, 0)
+                if n:
+                    metrics.transfer_bytes.labels(*self.ctx.traffic_labels("decode", path), kind.value).inc(n)
+
+    @staticmethod
+    def _aux_rows(rows: Sequence[tuple[int, bytes]], local: LocalRank, room: DecodeRoom) -> list[tuple[int, bytes]]:
+        """Side-channel aux rows, checked before any is written: each must be exactly one item of
+        this room's own aux row, so a report cannot write elsewhere in the pool."""
+        lay = local.layout
+        allowed = (
+            {lay.aux_offset(i, room.dst_aux): size for i, size in enumerate(lay.aux_items)}
+            if room.dst_aux is not None
+            else {}
+        )
+        for dst_off, raw in rows:
+            if allowed.get(dst_off) != len(raw):
+                raise out_of_range(f"aux row at {dst_off} is not an item of this room's aux row")
+        return list(rows)
+
+    # ------------------------------------------------------------ upkeep
+    async def heartbeat(self, timeout_s: float) -> None:
+        """Ping the prefill agents that waiting rooms still expect data from; an agent that misses
+        twice fails those rooms now instead of at the waiting deadline."""
+        ctx = self.ctx
+        waiting: dict[str, list[DecodeRoom]] = {}
+        for _, room in ctx.rooms.open_rooms():
+            if isinstance(room, DecodeRoom) and not room.state.finished:
+                for prefill_rank, agent_name in room.expected.items():
+                    if prefill_rank not in room.arrived:
+                        waiting.setdefault(agent_name, []).append(room)
+        names = sorted(waiting)
+        results = await asyncio.gather(*(ctx.peers.ping(n, timeout_s=timeout_s) for n in names))
+        for name, ok in zip(names, results, strict=True):
+            if ctx.peers.heartbeat_result(name, ok):
+                for room in waiting[name]:
+                    ctx.rooms.finish(room, "decode", RoomState.FAILED, f"prefill agent {name} stopped answering")

@@ -1,0 +1,125 @@
+"""The agent's side of talking to peer agents: one HTTP session, typed messages, probes and the
+peers' health (blacklist on failure, re-probe with backoff, heartbeat misses).
+
+A peer that answers with an error status raises ``PeerRefused`` (status, reason, message); a peer
+that cannot be reached raises what aiohttp raises (``PEER_UNREACHABLE``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from pdfabric_agent import metrics
+from pdfabric_agent.config import AgentConfig
+from pdfabric_agent.peers import PeerHealth
+from pdfabric_agent.wire import PeerMessage
+from pdfabric_core.rankmap import RankMap
+
+log = logging.getLogger("pdfabric.agent")
+
+HEARTBEAT_MISSES = 2  # upstream: two missed heartbeats fail the rooms
+
+
+class PeerRefused(RuntimeError):
+    """A peer agent answered a request with an error status."""
+
+    def __init__(self, agent: str, path: str, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{agent} refused {path}: HTTP {status} {message}")
+        self.agent = agent
+        self.path = path
+        self.status = status
+        self.reason = reason
+
+
+# What a failed peer call raises: refused, unreachable, or too slow.
+PEER_ERRORS = (PeerRefused, aiohttp.ClientError, TimeoutError, OSError)
+
+
+class PeerClient:
+    def __init__(self, cfg: AgentConfig, rankmap: RankMap, api_port: int, clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.rankmap = rankmap
+        self.api_port = api_port
+        self.health = PeerHealth(cfg.probe_backoff_s, cfg.probe_backoff_max_s, clock)
+        self._http: aiohttp.ClientSession | None = None
+        self._probing: set[str] = set()
+        self._missed: dict[str, int] = {}  # agent -> consecutive missed heartbeats
+
+    def address(self, agent_name: str) -> str:
+        if agent_name in self.cfg.peers:
+            return self.cfg.peers[agent_name]
+        rm = self.rankmap
+        host = self.cfg.peer_host_template.format(name=agent_name, cluster=rm.cluster, namespace=rm.namespace)
+        return f"{host}:{self.api_port}"
+
+    async def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cfg.token}"})
+        return self._http
+
+    async def post(self, agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
+        session = await self._session()
+        url = f"http://{self.address(agent_name)}{msg.PATH}"
+        body = {**msg.to_json(), "cluster": self.rankmap.cluster_uid}
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            data = await resp.json(content_type=None)
+            if not isinstance(data, dict):
+                data = {}
+            if resp.status != 200:
+                raise PeerRefused(agent_name, msg.PATH, resp.status, str(data.get("reason", "")), data.get("error", ""))
+            return data
+
+    async def ping(self, agent_name: str, timeout_s: float = 2.0) -> bool:
+        session = await self._session()
+        try:
+            url = f"http://{self.address(agent_name)}/v1/peer/ping"
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    # ------------------------------------------------------------ health
+    def is_blacklisted(self, agent_name: str) -> bool:
+        return self.health.is_blacklisted(agent_name)
+
+    def why_blacklisted(self, agent_name: str) -> str:
+        return f"peer agent {agent_name} is blacklisted: {self.health.reason(agent_name)}"
+
+    def blacklist(self, agent_name: str, reason: str) -> None:
+        self.health.fail(agent_name, reason)
+        metrics.peers_blacklisted.labels(self.rankmap.cluster).set(len(self.health.blacklisted))
+
+    def heartbeat_result(self, agent_name: str, ok: bool) -> bool:
+        """Record one heartbeat; True when the agent has now missed ``HEARTBEAT_MISSES`` in a row
+        (it is blacklisted then and its count starts again)."""
+        self._missed[agent_name] = 0 if ok else self._missed.get(agent_name, 0) + 1
+        if self._missed[agent_name] < HEARTBEAT_MISSES:
+            return False
+        self._missed[agent_name] = 0
+        self.blacklist(agent_name, f"missed {HEARTBEAT_MISSES} heartbeats")
+        return True
+
+    def due_probes(self) -> list[str]:
+        """Blacklisted agents whose re-probe is due and not already running (marked running now)."""
+        due = [name for name in self.health.due() if name not in self._probing]
+        self._probing.update(due)
+        return due
+
+    async def reprobe(self, agent_name: str) -> None:
+        cluster = self.rankmap.cluster
+        try:
+            ok = await self.ping(agent_name)
+            metrics.peer_probes.labels(cluster, "ok" if ok else "failed").inc()
+            if self.health.probe_result(agent_name, ok):
+                metrics.session_recoveries.labels(cluster).inc()
+                log.info("peer agent %s answers again; re-admitted", agent_name)
+            metrics.peers_blacklisted.labels(cluster).set(len(self.health.blacklisted))
+        finally:
+            self._probing.discard(agent_name)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()

@@ -1,0 +1,62 @@
+"""The ranks this agent serves (engine backend and pools each) and where the rank map puts the
+others."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pdfabric_agent.backend import TransferBackend
+from pdfabric_agent.errors import malformed, unknown_rank
+from pdfabric_agent.plan import Bases
+from pdfabric_agent.pools import PoolLayout, RankPools
+from pdfabric_core.policy.rank_mapping import decode_pp_stage
+from pdfabric_core.rankmap import Rank, RankMap
+from pdfabric_core.spec import PDClusterSpec
+
+
+@dataclass
+class LocalRank:
+    rank: Rank
+    backend: TransferBackend
+    pools: RankPools
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.pools.layout
+
+    @property
+    def bases(self) -> Bases:
+        return Bases(self.pools.kv.addr, self.pools.state.addr, self.pools.aux.addr)
+
+
+class NodeRanks:
+    """Local ranks by id, and lookups in the rank map that refuse with 404 what it lacks."""
+
+    def __init__(self, rankmap: RankMap, spec: PDClusterSpec, agent_name: str, ranks: Mapping[str, LocalRank]) -> None:
+        self.rankmap = rankmap
+        self.spec = spec
+        self.agent_name = agent_name
+        self.by_id = dict(ranks)
+
+    def served(self, rank_id: str) -> LocalRank:
+        local = self.by_id.get(rank_id)
+        if local is None:
+            raise unknown_rank(f"rank {rank_id!r} is not served by agent {self.agent_name}")
+        return local
+
+    def local(self, rank_id: str, role: str) -> LocalRank:
+        local = self.served(rank_id)
+        if local.rank.role != role:
+            raise malformed(f"rank {rank_id!r} is a {local.rank.role} rank, not {role}")
+        return local
+
+    def agent_for(self, rank_id: str) -> str:
+        try:
+            return self.rankmap.agent_for_rank(rank_id).name
+        except LookupError as exc:
+            raise unknown_rank(str(exc)) from None
+
+    def decode_stage(self, local: LocalRank) -> int:
+        """The decode PP stage a prefill rank's layers land on."""
+        return decode_pp_stage(local.rank.pp_rank, self.spec.prefill.pp, self.spec.decode.pp)

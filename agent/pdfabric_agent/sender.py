@@ -1,0 +1,283 @@
+"""The prefill side: a `send` opens a room per local rank, the decode agents' room info makes it
+ready, the targets are planned and written, and the decode side confirms.
+
+1. ``submit_send``: checks the request, opens the room with one ``Target`` per decode rank that
+   the rank mapping sends to; a CP rank that sends nothing for this spec ends Success at once.
+2. ``accept_dst``: a decode agent's ``RoomInfo``; early info (the decode side was first) waits in
+   the registry. When every target's info is there the room is Transferring: a backend with a
+   kernel path launches inside this very call, so the GPU starts before it answers.
+3. ``_run``: every target is written (``RoomWriter``) within the transfer deadline, then reported
+   (``DoneReport``) unless the decode agent took completion marks; the room is Success once every
+   target was acknowledged. A timeout blacklists the silent peers; any failure tells the decode
+   side (``ok: false``) so it fails now instead of at its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from pdfabric_agent import metrics
+from pdfabric_agent.backend import TransferError
+from pdfabric_agent.context import AgentContext
+from pdfabric_agent.errors import malformed, out_of_range
+from pdfabric_agent.metrics import Kind, Outcome
+from pdfabric_agent.peer_client import PEER_ERRORS
+from pdfabric_agent.plan import TransferPlan, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.ranks import LocalRank
+from pdfabric_agent.rooms import PrefillRoom, RoomState, Target
+from pdfabric_agent.wire import BytesByPath, DoneReport, RoomInfo, SendRequest
+from pdfabric_agent.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
+from pdfabric_core.policy.rank_mapping import sending_cp_ranks
+from pdfabric_core.rankmap import Rank
+
+
+class PrefillSender:
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+        self.writer = RoomWriter(ctx)
+
+    # ------------------------------------------------------------ client API
+    def submit_send(self, msg: SendRequest) -> dict[str, Any]:
+        """Validate everything first; only a request that passes creates a room."""
+        ctx = self.ctx
+        local = ctx.ranks.local(msg.rank, "prefill")
+        msg.check_bounds(local.layout, ctx.spec.decode.replicas)
+        replica = msg.peer_replica
+        feeds = ctx.rankmap.feeds.get(local.rank.replica)
+        if feeds is not None and replica not in feeds:
+            raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
+        ctx.rooms.refuse_active("prefill", msg.rank, msg.room)
+        targets: dict[str, Target] = {}
+        for route in decode_targets(ctx.spec, local.rank.tp_rank):
+            decode_rank = Rank("decode", replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, ctx.ranks.agent_for(decode_rank))
+        now = ctx.clock()
+        room = PrefillRoom(
+            rank=msg.rank,
+            room=msg.room,
+            submitted=now,
+            deadline=now + ctx.cfg.bootstrap_timeout_s,
+            src_pages=msg.kv_pages,
+            src_state=msg.state_indices,
+            src_aux=msg.aux_index,
+            targets=targets,
+        )
+        ctx.rooms.add("prefill", room)
+        if not self._sends_anything(local):
+            # Without all-CP-ranks transfer only CP rank 0 sends; the other ranks have no work.
+            room.state = RoomState.SUCCESS
+            room.reason = f"CP rank {local.rank.cp_rank} sends nothing for this spec"
+            ctx.rooms.retire("prefill", room)
+            return room.view()
+        for agent_name in {t.agent for t in targets.values()}:
+            if ctx.peers.is_blacklisted(agent_name):
+                ctx.rooms.finish(room, "prefill", RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
+                return room.view()
+        for decode_rank, (_, info) in ctx.rooms.early.pop((msg.rank, msg.room), {}).items():
+            if decode_rank in targets:
+                targets[decode_rank].dst = info
+        self._maybe_start(room)
+        return room.view()
+
+    def early_view(self, rank_id: str, room_id: int) -> dict[str, Any] | None:
+        """A prefill room not sent yet whose decode side already announced itself: upstream's
+        Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
+        ctx = self.ctx
+        infos = ctx.rooms.early.get((rank_id, room_id))
+        room = ctx.rooms.prefill.get((rank_id, room_id))
+        if not infos or (room is not None and not room.state.finished):
+            return None
+        local = ctx.ranks.served(rank_id)
+        needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
+        state = RoomState.WAITING_FOR_INPUT if len(infos) >= needed else RoomState.BOOTSTRAPPING
+        return {
+            "rank": rank_id,
+            "room": room_id,
+            "state": state.title,
+            "code": int(state),
+            "reason": "",
+            "decode_ranks_ready": sorted(infos),
+        }
+
+    def _sends_anything(self, local: LocalRank) -> bool:
+        p = self.ctx.spec.prefill
+        return local.rank.cp_rank in sending_cp_ranks(
+            p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split
+        )
+
+    # ------------------------------------------------------------ peer API
+    def accept_dst(self, info: RoomInfo) -> dict[str, Any]:
+        ctx = self.ctx
+        local = ctx.ranks.local(info.prefill_rank, "prefill")
+        valid = {
+            Rank("decode", r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            for r in range(ctx.spec.decode.replicas)
+            for route in decode_targets(ctx.spec, local.rank.tp_rank)
+        }
+        if info.decode_rank not in valid:
+            raise malformed(f"{info.decode_rank} is not fed by {info.prefill_rank}")
+        key = (info.prefill_rank, info.room)
+        room = ctx.rooms.prefill.get(key)
+        if room is not None and room.state is RoomState.BOOTSTRAPPING and info.decode_rank in room.targets:
+            room.targets[info.decode_rank].dst = info
+            self._maybe_start(room)
+            return {"accepted": "room"}
+        # The decode side was first (or the previous use of this room id finished): keep it.
+        ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
+        return {"accepted": "early"}
+
+    # ------------------------------------------------------------ the send pipeline
+    def _maybe_start(self, room: PrefillRoom) -> None:
+        if room.state is not RoomState.BOOTSTRAPPING or any(t.dst is None for t in room.targets.values()):
+            return
+        ctx = self.ctx
+        room.state = RoomState.TRANSFERRING
+        room.marks["transferring"] = ctx.clock()
+        room.deadline = ctx.clock() + ctx.spec.transfer.timeout_seconds
+        local = ctx.ranks.by_id[room.rank]
+        started: dict[str, Launch | Exception] = {}
+        if local.backend.kernel is not None:
+            # A kernel backend launches here, inside the API call that made the room ready, so the
+            # GPU starts before that call answers; the task below only waits.
+            for t in room.targets.values():
+                try:
+                    started[t.decode_rank] = self._launch(room, local, t)
+                except Exception as exc:  # raised where the task would have raised it
+                    started[t.decode_rank] = exc
+        ctx.tasks.spawn(self._run(room, started))
+
+    def expire(self, room: PrefillRoom) -> None:
+        """The tick found the room past its deadline (Transferring has its own deadline task)."""
+        if room.state is RoomState.BOOTSTRAPPING:
+            missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
+            reason = f"no room info from {', '.join(missing)} in time"
+            self.ctx.rooms.finish(room, "prefill", RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+
+    async def _run(self, room: PrefillRoom, started: Mapping[str, Launch | Exception]) -> None:
+        ctx = self.ctx
+        local = ctx.ranks.by_id[room.rank]
+        try:
+            remaining = max(0.0, room.deadline - ctx.clock())
+            sends = [self._send_target(room, local, t, started.get(t.decode_rank)) for t in room.targets.values()]
+            await asyncio.wait_for(sends[0] if len(sends) == 1 else asyncio.gather(*sends), timeout=remaining)
+        except TimeoutError:
+            agents = sorted({t.agent for t in room.targets.values() if not t.done})
+            for agent_name in agents:
+                ctx.peers.blacklist(agent_name, f"room {room.room} timed out")
+            ctx.rooms.finish(
+                room,
+                "prefill",
+                RoomState.FAILED,
+                f"transfer did not complete within {ctx.spec.transfer.timeout_seconds:g} s (peers {', '.join(agents)})",
+                outcome=Outcome.TIMEOUT,
+            )
+            ctx.tasks.spawn(self._notify_failure(room, "transfer timed out"))
+            return
+        except Exception as exc:
+            ctx.rooms.finish(room, "prefill", RoomState.FAILED, str(exc))
+            ctx.tasks.spawn(self._notify_failure(room, str(exc)))
+            return
+        ctx.rooms.finish(room, "prefill", RoomState.SUCCESS)
+
+    async def _notify_failure(self, room: PrefillRoom, reason: str) -> None:
+        for t in room.targets.values():
+            if t.done or self.ctx.peers.is_blacklisted(t.agent):
+                continue
+            with contextlib.suppress(Exception):
+                await self.ctx.peers.post(t.agent, DoneReport.failure(room.room, t.decode_rank, room.rank, reason), 2.0)
+
+    def _prepare(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
+        """Before any write to a target, kernel or engine: its peer is admitted, its room planned."""
+        if self.ctx.peers.is_blacklisted(target.agent):
+            raise TransferError(self.ctx.peers.why_blacklisted(target.agent))
+        try:
+            planned = self._plan_target(room, local, target)
+        except ValueError as exc:
+            raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
+        room.marks[f"planned:{target.decode_rank}"] = self.ctx.clock()
+        return planned
+
+    def _plan_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
+        dst = target.dst
+        assert dst is not None  # _maybe_start starts only rooms whose every target has room info
+        spec = self.ctx.spec
+        route = next(r for r in decode_targets(spec, local.rank.tp_rank) if r.decode_tp_rank == target.decode_tp)
+        duties = sender_duties(spec, route, local.rank.cp_rank, len(dst.kv_pages), local.rank.pp_rank)
+        assert duties is not None  # _sends_anything already filtered non-sending CP ranks
+        with_state = bool(duties.state_layers or duties.state_skipped)
+        plan = plan_transfer(
+            duties,
+            src_layout=local.layout,
+            dst_layout=dst.layout,
+            src=local.bases,
+            dst=dst.bases,
+            src_pages=room.src_pages,
+            dst_pages=dst.kv_pages,
+            src_state=room.src_state if with_state else [],
+            dst_state=dst.state_indices if with_state else [],
+            src_aux=room.src_aux,
+            dst_aux=dst.aux_index,
+            coalesce=self.ctx.cfg.coalesce,
+            kv_blocks=False,  # page runs once per request, blocks only if the engine moves the KV
+        )
+        return plan, dst.endpoint
+
+    def _launch(self, room: PrefillRoom, local: LocalRank, target: Target) -> Launch:
+        kernel = local.backend.kernel
+        assert kernel is not None
+        plan, peer = self._prepare(room, local, target)
+        return self.writer.launch(room, local, target, plan, peer, kernel)
+
+    async def _send_target(
+        self, room: PrefillRoom, local: LocalRank, target: Target, started: Launch | Exception | None = None
+    ) -> None:
+        ctx = self.ctx
+        if isinstance(started, Exception):
+            raise started
+        if started is None and local.backend.kernel is not None:
+            started = self._launch(room, local, target)
+        if started is None:
+            plan, peer = self._prepare(room, local, target)
+            by_path: BytesByPath = {}
+        else:
+            plan, by_path = started.plan, started.by_path
+        watched = False
+        try:
+            if started is not None:
+                watched = await self.writer.land(local, room, target, started)
+            else:
+                await self.writer.write_engine(local, peer, plan, room, by_path)
+        except (TransferError, OSError) as exc:
+            ctx.peers.blacklist(target.agent, str(exc))
+            raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
+        room.marks[f"written:{target.decode_rank}"] = ctx.clock()
+        if plan.state_skipped_bytes:
+            metrics.state_bytes_skipped.labels(ctx.labels.cluster, ctx.labels.backend).inc(plan.state_skipped_bytes)
+            room.skipped_state += plan.state_skipped_bytes
+        if not watched:
+            await self._report_done(room, local, target, plan, by_path)
+        # Watched: the decode agent took the completion marks and counted the bytes when it saw them.
+        target.done = True
+        room.marks[f"acknowledged:{target.decode_rank}"] = ctx.clock()
+
+    async def _report_done(
+        self, room: PrefillRoom, local: LocalRank, target: Target, plan: TransferPlan, by_path: BytesByPath
+    ) -> None:
+        ctx = self.ctx
+        rows = tuple((dst_off, local.pools.aux.read(src_off, size)) for src_off, dst_off, size in plan.aux_tcp)
+        aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
+        if aux_tcp_bytes:
+            by_path[TCP_SIDE_CHANNEL] = {Kind.KV.value: 0, Kind.STATE.value: 0, Kind.AUX.value: aux_tcp_bytes}
+        report = DoneReport(room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows)
+        try:
+            await ctx.peers.post(target.agent, report, max(0.1, room.deadline - ctx.clock()))
+        except PEER_ERRORS as exc:
+            ctx.peers.blacklist(target.agent, f"done report failed: {exc}")
+            raise TransferError(f"{target.agent} did not acknowledge room {room.room}: {exc}") from None
+        if aux_tcp_bytes:
+            labels = ctx.traffic_labels("prefill", TCP_SIDE_CHANNEL)
+            metrics.transfer_bytes.labels(*labels, Kind.AUX.value).inc(aux_tcp_bytes)
+            room.moved[Kind.AUX.value] += aux_tcp_bytes
