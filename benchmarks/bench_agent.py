@@ -27,14 +27,14 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "core"), os.path.join(ROOT, "agent")]
+sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "hack")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
 from pdfabric_agent import metrics  # noqa: E402
-from pdfabric_agent.localrun import LocalFabric  # noqa: E402
 from pdfabric_agent.plan import Bases, decode_targets, plan_transfer, sender_duties  # noqa: E402
 from pdfabric_agent.pools import PoolLayout  # noqa: E402
 from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
+from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 
 
 def spec_for(page_kib: int) -> dict[str, Any]:

@@ -19,12 +19,13 @@ import subprocess
 import sys
 import time
 
-from pdfabric_agent.localrun import transfer_room
-from pdfabric_agent.synthetic import expected_bytes
 from pdfabric_devcluster.cluster import REPO_ROOT, LocalCluster, free_port, wait_for
-from pdfabric_devcluster.fabric import KubeFabric, agent_ready
-from pdfabric_devcluster.podrunner import PodRunner, console_argv
+from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.podrunner import PodRunner
+from pdfabric_devcluster.procs import console_argv
 from pdfabric_devcluster.prometheus import Prometheus
+from pdfabric_devcluster.synthetic import expected_bytes
+from pdfabric_devcluster.transfer import transfer_room
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "pdfabric-system"
@@ -129,22 +130,22 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
 
     step("agents of PDCluster demo: their pods' real command, run locally")
     pods = {n: p for n, p in runner.sync().items() if n.startswith("demo")}
-    wait_for(lambda: all(agent_ready(p.ports["metrics"]) for p in pods.values()), timeout=120, interval=0.5,
+    wait_for(lambda: all(p.ready() for p in pods.values()), timeout=120, interval=0.5,
              what="every agent ready")  # fmt: skip
     for name, pod in pods.items():
-        print(f"  {name:32} node {pod.node:14} api 127.0.0.1:{pod.ports['api']}  metrics :{pod.ports['metrics']}")
+        print(f"  {name:32} node {pod.node:14} api {pod.address}  metrics :{pod.metrics_port}")
 
     step("Prometheus scraping the agents and the operator")
     prometheus.start()
-    targets = [(f"127.0.0.1:{p.ports['metrics']}", {"pod": n}) for n, p in pods.items()]
+    targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n}) for n, p in pods.items()]
     prometheus.set_targets([*targets, (f"127.0.0.1:{operator_metrics}", {"pod": "operator"})])
     prometheus.wait_targets_up(len(targets) + 1)
     print(f"  {prometheus.url}")
 
     step(f"{ROOMS} requests: prefill TP2 x CP2 -> decode TP4 over Mooncake tcp, verified byte by byte")
-    fabric = KubeFabric(cluster, NAMESPACE, "demo", runner)
+    fabric = LocalFabric.from_cluster(cluster, NAMESPACE, "demo", runner)
     for room in range(1, ROOMS + 1):
-        result = transfer_room(fabric, room, pages=PAGES, state_slots=1, aux=True)  # type: ignore[arg-type]
+        result = transfer_room(fabric, room, pages=PAGES, state_slots=1, aux=True)
         states = {v["state"] for v in result.decode.values()}
         bad_bytes = sum(len(e) for e in result.errors.values())
         print(

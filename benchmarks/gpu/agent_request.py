@@ -30,10 +30,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(ROOT, "core"), os.path.join(ROOT, "agent")]
+sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "hack")]
 
-from pdfabric_agent import localrun  # noqa: E402
 from pdfabric_agent.client import AgentRefused  # noqa: E402
+from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS, TOKENS = 80, 4, 128, 16, 32768
 PAGES = TOKENS // PAGE_TOKENS
@@ -204,7 +204,7 @@ def main() -> None:
             f"= {nbytes / (0.8 * result['ceiling_gbps'] * 1e9) * 1e3:.2f} ms per room"
         )
         print(lines[-1], flush=True)
-    lc = localrun.LocalFabric(SPEC, env=env, decode_gpu=1)
+    lc = LocalFabric(SPEC, env=env, decode_gpu=1)
     try:
         lc.start(wait_s=120)
         run_modes(lc, nbytes, rng, lines, result, args.modes.split(","))

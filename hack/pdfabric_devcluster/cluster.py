@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -20,8 +19,8 @@ from typing import Any
 
 from pdfabric_devcluster.nodes import NODE_DOWN_ANNOTATION, GpuNodeShape, build_gpu_node, default_node_shapes
 from pdfabric_devcluster.pki import Pki
+from pdfabric_devcluster.procs import REPO_ROOT, free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTROLPLANE_DIR = REPO_ROOT / "hack" / "controlplane"
 SERVICE_CIDR = "10.96.0.0/16"  # allocation range for Service IPs only; nothing is sent there
 
@@ -47,12 +46,6 @@ def ensure_binaries(*, quiet: bool = False) -> Path:
             f"building the control plane failed (exit {proc.returncode}); run hack/controlplane/build.sh"
         )
     return Path(proc.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.1, what: str) -> Any:

@@ -1,46 +1,359 @@
-"""A placed PDCluster seen the way a serving engine sees it: rank map, token, agent addresses.
+"""Real agent processes on this machine (loopback tcp), seen the way a serving engine sees them:
+the rank map, the token, one client per agent, each agent's /readyz and /metrics.
 
-Used by the e2e tests and the demo to drive real transfers through agents that PodRunner runs.
+One harness, two ways to get the agents:
+
+- ``LocalFabric(raw_spec, ...)`` places the ranks itself (one agent per role replica, or per
+  ``ranks_per_agent`` ranks), writes the rank map and token an operator would, and runs the
+  agent's real command for each entry (e2e agent tests, benchmarks, GPU tests);
+- ``LocalFabric.from_cluster(cluster, namespace, name, runner)`` reads a placed PDCluster's rank
+  map and token from the control plane and drives the agent processes PodRunner started from the
+  operator's pods (the demo, the whole-fabric e2e test).
+
+Every process gets free loopback ports in place of its container ports and learns its peers'
+addresses through PDFABRIC_PEERS, standing in for the headless Service's DNS names.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
 import urllib.request
-from types import SimpleNamespace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pdfabric_agent.client import AgentClient
 from pdfabric_agent.config import SETTINGS
-from pdfabric_core.rankmap import RANKMAP_KEY, RankMap
+from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from pdfabric_devcluster.cluster import LocalCluster
-from pdfabric_devcluster.podrunner import PodRunner
+from pdfabric_devcluster.procs import console_argv, free_port, source_pythonpath
+
+if TYPE_CHECKING:
+    from pdfabric_devcluster.cluster import LocalCluster
+    from pdfabric_devcluster.podrunner import PodRunner
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-class KubeFabric:
-    def __init__(self, cluster: LocalCluster, namespace: str, name: str, runner: PodRunner) -> None:
+def loopback_env(peers: Mapping[str, int], api_port: int, metrics_port: int, base: Mapping[str, str]) -> dict[str, str]:
+    """What a pod's network gives an agent, for a process on loopback: its own ports and address,
+    its peers' API addresses (agent name -> port), the sources on PYTHONPATH."""
+    return {
+        "PDFABRIC_BIND_ADDRESS": "127.0.0.1",
+        "PDFABRIC_ENGINE_HOST": "127.0.0.1",
+        "PDFABRIC_API_PORT": str(api_port),
+        "PDFABRIC_METRICS_PORT": str(metrics_port),
+        "PDFABRIC_PEERS": json.dumps({name: f"127.0.0.1:{port}" for name, port in peers.items()}),
+        "PYTHONPATH": source_pythonpath(base),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@dataclass
+class AgentProcess:
+    """One agent process: its command, environment, loopback ports and log file."""
+
+    name: str  # the agent's (pod's) name, as in the rank map
+    node: str
+    argv: list[str]
+    env: dict[str, str]
+    api_port: int
+    metrics_port: int
+    log_path: Path
+    uid: str = ""  # the pod's uid when PodRunner started it: a replaced pod is a new process
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.api_port}"
+
+    def start(self) -> AgentProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # A session of its own, so stop() reaches whatever the agent started, too.
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM, after SIGCONT for a process a test froze with SIGSTOP."""
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 15) -> None:
+        """Wait for the process to exit; SIGKILL it when it has not within ``timeout``."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 15) -> None:
+        self.terminate()
+        self.wait(timeout)
+
+    def readyz(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of the agent's /readyz; (0, {}) while nothing answers."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+        except (urllib.error.URLError, OSError):
+            return 0, {}
+
+    def ready(self) -> bool:
+        return self.readyz()[0] == 200
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"agent {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"agent {self.name} not ready in {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+                return fh.read()[-chars:]
+        except OSError:
+            return ""
+
+    def scrape(self) -> Samples:
+        """The agent's /metrics as {(sample name, labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+def stop_all(agents: Iterable[AgentProcess], timeout: float = 10) -> None:
+    """SIGTERM every process first, then wait for each: they shut down side by side."""
+    agents = list(agents)
+    for agent in agents:
+        agent.terminate()
+    for agent in agents:
+        agent.wait(timeout)
+
+
+def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0, decode_gpu: int = 0) -> list[AgentEntry]:
+    """One agent per (role, replica), or per ``ranks_per_agent`` ranks of it when > 0; decode ranks
+    on GPU ``decode_gpu``, prefill ranks on GPU 0."""
+    agents: list[AgentEntry] = []
+    groups: list[tuple[str, int, list[Rank]]] = []
+    for r in range(spec.prefill.replicas):
+        ranks = [
+            Rank("prefill", r, tp, cp, pp)
+            for pp in range(spec.prefill.pp)
+            for cp in range(spec.prefill.cp)
+            for tp in range(spec.prefill.tp)
+        ]
+        groups.append(("prefill", r, ranks))
+    for r in range(spec.decode.replicas):
+        ranks = [
+            Rank("decode", r, tp, 0, pp, decode_gpu) for pp in range(spec.decode.pp) for tp in range(spec.decode.tp)
+        ]
+        groups.append(("decode", r, ranks))
+    for role, replica, ranks in groups:
+        size = ranks_per_agent or len(ranks)
+        for i in range(0, len(ranks), size):
+            name = f"agent-{role[0]}{replica}-{i // size}"
+            agents.append(AgentEntry(name, f"node-{role[0]}{replica}-{i // size}", tuple(ranks[i : i + size])))
+    return agents
+
+
+class LocalFabric:
+    """Real agent processes of one PDCluster on this machine; a context manager that starts them
+    all and, on exit, stops them and removes what they left."""
+
+    spec: PDClusterSpec
+    rankmap: RankMap
+    token: str
+    agents: dict[str, AgentProcess]  # by agent (pod) name
+    workdir: str
+
+    def __init__(
+        self,
+        raw_spec: Mapping[str, Any],
+        *,
+        ranks_per_agent: int = 0,
+        env: Mapping[str, str] | None = None,
+        # The rank map's transport: default the spec's; the operator writes "tcp" after a declared
+        # placement fallback, which is how pools that need GPUs are exercised on a CPU box.
+        transport: str = "",
+        # The GPU decode ranks use (prefill ranks use GPU 0): 1 on a two-GPU machine puts the roles
+        # on two GPUs, as INTRA_NODE_NVLINK between prefill and decode needs.
+        decode_gpu: int = 0,
+    ) -> None:
+        spec = parse_spec(raw_spec)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = tempfile.TemporaryDirectory(prefix="pdfabric-local-")
+        workdir = Path(self._tmp.name)
+        entries = place(spec, ranks_per_agent=ranks_per_agent, decode_gpu=decode_gpu)
+        # A fresh uid per fabric: two fabrics in one process are two clusters, and the uid scopes
+        # the agents' pool file names and their stale-pool cleanup.
+        uid = "uid-" + secrets.token_hex(4)
+        transport = transport or spec.transfer.effective_transport.value
+        rankmap = RankMap("default", "demo", uid, transport, dict(raw_spec), tuple(entries))
+        token = secrets.token_hex(16)
+        (workdir / "rankmap.json").write_text(rankmap.to_json(), encoding="utf-8")
+        (workdir / "token").write_text(token, encoding="utf-8")
+        ports = {e.name: (free_port(), free_port()) for e in entries}
+        peers = {name: api for name, (api, _) in ports.items()}
+        agents = {}
+        for e in entries:
+            api, met = ports[e.name]
+            agent_env = {
+                **os.environ,
+                "NODE_NAME": e.node,
+                "POD_NAME": e.name,
+                "PDFABRIC_RANKMAP": str(workdir / "rankmap.json"),
+                "PDFABRIC_TOKEN_FILE": str(workdir / "token"),
+                "PDFABRIC_KV_PAGES": "64",
+                "PDFABRIC_STATE_SLOTS": "8",
+                "PDFABRIC_AUX_SLOTS": "8",
+                **loopback_env(peers, api, met, os.environ),
+                **(env or {}),
+            }
+            argv = console_argv(["pdfabric-agent"])
+            agents[e.name] = AgentProcess(e.name, e.node, argv, agent_env, api, met, workdir / f"{e.name}.log")
+        self._attach(spec, rankmap, token, agents, str(workdir))
+
+    @classmethod
+    def from_cluster(cls, cluster: LocalCluster, namespace: str, name: str, runner: PodRunner) -> LocalFabric:
+        """The agents PodRunner runs for PDCluster ``namespace/name``, with the rank map and token
+        the operator published for it. The runner owns the processes; close() here only stops them."""
         obj = cluster.get_json("pdcluster", name, "-n", namespace)
-        self.spec: PDClusterSpec = parse_spec(obj["spec"])
         selector = f"pdfabric.dev/cluster={name}"
         maps = cluster.get_json("configmaps", "-n", namespace, "-l", selector)["items"]
         (cm,) = [m for m in maps if RANKMAP_KEY in m.get("data", {})]
-        self.rankmap = RankMap.from_json(cm["data"][RANKMAP_KEY])
+        rankmap = RankMap.from_json(cm["data"][RANKMAP_KEY])
         (secret,) = cluster.get_json("secrets", "-n", namespace, "-l", selector)["items"]
         (token_b64,) = secret["data"].values()
-        self.token = base64.b64decode(token_b64).decode().strip()
-        self.runner = runner
-        # localrun.transfer_room sizes page indices from the agents' pool size: the agent default.
-        kv_pages = SETTINGS["PDFABRIC_KV_PAGES"][0]
-        self.agents = {pod: SimpleNamespace(env={"PDFABRIC_KV_PAGES": kv_pages}) for pod in runner.pods}
+        agents = {e.name: runner.pods[e.name] for e in rankmap.agents}
+        fabric = cls.__new__(cls)
+        fabric._tmp = None
+        fabric._attach(parse_spec(obj["spec"]), rankmap, base64.b64decode(token_b64).decode().strip(), agents, "")
+        return fabric
 
-    def client(self, rank_id: str) -> AgentClient:
-        pod = self.runner.pods[self.rankmap.agent_for_rank(rank_id).name]
-        return AgentClient(f"127.0.0.1:{pod.ports['api']}", self.token, self.rankmap.cluster_uid)
+    def _attach(
+        self, spec: PDClusterSpec, rankmap: RankMap, token: str, agents: dict[str, AgentProcess], workdir: str
+    ) -> None:
+        self.spec, self.rankmap, self.token, self.agents, self.workdir = spec, rankmap, token, agents, workdir
+        self._clients: dict[tuple[str, str, str], AgentClient] = {}
 
+    @property
+    def uid(self) -> str:
+        return self.rankmap.cluster_uid
 
-def agent_ready(metrics_port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/readyz", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+    @property
+    def kv_pages(self) -> int:
+        """KV pages per pool, as the agents were configured (the agent default when not set)."""
+        env = next(iter(self.agents.values())).env
+        return int(env.get("PDFABRIC_KV_PAGES") or SETTINGS["PDFABRIC_KV_PAGES"][0] or 0)
+
+    @property
+    def shm_dir(self) -> str:
+        """Where the agents' CPU pool files live."""
+        env = next(iter(self.agents.values())).env if self.agents else {}
+        return env.get("PDFABRIC_SHM_DIR") or "/dev/shm"
+
+    # ------------------------------------------------------------------ processes
+    def start(self, name: str | None = None, *, wait_s: float = 60.0, ready: bool = True) -> None:
+        """Start every agent (or ``name``); with ``ready``, wait until each answers /readyz 200."""
+        agents = [self.agents[name]] if name else list(self.agents.values())
+        for agent in agents:
+            agent.start()
+        if ready:
+            for agent in agents:
+                agent.wait_ready(wait_s)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig``; for SIGKILL and SIGTERM, wait until the process is gone."""
+        agent = self.agents[name]
+        if agent.alive():
+            agent.signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM) and agent.proc is not None:
+                agent.proc.wait(timeout=15)
+
+    def readyz(self, name: str) -> tuple[int, dict[str, Any]]:
+        return self.agents[name].readyz()
+
+    def log(self, name: str) -> str:
+        return self.agents[name].log_tail()
+
+    def stop(self) -> None:
+        stop_all(self.agents.values())
+
+    def close(self) -> None:
+        from pdfabric_agent.main import remove_stale_pools
+
+        self.stop()
+        # Agents killed with SIGKILL could not unlink their pool files; nobody restarts them now.
+        remove_stale_pools(self.shm_dir, self.uid)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalFabric:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ access
+    def agent_of(self, rank_id: str) -> str:
+        return self.rankmap.agent_for_rank(rank_id).name
+
+    def entry(self, name: str) -> AgentEntry:
+        """The rank map's entry of agent ``name``: its node and ranks."""
+        return next(e for e in self.rankmap.agents if e.name == name)
+
+    def client(self, rank_id_or_agent: str, *, token: str | None = None, uid: str | None = None) -> AgentClient:
+        name = rank_id_or_agent if rank_id_or_agent in self.agents else self.agent_of(rank_id_or_agent)
+        key = (self.agents[name].address, token or self.token, uid or self.uid)
+        client = self._clients.get(key)
+        if client is None:  # one per agent and identity, so its keep-alive connections are reused
+            client = self._clients[key] = AgentClient(*key)
+        return client
+
+    def scrape(self, name: str) -> Samples:
+        """Parse the agent's /metrics into {(sample name, labels): value}."""
+        return self.agents[name].scrape()
+
+    def metric_sum(self, sample: str, names: list[str] | None = None, **labels: str) -> float:
+        total = 0.0
+        for name in names or list(self.agents):
+            for (n, lbl), value in self.scrape(name).items():
+                if n == sample and all(dict(lbl).get(k) == v for k, v in labels.items()):
+                    total += value
+        return total

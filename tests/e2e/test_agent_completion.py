@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.completion import BOARD_BYTES
-from pdfabric_agent.localrun import LocalFabric
+from pdfabric_devcluster.fabric import LocalFabric
 from tests.e2e.test_agent_faults import SMALL, raw_post, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -50,7 +50,7 @@ def fabric() -> Iterator[LocalFabric]:
 
 @pytest.fixture
 def board(fabric: LocalFabric) -> Iterator[Board]:
-    b = Board(fabric.agents_env("PDFABRIC_SHM_DIR") or "/dev/shm")
+    b = Board(fabric.shm_dir)
     yield b
     b.close()
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.client import AgentRefused
-from pdfabric_agent.localrun import LocalFabric, transfer_room
+from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.transfer import transfer_room
 
 # Real agent processes over the real engine; tests that start a cluster of their own are `slow`.
 pytestmark = pytest.mark.e2e
@@ -226,7 +227,7 @@ def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalFabric
 
 
 def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalFabric) -> None:
-    from pdfabric_agent.synthetic import fill_prefill, verify_decode
+    from pdfabric_devcluster.synthetic import fill_prefill, verify_decode
 
     lc, p, d = small, "prefill-0-tp0-cp0", "decode-0-tp0"
     pools = lc.client(p).map_pools(p)

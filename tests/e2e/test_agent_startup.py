@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.localrun import REPO, LocalFabric
+from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.procs import REPO_ROOT
 
 # Real agent processes over the real engine; every test here starts at least one cluster.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -84,7 +85,7 @@ def test_only_the_needed_ports_listen() -> None:
             # The agent's own servers bind only the configured address (the pod IP in a pod).
             assert own == sorted([f"127.0.0.1:{agent.api_port}", f"127.0.0.1:{agent.metrics_port}"])
             # Besides them: the engine's handshake and data listeners, two per rank, nothing else.
-            assert len(addrs) - len(own) == 2 * len(agent.entry.ranks), addrs
+            assert len(addrs) - len(own) == 2 * len(lc.entry(agent.name).ranks), addrs
 
 
 @pytest.mark.parametrize(
@@ -100,7 +101,12 @@ def test_configuration_errors_exit_2_with_the_variable_named(drop: str, message:
     try:
         env = {k: v for k, v in lc.agents[lc.agent_of("decode-0-tp0")].env.items() if k != drop}
         proc = subprocess.run(
-            [sys.executable, "-m", "pdfabric_agent.main"], env=env, capture_output=True, text=True, timeout=60, cwd=REPO
+            [sys.executable, "-m", "pdfabric_agent.main"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO_ROOT,
         )
         assert proc.returncode == 2
         assert message in proc.stderr
@@ -113,7 +119,12 @@ def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
     try:
         env = {**lc.agents[lc.agent_of("decode-0-tp0")].env, "NODE_NAME": "node-elsewhere"}
         proc = subprocess.run(
-            [sys.executable, "-m", "pdfabric_agent.main"], env=env, capture_output=True, text=True, timeout=60, cwd=REPO
+            [sys.executable, "-m", "pdfabric_agent.main"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO_ROOT,
         )
         assert proc.returncode == 2
         assert "no agent on node 'node-elsewhere'" in proc.stderr

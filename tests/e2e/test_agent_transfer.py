@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.localrun import LocalFabric, transfer_room
-from pdfabric_agent.synthetic import expected_bytes
+from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.synthetic import expected_bytes
+from pdfabric_devcluster.transfer import transfer_room
 from tests.builders import SMALL_MODEL
 
 # Real agent processes over the real engine; every test here starts at least one cluster.
@@ -172,7 +173,7 @@ def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:
 
 
 def test_many_rooms_in_flight_do_not_mix() -> None:
-    from pdfabric_agent.synthetic import fill_prefill, verify_decode
+    from pdfabric_devcluster.synthetic import fill_prefill, verify_decode
 
     with LocalFabric(spec({"tp": 2}, {"tp": 4})) as lc:
         rooms = {

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 import gen_dashboards
-from pdfabric_agent.localrun import transfer_room
-from pdfabric_agent.synthetic import expected_bytes
-from pdfabric_devcluster.fabric import KubeFabric, agent_ready
+from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.prometheus import Prometheus
+from pdfabric_devcluster.synthetic import expected_bytes
+from pdfabric_devcluster.transfer import transfer_room
 from tests.builders import SMALL_MODEL, pdcluster
 from tests.integration import pdcluster_harness as h
 
@@ -62,18 +62,18 @@ def test_apply_place_transfer_scrape(
     pods = runner.sync()
     assert len(pods) >= 1
     h.wait_until(
-        lambda: all(agent_ready(p.ports["metrics"]) for p in pods.values()),
+        lambda: all(p.ready() for p in pods.values()),
         timeout=90,
         what="every agent process ready (engines up, pools registered)",
     )
-    prometheus.set_targets([(f"127.0.0.1:{p.ports['metrics']}", {"pod": n}) for n, p in pods.items()])
+    prometheus.set_targets([(f"127.0.0.1:{p.metrics_port}", {"pod": n}) for n, p in pods.items()])
     prometheus.wait_targets_up(len(pods))
 
-    fabric = KubeFabric(cluster, namespace, "pd", runner)
+    fabric = LocalFabric.from_cluster(cluster, namespace, "pd", runner)
     spec = fabric.spec
     want = expected_bytes(spec, pages=9, state_slots=2, aux=True)
     for room in (5, 6):
-        result = transfer_room(fabric, room, pages=9, state_slots=2, aux=True)  # type: ignore[arg-type]
+        result = transfer_room(fabric, room, pages=9, state_slots=2, aux=True)
         assert {v["state"] for v in result.decode.values()} == {"Success"}, result.decode
         assert result.errors == {d: [] for d in result.decode}, "bytes differ on arrival"
 

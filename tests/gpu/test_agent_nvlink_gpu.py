@@ -42,7 +42,7 @@ def spec(decode_tp: int) -> dict[str, Any]:
 
 @pytest.fixture(params=[1, 2], ids=["tp1-tp1", "tp1-tp2"])
 def fabric(request: pytest.FixtureRequest) -> Iterator[Any]:
-    from pdfabric_agent.localrun import LocalFabric
+    from pdfabric_devcluster.fabric import LocalFabric
 
     env = {
         "PDFABRIC_KV_PAGES": str(POOL_PAGES),

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.synthetic import ExpectedBytes, expected_bytes, kv_chunk, pattern
 from pdfabric_core.spec import parse_spec
+from pdfabric_devcluster.synthetic import ExpectedBytes, expected_bytes, kv_chunk, pattern
 
 MODEL = {
     "layers": 2,
