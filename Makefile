@@ -38,7 +38,7 @@ generate: venv ## regenerate generated files: chart CRDs, docs/api.md, docs/metr
 	@for f in crds/*.yaml; do [[ -s $$f ]] || { echo "$$f is empty" >&2; exit 1; }; done
 	@cp crds/*.yaml charts/pdfabric/crds/
 	@$(PYTHON) hack/gen_api_docs.py
-	@PYTHONPATH=core:agent $(PYTHON) -m pdfabric_agent.metrics > docs/metrics.md
+	@$(PYTHON) hack/gen_metrics_docs.py
 	@$(PYTHON) hack/gen_dashboards.py
 
 .PHONY: lint

@@ -11,16 +11,15 @@ Semantics that differ from upstream SGLang on purpose:
 - latency runs from submit (API call) to confirmed completion: every batch returned and the decode
   agent acknowledged (upstream #31993 measured from the last chunk's enqueue).
 
-``python -m pdfabric_agent.metrics`` prints the reference table that docs/metrics.md holds.
+docs/metrics.md is generated from ``REGISTRY`` by hack/gen_metrics_docs.py, closed label values
+read back from the series ``precreate`` makes: declaring a metric on the registry documents it.
 """
 
 from __future__ import annotations
 
 import enum
-import sys
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -144,23 +143,6 @@ peer_probes = Counter(
     registry=REGISTRY,
 )
 
-ALL_METRICS: tuple[MetricWrapperBase, ...] = (
-    transfer_bytes,
-    state_bytes_skipped,
-    transfer_blocks,
-    transfer_batches,
-    requests,
-    request_duration,
-    decode_completions,
-    api_refusals,
-    engine_up,
-    agent_ready,
-    pool_bytes,
-    peers_blacklisted,
-    session_recoveries,
-    peer_probes,
-)
-
 
 def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
     """Create every closed-set series at zero for this agent's identity."""
@@ -182,31 +164,3 @@ def precreate(cluster: str, role: str, backend: str, transport: str, paths: tupl
     for result in ("ok", "failed"):
         peer_probes.labels(cluster, result)
     agent_ready.labels(cluster)
-
-
-def render_markdown() -> str:
-    """The metrics reference (docs/metrics.md); a unit test fails when the file is stale."""
-    lines = [
-        "# Agent metrics",
-        "",
-        "Generated from `agent/pdfabric_agent/metrics.py` by `python -m pdfabric_agent.metrics > docs/metrics.md`;",
-        "do not edit by hand (tests/unit/test_agent_metrics.py fails when this file is stale).",
-        "",
-        (__doc__ or "").strip(),
-        "",
-        "| metric | type | labels | help |",
-        "|---|---|---|---|",
-    ]
-    for m in ALL_METRICS:
-        name = m._name + ("_total" if m._type == "counter" else "")
-        labels = ", ".join(f"`{n}`" for n in m._labelnames)
-        lines.append(f"| `{name}` | {m._type} | {labels} | {m._documentation} |")
-    lines += ["", "Closed label values (pre-created at zero):", ""]
-    for enum_cls, label in ((Kind, "kind"), (Outcome, "outcome"), (Completion, "how"), (Refusal, "reason")):
-        lines.append(f"- `{label}`: " + ", ".join(f"`{v.value}`" for v in enum_cls))
-    lines.append("- `result` (probes): `ok`, `failed`")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.stdout.write(render_markdown())

@@ -1,11 +1,14 @@
 """Metrics: one declaration each, pdfabric_ names, closed label sets pre-created at zero, and
-docs/metrics.md generated from the module (fails when stale)."""
+docs/metrics.md generated from the agent's and the operator's registries (fails when stale)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client import generate_latest
+import gen_metrics_docs
+import prometheus_client
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from pdfabric_agent import metrics
 
@@ -13,18 +16,36 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def test_docs_metrics_md_is_current() -> None:
-    assert DOC.read_text() == metrics.render_markdown(), (
-        "docs/metrics.md is stale: run `python -m pdfabric_agent.metrics > docs/metrics.md`"
+    assert DOC.read_text() == gen_metrics_docs.render(), "docs/metrics.md is stale: run python hack/gen_metrics_docs.py"
+
+
+def test_every_registered_metric_is_in_the_reference() -> None:
+    # The reference walks the registry: a metric nobody listed anywhere still gets its row.
+    registry = CollectorRegistry()
+    Counter("pdfabric_unlisted_total", "Declared, registered, listed nowhere.", ["outcome"], registry=registry)
+    assert "| `pdfabric_unlisted_total` | counter | `outcome` | Declared, registered, listed nowhere. |" in (
+        gen_metrics_docs.table(registry)
     )
+    text = gen_metrics_docs.render()
+    for registry in (metrics.REGISTRY, prometheus_client.REGISTRY):
+        for m in gen_metrics_docs.declared(registry):
+            assert f"| `{gen_metrics_docs.series_name(m)}` |" in text
 
 
-def test_names_follow_the_rule() -> None:
-    for m in metrics.ALL_METRICS:
-        assert m._name.startswith("pdfabric_"), m._name
+@pytest.mark.parametrize(
+    ("registry", "prefix"),
+    [(metrics.REGISTRY, "pdfabric_"), (prometheus_client.REGISTRY, "pdfabric_operator_")],
+    ids=["agent", "operator"],
+)
+def test_names_follow_the_rule(registry: CollectorRegistry, prefix: str) -> None:
+    declared = gen_metrics_docs.declared(registry)
+    assert declared
+    for m in declared:
+        assert m._name.startswith(prefix), m._name
         assert m._documentation
         if m._type == "gauge" or m._type == "histogram":
             assert not m._name.endswith("_total"), m._name
-    names = [m._name for m in metrics.ALL_METRICS]
+    names = [m._name for m in declared]
     assert len(names) == len(set(names))
 
 
