@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,9 +220,10 @@ class LocalFabric:
         self._tmp: tempfile.TemporaryDirectory[str] | None = tempfile.TemporaryDirectory(prefix="pdfabric-local-")
         workdir = Path(self._tmp.name)
         entries = place(spec, ranks_per_agent=ranks_per_agent, decode_gpu=decode_gpu)
-        # A fresh uid per fabric: two fabrics in one process are two clusters, and the uid scopes
-        # the agents' pool file names and their stale-pool cleanup.
-        uid = "uid-" + secrets.token_hex(4)
+        # A fresh uid per fabric, shaped like a PDCluster's metadata.uid: two fabrics in one process
+        # are two clusters; the uid's first 8 characters scope the agents' pool file names and
+        # their stale-pool cleanup.
+        uid = str(uuid.uuid4())
         transport = transport or spec.transfer.effective_transport.value
         rankmap = RankMap("default", "demo", uid, transport, dict(raw_spec), tuple(entries))
         token = secrets.token_hex(16)

@@ -106,6 +106,21 @@ def test_bad_send_is_refused_and_changes_nothing(
     assert info.value.reason == "unknown_room"
 
 
+def test_a_second_fabric_is_another_cluster(small: LocalFabric) -> None:
+    other = LocalFabric(SMALL)  # placed, never started: only its identity is used
+    try:
+        assert other.uid[:8] != small.uid[:8]  # the agents' pool file prefix
+        # This cluster's token, the other cluster's uid: refused, nothing created.
+        with pytest.raises(AgentRefused) as info:
+            small.client("decode-0-tp0", uid=other.uid).receive("decode-0-tp0", 905, [0, 1])
+        assert (info.value.status, info.value.reason) == (403, "wrong_cluster")
+        with pytest.raises(AgentRefused) as info:
+            small.client("decode-0-tp0").poll("decode-0-tp0", 905)
+        assert info.value.reason == "unknown_room"
+    finally:
+        other.close()
+
+
 def test_body_that_is_not_json_is_refused(small: LocalFabric) -> None:
     code, doc = raw_post(small, small.agent_of("decode-0-tp0"), "/v1/receive", b"{not json", small.token)
     assert (code, doc["reason"]) == (400, "malformed")
