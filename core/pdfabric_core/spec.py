@@ -9,7 +9,6 @@ from an API server that skipped defaulting still means the same thing.
 from __future__ import annotations
 
 import enum
-import functools
 import types
 from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
@@ -189,9 +188,14 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     raise TypeError(f"{where}: no parser for field type {tp!r}")
 
 
-@functools.cache
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
 def _hints(cls: type[Any]) -> dict[str, Any]:
-    return get_type_hints(cls)
+    """The resolved field types of `cls` (annotations are strings here), computed once."""
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _parse_fields(cls: type[Any], raw: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -232,7 +236,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
         hints = _hints(PDClusterSpec)
         for f in fields(PDClusterSpec):
             section = hints[f.name]
-            if is_dataclass(section):
+            if isinstance(section, type) and is_dataclass(section):
                 top[f.name] = section(**_parse_fields(section, raw.get(crd_key(f.name)) or {}, f"{crd_key(f.name)}."))
         spec = PDClusterSpec(**top)
     except (ValueError, TypeError) as exc:

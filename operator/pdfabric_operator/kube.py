@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from pdfabric_operator import constants as c
 from pdfabric_operator.metrics import API_REQUESTS, ERRORS, ErrorType

@@ -66,7 +66,7 @@ STATE = _State()
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
     cfg = OperatorConfig.from_env()
     STATE.config = cfg
     # A fresh start, as a new process would have (tests restart the operator in-process).
@@ -110,7 +110,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     STATE.kube = Kube.from_configuration(cfg)
     # The client stores "Bearer <token>" under BearerToken (older releases: authorization).
     auth = cfg.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
-    scheme, _, token = auth.partition(" ")
+    scheme, _space, token = auth.partition(" ")
     return kopf.ConnectionInfo(
         server=cfg.host,
         ca_path=cfg.ssl_ca_cert,
@@ -130,6 +130,13 @@ def probe_clusters(**_: Any) -> int:
 @kopf.on.probe(id="last_reconcile_age_s")
 def probe_last_reconcile(**_: Any) -> float | None:
     return round(time.monotonic() - STATE.last_reconcile, 1) if STATE.last_reconcile else None
+
+
+def _namespaced(namespace: str | None) -> str:
+    # PDClusters and pods are namespaced; kopf passes None only for cluster-scoped objects.
+    if namespace is None:
+        raise kopf.PermanentError("expected a namespaced object")
+    return namespace
 
 
 # --- watch caches ------------------------------------------------------------------------------
@@ -181,13 +188,21 @@ def gpu_pods(spec: Any, status: Any, labels: Any, **_: Any) -> dict[str, PlacedP
 
 @kopf.index("pods", labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY})
 def agent_pods(
-    name: str, namespace: str, uid: str, spec: Any, status: Any, labels: Any, meta: Any, annotations: Any, **_: Any
+    name: str,
+    namespace: str | None,
+    uid: str,
+    spec: Any,
+    status: Any,
+    labels: Any,
+    meta: Any,
+    annotations: Any,
+    **_: Any,
 ) -> dict[str, OwnPod]:
     ready = any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in status.get("conditions") or [])
     return {
         labels[c.LABEL_CLUSTER_UID]: OwnPod(
             name=name,
-            namespace=namespace,
+            namespace=_namespaced(namespace),
             uid=uid,
             node=spec.get("nodeName") or "",
             ready=ready,
@@ -237,7 +252,12 @@ def node_changed(name: str, type: str | None, body: Any, **_: Any) -> None:
 # --- the reconcile loop ------------------------------------------------------------------------
 
 
-def _snapshot(gpu_nodes: kopf.Index, gpu_pods: kopf.Index, agent_pods: kopf.Index, uid: str) -> Snapshot:
+NodeIndex = kopf.Index[str, GpuNode]
+GpuPodIndex = kopf.Index[str, PlacedPod]
+AgentPodIndex = kopf.Index[str, OwnPod]
+
+
+def _snapshot(gpu_nodes: NodeIndex, gpu_pods: GpuPodIndex, agent_pods: AgentPodIndex, uid: str) -> Snapshot:
     # Runs on the event loop: the indices are only mutated there, so copying here is race-free.
     return Snapshot(
         nodes=[n for store in gpu_nodes.values() for n in store],
@@ -250,16 +270,18 @@ def _snapshot(gpu_nodes: kopf.Index, gpu_pods: kopf.Index, agent_pods: kopf.Inde
 async def reconcile_daemon(
     body: kopf.Body,
     name: str,
-    namespace: str,
+    namespace: str | None,
     uid: str,
     stopped: kopf.DaemonStopped,
-    logger: logging.Logger,
-    gpu_nodes: kopf.Index,
-    gpu_pods: kopf.Index,
-    agent_pods: kopf.Index,
-    **_: Any,
+    logger: kopf.Logger,
+    **kwargs: Any,
 ) -> None:
-    ref = b.ClusterRef(namespace, name, uid)
+    # kopf passes every index to every handler as a kwarg named after it; its handler protocols
+    # cannot name them, so they are read from kwargs with their types here.
+    gpu_nodes: NodeIndex = kwargs["gpu_nodes"]
+    gpu_pods: GpuPodIndex = kwargs["gpu_pods"]
+    agent_pods: AgentPodIndex = kwargs["agent_pods"]
+    ref = b.ClusterRef(_namespaced(namespace), name, uid)
     wake = STATE.wakers.setdefault(uid, asyncio.Event())
     memory = STATE.memory.setdefault(uid, ClusterMemory())
     CLUSTERS.set(len(STATE.wakers))
@@ -313,11 +335,10 @@ async def reconcile_daemon(
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, id="cleanup")
-async def cleanup(
-    name: str, namespace: str, uid: str, agent_pods: kopf.Index, logger: logging.Logger, **_: Any
-) -> None:
+async def cleanup(name: str, namespace: str | None, uid: str, logger: kopf.Logger, **kwargs: Any) -> None:
     """Delete the children now (the garbage collector would too, later) and free the ledger."""
-    ref = b.ClusterRef(namespace, name, uid)
+    agent_pods: AgentPodIndex = kwargs["agent_pods"]  # an index, passed by name (see reconcile_daemon)
+    ref = b.ClusterRef(_namespaced(namespace), name, uid)
     pods = list(agent_pods.get(uid, []))
     kube = STATE.get_kube()
 

@@ -184,8 +184,9 @@ def _pack(
     out: dict[str, list[Rank]] = {}
     pending: list[_Unit] = []
     for unit in units:
-        before = Counter(where_before.get(_key(r)) for r in unit.ranks)
-        sticky = None not in before and (unit.splittable or len(before) == 1)
+        nodes_before = [where_before.get(_key(r)) for r in unit.ranks]
+        before = Counter(n for n in nodes_before if n is not None)
+        sticky = None not in nodes_before and (unit.splittable or len(before) == 1)
         if sticky and all(free.get(n, 0) >= c for n, c in before.items()):
             for r in unit.ranks:
                 node = where_before[_key(r)]
