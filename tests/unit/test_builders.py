@@ -136,3 +136,25 @@ def test_pod_hash_tracks_agent_config(change, replaced: bool) -> None:
     after = b.build_agent_pods(REF, changed.spec(), _placed(changed, nodes))[0]["metadata"]["annotations"]
     assert (before["pdfabric.dev/pod-hash"] != after["pdfabric.dev/pod-hash"]) is replaced
     assert before["pdfabric.dev/ranks"] == after["pdfabric.dev/ranks"]
+
+
+# (id, transport, node, expected extended requests of the one agent)
+DEVICE_CASES = [
+    ("tcp-gpus-only", "tcp", gpu_node("n1", 8, rdma=2), {"nvidia.com/gpu": 2}),
+    ("rdma-one-device", "rdma", gpu_node("n1", 8, rdma=2), {"nvidia.com/gpu": 2, "rdma/hca": 1}),
+    ("intra-node-gpus-only", "nvlink-intra", gpu_node("n1", 8), {"nvidia.com/gpu": 2}),
+]
+
+
+@pytest.mark.parametrize(
+    ("transport", "node", "expected"), [c[1:] for c in DEVICE_CASES], ids=[c[0] for c in DEVICE_CASES]
+)
+def test_agent_device_requests_follow_the_transport_traits(transport: str, node, expected: dict[str, int]) -> None:
+    builder = pdcluster().transport(transport)
+    placement = _placed(builder, [node])
+    (agent,) = placement.agents
+    assert b.agent_device_requests(builder.spec(), agent, placement.transport) == expected
+
+
+def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> None:
+    assert b.shared_children("pd") == [("ConfigMap", "pd-rankmap"), ("Service", "pd-agents"), ("Secret", "pd-token")]

@@ -6,7 +6,7 @@ import pytest
 
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import Rank
-from pdfabric_operator.planner import PlacedPod, Placement, PlacementFailure, plan_placement
+from pdfabric_operator.planner import PlacedPod, Placement, PlacementFailure, PlacementReason, plan_placement
 from tests.builders import busy, gpu_node, pdcluster
 
 UID = "uid-1"
@@ -190,8 +190,13 @@ FAILURE_CASES = [
 def test_unplaceable_reports_reason(builder, nodes, placed, reason, fragment) -> None:
     result = plan_placement(builder.spec(), nodes, placed, cluster_uid=UID)
     assert isinstance(result, PlacementFailure), result
-    assert result.reason == reason
+    assert result.reason is PlacementReason(reason)
     assert fragment in result.message
+
+
+def test_every_placement_reason_has_a_failure_case() -> None:
+    # The metric pre-creates a series per PlacementReason; each must be reachable.
+    assert {c[4] for c in FAILURE_CASES} == {r.value for r in PlacementReason}
 
 
 def test_declared_tcp_fallback_is_flagged() -> None:
