@@ -34,7 +34,8 @@ class Rank:
 
     def __post_init__(self) -> None:
         # Callers may pass "prefill"/"decode"; store the enum so the role is always one of the two.
-        object.__setattr__(self, "role", Role(self.role))
+        if type(self.role) is not Role:
+            object.__setattr__(self, "role", Role(self.role))
 
     @property
     def rank_id(self) -> str:
