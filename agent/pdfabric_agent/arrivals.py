@@ -40,6 +40,7 @@ from pdfabric_agent.wire import (
     SourceReport,
     zero_bytes,
 )
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
 log = logging.getLogger("pdfabric.agent")
@@ -53,12 +54,12 @@ class DecodeArrivals:
     # ------------------------------------------------------------ client API
     def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
         ctx = self.ctx
-        local = ctx.ranks.local(msg.rank, "decode")
+        local = ctx.ranks.local(msg.rank, Role.DECODE)
         msg.check_bounds(local.layout, ctx.spec.prefill.replicas)
-        ctx.rooms.refuse_active("decode", msg.rank, msg.room)
+        ctx.rooms.refuse_active(Role.DECODE, msg.rank, msg.room)
         expected = {}
         for p, c, s in expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank):
-            prefill_rank = Rank("prefill", msg.peer_replica, p, c, s).rank_id
+            prefill_rank = Rank(Role.PREFILL, msg.peer_replica, p, c, s).rank_id
             expected[prefill_rank] = ctx.ranks.agent_for(prefill_rank)
         now = ctx.clock()
         room = DecodeRoom(
@@ -71,7 +72,7 @@ class DecodeArrivals:
             dst_aux=msg.aux_index,
             expected=expected,
         )
-        ctx.rooms.add("decode", room)
+        ctx.rooms.add(Role.DECODE, room)
         info = RoomInfo(
             room=msg.room,
             decode_rank=msg.rank,
@@ -104,7 +105,7 @@ class DecodeArrivals:
         try:
             await asyncio.gather(*(push(r, a) for r, a in room.expected.items()))
         except Exception as exc:
-            ctx.rooms.finish(room, "decode", RoomState.FAILED, str(exc))
+            ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, str(exc))
             return
         if room.state is RoomState.BOOTSTRAPPING:
             room.state = RoomState.WAITING_FOR_INPUT
@@ -112,13 +113,13 @@ class DecodeArrivals:
     def expire(self, room: DecodeRoom) -> None:
         missing = sorted(set(room.expected) - room.arrived)
         reason = f"no data from {', '.join(missing)} in time"
-        self.ctx.rooms.finish(room, "decode", RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+        self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
 
     # ------------------------------------------------------------ peer API
     def _source(self, msg: SourceReport) -> tuple[DecodeRoom, LocalRank]:
         """The decode room a report speaks of, and a check that the speaker is one of its sources."""
-        local = self.ctx.ranks.local(msg.decode_rank, "decode")
-        room = self.ctx.rooms.lookup("decode", msg.decode_rank, msg.room)
+        local = self.ctx.ranks.local(msg.decode_rank, Role.DECODE)
+        room = self.ctx.rooms.lookup(Role.DECODE, msg.decode_rank, msg.room)
         assert isinstance(room, DecodeRoom)
         if msg.prefill_rank not in room.expected:
             raise malformed(f"{msg.prefill_rank} is not a source of room {msg.room} on {msg.decode_rank}")
@@ -130,7 +131,7 @@ class DecodeArrivals:
             # Late or repeated reports change nothing (and count no bytes twice).
             return {"state": room.state.title}
         if not msg.ok:
-            self.ctx.rooms.finish(room, "decode", RoomState.FAILED, f"{msg.prefill_rank} failed: {msg.reason}")
+            self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, f"{msg.prefill_rank} failed: {msg.reason}")
             return {"state": room.state.title}
         rows = self._aux_rows(msg.aux_rows, local, room)
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
@@ -181,7 +182,7 @@ class DecodeArrivals:
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING
         if room.arrived == set(room.expected):
-            self.ctx.rooms.finish(room, "decode", RoomState.SUCCESS)
+            self.ctx.rooms.finish(room, Role.DECODE, RoomState.SUCCESS)
         later(lambda: self._count_arrival(by_path, how))
 
     def _count_arrival(self, by_path: Mapping[str, Mapping[str, int]], how: Completion) -> None:
@@ -190,7 +191,7 @@ class DecodeArrivals:
             for kind in Kind:
                 n = per_kind.get(kind.value, 0)
                 if n:
-                    metrics.transfer_bytes.labels(*self.ctx.traffic_labels("decode", path), kind.value).inc(n)
+                    metrics.transfer_bytes.labels(*self.ctx.traffic_labels(Role.DECODE, path), kind.value).inc(n)
 
     @staticmethod
     def _aux_rows(rows: Sequence[tuple[int, bytes]], local: LocalRank, room: DecodeRoom) -> list[tuple[int, bytes]]:
@@ -223,4 +224,4 @@ class DecodeArrivals:
         for name, ok in zip(names, results, strict=True):
             if ctx.peers.heartbeat_result(name, ok):
                 for room in waiting[name]:
-                    ctx.rooms.finish(room, "decode", RoomState.FAILED, f"prefill agent {name} stopped answering")
+                    ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, f"prefill agent {name} stopped answering")

@@ -193,7 +193,10 @@ class AgentClient:
             if not isinstance(doc, dict):
                 doc = {}
             raise AgentRefused(resp.status, doc.get("reason", ""), doc.get("error", resp.reason))
-        return json.loads(resp.body)
+        doc = json.loads(resp.body)
+        if not isinstance(doc, dict):
+            raise AgentRefused(resp.status, "malformed", f"the agent answered {path} with a non-object")
+        return doc
 
     def info(self) -> dict[str, Any]:
         return self._call("GET", "/v1/info")

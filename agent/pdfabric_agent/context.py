@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.peer_client import PeerClient
 from pdfabric_agent.ranks import NodeRanks
-from pdfabric_agent.rooms import MetricLabels, Role, RoomRegistry
+from pdfabric_agent.rooms import MetricLabels, RoomRegistry
 from pdfabric_agent.tasks import TaskSet
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
 

@@ -11,6 +11,7 @@ from pdfabric_agent.errors import malformed, unknown_rank
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout, RankPools
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 
@@ -45,7 +46,7 @@ class NodeRanks:
             raise unknown_rank(f"rank {rank_id!r} is not served by agent {self.agent_name}")
         return local
 
-    def local(self, rank_id: str, role: str) -> LocalRank:
+    def local(self, rank_id: str, role: Role) -> LocalRank:
         local = self.served(rank_id)
         if local.rank.role != role:
             raise malformed(f"rank {rank_id!r} is a {local.rank.role} rank, not {role}")

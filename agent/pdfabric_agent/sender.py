@@ -31,6 +31,7 @@ from pdfabric_agent.rooms import PrefillRoom, RoomState, Target
 from pdfabric_agent.wire import BytesByPath, DoneReport, RoomInfo, SendRequest
 from pdfabric_agent.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
 from pdfabric_core.policy.rank_mapping import sending_cp_ranks
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
 
@@ -43,16 +44,16 @@ class PrefillSender:
     def submit_send(self, msg: SendRequest) -> dict[str, Any]:
         """Validate everything first; only a request that passes creates a room."""
         ctx = self.ctx
-        local = ctx.ranks.local(msg.rank, "prefill")
+        local = ctx.ranks.local(msg.rank, Role.PREFILL)
         msg.check_bounds(local.layout, ctx.spec.decode.replicas)
         replica = msg.peer_replica
         feeds = ctx.rankmap.feeds.get(local.rank.replica)
         if feeds is not None and replica not in feeds:
             raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
-        ctx.rooms.refuse_active("prefill", msg.rank, msg.room)
+        ctx.rooms.refuse_active(Role.PREFILL, msg.rank, msg.room)
         targets: dict[str, Target] = {}
         for route in decode_targets(ctx.spec, local.rank.tp_rank):
-            decode_rank = Rank("decode", replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            decode_rank = Rank(Role.DECODE, replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
             targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, ctx.ranks.agent_for(decode_rank))
         now = ctx.clock()
         room = PrefillRoom(
@@ -65,16 +66,16 @@ class PrefillSender:
             src_aux=msg.aux_index,
             targets=targets,
         )
-        ctx.rooms.add("prefill", room)
+        ctx.rooms.add(Role.PREFILL, room)
         if not self._sends_anything(local):
             # Without all-CP-ranks transfer only CP rank 0 sends; the other ranks have no work.
             room.state = RoomState.SUCCESS
             room.reason = f"CP rank {local.rank.cp_rank} sends nothing for this spec"
-            ctx.rooms.retire("prefill", room)
+            ctx.rooms.retire(Role.PREFILL, room)
             return room.view()
         for agent_name in {t.agent for t in targets.values()}:
             if ctx.peers.is_blacklisted(agent_name):
-                ctx.rooms.finish(room, "prefill", RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
+                ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
                 return room.view()
         for decode_rank, (_, info) in ctx.rooms.early.pop((msg.rank, msg.room), {}).items():
             if decode_rank in targets:
@@ -111,9 +112,9 @@ class PrefillSender:
     # ------------------------------------------------------------ peer API
     def accept_dst(self, info: RoomInfo) -> dict[str, Any]:
         ctx = self.ctx
-        local = ctx.ranks.local(info.prefill_rank, "prefill")
+        local = ctx.ranks.local(info.prefill_rank, Role.PREFILL)
         valid = {
-            Rank("decode", r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
             for r in range(ctx.spec.decode.replicas)
             for route in decode_targets(ctx.spec, local.rank.tp_rank)
         }
@@ -154,7 +155,7 @@ class PrefillSender:
         if room.state is RoomState.BOOTSTRAPPING:
             missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
             reason = f"no room info from {', '.join(missing)} in time"
-            self.ctx.rooms.finish(room, "prefill", RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+            self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
 
     async def _run(self, room: PrefillRoom, started: Mapping[str, Launch | Exception]) -> None:
         ctx = self.ctx
@@ -169,7 +170,7 @@ class PrefillSender:
                 ctx.peers.blacklist(agent_name, f"room {room.room} timed out")
             ctx.rooms.finish(
                 room,
-                "prefill",
+                Role.PREFILL,
                 RoomState.FAILED,
                 f"transfer did not complete within {ctx.spec.transfer.timeout_seconds:g} s (peers {', '.join(agents)})",
                 outcome=Outcome.TIMEOUT,
@@ -177,10 +178,10 @@ class PrefillSender:
             ctx.tasks.spawn(self._notify_failure(room, "transfer timed out"))
             return
         except Exception as exc:
-            ctx.rooms.finish(room, "prefill", RoomState.FAILED, str(exc))
+            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, str(exc))
             ctx.tasks.spawn(self._notify_failure(room, str(exc)))
             return
-        ctx.rooms.finish(room, "prefill", RoomState.SUCCESS)
+        ctx.rooms.finish(room, Role.PREFILL, RoomState.SUCCESS)
 
     async def _notify_failure(self, room: PrefillRoom, reason: str) -> None:
         for t in room.targets.values():
@@ -278,6 +279,6 @@ class PrefillSender:
             ctx.peers.blacklist(target.agent, f"done report failed: {exc}")
             raise TransferError(f"{target.agent} did not acknowledge room {room.room}: {exc}") from None
         if aux_tcp_bytes:
-            labels = ctx.traffic_labels("prefill", TCP_SIDE_CHANNEL)
+            labels = ctx.traffic_labels(Role.PREFILL, TCP_SIDE_CHANNEL)
             metrics.transfer_bytes.labels(*labels, Kind.AUX.value).inc(aux_tcp_bytes)
             room.moved[Kind.AUX.value] += aux_tcp_bytes

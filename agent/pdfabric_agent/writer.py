@@ -16,6 +16,7 @@ later still shows what moved.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, Target
 from pdfabric_agent.wire import BytesByPath, LaunchNotice, zero_bytes
 from pdfabric_core.policy.chunking import chunk_batch
+from pdfabric_core.policy.types import Role
 
 log = logging.getLogger("pdfabric.agent")
 
@@ -71,7 +73,7 @@ class RoomWriter:
 
     def count(self, room: PrefillRoom, by_path: BytesByPath, path: str, kind: Kind, moved: int, blocks: int) -> None:
         """Count one confirmed batch under the path that really moved it."""
-        labels = self.ctx.traffic_labels("prefill", path)
+        labels = self.ctx.traffic_labels(Role.PREFILL, path)
         metrics.transfer_bytes.labels(*labels, kind.value).inc(moved)
         metrics.transfer_blocks.labels(*labels).inc(blocks)
         metrics.transfer_batches.labels(*labels).inc()
@@ -149,7 +151,7 @@ class RoomWriter:
                 if h is not None:
                     launch.launched.append(Launched(h, kind, sum(b.length for b in blocks), len(blocks)))
                 else:
-                    launch.later.append(lambda b=blocks, k=kind: self.write(local, peer, b, k, room, by_path))
+                    launch.later.append(functools.partial(self.write, local, peer, blocks, kind, room, by_path))
             room.marks[f"launched:{target.decode_rank}"] = self.ctx.clock()
             if launch.launched and not launch.later and not plan.aux_tcp:
                 marks = [kernel.completion_mark(x.handle) for x in launch.launched]

@@ -119,13 +119,18 @@ class MoriBackend(TransferBackend):
             g[2].append(lo)
             g[3].append(ro)
             g[4].append(b.length)
-        local_descs, local_offs, remote_descs, remote_offs, sizes, uids = [], [], [], [], [], []
-        for lr, rr, lo, ro, sz in groups.values():
-            local_descs.append(lr.desc)
-            local_offs.append(lo)
-            remote_descs.append(rr.desc)
-            remote_offs.append(ro)
-            sizes.append(sz)
+        local_descs: list[Any] = []
+        remote_descs: list[Any] = []
+        local_offs: list[list[int]] = []
+        remote_offs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        uids: list[int] = []
+        for local_region, remote_region, local_off, remote_off, size in groups.values():
+            local_descs.append(local_region.desc)
+            local_offs.append(local_off)
+            remote_descs.append(remote_region.desc)
+            remote_offs.append(remote_off)
+            sizes.append(size)
             uids.append(self._engine.allocate_transfer_uid())
         statuses = self._engine.batch_write(local_descs, local_offs, remote_descs, remote_offs, sizes, uids)
         self._engine.wait_all(statuses, self._timeout_ms)
