@@ -49,16 +49,6 @@ class PodRunner:
                 self.pods[name] = self._start(pod, peers)
         return self.pods
 
-    def restart(self, name: str) -> AgentProcess:
-        """Start a pod's process again (after a test killed it), on the same ports."""
-        pod = self.cluster.get_json("pod", name, "-n", self.namespace)
-        old = self.pods.pop(name, None)
-        if old:
-            old.stop()
-        peers = {n: p["api"] for n, p in self._planned_ports.items() if "api" in p}
-        self.pods[name] = self._start(pod, peers)
-        return self.pods[name]
-
     def stop(self) -> None:
         stop_all(self.pods.values(), timeout=15)
         self.pods.clear()
