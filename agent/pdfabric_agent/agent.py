@@ -38,7 +38,7 @@ from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import ApiError
-from pdfabric_agent.metrics import Refusal
+from pdfabric_agent.labels import Refusal
 from pdfabric_agent.peer_client import PeerClient
 from pdfabric_agent.ranks import LocalRank, NodeRanks
 from pdfabric_agent.rooms import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry

@@ -25,7 +25,7 @@ from pdfabric_agent import metrics
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import malformed, out_of_range
-from pdfabric_agent.metrics import Completion, Kind, Outcome
+from pdfabric_agent.labels import Completion, Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.plan import expected_sources
 from pdfabric_agent.ranks import LocalRank

@@ -4,7 +4,7 @@ that says what to fix. Every check that refuses input raises ``ApiError``; the s
 
 from __future__ import annotations
 
-from pdfabric_agent.metrics import Refusal
+from pdfabric_agent.labels import Refusal
 
 
 class ApiError(Exception):

@@ -17,44 +17,17 @@ read back from the series ``precreate`` makes: declaring a metric on the registr
 
 from __future__ import annotations
 
-import enum
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdfabric_agent.labels import Completion, Kind, Outcome, Refusal
+
+__all__ = ["REGISTRY", "Completion", "Kind", "Outcome", "Refusal"]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 # Labels identifying where bytes went; `path` is the code path that moved them (e.g. "mooncake",
 # "tcp-side-channel", a GPU kernel path later) so an alternative path shows beside the engine.
 TRAFFIC_LABELS = ("cluster", "role", "backend", "transport", "path")
-
-
-class Kind(enum.StrEnum):
-    KV = "kv"
-    STATE = "state"
-    AUX = "aux"
-
-
-class Outcome(enum.StrEnum):
-    SUCCESS = "success"
-    FAILED = "failed"  # the engine or the peer reported an error, or the peer is blacklisted
-    TIMEOUT = "timeout"  # a deadline (bootstrap, transfer, waiting) passed first
-
-
-class Completion(enum.StrEnum):
-    """How a decode agent learned that one source's data had landed."""
-
-    COMPLETION_BOARD = "completion-board"  # read the sender kernel's completion word itself
-    DONE_REPORT = "done-report"  # the sender's report after its batches were confirmed
-
-
-class Refusal(enum.StrEnum):
-    UNAUTHORIZED = "unauthorized"  # missing or wrong cluster token
-    WRONG_CLUSTER = "wrong_cluster"
-    MALFORMED = "malformed"
-    OUT_OF_RANGE = "out_of_range"
-    UNKNOWN_RANK = "unknown_rank"
-    UNKNOWN_ROOM = "unknown_room"
-    CONFLICT = "conflict"  # the room is already active on that rank
 
 
 transfer_bytes = Counter(

@@ -18,7 +18,7 @@ from typing import Any
 
 from pdfabric_agent import metrics
 from pdfabric_agent.errors import conflict, unknown_room
-from pdfabric_agent.metrics import Outcome
+from pdfabric_agent.labels import Outcome
 from pdfabric_agent.tasks import later
 from pdfabric_agent.wire import KindBytes, RoomInfo, zero_bytes
 from pdfabric_core.policy.types import Role
@@ -139,7 +139,7 @@ class RoomRegistry:
         self._finished: collections.deque[tuple[float, Role, RoomKey, AnyRoom]] = collections.deque()
 
     def _rooms(self, role: Role) -> dict[RoomKey, Any]:
-        return self.prefill if role is Role.PREFILL else self.decode
+        return self.prefill if role == Role.PREFILL else self.decode
 
     def get(self, role: Role, rank_id: str, room_id: int) -> AnyRoom | None:
         room: AnyRoom | None = self._rooms(role).get((rank_id, room_id))

@@ -23,7 +23,7 @@ from pdfabric_agent import metrics
 from pdfabric_agent.backend import TransferError
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import malformed, out_of_range
-from pdfabric_agent.metrics import Kind, Outcome
+from pdfabric_agent.labels import Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS
 from pdfabric_agent.plan import TransferPlan, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.ranks import LocalRank

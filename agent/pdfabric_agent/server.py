@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdfabric_agent import metrics
 from pdfabric_agent.agent import Agent
 from pdfabric_agent.errors import ApiError, malformed
-from pdfabric_agent.metrics import Refusal
+from pdfabric_agent.labels import Refusal
 from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
 
 log = logging.getLogger("pdfabric.server")

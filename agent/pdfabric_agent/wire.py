@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Self
 
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.errors import malformed, out_of_range
-from pdfabric_agent.metrics import Kind
+from pdfabric_agent.labels import Kind
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout
 

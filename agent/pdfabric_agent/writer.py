@@ -26,7 +26,7 @@ from pdfabric_agent import metrics
 from pdfabric_agent.backend import KernelPath
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.context import AgentContext
-from pdfabric_agent.metrics import Kind
+from pdfabric_agent.labels import Kind
 from pdfabric_agent.peer_client import PEER_ERRORS
 from pdfabric_agent.plan import Block, TransferPlan
 from pdfabric_agent.ranks import LocalRank

@@ -15,6 +15,7 @@ from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.rooms import DecodeRoom, PrefillRoom, RoomState, Target
 from pdfabric_agent.wire import RoomInfo
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec
 
@@ -89,10 +90,10 @@ def test_transferring_prefill_room_is_left_to_its_transfer_task(agent: Agent) ->
 
 def test_finished_rooms_are_forgotten_after_the_ttl_but_a_newer_use_stays(agent: Agent) -> None:
     old = prefill_room(agent, 3)
-    agent.rooms.finish(old, "prefill", RoomState.SUCCESS)
+    agent.rooms.finish(old, Role.PREFILL, RoomState.SUCCESS)
     agent.clock.now = 105  # type: ignore[attr-defined]
     new = prefill_room(agent, 3)  # the same room id used again
-    agent.rooms.finish(new, "prefill", RoomState.SUCCESS)
+    agent.rooms.finish(new, Role.PREFILL, RoomState.SUCCESS)
     tick(agent, 110.5)  # old is past its 10 s TTL, new is not
     assert agent.rooms.prefill[("prefill-0-tp0-cp0", 3)] is new
     tick(agent, 116)

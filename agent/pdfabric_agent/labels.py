@@ -1,0 +1,36 @@
+"""The closed label sets of the agent's metrics, apart from the metrics themselves so that the wire
+format and the engine-side client use them without importing prometheus_client. A metric label
+takes its values from one of these, never from a string a request carried."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Kind(enum.StrEnum):
+    KV = "kv"
+    STATE = "state"
+    AUX = "aux"
+
+
+class Outcome(enum.StrEnum):
+    SUCCESS = "success"
+    FAILED = "failed"  # the engine or the peer reported an error, or the peer is blacklisted
+    TIMEOUT = "timeout"  # a deadline (bootstrap, transfer, waiting) passed first
+
+
+class Completion(enum.StrEnum):
+    """How a decode agent learned that one source's data had landed."""
+
+    COMPLETION_BOARD = "completion-board"  # read the sender kernel's completion word itself
+    DONE_REPORT = "done-report"  # the sender's report after its batches were confirmed
+
+
+class Refusal(enum.StrEnum):
+    UNAUTHORIZED = "unauthorized"  # missing or wrong cluster token
+    WRONG_CLUSTER = "wrong_cluster"
+    MALFORMED = "malformed"
+    OUT_OF_RANGE = "out_of_range"
+    UNKNOWN_RANK = "unknown_rank"
+    UNKNOWN_ROOM = "unknown_room"
+    CONFLICT = "conflict"  # the room is already active on that rank
