@@ -79,7 +79,8 @@ def run_worker(rank: int, qs, barrier, out: dict, args) -> None:
     from pdfabric_agent.fastpath.channel import FastPathSender
     from pdfabric_agent.fastpath.ipc import CompletionBoard, export_pool
     from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
-    from pdfabric_agent.fastpath.plan import BufferPair, CopyGroup, plan_launch
+    from pdfabric_agent.fastpath.layout import plan_launch
+    from pdfabric_agent.fastpath.table import BufferPair, CopyGroup
 
     dev, peer = rank, 1 - rank
     torch.cuda.set_device(dev)

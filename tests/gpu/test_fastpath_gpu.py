@@ -38,7 +38,7 @@ def _run(rank: int, qs, barrier) -> dict:
     from pdfabric_agent.fastpath.channel import FastPathSender
     from pdfabric_agent.fastpath.ipc import CompletionBoard, export_pool
     from pdfabric_agent.fastpath.ledger import OverlapError
-    from pdfabric_agent.fastpath.plan import BufferPair, CopyGroup
+    from pdfabric_agent.fastpath.table import BufferPair, CopyGroup
 
     dev, peer = rank, 1 - rank
     torch.cuda.set_device(dev)

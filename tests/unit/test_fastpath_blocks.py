@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.plan import PlanError, plan_blocks, plan_blocks_list, reference_copies
+from pdfabric_agent.fastpath.plan import plan_blocks, plan_blocks_list
+from pdfabric_agent.fastpath.table import PlanError, reference_copies
 from pdfabric_core.policy.types import Transport
 
 

@@ -14,8 +14,10 @@ import torch
 
 from pdfabric_agent.fastpath.backend import FastPathBackend, _PeerMap
 from pdfabric_agent.fastpath.kernel import KernelConfig
+from pdfabric_agent.fastpath.layout import page_layout
 from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.plan import LaunchPlan, PlanError, page_layout, plan_pages, reference_copies
+from pdfabric_agent.fastpath.plan import plan_pages
+from pdfabric_agent.fastpath.table import LaunchPlan, PlanError, reference_copies
 from pdfabric_agent.plan import Bases, KvPages, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_core.policy.types import Transport

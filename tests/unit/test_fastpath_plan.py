@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from pdfabric_agent.fastpath.plan import (
+from pdfabric_agent.fastpath.layout import plan_launch
+from pdfabric_agent.fastpath.table import (
     SMALL_TABLE_WORDS,
     BufferPair,
     CopyGroup,
     PlanError,
-    plan_launch,
     reference_copies,
 )
 
@@ -134,7 +134,7 @@ def test_whole_request_is_one_launch_table() -> None:
 
 
 def test_one_page_per_pool_shortcut_builds_the_general_table() -> None:
-    from pdfabric_agent.fastpath.plan import Layout
+    from pdfabric_agent.fastpath.layout import Layout
 
     aux = [
         BufferPair(SRC_BASE + 64 * i, DST_BASE + 64 * i, size, 8 * size, 8 * size)

@@ -23,8 +23,9 @@ import torch
 from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PeerMappings, PoolExport
 from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
+from pdfabric_agent.fastpath.layout import Layout, plan_launch
 from pdfabric_agent.fastpath.ledger import ReceiverLedger
-from pdfabric_agent.fastpath.plan import CopyGroup, LaunchPlan, Layout, plan_launch
+from pdfabric_agent.fastpath.table import CopyGroup, LaunchPlan
 
 STAGE_WORDS = 1 << 17  # 1 MiB of table words per staging slot (no pinned allocation per launch)
 STAGE_SLOTS = 4  # launches in flight at once with staged tables (a pipelined request uses two)

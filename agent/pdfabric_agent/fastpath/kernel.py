@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from pdfabric_agent.fastpath import cuda
-from pdfabric_agent.fastpath.plan import SMALL_TABLE_WORDS
+from pdfabric_agent.fastpath.table import SMALL_TABLE_WORDS
 
 SOURCE = r"""
 typedef long long i64;
