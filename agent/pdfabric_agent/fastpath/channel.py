@@ -20,15 +20,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdfabric_agent.completion import BOARD_SLOTS
 from pdfabric_agent.fastpath import cuda
-from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PeerMappings, PoolExport
+from pdfabric_agent.fastpath.ipc import CompletionBoard, PeerMappings, PoolExport
 from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
 from pdfabric_agent.fastpath.layout import Layout, plan_launch
 from pdfabric_agent.fastpath.ledger import ReceiverLedger
-from pdfabric_agent.fastpath.table import CopyGroup, LaunchPlan
+from pdfabric_agent.fastpath.table import BufferPair, CopyGroup, LaunchPlan, PageIndices
 
 STAGE_WORDS = 1 << 17  # 1 MiB of table words per staging slot (no pinned allocation per launch)
 STAGE_SLOTS = 4  # launches in flight at once with staged tables (a pipelined request uses two)
+
+# torch leaves these two unannotated; the signatures this module calls them with.
+_cuda_init: Callable[[], None] = torch.cuda.init
+_new_stream: Callable[[int], torch.cuda.Stream] = torch.cuda.Stream
 
 
 class TransferTimeout(TimeoutError):
@@ -71,7 +76,7 @@ class Transfer:
 class _Route:
     board: CompletionBoard
     slot: int
-    seq: itertools.count
+    seq: itertools.count[int]
     flag: int  # where this sender's kernels store the slot's sequence number
 
 
@@ -80,9 +85,9 @@ class FastPathSender:
         self.device = device
         self.cfg = cfg or KernelConfig()
         torch.cuda.set_device(device)
-        torch.cuda.init()
+        _cuda_init()
         self.kernel = GatherScatterKernel.get(device, self.cfg)
-        self.stream = torch.cuda.Stream(device)
+        self.stream = _new_stream(device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=f"cuda:{device}")
         self.peers = PeerMappings(device)
         self.ledger = ledger if ledger is not None else ReceiverLedger()
@@ -119,11 +124,13 @@ class FastPathSender:
         plan = plan_launch(groups, chunk_bytes=self.cfg.chunk_bytes)
         return self.submit_plan(room, receiver, plan, t0=t0)
 
-    def layout(self, pools: Sequence[tuple[str, Sequence]]) -> Layout:
+    def layout(self, pools: Sequence[tuple[str, Sequence[BufferPair]]]) -> Layout:
         """Fixed buffers of a connection, planned once; pass it to `submit_layout` per request."""
         return Layout(pools, chunk_bytes=self.cfg.chunk_bytes)
 
-    def submit_layout(self, room: Hashable, receiver: Hashable, layout: Layout, pages: Sequence[tuple]) -> Transfer:
+    def submit_layout(
+        self, room: Hashable, receiver: Hashable, layout: Layout, pages: Sequence[tuple[PageIndices, PageIndices]]
+    ) -> Transfer:
         t0 = time.perf_counter_ns()
         if layout.chunk_bytes != self.cfg.chunk_bytes:
             raise ValueError("layout was planned for another kernel configuration")
@@ -136,12 +143,13 @@ class FastPathSender:
         try:
             seq = next(route.seq)
             flag = route.flag
-            keep = None
-            on_done = None
+            keep: torch.Tensor | None = None
+            on_done: Callable[[], None] | None = None
+            words: list[int] | None
             if plan.total_units == 0:
                 words, table_ptr = [0] * 8, 0
             elif plan.small:
-                words, table_ptr = plan.table, 0
+                words, table_ptr = plan.words(), 0  # a small table is a list: words() is that list
             else:
                 words = None
                 table = (

@@ -14,6 +14,7 @@ import os
 import site
 import sys
 from collections.abc import Sequence
+from typing import TypeAlias
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
@@ -290,18 +291,24 @@ def module_function(mod: ctypes.c_void_p, name: str) -> ctypes.c_void_p:
     return fn
 
 
-def kernel_params(args: Sequence[ctypes._SimpleCData | ctypes.Structure]) -> ctypes.Array:
+# Kernel arguments: scalars (c_int, c_uint64, ...) and structures (a table passed by value).
+KernelArg: TypeAlias = "ctypes._SimpleCData[int] | ctypes.Structure"  # a string: not subscriptable at run time
+
+
+def kernel_params(args: Sequence[KernelArg]) -> ctypes.Array[ctypes.c_void_p]:
     """The void*[] cuLaunchKernel reads; build once over argument objects that are refilled in place."""
     return (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
 
 
-def launch_params(fn: ctypes.c_void_p, grid: int, block: int, stream: int, params: ctypes.Array) -> None:
+def launch_params(
+    fn: ctypes.c_void_p, grid: int, block: int, stream: int, params: ctypes.Array[ctypes.c_void_p]
+) -> None:
     rc = cu().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream), params, None)
     if rc != CUDA_SUCCESS:
         check(rc, "cuLaunchKernel")
 
 
-def launch(fn: ctypes.c_void_p, grid: int, block: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
+def launch(fn: ctypes.c_void_p, grid: int, block: int, stream: int, args: Sequence[KernelArg]) -> None:
     params = kernel_params(args)
     check(
         cu().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream), params, None),

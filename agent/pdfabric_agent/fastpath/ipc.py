@@ -18,12 +18,24 @@ import ctypes
 import mmap
 import os
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from pdfabric_agent.completion import BOARD_BYTES, BOARD_SLOTS
 from pdfabric_agent.fastpath import cuda
 
 _PAGE = 4096
+
+
+class ExportDoc(TypedDict):
+    """`PoolExport` as JSON: the handle in hex."""
+
+    handle: str
+    offset: int
+    nbytes: int
+    device: int
+    owner_pid: int
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class PoolExport:
     device: int
     owner_pid: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> ExportDoc:
         return {
             "handle": self.handle.hex(),
             "offset": self.offset,
@@ -46,7 +58,8 @@ class PoolExport:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> PoolExport:
+    def from_json(cls, d: Mapping[str, Any]) -> PoolExport:
+        """From a parsed JSON document (``to_json``'s, read back: any JSON until checked here)."""
         return cls(
             bytes.fromhex(d["handle"]), int(d["offset"]), int(d["nbytes"]), int(d["device"]), int(d["owner_pid"])
         )

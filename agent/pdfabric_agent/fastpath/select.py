@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdfabric_core.policy.types import MemPool, Transport
@@ -45,9 +46,9 @@ def check_intra_node_nvlink_startup(
         )
 
 
-def fastpath_enabled(env: dict[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get("PDFABRIC_FASTPATH", "1").lower() not in ("0", "false", "off", "no")
+def fastpath_enabled(env: Mapping[str, str] | None = None) -> bool:
+    source = os.environ if env is None else env
+    return source.get("PDFABRIC_FASTPATH", "1").lower() not in ("0", "false", "off", "no")
 
 
 def choose_path(
