@@ -12,15 +12,8 @@ from pdfabric_agent.backend import TransferBackend, TransferError
 from pdfabric_agent.backends import BackendOptions
 from pdfabric_agent.plan import Block
 from pdfabric_agent.pools import Pool
+from pdfabric_core.policy.transports import TRANSPORTS
 from pdfabric_core.policy.types import Transport
-
-# Mooncake's protocol string; the real transport follows MC_FORCE_TCP / MC_INTRANODE_NVLINK.
-_PROTOCOL = {
-    Transport.TCP: "tcp",
-    Transport.RDMA: "rdma",
-    Transport.NVLINK_INTRA: "nvlink_intra",
-    Transport.NVLINK: "nvlink",
-}
 
 
 class MooncakeBackend(TransferBackend):
@@ -35,9 +28,12 @@ class MooncakeBackend(TransferBackend):
         self._engine = TransferEngine()
         self._host = host
         # Empty device name: Mooncake discovers HCAs itself (rdma) and needs none for tcp/nvlink.
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", _PROTOCOL[transport], "")
+        # The protocol string alone does not pick tcp or nvlink_intra: the MC_* environment does
+        # (transport.mooncake_env, from the same traits row).
+        protocol = TRANSPORTS[transport].mooncake_protocol
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
-            raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {_PROTOCOL[transport]}) returned {rc}")
+            raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) returned {rc}")
         self._registered: list[tuple[int, int]] = []
 
     def endpoint(self) -> str:
