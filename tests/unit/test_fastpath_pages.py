@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from pdfabric_agent.fastpath.backend import FastPathBackend, _PeerMap
+from pdfabric_agent.fastpath.backend import FastPathBackend
 from pdfabric_agent.fastpath.kernel import KernelConfig
 from pdfabric_agent.fastpath.layout import page_layout
 from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
+from pdfabric_agent.fastpath.peers import PeerMap
 from pdfabric_agent.fastpath.plan import plan_pages
 from pdfabric_agent.fastpath.table import LaunchPlan, PlanError, reference_copies
 from pdfabric_agent.plan import Bases, KvPages, decode_targets, plan_transfer, sender_duties
@@ -241,7 +242,7 @@ def backend_for(src_l: PoolLayout, dst_l: PoolLayout, tmp_path: Any, seed: int =
     mem.regions[MAPPED] = mem.regions.pop(DST_BASE)  # the peer's pool as this process sees it
     fp = FastPathBackend(FakeEngine(mem), gpu=0, shm_dir=str(tmp_path), sender=FakeSender(mem))  # type: ignore[arg-type]
     fp._local = [(SRC_BASE, src_l.kv_bytes)]
-    peer_map = _PeerMap(((DST_BASE, dst_l.kv_bytes, MAPPED),))
+    peer_map = PeerMap(((DST_BASE, dst_l.kv_bytes, MAPPED),))
     fp._peer = lambda peer: peer_map if peer == "decode" else None  # type: ignore[method-assign]
     return fp, mem
 

@@ -2,14 +2,19 @@
 
 `FastPathBackend` wraps the rank's engine backend (Mooncake under INTRA_NODE_NVLINK). It registers
 every pool with the engine as before and, for GPU pools, also publishes their CUDA IPC exports in
-a small JSON file in the agent's shared-memory directory, named after the engine endpoint. A
-`write_batch` to a peer endpoint whose file exists there (an agent on the same node) and whose
-blocks all fall inside GPU pools on both sides runs as one kernel launch into the peer's mapped
-pools; anything else (another node, CPU pools, a peer without exports) goes through the engine.
+a small JSON file in the agent's shared-memory directory, named after the engine endpoint (the
+files and the peers found through them: `peers`). A `write_batch` to a peer endpoint whose file
+exists there (an agent on the same node) and whose blocks all fall inside GPU pools on both sides
+runs as one kernel launch into the peer's mapped pools; anything else (another node, CPU pools, a
+peer without exports) goes through the engine.
 Completion is confirmed on a completion board before `write_batch` returns, so the agent's
 "written, then tell the peer" sequence keeps its meaning. The board is a file beside the exports;
 `completion_mark` names a launch's word on it, so the receiving agent can watch the word itself
 (`pdfabric_agent.completion`) instead of waiting for a report sent after completion.
+
+This module holds the launch logic: which requests the kernel takes, planning them (`plan`),
+reserving the receiver's pages and launching (`channel`), waiting on the board; and
+`maybe_fast_path`, the choice between this backend and the engine alone at start-up.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,16 +35,16 @@ from pdfabric_agent.backend import KernelPath, TransferBackend
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.channel import FastPathSender, Transfer
-from pdfabric_agent.fastpath.ipc import BOARD_SLOTS, CompletionBoard, PoolExport, export_pool
+from pdfabric_agent.fastpath.ipc import CompletionBoard, ExportDoc, export_pool
 from pdfabric_agent.fastpath.kernel import KernelConfig
-from pdfabric_agent.fastpath.plan import (
-    Layout,
-    page_layout,
-    plan_blocks,
-    plan_blocks_list,
-    plan_pages,
-)
+from pdfabric_agent.fastpath.layout import Layout, page_layout
+from pdfabric_agent.fastpath.peers import PeerDirectory, PeerMap, PublishedPool, export_file, publish_exports
+from pdfabric_agent.fastpath.plan import plan_blocks, plan_blocks_list, plan_pages
 from pdfabric_agent.fastpath.select import TransferPath
+from pdfabric_agent.fastpath.table import LaunchPlan, PageIndices
+from pdfabric_agent.plan import Block, KvPages
+from pdfabric_agent.pools import Pool
+from pdfabric_core.policy.types import Device
 
 log = logging.getLogger("pdfabric.fastpath")
 SMALL_BATCH = 256  # up to this many blocks are planned in plain Python (aux rows, coalesced requests)
@@ -49,29 +54,6 @@ KERNEL_MAX_BLOCKS = 1 << 21
 PIPELINE_MIN_PAGES = 64
 PIPELINE_HEAD = 8
 SPIN_S = 200e-6  # spin this long on the completion word, then poll with short sleeps (frees the GIL)
-
-
-def export_file(shm_dir: str, endpoint: str) -> str:
-    safe = "".join(c if c.isalnum() else "_" for c in endpoint)
-    return os.path.join(shm_dir, f"pdfabric-fastpath-{safe}.json")
-
-
-@dataclass(frozen=True)
-class _PeerMap:
-    ranges: tuple[tuple[int, int, int], ...]  # (peer addr, size, address writable from here)
-
-    def translate_one(self, dst: int, length: int) -> int | None:
-        for base, size, mapped in self.ranges:
-            if base <= dst and dst + length <= base + size:
-                return dst - base + mapped
-        return None
-
-    def translate(self, dst: torch.Tensor, length: torch.Tensor) -> torch.Tensor | None:
-        out = torch.full_like(dst, -1)
-        for base, size, mapped in self.ranges:
-            inside = (dst >= base) & (dst + length <= base + size)
-            out = torch.where(inside, dst - base + mapped, out)
-        return None if bool((out < 0).any()) else out
 
 
 @dataclass
@@ -87,7 +69,7 @@ class Launched:
     before: Launched | None = None  # an earlier launch of the same request on the same stream
 
 
-def page_spans(kvp) -> tuple[int, int] | None:
+def page_spans(kvp: KvPages) -> tuple[int, int] | None:
     """Bytes one buffer of a KvPages can touch from its base on each side: all its pages when the
     page counts are known (the launch tables then refuse any page past them), else page 0 up to
     the highest page of its lists; None when a page index is negative."""
@@ -100,7 +82,7 @@ def page_spans(kvp) -> tuple[int, int] | None:
     return s_hi * kvp.src_stride + kvp.item, d_hi * kvp.dst_stride + kvp.item
 
 
-def _bounds(pages) -> tuple[int, int]:
+def _bounds(pages: PageIndices) -> tuple[int, int]:
     if isinstance(pages, torch.Tensor):
         lo, hi = torch.aminmax(pages)
         return int(lo), int(hi)
@@ -119,14 +101,14 @@ class FastPathBackend(TransferBackend):
 
     def __init__(
         self,
-        inner,
+        inner: TransferBackend,
         *,
         gpu: int,
         shm_dir: str,
         cfg: KernelConfig | None = None,
         timeout_s: float = 30.0,
         sender: FastPathSender | None = None,  # tests hand in a stand-in (no GPU)
-    ):
+    ) -> None:
         self.inner = inner
         self.name = inner.name
         self.transport = inner.transport
@@ -134,22 +116,19 @@ class FastPathBackend(TransferBackend):
         self.gpu = gpu
         self.timeout_s = timeout_s
         self._dir = shm_dir
-        self._lock = threading.Lock()
         self._local: list[tuple[int, int]] = []
-        self._exports: list[dict] = []
-        self._peers: dict[str, tuple[tuple[int, int] | None, _PeerMap | None]] = {}  # peer -> (file stamp, map)
-        self._slot_of: dict[str, int] = {}
+        self._exports: list[PublishedPool] = []
         self._sender = sender if sender is not None else FastPathSender(gpu, cfg=cfg)
         self._board = CompletionBoard(directory=shm_dir)  # beside the exports: peers read it there
-        self._slots = itertools.count()
+        self._directory = PeerDirectory(gpu=gpu, shm_dir=shm_dir, sender=self._sender, board=self._board)
         self._batches = itertools.count()
         self.kernel_batches = 0
         self.engine_batches = 0
         self._trace = os.environ.get("PDFABRIC_FASTPATH_TRACE") == "1"  # per-batch timings in the log
         self._submit_lock = threading.Lock()  # sequence numbers must reach the stream in order
         # Per pair of pools (a connection): the whole-page table's fixed part and the buffer pairs.
-        self._layouts: dict[tuple, Layout] = {}
-        self._pairs: dict[tuple, list[tuple[int, int]]] = {}
+        self._layouts: dict[tuple[Hashable, ...], Layout] = {}
+        self._pairs: dict[tuple[Hashable, ...], list[tuple[int, int]]] = {}
 
     @property
     def kernel(self) -> KernelPath:
@@ -162,65 +141,24 @@ class FastPathBackend(TransferBackend):
     def endpoint(self) -> str:
         return self.inner.endpoint()
 
-    def register(self, pool) -> None:
+    def register(self, pool: Pool) -> None:
         self.inner.register(pool)
-        if getattr(pool.device, "value", pool.device) != "cuda":
+        if pool.device != Device.CUDA:
             return
         torch.cuda.synchronize(self.gpu)  # what was written into the pool lands before a peer writes it
         # Pool.allocate already exported it for clients; the same export serves peers.
-        exp = json.loads(pool.handle) if pool.handle else export_pool(pool.addr, pool.size, self.gpu).to_json()
+        exp: ExportDoc = (
+            json.loads(pool.handle) if pool.handle else export_pool(pool.addr, pool.size, self.gpu).to_json()
+        )
         self._local.append((pool.addr, pool.size))
         self._exports.append({"addr": pool.addr, "size": pool.size, "export": exp})
-        path = export_file(self._dir, self.endpoint())
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"pid": os.getpid(), "gpu": self.gpu, "pools": self._exports}, fh)
-        os.replace(tmp, path)  # readers never see half a file
+        publish_exports(export_file(self._dir, self.endpoint()), self.gpu, self._exports)
 
-    def _peer(self, peer: str) -> _PeerMap | None:
-        """The peer's pools as writable here, or None (engine path). The export file is checked on
-        every batch (one stat): a peer agent that restarted publishes new pools under the same
-        endpoint, and writing through the old mapping would land in memory nobody reads."""
-        path = export_file(self._dir, peer)
-        try:
-            st = os.stat(path)
-            stamp: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)  # each publish is a new file
-        except OSError:
-            stamp = None
-        with self._lock:
-            cached = self._peers.get(peer)
-            if cached is not None and cached[0] == stamp:
-                return cached[1]
-            pm = None
-            if stamp is not None:
-                try:
-                    pm = self._map_peer(peer, path)
-                except Exception as exc:  # a peer we cannot map must not break the transfer
-                    log.warning("fast path to %s unavailable, using the engine: %s", peer, exc)
-            self._peers[peer] = (stamp, pm)
-            return pm
+    def _peer(self, peer: str) -> PeerMap | None:
+        """The peer's pools as writable here, or None (engine path): ``peers.PeerDirectory.lookup``."""
+        return self._directory.lookup(peer)
 
-    def _map_peer(self, peer: str, path: str) -> _PeerMap | None:
-        with open(path, encoding="utf-8") as fh:
-            info = json.load(fh)
-        if info["gpu"] == self.gpu:
-            return None  # same GPU: nothing for NVLink to do
-        if info["pid"] == os.getpid():  # same process: its addresses are valid here once peers can talk
-            cuda.enable_peer_access(self.gpu, info["gpu"])
-            ranges = tuple((p["addr"], p["size"], p["addr"]) for p in info["pools"])
-        else:
-            ranges = tuple(
-                (p["addr"], p["size"], self._sender.map_pool(PoolExport.from_json(p["export"]))) for p in info["pools"]
-            )
-        if peer not in self._slot_of:
-            slot = next(self._slots)
-            if slot >= BOARD_SLOTS:
-                raise RuntimeError("completion board full")
-            self._slot_of[peer] = slot
-        self._sender.connect(peer, self._board, self._slot_of[peer])
-        return _PeerMap(ranges)
-
-    def write_batch(self, peer: str, blocks: Sequence) -> str | None:
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
         if not blocks:
             return None
         used = self.try_write_blocks(peer, blocks)
@@ -229,19 +167,19 @@ class FastPathBackend(TransferBackend):
         self.engine_batches += 1
         return self.inner.write_batch(peer, blocks) or self.inner.path
 
-    def try_write_blocks(self, peer: str, blocks: Sequence) -> str | None:
+    def try_write_blocks(self, peer: str, blocks: Sequence[Block]) -> str | None:
         """All blocks in one kernel launch, confirmed; None (nothing moved) when the kernel cannot
         take them: peer not on this node, a block outside the GPU pools, too many blocks."""
         launched = self.submit_blocks(peer, blocks)
         return None if launched is None else self.wait(launched)
 
-    def try_write_pages(self, peer: str, kvp) -> str | None:
+    def try_write_pages(self, peer: str, kvp: KvPages) -> str | None:
         """A route's KV (``plan.KvPages``: every layer and K/V of its page lists) in one launch,
         confirmed; None (nothing moved) when the kernel cannot take it."""
         launched = self.submit_pages(peer, kvp)
         return None if launched is None else self.wait(launched)
 
-    def submit_blocks(self, peer: str, blocks: Sequence) -> Launched | None:
+    def submit_blocks(self, peer: str, blocks: Sequence[Block]) -> Launched | None:
         """``try_write_blocks`` up to the launch: returns without waiting; pass it to ``wait``."""
         if not blocks or len(blocks) > KERNEL_MAX_BLOCKS:
             return None
@@ -255,7 +193,7 @@ class FastPathBackend(TransferBackend):
         plan, ranges = planned
         return self._launch(peer, plan, ranges, t0, f"{len(blocks)} blocks", time.perf_counter())
 
-    def submit_pages(self, peer: str, kvp) -> Launched | None:
+    def submit_pages(self, peer: str, kvp: KvPages) -> Launched | None:
         """``try_write_pages`` up to the launch: returns without waiting; pass it to ``wait``.
 
         A large request goes as two launches on the one stream: the first PIPELINE_HEAD-th of its
@@ -278,7 +216,7 @@ class FastPathBackend(TransferBackend):
         mapped_lo = pm.translate_one(lo_d, max(kvp.dst_bases) - lo_d + d_span)
         if mapped_lo is not None and self._local_ok(lo_s, max(kvp.src_bases) - lo_s + s_span):
             delta = mapped_lo - lo_d
-            key: tuple = (kvp.src_bases, kvp.dst_bases, delta, kvp.item, kvp.src_limit, kvp.dst_limit)
+            key: tuple[Hashable, ...] = (kvp.src_bases, kvp.dst_bases, delta, kvp.item, kvp.src_limit, kvp.dst_limit)
             pairs = self._pairs.get(key)
             if pairs is None:
                 pairs = [(sb, db + delta) for sb, db in zip(kvp.src_bases, kvp.dst_bases, strict=True)]
@@ -294,7 +232,7 @@ class FastPathBackend(TransferBackend):
         # the same bytes in every layer and K/V buffer of it).
         pool = f"kv@{kvp.dst_bases[0]:#x}/{kvp.item}"
         chunk = self._sender.cfg.chunk_bytes
-        layout = None
+        layout: Layout | None = None
         if kvp.whole_page:
             layout = self._layouts.get(key)
             if layout is None:
@@ -329,7 +267,15 @@ class FastPathBackend(TransferBackend):
         rest.before = first
         return rest
 
-    def _launch(self, peer: str, plan, ranges, t0: float, what: str, t_planned: float) -> Launched:
+    def _launch(
+        self,
+        peer: str,
+        plan: LaunchPlan,
+        ranges: Iterable[tuple[int, int]] | None,
+        t0: float,
+        what: str,
+        t_planned: float,
+    ) -> Launched:
         room = ("batch", next(self._batches))
         with self._submit_lock:
             if ranges is not None:
@@ -342,15 +288,16 @@ class FastPathBackend(TransferBackend):
                 raise
         return Launched(tr, t0, time.perf_counter(), what, plan.total_bytes, t_planned)
 
-    def completion_mark(self, launched: Launched) -> CompletionMark:
+    def completion_mark(self, handle: object) -> CompletionMark:
         """Where the receiver sees this launch complete: its sequence number on this sender's board."""
-        tr = launched.transfer
+        tr = _launched(handle).transfer
         return CompletionMark(tr.board.name, tr.slot, tr.seq)
 
-    def wait(self, launched: Launched) -> str:
+    def wait(self, handle: object) -> str:
         """Until the receiver's completion word says every byte of the launch landed; returns the
         path label. Spins briefly, then polls with short sleeps (other threads keep the GIL).
         ``kernel_batches`` counts requests (a pipelined request's two launches are one)."""
+        launched = _launched(handle)
         if launched.before is not None:
             self._wait_launch(launched.before)
         self._wait_launch(launched)
@@ -377,8 +324,9 @@ class FastPathBackend(TransferBackend):
     def _local_ok(self, src: int, length: int) -> bool:
         return any(base <= src and src + length <= base + size for base, size in self._local)
 
-    def _plan_small(self, pm: _PeerMap, blocks: Sequence):
-        triples, ranges = [], []
+    def _plan_small(self, pm: PeerMap, blocks: Sequence[Block]) -> tuple[LaunchPlan, list[tuple[int, int]]] | None:
+        triples: list[tuple[int, int, int]] = []
+        ranges: list[tuple[int, int]] = []
         for b in blocks:
             mapped = pm.translate_one(b.dst, b.length)
             if mapped is None or not self._local_ok(b.src, b.length):
@@ -387,7 +335,7 @@ class FastPathBackend(TransferBackend):
             ranges.append((b.dst, b.dst + b.length))
         return plan_blocks_list(triples, self._sender.cfg.chunk_bytes), ranges
 
-    def _plan_large(self, pm: _PeerMap, blocks: Sequence):
+    def _plan_large(self, pm: PeerMap, blocks: Sequence[Block]) -> tuple[LaunchPlan, Iterable[tuple[int, int]]] | None:
         t = torch.tensor([(b.src, b.dst, b.length) for b in blocks], dtype=torch.int64)
         src, dst, length = t[:, 0], t[:, 1], t[:, 2]
         local_ok = torch.zeros_like(src, dtype=torch.bool)
@@ -412,7 +360,14 @@ class FastPathBackend(TransferBackend):
         self.inner.close()
 
 
-def maybe_fast_path(inner, *, gpu: int, env: dict[str, str] | None = None):
+def _launched(handle: object) -> Launched:
+    """The kernel path's opaque handle as what ``submit_*`` returned."""
+    if not isinstance(handle, Launched):
+        raise TypeError(f"not a fast-path launch handle: {type(handle).__name__}")
+    return handle
+
+
+def maybe_fast_path(inner: TransferBackend, *, gpu: int, env: Mapping[str, str] | None = None) -> TransferBackend:
     """The backend an intra-node NVLink rank uses: the fast path over `inner` when this process can
     run it (peer access from its GPU, driver + NVRTC, not disabled), else `inner` alone. Never
     raises: the engine path is always there to fall back on, and the reason is logged."""
