@@ -54,12 +54,8 @@ class PoolLayout:
         pp: int = 1,
         pp_stage: int = 0,
     ) -> PoolLayout:
-        """One rank's layout; a PP stage holds only its own layers (pp_layer_range)."""
-        if geo.state_bytes_per_request % geo.state_layers:
-            raise ValueError(
-                f"model.stateBytesPerRequest ({geo.state_bytes_per_request}) must divide evenly into "
-                f"model.stateLayers ({geo.state_layers})"
-            )
+        """One rank's layout; a PP stage holds only its own layers (pp_layer_range). The geometry
+        is a parsed spec's, whose state bytes divide into its state layers (parse_spec, the CRD)."""
         return cls(
             layers=len(pp_layer_range(geo.layers, pp, pp_stage)),
             local_heads=local_heads(tp, geo.kv_heads),

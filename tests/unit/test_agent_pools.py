@@ -64,12 +64,6 @@ def test_layout_round_trips_through_json_form() -> None:
     assert PoolLayout.from_dict(lay.to_dict()) == lay
 
 
-def test_state_must_split_evenly_into_layers() -> None:
-    geo = ModelGeometry(state_bytes_per_request=100, state_layers=3)
-    with pytest.raises(ValueError, match="divide evenly"):
-        PoolLayout.from_geometry(geo, 1, kv_pages=1, state_slots=1, aux_slots=1)
-
-
 def test_cpu_pool_is_a_shared_file_removed_on_close(tmp_path: Path) -> None:
     pool = Pool.allocate("unit-kv", 4096, Device.CPU, shm_dir=str(tmp_path))
     pool.view()[10:14] = b"abcd"

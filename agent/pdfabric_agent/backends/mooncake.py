@@ -78,10 +78,11 @@ class MooncakeBackend(TransferBackend):
 
 
 def create(transport: Transport, opts: BackendOptions) -> TransferBackend:
-    """The registry's factory: under INTRA_NODE_NVLINK the NVLink gather/scatter kernels for GPU
-    pools of agents on this node, with the engine as fallback (``maybe_fast_path``)."""
+    """The registry's factory: on a transport the GPU kernels can carry (intra-node NVLink), the
+    gather/scatter kernels for GPU pools of agents on this node, with the engine as fallback
+    (``maybe_fast_path``)."""
     backend = MooncakeBackend(transport, host=opts.host, gpu=opts.gpu, max_batch_entries=opts.max_batch_entries)
-    if transport is Transport.NVLINK_INTRA:
+    if TRANSPORTS[transport].kernel_path:
         from pdfabric_agent.fastpath.backend import maybe_fast_path
 
         return maybe_fast_path(backend, gpu=opts.gpu)

@@ -48,6 +48,8 @@ class TransportTraits:
     # MC_* flags that make Mooncake run it: the protocol string alone does not pick tcp or nvlink_intra.
     mooncake_env: tuple[tuple[str, str], ...]
     backends: frozenset[Backend]
+    # The agent's GPU gather/scatter kernels (fastpath/) can carry it: peers on this node only.
+    kernel_path: bool = False
 
 
 TRANSPORTS: dict[Transport, TransportTraits] = {
@@ -83,6 +85,7 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             mooncake_protocol="nvlink_intra",
             mooncake_env=(("MC_INTRANODE_NVLINK", "1"),),
             backends=frozenset({Backend.MOONCAKE}),
+            kernel_path=True,
         ),
         TransportTraits(
             Transport.NVLINK,
