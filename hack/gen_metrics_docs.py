@@ -54,7 +54,7 @@ def declared(registry: CollectorRegistry) -> list[MetricWrapperBase]:
 
 
 def series_name(m: MetricWrapperBase) -> str:
-    return m._name + ("_total" if m._type == "counter" else "")
+    return str(m._name) + ("_total" if m._type == "counter" else "")
 
 
 def table(registry: CollectorRegistry) -> list[str]:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdfabric_agent.client import AgentClient
 from pdfabric_agent.config import SETTINGS
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, parse_spec
 from pdfabric_devcluster.procs import console_argv, free_port, source_pythonpath
@@ -174,7 +175,7 @@ def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0, decode_gpu: int = 0)
     groups: list[tuple[str, int, list[Rank]]] = []
     for r in range(spec.prefill.replicas):
         ranks = [
-            Rank("prefill", r, tp, cp, pp)
+            Rank(Role.PREFILL, r, tp, cp, pp)
             for pp in range(spec.prefill.pp)
             for cp in range(spec.prefill.cp)
             for tp in range(spec.prefill.tp)
@@ -182,7 +183,7 @@ def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0, decode_gpu: int = 0)
         groups.append(("prefill", r, ranks))
     for r in range(spec.decode.replicas):
         ranks = [
-            Rank("decode", r, tp, 0, pp, decode_gpu) for pp in range(spec.decode.pp) for tp in range(spec.decode.tp)
+            Rank(Role.DECODE, r, tp, 0, pp, decode_gpu) for pp in range(spec.decode.pp) for tp in range(spec.decode.tp)
         ]
         groups.append(("decode", r, ranks))
     for role, replica, ranks in groups:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pdfabric_agent.plan import receives_request_rows
 from pdfabric_core.policy.rank_mapping import cp_page_shard, pp_layer_range
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import fill_prefill, verify_decode
@@ -54,11 +55,11 @@ def transfer_room(
     src_state = list(range(state_slots))
     aux_dst, aux_src = (3, 1) if aux else (None, None)
     decode_rank_objs = [
-        Rank("decode", decode_replica, d, 0, s) for s in range(spec.decode.pp) for d in range(spec.decode.tp)
+        Rank(Role.DECODE, decode_replica, d, 0, s) for s in range(spec.decode.pp) for d in range(spec.decode.tp)
     ]
     decode_ranks = [r.rank_id for r in decode_rank_objs]
     prefill_ranks = [
-        Rank("prefill", prefill_replica, p, c, s)
+        Rank(Role.PREFILL, prefill_replica, p, c, s)
         for s in range(spec.prefill.pp)
         for c in range(spec.prefill.cp)
         for p in range(spec.prefill.tp)
