@@ -318,13 +318,15 @@ class LocalFabric:
         stop_all(self.agents.values())
 
     def close(self) -> None:
-        from pdfabric_agent.main import remove_stale_pools
+        self.stop()  # first: nothing below may leave agents running
+        try:
+            from pdfabric_agent.main import remove_stale_pools
 
-        self.stop()
-        # Agents killed with SIGKILL could not unlink their pool files; nobody restarts them now.
-        remove_stale_pools(self.shm_dir, self.uid)
-        if self._tmp is not None:
-            self._tmp.cleanup()
+            # Agents killed with SIGKILL could not unlink their pool files; nobody restarts them now.
+            remove_stale_pools(self.shm_dir, self.uid)
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
 
     def __enter__(self) -> LocalFabric:
         self.start()
