@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pdfabric_agent.client import AgentClient
 from pdfabric_agent.config import SETTINGS
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
+from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap, replica_ranks
 from pdfabric_core.spec import PDClusterSpec, parse_spec
 from pdfabric_devcluster.procs import console_argv, free_port, source_pythonpath
 
@@ -174,18 +174,9 @@ def place(spec: PDClusterSpec, *, ranks_per_agent: int = 0, decode_gpu: int = 0)
     agents: list[AgentEntry] = []
     groups: list[tuple[str, int, list[Rank]]] = []
     for r in range(spec.prefill.replicas):
-        ranks = [
-            Rank(Role.PREFILL, r, tp, cp, pp)
-            for pp in range(spec.prefill.pp)
-            for cp in range(spec.prefill.cp)
-            for tp in range(spec.prefill.tp)
-        ]
-        groups.append(("prefill", r, ranks))
+        groups.append(("prefill", r, replica_ranks(spec, Role.PREFILL, r)))
     for r in range(spec.decode.replicas):
-        ranks = [
-            Rank(Role.DECODE, r, tp, 0, pp, decode_gpu) for pp in range(spec.decode.pp) for tp in range(spec.decode.tp)
-        ]
-        groups.append(("decode", r, ranks))
+        groups.append(("decode", r, replica_ranks(spec, Role.DECODE, r, gpu=decode_gpu)))
     for role, replica, ranks in groups:
         size = ranks_per_agent or len(ranks)
         for i in range(0, len(ranks), size):

@@ -11,7 +11,7 @@ from typing import Any
 from pdfabric_agent.plan import receives_request_rows
 from pdfabric_core.policy.rank_mapping import cp_page_shard, pp_layer_range
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import Rank
+from pdfabric_core.rankmap import replica_ranks
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import fill_prefill, verify_decode
 
@@ -54,23 +54,16 @@ def transfer_room(
     dst_state = list(range(state_slots))[::-1]
     src_state = list(range(state_slots))
     aux_dst, aux_src = (3, 1) if aux else (None, None)
-    decode_rank_objs = [
-        Rank(Role.DECODE, decode_replica, d, 0, s) for s in range(spec.decode.pp) for d in range(spec.decode.tp)
-    ]
+    decode_rank_objs = replica_ranks(spec, Role.DECODE, decode_replica)
     decode_ranks = [r.rank_id for r in decode_rank_objs]
-    prefill_ranks = [
-        Rank(Role.PREFILL, prefill_replica, p, c, s)
-        for s in range(spec.prefill.pp)
-        for c in range(spec.prefill.cp)
-        for p in range(spec.prefill.tp)
-    ]
+    prefill_ranks = replica_ranks(spec, Role.PREFILL, prefill_replica)
     layers = spec.model.layers
     started = time.monotonic()
     for d in decode_ranks:
         lc.client(d).receive(
             d, room, dst_pages, prefill_replica=prefill_replica, state_indices=dst_state, aux_index=aux_dst
         )
-    all_send = spec.prefill.all_cp_ranks_transfer or spec.prefill.dsa_cache_layer_split
+    all_send = spec.prefill.all_cp_ranks_send
     for r in prefill_ranks:
         shard = cp_page_shard(pages, spec.prefill.cp, r.cp_rank, all_ranks_send=all_send)
         mine = [src_pages[i] for i in shard]

@@ -86,9 +86,6 @@ class Ledger:
         out += [PlacedPod(node, req, uid) for (uid, node), req in usage.items() if uid != exclude_uid]
         return out
 
-    def uids(self) -> set[str]:
-        return set(self._by_uid)
-
     def record(self, uid: str, usage: dict[str, dict[str, int]]) -> None:
         self._by_uid[uid] = usage
 

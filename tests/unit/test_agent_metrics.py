@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gen_metrics_docs
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+import gen_metrics_docs
 from pdfabric_agent import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
