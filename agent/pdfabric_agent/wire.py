@@ -284,15 +284,20 @@ class RoomInfo:
         }
 
 
+KINDS = frozenset(kind.value for kind in Kind)
+
+
 def _bytes_by_path(body: Mapping[str, Any]) -> BytesByPath:
+    """Per path, bytes per kind; kinds are a closed set (paths are checked by the receiver against
+    the paths it knows: both become metric labels)."""
     by_path = body.get("bytes_by_path") or {}
     if not isinstance(by_path, dict) or not all(
         isinstance(p, str)
         and isinstance(v, dict)
-        and all(isinstance(k, str) and type(n) is int and n >= 0 for k, n in v.items())
+        and all(k in KINDS and type(n) is int and n >= 0 for k, n in v.items())
         for p, v in by_path.items()
     ):
-        raise malformed("bytes_by_path must map paths to {kind: bytes}")
+        raise malformed(f"bytes_by_path must map paths to {{kind: bytes}} with kinds in {sorted(KINDS)}")
     return by_path
 
 
