@@ -43,7 +43,7 @@ from pdfabric_agent.peer_client import PeerClient
 from pdfabric_agent.ranks import LocalRank, NodeRanks
 from pdfabric_agent.rooms import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
 from pdfabric_agent.sender import PrefillSender
-from pdfabric_agent.tasks import TaskSet
+from pdfabric_agent.tasks import Liveness, TaskSet
 from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
@@ -81,6 +81,7 @@ class Agent:
             workers=ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine"),
             clock=clock,
             labels=labels,
+            liveness=Liveness(clock()),
         )
         self.rooms = self.ctx.rooms
         self.peers = self.ctx.peers
@@ -118,13 +119,13 @@ class Agent:
     def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
         return self.arrivals.submit_receive(msg)
 
-    def accept_dst(self, msg: RoomInfo) -> dict[str, Any]:
+    def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
         return self.sender.accept_dst(msg)
 
-    def accept_done(self, msg: DoneReport) -> dict[str, Any]:
+    def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
         return self.arrivals.accept_done(msg)
 
-    def accept_launched(self, msg: LaunchNotice) -> dict[str, Any]:
+    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
         return self.arrivals.accept_launched(msg)
 
     async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:
@@ -146,6 +147,7 @@ class Agent:
         """Deadlines, heartbeats, probes of blacklisted peers, forgetting old rooms; called
         periodically."""
         now = self.clock()
+        self.ctx.liveness.tick(now)
         if now >= self._heartbeat_due and not self._heartbeat_running:
             self._heartbeat_due = now + self.cfg.heartbeat_s
             self._heartbeat_running = True
@@ -159,6 +161,7 @@ class Agent:
                 self.arrivals.expire(room)
         for agent_name in self.peers.due_probes():  # probes run beside the tick, never inside it
             self.ctx.tasks.spawn(self.peers.reprobe(agent_name))
+        self.arrivals.claims.sweep(now)
         if now >= self._forget_due:
             self._forget_due = now + FORGET_EVERY_S
             self.rooms.forget(now, self.cfg.room_ttl_s, self.cfg.bootstrap_timeout_s)

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdfabric_agent import metrics
+from pdfabric_agent.claims import DestinationClaims
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import malformed, out_of_range
@@ -29,7 +30,7 @@ from pdfabric_agent.labels import Completion, Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.plan import expected_sources
 from pdfabric_agent.ranks import LocalRank
-from pdfabric_agent.rooms import DecodeRoom, RoomState
+from pdfabric_agent.rooms import AnyRoom, DecodeRoom, RoomState
 from pdfabric_agent.tasks import later
 from pdfabric_agent.wire import (
     BytesByPath,
@@ -50,6 +51,16 @@ class DecodeArrivals:
     def __init__(self, ctx: AgentContext, completions: CompletionWatcher) -> None:
         self.ctx = ctx
         self.completions = completions  # kernel senders' completion words
+        self.claims = DestinationClaims()
+        ctx.rooms.on_retire.append(self._retired)
+
+    def _retired(self, role: Role, room: AnyRoom) -> None:
+        if not isinstance(room, DecodeRoom) or room.claim is None:
+            return
+        if room.state is RoomState.SUCCESS:
+            self.claims.release(room.rank, room.claim)
+        else:  # a source may still be writing until its own deadline
+            self.claims.hold(room.rank, room.claim, self.ctx.clock() + self.ctx.spec.transfer.timeout_seconds)
 
     # ------------------------------------------------------------ client API
     def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
@@ -72,6 +83,8 @@ class DecodeArrivals:
             dst_aux=msg.aux_index,
             expected=expected,
         )
+        # Last check before the room exists: nothing is claimed or created when it refuses.
+        room.claim = self.claims.claim(msg.rank, local.layout, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
         ctx.rooms.add(Role.DECODE, room)
         info = RoomInfo(
             room=msg.room,
@@ -128,8 +141,9 @@ class DecodeArrivals:
     def accept_done(self, msg: DoneReport) -> dict[str, Any]:
         room, local = self._source(msg)
         if room.state.finished or msg.prefill_rank in room.arrived:
-            # Late or repeated reports change nothing (and count no bytes twice).
-            return {"state": room.state.title}
+            # Late or repeated reports change nothing (and count no bytes twice); the answer is
+            # the room's outcome, which the source takes as its own.
+            return {"state": room.state.title, "reason": room.reason}
         if not msg.ok:
             self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, f"{msg.prefill_rank} failed: {msg.reason}")
             return {"state": room.state.title}

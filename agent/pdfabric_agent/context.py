@@ -11,7 +11,7 @@ from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.peer_client import PeerClient
 from pdfabric_agent.ranks import NodeRanks
 from pdfabric_agent.rooms import MetricLabels, RoomRegistry
-from pdfabric_agent.tasks import TaskSet
+from pdfabric_agent.tasks import Liveness, TaskSet
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
@@ -29,6 +29,7 @@ class AgentContext:
     workers: ThreadPoolExecutor  # blocking engine calls and large plans
     clock: Callable[[], float]
     labels: MetricLabels
+    liveness: Liveness
 
     def traffic_labels(self, role: Role, path: str) -> tuple[str, str, str, str, str]:
         lab = self.labels

@@ -104,6 +104,7 @@ class DecodeRoom(Room):
     dst_state: list[int]
     dst_aux: int | None
     expected: dict[str, str]  # prefill rank id -> agent name
+    claim: int | None = None  # its destinations' claim (claims.DestinationClaims)
     arrived: set[str] = field(default_factory=set)
     senders: dict[str, KindBytes] = field(default_factory=dict)
 
@@ -137,6 +138,7 @@ class RoomRegistry:
         self.early: dict[RoomKey, dict[str, tuple[float, RoomInfo]]] = {}
         self._open: dict[tuple[Role, str, int], AnyRoom] = {}
         self._finished: collections.deque[tuple[float, Role, RoomKey, AnyRoom]] = collections.deque()
+        self.on_retire: list[Callable[[Role, AnyRoom], None]] = []  # called once per room, when final
 
     def _rooms(self, role: Role) -> dict[RoomKey, Any]:
         return self.prefill if role == Role.PREFILL else self.decode
@@ -194,6 +196,8 @@ class RoomRegistry:
         if self._open.get((role, room.rank, room.room)) is room:
             del self._open[(role, room.rank, room.room)]
         self._finished.append((room.finished_at, role, (room.rank, room.room), room))
+        for hook in self.on_retire:
+            hook(role, room)
 
     def forget(self, now: float, ttl_s: float, early_ttl_s: float) -> None:
         """Drop finished rooms after their TTL and room info nobody claimed in time."""

@@ -35,6 +35,10 @@ from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
 
+class DecodeFailed(RuntimeError):
+    """The decode side answered that its room failed: this room fails too (one outcome)."""
+
+
 class PrefillSender:
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
@@ -166,15 +170,17 @@ class PrefillSender:
             await asyncio.wait_for(sends[0] if len(sends) == 1 else asyncio.gather(*sends), timeout=remaining)
         except TimeoutError:
             agents = sorted({t.agent for t in room.targets.values() if not t.done})
-            for agent_name in agents:
-                ctx.peers.blacklist(agent_name, f"room {room.room} timed out")
-            ctx.rooms.finish(
-                room,
-                Role.PREFILL,
-                RoomState.FAILED,
-                f"transfer did not complete within {ctx.spec.transfer.timeout_seconds:g} s (peers {', '.join(agents)})",
-                outcome=Outcome.TIMEOUT,
+            reason = (
+                f"transfer did not complete within {ctx.spec.transfer.timeout_seconds:g} s (peers {', '.join(agents)})"
             )
+            stalled = ctx.liveness.stalled_since(room.submitted, ctx.clock())
+            if stalled:
+                # This agent was not running (stopped, frozen): the deadline says nothing of the peers.
+                reason += f"; this agent was stalled for {stalled:.1f} s, so the peers are not blamed"
+            else:
+                for agent_name in agents:
+                    ctx.peers.blacklist(agent_name, f"room {room.room} timed out")
+            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
             ctx.tasks.spawn(self._notify_failure(room, "transfer timed out"))
             return
         except Exception as exc:
@@ -245,10 +251,9 @@ class PrefillSender:
             by_path: BytesByPath = {}
         else:
             plan, by_path = started.plan, started.by_path
-        watched = False
         try:
             if started is not None:
-                watched = await self.writer.land(local, room, target, started)
+                await self.writer.land(local, room, target, started)
             else:
                 await self.writer.write_engine(local, peer, plan, room, by_path)
         except (TransferError, OSError) as exc:
@@ -258,9 +263,9 @@ class PrefillSender:
         if plan.state_skipped_bytes:
             metrics.state_bytes_skipped.labels(ctx.labels.cluster, ctx.labels.backend).inc(plan.state_skipped_bytes)
             room.skipped_state += plan.state_skipped_bytes
-        if not watched:
-            await self._report_done(room, local, target, plan, by_path)
-        # Watched: the decode agent took the completion marks and counted the bytes when it saw them.
+        # Also when watched (the decode agent took the completion marks and counts the bytes when it
+        # sees them): the report's answer is decode's confirmation, so the room has one outcome.
+        await self._report_done(room, local, target, plan, by_path)
         target.done = True
         room.marks[f"acknowledged:{target.decode_rank}"] = ctx.clock()
 
@@ -274,10 +279,13 @@ class PrefillSender:
             by_path[TCP_SIDE_CHANNEL] = {Kind.KV.value: 0, Kind.STATE.value: 0, Kind.AUX.value: aux_tcp_bytes}
         report = DoneReport(room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows)
         try:
-            await ctx.peers.post(target.agent, report, max(0.1, room.deadline - ctx.clock()))
+            answer = await ctx.peers.post(target.agent, report, max(0.1, room.deadline - ctx.clock()))
         except PEER_ERRORS as exc:
             ctx.peers.blacklist(target.agent, f"done report failed: {exc}")
             raise TransferError(f"{target.agent} did not acknowledge room {room.room}: {exc}") from None
+        if answer.get("state") == RoomState.FAILED.title:
+            # Decode gave up on the room (its deadline, another source's failure): not a peer fault.
+            raise DecodeFailed(f"{target.decode_rank} reports room {room.room} Failed: {answer.get('reason', '')}")
         if aux_tcp_bytes:
             labels = ctx.traffic_labels(Role.PREFILL, TCP_SIDE_CHANNEL)
             metrics.transfer_bytes.labels(*labels, Kind.AUX.value).inc(aux_tcp_bytes)

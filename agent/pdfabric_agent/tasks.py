@@ -30,3 +30,31 @@ def later(fn: Callable[[], None]) -> None:
         asyncio.get_running_loop().call_soon(fn)
     except RuntimeError:
         fn()
+
+
+class Liveness:
+    """When this agent's own event loop last ran its tick, and its stalls: a process that was
+    stopped (SIGSTOP, a frozen node, a long GC) finds every deadline passed when it resumes, and
+    must not blame the peers for its own pause."""
+
+    STALL_S = 2.0  # a tick gap this long is a stall (ticks come every 0.1 s)
+
+    def __init__(self, now: float) -> None:
+        self.last_tick = now
+        self.last_stall_end = float("-inf")
+        self.longest_stall_s = 0.0
+
+    def tick(self, now: float) -> None:
+        gap = now - self.last_tick
+        if gap >= self.STALL_S:
+            self.last_stall_end = now
+            self.longest_stall_s = max(self.longest_stall_s, gap)
+        self.last_tick = now
+
+    def stalled_since(self, since: float, now: float) -> float:
+        """Seconds this agent was stalled after `since` (0.0 when it ran throughout): the gap it
+        is in right now, or the last one that ended after `since`."""
+        current = now - self.last_tick
+        if current >= self.STALL_S:
+            return current
+        return self.longest_stall_s if self.last_stall_end > since else 0.0
