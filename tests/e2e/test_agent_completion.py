@@ -68,7 +68,9 @@ def notice(lc: LocalFabric, room: int, marks: list[dict[str, Any]], kv: int = 40
 
 
 def open_room(lc: LocalFabric, room: int) -> None:
-    lc.client(D).receive(D, room, [1, 2], aux_index=1)
+    # Destinations of their own per room: rooms left open (or failed, held) keep theirs claimed.
+    n = room % 100
+    lc.client(D).receive(D, room, [2 * n, 2 * n + 1], aux_index=n % 7 + 1)
     wait_until(lambda: lc.client(D).poll(D, room)["state"] == "WaitingForInput", 5, "room info delivered")
 
 

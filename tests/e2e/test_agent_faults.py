@@ -146,9 +146,10 @@ def test_done_report_for_unknown_room_is_refused(small: LocalFabric) -> None:
 
 
 def test_active_room_cannot_be_submitted_twice(small: LocalFabric) -> None:
-    small.client("decode-0-tp0").receive("decode-0-tp0", 903, [1])
+    # Pages no other test's rooms use (the pool has 64): this room stays open until its deadline.
+    small.client("decode-0-tp0").receive("decode-0-tp0", 903, [62], aux_index=6)
     with pytest.raises(AgentRefused) as info:
-        small.client("decode-0-tp0").receive("decode-0-tp0", 903, [2])
+        small.client("decode-0-tp0").receive("decode-0-tp0", 903, [63], aux_index=7)
     assert (info.value.status, info.value.reason) == (409, "conflict")
 
 

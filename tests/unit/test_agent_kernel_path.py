@@ -23,6 +23,7 @@ from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout, RankPools
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, Target
+from pdfabric_agent.sender import DecodeFailed
 from pdfabric_agent.transport import TransportChoice, TransportError
 from pdfabric_agent.wire import PeerMessage, RoomInfo, SendRequest
 from pdfabric_core.policy.types import Transport
@@ -122,8 +123,11 @@ class Backend(TransferBackend):
         pass
 
 
-def record_posts(agent: Agent, posts: list[tuple[str, dict[str, Any]]], refuse: str = "") -> dict[str, Any]:
-    """Replace the agent's peer posts by a recorder; posts to path `refuse` are refused."""
+def record_posts(
+    agent: Agent, posts: list[tuple[str, dict[str, Any]]], refuse: str = "", answer: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Replace the agent's peer posts by a recorder; posts to path `refuse` are refused, others
+    answered with `answer` (decode's answer to a done report: the room's state)."""
     sent: dict[str, Any] = {}
 
     async def post(agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
@@ -132,7 +136,7 @@ def record_posts(agent: Agent, posts: list[tuple[str, dict[str, Any]]], refuse: 
         if refuse == msg.PATH:
             raise PeerRefused(agent_name, msg.PATH, 400, "malformed", "cannot watch")
         sent.update(body)
-        return {}
+        return dict(answer or {"state": "Success"})
 
     agent.peers.post = post  # type: ignore[method-assign]
     return sent
@@ -157,9 +161,13 @@ def run_room(
     pages: list[int],
     posts: list[tuple[str, dict[str, Any]]] | None = None,
     refuse: str = "",
+    answer: dict[str, Any] | None = None,
+    seen: list[Agent] | None = None,
 ) -> tuple[dict[str, Any], PrefillRoom]:
     """One room through `_send_target`; peer posts are recorded in `posts` (path `refuse` fails)."""
     agent = make_agent(tmp_path)
+    if seen is not None:
+        seen.append(agent)
     layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
     pool = SimpleNamespace(addr=0x1000_0000)
     local = LocalRank(Rank("prefill", 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
@@ -174,7 +182,7 @@ def run_room(
         rank="prefill-0-tp0-cp0", room=1, submitted=0.0, deadline=1e9, src_pages=pages, src_state=[0],
         src_aux=0, targets={"decode-0-tp0": target},
     )  # fmt: skip
-    sent = record_posts(agent, posts if posts is not None else [], refuse)
+    sent = record_posts(agent, posts if posts is not None else [], refuse, answer)
 
     async def go() -> None:
         try:
@@ -228,7 +236,7 @@ def test_launches_back_to_back_then_one_wait(tmp_path: Path) -> None:
     assert room.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
 
 
-def test_marks_go_to_the_decode_agent_while_the_kernels_run_and_replace_the_done_report(tmp_path: Path) -> None:
+def test_marks_go_to_the_decode_agent_while_the_kernels_run_and_the_done_report_confirms(tmp_path: Path) -> None:
     backend = Backend(kernel=True, takes=True, launch=True, marks=True)
     posts: list[tuple[str, dict[str, Any]]] = []
     _, room = run_room(tmp_path, backend, list(range(64))[::-1][:40], posts)
@@ -244,7 +252,9 @@ def test_marks_go_to_the_decode_agent_while_the_kernels_run_and_replace_the_done
         ("wait", 2),
         ("wait", 2),
     ]
-    assert [p for p, _ in posts] == ["/v1/peer/launched"]  # no done report
+    # The notice travels while the kernels run; the done report after they landed is only the
+    # confirmation that gives the room decode's outcome (decode learned completion from the board).
+    assert [p for p, _ in posts] == ["/v1/peer/launched", "/v1/peer/done"]
     body = posts[0][1]
     assert body["marks"] == [{"board": "pdfabric-board-00000000abcd", "slot": 3, "seq": s} for s in (420, 102, 102)]
     assert body["bytes_by_path"] == {"nvlink-kernel": {"kv": KV_BYTES, "state": 64, "aux": 24}}
@@ -284,6 +294,16 @@ def test_refused_launch_still_waits_for_and_counts_what_was_launched(tmp_path: P
     with pytest.raises(Exception, match="in flight"):
         run_room(tmp_path, backend, list(range(40)))
     assert backend.calls == [("submit_pages", 320), ("submit_blocks", 2), ("wait", 320), ("wait", 2)]
+
+
+def test_decode_answering_failed_fails_the_room_without_blaming_the_peer(tmp_path: Path) -> None:
+    """Decode's deadline passed while this source was still writing: its answer to the done report
+    is Failed, so the prefill side fails too (one outcome) and the healthy decode agent stays admitted."""
+    backend = Backend(kernel=False, takes=False)
+    seen: list[Agent] = []
+    with pytest.raises(DecodeFailed, match="reports room 1 Failed: no data"):
+        run_room(tmp_path, backend, list(range(40)), answer={"state": "Failed", "reason": "no data in time"}, seen=seen)
+    assert not seen[0].peers.is_blacklisted("a2")
 
 
 def test_engine_only_backend_gets_coalesced_blocks(tmp_path: Path) -> None:
@@ -346,7 +366,7 @@ def test_ready_room_is_launched_inside_the_call_that_made_it_ready(tmp_path: Pat
             final = await agent.poll("prefill-0-tp0-cp0", 5, wait_s=5)
             assert final["state"] == "Success", final
             assert [what for what, _ in backend.calls][-3:] == ["wait"] * 3
-            assert [path for path, _ in recorded] == ["/v1/peer/launched"]
+            assert [path for path, _ in recorded] == ["/v1/peer/launched", "/v1/peer/done"]
             assert final["bytes"] == {"kv": KV_BYTES, "state": 64, "aux": 24}
         finally:
             await agent.close()
