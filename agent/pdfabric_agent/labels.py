@@ -34,3 +34,7 @@ class Refusal(enum.StrEnum):
     UNKNOWN_RANK = "unknown_rank"
     UNKNOWN_ROOM = "unknown_room"
     CONFLICT = "conflict"  # the room is already active on that rank
+    TOO_LARGE = "too_large"  # body, head or a list longer than the largest legal request (413, 431)
+    TIMEOUT = "timeout"  # head or body not read within its deadline (408)
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the listener's connection bound (429)
+    INTERNAL = "internal"  # an unexpected error, logged (500): never bad input

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdfabric_agent import metrics
 from pdfabric_agent.agent import Agent
 from pdfabric_agent.errors import ApiError, malformed
+from pdfabric_agent.guard import CLUSTER, LIMITS, Limits
+from pdfabric_agent.jsonbody import BODY_CAP, body_cap, read_json
 from pdfabric_agent.labels import Refusal
 from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
 
@@ -43,13 +44,29 @@ def _refuse(agent_cluster: str, exc: ApiError) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise malformed("body is not JSON") from None
-    if not isinstance(body, dict):
-        raise malformed("body must be a JSON object")
-    return body
+    """Bounded (jsonbody): the app's body cap and body deadline, strict UTF-8, bounded JSON."""
+    app = request.app
+    return await read_json(request, app[BODY_CAP], app[LIMITS].body_timeout_s)
+
+
+def _authorization(request: web.Request) -> str | None:
+    """The Authorization header; one that is not ASCII is no token (refused as unauthorized)."""
+    value = request.headers.get("Authorization")
+    return value if value is None or value.isascii() else ""
+
+
+def _unexpected(cluster: str, request: web.Request, exc: Exception) -> web.Response:
+    """An error no check anticipated: logged, counted, JSON 500 (bad input is always a 4xx)."""
+    log.exception("unexpected error on %s %s", request.method, request.path, exc_info=exc)
+    metrics.api_refusals.labels(cluster, Refusal.INTERNAL.value).inc()
+    body = {"error": f"internal error ({type(exc).__name__}), logged by the agent", "reason": Refusal.INTERNAL.value}
+    return web.json_response(body, status=500)
+
+
+def _http_refusal(exc: web.HTTPException) -> ApiError:
+    if exc.status == 413:
+        return ApiError(413, Refusal.TOO_LARGE, exc.reason)
+    return ApiError(exc.status if 400 <= exc.status < 500 else 400, Refusal.MALFORMED, exc.reason)
 
 
 class _Message(Protocol):
@@ -67,10 +84,14 @@ def build_api_app(agent: Agent) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            agent.check_token(request.headers.get("Authorization"))
+            agent.check_token(_authorization(request))
             return await handler(request)
         except ApiError as exc:
             return _refuse(cluster, exc)
+        except web.HTTPException as exc:  # aiohttp's own (413 past client_max_size): JSON, counted
+            return _refuse(cluster, _http_refusal(exc))
+        except Exception as exc:
+            return _unexpected(cluster, request, exc)
 
     async def info(request: web.Request) -> web.Response:
         return web.json_response(
@@ -105,7 +126,10 @@ def build_api_app(agent: Agent) -> web.Application:
 
     async def poll(request: web.Request) -> web.Response:
         try:
-            room = int(request.match_info["room"])
+            raw_room = request.match_info["room"]
+            if len(raw_room) > 20:  # no int() of a 5000-digit path segment
+                raise ValueError(raw_room)
+            room = int(raw_room)
             wait_s = float(request.query.get("wait_s", "0"))
         except ValueError:
             raise malformed("room must be an integer and wait_s a number of seconds") from None
@@ -128,7 +152,11 @@ def build_api_app(agent: Agent) -> web.Application:
     async def not_found(request: web.Request) -> web.Response:
         raise ApiError(404, Refusal.MALFORMED, f"no such endpoint {request.method} {request.path}")
 
-    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
+    # Bounds (docs/agent.md, "Limits"): the largest legal request of these pools, the listener's limits.
+    limits = Limits.from_env()
+    cap = min(MAX_BODY, body_cap(lr.layout for lr in agent.ranks.values()))
+    app = web.Application(middlewares=[guard], client_max_size=cap, handler_args=limits.handler_args())
+    app[LIMITS], app[CLUSTER], app[BODY_CAP] = limits, cluster, cap
     app.router.add_get("/v1/info", info)
     app.router.add_post("/v1/send", send)
     app.router.add_post("/v1/receive", receive)
@@ -154,7 +182,7 @@ def build_metrics_app(readiness: Readiness) -> web.Application:
         body = {"ready": readiness.ready, "reason": readiness.reason, "message": readiness.message}
         return web.json_response(body, status=200 if readiness.ready else 503)
 
-    app = web.Application()
+    app = web.Application(handler_args=Limits.from_env().handler_args())
     app.router.add_get("/metrics", metrics_view)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

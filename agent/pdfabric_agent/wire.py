@@ -21,13 +21,25 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from pdfabric_agent.completion import CompletionMark
-from pdfabric_agent.errors import malformed, out_of_range
-from pdfabric_agent.labels import Kind
+from pdfabric_agent.errors import ApiError, malformed, out_of_range
+from pdfabric_agent.labels import Kind, Refusal
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout
 
 PACKED_INDICES = "int32le"  # {"int32le": base64 of little-endian int32}: a compact list of indices
 PACK_ABOVE = 64  # index lists longer than this are sent packed
+
+# Parse-level caps (docs/agent.md, "Limits"): what no legal message exceeds, whatever the pools.
+# The pools' own bounds (a page list no longer than the pool has pages) are checked against the
+# rank's layout (``check_indices``); the body cap (``jsonbody.body_cap``) comes first.
+MAX_INT = 2**64 - 1  # every integer on the wire: rooms, indices, offsets, bytes, addresses
+MAX_STR = 256  # rank ids, endpoints, paths, board names: printable ASCII
+MAX_REASON = 1024  # a failure reason a peer sends (free text, shown in the room view)
+MAX_INDICES = 1 << 24  # an index list, before the pool's own bound
+MAX_AUX_ITEMS = 64  # aux items of a layout, and aux rows of a done report
+MAX_AUX_ROW_BYTES = 1 << 20  # one aux row in a done report
+MAX_PATHS = 16  # paths in bytes_by_path
+MAX_MARKS = 1024  # completion marks of a launch notice
 
 # Bytes per kind ("kv", "state", "aux") and, per `path` label, the bytes that path moved.
 KindBytes = dict[str, int]
@@ -39,30 +51,44 @@ def zero_bytes() -> KindBytes:
 
 
 # ---------------------------------------------------------------- fields
-def field_int(body: Mapping[str, Any], name: str, *, minimum: int = 0) -> int:
+def too_large(message: str) -> ApiError:
+    return ApiError(413, Refusal.TOO_LARGE, message)
+
+
+def field_int(body: Mapping[str, Any], name: str, *, minimum: int = 0, maximum: int = MAX_INT) -> int:
     if name not in body or body[name] is None:
         raise malformed(f"field {name!r} is required")
-    return _int(body[name], name, minimum)
+    return _int(body[name], name, minimum, maximum)
 
 
-def field_opt_int(body: Mapping[str, Any], name: str, *, minimum: int = 0) -> int | None:
+def field_opt_int(body: Mapping[str, Any], name: str, *, minimum: int = 0, maximum: int = MAX_INT) -> int | None:
     value = body.get(name)
-    return None if value is None else _int(value, name, minimum)
+    return None if value is None else _int(value, name, minimum, maximum)
 
 
-def _int(value: Any, name: str, minimum: int) -> int:
+def _int(value: Any, name: str, minimum: int, maximum: int = MAX_INT) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise malformed(f"field {name!r} must be an integer, got {type(value).__name__}")
-    if value < minimum:
-        raise out_of_range(f"field {name!r} must be at least {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        shown = value if value.bit_length() <= 128 else f"a {value.bit_length()}-bit integer"
+        raise out_of_range(f"field {name!r} must be within {minimum}..{maximum}, got {shown}")
+    return value
+
+
+def check_str(value: Any, name: str, *, limit: int = MAX_STR) -> str:
+    """A non-empty printable ASCII string of at most ``limit`` characters (it becomes a lookup
+    key, an address, a file name or a log line: no control characters, no lone surrogates)."""
+    if not isinstance(value, str) or not value:
+        raise malformed(f"field {name!r} must be a non-empty string")
+    if len(value) > limit:
+        raise too_large(f"field {name!r} has {len(value)} characters; at most {limit}")
+    if not (value.isascii() and value.isprintable()):
+        raise malformed(f"field {name!r} must be printable ASCII")
     return value
 
 
 def field_str(body: Mapping[str, Any], name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise malformed(f"field {name!r} must be a non-empty string")
-    return value
+    return check_str(body.get(name), name)
 
 
 def pack_indices(values: Sequence[int]) -> dict[str, str]:
@@ -77,10 +103,13 @@ def indices_json(values: Sequence[int]) -> list[int] | dict[str, str]:
     return pack_indices(values) if len(values) > PACK_ABOVE else list(values)
 
 
-def _unpack_indices(name: str, value: Mapping[str, Any]) -> list[int]:
+def _unpack_indices(name: str, value: Mapping[str, Any], limit: int = MAX_INDICES) -> list[int]:
     raw = value.get(PACKED_INDICES)
     if set(value) != {PACKED_INDICES} or not isinstance(raw, str):
         raise malformed(f"field {name!r} must be a list of integers or {{{PACKED_INDICES!r}: base64}}")
+    # Checked before decoding: base64 of n int32 is 4 * ceil(4n / 3) characters.
+    if len(raw) > 4 * -(-4 * limit // 3):
+        raise too_large(f"field {name!r}: {PACKED_INDICES} of {len(raw)} characters holds more than {limit} indices")
     try:
         data = base64.b64decode(raw, validate=True)
     except ValueError:
@@ -94,18 +123,25 @@ def _unpack_indices(name: str, value: Mapping[str, Any]) -> list[int]:
     return a.tolist()
 
 
-def field_index_list(body: Mapping[str, Any], name: str) -> list[int]:
-    """A list of integers, plain or packed (its bounds are the caller's: ``check_indices``)."""
+def field_index_list(body: Mapping[str, Any], name: str, limit: int = MAX_INDICES) -> list[int]:
+    """A list of at most ``limit`` integers, plain or packed (its bounds are the caller's:
+    ``check_indices``)."""
     value = body.get(name, [])
+    limit = min(limit, MAX_INDICES)
     if isinstance(value, Mapping):
-        return _unpack_indices(name, value)  # ints by construction
+        return _unpack_indices(name, value, limit)  # ints by construction
     # `type(v) is int` refuses bools too; it runs at C speed for a room of thousands of pages.
     if not isinstance(value, list) or not all(type(v) is int for v in value):
         raise malformed(f"field {name!r} must be a list of integers")
+    if len(value) > limit:
+        raise too_large(f"field {name!r} has {len(value)} entries; at most {limit}")
     return value
 
 
 def check_indices(values: list[int], limit: int, *, name: str, what: str, unique: bool) -> None:
+    # A list longer than the pool has entries is refused before anything else looks at it.
+    if len(values) > limit:
+        raise too_large(f"{name}: {len(values)} {what}, but the pool has only {limit}")
     # min/max run in C: a room of thousands of pages is checked in tens of microseconds.
     if values and (min(values) < 0 or max(values) >= limit):
         bad = [v for v in values if not 0 <= v < limit]
@@ -115,7 +151,7 @@ def check_indices(values: list[int], limit: int, *, name: str, what: str, unique
 
 
 def field_indices(body: Mapping[str, Any], name: str, limit: int, *, what: str, unique: bool) -> list[int]:
-    values = field_index_list(body, name)
+    values = field_index_list(body, name, limit)
     check_indices(values, limit, name=name, what=what, unique=unique)
     return values
 
@@ -218,9 +254,11 @@ def _layout(value: Any) -> PoolLayout:
         layout = PoolLayout.from_dict(dict(d))
     except (TypeError, KeyError) as exc:
         raise malformed(f"peer room info has a bad layout: {exc}") from None
+    if len(layout.aux_items) > MAX_AUX_ITEMS:
+        raise too_large(f"peer room info layout has {len(layout.aux_items)} aux items; at most {MAX_AUX_ITEMS}")
     numbers = [v for k, v in vars(layout).items() if k != "aux_items"] + list(layout.aux_items)
-    if not all(type(v) is int and v >= 0 for v in numbers):
-        raise malformed("peer room info layout fields must be non-negative integers")
+    if not all(type(v) is int and 0 <= v <= MAX_INT for v in numbers):
+        raise malformed(f"peer room info layout fields must be integers within 0..{MAX_INT}")
     return layout
 
 
@@ -230,8 +268,8 @@ def _bases(value: Any) -> Bases:
         bases = Bases(**d)
     except TypeError as exc:
         raise malformed(f"peer room info has bad bases: {exc}") from None
-    if not all(type(v) is int and v > 0 for v in (bases.kv, bases.state, bases.aux)):
-        raise malformed("peer room info bases must be positive integers")
+    if not all(type(v) is int and 0 < v <= MAX_INT for v in (bases.kv, bases.state, bases.aux)):
+        raise malformed(f"peer room info bases must be integers within 1..{MAX_INT}")
     return bases
 
 
@@ -261,9 +299,7 @@ class RoomInfo:
             if name not in body:
                 raise malformed(f"peer room info lacks {name!r}")
         layout, bases = _layout(body["layout"]), _bases(body["bases"])
-        endpoint = body["endpoint"]
-        if not isinstance(endpoint, str) or not endpoint:
-            raise malformed("peer room info endpoint must be a non-empty string")
+        endpoint = check_str(body["endpoint"], "endpoint")
         pages = field_indices(body, "kv_pages", layout.kv_pages, what="KV pages", unique=True)
         state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=True)
         aux = field_opt_int(body, "aux_index")
@@ -291,10 +327,13 @@ def _bytes_by_path(body: Mapping[str, Any]) -> BytesByPath:
     """Per path, bytes per kind; kinds are a closed set (paths are checked by the receiver against
     the paths it knows: both become metric labels)."""
     by_path = body.get("bytes_by_path") or {}
+    if isinstance(by_path, dict) and len(by_path) > MAX_PATHS:
+        raise too_large(f"bytes_by_path names {len(by_path)} paths; at most {MAX_PATHS}")
     if not isinstance(by_path, dict) or not all(
         isinstance(p, str)
+        and len(p) <= MAX_STR
         and isinstance(v, dict)
-        and all(k in KINDS and type(n) is int and n >= 0 for k, n in v.items())
+        and all(k in KINDS and type(n) is int and 0 <= n <= MAX_INT for k, n in v.items())
         for p, v in by_path.items()
     ):
         raise malformed(f"bytes_by_path must map paths to {{kind: bytes}} with kinds in {sorted(KINDS)}")
@@ -344,20 +383,30 @@ class DoneReport(SourceReport):
         reason = body.get("reason", "")
         if not isinstance(reason, str):
             raise malformed("field 'reason' must be a string")
+        if len(reason) > MAX_REASON:
+            raise too_large(f"field 'reason' has {len(reason)} characters; at most {MAX_REASON}")
         if not ok:
             return cls(room, decode_rank, prefill_rank, {}, ok=False, reason=reason or "unknown")
         rows = body.get("aux_rows") or []
         if not isinstance(rows, list):
             raise malformed("aux_rows must be a list of [offset, base64] pairs")
+        if len(rows) > MAX_AUX_ITEMS:
+            raise too_large(f"aux_rows has {len(rows)} rows; at most {MAX_AUX_ITEMS}")
         parsed: list[tuple[int, bytes]] = []
         for row in rows:
+            if not (isinstance(row, list) and len(row) == 2 and isinstance(row[1], str)):
+                raise malformed("aux_rows must be a list of [offset, base64] pairs")
+            dst_off, data = row
+            if type(dst_off) is not int or not 0 <= dst_off <= MAX_INT:
+                raise malformed(f"aux_rows offsets must be integers within 0..{MAX_INT}")
+            if len(data) > 4 * -(-MAX_AUX_ROW_BYTES // 3):  # before decoding
+                raise too_large(
+                    f"an aux row of {len(data)} base64 characters; rows are at most {MAX_AUX_ROW_BYTES} bytes"
+                )
             try:
-                dst_off, data = row
                 raw = base64.b64decode(data, validate=True)
-            except (TypeError, ValueError):
+            except ValueError:  # binascii.Error, and non-ASCII characters
                 raise malformed("aux_rows must be a list of [offset, base64] pairs") from None
-            if type(dst_off) is not int:
-                raise malformed("aux_rows offsets must be integers")
             parsed.append((dst_off, raw))
         return cls(room, decode_rank, prefill_rank, _bytes_by_path(body), ok=True, aux_rows=tuple(parsed))
 
@@ -388,6 +437,10 @@ class LaunchNotice(SourceReport):
         raw = body.get("marks")
         if not isinstance(raw, list) or not raw:
             raise malformed("marks must be a non-empty list of {board, slot, seq}")
+        if len(raw) > MAX_MARKS:
+            raise too_large(f"marks has {len(raw)} entries; at most {MAX_MARKS}")
+        if any(isinstance(m, Mapping) and type(m.get("seq")) is int and m["seq"] > MAX_INT for m in raw):
+            raise malformed(f"completion mark seq must be within 1..{MAX_INT}")
         try:
             marks = tuple(CompletionMark.from_json(m) for m in raw)
         except ValueError as exc:
