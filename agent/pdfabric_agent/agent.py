@@ -119,14 +119,15 @@ class Agent:
     def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
         return self.arrivals.submit_receive(msg)
 
+    # Peer messages: `sender_agent` is the agent the peer door authenticated (its certificate).
     def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
-        return self.sender.accept_dst(msg)
+        return self.sender.accept_dst(msg, sender_agent)
 
     def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
-        return self.arrivals.accept_done(msg)
+        return self.arrivals.accept_done(msg, sender_agent)
 
     def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
-        return self.arrivals.accept_launched(msg)
+        return self.arrivals.accept_launched(msg, sender_agent)
 
     async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:
         """The room's view; with wait_s > 0, answer as soon as it is final or wait_s passed (a

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdfabric_agent import metrics
+from pdfabric_agent.backends import path_labels
 from pdfabric_agent.claims import DestinationClaims
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.context import AgentContext
@@ -41,6 +42,7 @@ from pdfabric_agent.wire import (
     SourceReport,
     zero_bytes,
 )
+from pdfabric_agent.writer import TCP_SIDE_CHANNEL
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
@@ -53,6 +55,8 @@ class DecodeArrivals:
         self.completions = completions  # kernel senders' completion words
         self.claims = DestinationClaims()
         ctx.rooms.on_retire.append(self._retired)
+        # Path names a byte report may carry: they become metric labels, so a closed set.
+        self.paths = path_labels() | {TCP_SIDE_CHANNEL}
 
     def _retired(self, role: Role, room: AnyRoom) -> None:
         if not isinstance(room, DecodeRoom) or room.claim is None:
@@ -67,7 +71,7 @@ class DecodeArrivals:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.DECODE)
         msg.check_bounds(local.layout, ctx.spec.prefill.replicas)
-        ctx.rooms.refuse_active(Role.DECODE, msg.rank, msg.room)
+        ctx.rooms.refuse_reuse(Role.DECODE, msg.rank, msg.room)
         expected = {}
         for p, c, s in expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank):
             prefill_rank = Rank(Role.PREFILL, msg.peer_replica, p, c, s).rank_id
@@ -129,17 +133,22 @@ class DecodeArrivals:
         self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
 
     # ------------------------------------------------------------ peer API
-    def _source(self, msg: SourceReport) -> tuple[DecodeRoom, LocalRank]:
-        """The decode room a report speaks of, and a check that the speaker is one of its sources."""
+    def _source(self, msg: SourceReport, sender_agent: str | None) -> tuple[DecodeRoom, LocalRank]:
+        """The decode room a report speaks of, and a check that the speaker is one of its sources
+        and the agent the rank map gives that source."""
         local = self.ctx.ranks.local(msg.decode_rank, Role.DECODE)
         room = self.ctx.rooms.lookup(Role.DECODE, msg.decode_rank, msg.room)
         assert isinstance(room, DecodeRoom)
         if msg.prefill_rank not in room.expected:
             raise malformed(f"{msg.prefill_rank} is not a source of room {msg.room} on {msg.decode_rank}")
+        self.ctx.ranks.check_speaker(msg.prefill_rank, sender_agent)
+        unknown = sorted(set(msg.bytes_by_path) - self.paths)
+        if unknown:
+            raise malformed(f"bytes_by_path names paths {unknown[:3]}; known paths are {sorted(self.paths)}")
         return room, local
 
-    def accept_done(self, msg: DoneReport) -> dict[str, Any]:
-        room, local = self._source(msg)
+    def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
+        room, local = self._source(msg, sender_agent)
         if room.state.finished or msg.prefill_rank in room.arrived:
             # Late or repeated reports change nothing (and count no bytes twice); the answer is
             # the room's outcome, which the source takes as its own.
@@ -151,10 +160,10 @@ class DecodeArrivals:
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
         return {"state": room.state.title}
 
-    def accept_launched(self, msg: LaunchNotice) -> dict[str, Any]:
+    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
         """A source's kernels are on their way: watch their completion marks; the source has arrived
         (its bytes counted, the room Success when it was the last) once every mark is reached."""
-        room, local = self._source(msg)
+        room, local = self._source(msg, sender_agent)
         source = msg.prefill_rank
         if room.state.finished or source in room.arrived:
             return {"state": room.state.title}

@@ -28,6 +28,8 @@ from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.wire import ReceiveRequest, RoomSubmit, SendRequest
 
 FINAL = ("Success", "Failed")
+WAIT_BACKOFF_MIN_S = 0.01  # `wait`: pause after a poll answered at once, doubling up to the max
+WAIT_BACKOFF_MAX_S = 0.5
 
 
 class AgentRefused(RuntimeError):
@@ -245,10 +247,20 @@ class AgentClient:
     def wait(self, rank: str, room: int, timeout_s: float = 30.0) -> dict[str, Any]:
         """Long-poll until the room is Success or Failed; raises TimeoutError at the deadline."""
         deadline = time.monotonic() + timeout_s
+        pause = WAIT_BACKOFF_MIN_S
         while True:
-            left = deadline - time.monotonic()
+            asked = time.monotonic()
+            left = deadline - asked
             view = self.poll(rank, room, wait_s=max(0.0, min(left, 10.0)))
             if view["state"] in FINAL:
                 return view
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError(f"room {room} on {rank} still {view['state']} after {timeout_s} s")
+            if now - asked < WAIT_BACKOFF_MIN_S:
+                # Answered at once without an outcome (a state the agent does not hold the poll
+                # for): back off instead of asking again at full speed.
+                time.sleep(min(pause, deadline - now))
+                pause = min(pause * 2, WAIT_BACKOFF_MAX_S)
+            else:
+                pause = WAIT_BACKOFF_MIN_S

@@ -33,3 +33,7 @@ def unknown_room(room: int, rank_id: str) -> ApiError:
 
 def conflict(message: str) -> ApiError:
     return ApiError(409, Refusal.CONFLICT, message)
+
+
+def wrong_peer(message: str) -> ApiError:
+    return ApiError(403, Refusal.WRONG_PEER, message)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdfabric_agent.backend import TransferBackend
-from pdfabric_agent.errors import malformed, unknown_rank
+from pdfabric_agent.errors import malformed, unknown_rank, wrong_peer
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout, RankPools
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
@@ -57,6 +57,23 @@ class NodeRanks:
             return self.rankmap.agent_for_rank(rank_id).name
         except LookupError as exc:
             raise unknown_rank(str(exc)) from None
+
+    def check_speaker(self, rank_id: str, sender_agent: str | None) -> None:
+        """A peer message about `rank_id` must come from the agent the rank map gives that rank
+        (`sender_agent`: the name in the peer's client certificate; None off the peer door)."""
+        if sender_agent is None:
+            return
+        owner = self.agent_for(rank_id)
+        if owner != sender_agent:
+            raise wrong_peer(f"agent {sender_agent} spoke for {rank_id}, which the rank map gives agent {owner}")
+
+    def rank(self, rank_id: str) -> Rank:
+        """Any rank of the cluster by id (404 for one the rank map lacks)."""
+        try:
+            entry = self.rankmap.agent_for_rank(rank_id)
+        except LookupError as exc:
+            raise unknown_rank(str(exc)) from None
+        return next(r for r in entry.ranks if r.rank_id == rank_id)
 
     def decode_stage(self, local: LocalRank) -> int:
         """The decode PP stage a prefill rank's layers land on."""

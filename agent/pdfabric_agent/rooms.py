@@ -153,11 +153,18 @@ class RoomRegistry:
             raise unknown_room(room_id, rank_id)
         return room
 
-    def refuse_active(self, role: Role, rank_id: str, room_id: int) -> None:
-        """A room id is reusable once finished; while active a second submit is a conflict."""
+    def refuse_reuse(self, role: Role, rank_id: str, room_id: int) -> None:
+        """A room id names one request (SGLang draws bootstrap rooms at random): while the room is
+        open, or finished and still remembered, a second use is a conflict, never a silent reopen."""
         old = self.get(role, rank_id, room_id)
-        if old is not None and not old.state.finished:
+        if old is None:
+            return
+        if not old.state.finished:
             raise conflict(f"room {room_id} is already {old.state.title} on {rank_id}")
+        raise conflict(
+            f"room {room_id} on {rank_id} already ended {old.state.title}; a room id names one request "
+            f"(ids are remembered for PDFABRIC_ROOM_TTL_S after they end)"
+        )
 
     def add(self, role: Role, room: AnyRoom) -> None:
         self._rooms(role)[(room.rank, room.room)] = room

@@ -22,10 +22,11 @@ from typing import Any
 from pdfabric_agent import metrics
 from pdfabric_agent.backend import TransferError
 from pdfabric_agent.context import AgentContext
-from pdfabric_agent.errors import malformed, out_of_range
+from pdfabric_agent.errors import conflict, malformed, out_of_range
 from pdfabric_agent.labels import Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS
 from pdfabric_agent.plan import TransferPlan, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, RoomState, Target
 from pdfabric_agent.wire import BytesByPath, DoneReport, RoomInfo, SendRequest
@@ -54,7 +55,7 @@ class PrefillSender:
         feeds = ctx.rankmap.feeds.get(local.rank.replica)
         if feeds is not None and replica not in feeds:
             raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
-        ctx.rooms.refuse_active(Role.PREFILL, msg.rank, msg.room)
+        ctx.rooms.refuse_reuse(Role.PREFILL, msg.rank, msg.room)
         targets: dict[str, Target] = {}
         for route in decode_targets(ctx.spec, local.rank.tp_rank):
             decode_rank = Rank(Role.DECODE, replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
@@ -92,8 +93,7 @@ class PrefillSender:
         Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
         ctx = self.ctx
         infos = ctx.rooms.early.get((rank_id, room_id))
-        room = ctx.rooms.prefill.get((rank_id, room_id))
-        if not infos or (room is not None and not room.state.finished):
+        if not infos or (rank_id, room_id) in ctx.rooms.prefill:
             return None
         local = ctx.ranks.served(rank_id)
         needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
@@ -114,7 +114,9 @@ class PrefillSender:
         )
 
     # ------------------------------------------------------------ peer API
-    def accept_dst(self, info: RoomInfo) -> dict[str, Any]:
+    def accept_dst(self, info: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
+        """A decode agent's room info, from the agent of that decode rank, in the layout that rank
+        has: its destinations are what this rank writes, so nothing in it is taken on trust."""
         ctx = self.ctx
         local = ctx.ranks.local(info.prefill_rank, Role.PREFILL)
         valid = {
@@ -124,15 +126,44 @@ class PrefillSender:
         }
         if info.decode_rank not in valid:
             raise malformed(f"{info.decode_rank} is not fed by {info.prefill_rank}")
+        ctx.ranks.check_speaker(info.decode_rank, sender_agent)
+        self._check_dst_layout(info)
         key = (info.prefill_rank, info.room)
         room = ctx.rooms.prefill.get(key)
-        if room is not None and room.state is RoomState.BOOTSTRAPPING and info.decode_rank in room.targets:
-            room.targets[info.decode_rank].dst = info
-            self._maybe_start(room)
-            return {"accepted": "room"}
-        # The decode side was first (or the previous use of this room id finished): keep it.
-        ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
-        return {"accepted": "early"}
+        if room is None:
+            # The decode side was first: keep it for the send.
+            ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
+            return {"accepted": "early"}
+        target = room.targets.get(info.decode_rank)
+        if target is None:
+            raise malformed(f"room {info.room} on {info.prefill_rank} does not send to {info.decode_rank}")
+        if room.state is not RoomState.BOOTSTRAPPING or target.dst is not None:
+            # Room info arrives once per target; a second copy must not redirect a room in flight.
+            raise conflict(f"room {info.room} on {info.prefill_rank} already has room info of {info.decode_rank}")
+        target.dst = info
+        self._maybe_start(room)
+        return {"accepted": "room"}
+
+    def _check_dst_layout(self, info: RoomInfo) -> None:
+        """The destination layout must be the one the spec gives that decode rank (only pool sizes,
+        which the decode agent chooses, may differ): else the planned offsets would be wrong."""
+        spec = self.ctx.spec
+        rank = self.ctx.ranks.rank(info.decode_rank)
+        got = info.layout
+        want = PoolLayout.from_geometry(
+            spec.model,
+            spec.decode.tp,
+            kv_pages=got.kv_pages,
+            state_slots=got.state_slots,
+            aux_slots=got.aux_slots,
+            pp=spec.decode.pp,
+            pp_stage=rank.pp_rank,
+        )
+        if got != want:
+            diff = ", ".join(
+                f"{k} {getattr(got, k)} (expected {v})" for k, v in vars(want).items() if getattr(got, k) != v
+            )
+            raise malformed(f"room info of {info.decode_rank} has a layout the spec does not give it: {diff}")
 
     # ------------------------------------------------------------ the send pipeline
     def _maybe_start(self, room: PrefillRoom) -> None:

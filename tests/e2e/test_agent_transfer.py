@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pdfabric_agent.client import AgentRefused
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import expected_bytes
 from pdfabric_devcluster.transfer import transfer_room
@@ -64,8 +65,14 @@ def check_room(lc: LocalFabric, room: int, pages: int = 7, state_slots: int = 2)
 def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[str, Any], ranks_per_agent: int) -> None:
     with LocalFabric(spec(prefill, decode), ranks_per_agent=ranks_per_agent) as lc:
         check_room(lc, room=11)
-        # The same room id again after completion is a new request, and must be exact again.
-        check_room(lc, room=11, pages=5)
+        # A room id names one request: using it again is refused (no silent reopen, no stale
+        # room info taken for the new use); the next request, under a new id, is exact again.
+        decode_rank = "decode-0-tp0"
+        with pytest.raises(AgentRefused) as again:
+            lc.client(decode_rank).receive(decode_rank, 11, [0])
+        assert (again.value.status, again.value.reason) == (409, "conflict")
+        assert "already ended Success" in again.value.message
+        check_room(lc, room=12, pages=5)
 
 
 @pytest.mark.parametrize(

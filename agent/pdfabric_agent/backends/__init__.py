@@ -28,12 +28,21 @@ class BackendOptions:
 BackendFactory = Callable[[Transport, BackendOptions], "TransferBackend"]
 
 _REGISTRY: dict[str, BackendFactory] = {}
+_PATHS: dict[str, tuple[str, ...]] = {}
 
 
-def register_backend(name: str, factory: BackendFactory) -> None:
+def register_backend(name: str, factory: BackendFactory, *, paths: tuple[str, ...]) -> None:
+    """`paths`: every `path` metric label the backend's instances can report (their ``paths``);
+    with the side channel's, the closed set a peer's byte report may name."""
     if name in _REGISTRY and _REGISTRY[name] is not factory:
         raise ValueError(f"backend {name!r} is already registered")
     _REGISTRY[name] = factory
+    _PATHS[name] = paths
+
+
+def path_labels() -> frozenset[str]:
+    """The `path` labels of every registered backend."""
+    return frozenset(p for paths in _PATHS.values() for p in paths)
 
 
 def backend_names() -> list[str]:
@@ -59,5 +68,5 @@ def _mori(transport: Transport, opts: BackendOptions) -> TransferBackend:
     return mori.create(transport, opts)
 
 
-register_backend("mooncake", _mooncake)
-register_backend("mori", _mori)
+register_backend("mooncake", _mooncake, paths=("mooncake", "nvlink-kernel"))  # engine; fast path over it
+register_backend("mori", _mori, paths=("mori",))

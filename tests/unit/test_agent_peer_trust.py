@@ -1,0 +1,144 @@
+"""What the agent takes from a peer, checked before it changes anything: the speaker is the agent
+the rank map gives the rank it speaks for; room info comes once per target, in the layout the spec
+gives that decode rank; byte reports name only known paths; a room id names one request."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.agent import Agent
+from pdfabric_agent.backends import path_labels
+from pdfabric_agent.config import load_config
+from pdfabric_agent.errors import ApiError
+from pdfabric_agent.plan import Bases
+from pdfabric_agent.pools import PoolLayout, RankPools
+from pdfabric_agent.ranks import LocalRank
+from pdfabric_agent.wire import DoneReport, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
+from pdfabric_core.spec import parse_spec
+from tests.unit.test_agent_kernel_path import Backend
+
+RAW: dict[str, Any] = {
+    "prefill": {"tp": 1},
+    "decode": {"tp": 1},
+    "transfer": {"transport": "tcp"},
+    "model": {"layers": 2, "kvHeads": 2, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32",
+              "stateBytesPerRequest": 64, "stateLayers": 2, "auxRowBytes": [8, 16]},
+}  # fmt: skip
+P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
+
+
+def make_agent(tmp_path: Path, node: str, local: list[Rank]) -> Agent:
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    env = {"NODE_NAME": node, "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
+    entries = (AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),)), AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)))
+    spec = parse_spec(RAW)
+    agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", RAW, entries), spec, {}, "tcp")
+    layout = PoolLayout.from_geometry(spec.model, 1, kv_pages=16, state_slots=4, aux_slots=4)
+    pool = SimpleNamespace(addr=0x1000_0000)
+    for rank in local:
+        pools = RankPools(layout, pool, pool, pool)  # type: ignore[arg-type]
+        agent.ranks[rank.rank_id] = LocalRank(rank, Backend(kernel=False, takes=False), pools)
+    return agent
+
+
+def room_info(room: int, **changes: Any) -> RoomInfo:
+    layout = PoolLayout.from_geometry(parse_spec(RAW).model, 1, kv_pages=16, state_slots=4, aux_slots=4)
+    info = RoomInfo(room, D, P, "peer:1", layout, Bases(1 << 30, 2 << 30, 3 << 30), [0, 1], [0], 0)
+    return dataclasses.replace(info, **changes)
+
+
+@pytest.fixture
+def prefill(tmp_path: Path) -> Agent:
+    return make_agent(tmp_path, "n1", [Rank(Role.PREFILL, 0, 0)])
+
+
+@pytest.fixture
+def decode(tmp_path: Path) -> Agent:
+    return make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
+
+
+def refused(call: Any) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        call()
+    return err.value
+
+
+def test_room_info_from_an_agent_that_does_not_host_the_decode_rank_is_refused(prefill: Agent) -> None:
+    err = refused(lambda: prefill.accept_dst(room_info(1), sender_agent="a1"))
+    assert (err.status, err.reason) == (403, "wrong_peer") and "gives agent a2" in err.message
+    assert prefill.accept_dst(room_info(1), sender_agent="a2") == {"accepted": "early"}
+
+
+def test_reports_from_an_agent_that_does_not_host_the_source_are_refused(decode: Agent) -> None:
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 2, [3, 4], [1], 1, 0))
+        report = DoneReport(2, D, P, {"mooncake": {"kv": 1}}, ok=True)
+        err = refused(lambda: decode.accept_done(report, sender_agent="a2"))
+        assert (err.status, err.reason) == (403, "wrong_peer")
+        assert decode.rooms.decode[(D, 2)].arrived == set()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_byte_reports_name_only_known_paths(decode: Agent) -> None:
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 3, [3, 4], [1], 1, 0))
+        report = DoneReport(3, D, P, {"invented-path-7": {"kv": 1}}, ok=True)
+        err = refused(lambda: decode.accept_done(report, sender_agent="a1"))
+        assert (err.status, err.reason) == (400, "malformed") and "invented-path-7" in err.message
+        await decode.close()
+
+    asyncio.run(go())
+    assert {"mooncake", "mori", "nvlink-kernel"} <= path_labels()
+
+
+@pytest.mark.parametrize(
+    ("changes", "what"),
+    [
+        ({"local_heads": 1}, "local_heads 1 (expected 2)"),
+        ({"head_bytes": 32}, "head_bytes 32 (expected 64)"),
+        ({"layers": 3}, "layers 3 (expected 2)"),
+        ({"aux_items": (8, 8)}, "aux_items (8, 8) (expected (8, 16))"),
+    ],
+    ids=["heads", "head-bytes", "layers", "aux-items"],
+)
+def test_room_info_in_a_layout_the_spec_does_not_give_is_refused(
+    prefill: Agent, changes: dict[str, Any], what: str
+) -> None:
+    info = room_info(4)
+    bad = dataclasses.replace(info, layout=dataclasses.replace(info.layout, **changes))
+    err = refused(lambda: prefill.accept_dst(bad))
+    assert err.status == 400 and what in err.message, err.message
+
+
+def test_second_room_info_for_a_target_cannot_redirect_the_room(prefill: Agent) -> None:
+    async def go() -> None:
+        prefill.submit_send(SendRequest(P, 5, [0, 1], [0], 0, 0))
+        prefill.accept_dst(room_info(5))  # the room starts (its task fails on the stub pools: no matter)
+        err = refused(lambda: prefill.accept_dst(room_info(5, bases=Bases(5 << 30, 6 << 30, 7 << 30))))
+        assert (err.status, err.reason) == (409, "conflict")
+        await prefill.close()
+
+    asyncio.run(go())
+
+
+def test_a_room_id_names_one_request(decode: Agent) -> None:
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 6, [3], [], None, 0))
+        room = decode.rooms.decode[(D, 6)]
+        decode.rooms.finish(room, Role.DECODE, room.state.SUCCESS)
+        err = refused(lambda: decode.submit_receive(ReceiveRequest(D, 6, [5], [], None, 0)))
+        assert (err.status, err.reason) == (409, "conflict") and "already ended Success" in err.message
+        await decode.close()
+
+    asyncio.run(go())
