@@ -11,9 +11,10 @@ listener started with ``GuardedTCPSite`` / ``GuardedUnixSite`` (instead of ``web
   ``header_timeout_s`` answers 408 ``{error, reason}`` and closes; IDLE past ``idle_timeout_s``
   closes. Nothing is armed or cancelled per request: a phase change is an attribute write.
 - at most ``max_connections`` at once: a new connection past the bound first takes the place of
-  one that is slow (in HEAD for a second or more: a good client sends its head in one write) or
-  idle (for two seconds or more), else it is refused at once with 429. Connections in BUSY are
-  never touched.
+  the oldest that is slow (in HEAD for ``slow_head_s``, 0.1 s: a good client sends its head in one
+  write right after connecting; the slow one is answered 408), or whose body is that slow, or
+  idle (for two seconds or more), else it is refused at once with 429. Connections whose
+  request is being handled are never touched.
 - parser errors (bad request line, header too long, too many headers, bad chunk framing) answer
   JSON ``{error, reason}`` (400, 431) instead of aiohttp's text/plain, and are counted.
 
@@ -41,8 +42,7 @@ from pdfabric_agent.labels import Refusal
 
 log = logging.getLogger("pdfabric.guard")
 
-HEAD, BUSY, IDLE = 0, 1, 2
-SLOW_HEAD_S = 1.0  # a head still incomplete after this long is a slow client's: first to go
+HEAD, BUSY, IDLE, BODY, CLOSED = 0, 1, 2, 3, 4  # BODY: the application waits for the rest of a body
 EVICT_IDLE_S = 2.0  # an idle keep-alive connection this old may make room for a new one
 
 
@@ -57,6 +57,9 @@ class Limits:
     max_line_bytes: int = 8190  # request line, and each header line
     max_headers: int = 32
     lingering_s: float = 2.0  # reading what is left of a refused body, so the answer is not lost to a reset
+    # A head still incomplete after this long is a slow client's (a good one sends its head in one
+    # write right after connecting): at the bound, the oldest such connection makes room.
+    slow_head_s: float = 0.1
 
     ENV = {
         "header_timeout_s": "PDFABRIC_HEADER_TIMEOUT_S",
@@ -154,7 +157,10 @@ class Guard:
         idle: GuardedHandler | None = None
         for conn in self.conns:
             age = now - conn.guard_since
-            if conn.guard_state == HEAD and age >= SLOW_HEAD_S:
+            if conn.guard_state == BODY and age >= self.limits.slow_head_s:
+                conn.refuse(b"")  # its body read fails: the handler answers and counts (jsonbody.read_body)
+                return True
+            if conn.guard_state == HEAD and age >= self.limits.slow_head_s:
                 count(self.cluster, Refusal.TOO_MANY_CONNECTIONS)
                 conn.refuse(
                     raw_refusal(
@@ -231,12 +237,28 @@ class GuardedHandler(RequestHandler):
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:
-            self.guard_state = IDLE
+            if self.guard_state != CLOSED:
+                self.guard_state = IDLE
+                self.guard_since = self.guard.loop.time()
+
+    def reading_body(self) -> None:
+        """The application waits for a body that has not all arrived (evictable when slow)."""
+        if self.guard_state == BUSY:
+            self.guard_state = BODY
             self.guard_since = self.guard.loop.time()
+
+    def body_read(self) -> None:
+        if self.guard_state == BODY:
+            self.guard_state = BUSY
+
+    @property
+    def evicted(self) -> bool:
+        return self.guard_state == CLOSED
 
     def refuse(self, answer: bytes) -> None:
         """Answer (when nothing else is queued to the client) and close now."""
         self.guard.release(self)
+        self.guard_state = CLOSED
         transport = self.transport
         if (
             answer

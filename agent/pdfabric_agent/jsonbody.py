@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from pdfabric_agent.errors import ApiError, malformed
+from pdfabric_agent.guard import GuardedHandler
 from pdfabric_agent.labels import Refusal
 from pdfabric_agent.pools import PoolLayout
 
@@ -111,9 +112,15 @@ async def read_body(request: web.BaseRequest, cap: int, timeout_s: float) -> byt
     declared = request.content_length
     if declared is not None and declared > cap:
         raise too_large(f"body of {declared} bytes; the largest legal request here is {cap} bytes")
-    try:
-        if request.content.is_eof():
+    if request.content.is_eof():
+        try:
             return await request.read()  # all there already: no timer
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(f"body past {cap} bytes; the largest legal request here is {cap} bytes") from None
+    proto = request.protocol if isinstance(request.protocol, GuardedHandler) else None
+    if proto is not None:
+        proto.reading_body()
+    try:
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError:
@@ -123,7 +130,14 @@ async def read_body(request: web.BaseRequest, cap: int, timeout_s: float) -> byt
     except RequestPayloadError as exc:
         raise malformed(f"body framing: {exc}") from None
     except ConnectionError:
+        if proto is not None and proto.evicted:
+            raise ApiError(
+                408, Refusal.TOO_MANY_CONNECTIONS, "body too slow while the listener is full: connection closed"
+            ) from None
         raise malformed("connection closed before the body was complete") from None
+    finally:
+        if proto is not None:
+            proto.body_read()
 
 
 async def read_json(request: web.BaseRequest, cap: int, timeout_s: float) -> dict[str, Any]:

@@ -281,7 +281,9 @@ def wait_for(predicate: Any, timeout_s: float = 3.0) -> None:
 
 
 def test_the_connection_bound_refuses_at_once_and_spares_established_clients(agent: Agent) -> None:
-    limits = Limits(header_timeout_s=5, body_timeout_s=5, idle_timeout_s=30, max_connections=8, lingering_s=0.2)
+    limits = Limits(
+        header_timeout_s=5, body_timeout_s=5, idle_timeout_s=30, max_connections=8, lingering_s=0.2, slow_head_s=1.0
+    )
     s = Served(engine_app(agent), limits)
     try:
         good = s.connect()
@@ -300,7 +302,7 @@ def test_the_connection_bound_refuses_at_once_and_spares_established_clients(age
         # The established client keeps being served.
         good.sendall(request("GET", "/v1/info"))
         assert read_answer(good)[0] == 200
-        # Once the slow heads are a second old, a new client takes the place of one of them.
+        # Once the slow heads are slow_head_s old, a new client takes the place of one of them.
         time.sleep(1.1)
         with s.connect() as newcomer:
             newcomer.sendall(request("GET", "/v1/info"))
