@@ -116,7 +116,8 @@ def test_a_good_room_succeeds_while_slow_clients_flood_both_agents(lc: LocalFabr
     assert opened[0] > 2 * MAX_CONNECTIONS  # the flood was past the bound
     for n in names:  # API listener bounded; metrics listener, peers and engines take a few more
         assert peak[n] <= baseline[n] + MAX_CONNECTIONS + 24, (n, baseline[n], peak[n])
-    assert cut_off_count(lc) > cut_off + opened[0] // 2  # evicted at the bound or timed out, counted
+    # More were cut off (evicted at the bound or timed out) and counted than the bound could ever hold.
+    assert cut_off_count(lc) > cut_off + MAX_CONNECTIONS
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(fds(lc, n) > baseline[n] + 4 for n in names):
         time.sleep(0.2)
