@@ -1,16 +1,12 @@
-"""Turn one room into engine blocks: pure, no I/O, every rule from ``pdfabric_core.policy``.
+"""Turn one room into engine blocks: pure, no I/O, every rule from ``pdfabric_core``.
 
-A prefill rank (tp p, cp c) sending room R to decode rank d moves:
-- KV: for each route p->d (rank_mapping), the pages of its CP shard (cp_page_shard), every layer,
-  K and V; whole-page routes are coalesced into runs (coalesce), head-slice routes move one
-  contiguous head slice per page (heads are the outer dimension of a page, see pools.py);
-- state: only from d's primary source, only the state layers this CP rank owns
-  (state_layer_shard), and nothing when the dedup rule says CP rank 0 sends it (cp_dedup);
-- aux: only from d's primary source at CP rank 0, through the engine or over the TCP side
-  channel as aux_path says.
-- pipeline parallel: PP stage s sends its own layers to the decode stage decode_pp_stage names,
-  shifted to that stage's layer numbering; aux and state leave from the last stage only.
-Which (p, c, s) a decode rank waits for is ``expected_sources``; both sides use the same rules.
+What a prefill rank owes a decode rank for a room (its route's heads, its CP page shard, its
+state layers, whether it sends the aux row, the PP layer shift) is ``pdfabric_core.duties``
+(``sender_duties``), shared with the operator's traffic prediction. This module turns those
+duties into addresses: whole-page routes are coalesced into runs (coalesce), head-slice routes
+move one contiguous head slice per page (heads are the outer dimension of a page, see pools.py),
+state moves per owned state layer and slot run, aux per item through the engine or over the TCP
+side channel as the duties' aux path says.
 """
 
 from __future__ import annotations
@@ -20,21 +16,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdfabric_agent.pools import PoolLayout
-from pdfabric_core.policy.aux_path import AuxPath, choose_aux_path
-from pdfabric_core.policy.coalesce import coalesce_pages
-from pdfabric_core.policy.cp_dedup import should_skip_state_transfer
-from pdfabric_core.policy.rank_mapping import (
-    KvRoute,
-    cp_page_shard,
-    decode_pp_stage,
-    pp_layer_range,
-    primary_source,
-    routes_from_prefill,
-    sending_cp_ranks,
-    sends_request_rows,
-    state_layer_shard,
+from pdfabric_core.duties import (
+    Duties,
+    decode_targets,
+    expected_sources,
+    receives_request_rows,
+    routes_for_decode,
+    sender_duties,
 )
-from pdfabric_core.spec import PDClusterSpec
+from pdfabric_core.policy.aux_path import AuxPath
+from pdfabric_core.policy.coalesce import coalesce_pages
+
+# The duties (what each prefill rank owes each decode rank) live in core, where the operator's
+# traffic prediction sums the very same ones; they stay importable from here.
+__all__ = [
+    "Bases",
+    "Block",
+    "Duties",
+    "KvPages",
+    "TransferPlan",
+    "buffer_bases",
+    "decode_targets",
+    "expected_sources",
+    "plan_transfer",
+    "receives_request_rows",
+    "routes_for_decode",
+    "sender_duties",
+]
 
 
 @dataclass(frozen=True)
@@ -49,19 +57,6 @@ class Bases:
     kv: int
     state: int
     aux: int
-
-
-@dataclass(frozen=True)
-class Duties:
-    """What one prefill rank owes one decode rank for one room."""
-
-    route: KvRoute
-    pages: range  # positions in the request (cp_page_shard)
-    state_layers: range  # empty when this rank sends no state
-    state_skipped: bool  # True when the dedup rule dropped this rank's state
-    send_aux: bool
-    aux_path: AuxPath
-    dst_layer_offset: int = 0  # decode local layer = prefill local layer + this (PP stages)
 
 
 @dataclass(frozen=True)
@@ -125,73 +120,6 @@ class TransferPlan:
     aux: list[Block] = field(default_factory=list)  # engine path only
     aux_tcp: list[tuple[int, int, int]] = field(default_factory=list)  # (src offset, dst offset, len)
     state_skipped_bytes: int = 0
-
-
-def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
-    return routes_from_prefill(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
-
-
-def sender_duties(
-    spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: int, pp_stage: int = 0
-) -> Duties | None:
-    """Duties of prefill (route.prefill_tp_rank, cp_rank, pp_stage) for route's decode rank (at
-    the decode stage ``decode_pp_stage`` names); None: nothing."""
-    cp = spec.prefill.cp
-    split = spec.prefill.dsa_cache_layer_split
-    if cp_rank not in sending_cp_ranks(
-        cp, all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer, dsa_cache_layer_split=split
-    ):
-        return None
-    primary = route.prefill_tp_rank == primary_source(
-        route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads
-    )
-    skip = should_skip_state_transfer(cp, cp_rank, dsa_cache_layer_split=split)
-    state_layers = state_layer_shard(spec.model.state_layers, cp, cp_rank, dsa_cache_layer_split=split)
-    has_state = spec.model.state_bytes_per_request > 0
-    pp, dpp, layers = spec.prefill.pp, spec.decode.pp, spec.model.layers
-    rows = sends_request_rows(pp_stage, pp)
-    primary = primary and rows
-    offset = pp_layer_range(layers, pp, pp_stage).start
-    offset -= pp_layer_range(layers, dpp, decode_pp_stage(pp_stage, pp, dpp)).start
-    return Duties(
-        route=route,
-        pages=cp_page_shard(num_pages, cp, cp_rank, all_ranks_send=spec.prefill.all_cp_ranks_send),
-        state_layers=state_layers if (primary and has_state and not skip) else range(0),
-        state_skipped=primary and has_state and skip,
-        send_aux=primary and cp_rank == 0,
-        aux_path=choose_aux_path(spec.transfer.mem_pool, aux_over_tcp=spec.transfer.aux_over_tcp),
-        dst_layer_offset=offset,
-    )
-
-
-def expected_sources(spec: PDClusterSpec, decode_tp_rank: int, decode_stage: int = 0) -> list[tuple[int, int, int]]:
-    """(prefill tp rank, cp rank, pp stage) a decode rank waits for before its room is complete."""
-    cps = sending_cp_ranks(
-        spec.prefill.cp,
-        all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer,
-        dsa_cache_layer_split=spec.prefill.dsa_cache_layer_split,
-    )
-    tps = sorted(
-        {r.prefill_tp_rank for r in routes_for_decode(spec, decode_tp_rank)},
-    )
-    pp, dpp = spec.prefill.pp, spec.decode.pp
-    stages = [s for s in range(pp) if decode_pp_stage(s, pp, dpp) == decode_stage]
-    return [(p, c, s) for s in stages for p in tps for c in cps]
-
-
-def receives_request_rows(spec: PDClusterSpec, decode_stage: int) -> bool:
-    """The decode stage the last prefill stage sends aux and state to."""
-    pp = spec.prefill.pp
-    return decode_stage == decode_pp_stage(pp - 1, pp, spec.decode.pp)
-
-
-def routes_for_decode(spec: PDClusterSpec, decode_tp_rank: int) -> list[KvRoute]:
-    return [
-        r
-        for p in range(spec.prefill.tp)
-        for r in routes_from_prefill(p, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
-        if r.decode_tp_rank == decode_tp_rank
-    ]
 
 
 def _runs(src: Sequence[int], dst: Sequence[int], coalesce: bool) -> list[tuple[int, int, int]]:

@@ -4,17 +4,20 @@ The status of a PDCluster publishes what one request of `model.expectedPromptTok
 on the wire from a prefill replica to the decode replica it feeds, so an operator can compare the
 agents' measured bytes with the prediction and see what the dedup saves.
 
-Model of one request (every rule comes from the policy modules, nothing is re-derived here):
-- KV: the prompt's pages, K and V, for every layer. Each (prefill TP rank -> decode TP rank)
-  route from `kv_routes` carries its heads; prefill CP ranks that send (`sending_cp_ranks`) each
-  send their page shard (`cp_page_shard`); PP stage s holds its share of the layers
-  (`pp_layer_range`) and feeds the decode stage `decode_pp_stage` names.
-- State: `model.stateBytesPerRequest` is one prefill rank's full state for one request across
-  `model.stateLayers`. Every route carries the state layers its sending CP rank owns
-  (`state_layer_shard`) within its PP stage (`pp_layer_range`); with dedup,
-  `should_skip_state_transfer` drops the copies CP ranks other than 0 would send again.
-- Aux: one metadata row (`model.auxRowBytes` summed) per route and sending CP rank from the last
-  PP stage (`sends_request_rows`), which produces the output ids; dedup does not touch it.
+The prediction sums the very duties the agents plan their blocks from (`duties.replica_duties`:
+each prefill rank's `sender_duties` for each of its decode targets), so it cannot drift from them;
+nothing is re-derived here but the byte size of each duty (tests/unit/test_traffic_sweep.py proves
+it equal to what `pdfabric_agent.plan.plan_transfer` plans, over every layout). Per (prefill rank
+-> decode rank) pair:
+- KV: the pages of its CP shard, K and V, for every layer of its PP stage, the route's heads (a
+  whole page, or its head slice under a TP mismatch).
+- State: `model.stateBytesPerRequest` is one request's full state across `model.stateLayers`
+  (one state slot). The pair carries the state layers its duties name: only the decode rank's
+  primary source sends, from the last PP stage, the layers its CP rank owns; with dedup the copies
+  CP ranks other than 0 would send again are skipped (counted as "without dedup" here, and by the
+  agents' `pdfabric_state_dedup_skipped_bytes_total`).
+- Aux: one metadata row (`model.auxRowBytes` summed) per decode rank, from its primary source at
+  CP rank 0 on the last PP stage; dedup does not touch it.
 """
 
 from __future__ import annotations
@@ -22,20 +25,34 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
-from pdfabric_core.policy.cp_dedup import should_skip_state_transfer
-from pdfabric_core.policy.rank_mapping import (
-    cp_page_shard,
-    decode_pp_stage,
-    kv_routes,
-    pp_layer_range,
-    sending_cp_ranks,
-    sends_request_rows,
-    state_layer_shard,
-)
+from pdfabric_core.duties import PairDuties, replica_duties
+from pdfabric_core.policy.rank_mapping import pp_layer_range
 from pdfabric_core.spec import PDClusterSpec
+
+__all__ = ["PairBytes", "TrafficEstimate", "duty_bytes", "estimate_traffic", "pair_traffic"]
+
+PrefillRankKey = tuple[int, int, int]  # (tp rank, cp rank, pp stage)
+DecodeRankKey = tuple[int, int]  # (tp rank, pp stage)
+
+
+@dataclass(frozen=True)
+class PairBytes:
+    """Bytes one (prefill rank -> decode rank) pair moves for one request, by kind."""
+
+    kv: int
+    state: int  # with CP-state dedup
+    state_skipped: int  # what the dedup rule saved this pair
+    aux: int
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.state + self.aux
+
+    @property
+    def total_without_dedup(self) -> int:
+        return self.total + self.state_skipped
 
 
 @dataclass(frozen=True)
@@ -89,63 +106,63 @@ class TrafficEstimate:
         }
 
 
-def _overlap(a: range, b: range) -> int:
-    return max(0, min(a.stop, b.stop) - max(a.start, b.start))
+def duty_bytes(spec: PDClusterSpec, pair: PairDuties, *, state_slots: int = 1) -> PairBytes:
+    """Bytes of one pair's duties: what ``plan_transfer`` plans for them (same page count, the
+    stage's layers, the route's heads, the named state layers, the aux row if it sends it)."""
+    m, p = spec.model, spec.prefill
+    duties = pair.duties
+    layers = len(pp_layer_range(m.layers, p.pp, pair.pp_stage))
+    head_page = m.page_size_tokens * m.head_dim * m.dtype_bytes  # one head, one page, K or V
+    state_layer = m.state_bytes_per_request // m.state_layers  # parse_spec: they divide
+    return PairBytes(
+        kv=len(duties.pages) * layers * 2 * duties.route.num_heads * head_page,
+        state=len(duties.state_layers) * state_slots * state_layer,
+        state_skipped=m.state_layers * state_slots * state_layer if duties.state_skipped else 0,
+        aux=sum(m.aux_row_bytes) if duties.send_aux else 0,
+    )
+
+
+def pair_traffic(
+    spec: PDClusterSpec, pages: int, *, state_slots: int = 1
+) -> dict[tuple[PrefillRankKey, DecodeRankKey], PairBytes]:
+    """Bytes per (prefill rank, decode rank) pair of one replica pair for a request of ``pages``
+    pages; pairs without duties (CP ranks that do not send) are absent."""
+    if pages < 0:
+        raise ValueError(f"pages must not be negative, got {pages}")
+    return {
+        ((d.prefill_tp_rank, d.cp_rank, d.pp_stage), (d.decode_tp_rank, d.decode_stage)): duty_bytes(
+            spec, d, state_slots=state_slots
+        )
+        for d in replica_duties(spec, pages)
+    }
 
 
 def estimate_traffic(spec: PDClusterSpec, prompt_tokens: int | None = None) -> TrafficEstimate:
     """Bytes one request moves from one prefill replica to one decode replica (see module doc)."""
-    m, p, d = spec.model, spec.prefill, spec.decode
+    m = spec.model
     tokens = m.expected_prompt_tokens if prompt_tokens is None else prompt_tokens
     if tokens < 0:
         raise ValueError(f"prompt tokens must not be negative, got {tokens}")
     pages = math.ceil(tokens / m.page_size_tokens)
-    routes = kv_routes(p.tp, d.tp, m.kv_heads)
-    senders = sending_cp_ranks(
-        p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split
-    )
-    all_send = p.all_cp_ranks_send
-    head_page_bytes = 2 * m.page_size_tokens * m.head_dim * m.dtype_bytes  # K and V of one head, layer, page
-    state_per_layer = Fraction(m.state_bytes_per_request, m.state_layers)
-    aux_row = sum(m.aux_row_bytes)
+    pairs = pair_traffic(spec, pages)
+    sent: dict[PrefillRankKey, list[int]] = defaultdict(lambda: [0, 0])
+    received: dict[DecodeRankKey, list[int]] = defaultdict(lambda: [0, 0])
+    for (src, dst), b in pairs.items():
+        for acc in (sent[src], received[dst]):
+            acc[0] += b.total
+            acc[1] += b.total_without_dedup
 
-    kv_total = aux_total = 0
-    state_total = state_total_nodedup = Fraction(0)
-    sent: dict[tuple[int, int, int], list[Fraction]] = defaultdict(lambda: [Fraction(0), Fraction(0)])
-    received: dict[tuple[int, int], list[Fraction]] = defaultdict(lambda: [Fraction(0), Fraction(0)])
-    for stage in range(p.pp):
-        layers = len(pp_layer_range(m.layers, p.pp, stage))
-        stage_state = pp_layer_range(m.state_layers, p.pp, stage)
-        dst_stage = decode_pp_stage(stage, p.pp, d.pp)
-        for cp_rank in senders:
-            cp_pages = len(cp_page_shard(pages, p.cp, cp_rank, all_ranks_send=all_send))
-            owned = state_layer_shard(m.state_layers, p.cp, cp_rank, dsa_cache_layer_split=p.dsa_cache_layer_split)
-            state_full = state_per_layer * _overlap(owned, stage_state)
-            skip = should_skip_state_transfer(p.cp, cp_rank, dsa_cache_layer_split=p.dsa_cache_layer_split)
-            state = Fraction(0) if skip else state_full
-            aux = aux_row if sends_request_rows(stage, p.pp) else 0
-            for route in routes:
-                kv = cp_pages * layers * route.num_heads * head_page_bytes
-                kv_total += kv
-                aux_total += aux
-                state_total += state
-                state_total_nodedup += state_full
-                src = sent[(route.prefill_tp_rank, cp_rank, stage)]
-                dst = received[(route.decode_tp_rank, dst_stage)]
-                for acc in (src, dst):
-                    acc[0] += kv + aux + state
-                    acc[1] += kv + aux + state_full
+    def _max(acc: dict[Any, list[int]], i: int) -> int:
+        return max((v[i] for v in acc.values()), default=0)
 
-    def _max(acc: dict[Any, list[Fraction]], i: int) -> int:
-        return round(max((v[i] for v in acc.values()), default=Fraction(0)))
-
+    state = sum(b.state for b in pairs.values())
     return TrafficEstimate(
         prompt_tokens=tokens,
         pages=pages,
-        kv_bytes=kv_total,
-        state_bytes=round(state_total),
-        state_bytes_without_dedup=round(state_total_nodedup),
-        aux_bytes=aux_total,
+        kv_bytes=sum(b.kv for b in pairs.values()),
+        state_bytes=state,
+        state_bytes_without_dedup=state + sum(b.state_skipped for b in pairs.values()),
+        aux_bytes=sum(b.aux for b in pairs.values()),
         max_prefill_rank_bytes=_max(sent, 0),
         max_prefill_rank_bytes_without_dedup=_max(sent, 1),
         max_decode_rank_bytes=_max(received, 0),

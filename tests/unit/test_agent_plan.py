@@ -196,3 +196,14 @@ def test_source_page_count_must_match_the_shard() -> None:
     spec = make_spec({"cp": 2, "allCpRanksTransfer": True})
     with pytest.raises(ValueError, match=r"sends request pages 3\.\.5"):
         plan(spec, 0, 1, 0, [1, 2], [0, 1, 2, 3, 4, 5])
+
+
+def test_duties_are_core_s_the_ones_the_traffic_prediction_sums() -> None:
+    """The agent plans from the duties in pdfabric_core.duties (the status prediction's source);
+    the old names stay importable from here."""
+    from pdfabric_agent import plan as agent_plan
+    from pdfabric_core import duties
+
+    for name in ("Duties", "decode_targets", "sender_duties", "expected_sources", "receives_request_rows"):
+        assert getattr(agent_plan, name) is getattr(duties, name)
+    assert agent_plan.routes_for_decode is duties.routes_for_decode

@@ -45,7 +45,7 @@ CASES = [
         10 * 8 * HEAD_PAGE,
         100,
         800,
-        8 * AUX,
+        AUX,  # one row per decode rank, from CP rank 0 only
     ),
     (
         "cp4-layer-split-no-dedup-needed",
@@ -55,7 +55,7 @@ CASES = [
         4 * 8 * HEAD_PAGE,
         400,
         400,
-        4 * AUX,
+        AUX,
     ),
     (
         "decode-tp-larger-replicates-nothing",
@@ -64,6 +64,17 @@ CASES = [
         0,
         0,
         8 * AUX,
+    ),
+    (
+        "decode-tp-smaller-state-and-aux-from-primary-source-only",
+        pdcluster()
+        .prefill(tp=4)
+        .decode(tp=2)
+        .model(layers=1, kvHeads=8, expectedPromptTokens=16, stateBytesPerRequest=10),
+        8 * HEAD_PAGE,
+        2 * 10,  # one copy per decode rank, not one per route (4 routes)
+        2 * 10,
+        2 * AUX,
     ),
     (
         "pp2-splits-layers-aux-from-last-stage",

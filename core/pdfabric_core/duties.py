@@ -1,0 +1,168 @@
+"""What each prefill rank owes each decode rank for one request: pure, every rule from ``policy``.
+
+A prefill rank (tp p, cp c, pp stage s) sending a request to decode rank d owes:
+- KV: for each route p->d (rank_mapping), the pages of its CP shard (cp_page_shard), every layer
+  of its stage, K and V, the route's heads (a whole page, or a head slice under a TP mismatch);
+- state: only from d's primary source, only from the last PP stage, only the state layers this
+  CP rank owns (state_layer_shard), and nothing when the dedup rule says CP rank 0 sends it
+  (cp_dedup);
+- aux: only from d's primary source at CP rank 0 on the last PP stage, through the engine or over
+  the TCP side channel as aux_path says;
+- pipeline parallel: PP stage s sends its own layers to the decode stage decode_pp_stage names,
+  shifted to that stage's layer numbering.
+Which (p, c, s) a decode rank waits for is ``expected_sources``; both sides use the same rules.
+
+The agent plans its blocks from these duties (``pdfabric_agent.plan``) and the operator's status
+predicts its bytes from them (``pdfabric_core.traffic``), so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pdfabric_core.policy.aux_path import AuxPath, choose_aux_path
+from pdfabric_core.policy.cp_dedup import should_skip_state_transfer
+from pdfabric_core.policy.rank_mapping import (
+    KvRoute,
+    cp_page_shard,
+    decode_pp_stage,
+    pp_layer_range,
+    primary_source,
+    routes_from_prefill,
+    sending_cp_ranks,
+    sends_request_rows,
+    state_layer_shard,
+)
+from pdfabric_core.spec import PDClusterSpec
+
+__all__ = [
+    "Duties",
+    "PairDuties",
+    "decode_targets",
+    "expected_sources",
+    "receives_request_rows",
+    "replica_duties",
+    "routes_for_decode",
+    "sender_duties",
+]
+
+
+@dataclass(frozen=True)
+class Duties:
+    """What one prefill rank owes one decode rank for one room."""
+
+    route: KvRoute
+    pages: range  # positions in the request (cp_page_shard)
+    state_layers: range  # empty when this rank sends no state
+    state_skipped: bool  # True when the dedup rule dropped this rank's state
+    send_aux: bool
+    aux_path: AuxPath
+    dst_layer_offset: int = 0  # decode local layer = prefill local layer + this (PP stages)
+
+
+@dataclass(frozen=True)
+class PairDuties:
+    """The duties of one (prefill rank, decode rank) pair of one replica pair."""
+
+    prefill_tp_rank: int
+    cp_rank: int
+    pp_stage: int
+    decode_tp_rank: int
+    decode_stage: int
+    duties: Duties
+
+
+# The routes depend on three sizes only and are asked for on every room: computed once per sizes.
+@functools.lru_cache(maxsize=1024)
+def _routes_from(prefill_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> tuple[KvRoute, ...]:
+    return tuple(routes_from_prefill(prefill_tp_rank, prefill_tp, decode_tp, kv_heads))
+
+
+@functools.lru_cache(maxsize=1024)
+def _primary(decode_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> int:
+    return primary_source(decode_tp_rank, prefill_tp, decode_tp, kv_heads)
+
+
+def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
+    return list(_routes_from(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads))
+
+
+def sender_duties(
+    spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: int, pp_stage: int = 0
+) -> Duties | None:
+    """Duties of prefill (route.prefill_tp_rank, cp_rank, pp_stage) for route's decode rank (at
+    the decode stage ``decode_pp_stage`` names); None: nothing."""
+    cp = spec.prefill.cp
+    split = spec.prefill.dsa_cache_layer_split
+    if cp_rank not in sending_cp_ranks(
+        cp, all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer, dsa_cache_layer_split=split
+    ):
+        return None
+    primary = route.prefill_tp_rank == _primary(
+        route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads
+    )
+    skip = should_skip_state_transfer(cp, cp_rank, dsa_cache_layer_split=split)
+    state_layers = state_layer_shard(spec.model.state_layers, cp, cp_rank, dsa_cache_layer_split=split)
+    has_state = spec.model.state_bytes_per_request > 0
+    pp, dpp, layers = spec.prefill.pp, spec.decode.pp, spec.model.layers
+    rows = sends_request_rows(pp_stage, pp)
+    primary = primary and rows
+    offset = pp_layer_range(layers, pp, pp_stage).start
+    offset -= pp_layer_range(layers, dpp, decode_pp_stage(pp_stage, pp, dpp)).start
+    return Duties(
+        route=route,
+        pages=cp_page_shard(num_pages, cp, cp_rank, all_ranks_send=spec.prefill.all_cp_ranks_send),
+        state_layers=state_layers if (primary and has_state and not skip) else range(0),
+        state_skipped=primary and has_state and skip,
+        send_aux=primary and cp_rank == 0,
+        aux_path=choose_aux_path(spec.transfer.mem_pool, aux_over_tcp=spec.transfer.aux_over_tcp),
+        dst_layer_offset=offset,
+    )
+
+
+def replica_duties(spec: PDClusterSpec, num_pages: int) -> list[PairDuties]:
+    """Every duty one prefill replica has towards the decode replica it feeds for a request of
+    ``num_pages`` pages: each prefill rank's ``sender_duties`` for each of its ``decode_targets``,
+    exactly as its agent plans them; ranks that owe nothing are left out."""
+    p = spec.prefill
+    out: list[PairDuties] = []
+    for stage in range(p.pp):
+        decode_stage = decode_pp_stage(stage, p.pp, spec.decode.pp)
+        for tp_rank in range(p.tp):
+            for route in decode_targets(spec, tp_rank):
+                for cp_rank in range(p.cp):
+                    duties = sender_duties(spec, route, cp_rank, num_pages, stage)
+                    if duties is not None:
+                        out.append(PairDuties(tp_rank, cp_rank, stage, route.decode_tp_rank, decode_stage, duties))
+    return out
+
+
+def expected_sources(spec: PDClusterSpec, decode_tp_rank: int, decode_stage: int = 0) -> list[tuple[int, int, int]]:
+    """(prefill tp rank, cp rank, pp stage) a decode rank waits for before its room is complete."""
+    cps = sending_cp_ranks(
+        spec.prefill.cp,
+        all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer,
+        dsa_cache_layer_split=spec.prefill.dsa_cache_layer_split,
+    )
+    tps = sorted(
+        {r.prefill_tp_rank for r in routes_for_decode(spec, decode_tp_rank)},
+    )
+    pp, dpp = spec.prefill.pp, spec.decode.pp
+    stages = [s for s in range(pp) if decode_pp_stage(s, pp, dpp) == decode_stage]
+    return [(p, c, s) for s in stages for p in tps for c in cps]
+
+
+def receives_request_rows(spec: PDClusterSpec, decode_stage: int) -> bool:
+    """The decode stage the last prefill stage sends aux and state to."""
+    pp = spec.prefill.pp
+    return decode_stage == decode_pp_stage(pp - 1, pp, spec.decode.pp)
+
+
+def routes_for_decode(spec: PDClusterSpec, decode_tp_rank: int) -> list[KvRoute]:
+    return [
+        r
+        for p in range(spec.prefill.tp)
+        for r in _routes_from(p, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
+        if r.decode_tp_rank == decode_tp_rank
+    ]
