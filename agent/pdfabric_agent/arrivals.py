@@ -29,13 +29,14 @@ from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import malformed, out_of_range
 from pdfabric_agent.labels import Completion, Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS, PeerRefused
-from pdfabric_agent.plan import expected_sources
+from pdfabric_agent.plan import decode_targets, expected_sources, sender_duties
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import AnyRoom, DecodeRoom, RoomState
 from pdfabric_agent.tasks import later
 from pdfabric_agent.wire import (
     BytesByPath,
     DoneReport,
+    KindBytes,
     LaunchNotice,
     ReceiveRequest,
     RoomInfo,
@@ -43,8 +44,10 @@ from pdfabric_agent.wire import (
     zero_bytes,
 )
 from pdfabric_agent.writer import TCP_SIDE_CHANNEL
+from pdfabric_core.duties import PairDuties
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
+from pdfabric_core.traffic import duty_bytes
 
 log = logging.getLogger("pdfabric.agent")
 
@@ -72,10 +75,11 @@ class DecodeArrivals:
         local = ctx.ranks.local(msg.rank, Role.DECODE)
         msg.check_bounds(local.layout, ctx.spec.prefill.replicas)
         ctx.rooms.refuse_reuse(Role.DECODE, msg.rank, msg.room)
-        expected = {}
+        expected, owed = {}, {}
         for p, c, s in expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank):
             prefill_rank = Rank(Role.PREFILL, msg.peer_replica, p, c, s).rank_id
             expected[prefill_rank] = ctx.ranks.agent_for(prefill_rank)
+            owed[prefill_rank] = self._owed(local, (p, c, s), msg)
         now = ctx.clock()
         room = DecodeRoom(
             rank=msg.rank,
@@ -86,6 +90,7 @@ class DecodeArrivals:
             dst_state=msg.state_indices,
             dst_aux=msg.aux_index,
             expected=expected,
+            owed=owed,
         )
         # Last check before the room exists: nothing is claimed or created when it refuses.
         room.claim = self.claims.claim(msg.rank, local.layout, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
@@ -103,6 +108,23 @@ class DecodeArrivals:
         )
         ctx.tasks.spawn(self._bootstrap(room, info))
         return room.view()
+
+    def _owed(self, local: LocalRank, source: tuple[int, int, int], msg: ReceiveRequest) -> KindBytes:
+        """What one source must deliver into this room: the bytes its own agent plans from the same
+        duties (``core.duties``, ``core.traffic.duty_bytes``), so a report can be held to them."""
+        spec = self.ctx.spec
+        p, c, s = source
+        d, ds = local.rank.tp_rank, local.rank.pp_rank
+        route = next(r for r in decode_targets(spec, p) if r.decode_tp_rank == d)
+        duties = sender_duties(spec, route, c, len(msg.kv_pages), s)
+        if duties is None:  # expected_sources names only sources that send
+            return zero_bytes()
+        owed = duty_bytes(spec, PairDuties(p, c, s, d, ds, duties), state_slots=len(msg.state_indices))
+        return {
+            Kind.KV.value: owed.kv,
+            Kind.STATE.value: owed.state if msg.state_indices else 0,
+            Kind.AUX.value: owed.aux if msg.aux_index is not None else 0,
+        }
 
     async def _bootstrap(self, room: DecodeRoom, info: RoomInfo) -> None:
         ctx = self.ctx
@@ -147,6 +169,18 @@ class DecodeArrivals:
             raise malformed(f"bytes_by_path names paths {unknown[:3]}; known paths are {sorted(self.paths)}")
         return room, local
 
+    @staticmethod
+    def _check_owed(room: DecodeRoom, prefill_rank: str, by_path: BytesByPath) -> None:
+        """A source's report must say it delivered exactly what this room planned from it: a report
+        of other bytes (a faulty or forged peer) is refused, and the room waits for the right one."""
+        said = zero_bytes()
+        for per_kind in by_path.values():
+            for kind, n in per_kind.items():
+                said[kind] += n
+        owed = room.owed.get(prefill_rank)
+        if owed is not None and said != owed:
+            raise out_of_range(f"{prefill_rank} reports {said} for room {room.room}, which expects {owed} from it")
+
     def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
         room, local = self._source(msg, sender_agent)
         if room.state.finished or msg.prefill_rank in room.arrived:
@@ -156,6 +190,7 @@ class DecodeArrivals:
         if not msg.ok:
             self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, f"{msg.prefill_rank} failed: {msg.reason}")
             return {"state": room.state.title}
+        self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
         rows = self._aux_rows(msg.aux_rows, local, room)
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
         return {"state": room.state.title}
@@ -167,6 +202,7 @@ class DecodeArrivals:
         source = msg.prefill_rank
         if room.state.finished or source in room.arrived:
             return {"state": room.state.title}
+        self._check_owed(room, source, msg.bytes_by_path)
         try:
             self.completions.watch(
                 list(msg.marks),

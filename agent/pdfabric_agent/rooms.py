@@ -105,6 +105,7 @@ class DecodeRoom(Room):
     dst_aux: int | None
     expected: dict[str, str]  # prefill rank id -> agent name
     claim: int | None = None  # its destinations' claim (claims.DestinationClaims)
+    owed: dict[str, KindBytes] = field(default_factory=dict)  # prefill rank id -> bytes it must deliver
     arrived: set[str] = field(default_factory=set)
     senders: dict[str, KindBytes] = field(default_factory=dict)
 

@@ -55,7 +55,11 @@ def board(fabric: LocalFabric) -> Iterator[Board]:
     b.close()
 
 
-def notice(lc: LocalFabric, room: int, marks: list[dict[str, Any]], kv: int = 4096) -> tuple[int, dict[str, Any]]:
+# What open_room's room plans from its one source: 2 pages x 2 layers x K/V x 2 heads x 256 B.
+KV = 2048
+
+
+def notice(lc: LocalFabric, room: int, marks: list[dict[str, Any]], kv: int = KV) -> tuple[int, dict[str, Any]]:
     body = {
         "cluster": lc.uid,
         "room": room,
@@ -89,14 +93,14 @@ def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, 
     board.store(4, 8)
     view = lc.client(D).wait(D, 1001, 5)
     assert view["state"] == "Success"
-    assert view["bytes"] == {"kv": 4096, "state": 0, "aux": 16}
-    assert view["senders"] == {P: {"kv": 4096, "state": 0, "aux": 16}}
+    assert view["bytes"] == {"kv": KV, "state": 0, "aux": 16}
+    assert view["senders"] == {P: {"kv": KV, "state": 0, "aux": 16}}
     after = lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel")
-    assert after - before == 4096 + 16
+    assert after - before == KV + 16
     assert lc.metric_sum("pdfabric_decode_completions_total", how="completion-board") == seen + 1
     # A done report of the same source afterwards changes nothing (no bytes counted twice).
     body = {"cluster": lc.uid, "room": 1001, "decode_rank": D, "prefill_rank": P, "ok": True,
-            "bytes_by_path": {"nvlink-kernel": {"kv": 4096}}}  # fmt: skip
+            "bytes_by_path": {"nvlink-kernel": {"kv": KV}}}  # fmt: skip
     code, doc = raw_post(lc, lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), lc.token)
     assert (code, doc["state"]) == (200, "Success")
     assert lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel") == after

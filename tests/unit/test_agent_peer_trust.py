@@ -142,3 +142,24 @@ def test_a_room_id_names_one_request(decode: Agent) -> None:
         await decode.close()
 
     asyncio.run(go())
+
+
+def test_a_report_must_carry_exactly_what_the_room_planned_from_that_source(decode: Agent) -> None:
+    """2 pages x 2 layers x K/V x 128 B, one 64 B state slot, one 24 B aux row: a report of
+    anything else (10^15 KV bytes, a missing kind) is refused and the room keeps waiting."""
+    owed = {"kv": 1024, "state": 64, "aux": 24}
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 7, [3, 4], [1], 1, 0))
+        room = decode.rooms.decode[(D, 7)]
+        assert room.owed == {P: owed}
+        for wrong in ({"kv": 10**15, "state": 64, "aux": 24}, {"kv": 1024, "state": 64}):
+            err = refused(lambda w=wrong: decode.accept_done(DoneReport(7, D, P, {"mooncake": w}, ok=True)))
+            assert (err.status, err.reason) == (400, "out_of_range") and "expects" in err.message
+            assert room.state.title == "Bootstrapping" and not room.arrived
+        split = {"mooncake": {"kv": 1024, "state": 64}, "tcp-side-channel": {"aux": 24}}
+        assert decode.accept_done(DoneReport(7, D, P, split, ok=True))["state"] == "Success"
+        assert room.moved == owed
+        await decode.close()
+
+    asyncio.run(go())
