@@ -1,7 +1,7 @@
 """Agent settings from the environment, each documented and checked at start.
 
-The operator sets NODE_NAME, POD_NAME, PDFABRIC_RANKMAP and PDFABRIC_TOKEN_FILE; everything else
-has a default that suits a Kubernetes pod. Tests and the local demo override ports and peer
+The operator sets NODE_NAME, POD_NAME, PDFABRIC_RANKMAP, PDFABRIC_ENGINE_TOKEN_FILE and
+PDFABRIC_PEER_TLS_DIR; everything else has a default that suits a Kubernetes pod. Tests and the local demo override ports and peer
 addresses because several agents share one loopback interface there.
 """
 
@@ -11,8 +11,11 @@ import ipaddress
 import json
 import os
 import socket
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from pdfabric_agent import tls
 
 
 class ConfigError(ValueError):
@@ -24,22 +27,36 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "NODE_NAME": (None, "Node this agent runs on; selects its entry in the rank map (required)."),
     "POD_NAME": ("", "Agent pod name, for logs."),
     "PDFABRIC_RANKMAP": (None, "Path of rankmap.json from the operator's ConfigMap (required)."),
-    "PDFABRIC_TOKEN_FILE": (None, "Path of the per-cluster token; API requests must carry it (required)."),
+    "PDFABRIC_ENGINE_TOKEN_FILE": (
+        None,
+        "Path of the engine token (the `<cluster>-engine-token` Secret); engine API requests must carry it (required).",
+    ),
+    "PDFABRIC_PEER_TLS_DIR": (
+        None,
+        "Directory of this agent's peer certificate (`tls.crt`, `tls.key`) and the cluster CA (`ca.crt`), "
+        "the `<agent>-peer-tls` Secret (required).",
+    ),
     "PDFABRIC_BIND_ADDRESS": (
         "",
-        "Address the API and metrics servers bind; default POD_IP, else the address the pod's "
+        "Address the peer door and metrics servers bind; default POD_IP, else the address the pod's "
         "hostname resolves to, else 0.0.0.0. Peers and the kubelet need the pod address, nothing else.",
     ),
-    "PDFABRIC_API_PORT": ("", "Transfer API port; default spec.agent.apiPort (7400)."),
+    "PDFABRIC_API_PORT": ("", "Engine door port, on 127.0.0.1 only; default spec.agent.apiPort (7400)."),
+    "PDFABRIC_PEER_PORT": ("", "Peer door port (mutual TLS, on the bind address); default spec.agent.peerPort (7401)."),
     "PDFABRIC_METRICS_PORT": ("", "Metrics and probe port; default spec.agent.metricsPort (9400)."),
     "PDFABRIC_ENGINE_HOST": (
         "",
         "Host the transfer engines advertise to peers; default POD_IP, else the hostname's address, else 127.0.0.1.",
     ),
-    "PDFABRIC_PEERS": ("", 'JSON {"agent-name": "host:port"} overriding peer API addresses (local runs).'),
+    "PDFABRIC_PEERS": (
+        "",
+        'JSON {"agent-name": "host:port"} overriding peer door addresses (local runs); the peer '
+        "certificate is still verified against the host name of the template below.",
+    ),
     "PDFABRIC_PEER_HOST_TEMPLATE": (
         "{name}.{cluster}-agents.{namespace}.svc",
-        "Peer API host from the rank map's agent name (pod DNS name under the headless Service).",
+        "Peer door host from the rank map's agent name (pod DNS name under the headless Service); "
+        "the peer's certificate must carry it.",
     ),
     "PDFABRIC_KV_PAGES": ("256", "KV pages per pool (per rank, per layer, K and V each)."),
     "PDFABRIC_STATE_SLOTS": ("64", "State slots per rank (one request's state each)."),
@@ -64,7 +81,7 @@ class AgentConfig:
     node_name: str
     pod_name: str
     rankmap_path: str
-    token: str
+    token: str  # the engine token: the engine door admits only requests carrying it
     bind_address: str
     api_port: int | None
     metrics_port: int | None
@@ -82,6 +99,8 @@ class AgentConfig:
     heartbeat_s: float = 5.0
     room_ttl_s: float = 600.0
     workers: int = 8
+    peer_port: int | None = None
+    peer_tls_dir: str = ""  # tls.crt, tls.key, ca.crt (see tls.py)
 
 
 def _int(env: Mapping[str, str], name: str, minimum: int = 1) -> int:
@@ -127,16 +146,26 @@ def own_address() -> str | None:
 
 def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
     env = os.environ if env is None else env
-    for required in ("NODE_NAME", "PDFABRIC_RANKMAP", "PDFABRIC_TOKEN_FILE"):
+    for required in ("NODE_NAME", "PDFABRIC_RANKMAP", "PDFABRIC_ENGINE_TOKEN_FILE"):
         if not env.get(required):
             raise ConfigError(f"{required} is not set: {SETTINGS[required][1]}")
+    token_file = env["PDFABRIC_ENGINE_TOKEN_FILE"]
     try:
-        with open(env["PDFABRIC_TOKEN_FILE"], encoding="utf-8") as fh:
+        with open(token_file, encoding="utf-8") as fh:
             token = fh.read().strip()
     except OSError as exc:
-        raise ConfigError(f"PDFABRIC_TOKEN_FILE {env['PDFABRIC_TOKEN_FILE']!r} cannot be read: {exc}") from None
+        raise ConfigError(f"PDFABRIC_ENGINE_TOKEN_FILE {token_file!r} cannot be read: {exc}") from None
     if len(token) < 16:
-        raise ConfigError("the cluster token in PDFABRIC_TOKEN_FILE is shorter than 16 characters")
+        raise ConfigError("the engine token in PDFABRIC_ENGINE_TOKEN_FILE is shorter than 16 characters")
+    tls_dir = env.get("PDFABRIC_PEER_TLS_DIR", "")
+    if tls_dir:  # required to serve (require_peer_tls); in-process tests of the agent run without
+        try:  # both contexts, so a bad certificate, key or CA is a start-up error naming the variable
+            tls.server_context(tls_dir)
+            tls.client_context(tls_dir)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"PDFABRIC_PEER_TLS_DIR {tls_dir!r}: cannot load the peer certificate, key or CA: {exc}"
+            ) from None
     peers_raw = env.get("PDFABRIC_PEERS") or "{}"
     try:
         peers = json.loads(peers_raw)
@@ -173,10 +202,18 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
         heartbeat_s=_float(env, "PDFABRIC_HEARTBEAT_S"),
         room_ttl_s=_float(env, "PDFABRIC_ROOM_TTL_S"),
         workers=_int(env, "PDFABRIC_WORKERS"),
+        peer_port=_port(env, "PDFABRIC_PEER_PORT"),
+        peer_tls_dir=tls_dir,
     )
     if cfg.probe_backoff_max_s < cfg.probe_backoff_s:
         raise ConfigError("PDFABRIC_PROBE_BACKOFF_MAX_S must be at least PDFABRIC_PROBE_BACKOFF_S")
     return cfg
+
+
+def require_peer_tls(cfg: AgentConfig) -> None:
+    """The agent process serves its peer door only with its certificate: no TLS directory, no start."""
+    if not cfg.peer_tls_dir:
+        raise ConfigError(f"PDFABRIC_PEER_TLS_DIR is not set: {SETTINGS['PDFABRIC_PEER_TLS_DIR'][1]}")
 
 
 def settings_markdown() -> str:

@@ -17,14 +17,15 @@ import sys
 
 from aiohttp import web
 
-from pdfabric_agent import metrics
+from pdfabric_agent import metrics, tls
 from pdfabric_agent.agent import Agent
 from pdfabric_agent.backends import make_backend
-from pdfabric_agent.config import AgentConfig, ConfigError, load_config
+from pdfabric_agent.config import AgentConfig, ConfigError, load_config, require_peer_tls
+from pdfabric_agent.guard import GuardedTCPSite
 from pdfabric_agent.hardware import Hardware, detect_hardware
 from pdfabric_agent.pools import Pool, PoolLayout, RankPools
 from pdfabric_agent.ranks import LocalRank
-from pdfabric_agent.server import Readiness, build_api_app, build_metrics_app
+from pdfabric_agent.server import Door, Readiness, build_api_app, build_metrics_app
 from pdfabric_agent.transport import TransportChoice, TransportError, choose_transport, mooncake_env
 from pdfabric_agent.writer import TCP_SIDE_CHANNEL
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
@@ -36,6 +37,9 @@ from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
 log = logging.getLogger("pdfabric.main")
 
 TICK_S = 0.1  # deadline and probe resolution; cheap (a scan of the active rooms)
+# The engine door listens on loopback only: engines in the agent pod's network namespace reach it,
+# nothing on the network does (issue 12 runs the engines beside the agent in the same pod).
+ENGINE_DOOR_HOST = "127.0.0.1"
 
 
 def remove_stale_pools(shm_dir: str, cluster_uid: str) -> None:
@@ -167,10 +171,16 @@ async def serve(cfg: AgentConfig) -> int:
         for role in roles:
             metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
         agent = Agent(cfg, rankmap, spec, ranks, choice.transport.value)
-        arunner = web.AppRunner(build_api_app(agent), access_log=None)
-        await arunner.setup()
-        await web.TCPSite(arunner, cfg.bind_address, cfg.api_port or spec.agent.api_port).start()
-        runners.append(arunner)
+        prunner = web.AppRunner(build_api_app(agent, Door.PEER), access_log=None)
+        await prunner.setup()
+        runners.append(prunner)
+        peer_port = cfg.peer_port or spec.agent.peer_port
+        ssl_ctx = tls.server_context(cfg.peer_tls_dir)
+        await GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=ssl_ctx).start()
+        erunner = web.AppRunner(build_api_app(agent, Door.ENGINE), access_log=None)
+        await erunner.setup()
+        runners.append(erunner)
+        await GuardedTCPSite(erunner, ENGINE_DOOR_HOST, cfg.api_port or spec.agent.api_port).start()
         readiness.ready, readiness.reason = True, "Ready"
         readiness.message = f"{len(ranks)} ranks on {choice.transport.value}" + (
             f" ({choice.note})" if choice.note else ""
@@ -211,6 +221,7 @@ def main() -> None:
     )
     try:
         cfg = load_config()
+        require_peer_tls(cfg)
     except ConfigError as exc:
         print(f"pdfabric-agent: {exc}", file=sys.stderr)
         sys.exit(2)

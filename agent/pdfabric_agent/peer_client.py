@@ -1,5 +1,9 @@
-"""The agent's side of talking to peer agents: one HTTP session, typed messages, probes and the
+"""The agent's side of talking to peer agents: one HTTPS session, typed messages, probes and the
 peers' health (blacklist on failure, re-probe with backoff, heartbeat misses).
+
+Peers are reached on their peer door (spec.agent.peerPort) over mutual TLS: this agent presents
+its own certificate, and a peer's must chain to the cluster CA and carry the host name the rank
+map's agent is dialled by (``peer_host``), even when ``PDFABRIC_PEERS`` gives another address.
 
 A peer that answers with an error status raises ``PeerRefused`` (status, reason, message); a peer
 that cannot be reached raises what aiohttp raises (``PEER_UNREACHABLE``)."""
@@ -12,11 +16,12 @@ from typing import Any
 
 import aiohttp
 
-from pdfabric_agent import metrics
+from pdfabric_agent import metrics, tls
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.peers import PeerHealth
 from pdfabric_agent.wire import PeerMessage
 from pdfabric_core.rankmap import RankMap
+from pdfabric_core.spec import parse_spec
 
 log = logging.getLogger("pdfabric.agent")
 
@@ -40,31 +45,40 @@ PEER_ERRORS = (PeerRefused, aiohttp.ClientError, TimeoutError, OSError)
 
 class PeerClient:
     def __init__(self, cfg: AgentConfig, rankmap: RankMap, api_port: int, clock: Callable[[], float]) -> None:
+        # ``api_port`` is not a peer's port any more (the engine door listens on loopback only);
+        # every agent's peer door listens on the spec's peerPort.
+        del api_port
         self.cfg = cfg
         self.rankmap = rankmap
-        self.api_port = api_port
+        self.peer_port = parse_spec(rankmap.spec).agent.peer_port
         self.health = PeerHealth(cfg.probe_backoff_s, cfg.probe_backoff_max_s, clock)
         self._http: aiohttp.ClientSession | None = None
         self._probing: set[str] = set()
         self._missed: dict[str, int] = {}  # agent -> consecutive missed heartbeats
 
+    def peer_host(self, agent_name: str) -> str:
+        """The host name agent ``agent_name`` is dialled by, and its certificate must carry."""
+        rm = self.rankmap
+        return self.cfg.peer_host_template.format(name=agent_name, cluster=rm.cluster, namespace=rm.namespace)
+
     def address(self, agent_name: str) -> str:
         if agent_name in self.cfg.peers:
             return self.cfg.peers[agent_name]
-        rm = self.rankmap
-        host = self.cfg.peer_host_template.format(name=agent_name, cluster=rm.cluster, namespace=rm.namespace)
-        return f"{host}:{self.api_port}"
+        return f"{self.peer_host(agent_name)}:{self.peer_port}"
 
     async def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cfg.token}"})
+            connector = aiohttp.TCPConnector(ssl=tls.client_context(self.cfg.peer_tls_dir))
+            self._http = aiohttp.ClientSession(connector=connector)
         return self._http
 
     async def post(self, agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
         session = await self._session()
-        url = f"http://{self.address(agent_name)}{msg.PATH}"
+        url = f"https://{self.address(agent_name)}{msg.PATH}"
         body = {**msg.to_json(), "cluster": self.rankmap.cluster_uid}
-        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
+        ) as resp:
             data = await resp.json(content_type=None)
             if not isinstance(data, dict):
                 data = {}
@@ -75,8 +89,10 @@ class PeerClient:
     async def ping(self, agent_name: str, timeout_s: float = 2.0) -> bool:
         session = await self._session()
         try:
-            url = f"http://{self.address(agent_name)}/v1/peer/ping"
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            url = f"https://{self.address(agent_name)}/v1/peer/ping"
+            async with session.get(
+                url, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
+            ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False

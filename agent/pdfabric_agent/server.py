@@ -1,14 +1,21 @@
 """HTTP surfaces of the agent.
 
-- Transfer API (apiPort): the serving engine's client and peer agents. Every request must carry
-  ``Authorization: Bearer <cluster token>``, and every body names the cluster uid; anything else
-  is refused before it can change state. A refusal answers ``{"error", "reason"}``.
+- Two doors into the transfer API, one app each (``Door``), every body naming the cluster uid;
+  anything else is refused before it can change state. A refusal answers ``{"error", "reason"}``.
+  - Engine door (apiPort, 127.0.0.1 only): the serving engines on the node (in the agent pod's
+    network namespace) with ``Authorization: Bearer <engine token>``: /v1/info, /v1/send,
+    /v1/receive, /v1/rooms/...
+  - Peer door (peerPort, the pod address, mutual TLS): other agents, each by its certificate from
+    the cluster CA; the name in it must be an agent of the rank map and is handed to the handlers
+    as ``sender_agent``: /v1/peer/dst, /v1/peer/done, /v1/peer/launched, /v1/peer/ping.
+  A route of one door is not served on the other (404).
 - Metrics port: /metrics, /healthz (liveness: the process serves), /readyz (ready: transport
   validated, engines up; otherwise 503 with the reason the operator surfaces).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -17,7 +24,7 @@ from typing import Any, Protocol, Self, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdfabric_agent import metrics
+from pdfabric_agent import metrics, tls
 from pdfabric_agent.agent import Agent
 from pdfabric_agent.errors import ApiError, malformed
 from pdfabric_agent.guard import CLUSTER, LIMITS, Limits
@@ -78,13 +85,37 @@ M = TypeVar("M", bound=_Message)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_api_app(agent: Agent) -> web.Application:
+class Door(enum.Enum):
+    ENGINE = "engine"  # 127.0.0.1:apiPort, the engine token
+    PEER = "peer"  # pod address:peerPort, mutual TLS from the cluster CA
+
+
+PEER_AGENT = web.RequestKey("peer_agent", str)  # the authenticated caller on the peer door
+
+
+def peer_identity(agent: Agent, request: web.Request) -> str:
+    """The calling agent, from its verified client certificate (the TLS handshake already refused
+    a missing one or one from another CA): its name must be an agent of this cluster's rank map."""
+    name = tls.peer_agent(request.transport.get_extra_info("peercert") if request.transport else None)
+    if name is None:
+        raise ApiError(401, Refusal.UNAUTHORIZED, "the peer door needs a client certificate from the cluster CA")
+    if name not in {a.name for a in agent.rankmap.agents}:
+        raise ApiError(
+            403, Refusal.UNAUTHORIZED, f"certificate of {name!r}, which is no agent of this cluster's rank map"
+        )
+    return name
+
+
+def build_api_app(agent: Agent, door: Door) -> web.Application:
     cluster = agent.cluster
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            agent.check_token(_authorization(request))
+            if door is Door.ENGINE:
+                agent.check_token(_authorization(request))
+            else:
+                request[PEER_AGENT] = peer_identity(agent, request)
             return await handler(request)
         except ApiError as exc:
             return _refuse(cluster, exc)
@@ -138,13 +169,14 @@ def build_api_app(agent: Agent) -> web.Application:
         return web.json_response(await agent.poll(request.match_info["rank"], room, wait_s))
 
     async def peer_dst(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_dst(await parsed(request, RoomInfo)))
+        return web.json_response(agent.accept_dst(await parsed(request, RoomInfo), sender_agent=request[PEER_AGENT]))
 
     async def peer_done(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_done(await parsed(request, DoneReport)))
+        return web.json_response(agent.accept_done(await parsed(request, DoneReport), sender_agent=request[PEER_AGENT]))
 
     async def peer_launched(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_launched(await parsed(request, LaunchNotice)))
+        msg = await parsed(request, LaunchNotice)
+        return web.json_response(agent.accept_launched(msg, sender_agent=request[PEER_AGENT]))
 
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})
@@ -157,14 +189,16 @@ def build_api_app(agent: Agent) -> web.Application:
     cap = min(MAX_BODY, body_cap(lr.layout for lr in agent.ranks.values()))
     app = web.Application(middlewares=[guard], client_max_size=cap, handler_args=limits.handler_args())
     app[LIMITS], app[CLUSTER], app[BODY_CAP] = limits, cluster, cap
-    app.router.add_get("/v1/info", info)
-    app.router.add_post("/v1/send", send)
-    app.router.add_post("/v1/receive", receive)
-    app.router.add_get("/v1/rooms/{rank}/{room}", poll)
-    app.router.add_post("/v1/peer/dst", peer_dst)
-    app.router.add_post("/v1/peer/done", peer_done)
-    app.router.add_post("/v1/peer/launched", peer_launched)
-    app.router.add_get("/v1/peer/ping", ping)
+    if door is Door.ENGINE:
+        app.router.add_get("/v1/info", info)
+        app.router.add_post("/v1/send", send)
+        app.router.add_post("/v1/receive", receive)
+        app.router.add_get("/v1/rooms/{rank}/{room}", poll)
+    else:
+        app.router.add_post("/v1/peer/dst", peer_dst)
+        app.router.add_post("/v1/peer/done", peer_done)
+        app.router.add_post("/v1/peer/launched", peer_launched)
+        app.router.add_get("/v1/peer/ping", ping)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 

@@ -137,6 +137,7 @@ class AgentSpec:
     image: str = "pdfabric/agent:latest"
     metrics_port: int = 9400
     api_port: int = 7400
+    peer_port: int = 7401
     resources: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -288,6 +289,8 @@ def validate_spec(spec: PDClusterSpec) -> None:
         raise SpecError("placement.maxGpusPerNode must be at least 1")
     if spec.agent.metrics_port == spec.agent.api_port:
         raise SpecError(f"agent.metricsPort and agent.apiPort must differ (both {spec.agent.api_port})")
+    if spec.agent.peer_port in (spec.agent.metrics_port, spec.agent.api_port):
+        raise SpecError(f"agent.peerPort ({spec.agent.peer_port}) must differ from agent.metricsPort and agent.apiPort")
     m, a = spec.model, spec.agent
     # The CRD's minimums, for specs that did not pass through an API server.
     for name, value, low in (
@@ -301,7 +304,11 @@ def validate_spec(spec: PDClusterSpec) -> None:
     ):
         if value < low:
             raise SpecError(f"{name} must be at least {low}, got {value}")
-    for name, port in (("agent.metricsPort", a.metrics_port), ("agent.apiPort", a.api_port)):
+    for name, port in (
+        ("agent.metricsPort", a.metrics_port),
+        ("agent.apiPort", a.api_port),
+        ("agent.peerPort", a.peer_port),
+    ):
         if not 1 <= port <= 65535:
             raise SpecError(f"{name} must be a port number (1-65535), got {port}")
 

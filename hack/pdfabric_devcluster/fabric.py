@@ -1,27 +1,34 @@
 """Real agent processes on this machine (loopback tcp), seen the way a serving engine sees them:
-the rank map, the token, one client per agent, each agent's /readyz and /metrics.
+the rank map, the engine token, one client per agent (on its engine door), each agent's /readyz
+and /metrics; and the way a peer agent sees them (``peer_post``: its peer door, mutual TLS).
 
 One harness, two ways to get the agents:
 
 - ``LocalFabric(raw_spec, ...)`` places the ranks itself (one agent per role replica, or per
-  ``ranks_per_agent`` ranks), writes the rank map and token an operator would, and runs the
-  agent's real command for each entry (e2e agent tests, benchmarks, GPU tests);
+  ``ranks_per_agent`` ranks), writes the rank map, the engine token, a cluster CA and one peer
+  certificate per agent as the operator would (the operator's own ``pki``), and runs the agent's
+  real command for each entry (e2e agent tests, benchmarks, GPU tests);
 - ``LocalFabric.from_cluster(cluster, namespace, name, runner)`` reads a placed PDCluster's rank
-  map and token from the control plane and drives the agent processes PodRunner started from the
-  operator's pods (the demo, the whole-fabric e2e test).
+  map and engine token from the control plane and drives the agent processes PodRunner started
+  from the operator's pods, with the certificates the operator issued (the demo, the
+  whole-fabric e2e test).
 
-Every process gets free loopback ports in place of its container ports and learns its peers'
-addresses through PDFABRIC_PEERS, standing in for the headless Service's DNS names.
+Every process gets free loopback ports in place of its container ports (engine door, peer door,
+metrics) and learns its peers' peer-door addresses through PDFABRIC_PEERS, standing in for the
+headless Service's DNS names (the certificates still carry those names, and peers verify them).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import os
 import secrets
 import signal
+import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -33,12 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdfabric_agent import tls
 from pdfabric_agent.client import AgentClient
 from pdfabric_agent.config import SETTINGS
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap, replica_ranks
 from pdfabric_core.spec import PDClusterSpec, parse_spec
 from pdfabric_devcluster.procs import console_argv, free_port, source_pythonpath
+from pdfabric_operator import pki
 
 if TYPE_CHECKING:
     from pdfabric_devcluster.cluster import LocalCluster
@@ -47,13 +56,19 @@ if TYPE_CHECKING:
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def loopback_env(peers: Mapping[str, int], api_port: int, metrics_port: int, base: Mapping[str, str]) -> dict[str, str]:
+DEFAULT_PEER_HOST_TEMPLATE = SETTINGS["PDFABRIC_PEER_HOST_TEMPLATE"][0] or ""
+
+
+def loopback_env(
+    peers: Mapping[str, int], api_port: int, peer_port: int, metrics_port: int, base: Mapping[str, str]
+) -> dict[str, str]:
     """What a pod's network gives an agent, for a process on loopback: its own ports and address,
-    its peers' API addresses (agent name -> port), the sources on PYTHONPATH."""
+    its peers' peer-door addresses (agent name -> port), the sources on PYTHONPATH."""
     return {
         "PDFABRIC_BIND_ADDRESS": "127.0.0.1",
         "PDFABRIC_ENGINE_HOST": "127.0.0.1",
         "PDFABRIC_API_PORT": str(api_port),
+        "PDFABRIC_PEER_PORT": str(peer_port),
         "PDFABRIC_METRICS_PORT": str(metrics_port),
         "PDFABRIC_PEERS": json.dumps({name: f"127.0.0.1:{port}" for name, port in peers.items()}),
         "PYTHONPATH": source_pythonpath(base),
@@ -74,10 +89,34 @@ class AgentProcess:
     log_path: Path
     uid: str = ""  # the pod's uid when PodRunner started it: a replaced pod is a new process
     proc: subprocess.Popen[bytes] | None = None
+    peer_port: int = 0  # the peer door (mutual TLS)
 
     @property
     def address(self) -> str:
+        """The engine door (loopback, engine token)."""
         return f"127.0.0.1:{self.api_port}"
+
+    @property
+    def host(self) -> str:
+        """Where the peer door and the metrics port listen (the pod address in a pod)."""
+        return self.env.get("PDFABRIC_BIND_ADDRESS") or "127.0.0.1"
+
+    @property
+    def peer_address(self) -> str:
+        return f"{self.host}:{self.peer_port}"
+
+    @property
+    def tls_dir(self) -> str:
+        """This agent's certificate, key and cluster CA (what its Secret holds)."""
+        return self.env["PDFABRIC_PEER_TLS_DIR"]
+
+    @property
+    def peer_host(self) -> str:
+        """The name peers dial this agent by, and its certificate carries."""
+        template = self.env.get("PDFABRIC_PEER_HOST_TEMPLATE") or DEFAULT_PEER_HOST_TEMPLATE
+        with open(self.env["PDFABRIC_RANKMAP"], encoding="utf-8") as fh:
+            rm = RankMap.from_json(fh.read())
+        return template.format(name=self.name, cluster=rm.cluster, namespace=rm.namespace)
 
     def start(self) -> AgentProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +158,7 @@ class AgentProcess:
     def readyz(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of the agent's /readyz; (0, {}) while nothing answers."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1) as resp:
+            with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/readyz", timeout=1) as resp:
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read())
@@ -150,13 +189,58 @@ class AgentProcess:
         """The agent's /metrics as {(sample name, labels): value}."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         return {
             (s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text)
             for s in family.samples
         }
+
+
+def write_tls_dir(path: Path, leaf: pki.KeyPair, ca: pki.KeyPair) -> Path:
+    """A peer TLS directory as the agent's Secret volume holds it (tls.crt, tls.key, ca.crt)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, data in ((tls.CERT_FILE, leaf.cert_pem), (tls.KEY_FILE, leaf.key_pem), (tls.CA_FILE, ca.cert_pem)):
+        (path / name).write_bytes(data)
+        (path / name).chmod(0o400 if name == tls.KEY_FILE else 0o444)
+    return path
+
+
+def peer_request(
+    agent: AgentProcess,
+    method: str,
+    path: str,
+    data: bytes | None = None,
+    *,
+    tls_dir: str | None = None,
+    timeout: float = 5.0,
+) -> tuple[int, dict[str, Any]]:
+    """One request on ``agent``'s peer door, presenting the certificate in ``tls_dir`` (none when
+    None) and verifying the agent's certificate against its cluster CA and its peer host name.
+    Raises ssl.SSLError / OSError when the door refuses the handshake."""
+    if tls_dir is not None:
+        ctx = tls.client_context(tls_dir)
+    else:
+        ctx = ssl.create_default_context(cafile=os.path.join(agent.tls_dir, tls.CA_FILE))
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_verify_locations(cafile=os.path.join(agent.tls_dir, tls.CA_FILE))  # the server is this cluster's
+    raw = socket.create_connection((agent.host, agent.peer_port), timeout=timeout)
+    try:
+        sock = ctx.wrap_socket(raw, server_hostname=agent.peer_host)
+    except BaseException:
+        raw.close()
+        raise
+    conn = http.client.HTTPConnection(agent.host, agent.peer_port, timeout=timeout)
+    conn.sock = sock
+    try:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        return resp.status, json.loads(body) if body else {}
+    finally:
+        conn.close()
 
 
 def stop_all(agents: Iterable[AgentProcess], timeout: float = 10) -> None:
@@ -191,7 +275,8 @@ class LocalFabric:
 
     spec: PDClusterSpec
     rankmap: RankMap
-    token: str
+    token: str  # the engine token
+    ca: pki.KeyPair | None  # the cluster CA, when this fabric issued the certificates itself
     agents: dict[str, AgentProcess]  # by agent (pod) name
     workdir: str
 
@@ -220,27 +305,39 @@ class LocalFabric:
         rankmap = RankMap("default", "demo", uid, transport, dict(raw_spec), tuple(entries))
         token = secrets.token_hex(16)
         (workdir / "rankmap.json").write_text(rankmap.to_json(), encoding="utf-8")
-        (workdir / "token").write_text(token, encoding="utf-8")
-        ports = {e.name: (free_port(), free_port()) for e in entries}
-        peers = {name: api for name, (api, _) in ports.items()}
+        (workdir / "engine-token").write_text(token, encoding="utf-8")
+        # What the operator issues: the cluster's CA, one certificate per agent named as its pod.
+        ca = pki.new_ca(rankmap.namespace, rankmap.cluster, uid)
+        ports = {e.name: (free_port(), free_port(), free_port()) for e in entries}
+        peers = {name: peer for name, (_, peer, _) in ports.items()}
         agents = {}
         for e in entries:
-            api, met = ports[e.name]
+            api, peer, met = ports[e.name]
+            host = DEFAULT_PEER_HOST_TEMPLATE.format(name=e.name, cluster=rankmap.cluster, namespace=rankmap.namespace)
+            tls_dir = write_tls_dir(
+                workdir / f"{e.name}-tls",
+                pki.issue_agent(ca, namespace=rankmap.namespace, cluster=rankmap.cluster, agent=e.name, dns_name=host),
+                ca,
+            )
             agent_env = {
                 **os.environ,
                 "NODE_NAME": e.node,
                 "POD_NAME": e.name,
                 "PDFABRIC_RANKMAP": str(workdir / "rankmap.json"),
-                "PDFABRIC_TOKEN_FILE": str(workdir / "token"),
+                "PDFABRIC_ENGINE_TOKEN_FILE": str(workdir / "engine-token"),
+                "PDFABRIC_PEER_TLS_DIR": str(tls_dir),
                 "PDFABRIC_KV_PAGES": "64",
                 "PDFABRIC_STATE_SLOTS": "8",
                 "PDFABRIC_AUX_SLOTS": "8",
-                **loopback_env(peers, api, met, os.environ),
+                **loopback_env(peers, api, peer, met, os.environ),
                 **(env or {}),
             }
             argv = console_argv(["pdfabric-agent"])
-            agents[e.name] = AgentProcess(e.name, e.node, argv, agent_env, api, met, workdir / f"{e.name}.log")
+            agents[e.name] = AgentProcess(
+                e.name, e.node, argv, agent_env, api, met, workdir / f"{e.name}.log", peer_port=peer
+            )
         self._attach(spec, rankmap, token, agents, str(workdir))
+        self.ca = ca
 
     @classmethod
     def from_cluster(cls, cluster: LocalCluster, namespace: str, name: str, runner: PodRunner) -> LocalFabric:
@@ -251,11 +348,13 @@ class LocalFabric:
         maps = cluster.get_json("configmaps", "-n", namespace, "-l", selector)["items"]
         (cm,) = [m for m in maps if RANKMAP_KEY in m.get("data", {})]
         rankmap = RankMap.from_json(cm["data"][RANKMAP_KEY])
-        (secret,) = cluster.get_json("secrets", "-n", namespace, "-l", selector)["items"]
+        secrets_ = cluster.get_json("secrets", "-n", namespace, "-l", selector)["items"]
+        (secret,) = [s for s in secrets_ if s["metadata"]["name"] == f"{name}-engine-token"]
         (token_b64,) = secret["data"].values()
         agents = {e.name: runner.pods[e.name] for e in rankmap.agents}
         fabric = cls.__new__(cls)
         fabric._tmp = None
+        fabric.ca = None  # the operator's, in its Secret
         fabric._attach(parse_spec(obj["spec"]), rankmap, base64.b64decode(token_b64).decode().strip(), agents, "")
         return fabric
 
@@ -341,6 +440,27 @@ class LocalFabric:
         if client is None:  # one per agent and identity, so its keep-alive connections are reused
             client = self._clients[key] = AgentClient(*key)
         return client
+
+    def issue_peer_tls(self, agent: str, path: Path, *, ca: pki.KeyPair | None = None) -> str:
+        """A peer TLS directory for agent name ``agent`` (in the rank map or not), from this
+        fabric's CA or from ``ca`` (another cluster's), named and addressed as the operator names
+        agents; for tests that call peer doors as someone else."""
+        ca = ca or self.ca
+        if ca is None:
+            raise RuntimeError("this fabric's CA is the operator's; pass ca=")
+        rm = self.rankmap
+        host = DEFAULT_PEER_HOST_TEMPLATE.format(name=agent, cluster=rm.cluster, namespace=rm.namespace)
+        leaf = pki.issue_agent(ca, namespace=rm.namespace, cluster=rm.cluster, agent=agent, dns_name=host)
+        return str(write_tls_dir(path, leaf, ca))
+
+    def peer_post(
+        self, target: str, path: str, data: bytes, *, as_agent: str | None, tls_dir: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """POST ``data`` to agent ``target``'s peer door as agent ``as_agent`` (its certificate),
+        or with the certificate in ``tls_dir``, or with none (both None)."""
+        if tls_dir is None and as_agent is not None:
+            tls_dir = self.agents[as_agent].tls_dir
+        return peer_request(self.agents[target], "POST", path, data, tls_dir=tls_dir)
 
     def scrape(self, name: str) -> Samples:
         """Parse the agent's /metrics into {(sample name, labels): value}."""

@@ -2,8 +2,10 @@
 
 kwok marks pods Running but runs nothing. For end-to-end tests and the demo, PodRunner reads the
 agent pods the operator made, materialises what the kubelet would (downward-API env, ConfigMap and
-Secret volumes), and starts each container command on this machine as an AgentProcess, with the
-loopback ports and peer addresses of fabric.loopback_env. LocalFabric.from_cluster drives them.
+Secret volumes: the rank map, the engine token, the pod's own peer certificate), and starts each
+container command on this machine as an AgentProcess, with the loopback ports and peer addresses
+of fabric.loopback_env (the engine door, which has no containerPort, gets a port of its own too).
+LocalFabric.from_cluster drives them.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ class PodRunner:
             for c in pod["spec"]["containers"]:
                 for port in c.get("ports", []):
                     self._planned_ports[name].setdefault(port["name"], free_port())
-        peers = {name: ports["api"] for name, ports in self._planned_ports.items() if "api" in ports}
+            # The engine door listens on the pod's loopback (no containerPort); here all agents
+            # share one loopback, so each gets its own port.
+            self._planned_ports[name].setdefault("api", free_port())
+        peers = {name: ports["peer"] for name, ports in self._planned_ports.items() if "peer" in ports}
         for name, pod in pods.items():
             if name not in self.pods:
                 self.pods[name] = self._start(pod, peers)
@@ -67,10 +72,10 @@ class PodRunner:
             for mount_path, local_dir in mounts.items():
                 if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
                     env[key] = str(local_dir) + value[len(mount_path.rstrip("/")) :]
-        env.update(loopback_env(peers, ports["api"], ports["metrics"], env))
+        env.update(loopback_env(peers, ports["api"], ports["peer"], ports["metrics"], env))
         agent = AgentProcess(
             meta["name"], spec["nodeName"], self._command(container), env, ports["api"], ports["metrics"],
-            root / "container.log", uid=meta["uid"],
+            root / "container.log", uid=meta["uid"], peer_port=ports["peer"],
         )  # fmt: skip
         return agent.start()
 

@@ -8,6 +8,7 @@ instead of duplicating.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -21,6 +22,7 @@ from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator import constants as c
+from pdfabric_operator import pki
 from pdfabric_operator.planner import AgentPlacement, Placement
 
 
@@ -64,8 +66,19 @@ def rankmap_name(cluster: str) -> str:
     return f"{cluster}-rankmap"
 
 
-def token_secret_name(cluster: str) -> str:
-    return f"{cluster}-token"
+def engine_token_secret_name(cluster: str) -> str:
+    """The engine door's token: mounted into agent pods (and, with issue 12, the engines beside them)."""
+    return f"{cluster}-engine-token"
+
+
+def ca_secret_name(cluster: str) -> str:
+    """The cluster's peer CA with its key: mounted nowhere, read only by the operator."""
+    return f"{cluster}-peer-ca"
+
+
+def peer_tls_secret_name(agent: str) -> str:
+    """One agent pod's peer certificate and key (and the CA certificate): mounted into that pod only."""
+    return f"{agent}-peer-tls"
 
 
 def service_name(cluster: str) -> str:
@@ -74,12 +87,20 @@ def service_name(cluster: str) -> str:
 
 
 def shared_children(cluster: str) -> list[tuple[str, str]]:
-    """(kind, name) of the children every agent of `cluster` shares: rank map, Service, token."""
+    """(kind, name) of the children every agent of `cluster` shares: rank map, Service, engine
+    token, peer CA."""
     return [
         ("ConfigMap", rankmap_name(cluster)),
         ("Service", service_name(cluster)),
-        ("Secret", token_secret_name(cluster)),
+        ("Secret", engine_token_secret_name(cluster)),
+        ("Secret", ca_secret_name(cluster)),
     ]
+
+
+def peer_dns_name(ref: ClusterRef, agent: str) -> str:
+    """The host name peers dial agent `agent` by (its pod under the headless Service), which its
+    certificate carries; the agents' PDFABRIC_PEER_HOST_TEMPLATE spells the same name."""
+    return f"{agent}.{service_name(ref.name)}.{ref.namespace}.svc"
 
 
 def labels_for(ref: ClusterRef, **extra: str) -> dict[str, str]:
@@ -138,14 +159,51 @@ def build_rankmap_configmap(ref: ClusterRef, rankmap: RankMap) -> dict[str, Any]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {RANKMAP_KEY: text}}
 
 
-def build_token_secret(ref: ClusterRef, token: str) -> dict[str, Any]:
-    """The transfer API's shared token; the caller draws it (secrets.token_urlsafe) once per cluster."""
+def build_engine_token_secret(ref: ClusterRef, token: str) -> dict[str, Any]:
+    """The engine door's token; the caller draws it (secrets.token_urlsafe) once per cluster."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(ref, token_secret_name(ref.name)),
+        "metadata": _meta(ref, engine_token_secret_name(ref.name)),
         "type": "Opaque",
         "stringData": {c.TOKEN_KEY: token},
+    }
+
+
+def build_ca_secret(ref: ClusterRef, ca: pki.KeyPair) -> dict[str, Any]:
+    """The cluster's peer CA; the caller draws it (pki.new_ca) once per cluster."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(ref, ca_secret_name(ref.name)),
+        "type": "kubernetes.io/tls",
+        "stringData": {c.TLS_CERT_KEY: ca.cert_pem.decode(), c.TLS_KEY_KEY: ca.key_pem.decode()},
+    }
+
+
+def ca_from_secret(secret: Mapping[str, Any]) -> pki.KeyPair:
+    """The CA back from its Secret as the API returns it (base64 data), or as built (stringData)."""
+    if "data" not in secret and "stringData" in secret:
+        text = secret["stringData"]
+        return pki.KeyPair(text[c.TLS_CERT_KEY].encode(), text[c.TLS_KEY_KEY].encode())
+    data = secret.get("data") or {}
+    return pki.KeyPair(base64.b64decode(data[c.TLS_CERT_KEY]), base64.b64decode(data[c.TLS_KEY_KEY]))
+
+
+def build_peer_tls_secret(ref: ClusterRef, agent: str, leaf: pki.KeyPair, ca: pki.KeyPair) -> dict[str, Any]:
+    """Agent `agent`'s peer certificate (pki.issue_agent, drawn by the caller for each new pod)."""
+    meta = _meta(ref, peer_tls_secret_name(agent), **{c.LABEL_AGENT: agent})
+    meta["annotations"] = {c.ANN_CERT_SERIAL: pki.serial_hex(leaf.cert_pem)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "kubernetes.io/tls",
+        "stringData": {
+            c.TLS_CERT_KEY: leaf.cert_pem.decode(),
+            c.TLS_KEY_KEY: leaf.key_pem.decode(),
+            c.TLS_CA_KEY: ca.cert_pem.decode(),
+        },
     }
 
 
@@ -159,8 +217,9 @@ def build_headless_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, An
             # Peers must find each other before they are Ready: readiness waits on the peers.
             "publishNotReadyAddresses": True,
             "selector": {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_AGENT},
+            # The peer door and metrics; the engine door is on each pod's loopback, not on the network.
             "ports": [
-                {"name": "api", "port": spec.agent.api_port, "targetPort": "api", "protocol": "TCP"},
+                {"name": "peer", "port": spec.agent.peer_port, "targetPort": "peer", "protocol": "TCP"},
                 {"name": "metrics", "port": spec.agent.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
             ],
         },
@@ -198,7 +257,7 @@ def agent_config_hash(spec: PDClusterSpec, placement: Placement) -> str:
         "transfer": dataclasses.asdict(spec.transfer),
         "model": dataclasses.asdict(spec.model),
         "transport": placement.transport.value,
-        "ports": [spec.agent.api_port, spec.agent.metrics_port],
+        "ports": [spec.agent.api_port, spec.agent.peer_port, spec.agent.metrics_port],
     }
     return _short_hash(json.dumps(config, sort_keys=True, default=str), 16)
 
@@ -225,12 +284,15 @@ def build_agent_pod(
             # (it differs from "<cluster>-agents" when a long or dotted cluster name was shortened).
             {"name": "PDFABRIC_PEER_HOST_TEMPLATE", "value": "{name}." + service_name(ref.name) + ".{namespace}.svc"},
             {"name": "PDFABRIC_RANKMAP", "value": c.RANKMAP_PATH},
-            {"name": "PDFABRIC_TOKEN_FILE", "value": c.TOKEN_PATH},
+            {"name": "PDFABRIC_ENGINE_TOKEN_FILE", "value": c.ENGINE_TOKEN_PATH},
+            {"name": "PDFABRIC_PEER_TLS_DIR", "value": c.PEER_TLS_DIR},
             {"name": "PDFABRIC_METRICS_PORT", "value": str(spec.agent.metrics_port)},
+            # The engine door binds 127.0.0.1 in the pod: no containerPort, nothing outside reaches it.
             {"name": "PDFABRIC_API_PORT", "value": str(spec.agent.api_port)},
+            {"name": "PDFABRIC_PEER_PORT", "value": str(spec.agent.peer_port)},
         ],
         "ports": [
-            {"name": "api", "containerPort": spec.agent.api_port, "protocol": "TCP"},
+            {"name": "peer", "containerPort": spec.agent.peer_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": spec.agent.metrics_port, "protocol": "TCP"},
         ],
         "resources": _resources(spec, agent, placement.transport),
@@ -248,7 +310,8 @@ def build_agent_pod(
         },
         "volumeMounts": [
             {"name": "rankmap", "mountPath": c.RANKMAP_DIR, "readOnly": True},
-            {"name": "token", "mountPath": c.TOKEN_DIR, "readOnly": True},
+            {"name": "engine-token", "mountPath": c.ENGINE_TOKEN_DIR, "readOnly": True},
+            {"name": "peer-tls", "mountPath": c.PEER_TLS_DIR, "readOnly": True},
         ],
     }
     pod_spec: dict[str, Any] = {
@@ -270,7 +333,12 @@ def build_agent_pod(
                 "name": "rankmap",
                 "configMap": {"name": rankmap_name(ref.name), "items": [{"key": RANKMAP_KEY, "path": RANKMAP_KEY}]},
             },
-            {"name": "token", "secret": {"secretName": token_secret_name(ref.name), "defaultMode": 0o400}},
+            {
+                "name": "engine-token",
+                "secret": {"secretName": engine_token_secret_name(ref.name), "defaultMode": 0o400},
+            },
+            # This pod's own certificate and key (issued when the pod is created), and the CA.
+            {"name": "peer-tls", "secret": {"secretName": peer_tls_secret_name(name), "defaultMode": 0o400}},
         ],
     }
     meta = _meta(ref, name, **{c.LABEL_COMPONENT: c.COMPONENT_AGENT, c.LABEL_NODE: _dns_label(agent.node, 63)})

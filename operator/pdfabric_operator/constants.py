@@ -29,14 +29,22 @@ ANN_RANKS = f"{GROUP}/ranks"
 ANN_POD_HASH = f"{GROUP}/pod-hash"
 ANN_RANKMAP_HASH = f"{GROUP}/rankmap-hash"
 ANN_CONFIG_HASH = f"{GROUP}/config-hash"
+# On an agent's peer-tls Secret: the serial of the certificate in it (a new pod, a new serial).
+ANN_CERT_SERIAL = f"{GROUP}/cert-serial"
+LABEL_AGENT = f"{GROUP}/agent"
 
 # Paths and env inside the agent pod: the contract with pdfabric_agent.main.
 AGENT_COMMAND = "pdfabric-agent"
 RANKMAP_DIR = "/etc/pdfabric"
 RANKMAP_PATH = f"{RANKMAP_DIR}/rankmap.json"
-TOKEN_DIR = f"{RANKMAP_DIR}/token"
 TOKEN_KEY = "token"
-TOKEN_PATH = f"{TOKEN_DIR}/{TOKEN_KEY}"
+ENGINE_TOKEN_DIR = f"{RANKMAP_DIR}/engine-token"
+ENGINE_TOKEN_PATH = f"{ENGINE_TOKEN_DIR}/{TOKEN_KEY}"
+PEER_TLS_DIR = f"{RANKMAP_DIR}/peer-tls"
+# kubernetes.io/tls Secret keys; the agent's tls.py reads the same names.
+TLS_CERT_KEY = "tls.crt"
+TLS_KEY_KEY = "tls.key"
+TLS_CA_KEY = "ca.crt"
 READINESS_PATH = "/readyz"
 LIVENESS_PATH = "/healthz"
 

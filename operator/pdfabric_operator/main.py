@@ -345,6 +345,7 @@ async def cleanup(name: str, namespace: str | None, uid: str, logger: kopf.Logge
     def _delete() -> None:
         for p in pods:
             kube.delete("Pod", p.namespace, p.name, uid=p.uid)
+            kube.delete("Secret", p.namespace, b.peer_tls_secret_name(p.name))
         for kind, child in b.shared_children(name):
             kube.delete(kind, ref.namespace, child)
 

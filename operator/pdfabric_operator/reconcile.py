@@ -7,9 +7,11 @@ loop, so it never iterates a dict the loop is mutating. Steps:
 2. Plan against the snapshot plus the in-memory ledger of placements this operator just made
    (the watch cache lags our own creates; without the ledger two clusters planned in the same
    second would both take the same GPUs).
-3. No fit: delete every child, publish the reason. Fit: ensure Secret, Service, rank-map
-   ConfigMap, then agent pods (replace a pod whose build hash differs, delete pods no longer
-   wanted, create missing ones; deterministic names make an interrupted run safe to repeat).
+3. No fit: delete every child, publish the reason. Fit: ensure the engine-token and peer-CA
+   Secrets, Service, rank-map ConfigMap, then agent pods (replace a pod whose build hash differs,
+   delete pods no longer wanted with their certificates, create missing ones, each after issuing
+   its own peer certificate: a new pod is a new key; deterministic names make an interrupted run
+   safe to repeat).
 4. Compute status from what was seen and patch it only if it changed.
 """
 
@@ -27,6 +29,7 @@ from pdfabric_core.rankmap import RANKMAP_KEY, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
 from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
+from pdfabric_operator import pki
 from pdfabric_operator.kube import Kube
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
 from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement
@@ -190,6 +193,8 @@ def reconcile_once(
         for p in own:
             if not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
+            if kube.delete("Secret", p.namespace, b.peer_tls_secret_name(p.name)):
+                out.actions.append(f"delete secret {b.peer_tls_secret_name(p.name)}")
         if not memory.children_absent:
             for kind, name in b.shared_children(ref.name):
                 if kube.delete(kind, ref.namespace, name):
@@ -220,14 +225,20 @@ def reconcile_once(
                 rolling.append(p)
             elif kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
+            if want is None and kube.delete("Secret", p.namespace, b.peer_tls_secret_name(p.name)):
+                out.actions.append(f"delete secret {b.peer_tls_secret_name(p.name)}")  # the agent is gone
         settled = all(existing.get(n) is not None and existing[n].ready and not existing[n].deleting for n in desired)
         if rolling and settled:
             p = min(rolling, key=lambda x: x.name)
             if kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name} (rolling)")
         for name, pod in desired.items():
-            if name not in existing and kube.create(pod):
-                out.actions.append(f"create pod {name}")
+            if name not in existing:
+                # Every new pod gets a new key and certificate (rotation: a replaced agent's old
+                # key no longer matches what its name's Secret holds).
+                _issue_peer_tls(kube, ref, name)
+                if kube.create(pod):
+                    out.actions.append(f"create pod {name}")
         for p in own:
             views.append(AgentView(p.name, p.node, p.ready, _is_current(p, desired.get(p.name))))
 
@@ -266,9 +277,12 @@ def _ensure_shared_children(
     fresh = time.monotonic() - memory.children_checked_at < recheck_after
     if fresh and memory.last_rankmap_hash == want_hash:
         return
-    if kube.get("Secret", ref.namespace, b.token_secret_name(ref.name)) is None:
-        kube.create(b.build_token_secret(ref, secrets.token_urlsafe(32)))
-        out.actions.append("create secret")
+    if kube.get("Secret", ref.namespace, b.engine_token_secret_name(ref.name)) is None:
+        kube.create(b.build_engine_token_secret(ref, secrets.token_urlsafe(32)))
+        out.actions.append("create engine-token secret")
+    if kube.get("Secret", ref.namespace, b.ca_secret_name(ref.name)) is None:
+        _cluster_ca(kube, ref)
+        out.actions.append("create peer CA secret")
     if kube.get("Service", ref.namespace, b.service_name(ref.name)) is None:
         kube.create(b.build_headless_service(ref, spec))
         out.actions.append("create service")
@@ -281,6 +295,36 @@ def _ensure_shared_children(
         out.actions.append("update configmap")
     memory.children_checked_at = time.monotonic()
     memory.last_rankmap_hash = want_hash
+
+
+def _cluster_ca(kube: Kube, ref: b.ClusterRef) -> pki.KeyPair:
+    """The cluster's peer CA from its Secret, created the first time (once per PDCluster)."""
+    name = b.ca_secret_name(ref.name)
+    have = kube.get("Secret", ref.namespace, name)
+    if have is None:
+        ca = pki.new_ca(ref.namespace, ref.name, ref.uid)
+        if kube.create(b.build_ca_secret(ref, ca)):
+            return ca
+        have = kube.get("Secret", ref.namespace, name)  # another replica made it first
+        if have is None:
+            raise RuntimeError(f"Secret {ref.namespace}/{name} was created and is gone again")
+    return b.ca_from_secret(have)
+
+
+def _issue_peer_tls(kube: Kube, ref: b.ClusterRef, agent: str) -> None:
+    """A fresh key and certificate for agent pod `agent`, in its Secret (created or replaced)."""
+    ca = _cluster_ca(kube, ref)
+    leaf = pki.issue_agent(
+        ca, namespace=ref.namespace, cluster=ref.name, agent=agent, dns_name=b.peer_dns_name(ref, agent)
+    )
+    secret = b.build_peer_tls_secret(ref, agent, leaf, ca)
+    if kube.create(secret):
+        return
+    have = kube.get("Secret", ref.namespace, secret["metadata"]["name"])
+    if have is None:
+        kube.create(secret)
+    else:
+        kube.replace(secret, have["metadata"]["resourceVersion"])
 
 
 def _write_status(

@@ -16,7 +16,7 @@ import pytest
 
 from pdfabric_agent.completion import BOARD_BYTES
 from pdfabric_devcluster.fabric import LocalFabric
-from tests.e2e.test_agent_faults import SMALL, raw_post, wait_until
+from tests.e2e.test_agent_faults import SMALL, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def notice(lc: LocalFabric, room: int, marks: list[dict[str, Any]], kv: int = KV
         "marks": marks,
         "bytes_by_path": {"nvlink-kernel": {"kv": kv, "state": 0, "aux": 16}},
     }
-    return raw_post(lc, lc.agent_of(D), "/v1/peer/launched", json.dumps(body).encode(), lc.token)
+    return lc.peer_post(lc.agent_of(D), "/v1/peer/launched", json.dumps(body).encode(), as_agent=lc.agent_of(P))
 
 
 def open_room(lc: LocalFabric, room: int) -> None:
@@ -101,7 +101,7 @@ def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, 
     # A done report of the same source afterwards changes nothing (no bytes counted twice).
     body = {"cluster": lc.uid, "room": 1001, "decode_rank": D, "prefill_rank": P, "ok": True,
             "bytes_by_path": {"nvlink-kernel": {"kv": KV}}}  # fmt: skip
-    code, doc = raw_post(lc, lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), lc.token)
+    code, doc = lc.peer_post(lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), as_agent=lc.agent_of(P))
     assert (code, doc["state"]) == (200, "Success")
     assert lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel") == after
 
@@ -114,7 +114,7 @@ def test_failure_report_after_the_notice_fails_the_room_and_the_word_changes_not
     assert notice(lc, 1002, [{"board": board.name, "slot": 9, "seq": 1}])[0] == 200
     body = {"cluster": lc.uid, "room": 1002, "decode_rank": D, "prefill_rank": P, "ok": False,
             "reason": "kernel timed out"}  # fmt: skip
-    raw_post(lc, lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), lc.token)
+    lc.peer_post(lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), as_agent=lc.agent_of(P))
     view = lc.client(D).wait(D, 1002, 5)
     assert view["state"] == "Failed" and "kernel timed out" in view["reason"]
     board.store(9, 1)

@@ -141,7 +141,12 @@ def test_done_report_for_unknown_room_is_refused(small: LocalFabric) -> None:
         "prefill_rank": "prefill-0-tp0-cp0",
         "ok": True,
     }
-    code, doc = raw_post(small, small.agent_of("decode-0-tp0"), "/v1/peer/done", json.dumps(body).encode(), small.token)
+    code, doc = small.peer_post(
+        small.agent_of("decode-0-tp0"),
+        "/v1/peer/done",
+        json.dumps(body).encode(),
+        as_agent=small.agent_of("prefill-0-tp0-cp0"),
+    )
     assert (code, doc["reason"]) == (404, "unknown_room")
 
 
@@ -325,7 +330,9 @@ def test_done_report_cannot_write_outside_the_rooms_aux_row(small: LocalFabric) 
             "bytes_by_path": {},
             "aux_rows": [[0, base64.b64encode(b"X" * 8).decode()]],  # item 0 of row 0, not row 2
         }
-        code, doc = raw_post(lc, lc.agent_of(d), "/v1/peer/done", json.dumps(body).encode(), lc.token)
+        code, doc = lc.peer_post(
+            lc.agent_of(d), "/v1/peer/done", json.dumps(body).encode(), as_agent=lc.agent_of("prefill-0-tp0-cp0")
+        )
         assert (code, doc["reason"]) == (400, "out_of_range")
         assert bytes(pools.aux[:]) == before
         assert lc.client(d).poll(d, 908)["state"] == "WaitingForInput"

@@ -5,6 +5,7 @@ listen, on the configured address."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.fabric import AgentProcess, LocalFabric
 from pdfabric_devcluster.procs import REPO_ROOT
 
 # Real agent processes over the real engine; every test here starts at least one cluster.
@@ -76,25 +77,66 @@ def listeners(pid: int) -> list[str]:
     return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
 
 
+def own_listeners(agent: AgentProcess) -> tuple[list[str], list[str]]:
+    """(the agent's own servers' listen addresses, every listen address of its process)."""
+    assert agent.proc is not None
+    addrs = listeners(agent.proc.pid)
+    ports = (f":{agent.api_port}", f":{agent.peer_port}", f":{agent.metrics_port}")
+    return sorted(a for a in addrs if a.endswith(ports)), addrs
+
+
+def non_loopback_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (what a pod IP is to the agent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing address
+        except OSError:
+            return None
+        addr = str(s.getsockname()[0])
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
 def test_only_the_needed_ports_listen() -> None:
     with LocalFabric(cluster_spec()) as lc:
         for agent in lc.agents.values():
-            assert agent.proc is not None
-            addrs = listeners(agent.proc.pid)
-            own = sorted(a for a in addrs if a.endswith((f":{agent.api_port}", f":{agent.metrics_port}")))
-            # The agent's own servers bind only the configured address (the pod IP in a pod).
-            assert own == sorted([f"127.0.0.1:{agent.api_port}", f"127.0.0.1:{agent.metrics_port}"])
+            own, addrs = own_listeners(agent)
+            # Engine door on loopback; peer door and metrics on the configured address (the pod IP in a pod).
+            want = [f"127.0.0.1:{agent.api_port}", f"127.0.0.1:{agent.peer_port}", f"127.0.0.1:{agent.metrics_port}"]
+            assert own == sorted(want)
             # Besides them: the engine's handshake and data listeners, two per rank, nothing else.
             assert len(addrs) - len(own) == 2 * len(lc.entry(agent.name).ranks), addrs
+
+
+def test_engine_calls_from_the_network_are_impossible() -> None:
+    """With the agent bound to a network address (a pod IP), the engine door is on loopback only:
+    nothing listens on the engine port of that address, so no engine call can come from there."""
+    addr = non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    lc = LocalFabric(cluster_spec(), env={"PDFABRIC_BIND_ADDRESS": addr})
+    try:
+        name = lc.agent_of("decode-0-tp0")
+        lc.start(name)
+        agent = lc.agents[name]
+        own, _ = own_listeners(agent)
+        assert own == sorted(
+            [f"127.0.0.1:{agent.api_port}", f"{addr}:{agent.peer_port}", f"{addr}:{agent.metrics_port}"]
+        )
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((addr, agent.api_port), timeout=5).close()
+        assert lc.client(name).info()["agent"] == name  # on loopback, with the engine token
+    finally:
+        lc.close()
 
 
 @pytest.mark.parametrize(
     ("drop", "message"),
     [
         ("NODE_NAME", "NODE_NAME is not set"),
-        ("PDFABRIC_TOKEN_FILE", "PDFABRIC_TOKEN_FILE is not set"),
+        ("PDFABRIC_ENGINE_TOKEN_FILE", "PDFABRIC_ENGINE_TOKEN_FILE is not set"),
+        ("PDFABRIC_PEER_TLS_DIR", "PDFABRIC_PEER_TLS_DIR is not set"),
     ],
-    ids=["no-node-name", "no-token"],
+    ids=["no-node-name", "no-engine-token", "no-peer-certificate"],
 )
 def test_configuration_errors_exit_2_with_the_variable_named(drop: str, message: str) -> None:
     lc = LocalFabric(cluster_spec())

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.client import AgentRefused
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import replica_ranks
+from pdfabric_core.traffic import pair_traffic
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import expected_bytes
 from pdfabric_devcluster.transfer import transfer_room
@@ -50,6 +53,19 @@ def check_room(lc: LocalFabric, room: int, pages: int = 7, state_slots: int = 2)
         after = traffic(lc, role)
         moved = {k: after[k] - before[role][k] for k in after}
         assert moved == {"kv": want.kv, "state": want.state, "aux": want.aux}, role
+    check_prediction(lc, result.decode, pages, state_slots)
+
+
+def check_prediction(lc: LocalFabric, decode: dict[str, dict[str, Any]], pages: int, state_slots: int) -> None:
+    """The status prediction (pdfabric_core.traffic) per (prefill rank, decode rank) pair equals
+    what each decode rank counted from each sender."""
+    spec = lc.spec
+    prefill_ids = {(r.tp_rank, r.cp_rank, r.pp_rank): r.rank_id for r in replica_ranks(spec, Role.PREFILL, 0)}
+    decode_ids = {(r.tp_rank, r.pp_rank): r.rank_id for r in replica_ranks(spec, Role.DECODE, 0)}
+    predicted: dict[str, dict[str, dict[str, int]]] = {d: {} for d in decode_ids.values()}
+    for (src, dst), b in pair_traffic(spec, pages, state_slots=state_slots).items():
+        predicted[decode_ids[dst]][prefill_ids[src]] = {"kv": b.kv, "state": b.state, "aux": b.aux}
+    assert {d: v["senders"] for d, v in decode.items()} == predicted
 
 
 @pytest.mark.parametrize(
@@ -98,6 +114,7 @@ def test_cp4_all_ranks_sends_state_once_from_cp_rank_0(cp4_all_ranks: LocalFabri
     skipped_before = lc.metric_sum("pdfabric_state_dedup_skipped_bytes_total")
     result = transfer_room(lc, 21, pages=10, state_slots=2)
     assert result.errors == {"decode-0-tp0": []}
+    check_prediction(lc, result.decode, 10, 2)
     senders = result.decode["decode-0-tp0"]["senders"]
     # Every CP rank sent its KV shard (10 pages over 4 ranks: 3, 3, 2, 2), only CP rank 0 the state.
     page = lc.spec.model.kv_page_bytes(1) * lc.spec.model.layers * 2
@@ -124,6 +141,7 @@ def test_cp4_layer_split_every_cp_rank_sends_its_own_state_layers() -> None:
     with LocalFabric(spec({"tp": 1, "cp": 4, "dsaCacheLayerSplit": True}, {"tp": 1})) as lc:
         result = transfer_room(lc, 31, pages=8, state_slots=2)
         assert result.errors == {"decode-0-tp0": []}
+        check_prediction(lc, result.decode, 8, 2)
         layer = lc.spec.model.state_bytes_per_request // lc.spec.model.state_layers
         senders = result.decode["decode-0-tp0"]["senders"]
         assert {r: s["state"] for r, s in senders.items()} == {f"prefill-0-tp0-cp{c}": 2 * layer for c in range(4)}
@@ -134,6 +152,7 @@ def test_cp4_without_all_ranks_transfer_only_cp_rank_0_sends() -> None:
     with LocalFabric(spec({"tp": 1, "cp": 4}, {"tp": 1})) as lc:
         result = transfer_room(lc, 41, pages=6, state_slots=1)
         assert result.errors == {"decode-0-tp0": []}
+        check_prediction(lc, result.decode, 6, 1)
         assert list(result.decode["decode-0-tp0"]["senders"]) == ["prefill-0-tp0-cp0"]
         assert {r: v["bytes"]["kv"] > 0 for r, v in result.prefill.items()} == {
             "prefill-0-tp0-cp0": True,

@@ -61,13 +61,20 @@ def test_restart_mid_reconcile_converges_without_duplicates(
     partial = agent_pods(cluster, namespace, "pd")
     assert 1 <= len(partial) < 4, "the operator must have stopped mid-reconcile"
     assert not is_ready(cluster, namespace, "pd")
-    token = cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"]
+    token = cluster.get_json("secret", "pd-engine-token", "-n", namespace)["data"]["token"]
+    certs = {p["metadata"]["name"]: _cert(cluster, namespace, p["metadata"]["name"]) for p in partial}
 
     with running_operator(cluster, operator_kubeconfig, peering):
         try:
             _check_converged(cluster, namespace, partial, token)
+            # Pods that survived the restart keep their certificates: nothing is re-issued.
+            assert {name: _cert(cluster, namespace, name) for name in certs} == certs
         finally:
             delete_all_pdclusters(cluster, namespace)
+
+
+def _cert(cluster: Any, namespace: str, agent: str) -> str:
+    return str(cluster.get_json("secret", f"{agent}-peer-tls", "-n", namespace)["data"]["tls.crt"])
 
 
 def _check_converged(cluster: Any, namespace: str, partial: list[dict[str, Any]], token: str) -> None:
@@ -77,9 +84,10 @@ def _check_converged(cluster: Any, namespace: str, partial: list[dict[str, Any]]
     assert len({p["spec"]["nodeName"] for p in pods}) == 4
     assert {p["metadata"]["name"] for p in partial} <= {p["metadata"]["name"] for p in pods}
     kids = children(cluster, namespace, "pd")
-    assert (len(kids["configmaps"]), len(kids["services"]), len(kids["secrets"])) == (1, 1, 1)
+    # Engine token, peer CA, one certificate per agent pod.
+    assert (len(kids["configmaps"]), len(kids["services"]), len(kids["secrets"])) == (1, 1, 2 + len(pods))
     # The restarted operator kept the existing token: agents and engines stay paired.
-    assert cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"] == token
+    assert cluster.get_json("secret", "pd-engine-token", "-n", namespace)["data"]["token"] == token
 
 
 def test_two_replicas_only_one_acts_and_the_other_takes_over(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import time
 from typing import Any
 
 import pytest
+from cryptography import x509
 from prometheus_client import REGISTRY
 
 from pdfabric_core.rankmap import RankMap
@@ -74,15 +76,60 @@ def test_deleted_children_come_back(cluster: Any, namespace: str, gpu_nodes: Any
     )
     wait_ready(cluster, namespace, "pd")
     before = children(cluster, namespace, "pd")
-    token = cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"]
+    token = cluster.get_json("secret", "pd-engine-token", "-n", namespace)["data"]["token"]
     pod = before["pods"][0]
+    serial = _cert_serial(cluster, namespace, pod)
     cluster.kubectl("delete", "pod", pod, "-n", namespace, "--wait=false")
-    cluster.kubectl("delete", "configmap/pd-rankmap", "service/pd-agents", "secret/pd-token", "-n", namespace)
+    cluster.kubectl("delete", "configmap/pd-rankmap", "service/pd-agents", "secret/pd-engine-token", "-n", namespace)
     wait_until(lambda: children(cluster, namespace, "pd") == before, timeout=30, what="children recreated")
     wait_ready(cluster, namespace, "pd")
     _no_duplicates(cluster, namespace)
     # A lost Secret gets a new token (agents re-read it); it is never empty.
-    assert cluster.get_json("secret", "pd-token", "-n", namespace)["data"]["token"] not in ("", token)
+    assert cluster.get_json("secret", "pd-engine-token", "-n", namespace)["data"]["token"] not in ("", token)
+    # The replaced pod came with a new certificate (rotation); the other agent kept its own.
+    assert _cert_serial(cluster, namespace, pod) != serial
+
+
+def _cert_serial(cluster: Any, namespace: str, agent: str) -> str:
+    secret = cluster.get_json("secret", f"{agent}-peer-tls", "-n", namespace)
+    return str(secret["metadata"]["annotations"]["pdfabric.dev/cert-serial"])
+
+
+def test_operator_issues_the_peer_ca_and_one_certificate_per_agent_pod(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any
+) -> None:
+    gpu_nodes("n", 2)
+    apply_pdc(
+        cluster,
+        pdcluster().prefill(tp=8).decode(tp=8).placement(nodeSelector=selector(namespace)).manifest(),
+        namespace,
+    )
+    wait_ready(cluster, namespace, "pd")
+    pods = agent_pods(cluster, namespace, "pd")
+    kids = children(cluster, namespace, "pd")
+    want = ["pd-engine-token", "pd-peer-ca", *sorted(f"{p['metadata']['name']}-peer-tls" for p in pods)]
+    assert kids["secrets"] == sorted(want)
+    ca_secret = cluster.get_json("secret", "pd-peer-ca", "-n", namespace)
+    ca = x509.load_pem_x509_certificate(base64.b64decode(ca_secret["data"]["tls.crt"]))
+    uid = pdc(cluster, namespace, "pd")["metadata"]["uid"]
+    for secret in [ca_secret, *(cluster.get_json("secret", n, "-n", namespace) for n in want[:1] + want[2:])]:
+        assert [o["uid"] for o in secret["metadata"]["ownerReferences"]] == [uid]
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        # Each pod mounts its own certificate and the engine token, never the CA's key or another's.
+        mounted = {v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+        assert mounted == {"pd-engine-token", f"{name}-peer-tls"}
+        data = cluster.get_json("secret", f"{name}-peer-tls", "-n", namespace)["data"]
+        assert set(data) == {"tls.crt", "tls.key", "ca.crt"}
+        cert = x509.load_pem_x509_certificate(base64.b64decode(data["tls.crt"]))
+        cert.verify_directly_issued_by(ca)
+        assert base64.b64decode(data["ca.crt"]) == base64.b64decode(ca_secret["data"]["tls.crt"])
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.DNSName) == [f"{name}.pd-agents.{namespace}.svc"]
+        assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == name
+    # The headless Service carries the peer door (and metrics), not the engine door.
+    svc = cluster.get_json("service", "pd-agents", "-n", namespace)
+    assert sorted((p["name"], p["port"]) for p in svc["spec"]["ports"]) == [("metrics", 9400), ("peer", 7401)]
 
 
 @pytest.mark.parametrize("how", ["not-ready", "deleted"])

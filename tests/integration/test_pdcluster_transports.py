@@ -96,7 +96,7 @@ def test_transport_placed_and_ready(
     kids = children(cluster, namespace, "pd")
     assert kids["configmaps"] == ["pd-rankmap"]
     assert kids["services"] == ["pd-agents"]
-    assert kids["secrets"] == ["pd-token"]
+    assert kids["secrets"] == sorted(["pd-engine-token", "pd-peer-ca"] + [f"{p}-peer-tls" for p in kids["pods"]])
     assert len(kids["pods"]) == len(gpus)
 
     table = cluster.kubectl("get", "pdc", "pd", "-n", namespace).stdout.split("\n")

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from pdfabric_agent import config
-from pdfabric_agent.config import SETTINGS, ConfigError, load_config, settings_markdown
+from pdfabric_agent.config import SETTINGS, ConfigError, load_config, require_peer_tls, settings_markdown
+from pdfabric_devcluster.fabric import write_tls_dir
+from pdfabric_operator import pki
 
 
 @pytest.fixture
@@ -18,8 +20,15 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return {
         "NODE_NAME": "node-a",
         "PDFABRIC_RANKMAP": str(tmp_path / "rankmap.json"),
-        "PDFABRIC_TOKEN_FILE": str(token),
+        "PDFABRIC_ENGINE_TOKEN_FILE": str(token),
     }
+
+
+@pytest.fixture
+def tls_dir(tmp_path: Path) -> Path:
+    ca = pki.new_ca("ns", "c", "uid-1")
+    leaf = pki.issue_agent(ca, namespace="ns", cluster="c", agent="a1", dns_name="a1.c-agents.ns.svc")
+    return write_tls_dir(tmp_path / "tls", leaf, ca)
 
 
 def test_defaults(env: dict[str, str]) -> None:
@@ -55,7 +64,10 @@ def test_explicit_addresses_win(env: dict[str, str]) -> None:
     [
         ({"NODE_NAME": ""}, "NODE_NAME is not set"),
         ({"PDFABRIC_RANKMAP": ""}, "PDFABRIC_RANKMAP is not set"),
-        ({"PDFABRIC_TOKEN_FILE": "/nonexistent/token"}, "cannot be read"),
+        ({"PDFABRIC_ENGINE_TOKEN_FILE": ""}, "PDFABRIC_ENGINE_TOKEN_FILE is not set"),
+        ({"PDFABRIC_ENGINE_TOKEN_FILE": "/nonexistent/token"}, "cannot be read"),
+        ({"PDFABRIC_PEER_TLS_DIR": "/nonexistent"}, "PDFABRIC_PEER_TLS_DIR '/nonexistent': cannot load"),
+        ({"PDFABRIC_PEER_PORT": "70000"}, "PDFABRIC_PEER_PORT must be a TCP port"),
         ({"PDFABRIC_API_PORT": "70000"}, "must be a TCP port"),
         ({"PDFABRIC_KV_PAGES": "0"}, "at least 1"),
         ({"PDFABRIC_KV_PAGES": "many"}, "must be an integer"),
@@ -69,7 +81,10 @@ def test_explicit_addresses_win(env: dict[str, str]) -> None:
     ids=[
         "no-node",
         "no-rankmap",
+        "no-engine-token",
         "token-unreadable",
+        "tls-dir-missing",
+        "peer-port-too-big",
         "port-too-big",
         "zero-pages",
         "pages-not-int",
@@ -87,9 +102,25 @@ def test_bad_settings_are_refused(env: dict[str, str], change: dict[str, str], m
 
 
 def test_short_token_is_refused(env: dict[str, str]) -> None:
-    Path(env["PDFABRIC_TOKEN_FILE"]).write_text("short")
+    Path(env["PDFABRIC_ENGINE_TOKEN_FILE"]).write_text("short")
     with pytest.raises(ConfigError, match="shorter than 16"):
         load_config(env)
+
+
+def test_peer_tls_dir_is_loaded_and_required_to_serve(env: dict[str, str], tls_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="PDFABRIC_PEER_TLS_DIR is not set"):
+        require_peer_tls(load_config(env))
+    cfg = load_config({**env, "PDFABRIC_PEER_TLS_DIR": str(tls_dir), "PDFABRIC_PEER_PORT": "7411"})
+    require_peer_tls(cfg)
+    assert (cfg.peer_tls_dir, cfg.peer_port) == (str(tls_dir), 7411)
+
+
+def test_a_key_that_is_not_the_certificates_is_refused(env: dict[str, str], tls_dir: Path) -> None:
+    other = pki.issue_agent(pki.new_ca("ns", "c", "u"), namespace="ns", cluster="c", agent="a1", dns_name="x")
+    (tls_dir / "tls.key").chmod(0o600)
+    (tls_dir / "tls.key").write_bytes(other.key_pem)
+    with pytest.raises(ConfigError, match="cannot load the peer certificate"):
+        load_config({**env, "PDFABRIC_PEER_TLS_DIR": str(tls_dir)})
 
 
 def test_every_setting_is_documented_in_agent_md() -> None:

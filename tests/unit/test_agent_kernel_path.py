@@ -146,6 +146,7 @@ def make_agent(tmp_path: Path) -> Agent:
     token = tmp_path / "token"
     token.write_text("t" * 32)
     env = {"NODE_NAME": "n1", "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
+    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
     entries = (
         AgentEntry("a1", "n1", (Rank("prefill", 0, 0),)),
         AgentEntry("a2", "n2", (Rank("decode", 0, 0),)),

@@ -39,6 +39,7 @@ def make_agent(tmp_path: Path, node: str, local: list[Rank]) -> Agent:
     token = tmp_path / "token"
     token.write_text("t" * 32)
     env = {"NODE_NAME": node, "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
+    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
     entries = (AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),)), AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)))
     spec = parse_spec(RAW)
     agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", RAW, entries), spec, {}, "tcp")

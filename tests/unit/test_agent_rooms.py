@@ -35,6 +35,7 @@ def agent(tmp_path: Path) -> Agent:
         "NODE_NAME": "n1",
         "PDFABRIC_RANKMAP": "unused",
         "PDFABRIC_TOKEN_FILE": str(token),
+        "PDFABRIC_ENGINE_TOKEN_FILE": str(token),
         "PDFABRIC_ROOM_TTL_S": "10",
         "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "5",
         "PDFABRIC_HEARTBEAT_S": "1000",

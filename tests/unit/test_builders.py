@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
+from cryptography import x509
 
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_operator import builders as b
+from pdfabric_operator import pki
 from pdfabric_operator.planner import Placement, plan_placement
 from tests.builders import gpu_node, pdcluster
 
@@ -54,7 +58,11 @@ def test_agent_pod_contract() -> None:
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["PDFABRIC_RANKMAP"]["value"] == "/etc/pdfabric/rankmap.json"
-    assert env["PDFABRIC_TOKEN_FILE"]["value"] == "/etc/pdfabric/token/token"
+    assert env["PDFABRIC_ENGINE_TOKEN_FILE"]["value"] == "/etc/pdfabric/engine-token/token"
+    assert env["PDFABRIC_PEER_TLS_DIR"]["value"] == "/etc/pdfabric/peer-tls"
+    assert (env["PDFABRIC_API_PORT"]["value"], env["PDFABRIC_PEER_PORT"]["value"]) == ("7400", "7401")
+    # The engine door is loopback-only in the pod: only the peer door and metrics are ports.
+    assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [("peer", 7401), ("metrics", 9400)]
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PDFABRIC_PEER_HOST_TEMPLATE"]["value"] == "{name}.pd-agents.{namespace}.svc"
     assert container["resources"]["limits"] == {"memory": "1Gi", "nvidia.com/gpu": "4", "rdma/hca": "1"}
@@ -62,7 +70,14 @@ def test_agent_pod_contract() -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {"rankmap": "/etc/pdfabric", "token": "/etc/pdfabric/token"}
+    assert mounts == {
+        "rankmap": "/etc/pdfabric",
+        "engine-token": "/etc/pdfabric/engine-token",
+        "peer-tls": "/etc/pdfabric/peer-tls",
+    }
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    # Its own certificate only: the Secret is named after this pod; the CA's key is in none of them.
+    assert secrets == {"engine-token": "pd-engine-token", "peer-tls": f"{pod['metadata']['name']}-peer-tls"}
     assert spec["subdomain"] == b.service_name("pd")
     assert pod["metadata"]["ownerReferences"] == [REF.owner_reference()]
     assert pod["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == "uid-1"
@@ -106,13 +121,13 @@ def test_service_is_headless_and_selects_agents() -> None:
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {"pdfabric.dev/cluster-uid": "uid-1", "app.kubernetes.io/component": "agent"}
-    assert {p["port"] for p in svc["spec"]["ports"]} == {7400, 9400}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {7401, 9400}
 
 
-def test_secret_holds_the_token() -> None:
-    secret = b.build_token_secret(REF, "s3cret")
+def test_secret_holds_the_engine_token() -> None:
+    secret = b.build_engine_token_secret(REF, "s3cret")
     assert secret["stringData"] == {"token": "s3cret"}
-    assert secret["metadata"]["name"] == "pd-token"
+    assert secret["metadata"]["name"] == "pd-engine-token"
     assert secret["metadata"]["ownerReferences"][0]["controller"] is True
 
 
@@ -157,4 +172,46 @@ def test_agent_device_requests_follow_the_transport_traits(transport: str, node,
 
 
 def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> None:
-    assert b.shared_children("pd") == [("ConfigMap", "pd-rankmap"), ("Service", "pd-agents"), ("Secret", "pd-token")]
+    assert b.shared_children("pd") == [
+        ("ConfigMap", "pd-rankmap"),
+        ("Service", "pd-agents"),
+        ("Secret", "pd-engine-token"),
+        ("Secret", "pd-peer-ca"),
+    ]
+
+
+def test_headless_service_carries_the_peer_door_not_the_engine_door() -> None:
+    svc = b.build_headless_service(REF, pdcluster().spec())
+    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [("peer", 7401), ("metrics", 9400)]
+
+
+def test_secrets_are_owned_and_the_ca_key_is_only_in_the_ca_secret() -> None:
+    ca = pki.new_ca("ns", "pd", "uid-1")
+    agent = b.agent_name("pd", "n1")
+    leaf = pki.issue_agent(ca, namespace="ns", cluster="pd", agent=agent, dns_name=b.peer_dns_name(REF, agent))
+    ca_secret = b.build_ca_secret(REF, ca)
+    tls = b.build_peer_tls_secret(REF, agent, leaf, ca)
+    for secret in (ca_secret, tls, b.build_engine_token_secret(REF, "t" * 32)):
+        assert secret["metadata"]["ownerReferences"] == [REF.owner_reference()]
+    assert ca_secret["metadata"]["name"] == "pd-peer-ca"
+    assert set(tls["stringData"]) == {"tls.crt", "tls.key", "ca.crt"}
+    assert ca.key_pem.decode() not in tls["stringData"].values()
+    assert tls["metadata"]["annotations"]["pdfabric.dev/cert-serial"] == pki.serial_hex(leaf.cert_pem)
+    cert = x509.load_pem_x509_certificate(leaf.cert_pem)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == [f"{agent}.pd-agents.ns.svc"]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [f"pdfabric://ns/pd/{agent}"]
+    assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == agent
+    cert.verify_directly_issued_by(ca.cert)
+    as_read = {"data": {k: base64.b64encode(v.encode()).decode() for k, v in ca_secret["stringData"].items()}}
+    assert b.ca_from_secret(as_read) == ca
+
+
+def test_certificates_for_the_longest_names_the_api_allows() -> None:
+    # A 63-character namespace and cluster, and a 63-character agent name (the DNS label bound).
+    ns, cluster = "n" * 63, "c" * 63
+    ref = b.ClusterRef(ns, cluster, "0f5b3c2e-2a47-4e39-9c1e-3d7b2f8a9c10")
+    agent = b.agent_name(cluster, "node-" + "x" * 60)
+    ca = pki.new_ca(ns, cluster, ref.uid)
+    leaf = pki.issue_agent(ca, namespace=ns, cluster=cluster, agent=agent, dns_name=b.peer_dns_name(ref, agent))
+    x509.load_pem_x509_certificate(leaf.cert_pem).verify_directly_issued_by(ca.cert)

@@ -75,8 +75,9 @@ def test_rbac_is_least_privilege() -> None:
                 grants.setdefault((group, resource), set()).update(rule["verbs"])
     for (group, resource), verbs in grants.items():
         assert "*" not in verbs and group != "*" and resource != "*", (group, resource)
-    # Secrets: the operator makes and removes its own tokens, it never reads the cluster's others in bulk.
-    assert grants[("", "secrets")] == {"get", "create", "delete"}
+    # Secrets: the operator makes, replaces (a new pod's certificate) and removes its own; it never
+    # reads the cluster's others in bulk.
+    assert grants[("", "secrets")] == {"get", "create", "update", "delete"}
     assert grants[("", "pods")] == {"get", "list", "watch", "create", "delete"}
     assert grants[("", "nodes")] == {"get", "list", "watch"}
     assert grants[("pdfabric.dev", "pdclusters/status")] == {"get", "patch"}

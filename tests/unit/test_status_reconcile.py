@@ -89,7 +89,7 @@ def test_converges_then_steady_state_makes_no_writes() -> None:
     nodes = [gpu_node("a", 8)]
     first = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     assert first.result is ReconcileResult.PROGRESSING
-    assert sorted(a.split()[1] for a in first.actions) == ["configmap", "pod", "secret", "service"]
+    assert sorted(a.split()[1] for a in first.actions) == ["configmap", "engine-token", "peer", "pod", "service"]
     # Agents report Ready: one status write, then nothing at all.
     second = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     assert second.result is ReconcileResult.READY and second.patched and not second.actions
@@ -239,3 +239,31 @@ def test_image_change_rolls_one_agent_at_a_time() -> None:
     res = _run(kube, ref, new, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     (second,) = [a for a in res.actions if a.endswith("(rolling)")]
     assert second.split()[2] != first
+
+
+def _cert_serial(kube: FakeKube, agent: str) -> str:
+    secret = kube.objects[("Secret", "ns", b.peer_tls_secret_name(agent))]
+    return str(secret["metadata"]["annotations"]["pdfabric.dev/cert-serial"])
+
+
+def test_each_new_agent_pod_gets_a_new_certificate_and_a_gone_agent_leaves_none() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    (pod,) = kube.pods("u1")
+    first = _cert_serial(kube, pod.name)
+    ca = kube.objects[("Secret", "ns", b.ca_secret_name("pd"))]
+    # Steady state: nothing is re-issued.
+    _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert _cert_serial(kube, pod.name) == first
+    # The pod is replaced (deleted, by anyone): the new pod comes with a new certificate, same CA.
+    kube.objects.pop(("Pod", "ns", pod.name))
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    assert ("Pod", "ns", pod.name) in kube.objects
+    assert _cert_serial(kube, pod.name) != first
+    assert kube.objects[("Secret", "ns", b.ca_secret_name("pd"))] is ca
+    # No node fits any more: the pods go, and so do their certificates.
+    _run(kube, ref, builder, Snapshot([], [], kube.pods("u1")), memory, ledger)
+    assert ("Secret", "ns", b.peer_tls_secret_name(pod.name)) not in kube.objects

@@ -1,0 +1,156 @@
+"""Two doors, two credentials, on real agent processes: the peer door (mutual TLS from the
+cluster's CA, the caller named by its certificate and found in the rank map) and the engine door
+(loopback only, the engine token). Neither credential opens the other door, and neither door
+serves the other's routes."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdfabric_agent import tls
+from pdfabric_agent.client import AgentRefused
+from pdfabric_devcluster.fabric import LocalFabric, peer_request
+from pdfabric_operator import pki
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SPEC = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "model": {"layers": 1, "kvHeads": 1, "headDim": 8}}
+P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
+
+
+@pytest.fixture(scope="module")
+def lc() -> Iterator[LocalFabric]:
+    with LocalFabric(SPEC) as fabric:
+        yield fabric
+
+
+def done_report(lc: LocalFabric, room: int) -> bytes:
+    body = {"cluster": lc.uid, "room": room, "decode_rank": D, "prefill_rank": P, "ok": True}
+    return json.dumps(body).encode()
+
+
+def engine_get(address: str, path: str, token: str | None) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"http://{address}{path}")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+# ---------------------------------------------------------------- the peer door
+
+
+def test_a_rank_map_agent_with_its_certificate_is_admitted(lc: LocalFabric) -> None:
+    decode = lc.agents[lc.agent_of(D)]
+    status, doc = peer_request(decode, "GET", "/v1/peer/ping", tls_dir=lc.agents[lc.agent_of(P)].tls_dir)
+    assert (status, doc) == (200, {"agent": decode.name})
+    # ... and its message reaches the handler (which refuses a room it does not know).
+    status, doc = lc.peer_post(decode.name, "/v1/peer/done", done_report(lc, 1), as_agent=lc.agent_of(P))
+    assert (status, doc["reason"]) == (404, "unknown_room")
+
+
+def test_a_peer_call_without_a_client_certificate_is_refused_in_the_handshake(lc: LocalFabric) -> None:
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        lc.peer_post(lc.agent_of(D), "/v1/peer/done", done_report(lc, 2), as_agent=None)
+
+
+def test_a_certificate_from_another_clusters_ca_is_refused(lc: LocalFabric, tmp_path: Path) -> None:
+    # The same agent name and DNS name as a real peer, signed by another PDCluster's CA.
+    other_ca = pki.new_ca(lc.rankmap.namespace, lc.rankmap.cluster, "uid-of-another-cluster")
+    forged = lc.issue_peer_tls(lc.agent_of(P), tmp_path / "forged", ca=other_ca)
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        lc.peer_post(lc.agent_of(D), "/v1/peer/done", done_report(lc, 3), as_agent=None, tls_dir=forged)
+
+
+def test_a_certificate_of_an_agent_not_in_the_rank_map_is_refused(lc: LocalFabric, tmp_path: Path) -> None:
+    stranger = lc.issue_peer_tls("agent-not-in-the-rank-map", tmp_path / "stranger")
+    status, doc = lc.peer_post(lc.agent_of(D), "/v1/peer/done", done_report(lc, 4), as_agent=None, tls_dir=stranger)
+    assert (status, doc["reason"]) == (403, "unauthorized")
+    assert "agent-not-in-the-rank-map" in doc["error"]
+
+
+def test_the_engine_token_does_not_open_the_peer_door(lc: LocalFabric) -> None:
+    decode = lc.agents[lc.agent_of(D)]
+    # Plain HTTP with the token: the door speaks TLS only, nothing is answered.
+    conn = http.client.HTTPConnection(decode.host, decode.peer_port, timeout=5)
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        conn.request("POST", "/v1/peer/done", done_report(lc, 5), {"Authorization": f"Bearer {lc.token}"})
+        conn.getresponse()
+    conn.close()
+    # TLS without a client certificate, with the token: refused in the handshake.
+    ctx = ssl.create_default_context(cafile=str(Path(decode.tls_dir) / tls.CA_FILE))
+    with socket.create_connection((decode.host, decode.peer_port), timeout=5) as raw:
+        sock = ctx.wrap_socket(raw, server_hostname=decode.peer_host)
+        conn = http.client.HTTPConnection(decode.host, decode.peer_port, timeout=5)
+        conn.sock = sock
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            conn.request("GET", "/v1/peer/ping", headers={"Authorization": f"Bearer {lc.token}"})
+            conn.getresponse()
+        conn.close()
+
+
+def test_the_peer_door_serves_no_engine_route(lc: LocalFabric) -> None:
+    decode = lc.agents[lc.agent_of(D)]
+    prefill_tls = lc.agents[lc.agent_of(P)].tls_dir
+    for method, path in (("GET", "/v1/info"), ("POST", "/v1/receive"), ("GET", f"/v1/rooms/{D}/1")):
+        body = b"{}" if method == "POST" else None
+        status, doc = peer_request(decode, method, path, body, tls_dir=prefill_tls)
+        assert (status, doc["reason"]) == (404, "malformed"), path
+
+
+def test_a_peer_verifies_the_servers_name(lc: LocalFabric) -> None:
+    """The client side checks the server's certificate names the agent it dials: the decode
+    agent's door, reached as if it were the prefill agent, fails verification."""
+    decode, prefill = lc.agents[lc.agent_of(D)], lc.agents[lc.agent_of(P)]
+    ctx = tls.client_context(prefill.tls_dir)
+    with (
+        socket.create_connection((decode.host, decode.peer_port), timeout=5) as raw,
+        pytest.raises(ssl.SSLCertVerificationError),
+    ):
+        ctx.wrap_socket(raw, server_hostname=prefill.peer_host)
+
+
+# ---------------------------------------------------------------- the engine door
+
+
+def test_the_engine_door_wants_the_engine_token(lc: LocalFabric) -> None:
+    decode = lc.agents[lc.agent_of(D)]
+    assert engine_get(decode.address, "/v1/info", None)[1]["reason"] == "unauthorized"
+    assert engine_get(decode.address, "/v1/info", "x" * 32)[0] == 401
+    assert engine_get(decode.address, "/v1/info", lc.token)[0] == 200
+
+
+def test_a_peer_certificate_is_not_enough_on_the_engine_door(lc: LocalFabric) -> None:
+    decode, prefill = lc.agents[lc.agent_of(D)], lc.agents[lc.agent_of(P)]
+    # The engine door speaks no TLS: a peer's client certificate has nothing to present to.
+    ctx = tls.client_context(prefill.tls_dir)
+    with (
+        socket.create_connection(("127.0.0.1", decode.api_port), timeout=5) as raw,
+        pytest.raises((ssl.SSLError, ConnectionError)),
+    ):
+        ctx.wrap_socket(raw, server_hostname=decode.peer_host)
+    # Without the engine token, whoever calls is refused.
+    assert engine_get(decode.address, "/v1/info", None)[0] == 401
+
+
+def test_the_engine_door_serves_no_peer_route_even_with_the_token(lc: LocalFabric) -> None:
+    decode = lc.agents[lc.agent_of(D)]
+    client = lc.client(D)
+    for path in ("/v1/peer/done", "/v1/peer/dst", "/v1/peer/launched"):
+        with pytest.raises(AgentRefused) as info:
+            client._call("POST", path, {"room": 1})
+        assert (info.value.status, info.value.reason) == (404, "malformed"), path
+    assert engine_get(decode.address, "/v1/peer/ping", lc.token)[0] == 404
