@@ -190,6 +190,11 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         {"agent": {"metricsPort": 7400, "apiPort": 7400}},
         "agent.metricsPort and agent.apiPort must differ",
     ),
+    (
+        "peer-port-collides",
+        {"agent": {"peerPort": 9400}},
+        "agent.peerPort must differ from agent.apiPort and agent.metricsPort",
+    ),
     ("unknown-dtype", {"model": {"dtype": "int4"}}, "spec.model.dtype"),
     ("unknown-fallback", {"placement": {"fallback": "Retry"}}, "spec.placement.fallback"),
     ("batch-entries-zero", {"transfer": {"maxBatchEntries": 0}}, "spec.transfer.maxBatchEntries"),

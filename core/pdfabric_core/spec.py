@@ -290,7 +290,9 @@ def validate_spec(spec: PDClusterSpec) -> None:
     if spec.agent.metrics_port == spec.agent.api_port:
         raise SpecError(f"agent.metricsPort and agent.apiPort must differ (both {spec.agent.api_port})")
     if spec.agent.peer_port in (spec.agent.metrics_port, spec.agent.api_port):
-        raise SpecError(f"agent.peerPort ({spec.agent.peer_port}) must differ from agent.metricsPort and agent.apiPort")
+        raise SpecError(
+            f"agent.peerPort must differ from agent.apiPort and agent.metricsPort (it is {spec.agent.peer_port})"
+        )
     m, a = spec.model, spec.agent
     # The CRD's minimums, for specs that did not pass through an API server.
     for name, value, low in (

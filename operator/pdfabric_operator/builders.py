@@ -86,14 +86,19 @@ def service_name(cluster: str) -> str:
     return _dns_label(f"{cluster}-agents", 63)
 
 
+def network_policy_name(cluster: str) -> str:
+    return f"{cluster}-agents"
+
+
 def shared_children(cluster: str) -> list[tuple[str, str]]:
     """(kind, name) of the children every agent of `cluster` shares: rank map, Service, engine
-    token, peer CA."""
+    token, peer CA, NetworkPolicy."""
     return [
         ("ConfigMap", rankmap_name(cluster)),
         ("Service", service_name(cluster)),
         ("Secret", engine_token_secret_name(cluster)),
         ("Secret", ca_secret_name(cluster)),
+        ("NetworkPolicy", network_policy_name(cluster)),
     ]
 
 
@@ -221,6 +226,28 @@ def build_headless_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, An
             "ports": [
                 {"name": "peer", "port": spec.agent.peer_port, "targetPort": "peer", "protocol": "TCP"},
                 {"name": "metrics", "port": spec.agent.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_network_policy(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, Any]:
+    """Ingress to the agent pods: everything from this cluster's agents (the peer door, and
+    Mooncake's handshake and data listeners, whose ports the engine picks at random and which
+    accept writes into registered memory from anyone who reaches them), and the metrics port
+    from anywhere (kubelet probes, Prometheus). The engine door is on the pod's loopback and
+    needs no rule. Enforced only where the cluster's network plugin enforces NetworkPolicy."""
+    agents = {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_AGENT}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(ref, network_policy_name(ref.name)),
+        "spec": {
+            "podSelector": {"matchLabels": agents},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": agents}}]},
+                {"ports": [{"protocol": "TCP", "port": spec.agent.metrics_port}]},
             ],
         },
     }

@@ -17,7 +17,15 @@ from pdfabric_operator import constants as c
 from pdfabric_operator.metrics import API_REQUESTS, ERRORS, ErrorType
 
 _METHODS = {"get": "GET", "create": "POST", "update": "PUT", "patch": "PATCH", "delete": "DELETE"}
-_PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets"}
+_PLURALS = {
+    "Pod": "pods",
+    "ConfigMap": "configmaps",
+    "Service": "services",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
+}
+# Kinds outside the core group: their API prefix.
+_GROUPS = {"NetworkPolicy": "/apis/networking.k8s.io/v1"}
 
 
 def load_configuration() -> client.Configuration:
@@ -89,7 +97,7 @@ class Kube:
 
     @staticmethod
     def path(kind: str, namespace: str, name: str | None = None) -> str:
-        base = f"/api/v1/namespaces/{namespace}/{_PLURALS[kind]}"
+        base = f"{_GROUPS.get(kind, '/api/v1')}/namespaces/{namespace}/{_PLURALS[kind]}"
         return f"{base}/{name}" if name else base
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

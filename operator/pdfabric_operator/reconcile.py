@@ -8,7 +8,7 @@ loop, so it never iterates a dict the loop is mutating. Steps:
    (the watch cache lags our own creates; without the ledger two clusters planned in the same
    second would both take the same GPUs).
 3. No fit: delete every child, publish the reason. Fit: ensure the engine-token and peer-CA
-   Secrets, Service, rank-map ConfigMap, then agent pods (replace a pod whose build hash differs,
+   Secrets, Service, NetworkPolicy, rank-map ConfigMap, then agent pods (replace a pod whose build hash differs,
    delete pods no longer wanted with their certificates, create missing ones, each after issuing
    its own peer certificate: a new pod is a new key; deterministic names make an interrupted run
    safe to repeat).
@@ -286,6 +286,9 @@ def _ensure_shared_children(
     if kube.get("Service", ref.namespace, b.service_name(ref.name)) is None:
         kube.create(b.build_headless_service(ref, spec))
         out.actions.append("create service")
+    if kube.get("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name)) is None:
+        kube.create(b.build_network_policy(ref, spec))
+        out.actions.append("create networkpolicy")
     have = kube.get("ConfigMap", ref.namespace, cm["metadata"]["name"])
     if have is None:
         kube.create(cm)

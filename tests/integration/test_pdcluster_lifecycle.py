@@ -127,6 +127,10 @@ def test_operator_issues_the_peer_ca_and_one_certificate_per_agent_pod(
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert san.get_values_for_type(x509.DNSName) == [f"{name}.pd-agents.{namespace}.svc"]
         assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == name
+    # Only the cluster's own agents reach its agents (the peer door, Mooncake's listeners).
+    policy = cluster.get_json("networkpolicy", "pd-agents", "-n", namespace)
+    assert policy["spec"]["podSelector"]["matchLabels"]["pdfabric.dev/cluster-uid"] == uid
+    assert [o["uid"] for o in policy["metadata"]["ownerReferences"]] == [uid]
     # The headless Service carries the peer door (and metrics), not the engine door.
     svc = cluster.get_json("service", "pd-agents", "-n", namespace)
     assert sorted((p["name"], p["port"]) for p in svc["spec"]["ports"]) == [("metrics", 9400), ("peer", 7401)]

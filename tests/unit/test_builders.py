@@ -177,6 +177,7 @@ def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> Non
         ("Service", "pd-agents"),
         ("Secret", "pd-engine-token"),
         ("Secret", "pd-peer-ca"),
+        ("NetworkPolicy", "pd-agents"),
     ]
 
 
@@ -215,3 +216,15 @@ def test_certificates_for_the_longest_names_the_api_allows() -> None:
     ca = pki.new_ca(ns, cluster, ref.uid)
     leaf = pki.issue_agent(ca, namespace=ns, cluster=cluster, agent=agent, dns_name=b.peer_dns_name(ref, agent))
     x509.load_pem_x509_certificate(leaf.cert_pem).verify_directly_issued_by(ca.cert)
+
+
+def test_network_policy_admits_only_this_clusters_agents_and_metrics() -> None:
+    policy = b.build_network_policy(REF, pdcluster().spec())
+    agents = {"matchLabels": {"pdfabric.dev/cluster-uid": "uid-1", "app.kubernetes.io/component": "agent"}}
+    assert policy["spec"]["podSelector"] == agents
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": agents}]},  # peer door and Mooncake's listeners: agents only
+        {"ports": [{"protocol": "TCP", "port": 9400}]},  # probes and Prometheus
+    ]
+    assert policy["metadata"]["ownerReferences"] == [REF.owner_reference()]

@@ -78,6 +78,7 @@ def test_rbac_is_least_privilege() -> None:
     # Secrets: the operator makes, replaces (a new pod's certificate) and removes its own; it never
     # reads the cluster's others in bulk.
     assert grants[("", "secrets")] == {"get", "create", "update", "delete"}
+    assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "delete"}
     assert grants[("", "pods")] == {"get", "list", "watch", "create", "delete"}
     assert grants[("", "nodes")] == {"get", "list", "watch"}
     assert grants[("pdfabric.dev", "pdclusters/status")] == {"get", "patch"}
