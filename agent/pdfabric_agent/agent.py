@@ -123,8 +123,8 @@ class Agent:
     def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
         return self.sender.accept_dst(msg, sender_agent)
 
-    def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
-        return self.arrivals.accept_done(msg, sender_agent)
+    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
+        return await self.arrivals.accept_done(msg, sender_agent)
 
     def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
         return self.arrivals.accept_launched(msg, sender_agent)

@@ -18,18 +18,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdfabric_agent import metrics
+from pdfabric_agent import integrity, metrics
 from pdfabric_agent.backends import path_labels
 from pdfabric_agent.claims import DestinationClaims
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import malformed, out_of_range
-from pdfabric_agent.labels import Completion, Kind, Outcome
+from pdfabric_agent.labels import Completion, Integrity, Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS, PeerRefused
-from pdfabric_agent.plan import decode_targets, expected_sources, sender_duties
+from pdfabric_agent.plan import TransferPlan, decode_targets, expected_sources, plan_transfer, sender_duties
+from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import AnyRoom, DecodeRoom, RoomState
 from pdfabric_agent.tasks import later
@@ -181,7 +183,7 @@ class DecodeArrivals:
         if owed is not None and said != owed:
             raise out_of_range(f"{prefill_rank} reports {said} for room {room.room}, which expects {owed} from it")
 
-    def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
+    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
         room, local = self._source(msg, sender_agent)
         if room.state.finished or msg.prefill_rank in room.arrived:
             # Late or repeated reports change nothing (and count no bytes twice); the answer is
@@ -192,8 +194,68 @@ class DecodeArrivals:
             return {"state": room.state.title}
         self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
         rows = self._aux_rows(msg.aux_rows, local, room)
+        if self.ctx.spec.transfer.verify:
+            if msg.checksum is None:
+                raise malformed("this cluster verifies transfers (spec.transfer.verify): the report needs a checksum")
+            for dst_off, raw in rows:  # side-channel rows are part of what is checked
+                local.pools.aux.write(dst_off, raw)
+            rows = []
+            if not await self._verified(room, local, msg.prefill_rank, msg.checksum):
+                return {"state": room.state.title, "reason": room.reason}
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
         return {"state": room.state.title}
+
+    async def _verified(self, room: DecodeRoom, local: LocalRank, prefill_rank: str, theirs: str) -> bool:
+        """Checksum what landed from this source (in a worker: it reads every byte) and compare; a
+        mismatch fails the room, so no engine reads bytes that are not what was sent."""
+        ctx = self.ctx
+        plan = self._landing_plan(room, local, prefill_rank)
+        regions = integrity.dest_regions(plan, local.bases.aux)
+        started = time.perf_counter()
+        ours = await asyncio.get_running_loop().run_in_executor(ctx.workers, integrity.checksum, local.pools, regions)
+        metrics.integrity_seconds.labels(ctx.labels.cluster, Role.DECODE.value).observe(time.perf_counter() - started)
+        result = Integrity.MATCH if ours == theirs else Integrity.MISMATCH
+        metrics.integrity_checks.labels(ctx.labels.cluster, result.value).inc()
+        if result is Integrity.MISMATCH:
+            reason = f"checksum of what arrived from {prefill_rank} ({ours}) is not the sender's ({theirs})"
+            ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason)
+            return False
+        return not room.state.finished  # the room may have ended (its deadline) while the sum ran
+
+    def _landing_plan(self, room: DecodeRoom, local: LocalRank, prefill_rank: str) -> TransferPlan:
+        """The plan of this source's transfer, as its agent made it, seen from this side: the same
+        duties and layouts, so its destination blocks are exactly where the source wrote."""
+        spec = self.ctx.spec
+        source = self.ctx.ranks.rank(prefill_rank)
+        route = next(r for r in decode_targets(spec, source.tp_rank) if r.decode_tp_rank == local.rank.tp_rank)
+        duties = sender_duties(spec, route, source.cp_rank, len(room.dst_pages), source.pp_rank)
+        assert duties is not None  # expected_sources names only sources that send
+        n_state = len(room.dst_state)
+        src_layout = PoolLayout.from_geometry(
+            spec.model,
+            spec.prefill.tp,
+            kv_pages=max(len(duties.pages), 1),
+            state_slots=max(n_state, 1),
+            aux_slots=1,
+            pp=spec.prefill.pp,
+            pp_stage=source.pp_rank,
+        )
+        with_state = bool(duties.state_layers or duties.state_skipped)
+        return plan_transfer(
+            duties,
+            src_layout=src_layout,
+            dst_layout=local.layout,
+            src=local.bases,  # the source side of this plan is never read
+            dst=local.bases,
+            src_pages=list(range(len(duties.pages))),
+            dst_pages=room.dst_pages,
+            src_state=list(range(n_state)) if with_state else [],
+            dst_state=room.dst_state if with_state else [],
+            src_aux=0 if room.dst_aux is not None else None,
+            dst_aux=room.dst_aux,
+            coalesce=self.ctx.cfg.coalesce,
+            kv_blocks=False,
+        )
 
     def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
         """A source's kernels are on their way: watch their completion marks; the source has arrived
@@ -202,6 +264,10 @@ class DecodeArrivals:
         source = msg.prefill_rank
         if room.state.finished or source in room.arrived:
             return {"state": room.state.title}
+        if self.ctx.spec.transfer.verify:
+            raise malformed(
+                "this cluster verifies transfers (spec.transfer.verify): completion comes with the done report"
+            )
         self._check_owed(room, source, msg.bytes_by_path)
         try:
             self.completions.watch(

@@ -39,3 +39,10 @@ class Refusal(enum.StrEnum):
     TIMEOUT = "timeout"  # head or body not read within its deadline (408)
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the listener's connection bound (429)
     INTERNAL = "internal"  # an unexpected error, logged (500): never bad input
+
+
+class Integrity(enum.StrEnum):
+    """The result of an end-to-end checksum comparison (spec.transfer.verify)."""
+
+    MATCH = "match"
+    MISMATCH = "mismatch"

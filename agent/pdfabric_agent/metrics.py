@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdfabric_agent.labels import Completion, Kind, Outcome, Refusal
+from pdfabric_agent.labels import Completion, Integrity, Kind, Outcome, Refusal
 
-__all__ = ["REGISTRY", "Completion", "Kind", "Outcome", "Refusal"]
+__all__ = ["REGISTRY", "Completion", "Integrity", "Kind", "Outcome", "Refusal"]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -117,6 +117,21 @@ peer_probes = Counter(
 )
 
 
+integrity_checks = Counter(
+    "pdfabric_integrity_checks_total",
+    "Sources of a room whose checksum the decode agent compared with the sender's (spec.transfer.verify), by result.",
+    ["cluster", "result"],
+    registry=REGISTRY,
+)
+integrity_seconds = Histogram(
+    "pdfabric_integrity_seconds",
+    "Time to checksum one source's bytes of one room (either side), spec.transfer.verify.",
+    ["cluster", "role"],
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
+    registry=REGISTRY,
+)
+
+
 def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
     """Create every closed-set series at zero for this agent's identity."""
     for path in paths:
@@ -130,6 +145,9 @@ def precreate(cluster: str, role: str, backend: str, transport: str, paths: tupl
         api_refusals.labels(cluster, reason.value)
     for how in Completion:
         decode_completions.labels(cluster, how.value)
+    for check in Integrity:
+        integrity_checks.labels(cluster, check.value)
+    integrity_seconds.labels(cluster, role)
     request_duration.labels(cluster, role, backend, transport)
     state_bytes_skipped.labels(cluster, backend)
     peers_blacklisted.labels(cluster)

@@ -148,6 +148,12 @@ class Pool:
             raise ValueError("only CPU pools can be viewed from Python")
         return memoryview(self._keep)
 
+    def tensor(self) -> Any:
+        """The torch uint8 tensor of a GPU pool (integrity checksums read it on the device)."""
+        if self.device is not Device.CUDA:
+            raise ValueError("only GPU pools are tensors")
+        return self._keep
+
     def read(self, offset: int, length: int) -> bytes:
         """Copy bytes out (the TCP side channel reads aux rows this way, from CPU or GPU pools)."""
         if not 0 <= offset <= offset + length <= self.size:

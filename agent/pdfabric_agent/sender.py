@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdfabric_agent import metrics
+from pdfabric_agent import integrity, metrics
 from pdfabric_agent.backend import TransferError
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import conflict, malformed, out_of_range
@@ -296,19 +297,39 @@ class PrefillSender:
             room.skipped_state += plan.state_skipped_bytes
         # Also when watched (the decode agent took the completion marks and counts the bytes when it
         # sees them): the report's answer is decode's confirmation, so the room has one outcome.
-        await self._report_done(room, local, target, plan, by_path)
+        checksum = await self._checksum(local, plan) if ctx.spec.transfer.verify else None
+        await self._report_done(room, local, target, plan, by_path, checksum)
         target.done = True
         room.marks[f"acknowledged:{target.decode_rank}"] = ctx.clock()
 
+    async def _checksum(self, local: LocalRank, plan: TransferPlan) -> str:
+        """What this rank sent to the target, checksummed at the source (integrity.py)."""
+        ctx = self.ctx
+        regions = integrity.source_regions(plan, local.bases.aux)
+        started = time.perf_counter()
+        checksum = await asyncio.get_running_loop().run_in_executor(
+            ctx.workers, integrity.checksum, local.pools, regions
+        )
+        metrics.integrity_seconds.labels(ctx.labels.cluster, Role.PREFILL.value).observe(time.perf_counter() - started)
+        return checksum
+
     async def _report_done(
-        self, room: PrefillRoom, local: LocalRank, target: Target, plan: TransferPlan, by_path: BytesByPath
+        self,
+        room: PrefillRoom,
+        local: LocalRank,
+        target: Target,
+        plan: TransferPlan,
+        by_path: BytesByPath,
+        checksum: str | None = None,
     ) -> None:
         ctx = self.ctx
         rows = tuple((dst_off, local.pools.aux.read(src_off, size)) for src_off, dst_off, size in plan.aux_tcp)
         aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
         if aux_tcp_bytes:
             by_path[TCP_SIDE_CHANNEL] = {Kind.KV.value: 0, Kind.STATE.value: 0, Kind.AUX.value: aux_tcp_bytes}
-        report = DoneReport(room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows)
+        report = DoneReport(
+            room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows, checksum=checksum
+        )
         try:
             answer = await ctx.peers.post(target.agent, report, max(0.1, room.deadline - ctx.clock()))
         except PEER_ERRORS as exc:

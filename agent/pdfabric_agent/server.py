@@ -172,7 +172,8 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         return web.json_response(agent.accept_dst(await parsed(request, RoomInfo), sender_agent=request[PEER_AGENT]))
 
     async def peer_done(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_done(await parsed(request, DoneReport), sender_agent=request[PEER_AGENT]))
+        msg = await parsed(request, DoneReport)
+        return web.json_response(await agent.accept_done(msg, sender_agent=request[PEER_AGENT]))
 
     async def peer_launched(request: web.Request) -> web.Response:
         msg = await parsed(request, LaunchNotice)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import base64
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pdfabric_agent.labels import Kind, Refusal
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout
 
+CHECKSUM = re.compile(r"[0-9a-f]{1,16}:[0-9a-f]{16}")  # integrity.checksum's form
 PACKED_INDICES = "int32le"  # {"int32le": base64 of little-endian int32}: a compact list of indices
 PACK_ABOVE = 64  # index lists longer than this are sent packed
 
@@ -369,6 +371,7 @@ class DoneReport(SourceReport):
     ok: bool
     reason: str = ""
     aux_rows: tuple[tuple[int, bytes], ...] = ()
+    checksum: str | None = None  # of the bytes sent to this decode rank (spec.transfer.verify), integrity.py
 
     @classmethod
     def failure(cls, room: int, decode_rank: str, prefill_rank: str, reason: str) -> DoneReport:
@@ -408,7 +411,12 @@ class DoneReport(SourceReport):
             except ValueError:  # binascii.Error, and non-ASCII characters
                 raise malformed("aux_rows must be a list of [offset, base64] pairs") from None
             parsed.append((dst_off, raw))
-        return cls(room, decode_rank, prefill_rank, _bytes_by_path(body), ok=True, aux_rows=tuple(parsed))
+        checksum = body.get("checksum")
+        if checksum is not None and (not isinstance(checksum, str) or not CHECKSUM.fullmatch(checksum)):
+            raise malformed("field 'checksum' must be '<length hex>:<16 hex digits>'")
+        return cls(
+            room, decode_rank, prefill_rank, _bytes_by_path(body), ok=True, aux_rows=tuple(parsed), checksum=checksum
+        )
 
     def to_json(self) -> dict[str, Any]:
         if not self.ok:
@@ -418,6 +426,7 @@ class DoneReport(SourceReport):
             "ok": True,
             "bytes_by_path": self.bytes_by_path,
             "aux_rows": [[off, base64.b64encode(raw).decode()] for off, raw in self.aux_rows],
+            **({} if self.checksum is None else {"checksum": self.checksum}),
         }
 
 

@@ -153,7 +153,8 @@ class RoomWriter:
                 else:
                     launch.later.append(functools.partial(self.write, local, peer, blocks, kind, room, by_path))
             room.marks[f"launched:{target.decode_rank}"] = self.ctx.clock()
-            if launch.launched and not launch.later and not plan.aux_tcp:
+            # Not under spec.transfer.verify: there decode is Success only on the checksummed report.
+            if launch.launched and not launch.later and not plan.aux_tcp and not self.ctx.spec.transfer.verify:
                 marks = [kernel.completion_mark(x.handle) for x in launch.launched]
                 if all(m is not None for m in marks):
                     # While the kernels run: the decode agent watches the marks instead of awaiting a report.

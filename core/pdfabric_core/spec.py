@@ -92,6 +92,8 @@ class TransferSpec:
     transport: Transport | None = field(default=None, metadata={_NONE_VALUE: AUTO_TRANSPORT})
     aux_over_tcp: bool = False
     max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
+    # End-to-end checksums: decode is Success only when what arrived matches what was sent.
+    verify: bool = False
     timeout_seconds: float = 30.0
 
     @property

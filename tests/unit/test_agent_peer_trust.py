@@ -73,6 +73,12 @@ def refused(call: Any) -> ApiError:
     return err.value
 
 
+async def refused_async(coro: Any) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        await coro
+    return err.value
+
+
 def test_room_info_from_an_agent_that_does_not_host_the_decode_rank_is_refused(prefill: Agent) -> None:
     err = refused(lambda: prefill.accept_dst(room_info(1), sender_agent="a1"))
     assert (err.status, err.reason) == (403, "wrong_peer") and "gives agent a2" in err.message
@@ -83,7 +89,7 @@ def test_reports_from_an_agent_that_does_not_host_the_source_are_refused(decode:
     async def go() -> None:
         decode.submit_receive(ReceiveRequest(D, 2, [3, 4], [1], 1, 0))
         report = DoneReport(2, D, P, {"mooncake": {"kv": 1}}, ok=True)
-        err = refused(lambda: decode.accept_done(report, sender_agent="a2"))
+        err = await refused_async(decode.accept_done(report, sender_agent="a2"))
         assert (err.status, err.reason) == (403, "wrong_peer")
         assert decode.rooms.decode[(D, 2)].arrived == set()
         await decode.close()
@@ -95,7 +101,7 @@ def test_byte_reports_name_only_known_paths(decode: Agent) -> None:
     async def go() -> None:
         decode.submit_receive(ReceiveRequest(D, 3, [3, 4], [1], 1, 0))
         report = DoneReport(3, D, P, {"invented-path-7": {"kv": 1}}, ok=True)
-        err = refused(lambda: decode.accept_done(report, sender_agent="a1"))
+        err = await refused_async(decode.accept_done(report, sender_agent="a1"))
         assert (err.status, err.reason) == (400, "malformed") and "invented-path-7" in err.message
         await decode.close()
 
@@ -155,11 +161,11 @@ def test_a_report_must_carry_exactly_what_the_room_planned_from_that_source(deco
         room = decode.rooms.decode[(D, 7)]
         assert room.owed == {P: owed}
         for wrong in ({"kv": 10**15, "state": 64, "aux": 24}, {"kv": 1024, "state": 64}):
-            err = refused(lambda w=wrong: decode.accept_done(DoneReport(7, D, P, {"mooncake": w}, ok=True)))
+            err = await refused_async(decode.accept_done(DoneReport(7, D, P, {"mooncake": wrong}, ok=True)))
             assert (err.status, err.reason) == (400, "out_of_range") and "expects" in err.message
             assert room.state.title == "Bootstrapping" and not room.arrived
         split = {"mooncake": {"kv": 1024, "state": 64}, "tcp-side-channel": {"aux": 24}}
-        assert decode.accept_done(DoneReport(7, D, P, split, ok=True))["state"] == "Success"
+        assert (await decode.accept_done(DoneReport(7, D, P, split, ok=True)))["state"] == "Success"
         assert room.moved == owed
         await decode.close()
 
