@@ -89,7 +89,14 @@ def test_converges_then_steady_state_makes_no_writes() -> None:
     nodes = [gpu_node("a", 8)]
     first = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     assert first.result is ReconcileResult.PROGRESSING
-    assert sorted(a.split()[1] for a in first.actions) == ["configmap", "engine-token", "networkpolicy", "peer", "pod", "service"]
+    assert sorted(a.split()[1] for a in first.actions) == [
+        "configmap",
+        "engine-token",
+        "networkpolicy",
+        "peer",
+        "pod",
+        "service",
+    ]
     # Agents report Ready: one status write, then nothing at all.
     second = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     assert second.result is ReconcileResult.READY and second.patched and not second.actions
