@@ -185,6 +185,8 @@ class DecodeArrivals:
 
     async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
         room, local = self._source(msg, sender_agent)
+        if msg.ok:  # a false report is refused even when it is late
+            self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
         if room.state.finished or msg.prefill_rank in room.arrived:
             # Late or repeated reports change nothing (and count no bytes twice); the answer is
             # the room's outcome, which the source takes as its own.
@@ -192,7 +194,6 @@ class DecodeArrivals:
         if not msg.ok:
             self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, f"{msg.prefill_rank} failed: {msg.reason}")
             return {"state": room.state.title}
-        self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
         rows = self._aux_rows(msg.aux_rows, local, room)
         if self.ctx.spec.transfer.verify:
             if msg.checksum is None:
@@ -262,13 +263,13 @@ class DecodeArrivals:
         (its bytes counted, the room Success when it was the last) once every mark is reached."""
         room, local = self._source(msg, sender_agent)
         source = msg.prefill_rank
+        self._check_owed(room, source, msg.bytes_by_path)
         if room.state.finished or source in room.arrived:
             return {"state": room.state.title}
         if self.ctx.spec.transfer.verify:
             raise malformed(
                 "this cluster verifies transfers (spec.transfer.verify): completion comes with the done report"
             )
-        self._check_owed(room, source, msg.bytes_by_path)
         try:
             self.completions.watch(
                 list(msg.marks),
