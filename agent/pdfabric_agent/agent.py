@@ -76,7 +76,7 @@ class Agent:
             rankmap=rankmap,
             ranks=NodeRanks(rankmap, spec, self.entry.name, ranks),
             rooms=RoomRegistry(labels, clock),
-            peers=PeerClient(cfg, rankmap, spec.agent.api_port, clock),
+            peers=PeerClient(cfg, rankmap, spec.agent.peer_port, clock),
             tasks=TaskSet(),
             workers=ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine"),
             clock=clock,
@@ -99,7 +99,7 @@ class Agent:
     def check_token(self, header: str | None) -> None:
         expected = f"Bearer {self.cfg.token}"
         if header is None or not hmac.compare_digest(header.encode(), expected.encode()):
-            raise ApiError(401, Refusal.UNAUTHORIZED, "missing or wrong cluster token")
+            raise ApiError(401, Refusal.UNAUTHORIZED, "missing or wrong engine token")
 
     def check_cluster(self, body: Mapping[str, Any]) -> None:
         cluster = body.get("cluster")

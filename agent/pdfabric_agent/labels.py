@@ -27,7 +27,7 @@ class Completion(enum.StrEnum):
 
 
 class Refusal(enum.StrEnum):
-    UNAUTHORIZED = "unauthorized"  # missing or wrong cluster token
+    UNAUTHORIZED = "unauthorized"  # engine door: missing or wrong engine token; peer door: not an agent
     WRONG_CLUSTER = "wrong_cluster"
     MALFORMED = "malformed"
     OUT_OF_RANGE = "out_of_range"

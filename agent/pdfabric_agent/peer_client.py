@@ -21,7 +21,6 @@ from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.peers import PeerHealth
 from pdfabric_agent.wire import PeerMessage
 from pdfabric_core.rankmap import RankMap
-from pdfabric_core.spec import parse_spec
 
 log = logging.getLogger("pdfabric.agent")
 
@@ -44,13 +43,10 @@ PEER_ERRORS = (PeerRefused, aiohttp.ClientError, TimeoutError, OSError)
 
 
 class PeerClient:
-    def __init__(self, cfg: AgentConfig, rankmap: RankMap, api_port: int, clock: Callable[[], float]) -> None:
-        # ``api_port`` is not a peer's port any more (the engine door listens on loopback only);
-        # every agent's peer door listens on the spec's peerPort.
-        del api_port
+    def __init__(self, cfg: AgentConfig, rankmap: RankMap, peer_port: int, clock: Callable[[], float]) -> None:
         self.cfg = cfg
         self.rankmap = rankmap
-        self.peer_port = parse_spec(rankmap.spec).agent.peer_port
+        self.peer_port = peer_port  # every agent's peer door listens on the spec's peerPort
         self.health = PeerHealth(cfg.probe_backoff_s, cfg.probe_backoff_max_s, clock)
         self._http: aiohttp.ClientSession | None = None
         self._probing: set[str] = set()
