@@ -100,7 +100,7 @@ def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, 
     assert lc.metric_sum("pdfabric_decode_completions_total", how="completion-board") == seen + 1
     # A done report of the same source afterwards changes nothing (no bytes counted twice).
     body = {"cluster": lc.uid, "room": 1001, "decode_rank": D, "prefill_rank": P, "ok": True,
-            "bytes_by_path": {"nvlink-kernel": {"kv": KV}}}  # fmt: skip
+            "bytes_by_path": {"nvlink-kernel": {"kv": KV, "state": 0, "aux": 16}}}  # fmt: skip
     code, doc = lc.peer_post(lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), as_agent=lc.agent_of(P))
     assert (code, doc["state"]) == (200, "Success")
     assert lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel") == after
