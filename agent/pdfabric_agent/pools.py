@@ -107,6 +107,18 @@ class PoolLayout:
         return cls(**{**d, "aux_items": tuple(d["aux_items"])})
 
 
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A raw device allocation, seen by torch through the CUDA array interface (no copy)."""
+
+    ptr: int
+    size: int
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 2}
+
+
 class Pool:
     """One registered memory region. ``addr`` is what the engine registers and peers write to."""
 
@@ -122,6 +134,7 @@ class Pool:
         self.handle = handle
         self.gpu = gpu
         self._keep = keep  # mmap or tensor owning the memory
+        self._device_buffer: DeviceBuffer | None = None  # a GPU pool's own allocation, freed on close
 
     @classmethod
     def allocate(cls, name: str, size: int, device: Device, *, shm_dir: str, gpu: int = 0) -> Pool:
@@ -139,8 +152,17 @@ class Pool:
         if device is Device.CUDA:
             import torch
 
-            tensor = torch.zeros(size, dtype=torch.uint8, device=f"cuda:{gpu}")
-            return cls(name, size, device, tensor.data_ptr(), _ipc_handle(tensor, gpu), tensor, gpu)
+            from pdfabric_agent.fastpath import cuda
+
+            # A device allocation of its own (not torch's caching allocator, which packs several
+            # tensors into one segment): its CUDA IPC export opens this pool and nothing beside it.
+            cuda.primary_context(gpu)
+            buffer = DeviceBuffer(cuda.mem_alloc(size), size)
+            tensor = torch.as_tensor(buffer, device=f"cuda:{gpu}")
+            tensor.zero_()
+            pool = cls(name, size, device, buffer.ptr, _ipc_handle(tensor, gpu), tensor, gpu)
+            pool._device_buffer = buffer
+            return pool
         raise ValueError(f"pools on {device.value} are not supported by this agent")
 
     def view(self) -> memoryview:
@@ -180,6 +202,14 @@ class Pool:
             with contextlib.suppress(BufferError):
                 self._keep.close()
         self._keep = None
+        if self._device_buffer is not None:
+            import torch
+
+            from pdfabric_agent.fastpath import cuda
+
+            torch.cuda.synchronize(self.gpu)  # nothing of ours still writes or reads it
+            cuda.mem_free(self._device_buffer.ptr)
+            self._device_buffer = None
 
 
 def _ipc_handle(tensor: Any, gpu: int) -> str:
