@@ -117,3 +117,26 @@ def test_unreachable_agent_raises_oserror() -> None:
 def test_address_must_be_host_and_port() -> None:
     with pytest.raises(ValueError, match="host:port"):
         AgentClient("agent-without-port", "tok", "uid-1")
+
+
+def test_wait_backs_off_while_polls_answer_at_once_without_an_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state the agent does not hold a long poll for (e.g. a prefill room whose decode side is
+    ready) is answered at once: `wait` sleeps, doubling up to its maximum, instead of spinning."""
+    import time as time_mod
+
+    from pdfabric_agent import client as client_mod
+
+    client = client_mod.AgentClient("127.0.0.1:1", "t", "uid")
+    calls: list[float] = []
+
+    def poll(rank: str, room: int, wait_s: float = 0.0) -> dict[str, object]:
+        calls.append(time_mod.monotonic())
+        return {"state": "WaitingForInput"}
+
+    monkeypatch.setattr(client, "poll", poll)
+    with pytest.raises(TimeoutError):
+        client.wait("prefill-0-tp0-cp0", 1, timeout_s=1.5)
+    # 10, 20, 40, ... 500 ms pauses: about ten polls in 1.5 s, not thousands.
+    assert 5 <= len(calls) <= 14, len(calls)
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert max(gaps) <= client_mod.WAIT_BACKOFF_MAX_S + 0.2
