@@ -4,6 +4,7 @@ the caller noticing, refusals arrive as AgentRefused with the agent's reason."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -138,5 +139,5 @@ def test_wait_backs_off_while_polls_answer_at_once_without_an_outcome(monkeypatc
         client.wait("prefill-0-tp0-cp0", 1, timeout_s=1.5)
     # 10, 20, 40, ... 500 ms pauses: about ten polls in 1.5 s, not thousands.
     assert 5 <= len(calls) <= 14, len(calls)
-    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
     assert max(gaps) <= client_mod.WAIT_BACKOFF_MAX_S + 0.2
