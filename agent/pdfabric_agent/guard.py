@@ -1,8 +1,7 @@
 """Bounds on the agent's HTTP listeners, below aiohttp's request handling.
 
 aiohttp reads headers and bodies without deadlines of its own and accepts every connection. A
-listener started with ``GuardedTCPSite`` / ``GuardedUnixSite`` (instead of ``web.TCPSite`` /
-``web.UnixSite``) serves each connection with ``GuardedHandler``, aiohttp's ``RequestHandler`` plus:
+listener started with ``GuardedTCPSite`` (instead of ``web.TCPSite``) serves each connection with ``GuardedHandler``, aiohttp's ``RequestHandler`` plus:
 
 - a phase per connection: HEAD (from the accept, or from the first byte after a response, until
   aiohttp hands the parsed request to the application), BUSY (the application runs and writes its
@@ -353,42 +352,6 @@ class GuardedTCPSite(web.TCPSite):
             reuse_port=self._reuse_port,
         )
         self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
-
-    async def stop(self) -> None:
-        if self._guard is not None:
-            self._guard.close()
-        await super().stop()
-
-
-class GuardedUnixSite(web.UnixSite):
-    """``web.UnixSite`` whose connections are guarded (see ``GuardedTCPSite``)."""
-
-    __slots__ = ("_guard", "_guard_cluster", "_guard_limits")
-
-    def __init__(
-        self,
-        runner: web.BaseRunner,
-        path: str,
-        *,
-        limits: Limits | None = None,
-        cluster: str | None = None,
-        ssl_context: Any = None,
-        backlog: int = 128,
-    ) -> None:
-        super().__init__(runner, path, ssl_context=ssl_context, backlog=backlog)
-        self._guard_limits, self._guard_cluster = limits, cluster
-        self._guard: Guard | None = None
-
-    @property
-    def guard(self) -> Guard | None:
-        return self._guard
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)
-        self._guard = guard = _guard_for(self._runner, self._guard_limits, self._guard_cluster)
-        self._server = await guard.loop.create_unix_server(
-            guard.protocol, self._path, ssl=self._ssl_context, backlog=self._backlog
-        )
 
     async def stop(self) -> None:
         if self._guard is not None:
