@@ -149,7 +149,10 @@ async def serve(cfg: AgentConfig) -> int:
     runners: list[web.AppRunner] = []
     mrunner = web.AppRunner(build_metrics_app(readiness), access_log=None)
     await mrunner.setup()
-    await web.TCPSite(mrunner, cfg.bind_address, cfg.metrics_port or spec.agent.metrics_port).start()
+    # Guarded too: slow clients on the metrics port would take this process's descriptors as well.
+    await GuardedTCPSite(
+        mrunner, cfg.bind_address, cfg.metrics_port or spec.agent.metrics_port, cluster=cluster
+    ).start()
     runners.append(mrunner)
 
     agent: Agent | None = None
