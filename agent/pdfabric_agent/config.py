@@ -72,6 +72,14 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     ),
     "PDFABRIC_ROOM_TTL_S": ("600", "Finished rooms are forgotten after this long."),
     "PDFABRIC_WORKERS": ("8", "Threads issuing blocking engine calls."),
+    # Read by guard.Limits on every listener; listed here so they are documented with the rest.
+    "PDFABRIC_HEADER_TIMEOUT_S": (
+        "10",
+        "A request head (and a peer's TLS handshake) must arrive within this; else 408.",
+    ),
+    "PDFABRIC_BODY_TIMEOUT_S": ("30", "A request body must arrive within this once its head did; else 408."),
+    "PDFABRIC_IDLE_TIMEOUT_S": ("60", "An idle keep-alive connection is closed after this."),
+    "PDFABRIC_MAX_CONNECTIONS": ("256", "Connections per listener; past it the slowest make room, else 429."),
     "PDFABRIC_LOG_LEVEL": ("INFO", "Python log level."),
 }
 

@@ -347,6 +347,8 @@ class GuardedTCPSite(web.TCPSite):
             self._host,
             self._port,
             ssl=self._ssl_context,
+            # A TLS handshake happens before the guard sees the connection: bound it the same way.
+            ssl_handshake_timeout=guard.limits.header_timeout_s if self._ssl_context is not None else None,
             backlog=self._backlog,
             reuse_address=self._reuse_address,
             reuse_port=self._reuse_port,

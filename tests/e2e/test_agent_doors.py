@@ -154,3 +154,18 @@ def test_the_engine_door_serves_no_peer_route_even_with_the_token(lc: LocalFabri
             client._call("POST", path, {"room": 1})
         assert (info.value.status, info.value.reason) == (404, "malformed"), path
     assert engine_get(decode.address, "/v1/peer/ping", lc.token)[0] == 404
+
+
+def test_a_tls_handshake_that_never_comes_is_cut_off() -> None:
+    """A client that connects to the peer door and sends nothing (or half a ClientHello) holds the
+    connection no longer than the head timeout: the handshake is bounded like a request head."""
+    import time
+
+    with LocalFabric(SPEC, env={"PDFABRIC_HEADER_TIMEOUT_S": "1"}) as fabric:
+        agent = next(iter(fabric.agents.values()))
+        host, port = agent.peer_address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"\x16\x03\x01")  # the first bytes of a ClientHello, then silence
+            started = time.monotonic()
+            assert s.recv(1024) == b""  # closed by the agent
+            assert time.monotonic() - started < 5
