@@ -16,6 +16,7 @@ lost and misplaced writes; it is not a MAC: who may write is the peer door's mut
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,29 +26,54 @@ from pdfabric_agent.pools import Pool, RankPools
 from pdfabric_core.policy.types import Device
 
 Region = tuple[int, int]  # (absolute address, length)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """``item`` bytes at ``base + page * stride`` for each page, in order: one KV buffer's pages
+    (whole pages, or a head slice of each), gathered in one operation instead of one per page."""
+
+    base: int
+    stride: int
+    item: int
+    pages: Sequence[int]
+
+
+Piece = Region | Rows
 CHUNK_BYTES = 16 << 20  # regions are gathered and summed about this many bytes at a time
 _positions = np.arange(0, dtype=np.uint64)  # 0, 1, 2, ...: grown on demand, shared by every sum
 
 
-def source_regions(plan: TransferPlan, aux_base: int) -> list[Region]:
+def source_regions(plan: TransferPlan, aux_base: int) -> list[Piece]:
     """The stream at the sender: ``aux_base`` is its aux pool's address (side-channel rows are
     pool offsets)."""
-    return list(_regions(plan, src=True, aux_base=aux_base))
+    return list(_pieces(plan, src=True, aux_base=aux_base))
 
 
-def dest_regions(plan: TransferPlan, aux_base: int) -> list[Region]:
-    return list(_regions(plan, src=False, aux_base=aux_base))
+def dest_regions(plan: TransferPlan, aux_base: int) -> list[Piece]:
+    return list(_pieces(plan, src=False, aux_base=aux_base))
 
 
-def _regions(plan: TransferPlan, *, src: bool, aux_base: int) -> Iterator[Region]:
+def flat(pieces: Sequence[Piece]) -> list[Region]:
+    """The same stream as plain regions."""
+    out: list[Region] = []
+    for piece in pieces:
+        if isinstance(piece, Rows):
+            out.extend((piece.base + page * piece.stride, piece.item) for page in piece.pages)
+        else:
+            out.append(piece)
+    return out
+
+
+def _pieces(plan: TransferPlan, *, src: bool, aux_base: int) -> Iterator[Piece]:
     kvp = plan.kv_pages
     if kvp is not None:
         bases, pages, stride = (
             (kvp.src_bases, kvp.src_pages, kvp.src_stride) if src else (kvp.dst_bases, kvp.dst_pages, kvp.dst_stride)
         )
         for base in bases:
-            for page in pages:
-                yield base + page * stride, kvp.item
+            if len(pages):
+                yield Rows(base, stride, kvp.item, pages)
     else:
         for b in plan.kv:
             yield (b.src if src else b.dst), b.length
@@ -64,23 +90,79 @@ def _pool_of(pools: Sequence[Pool], addr: int, length: int) -> Pool:
     raise ValueError(f"{length} bytes at {addr:#x} are outside the rank's pools")
 
 
-def checksum(pools: RankPools, regions: Sequence[Region]) -> str:
-    """``"<length hex>:<sum hex>"`` of the stream the regions make, read from the rank's pools. Each
-    region is zero-padded to whole words, so a run of regions on one device (the KV on the GPU, the
-    aux rows on the CPU under some pools) is summed where it lives, at its place in the stream."""
+def checksum(pools: RankPools, pieces: Sequence[Piece]) -> str:
+    """``"<length hex>:<sum hex>"`` of the stream the pieces make, read from the rank's pools. Each
+    region (each row of a ``Rows``) is zero-padded to whole words, so every piece is summed where
+    it lives (the KV on the GPU, the aux rows on the CPU under some pools), at its place in the
+    stream."""
     all_pools = pools.all()
-    total = sum(n for _, n in regions)
+    total = 0
     acc = 0
-    word0 = 0  # index of the run's first word in the whole stream
-    for device, run in _runs(all_pools, regions):
-        for chunk in _chunks(run):
-            if device is Device.CUDA:
-                part, words = _gpu_sum(chunk, word0)
-            else:
-                part, words = _cpu_sum(chunk, word0)
-            acc = (acc + part) % (1 << 64)
-            word0 += words
+    word0 = 0  # index of the next piece's first word in the whole stream
+    flat_run: list[Region] = []
+
+    def add(part: int, words: int) -> None:
+        nonlocal acc, word0
+        acc = (acc + part) % (1 << 64)
+        word0 += words
+
+    def drain() -> None:
+        for device, run in _runs(all_pools, flat_run):
+            for chunk in _chunks(run):
+                add(*(_gpu_sum(chunk, word0) if device is Device.CUDA else _cpu_sum(chunk, word0)))
+        flat_run.clear()
+
+    for piece in pieces:
+        if isinstance(piece, Rows):
+            drain()
+            total += piece.item * len(piece.pages)
+            add(*_rows_sum(all_pools, piece, word0))
+        else:
+            total += piece[1]
+            flat_run.append(piece)
+    drain()
     return f"{total:x}:{acc:016x}"
+
+
+def _rows_sum(pools: Sequence[Pool], rows: Rows, first: int) -> tuple[int, int]:
+    """A ``Rows`` piece gathered by page index (one strided view, one fancy-index per chunk)."""
+    if not rows.pages:
+        return 0, 0
+    span = max(rows.pages) * rows.stride + rows.item
+    pool = _pool_of(pools, rows.base, span)
+    off = rows.base - pool.addr
+    padded = _padded(rows.item)
+    per_chunk = max(1, CHUNK_BYTES // max(padded, 1))
+    acc, words = 0, 0
+    for lo in range(0, len(rows.pages), per_chunk):
+        pages = rows.pages[lo : lo + per_chunk]
+        if pool.device is Device.CUDA:
+            part, n = _gpu_rows(pool, off, rows, pages, first + words)
+        else:
+            part, n = _cpu_rows(pool, off, rows, pages, first + words)
+        acc, words = (acc + part) % (1 << 64), words + n
+    return acc, words
+
+
+def _cpu_rows(pool: Pool, off: int, rows: Rows, pages: Sequence[int], first: int) -> tuple[int, int]:
+    buf = np.frombuffer(pool.view(), dtype=np.uint8)
+    table = np.lib.stride_tricks.as_strided(buf[off:], shape=(max(pages) + 1, rows.item), strides=(rows.stride, 1))
+    picked = table[np.asarray(pages, dtype=np.int64)]
+    if rows.item % 8:
+        picked = np.pad(picked, ((0, 0), (0, _padded(rows.item) - rows.item)))
+    return _cpu_words(np.ascontiguousarray(picked).view("<u8").ravel(), first)
+
+
+def _gpu_rows(pool: Pool, off: int, rows: Rows, pages: Sequence[int], first: int) -> tuple[int, int]:
+    import torch
+
+    tensor = pool.tensor()
+    table = tensor[off:].as_strided((max(pages) + 1, rows.item), (rows.stride, 1))
+    index = torch.as_tensor(list(pages), dtype=torch.int64, device=tensor.device)
+    picked = table.index_select(0, index)
+    if rows.item % 8:
+        picked = torch.nn.functional.pad(picked, (0, _padded(rows.item) - rows.item))
+    return _gpu_words(picked.contiguous().view(torch.int64).reshape(-1), first)
 
 
 def _runs(pools: Sequence[Pool], regions: Sequence[Region]) -> Iterator[tuple[Device, list[tuple[Pool, int, int]]]]:
@@ -121,8 +203,11 @@ def _cpu_sum(chunk: list[tuple[Pool, int, int]], first: int) -> tuple[int, int]:
         parts.append(pool.view()[off : off + n])
         if n % 8:
             parts.append(bytes(_padded(n) - n))
+    return _cpu_words(np.frombuffer(b"".join(parts), dtype="<u8"), first)
+
+
+def _cpu_words(words: np.ndarray[Any, np.dtype[np.uint64]], first: int) -> tuple[int, int]:
     global _positions
-    words = np.frombuffer(b"".join(parts), dtype="<u8")
     n = len(words)
     if len(_positions) < n:
         _positions = np.arange(n, dtype=np.uint64)
@@ -144,6 +229,14 @@ def _gpu_sum(chunk: list[tuple[Pool, int, int]], first: int) -> tuple[int, int]:
         parts.append(tensor[off : off + n])
         if n % 8:
             parts.append(torch.zeros(_padded(n) - n, dtype=torch.uint8, device=tensor.device))
-    words = torch.cat(parts).view(torch.int64)
-    weights = torch.arange(first, first + words.numel(), dtype=torch.int64, device=words.device) * 2 + 1
-    return int((words * weights).sum().item()) % (1 << 64), words.numel()
+    return _gpu_words(torch.cat(parts).view(torch.int64), first)
+
+
+def _gpu_words(words: Any, first: int) -> tuple[int, int]:
+    import torch
+
+    n = words.numel()
+    if n == 0:
+        return 0, 0
+    weights = torch.arange(first, first + n, dtype=torch.int64, device=words.device) * 2 + 1
+    return int((words * weights).sum().item()) % (1 << 64), n

@@ -82,8 +82,10 @@ def test_sender_and_receiver_sum_the_same_stream(
     assert integrity.checksum(dst, integrity.dest_regions(plan, dst.aux.addr)) != sent  # not copied yet
     copy(plan, src, dst, coalesce)
     assert integrity.checksum(dst, integrity.dest_regions(plan, dst.aux.addr)) == sent
+    # The KV buffers gathered as rows sum exactly like the same regions one by one.
+    assert integrity.checksum(src, integrity.flat(integrity.source_regions(plan, src.aux.addr))) == sent
     # One flipped byte anywhere in a destination region changes the sum.
-    addr, n = random.Random(3).choice(integrity.dest_regions(plan, dst.aux.addr))
+    addr, n = random.Random(3).choice(integrity.flat(integrity.dest_regions(plan, dst.aux.addr)))
     pool = next(p for p in dst.all() if p.addr <= addr < p.addr + p.size)
     pool.view()[addr - pool.addr + n // 2] ^= 0x40
     assert integrity.checksum(dst, integrity.dest_regions(plan, dst.aux.addr)) != sent
@@ -97,6 +99,11 @@ def test_the_sum_does_not_depend_on_chunking_and_sees_order(tmp_path: Path, monk
     whole = integrity.checksum(p, regions)
     monkeypatch.setattr(integrity, "CHUNK_BYTES", 1500)
     assert integrity.checksum(p, regions) == whole
+    rows = integrity.Rows(p.kv.addr + 3, 4096, 1000, [5, 1, 6, 2])  # 1000-byte rows: padded per row
+    as_regions = integrity.flat([rows])
+    assert integrity.checksum(p, [rows]) == integrity.checksum(p, as_regions)
+    monkeypatch.setattr(integrity, "CHUNK_BYTES", 8)  # a chunk per row
+    assert integrity.checksum(p, [rows, *regions[:2]]) == integrity.checksum(p, [*as_regions, *regions[:2]])
     assert integrity.checksum(p, regions[::-1]) != whole  # the same bytes in another order
     with pytest.raises(ValueError, match="outside the rank's pools"):
         integrity.checksum(p, [(p.kv.addr + p.kv.size - 4, 8)])
