@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import LineTooLong
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
@@ -285,7 +285,8 @@ class GuardedHandler(RequestHandler):
             status, reason, text = 431, Refusal.TOO_LARGE, f"request head too large: {exc.message}"
         else:
             status, reason = (status if 400 <= status < 500 else 400), Refusal.MALFORMED
-            text = f"malformed request: {getattr(exc, 'message', None) or message or 'bad HTTP'}"
+            detail = exc.message if isinstance(exc, HttpProcessingError) else None
+            text = f"malformed request: {detail or message or 'bad HTTP'}"
         count(cluster, reason)
         resp = web.json_response({"error": text, "reason": reason.value}, status=status)
         resp.force_close()

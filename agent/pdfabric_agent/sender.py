@@ -161,9 +161,8 @@ class PrefillSender:
             pp_stage=rank.pp_rank,
         )
         if got != want:
-            diff = ", ".join(
-                f"{k} {getattr(got, k)} (expected {v})" for k, v in vars(want).items() if getattr(got, k) != v
-            )
+            mine = vars(got)
+            diff = ", ".join(f"{k} {mine[k]} (expected {v})" for k, v in vars(want).items() if mine[k] != v)
             raise malformed(f"room info of {info.decode_rank} has a layout the spec does not give it: {diff}")
 
     # ------------------------------------------------------------ the send pipeline

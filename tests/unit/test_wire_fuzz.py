@@ -15,19 +15,10 @@ from hypothesis import strategies as st
 
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.errors import ApiError
+from pdfabric_agent.fields import MAX_INDICES, check_indices, field_index_list, pack_indices
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout
-from pdfabric_agent.wire import (
-    MAX_INDICES,
-    DoneReport,
-    LaunchNotice,
-    ReceiveRequest,
-    RoomInfo,
-    SendRequest,
-    check_indices,
-    field_index_list,
-    pack_indices,
-)
+from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
 
 LAYOUT = PoolLayout(2, 2, 64, 64, 1, 64, 8, (8, 8), 8)
 VALID: dict[type[Any], dict[str, Any]] = {
