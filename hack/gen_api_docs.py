@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from generated import write_or_check
+
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "pdcluster.yaml"
 OUT = ROOT / "docs" / "api.md"
@@ -136,15 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="fail if docs/api.md is stale")
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale; run python hack/gen_api_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0
+    return write_or_check(OUT, render(), check=args.check, script="hack/gen_api_docs.py")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from prometheus_client.platform_collector import PlatformCollector  # noqa: E402
 from prometheus_client.process_collector import ProcessCollector  # noqa: E402
 from prometheus_client.registry import CollectorRegistry  # noqa: E402
 
+from generated import write_or_check  # noqa: E402
 from pdfabric_agent import metrics as agent_metrics  # noqa: E402
 from pdfabric_operator import metrics as operator_metrics  # noqa: E402
 
@@ -119,15 +120,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python hack/gen_metrics_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0
+    return write_or_check(OUT, render(), check="--check" in argv, script="hack/gen_metrics_docs.py")
 
 
 if __name__ == "__main__":
