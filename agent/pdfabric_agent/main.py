@@ -167,6 +167,8 @@ async def serve(cfg: AgentConfig) -> int:
         choice = check_mem_pool(spec, hw, choice, dict(os.environ))
         if choice.fell_back_from is not None:
             log.warning("transport: %s", choice.note)
+        requested = choice.fell_back_from or choice.transport
+        metrics.transport_info.labels(cluster, requested.value, choice.transport.value).set(1)
         os.environ.update(mooncake_env(choice.transport, spec.transfer.timeout_seconds, cfg.engine_host))
         ranks = build_ranks(cfg, rankmap, spec, entry, choice.transport)
         roles = sorted({lr.rank.role for lr in ranks.values()})

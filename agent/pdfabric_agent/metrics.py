@@ -91,6 +91,12 @@ agent_ready = Gauge(
     ["cluster"],
     registry=REGISTRY,
 )
+transport_info = Gauge(
+    "pdfabric_transport_info",
+    "1 for the transport this agent carries KV over (transport) and the one the rank map asked for (requested); they differ after a declared fallback.",
+    ["cluster", "requested", "transport"],
+    registry=REGISTRY,
+)
 pool_bytes = Gauge(
     "pdfabric_pool_bytes",
     "Registered pool size per rank and kind.",

@@ -127,3 +127,84 @@ def test_operator_config_rejects(env: dict[str, str], fragment: str) -> None:
 
     with pytest.raises(ConfigError, match=fragment):
         OperatorConfig.from_env(env)
+
+
+MONITORING = ("PrometheusRule", "PodMonitor")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((), set()),
+        (("--set", "metrics.prometheusRule.enabled=true"), {"PrometheusRule"}),
+        (("--set", "metrics.podMonitor.enabled=true"), {"PodMonitor"}),
+        (("--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.podMonitor.enabled=true"), set(MONITORING)),
+    ],
+    ids=["default-off", "rule-only", "podmonitor-only", "both"],
+)
+def test_monitoring_objects_are_switched(args: tuple[str, ...], expected: set[str]) -> None:
+    docs = _render(*args)
+    assert {d["kind"] for d in docs} & set(MONITORING) == expected
+    for d in docs:
+        if d["kind"] in MONITORING:
+            assert d["apiVersion"] == "monitoring.coreos.com/v1"
+            assert d["metadata"]["namespace"] == "pdfabric-system"
+
+
+def test_helm_lint_with_monitoring_on() -> None:
+    sets = [
+        "metrics.prometheusRule.enabled=true",
+        "metrics.podMonitor.enabled=true",
+        "metrics.serviceMonitor.enabled=true",
+    ]
+    proc = _run("lint", "--strict", str(CHART), *(a for s in sets for a in ("--set", s)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_podmonitor_selects_the_agent_pods_the_operator_builds() -> None:
+    from pdfabric_operator import builders as b
+    from pdfabric_operator.planner import Placement, plan_placement
+    from tests.builders import gpu_node, pdcluster
+
+    ref = b.ClusterRef("team-a", "pd", "uid-1")
+    spec = pdcluster().spec()
+    placement = plan_placement(spec, [gpu_node("n1", 8, rdma=2)], [], cluster_uid=ref.uid)
+    assert isinstance(placement, Placement)
+    pod = b.build_agent_pods(ref, spec, placement)[0]
+    (pm,) = [
+        d
+        for d in _render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.labels.release=kps")
+        if d["kind"] == "PodMonitor"
+    ]
+    selector = pm["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert selector["app.kubernetes.io/component"] == "agent", "agents only, not every pdfabric object"
+    assert pm["spec"]["namespaceSelector"] == {"any": True}, "PDClusters live in any namespace"
+    assert pm["metadata"]["labels"]["release"] == "kps"
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    port_names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert endpoint["port"] in port_names and endpoint["port"] == "metrics"
+    assert endpoint["path"] == "/metrics"
+
+    (scoped,) = [
+        d
+        for d in _render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.namespaces={team-a}")
+        if d["kind"] == "PodMonitor"
+    ]
+    assert scoped["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "metrics.prometheusRule.alerts.transferFailureRatio.threshold=2",
+        "metrics.prometheusRule.alerts.agentNotReady.for=soon",
+        "metrics.prometheusRule.alerts.apiRefusals.severity=page",
+        "metrics.prometheusRule.alerts.bogus.for=5m",
+    ],
+    ids=["ratio-over-one", "bad-duration", "unknown-severity", "unknown-alert"],
+)
+def test_values_schema_rejects_bad_alert_thresholds(bad: str) -> None:
+    proc = _run("template", "pdfabric", str(CHART), "--set", "metrics.prometheusRule.enabled=true", "--set", bad)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
