@@ -26,8 +26,73 @@ class Panel:
     title: str
     exprs: tuple[tuple[str, str], ...]  # (PromQL, legend)
     unit: str = "short"
-    kind: str = "timeseries"
+    kind: str = "timeseries"  # or "stat", "table" (instant, full width), "row" (a section header)
     description: str = ""
+
+
+def row(title: str) -> Panel:
+    """A section header: the panels after it, up to the next row, are laid out below it."""
+    return Panel(title, (), kind="row")
+
+
+def peer_p99(by: str) -> str:
+    return (
+        f"histogram_quantile(0.99, sum by ({by}) (rate(pdfabric_peer_request_duration_seconds_bucket"
+        f'{{{SEL}, role="prefill"}}[{RATE}])))'
+    )
+
+
+# The per-peer view (bounded: one series set per local rank and peer agent the rank map implies).
+PEER_PANELS = (
+    row("Peers"),
+    Panel(
+        "Bytes/s by rank -> peer",
+        (
+            (
+                f'sum by (rank, peer) (rate(pdfabric_peer_transfer_bytes_total{{{SEL}, role="prefill"}}[{RATE}]))',
+                "{{rank}} -> {{peer}}",
+            ),
+        ),
+        unit="Bps",
+        description="Bytes each prefill rank moved to each decode agent (confirmed, per target).",
+    ),
+    Panel(
+        "p99 latency by pair",
+        ((peer_p99("le, rank, peer"), "{{rank}} -> {{peer}}"),),
+        unit="s",
+        description="Submit to the decode agent's acknowledgement of that target, per prefill rank and decode agent.",
+    ),
+    Panel(
+        "Failures by pair",
+        (
+            (
+                f'sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{SEL}, outcome!="success"}}[{RATE}]))',
+                "{{role}} {{rank}} / {{peer}}",
+            ),
+        ),
+        unit="reqps",
+        description="Failed and timed-out parts of rooms, from both sides: the rank and the peer agent it waited on.",
+    ),
+    Panel(
+        "Pair success ratio",
+        (
+            (
+                f'sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{SEL}, outcome="success"}}[{RATE}])) '
+                f"/ sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{SEL}}}[{RATE}]))",
+                "{{role}} {{rank}} / {{peer}}",
+            ),
+        ),
+        unit="percentunit",
+    ),
+    Panel(
+        "Slowest pairs (p99, top 10)",
+        ((f"sort_desc(topk(10, {peer_p99('le, cluster, rank, peer')}))", ""),),
+        unit="s",
+        kind="table",
+        description="The slow pair is the first row: the prefill rank and the decode agent between which parts "
+        "of rooms take longest to be acknowledged.",
+    ),
+)
 
 
 TRANSFER_PANELS = (
@@ -120,6 +185,7 @@ TRANSFER_PANELS = (
         ((f"sum by (kind, device) (pdfabric_pool_bytes{{{SEL}}})", "{{kind}} on {{device}}"),),
         unit="bytes",
     ),
+    *PEER_PANELS,
 )
 
 OPERATOR_PANELS = (
@@ -162,9 +228,29 @@ def all_exprs() -> list[str]:
 
 
 def build(uid: str, title: str, panels: tuple[Panel, ...], cluster_var: bool) -> dict[str, object]:
-    out_panels = []
+    out_panels: list[dict[str, object]] = []
+    top, n = 0, 0  # the current section's top row and its panel count (two panels a row)
     for i, panel in enumerate(panels):
-        width = 8 if panel.kind == "stat" else 12
+        if panel.kind == "row":
+            top += ((n + 1) // 2) * 8
+            out_panels.append(
+                {
+                    "id": i + 1,
+                    "type": "row",
+                    "title": panel.title,
+                    "collapsed": False,
+                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": top},
+                    "panels": [],
+                }
+            )
+            top, n = top + 1, 0
+            continue
+        width = {"stat": 8, "table": 24}.get(panel.kind, 12)
+        if panel.kind == "table" and n % 2:
+            n += 1  # a full-width table starts a row of its own
+        grid = {"h": 8, "w": width, "x": (n % 2) * 12, "y": top + (n // 2) * 8}
+        n += 2 if panel.kind == "table" else 1
+        table = {"format": "table", "instant": True} if panel.kind == "table" else {}
         out_panels.append(
             {
                 "id": i + 1,
@@ -172,10 +258,10 @@ def build(uid: str, title: str, panels: tuple[Panel, ...], cluster_var: bool) ->
                 "title": panel.title,
                 "description": panel.description,
                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "gridPos": {"h": 8, "w": width, "x": (i % 2) * 12, "y": (i // 2) * 8},
+                "gridPos": grid,
                 "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
                 "targets": [
-                    {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend}
+                    {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend, **table}
                     for j, (expr, legend) in enumerate(panel.exprs)
                 ],
             }

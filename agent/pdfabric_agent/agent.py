@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pdfabric_agent import metrics
 from pdfabric_agent.arrivals import DecodeArrivals
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.config import AgentConfig
@@ -85,6 +86,7 @@ class Agent:
         )
         self.rooms = self.ctx.rooms
         self.peers = self.ctx.peers
+        metrics.precreate_peers(rankmap, spec, self.entry.name)  # every (rank, peer agent) pair at zero
         self.sender = PrefillSender(self.ctx)
         self.arrivals = DecodeArrivals(self.ctx, CompletionWatcher(cfg.shm_dir))
         self._forget_due = 0.0

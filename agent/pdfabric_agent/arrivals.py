@@ -146,7 +146,7 @@ class DecodeArrivals:
         try:
             await asyncio.gather(*(push(r, a) for r, a in room.expected.items()))
         except Exception as exc:
-            ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, str(exc))
+            self._fail(room, str(exc))
             return
         if room.state is RoomState.BOOTSTRAPPING:
             room.state = RoomState.WAITING_FOR_INPUT
@@ -154,7 +154,7 @@ class DecodeArrivals:
     def expire(self, room: DecodeRoom) -> None:
         missing = sorted(set(room.expected) - room.arrived)
         reason = f"no data from {', '.join(missing)} in time"
-        self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+        self._fail(room, reason, Outcome.TIMEOUT)
 
     # ------------------------------------------------------------ peer API
     def _source(self, msg: SourceReport, sender_agent: str | None) -> tuple[DecodeRoom, LocalRank]:
@@ -192,7 +192,7 @@ class DecodeArrivals:
             # the room's outcome, which the source takes as its own.
             return {"state": room.state.title, "reason": room.reason}
         if not msg.ok:
-            self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, f"{msg.prefill_rank} failed: {msg.reason}")
+            self._fail(room, f"{msg.prefill_rank} failed: {msg.reason}")
             return {"state": room.state.title}
         rows = self._aux_rows(msg.aux_rows, local, room)
         if self.ctx.spec.transfer.verify:
@@ -219,7 +219,7 @@ class DecodeArrivals:
         metrics.integrity_checks.labels(ctx.labels.cluster, result.value).inc()
         if result is Integrity.MISMATCH:
             reason = f"checksum of what arrived from {prefill_rank} ({ours}) is not the sender's ({theirs})"
-            ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason)
+            self._fail(room, reason)
             return False
         return not room.state.finished  # the room may have ended (its deadline) while the sum ran
 
@@ -309,10 +309,34 @@ class DecodeArrivals:
             room.state = RoomState.TRANSFERRING
         if room.arrived == set(room.expected):
             self.ctx.rooms.finish(room, Role.DECODE, RoomState.SUCCESS)
-        later(lambda: self._count_arrival(by_path, how))
+        duration = room.marks[f"arrived:{prefill_rank}"] - room.submitted
+        part = (room.rank, room.expected[prefill_rank], sum(sent.values()), duration)
+        later(lambda: self._count_arrival(by_path, how, *part))
 
-    def _count_arrival(self, by_path: Mapping[str, Mapping[str, int]], how: Completion) -> None:
-        metrics.decode_completions.labels(self.ctx.labels.cluster, how.value).inc()
+    def _fail(self, room: DecodeRoom, reason: str, outcome: Outcome = Outcome.FAILED) -> None:
+        """The room fails: each source that had not arrived counts its part with that outcome."""
+        if room.state.finished:
+            return
+        for prefill_rank, agent_name in sorted(room.expected.items()):
+            if prefill_rank not in room.arrived:
+                metrics.count_peer_part(self.ctx.labels.cluster, room.rank, agent_name, Role.DECODE, outcome)
+        self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason, outcome=outcome)
+
+    def _count_arrival(
+        self,
+        by_path: Mapping[str, Mapping[str, int]],
+        how: Completion,
+        rank_id: str,
+        peer: str,
+        nbytes: int,
+        duration_s: float,
+    ) -> None:
+        cluster = self.ctx.labels.cluster
+        # The per-peer view: `peer` is the agent the rank map gives the source (``room.expected``).
+        if nbytes:
+            metrics.peer_bytes.labels(cluster, rank_id, peer, Role.DECODE.value).inc(nbytes)
+        metrics.count_peer_part(cluster, rank_id, peer, Role.DECODE, Outcome.SUCCESS, duration_s)
+        metrics.decode_completions.labels(cluster, how.value).inc()
         for path, per_kind in sorted(by_path.items()):
             for kind in Kind:
                 n = per_kind.get(kind.value, 0)
@@ -350,4 +374,4 @@ class DecodeArrivals:
         for name, ok in zip(names, results, strict=True):
             if ctx.peers.heartbeat_result(name, ok):
                 for room in waiting[name]:
-                    ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, f"prefill agent {name} stopped answering")
+                    self._fail(room, f"prefill agent {name} stopped answering")

@@ -20,6 +20,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdfabric_agent.labels import Completion, Integrity, Kind, Outcome, Refusal
+from pdfabric_core.duties import decode_targets, expected_sources
+from pdfabric_core.policy.rank_mapping import decode_pp_stage, sending_cp_ranks
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank, RankMap
+from pdfabric_core.spec import PDClusterSpec
 
 __all__ = ["REGISTRY", "Completion", "Integrity", "Kind", "Outcome", "Refusal"]
 
@@ -137,6 +142,32 @@ integrity_seconds = Histogram(
     registry=REGISTRY,
 )
 
+# The per-peer view: `rank` is a local rank id, `peer` the agent the rank map gives the other side
+# (never a name a request or report carried), `role` this side's role. The series are pre-created
+# for every pair the rank map implies (``precreate_peers``): bounded by the cluster, not by traffic.
+PEER_LABELS = ("cluster", "rank", "peer", "role")
+PEER_BUCKETS = (0.005, 0.025, 0.1, 0.5, 2.5, 10.0)  # few buckets: series per pair stay small
+
+peer_bytes = Counter(
+    "pdfabric_peer_transfer_bytes_total",
+    "Bytes confirmed moved between a local rank and a peer agent (prefill: per target, decode: per source).",
+    PEER_LABELS,
+    registry=REGISTRY,
+)
+peer_requests = Counter(
+    "pdfabric_peer_requests_total",
+    "A room's part between a local rank and one peer rank (prefill: a target, decode: a source) ended, by outcome.",
+    [*PEER_LABELS, "outcome"],
+    registry=REGISTRY,
+)
+peer_request_duration = Histogram(
+    "pdfabric_peer_request_duration_seconds",
+    "Submit to the end of a successful part with one peer rank (prefill: its acknowledgement, decode: its arrival).",
+    PEER_LABELS,
+    buckets=PEER_BUCKETS,
+    registry=REGISTRY,
+)
+
 
 def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
     """Create every closed-set series at zero for this agent's identity."""
@@ -161,3 +192,52 @@ def precreate(cluster: str, role: str, backend: str, transport: str, paths: tupl
     for result in ("ok", "failed"):
         peer_probes.labels(cluster, result)
     agent_ready.labels(cluster)
+
+
+def peer_pairs(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tuple[str, str, Role]]:
+    """(local rank id, peer agent, role) of every pair this agent's ranks can move bytes with, from
+    the rank map and the duties alone: a prefill rank's targets in the decode replicas it feeds, a
+    decode rank's expected sources in every prefill replica."""
+    owner = {r.rank_id: a.name for a in rankmap.agents for r in a.ranks}
+    entry = next(a for a in rankmap.agents if a.name == agent_name)
+    pairs: set[tuple[str, str, Role]] = set()
+    for rank in entry.ranks:
+        peers: list[str] = []
+        if rank.role is Role.PREFILL:
+            pf = spec.prefill
+            split = pf.dsa_cache_layer_split
+            if rank.cp_rank not in sending_cp_ranks(
+                pf.cp, all_cp_ranks_transfer=pf.all_cp_ranks_transfer, dsa_cache_layer_split=split
+            ):
+                continue  # a CP rank that sends nothing for this spec
+            stage = decode_pp_stage(rank.pp_rank, pf.pp, spec.decode.pp)
+            for replica in rankmap.feeds.get(rank.replica, tuple(range(spec.decode.replicas))):
+                for route in decode_targets(spec, rank.tp_rank):
+                    peers.append(owner.get(Rank(Role.DECODE, replica, route.decode_tp_rank, 0, stage).rank_id, ""))
+        else:
+            for replica in range(spec.prefill.replicas):
+                for p, c, s in expected_sources(spec, rank.tp_rank, rank.pp_rank):
+                    peers.append(owner.get(Rank(Role.PREFILL, replica, p, c, s).rank_id, ""))
+        pairs.update((rank.rank_id, peer, rank.role) for peer in peers if peer)
+    return pairs
+
+
+def precreate_peers(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> int:
+    """Create the per-peer series of every pair ``peer_pairs`` names, at zero; returns the pairs."""
+    pairs = peer_pairs(rankmap, spec, agent_name)
+    for rank_id, peer, role in pairs:
+        labels = (rankmap.cluster, rank_id, peer, role.value)
+        peer_bytes.labels(*labels)
+        peer_request_duration.labels(*labels)
+        for outcome in Outcome:
+            peer_requests.labels(*labels, outcome.value)
+    return len(pairs)
+
+
+def count_peer_part(
+    cluster: str, rank_id: str, peer: str, role: Role, outcome: Outcome, duration_s: float | None = None
+) -> None:
+    """One room's part with one peer rank ended: its outcome, and its latency when it succeeded."""
+    peer_requests.labels(cluster, rank_id, peer, role.value, outcome.value).inc()
+    if outcome is Outcome.SUCCESS and duration_s is not None:
+        peer_request_duration.labels(cluster, rank_id, peer, role.value).observe(duration_s)

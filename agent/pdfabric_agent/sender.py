@@ -81,6 +81,7 @@ class PrefillSender:
             return room.view()
         for agent_name in {t.agent for t in targets.values()}:
             if ctx.peers.is_blacklisted(agent_name):
+                self._count_unstarted(room, Outcome.FAILED)
                 ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
                 return room.view()
         for decode_rank, (_, info) in ctx.rooms.early.pop((msg.rank, msg.room), {}).items():
@@ -190,6 +191,7 @@ class PrefillSender:
         if room.state is RoomState.BOOTSTRAPPING:
             missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
             reason = f"no room info from {', '.join(missing)} in time"
+            self._count_unstarted(room, Outcome.TIMEOUT)
             self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
 
     async def _run(self, room: PrefillRoom, started: Mapping[str, Launch | Exception]) -> None:
@@ -269,8 +271,52 @@ class PrefillSender:
         plan, peer = self._prepare(room, local, target)
         return self.writer.launch(room, local, target, plan, peer, kernel)
 
+    # ------------------------------------------------------------ the per-peer view
+    def _count_unstarted(self, room: PrefillRoom, outcome: Outcome) -> None:
+        """A room that ends before its targets were written: each target's part has its outcome."""
+        for t in room.targets.values():
+            metrics.count_peer_part(self.ctx.labels.cluster, room.rank, t.agent, Role.PREFILL, outcome)
+
+    def _count_target(self, room: PrefillRoom, target: Target, outcome: Outcome, moved: list[BytesByPath]) -> None:
+        """A target's part ended: the bytes it moved (side-channel aux only once acknowledged, as
+        ``pdfabric_transfer_bytes_total`` counts them) under the agent the rank map gives it."""
+        nbytes = sum(
+            n
+            for by_path in moved
+            for path, per_kind in by_path.items()
+            if path != TCP_SIDE_CHANNEL or outcome is Outcome.SUCCESS
+            for n in per_kind.values()
+        )
+        cluster = self.ctx.labels.cluster
+        if nbytes:
+            metrics.peer_bytes.labels(cluster, room.rank, target.agent, Role.PREFILL.value).inc(nbytes)
+        metrics.count_peer_part(
+            cluster, room.rank, target.agent, Role.PREFILL, outcome, self.ctx.clock() - room.submitted
+        )
+
     async def _send_target(
         self, room: PrefillRoom, local: LocalRank, target: Target, started: Launch | Exception | None = None
+    ) -> None:
+        """Write, report and have one target acknowledge; its part is counted however it ends (a
+        cancel is the room's transfer deadline)."""
+        moved: list[BytesByPath] = []
+        outcome = Outcome.FAILED
+        try:
+            await self._deliver(room, local, target, started, moved)
+            outcome = Outcome.SUCCESS
+        except asyncio.CancelledError:
+            outcome = Outcome.TIMEOUT
+            raise
+        finally:
+            self._count_target(room, target, outcome, moved)
+
+    async def _deliver(
+        self,
+        room: PrefillRoom,
+        local: LocalRank,
+        target: Target,
+        started: Launch | Exception | None,
+        moved: list[BytesByPath],
     ) -> None:
         ctx = self.ctx
         if isinstance(started, Exception):
@@ -282,6 +328,7 @@ class PrefillSender:
             by_path: BytesByPath = {}
         else:
             plan, by_path = started.plan, started.by_path
+        moved.append(by_path)
         try:
             if started is not None:
                 await self.writer.land(local, room, target, started)

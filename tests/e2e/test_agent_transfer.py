@@ -42,8 +42,35 @@ def traffic(lc: LocalFabric, role: str) -> dict[str, float]:
     }
 
 
+def peer_bytes(lc: LocalFabric) -> dict[tuple[str, str, str], float]:
+    """pdfabric_peer_transfer_bytes_total of every agent, by (role, local rank, peer agent)."""
+    out: dict[tuple[str, str, str], float] = {}
+    for name in lc.agents:
+        for (n, lbl), v in lc.scrape(name).items():
+            if n == "pdfabric_peer_transfer_bytes_total":
+                d = dict(lbl)
+                out[(d["role"], d["rank"], d["peer"])] = v
+    return out
+
+
+def check_peer_bytes(lc: LocalFabric, before: dict[tuple[str, str, str], float], decode: dict[str, Any]) -> None:
+    """Every (rank, peer agent) pair moved exactly what the room's per-sender counts say, on both
+    sides, and a pair that moved nothing counted nothing."""
+    want: dict[tuple[str, str, str], float] = {}
+    agent_of = {r.rank_id: a.name for a in lc.rankmap.agents for r in a.ranks}
+    for d, view in decode.items():
+        for p, sent in view["senders"].items():
+            n = sum(sent.values())
+            for key in (("prefill", p, agent_of[d]), ("decode", d, agent_of[p])):
+                want[key] = want.get(key, 0) + n
+    after = peer_bytes(lc)
+    moved = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert moved == {k: v for k, v in want.items() if v}
+
+
 def check_room(lc: LocalFabric, room: int, pages: int = 7, state_slots: int = 2) -> None:
     before = {role: traffic(lc, role) for role in ("prefill", "decode")}
+    peers_before = peer_bytes(lc)
     result = transfer_room(lc, room, pages=pages, state_slots=state_slots, aux=True)
     assert {v["state"] for v in result.decode.values()} == {"Success"}, result.decode
     assert {v["state"] for v in result.prefill.values()} == {"Success"}, result.prefill
@@ -54,6 +81,7 @@ def check_room(lc: LocalFabric, room: int, pages: int = 7, state_slots: int = 2)
         moved = {k: after[k] - before[role][k] for k in after}
         assert moved == {"kv": want.kv, "state": want.state, "aux": want.aux}, role
     check_prediction(lc, result.decode, pages, state_slots)
+    check_peer_bytes(lc, peers_before, result.decode)
 
 
 def check_prediction(lc: LocalFabric, decode: dict[str, dict[str, Any]], pages: int, state_slots: int) -> None:

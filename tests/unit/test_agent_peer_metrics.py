@@ -1,0 +1,151 @@
+"""The per-peer view: series per (local rank, peer agent) pair of the rank map, pre-created at
+start, counted under the agent the rank map gives the other side (never a name a message carried),
+and bounded by the cluster's size (docs/agent.md gives the count for a 64-rank cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdfabric_agent import metrics
+from pdfabric_agent.errors import ApiError
+from pdfabric_agent.sender import DecodeFailed
+from pdfabric_agent.wire import DoneReport, ReceiveRequest, SendRequest
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap, replica_ranks
+from pdfabric_core.spec import parse_spec
+from tests.unit.test_agent_kernel_path import Backend, run_room
+from tests.unit.test_agent_peer_trust import D, P, make_agent
+
+PEER_METRICS = ("pdfabric_peer_transfer_bytes_total", "pdfabric_peer_requests_total")
+
+
+def samples(cluster: str) -> list[tuple[str, dict[str, str], float]]:
+    text = generate_latest(metrics.REGISTRY).decode()
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("pdfabric_peer_") and s.labels.get("cluster") == cluster
+    ]
+
+
+def value(name: str, **labels: str) -> float:
+    return sum(v for n, lbl, v in samples(labels["cluster"]) if n == name and labels.items() <= lbl.items())
+
+
+def test_decode_counts_a_source_under_the_rank_maps_agent_only(tmp_path: Path) -> None:
+    """Agent a2 serves the decode rank; the rank map gives its one source to a1. A report from an
+    agent speaking for a rank it does not host is refused and creates no series; the accepted one
+    is counted under a1, whoever delivered it."""
+    decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
+    pre = {(lbl["rank"], lbl["peer"], lbl["role"]) for _, lbl, _ in samples("c")}
+    assert (D, "a1", "decode") in pre  # pre-created at start, from the rank map
+    labels = {"cluster": "c", "rank": D, "peer": "a1", "role": "decode"}
+    before = {n: value(n, **labels) for n in PEER_METRICS}
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 81, [3, 4], [1], 1, 0))
+        report = DoneReport(81, D, P, {"mooncake": {"kv": 1024, "state": 64, "aux": 24}}, ok=True)
+        with pytest.raises(ApiError):
+            await decode.accept_done(report, sender_agent="intruder")
+        with pytest.raises(ApiError):  # a source the room does not expect
+            await decode.accept_done(DoneReport(81, D, "prefill-0-tp7-cp0", {"mooncake": {"kv": 1}}, ok=True))
+        assert (await decode.accept_done(report))["state"] == "Success"  # off the peer door: no certificate
+        await asyncio.sleep(0)  # counted after the answer (``later``)
+        await decode.close()
+
+    asyncio.run(go())
+    after = {n: value(n, **labels) for n in PEER_METRICS}
+    assert after["pdfabric_peer_transfer_bytes_total"] - before["pdfabric_peer_transfer_bytes_total"] == 1112
+    assert value("pdfabric_peer_requests_total", **labels, outcome="success") >= 1
+    peers = {lbl["peer"] for _, lbl, _ in samples("c")}
+    ranks = {lbl["rank"] for _, lbl, _ in samples("c")}
+    assert peers <= {"a1", "a2"} and ranks <= {P, D}, (peers, ranks)
+
+
+def test_a_decode_room_that_times_out_counts_each_missing_source(tmp_path: Path) -> None:
+    decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
+    labels = {"cluster": "c", "rank": D, "peer": "a1", "role": "decode", "outcome": "timeout"}
+    before = value("pdfabric_peer_requests_total", **labels)
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 82, [3], [], None, 0))
+        decode.arrivals.expire(decode.rooms.decode[(D, 82)])
+        decode.arrivals.expire(decode.rooms.decode[(D, 82)])  # one outcome: counted once
+        await decode.close()
+
+    asyncio.run(go())
+    assert value("pdfabric_peer_requests_total", **labels) - before == 1
+
+
+def test_prefill_counts_each_target_with_what_it_moved(tmp_path: Path) -> None:
+    labels = {"cluster": "c", "rank": P, "peer": "a2", "role": "prefill"}
+    bytes_before = value("pdfabric_peer_transfer_bytes_total", **labels)
+    ok_before = value("pdfabric_peer_requests_total", **labels, outcome="success")
+    _, room = run_room(tmp_path, Backend(kernel=False, takes=False), list(range(40)))
+    moved = sum(room.moved.values())
+    assert moved > 0
+    assert value("pdfabric_peer_transfer_bytes_total", **labels) - bytes_before == moved
+    assert value("pdfabric_peer_requests_total", **labels, outcome="success") - ok_before == 1
+    assert value("pdfabric_peer_request_duration_seconds_count", **labels) >= 1
+    # Decode answered Failed: the part failed, the bytes the engine confirmed still count.
+    failed_before = value("pdfabric_peer_requests_total", **labels, outcome="failed")
+    bytes_before = value("pdfabric_peer_transfer_bytes_total", **labels)
+    with pytest.raises(DecodeFailed):
+        run_room(tmp_path, Backend(kernel=False, takes=False), list(range(40)), answer={"state": "Failed"})
+    assert value("pdfabric_peer_requests_total", **labels, outcome="failed") - failed_before == 1
+    assert value("pdfabric_peer_transfer_bytes_total", **labels) - bytes_before == moved
+
+
+def test_a_room_refused_for_a_blacklisted_peer_counts_its_targets_failed(tmp_path: Path) -> None:
+    prefill = make_agent(tmp_path, "n1", [Rank(Role.PREFILL, 0, 0)])
+    labels = {"cluster": "c", "rank": P, "peer": "a2", "role": "prefill", "outcome": "failed"}
+    before = value("pdfabric_peer_requests_total", **labels)
+
+    async def go() -> None:
+        prefill.peers.blacklist("a2", "test")
+        assert prefill.submit_send(SendRequest(P, 83, [0], [], None, 0))["state"] == "Failed"
+        await prefill.close()
+
+    asyncio.run(go())
+    assert value("pdfabric_peer_requests_total", **labels) - before == 1
+
+
+def cluster_64() -> tuple[RankMap, Any]:
+    """64 ranks: prefill TP8 x 4 replicas and decode TP8 x 4 replicas, one agent per 8-GPU node."""
+    raw: dict[str, Any] = {
+        "prefill": {"tp": 8, "replicas": 4},
+        "decode": {"tp": 8, "replicas": 4},
+        "transfer": {"transport": "tcp"},
+        "model": {"layers": 2, "kvHeads": 8, "headDim": 8, "pageSizeTokens": 2},
+    }
+    spec = parse_spec(raw)
+    entries = tuple(
+        AgentEntry(f"{role}-{r}", f"node-{role}-{r}", tuple(replica_ranks(spec, role, r)))
+        for role in (Role.PREFILL, Role.DECODE)
+        for r in range(4)
+    )
+    return RankMap("ns", "c64", "uid-64", "tcp", raw, entries), spec
+
+
+def test_series_per_agent_in_a_64_rank_cluster_are_bounded_by_the_rank_map() -> None:
+    """The figure in docs/agent.md: 8 local ranks x 4 peer agents = 32 pairs, 13 series a pair
+    (bytes, 3 outcomes, a histogram of 6 buckets + +Inf + _sum + _count): 416 series per agent."""
+    rankmap, spec = cluster_64()
+    for entry in rankmap.agents:
+        assert metrics.precreate_peers(rankmap, spec, entry.name) == 32
+    per_agent: dict[str, int] = {}
+    owner = {r.rank_id: a.name for a in rankmap.agents for r in a.ranks}
+    for name, lbl, _ in samples("c64"):
+        if not name.endswith("_created"):
+            per_agent[owner[lbl["rank"]]] = per_agent.get(owner[lbl["rank"]], 0) + 1
+    assert per_agent == {a.name: 416 for a in rankmap.agents}
+    # Each prefill rank talks to its decode TP rank in every decode replica's agent, and back.
+    pairs = metrics.peer_pairs(rankmap, spec, "prefill-0")
+    assert {peer for _, peer, _ in pairs} == {f"decode-{r}" for r in range(4)}
