@@ -167,9 +167,10 @@ class RoomWriter:
             launch.error = exc
         return launch
 
-    async def land(self, local: LocalRank, room: PrefillRoom, target: Target, launch: Launch) -> bool:
+    async def land(self, local: LocalRank, room: PrefillRoom, target: Target, launch: Launch) -> None:
         """Wait for a target's launches (one worker call), count them, run what the kernel did not
-        take; True when the decode agent took the completion marks and counts the bytes itself."""
+        take, and let the launch notice finish (the done report follows in any case: its answer is
+        decode's outcome)."""
         notice = launch.notice
         try:
             # Launched batches are always waited for (their receiver reservations are released on
@@ -191,19 +192,18 @@ class RoomWriter:
         for write in launch.later:
             await write()
         if notice is None:
-            return False
+            return
         try:
             await notice
         except PEER_ERRORS as exc:
             log.info(
-                "room %s: %s did not take the completion marks (%s); sending the done report",
+                "room %s: %s did not take the completion marks (%s); the done report carries the bytes",
                 room.room,
                 target.agent,
                 exc,
             )
-            return False
+            return
         room.marks[f"notified:{target.decode_rank}"] = self.ctx.clock()
-        return True
 
     async def _notify_launched(
         self, room: PrefillRoom, target: Target, marks: list[CompletionMark], path: str, launch: Launch
