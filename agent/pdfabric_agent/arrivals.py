@@ -30,7 +30,7 @@ from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import malformed, out_of_range
 from pdfabric_agent.labels import Completion, Integrity, Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS, PeerRefused
-from pdfabric_agent.plan import TransferPlan, decode_targets, expected_sources, plan_transfer, sender_duties
+from pdfabric_agent.plan import TransferPlan, expected_sources, pair_duties, plan_transfer
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import AnyRoom, DecodeRoom, RoomState
@@ -117,8 +117,7 @@ class DecodeArrivals:
         spec = self.ctx.spec
         p, c, s = source
         d, ds = local.rank.tp_rank, local.rank.pp_rank
-        route = next(r for r in decode_targets(spec, p) if r.decode_tp_rank == d)
-        duties = sender_duties(spec, route, c, len(msg.kv_pages), s)
+        duties = pair_duties(spec, p, c, s, d, len(msg.kv_pages))
         if duties is None:  # expected_sources names only sources that send
             return zero_bytes()
         owed = duty_bytes(spec, PairDuties(p, c, s, d, ds, duties), state_slots=len(msg.state_indices))
@@ -228,8 +227,9 @@ class DecodeArrivals:
         duties and layouts, so its destination blocks are exactly where the source wrote."""
         spec = self.ctx.spec
         source = self.ctx.ranks.rank(prefill_rank)
-        route = next(r for r in decode_targets(spec, source.tp_rank) if r.decode_tp_rank == local.rank.tp_rank)
-        duties = sender_duties(spec, route, source.cp_rank, len(room.dst_pages), source.pp_rank)
+        duties = pair_duties(
+            spec, source.tp_rank, source.cp_rank, source.pp_rank, local.rank.tp_rank, len(room.dst_pages)
+        )
         assert duties is not None  # expected_sources names only sources that send
         n_state = len(room.dst_state)
         src_layout = PoolLayout.from_geometry(

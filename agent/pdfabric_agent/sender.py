@@ -26,11 +26,11 @@ from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import conflict, malformed, out_of_range
 from pdfabric_agent.labels import Kind, Outcome
 from pdfabric_agent.peer_client import PEER_ERRORS
-from pdfabric_agent.plan import TransferPlan, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.plan import TransferPlan, decode_targets, pair_duties, plan_transfer
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, RoomState, Target
-from pdfabric_agent.wire import BytesByPath, DoneReport, RoomInfo, SendRequest
+from pdfabric_agent.wire import BytesByPath, DoneReport, RoomInfo, SendRequest, zero_bytes
 from pdfabric_agent.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
 from pdfabric_core.policy.rank_mapping import sending_cp_ranks
 from pdfabric_core.policy.types import Role
@@ -244,8 +244,8 @@ class PrefillSender:
         dst = target.dst
         assert dst is not None  # _maybe_start starts only rooms whose every target has room info
         spec = self.ctx.spec
-        route = next(r for r in decode_targets(spec, local.rank.tp_rank) if r.decode_tp_rank == target.decode_tp)
-        duties = sender_duties(spec, route, local.rank.cp_rank, len(dst.kv_pages), local.rank.pp_rank)
+        rank = local.rank
+        duties = pair_duties(spec, rank.tp_rank, rank.cp_rank, rank.pp_rank, target.decode_tp, len(dst.kv_pages))
         assert duties is not None  # _sends_anything already filtered non-sending CP ranks
         with_state = bool(duties.state_layers or duties.state_skipped)
         plan = plan_transfer(
@@ -372,7 +372,7 @@ class PrefillSender:
         rows = tuple((dst_off, local.pools.aux.read(src_off, size)) for src_off, dst_off, size in plan.aux_tcp)
         aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
         if aux_tcp_bytes:
-            by_path[TCP_SIDE_CHANNEL] = {Kind.KV.value: 0, Kind.STATE.value: 0, Kind.AUX.value: aux_tcp_bytes}
+            by_path[TCP_SIDE_CHANNEL] = {**zero_bytes(), Kind.AUX.value: aux_tcp_bytes}
         report = DoneReport(
             room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows, checksum=checksum
         )

@@ -41,6 +41,7 @@ __all__ = [
     "PairDuties",
     "decode_targets",
     "expected_sources",
+    "pair_duties",
     "receives_request_rows",
     "replica_duties",
     "routes_for_decode",
@@ -119,6 +120,15 @@ def sender_duties(
         aux_path=choose_aux_path(spec.transfer.mem_pool, aux_over_tcp=spec.transfer.aux_over_tcp),
         dst_layer_offset=offset,
     )
+
+
+def pair_duties(
+    spec: PDClusterSpec, prefill_tp_rank: int, cp_rank: int, pp_stage: int, decode_tp_rank: int, num_pages: int
+) -> Duties | None:
+    """``sender_duties`` of one prefill rank toward one decode rank it has a route to (both sides
+    ask it: the sender to plan, the receiver to hold reports to the plan)."""
+    route = next(r for r in decode_targets(spec, prefill_tp_rank) if r.decode_tp_rank == decode_tp_rank)
+    return sender_duties(spec, route, cp_rank, num_pages, pp_stage)
 
 
 def replica_duties(spec: PDClusterSpec, num_pages: int) -> list[PairDuties]:
