@@ -22,10 +22,14 @@ fi
 reqs="$("$py" - "$root/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(p["dependencies"] + [d for ds in p.get("optional-dependencies", {}).values() for d in ds]))
+# The sglang extra names SGLang with its GPU dependency set; the tests take it from the CPU lists below.
+extras = {k: v for k, v in p.get("optional-dependencies", {}).items() if k != "sglang"}
+print("\n".join(p["dependencies"] + [d for ds in extras.values() for d in ds]))
 PY
 )"
-stamp="$(printf '%s' "$reqs" | sha256sum | cut -c1-16)"
+sglang_reqs="$root/hack/sglang-cpu.txt"
+sglang_nodeps="$root/hack/sglang-cpu-nodeps.txt"
+stamp="$({ printf '%s' "$reqs"; cat "$sglang_reqs" "$sglang_nodeps"; } | sha256sum | cut -c1-16)"
 if [[ -x "$venv/bin/python" && "$(cat "$venv/.pdfabric-deps" 2>/dev/null)" == "$stamp" ]]; then
   echo "python environment up to date: $venv" >&2
 else
@@ -34,6 +38,8 @@ else
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   printf '%s\n' "$reqs" > "$venv/.requirements.txt"
   "$venv/bin/python" -m pip install --progress-bar off -r "$venv/.requirements.txt" >&2
+  "$venv/bin/python" -m pip install --progress-bar off -r "$sglang_reqs" >&2
+  "$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$sglang_nodeps" >&2
   echo "$stamp" > "$venv/.pdfabric-deps"
 fi
 echo "$venv/bin/python"
