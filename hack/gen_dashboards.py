@@ -1,9 +1,11 @@
-"""Grafana dashboards as code: writes charts/pdfabric/dashboards/*.json.
+"""Grafana dashboards as code, built with Grafana's own grafana-foundation-sdk: writes
+charts/pdfabric/dashboards/*.json.
 
 The chart ships them as ConfigMaps labelled grafana_dashboard: "1". Every panel's query uses only
-metrics the agent and operator declare; tests/unit/test_dashboards.py fails when the JSON is
-stale or a query names an unknown metric, and the e2e tests run every query against a real
-Prometheus scraping real agents.
+metrics the agent and operator declare and filters by the dashboard's variables (datasource,
+namespace, PDCluster; the per-peer panels by peer too); tests/unit/test_dashboards.py fails when
+the JSON is stale or a query names an unknown metric, and the e2e tests run every query against a
+real Prometheus scraping real agents. hack/render_panels.py plots the traffic panels' queries.
 
     python hack/gen_dashboards.py          # rewrite the JSON
     python hack/gen_dashboards.py --check  # exit 1 when it is stale
@@ -16,9 +18,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from grafana_foundation_sdk.builders import dashboard as gdash
+from grafana_foundation_sdk.builders import prometheus as gprom
+from grafana_foundation_sdk.builders import stat as gstat
+from grafana_foundation_sdk.builders import table as gtable
+from grafana_foundation_sdk.builders import timeseries as gtimeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import dashboard as gmodel
+from grafana_foundation_sdk.models import prometheus as gprom_model
+
 OUT_DIR = Path(__file__).resolve().parents[1] / "charts" / "pdfabric" / "dashboards"
 RATE = "$__rate_interval"
-SEL = 'cluster=~"$cluster"'
+SEL = 'namespace=~"$namespace", cluster=~"$cluster"'
+PEER_SEL = f'{SEL}, peer=~"$peer"'
+DATASOURCE = gmodel.DataSourceRef(type_val="prometheus", uid="${datasource}")
+# The variables a query may name, and what a concrete query (e2e, hack/render_panels.py) puts there.
+VARIABLES = ("namespace", "cluster", "peer")
 
 
 @dataclass(frozen=True)
@@ -38,7 +53,7 @@ def row(title: str) -> Panel:
 def peer_p99(by: str) -> str:
     return (
         f"histogram_quantile(0.99, sum by ({by}) (rate(pdfabric_peer_request_duration_seconds_bucket"
-        f'{{{SEL}, role="prefill"}}[{RATE}])))'
+        f'{{{PEER_SEL}, role="prefill"}}[{RATE}])))'
     )
 
 
@@ -49,7 +64,7 @@ PEER_PANELS = (
         "Bytes/s by rank -> peer",
         (
             (
-                f'sum by (rank, peer) (rate(pdfabric_peer_transfer_bytes_total{{{SEL}, role="prefill"}}[{RATE}]))',
+                f'sum by (rank, peer) (rate(pdfabric_peer_transfer_bytes_total{{{PEER_SEL}, role="prefill"}}[{RATE}]))',
                 "{{rank}} -> {{peer}}",
             ),
         ),
@@ -66,7 +81,7 @@ PEER_PANELS = (
         "Failures by pair",
         (
             (
-                f'sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{SEL}, outcome!="success"}}[{RATE}]))',
+                f'sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{PEER_SEL}, outcome!="success"}}[{RATE}]))',
                 "{{role}} {{rank}} / {{peer}}",
             ),
         ),
@@ -77,8 +92,8 @@ PEER_PANELS = (
         "Pair success ratio",
         (
             (
-                f'sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{SEL}, outcome="success"}}[{RATE}])) '
-                f"/ sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{SEL}}}[{RATE}]))",
+                f'sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{PEER_SEL}, outcome="success"}}[{RATE}])) '
+                f"/ sum by (role, rank, peer) (rate(pdfabric_peer_requests_total{{{PEER_SEL}}}[{RATE}]))",
                 "{{role}} {{rank}} / {{peer}}",
             ),
         ),
@@ -157,6 +172,8 @@ TRANSFER_PANELS = (
         unit="percentunit",
         kind="stat",
     ),
+    Panel("Engines up", ((f"sum by (transport) (pdfabric_engine_up{{{SEL}}})", "{{transport}}"),), kind="stat"),
+    Panel("Agents ready", ((f"sum(pdfabric_agent_ready{{{SEL}}})", "ready"),), kind="stat"),
     Panel(
         "Blocks per engine batch",
         (
@@ -168,8 +185,6 @@ TRANSFER_PANELS = (
         ),
         description="After page coalescing; capped by maxBatchEntries.",
     ),
-    Panel("Engines up", ((f"sum by (transport) (pdfabric_engine_up{{{SEL}}})", "{{transport}}"),), kind="stat"),
-    Panel("Agents ready", ((f"sum(pdfabric_agent_ready{{{SEL}}})", "ready"),), kind="stat"),
     Panel(
         "Peers blacklisted",
         ((f"sum by (cluster) (pdfabric_peers_blacklisted{{{SEL}}})", "{{cluster}}"),),
@@ -227,79 +242,94 @@ def all_exprs() -> list[str]:
     return [e for _, panels, _ in DASHBOARDS.values() for p in panels for e, _ in p.exprs]
 
 
-def build(uid: str, title: str, panels: tuple[Panel, ...], cluster_var: bool) -> dict[str, object]:
-    out_panels: list[dict[str, object]] = []
-    top, n = 0, 0  # the current section's top row and its panel count (two panels a row)
+def concrete(expr: str, rate: str = "1m", **values: str) -> str:
+    """A panel query as Grafana sends it: each variable replaced by its value (".*", All, when not
+    given) and $__rate_interval by `rate`. For the e2e checks and hack/render_panels.py."""
+    unknown = set(values) - set(VARIABLES)
+    assert not unknown, f"no dashboard variable {sorted(unknown)}"
+    for name in VARIABLES:
+        expr = expr.replace(f"${name}", values.get(name, ".*"))
+    return expr.replace(RATE, rate)
+
+
+def query_variable(name: str, label: str, query: str) -> gdash.QueryVariable:
+    """A multi-value variable from label_values(), All meaning any value (also a missing label)."""
+    return (
+        gdash.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query(query)
+        .refresh(gmodel.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(gmodel.VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(gmodel.VariableOption(selected=True, text=["All"], value=["$__all"]))
+    )
+
+
+def variables(fabric: bool) -> list[gdash.DatasourceVariable | gdash.QueryVariable]:
+    out: list[gdash.DatasourceVariable | gdash.QueryVariable] = [
+        gdash.DatasourceVariable("datasource").label("Data source").type("prometheus")
+    ]
+    if fabric:
+        # namespace comes from the scrape (the PodMonitor's target labels), cluster and peer from the agent.
+        out += [
+            query_variable("namespace", "Namespace", "label_values(pdfabric_agent_ready, namespace)"),
+            query_variable(
+                "cluster", "PDCluster", 'label_values(pdfabric_agent_ready{namespace=~"$namespace"}, cluster)'
+            ),
+            query_variable(
+                "peer",
+                "Peer agent",
+                'label_values(pdfabric_peer_transfer_bytes_total{namespace=~"$namespace", cluster=~"$cluster"}, peer)',
+            ),
+        ]
+    return out
+
+
+def panel_builder(panel: Panel, panel_id: int) -> gtimeseries.Panel | gstat.Panel | gtable.Panel:
+    builder: gtimeseries.Panel | gstat.Panel | gtable.Panel
+    if panel.kind == "stat":
+        builder = gstat.Panel().span(8)
+    elif panel.kind == "table":
+        builder = gtable.Panel().span(24)
+    else:
+        builder = gtimeseries.Panel().span(12)
+    builder.id(panel_id).title(panel.title).datasource(DATASOURCE).unit(panel.unit).height(8)
+    if panel.description:
+        builder.description(panel.description)
+    for j, (expr, legend) in enumerate(panel.exprs):
+        query = gprom.Dataquery().ref_id(chr(ord("A") + j)).expr(expr).legend_format(legend)
+        if panel.kind == "table":
+            query.instant().format(gprom_model.PromQueryFormat.TABLE)
+        builder.with_target(query)
+    return builder
+
+
+def build(uid: str, title: str, panels: tuple[Panel, ...], fabric: bool) -> dict[str, object]:
+    board = (
+        gdash.Dashboard(title)
+        .uid(uid)
+        .tags(["pdfabric"])
+        .version(1)
+        .time("now-1h", "now")
+        .refresh("30s")
+        .variables(variables(fabric))  # type: ignore[arg-type]
+    )
     for i, panel in enumerate(panels):
         if panel.kind == "row":
-            top += ((n + 1) // 2) * 8
-            out_panels.append(
-                {
-                    "id": i + 1,
-                    "type": "row",
-                    "title": panel.title,
-                    "collapsed": False,
-                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": top},
-                    "panels": [],
-                }
-            )
-            top, n = top + 1, 0
-            continue
-        width = {"stat": 8, "table": 24}.get(panel.kind, 12)
-        if panel.kind == "table" and n % 2:
-            n += 1  # a full-width table starts a row of its own
-        grid = {"h": 8, "w": width, "x": (n % 2) * 12, "y": top + (n // 2) * 8}
-        n += 2 if panel.kind == "table" else 1
-        table = {"format": "table", "instant": True} if panel.kind == "table" else {}
-        out_panels.append(
-            {
-                "id": i + 1,
-                "type": panel.kind,
-                "title": panel.title,
-                "description": panel.description,
-                "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "gridPos": grid,
-                "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
-                "targets": [
-                    {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend, **table}
-                    for j, (expr, legend) in enumerate(panel.exprs)
-                ],
-            }
-        )
-    variables: list[dict[str, object]] = [
-        {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"}
-    ]
-    if cluster_var:
-        variables.append(
-            {
-                "name": "cluster",
-                "type": "query",
-                "label": "PDCluster",
-                "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "query": {"query": "label_values(pdfabric_agent_ready, cluster)", "refId": "cluster"},
-                "includeAll": True,
-                "multi": True,
-                "allValue": ".*",
-                "refresh": 2,
-            }
-        )
-    return {
-        "uid": uid,
-        "title": title,
-        "tags": ["pdfabric"],
-        "schemaVersion": 39,
-        "version": 1,
-        "time": {"from": "now-1h", "to": "now"},
-        "refresh": "30s",
-        "templating": {"list": variables},
-        "panels": out_panels,
-    }
+            board.with_row(gdash.Row(panel.title).id(i + 1))
+        else:
+            board.with_panel(panel_builder(panel, i + 1))
+    out: dict[str, object] = json.loads(json.dumps(board.build(), cls=JSONEncoder))
+    return out
 
 
 def render() -> dict[str, str]:
     return {
-        f"{uid}.json": json.dumps(build(uid, title, panels, var), indent=2, sort_keys=True) + "\n"
-        for uid, (title, panels, var) in DASHBOARDS.items()
+        f"{uid}.json": json.dumps(build(uid, title, panels, fabric), indent=2, sort_keys=True) + "\n"
+        for uid, (title, panels, fabric) in DASHBOARDS.items()
     }
 
 

@@ -38,8 +38,8 @@ def runner(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[PodRunner]:
     pods.stop()
 
 
-def dashboard_query(expr: str, cluster_name: str) -> str:
-    return expr.replace("$cluster", cluster_name).replace("$__rate_interval", "1m")
+def dashboard_query(expr: str, cluster_name: str, namespace: str) -> str:
+    return gen_dashboards.concrete(expr, cluster=cluster_name, namespace=namespace)
 
 
 @pytest.mark.slow
@@ -66,7 +66,10 @@ def test_apply_place_transfer_scrape(
         timeout=90,
         what="every agent process ready (engines up, pools registered)",
     )
-    prometheus.set_targets([(f"127.0.0.1:{p.metrics_port}", {"pod": n}) for n, p in pods.items()])
+    # the target labels a PodMonitor gives (the dashboards' namespace variable reads them)
+    prometheus.set_targets(
+        [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": namespace}) for n, p in pods.items()]
+    )
     prometheus.wait_targets_up(len(pods))
 
     fabric = LocalFabric.from_cluster(cluster, namespace, "pd", runner)
@@ -100,7 +103,7 @@ def test_apply_place_transfer_scrape(
     for uid, (_, panels, _) in gen_dashboards.DASHBOARDS.items():
         for panel in panels:
             for expr, _ in panel.exprs:
-                result = prometheus.query(dashboard_query(expr, "pd"))
+                result = prometheus.query(dashboard_query(expr, "pd", namespace))
                 if uid == "pdfabric-transfer" and not result:
                     empty.append(panel.title)
     # Peer blacklisting and refusals are zero-valued series here (pre-created), never absent.
