@@ -7,7 +7,8 @@
 3. `kubectl apply` of examples/: a TCP PDCluster, an intra-node NVLink one, and one that cannot be
    placed, to show the reason the operator reports; an invalid one, to show the API server's message;
 4. the agent pods' real command as local processes, real bytes over the Mooncake engine, verified
-   on arrival, scraped by a real Prometheus, and a summary read back from it.
+   on arrival, scraped by a real Prometheus, and a summary read back from it;
+5. the transfer dashboard's traffic panels rendered to docs/img/ from that Prometheus' data.
 Local processes stop at the end; the cluster stays up for `kubectl` (stop it: make cluster-down).
 """
 
@@ -26,11 +27,13 @@ from pdfabric_devcluster.procs import console_argv
 from pdfabric_devcluster.prometheus import Prometheus
 from pdfabric_devcluster.synthetic import expected_bytes
 from pdfabric_devcluster.transfer import transfer_room
+from render_panels import http_range_query, render
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "pdfabric-system"
 WORKDIR = REPO_ROOT / ".artifacts" / "demo"
-ROOMS = 8
+ROOMS = 40
+ROOM_PAUSE_S = 0.5  # traffic over some seconds, for the pictures' rates
 PAGES = 24
 EXAMPLES = ("demo", "llama-70b", "dsv4-cp8")
 # Prefill TP8 and the two decode TP8 replicas it feeds must share one NVLink domain: 24 GPUs,
@@ -137,14 +140,16 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
 
     step("Prometheus scraping the agents and the operator")
     prometheus.start()
-    targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n}) for n, p in pods.items()]
+    targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
     prometheus.set_targets([*targets, (f"127.0.0.1:{operator_metrics}", {"pod": "operator"})])
     prometheus.wait_targets_up(len(targets) + 1)
     print(f"  {prometheus.url}")
 
     step(f"{ROOMS} requests: prefill TP2 x CP2 -> decode TP4 over Mooncake tcp, verified byte by byte")
     fabric = LocalFabric.from_cluster(cluster, NAMESPACE, "demo", runner)
+    traffic_start = time.time() - 5
     for room in range(1, ROOMS + 1):
+        time.sleep(ROOM_PAUSE_S)
         result = transfer_room(fabric, room, pages=PAGES, state_slots=1, aux=True)
         states = {v["state"] for v in result.decode.values()}
         bad_bytes = sum(len(e) for e in result.errors.values())
@@ -175,6 +180,12 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
     want = expected_bytes(fabric.spec, pages=PAGES, state_slots=1, aux=True)
     print(f"  the synthetic engine's own count for {ROOMS} requests: KV {ROOMS * want.kv:,}, state "
           f"{ROOMS * want.state:,}, aux {ROOMS * want.aux:,}, state saved {ROOMS * want.state_skipped:,}")  # fmt: skip
+
+    step("the transfer dashboard's traffic panels, from this run's Prometheus data")
+    time.sleep(5)  # the rates fall back to zero
+    drawn = render(http_range_query(prometheus.url), traffic_start, time.time(), cluster="demo", namespace=NAMESPACE)
+    for name, series in drawn.items():
+        print(f"  docs/img/{name}: {series} series")
 
     step("done")
     print("The cluster stays up:")
