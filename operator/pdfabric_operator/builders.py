@@ -231,13 +231,19 @@ def build_headless_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, An
     }
 
 
-def build_network_policy(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, Any]:
+def build_network_policy(ref: ClusterRef, spec: PDClusterSpec, monitoring_namespace: str = "") -> dict[str, Any]:
     """Ingress to the agent pods: everything from this cluster's agents (the peer door, and
     Mooncake's handshake and data listeners, whose ports the engine picks at random and which
     accept writes into registered memory from anyone who reaches them), and the metrics port
-    from anywhere (kubelet probes, Prometheus). The engine door is on the pod's loopback and
-    needs no rule. Enforced only where the cluster's network plugin enforces NetworkPolicy."""
+    from pods in `monitoring_namespace` (Prometheus), from anywhere when that is empty. The
+    node's own traffic (kubelet probes) is always allowed by NetworkPolicy. The engine door is
+    on the pod's loopback and needs no rule. Enforced only where the cluster's network plugin
+    enforces NetworkPolicy; the operator's settings turn it off (config.py)."""
     agents = {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_AGENT}
+    metrics: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": spec.agent.metrics_port}]}
+    if monitoring_namespace:
+        by_name = {"kubernetes.io/metadata.name": monitoring_namespace}  # set by the API server on every namespace
+        metrics = {"from": [{"namespaceSelector": {"matchLabels": by_name}}], **metrics}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -247,7 +253,7 @@ def build_network_policy(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, Any]
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": agents}}]},
-                {"ports": [{"protocol": "TCP", "port": spec.agent.metrics_port}]},
+                metrics,
             ],
         },
     }

@@ -9,14 +9,19 @@ PDFABRIC_WATCH_TIMEOUT       server-side watch timeout in seconds (default 300)
 PDFABRIC_KUBECONFIG          kubeconfig to use instead of in-cluster credentials or $KUBECONFIG
 PDFABRIC_LIVENESS            liveness endpoint URL (default http://0.0.0.0:8081/healthz)
 PDFABRIC_VERBOSE             non-empty: debug logging
+PDFABRIC_NETWORK_POLICY      "false": build no NetworkPolicy per PDCluster (and delete one built before) (default true)
+PDFABRIC_MONITORING_NAMESPACE  the namespace whose pods may reach the agents' metrics port; "" any (default "")
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class ConfigError(ValueError):
@@ -31,6 +36,8 @@ class OperatorConfig:
     metrics_port: int = 8080
     watch_timeout: int = 300
     peering_lifetime: int = 60
+    network_policy: bool = True
+    monitoring_namespace: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -52,6 +59,12 @@ class OperatorConfig:
             priority = int(priority_raw) if priority_raw else random.SystemRandom().randint(1, 2**30)
         except ValueError as exc:
             raise ConfigError(f"PDFABRIC_PRIORITY must be an integer, got {priority_raw!r}") from exc
+        network_policy_raw = env.get("PDFABRIC_NETWORK_POLICY", "true").lower()
+        if network_policy_raw not in ("true", "false"):
+            raise ConfigError(f"PDFABRIC_NETWORK_POLICY must be true or false, got {network_policy_raw!r}")
+        monitoring_namespace = env.get("PDFABRIC_MONITORING_NAMESPACE", "")
+        if monitoring_namespace and not _DNS_LABEL.fullmatch(monitoring_namespace):
+            raise ConfigError(f"PDFABRIC_MONITORING_NAMESPACE must be a namespace name, got {monitoring_namespace!r}")
         return cls(
             reconcile_interval=number("PDFABRIC_RECONCILE_INTERVAL", 20.0, 0.1),
             peering=env.get("PDFABRIC_PEERING", "pdfabric"),
@@ -59,4 +72,6 @@ class OperatorConfig:
             metrics_port=int(number("PDFABRIC_METRICS_PORT", 8080, 0)),
             watch_timeout=int(number("PDFABRIC_WATCH_TIMEOUT", 300, 1)),
             peering_lifetime=int(number("PDFABRIC_PEERING_LIFETIME", 60, 1)),
+            network_policy=network_policy_raw == "true",
+            monitoring_namespace=monitoring_namespace,
         )

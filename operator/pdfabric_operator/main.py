@@ -307,6 +307,8 @@ async def reconcile_daemon(
                     memory,
                     recheck_children_after=STATE.config.reconcile_interval / 2,
                     stored_rv=body.get("metadata", {}).get("resourceVersion"),
+                    network_policy=STATE.config.network_policy,
+                    monitoring_namespace=STATE.config.monitoring_namespace,
                 )
                 RECONCILES.labels(res.result.value).inc()
                 if res.actions:

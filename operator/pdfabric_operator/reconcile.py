@@ -154,6 +154,8 @@ def reconcile_once(
     recheck_children_after: float,
     stored_rv: str | None = None,
     ledger: Ledger = LEDGER,
+    network_policy: bool = True,
+    monitoring_namespace: str = "",
 ) -> Result:
     out = Result(ReconcileResult.PROGRESSING)
     own = list(snap.own)
@@ -210,7 +212,8 @@ def reconcile_once(
             )
         memory.children_absent = False
         rankmap = b.build_rankmap(ref, raw_spec, outcome)
-        _ensure_shared_children(kube, ref, spec, rankmap, memory, recheck_children_after, out)
+        policy = b.build_network_policy(ref, spec, monitoring_namespace) if network_policy else None
+        _ensure_shared_children(kube, ref, spec, rankmap, policy, memory, recheck_children_after, out)
         desired = {pod["metadata"]["name"]: pod for pod in b.build_agent_pods(ref, spec, outcome)}
         existing = {p.name: p for p in own}
         # Pods whose ranks moved (or that failed, or are no longer wanted) go at once: the plan
@@ -268,10 +271,13 @@ def _ensure_shared_children(
     ref: b.ClusterRef,
     spec: PDClusterSpec,
     rankmap: RankMap,
+    policy: dict[str, Any] | None,
     memory: ClusterMemory,
     recheck_after: float,
     out: Result,
 ) -> None:
+    """`policy`: the NetworkPolicy wanted, None when the operator's settings turn it off (one
+    built before is deleted then); one that differs (the monitoring namespace changed) is replaced."""
     cm = b.build_rankmap_configmap(ref, rankmap)
     want_hash = cm["metadata"]["annotations"][c.ANN_RANKMAP_HASH]
     fresh = time.monotonic() - memory.children_checked_at < recheck_after
@@ -286,9 +292,20 @@ def _ensure_shared_children(
     if kube.get("Service", ref.namespace, b.service_name(ref.name)) is None:
         kube.create(b.build_headless_service(ref, spec))
         out.actions.append("create service")
-    if kube.get("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name)) is None:
-        kube.create(b.build_network_policy(ref, spec))
+    have_policy = kube.get("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name))
+    # Only this cluster's own policy is replaced or deleted, never a namesake someone else made.
+    owned = have_policy is not None and any(
+        o.get("uid") == ref.uid for o in have_policy["metadata"].get("ownerReferences") or []
+    )
+    if policy is None:
+        if owned and kube.delete("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name)):
+            out.actions.append("delete networkpolicy (turned off)")
+    elif have_policy is None:
+        kube.create(policy)
         out.actions.append("create networkpolicy")
+    elif owned and have_policy.get("spec") != policy["spec"]:
+        kube.replace(policy, have_policy["metadata"]["resourceVersion"])
+        out.actions.append("update networkpolicy")
     have = kube.get("ConfigMap", ref.namespace, cm["metadata"]["name"])
     if have is None:
         kube.create(cm)

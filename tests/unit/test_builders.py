@@ -228,3 +228,13 @@ def test_network_policy_admits_only_this_clusters_agents_and_metrics() -> None:
         {"ports": [{"protocol": "TCP", "port": 9400}]},  # probes and Prometheus
     ]
     assert policy["metadata"]["ownerReferences"] == [REF.owner_reference()]
+
+
+def test_network_policy_admits_only_the_monitoring_namespace_to_metrics() -> None:
+    policy = b.build_network_policy(REF, pdcluster().agent(metricsPort=9500).spec(), "monitoring")
+    agents = {"matchLabels": {"pdfabric.dev/cluster-uid": "uid-1", "app.kubernetes.io/component": "agent"}}
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    assert policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": agents}]},
+        {"from": [{"namespaceSelector": monitoring}], "ports": [{"protocol": "TCP", "port": 9500}]},
+    ]

@@ -78,7 +78,7 @@ def test_rbac_is_least_privilege() -> None:
     # Secrets: the operator makes, replaces (a new pod's certificate) and removes its own; it never
     # reads the cluster's others in bulk.
     assert grants[("", "secrets")] == {"get", "create", "update", "delete"}
-    assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "delete"}
+    assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "update", "delete"}
     assert grants[("", "pods")] == {"get", "list", "watch", "create", "delete"}
     assert grants[("", "nodes")] == {"get", "list", "watch"}
     assert grants[("pdfabric.dev", "pdclusters/status")] == {"get", "patch"}
@@ -110,6 +110,19 @@ def test_chart_env_is_valid_operator_config() -> None:
     cfg = OperatorConfig.from_env(env)
     assert (cfg.reconcile_interval, cfg.peering, cfg.metrics_port, cfg.watch_timeout) == (7.0, "pdfabric", 8080, 300)
     assert 1 <= cfg.priority <= 2**30, "replicas draw a random peering priority"
+    assert (cfg.network_policy, cfg.monitoring_namespace) == (True, "")
+
+
+def test_agent_network_policy_values_reach_the_operator() -> None:
+    from pdfabric_operator.config import OperatorConfig
+
+    args = ("--set", "agentNetworkPolicy.enabled=false", "--set", "agentNetworkPolicy.monitoringNamespace=monitoring")
+    (dep,) = [d for d in _render(*args) if d["kind"] == "Deployment"]
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    cfg = OperatorConfig.from_env(env)
+    assert (cfg.network_policy, cfg.monitoring_namespace) == (False, "monitoring")
+    proc = _run("template", "pdfabric", str(CHART), "--set", "agentNetworkPolicy.monitoringNamespace=Not_A_Name")
+    assert proc.returncode != 0
 
 
 @pytest.mark.parametrize(
@@ -119,8 +132,17 @@ def test_chart_env_is_valid_operator_config() -> None:
         ({"PDFABRIC_RECONCILE_INTERVAL": "0"}, "at least 0.1"),
         ({"PDFABRIC_PRIORITY": "high"}, "must be an integer"),
         ({"PDFABRIC_METRICS_PORT": "-1"}, "at least 0"),
+        ({"PDFABRIC_NETWORK_POLICY": "maybe"}, "true or false"),
+        ({"PDFABRIC_MONITORING_NAMESPACE": "Monitoring"}, "a namespace name"),
     ],
-    ids=["interval-not-a-number", "interval-zero", "priority-not-an-integer", "negative-port"],
+    ids=[
+        "interval-not-a-number",
+        "interval-zero",
+        "priority-not-an-integer",
+        "negative-port",
+        "network-policy-not-a-bool",
+        "monitoring-namespace-not-a-name",
+    ],
 )
 def test_operator_config_rejects(env: dict[str, str], fragment: str) -> None:
     from pdfabric_operator.config import ConfigError, OperatorConfig

@@ -67,7 +67,9 @@ class FakeKube:
         ]
 
 
-def _run(kube: FakeKube, ref: b.ClusterRef, builder: Any, snap: Snapshot, memory: ClusterMemory, ledger: Ledger):
+def _run(
+    kube: FakeKube, ref: b.ClusterRef, builder: Any, snap: Snapshot, memory: ClusterMemory, ledger: Ledger, **kw: Any
+):
     return reconcile_once(
         kube,
         ref,
@@ -79,6 +81,7 @@ def _run(kube: FakeKube, ref: b.ClusterRef, builder: Any, snap: Snapshot, memory
         recheck_children_after=1e9,
         ledger=ledger,
         stored_rv=str(kube.rv),
+        **kw,
     )
 
 
@@ -274,3 +277,35 @@ def test_each_new_agent_pod_gets_a_new_certificate_and_a_gone_agent_leaves_none(
     # No node fits any more: the pods go, and so do their certificates.
     _run(kube, ref, builder, Snapshot([], [], kube.pods("u1")), memory, ledger)
     assert ("Secret", "ns", b.peer_tls_secret_name(pod.name)) not in kube.objects
+
+
+def test_network_policy_follows_the_operator_settings() -> None:
+    """Settings change with an operator restart (a fresh memory): the policy is updated or deleted."""
+    kube, ledger = FakeKube(), Ledger()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder, nodes = pdcluster().prefill(tp=4).decode(tp=4), [gpu_node("a", 8)]
+    key = ("NetworkPolicy", "ns", "pd-agents")
+
+    def run(**kw: Any) -> list[str]:
+        return _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), ClusterMemory(), ledger, **kw).actions
+
+    assert "create networkpolicy" in run()
+    assert "from" not in kube.objects[key]["spec"]["ingress"][1]  # metrics from anywhere
+    assert "networkpolicy" not in " ".join(run())  # unchanged: left alone
+    assert "update networkpolicy" in run(monitoring_namespace="monitoring")
+    (source,) = kube.objects[key]["spec"]["ingress"][1]["from"]
+    assert source == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert "delete networkpolicy (turned off)" in run(network_policy=False)
+    assert key not in kube.objects
+    assert "networkpolicy" not in " ".join(run(network_policy=False))
+
+
+def test_a_namesake_network_policy_is_never_replaced_or_deleted() -> None:
+    kube, ledger = FakeKube(), Ledger()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    theirs = {"kind": "NetworkPolicy", "metadata": {"name": "pd-agents", "namespace": "ns"}, "spec": {"x": 1}}
+    kube.objects[("NetworkPolicy", "ns", "pd-agents")] = theirs
+    for kw in ({"monitoring_namespace": "monitoring"}, {"network_policy": False}):
+        snap = Snapshot([gpu_node("a", 8)], [], [])
+        _run(kube, ref, pdcluster().prefill(tp=4).decode(tp=4), snap, ClusterMemory(), ledger, **kw)
+        assert kube.objects[("NetworkPolicy", "ns", "pd-agents")] is theirs
