@@ -111,3 +111,17 @@ def test_thresholds_come_from_values() -> None:
         "https://runbooks.example/pdfabric#pdfabricagentnotready"
     )
     assert "runbook_url" not in _alerts(_rule_spec())["PDFabricAgentNotReady"]["annotations"]
+
+
+def test_cp_dedup_lookback_is_optional(promtool: str, tmp_path: Path) -> None:
+    """The default keeps clusters that never dedup (dsaCacheLayerSplit) silent; lookback "" drops that."""
+    default = _alerts(_rule_spec())["PDFabricCPDedupNotHappening"]
+    assert "increase(pdfabric_state_dedup_skipped_bytes_total[1d])" in default["expr"]
+    spec = _rule_spec("--set", "metrics.prometheusRule.alerts.cpDedupNotHappening.lookback=")
+    without = _alerts(spec)["PDFabricCPDedupNotHappening"]
+    assert "increase(" not in without["expr"] and "within" not in without["annotations"]["description"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    proc = subprocess.run(
+        [promtool, "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
