@@ -38,14 +38,17 @@ from pdfabric_agent.arrivals import DecodeArrivals
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.context import AgentContext
-from pdfabric_agent.errors import ApiError
+from pdfabric_agent.errors import ApiError, conflict, layout_mismatch
 from pdfabric_agent.labels import Refusal
+from pdfabric_agent.memory import EngineMemory, engine_layout
 from pdfabric_agent.peer_client import PeerClient
 from pdfabric_agent.ranks import LocalRank, NodeRanks
 from pdfabric_agent.rooms import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
 from pdfabric_agent.sender import PrefillSender
 from pdfabric_agent.tasks import Liveness, TaskSet
-from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_agent.wire import DoneReport, LaunchNotice, MemoryRegistration, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
+from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
 
@@ -115,6 +118,40 @@ class Agent:
             )
 
     # ---------------------------------------------------------------- the API
+    def register_memory(self, msg: MemoryRegistration) -> dict[str, Any]:
+        """An engine's own buffers become the rank's memory (``memory``): checked against the
+        model, mapped, registered with the rank's transfer engine; the previous engine's (an
+        engine restart) are released. Refused while the rank has open rooms: their plans point
+        into the memory they were submitted with."""
+        local = self.ctx.ranks.served(msg.rank)
+        busy = sum(1 for _, room in self.rooms.open_rooms() if room.rank == msg.rank)
+        if busy:
+            raise conflict(f"{msg.rank} has {busy} open rooms: register its memory before traffic or once they end")
+        transport = Transport(self.transport)
+        layout = engine_layout(
+            msg,
+            self.spec,
+            local.rank,
+            kv_device=kv_buffer_device(transport),
+            aux_device=metadata_buffer_device(self.spec.transfer.mem_pool),
+        )
+        engine = EngineMemory.map(msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu)
+        try:
+            for region in engine.regions():
+                local.backend.register(region)
+        except Exception as exc:
+            engine.close()
+            raise layout_mismatch(f"the transfer engine refused the buffers of {msg.rank}: {exc}") from None
+        previous, local.engine = local.engine, engine
+        if previous is not None:
+            for region in previous.regions():
+                local.backend.unregister(region)
+            previous.close()
+        for kind, regions in (("kv", engine.kv), ("state", engine.state), ("aux", engine.aux)):
+            device = regions[0].device.value if regions else "cpu"
+            metrics.pool_bytes.labels(self.cluster, msg.rank, kind, device).set(sum(r.size for r in regions))
+        return {"rank": msg.rank, "memory": engine.describe()}
+
     def submit_send(self, msg: SendRequest) -> dict[str, Any]:
         return self.sender.submit_send(msg)
 

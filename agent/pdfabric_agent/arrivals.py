@@ -197,8 +197,8 @@ class DecodeArrivals:
         if self.ctx.spec.transfer.verify:
             if msg.checksum is None:
                 raise malformed("this cluster verifies transfers (spec.transfer.verify): the report needs a checksum")
-            for dst_off, raw in rows:  # side-channel rows are part of what is checked
-                local.pools.aux.write(dst_off, raw)
+            for dst_addr, raw in rows:  # side-channel rows are part of what is checked
+                local.write(dst_addr, raw)
             rows = []
             if not await self._verified(room, local, msg.prefill_rank, msg.checksum):
                 return {"state": room.state.title, "reason": room.reason}
@@ -210,9 +210,11 @@ class DecodeArrivals:
         mismatch fails the room, so no engine reads bytes that are not what was sent."""
         ctx = self.ctx
         plan = self._landing_plan(room, local, prefill_rank)
-        regions = integrity.dest_regions(plan, local.bases.aux)
+        regions = integrity.dest_regions(plan)
         started = time.perf_counter()
-        ours = await asyncio.get_running_loop().run_in_executor(ctx.workers, integrity.checksum, local.pools, regions)
+        ours = await asyncio.get_running_loop().run_in_executor(
+            ctx.workers, integrity.checksum, local.regions(), regions
+        )
         metrics.integrity_seconds.labels(ctx.labels.cluster, Role.DECODE.value).observe(time.perf_counter() - started)
         result = Integrity.MATCH if ours == theirs else Integrity.MISMATCH
         metrics.integrity_checks.labels(ctx.labels.cluster, result.value).inc()
@@ -241,6 +243,8 @@ class DecodeArrivals:
             pp=spec.prefill.pp,
             pp_stage=source.pp_rank,
         )
+        # The source planned in its own memory, whose pages are ordered like ours (or it refused).
+        src_layout = dataclasses.replace(src_layout, page_order=local.layout.page_order)
         with_state = bool(duties.state_layers or duties.state_skipped)
         return plan_transfer(
             duties,
@@ -295,8 +299,8 @@ class DecodeArrivals:
         if room.state.finished or prefill_rank in room.arrived:
             return  # a done report and a completion mark of one source: counted once
         room.marks[f"arrived:{prefill_rank}"] = self.ctx.clock()
-        for dst_off, raw in rows:
-            local.pools.aux.write(dst_off, raw)
+        for dst_addr, raw in rows:
+            local.write(dst_addr, raw)
         sent = zero_bytes()
         for per_kind in by_path.values():
             for kind in Kind:
@@ -347,15 +351,15 @@ class DecodeArrivals:
     def _aux_rows(rows: Sequence[tuple[int, bytes]], local: LocalRank, room: DecodeRoom) -> list[tuple[int, bytes]]:
         """Side-channel aux rows, checked before any is written: each must be exactly one item of
         this room's own aux row, so a report cannot write elsewhere in the pool."""
-        lay = local.layout
+        aux = local.bases.aux
         allowed = (
-            {lay.aux_offset(i, room.dst_aux): size for i, size in enumerate(lay.aux_items)}
+            {aux[i] + room.dst_aux * size: size for i, size in enumerate(local.layout.aux_items)}
             if room.dst_aux is not None
             else {}
         )
-        for dst_off, raw in rows:
-            if allowed.get(dst_off) != len(raw):
-                raise out_of_range(f"aux row at {dst_off} is not an item of this room's aux row")
+        for dst_addr, raw in rows:
+            if allowed.get(dst_addr) != len(raw):
+                raise out_of_range(f"aux row at {dst_addr:#x} is not an item of this room's aux row")
         return list(rows)
 
     # ------------------------------------------------------------ upkeep

@@ -82,6 +82,10 @@ class TransferBackend(abc.ABC):
     def register(self, pool: Pool) -> None:
         """Make pool.addr .. pool.addr + pool.size a valid source and destination."""
 
+    def unregister(self, pool: Pool) -> None:
+        """Forget a registered region (an engine's buffers, replaced when the engine restarts)."""
+        raise NotImplementedError(f"the {self.name} backend cannot release registered memory")
+
     @abc.abstractmethod
     def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
         """Write every block to the peer session and return once all landed; raise TransferError.

@@ -25,7 +25,7 @@ from typing import Any
 
 from pdfabric_agent.http1 import Connection, StaleConnection
 from pdfabric_agent.pools import PoolLayout
-from pdfabric_agent.wire import ReceiveRequest, RoomSubmit, SendRequest
+from pdfabric_agent.wire import MemoryRegistration, ReceiveRequest, RoomSubmit, SendRequest
 
 FINAL = ("Success", "Failed")
 WAIT_BACKOFF_MIN_S = 0.01  # `wait`: pause after a poll answered at once, doubling up to the max
@@ -235,6 +235,11 @@ class AgentClient:
     ) -> dict[str, Any]:
         """Decode side: announce where room `room` from prefill replica `prefill_replica` lands."""
         return self.submit(ReceiveRequest(rank, room, kv_pages, state_indices or [], aux_index, prefill_replica))
+
+    def register_memory(self, msg: MemoryRegistration) -> dict[str, Any]:
+        """An engine's own buffers of one rank (``memory``): the agent maps and registers them and
+        moves that rank's rooms in them from now on."""
+        return self._call("POST", msg.PATH, msg.to_json())
 
     def submit(self, msg: RoomSubmit) -> dict[str, Any]:
         """A send or receive as its wire message (long page lists travel packed: base64 int32)."""

@@ -37,3 +37,7 @@ def conflict(message: str) -> ApiError:
 
 def wrong_peer(message: str) -> ApiError:
     return ApiError(403, Refusal.WRONG_PEER, message)
+
+
+def layout_mismatch(message: str) -> ApiError:
+    return ApiError(422, Refusal.LAYOUT_MISMATCH, message)

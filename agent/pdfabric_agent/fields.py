@@ -29,6 +29,7 @@ MAX_AUX_ITEMS = 64  # aux items of a layout, and aux rows of a done report
 MAX_AUX_ROW_BYTES = 1 << 20  # one aux row in a done report
 MAX_PATHS = 16  # paths in bytes_by_path
 MAX_MARKS = 1024  # completion marks of a launch notice
+MAX_BUFFERS = 4096  # buffers of one kind in an engine's registration (K or V layers, state layers, aux items)
 
 
 def too_large(message: str) -> ApiError:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from pdfabric_agent.plan import TransferPlan
-from pdfabric_agent.pools import Pool, RankPools
+from pdfabric_agent.pools import Pool
 from pdfabric_core.policy.types import Device
 
 Region = tuple[int, int]  # (absolute address, length)
@@ -44,14 +44,13 @@ CHUNK_BYTES = 16 << 20  # regions are gathered and summed about this many bytes 
 _positions = np.arange(0, dtype=np.uint64)  # 0, 1, 2, ...: grown on demand, shared by every sum
 
 
-def source_regions(plan: TransferPlan, aux_base: int) -> list[Piece]:
-    """The stream at the sender: ``aux_base`` is its aux pool's address (side-channel rows are
-    pool offsets)."""
-    return list(_pieces(plan, src=True, aux_base=aux_base))
+def source_regions(plan: TransferPlan) -> list[Piece]:
+    """The stream at the sender."""
+    return list(_pieces(plan, src=True))
 
 
-def dest_regions(plan: TransferPlan, aux_base: int) -> list[Piece]:
-    return list(_pieces(plan, src=False, aux_base=aux_base))
+def dest_regions(plan: TransferPlan) -> list[Piece]:
+    return list(_pieces(plan, src=False))
 
 
 def flat(pieces: Sequence[Piece]) -> list[Region]:
@@ -65,7 +64,7 @@ def flat(pieces: Sequence[Piece]) -> list[Region]:
     return out
 
 
-def _pieces(plan: TransferPlan, *, src: bool, aux_base: int) -> Iterator[Piece]:
+def _pieces(plan: TransferPlan, *, src: bool) -> Iterator[Piece]:
     kvp = plan.kv_pages
     if kvp is not None:
         bases, pages, stride = (
@@ -79,23 +78,22 @@ def _pieces(plan: TransferPlan, *, src: bool, aux_base: int) -> Iterator[Piece]:
             yield (b.src if src else b.dst), b.length
     for b in (*plan.state, *plan.aux):
         yield (b.src if src else b.dst), b.length
-    for src_off, dst_off, size in plan.aux_tcp:
-        yield aux_base + (src_off if src else dst_off), size
+    for src_addr, dst_addr, size in plan.aux_tcp:
+        yield (src_addr if src else dst_addr), size
 
 
 def _pool_of(pools: Sequence[Pool], addr: int, length: int) -> Pool:
     for pool in pools:
         if pool.addr <= addr and addr + length <= pool.addr + pool.size:
             return pool
-    raise ValueError(f"{length} bytes at {addr:#x} are outside the rank's pools")
+    raise ValueError(f"{length} bytes at {addr:#x} are outside the rank's memory")
 
 
-def checksum(pools: RankPools, pieces: Sequence[Piece]) -> str:
-    """``"<length hex>:<sum hex>"`` of the stream the pieces make, read from the rank's pools. Each
-    region (each row of a ``Rows``) is zero-padded to whole words, so every piece is summed where
-    it lives (the KV on the GPU, the aux rows on the CPU under some pools), at its place in the
-    stream."""
-    all_pools = pools.all()
+def checksum(all_pools: Sequence[Pool], pieces: Sequence[Piece]) -> str:
+    """``"<length hex>:<sum hex>"`` of the stream the pieces make, read from the rank's memory (its
+    pools, or an engine's buffers). Each region (each row of a ``Rows``) is zero-padded to whole
+    words, so every piece is summed where it lives (the KV on the GPU, the aux rows on the CPU
+    under some pools), at its place in the stream."""
     total = 0
     acc = 0
     word0 = 0  # index of the next piece's first word in the whole stream

@@ -4,9 +4,14 @@ What a prefill rank owes a decode rank for a room (its route's heads, its CP pag
 state layers, whether it sends the aux row, the PP layer shift) is ``pdfabric_core.duties``
 (``sender_duties``), shared with the operator's traffic prediction. This module turns those
 duties into addresses: whole-page routes are coalesced into runs (coalesce), head-slice routes
-move one contiguous head slice per page (heads are the outer dimension of a page, see pools.py),
-state moves per owned state layer and slot run, aux per item through the engine or over the TCP
-side channel as the duties' aux path says.
+move one contiguous head slice per page (heads are the outer dimension of a page, see pools.py)
+or, in token-major pages (an engine's own, SGLang's), one per token of each page; state moves per
+owned state layer and slot run, aux per item through the engine or over the TCP side channel as
+the duties' aux path says.
+
+Addresses come from a ``MemoryMap``: the first byte of every buffer of a rank (each layer's K and
+V, each state layer, each aux item). The agent's pools are one region per kind (``Bases`` is their
+short form); an engine's buffers are wherever the engine allocated them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.pools import PageOrder, PoolLayout
 from pdfabric_core.duties import (
     Duties,
     decode_targets,
@@ -35,6 +40,7 @@ __all__ = [
     "Block",
     "Duties",
     "KvPages",
+    "MemoryMap",
     "TransferPlan",
     "buffer_bases",
     "decode_targets",
@@ -56,9 +62,44 @@ class Block:
 
 @dataclass(frozen=True)
 class Bases:
+    """The agent's own pools of one rank: one region per kind (pools.py's layout inside each)."""
+
     kv: int
     state: int
     aux: int
+
+
+@dataclass(frozen=True)
+class MemoryMap:
+    """Where every buffer of one rank starts: ``kv`` page 0 of each (layer, K/V) buffer in (layer,
+    K/V) order, ``state`` slot 0 of each state layer, ``aux`` row 0 of each aux item. Strides are
+    the layout's (page bytes, state layer bytes, aux item bytes)."""
+
+    kv: tuple[int, ...]
+    state: tuple[int, ...]
+    aux: tuple[int, ...]
+
+    @classmethod
+    def of_pools(cls, layout: PoolLayout, bases: Bases) -> MemoryMap:
+        return cls(
+            kv=tuple(bases.kv + layout.kv_offset(layer, kv, 0) for layer in range(layout.layers) for kv in (0, 1)),
+            state=tuple(bases.state + layout.state_offset(layer, 0) for layer in range(layout.state_layers)),
+            aux=tuple(bases.aux + layout.aux_offset(item, 0) for item in range(len(layout.aux_items))),
+        )
+
+    def check(self, layout: PoolLayout) -> None:
+        """ValueError unless there is one address per buffer of ``layout``."""
+        want = (2 * layout.layers, layout.state_layers, len(layout.aux_items))
+        have = (len(self.kv), len(self.state), len(self.aux))
+        if have != want:
+            raise ValueError(
+                f"memory map has {have[0]} KV, {have[1]} state and {have[2]} aux buffers; "
+                f"the layout has {want[0]} (K and V of {layout.layers} layers), {want[1]} and {want[2]}"
+            )
+
+
+def memory_map(layout: PoolLayout, where: Bases | MemoryMap) -> MemoryMap:
+    return where if isinstance(where, MemoryMap) else MemoryMap.of_pools(layout, where)
 
 
 @dataclass(frozen=True)
@@ -120,7 +161,7 @@ class TransferPlan:
     kv_pages: KvPages | None = None
     state: list[Block] = field(default_factory=list)
     aux: list[Block] = field(default_factory=list)  # engine path only
-    aux_tcp: list[tuple[int, int, int]] = field(default_factory=list)  # (src offset, dst offset, len)
+    aux_tcp: list[tuple[int, int, int]] = field(default_factory=list)  # (src address, dst address, len)
     state_skipped_bytes: int = 0
 
 
@@ -131,10 +172,17 @@ def _runs(src: Sequence[int], dst: Sequence[int], coalesce: bool) -> list[tuple[
 
 
 @functools.lru_cache(maxsize=256)
-def buffer_bases(layout: PoolLayout, kv_base: int, layers: range, shift: int, head: int) -> tuple[int, ...]:
-    """Address of page 0 (at head `head`) of every (layer, K/V) buffer, in (layer, K/V) order; the
-    same for every room between two ranks, so it is computed once per pair of pools."""
-    return tuple(kv_base + layout.kv_offset(layer + shift, kv, 0, head) for layer in layers for kv in (0, 1))
+def buffer_bases(layout: PoolLayout, kv: tuple[int, ...], layers: range, shift: int, head: int) -> tuple[int, ...]:
+    """Address of page 0 (at head `head`) of every (layer, K/V) buffer of `layers`, shifted by
+    `shift` layers, in (layer, K/V) order; the same for every room between two ranks, so it is
+    computed once per pair of memory maps."""
+    head_bytes = layout.token_head_bytes if layout.page_order is PageOrder.TOKEN_MAJOR else layout.head_bytes
+    return tuple(kv[2 * (layer + shift) + k] + head * head_bytes for layer in layers for k in (0, 1))
+
+
+def token_rows(pages: Sequence[int], tokens: int) -> list[int]:
+    """A token-major page list as token rows: page p is rows p*tokens .. p*tokens + tokens - 1."""
+    return [p * tokens + t for p in pages for t in range(tokens)]
 
 
 def plan_transfer(
@@ -142,8 +190,8 @@ def plan_transfer(
     *,
     src_layout: PoolLayout,
     dst_layout: PoolLayout,
-    src: Bases,
-    dst: Bases,
+    src: Bases | MemoryMap,
+    dst: Bases | MemoryMap,
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
     src_state: Sequence[int],
@@ -156,7 +204,24 @@ def plan_transfer(
     """Blocks for one (prefill rank, decode rank, room). ``dst_pages`` is the request's full list;
     ``src_pages`` holds the sender's pages for its CP shard, in request order. The KV part is
     always in ``plan.kv_pages``; with ``kv_blocks=False`` its engine blocks are left to the
-    caller (``plan.kv_pages.blocks``), who may not need them at all (a kernel backend)."""
+    caller (``plan.kv_pages.blocks``), who may not need them at all (a kernel backend).
+
+    Both sides must order their pages alike (a whole page copied between orders would scramble
+    it); a head slice of token-major pages is planned as token rows (``token_rows``): one row of
+    heads per token, so every consumer of ``KvPages`` (engine blocks, kernels, checksums) takes it
+    unchanged."""
+    if src_layout.page_order is not dst_layout.page_order:
+        raise ValueError(
+            f"page layouts differ: this side's pages are {src_layout.page_order}, the peer's {dst_layout.page_order}"
+        )
+    if src_layout.aux_items != dst_layout.aux_items or src_layout.state_layer_bytes != dst_layout.state_layer_bytes:
+        raise ValueError(
+            f"aux rows {list(src_layout.aux_items)} and state {src_layout.state_layer_bytes} bytes per layer here, "
+            f"aux rows {list(dst_layout.aux_items)} and state {dst_layout.state_layer_bytes} at the peer"
+        )
+    src_map, dst_map = memory_map(src_layout, src), memory_map(dst_layout, dst)
+    src_map.check(src_layout)
+    dst_map.check(dst_layout)
     if len(src_pages) != len(duties.pages):
         raise ValueError(
             f"this CP rank sends request pages {duties.pages.start}..{duties.pages.stop - 1} "
@@ -176,6 +241,8 @@ def plan_transfer(
             f"layers {shift}..{shift + src_layout.layers - 1} do not fit the decode pool's {dst_layout.layers} layers"
         )
     layers = range(src_layout.layers)
+    src_stride, dst_stride = src_layout.page_bytes, dst_layout.page_bytes
+    src_limit, dst_limit = src_layout.kv_pages, dst_layout.kv_pages
     if route.whole_page:
         if src_layout.page_bytes != dst_layout.page_bytes:
             raise ValueError(f"page size differs: {src_layout.page_bytes} vs {dst_layout.page_bytes} bytes")
@@ -184,17 +251,25 @@ def plan_transfer(
     else:
         src_head, dst_head = route.src_head_offset, route.dst_head_offset
         item = route.num_heads * src_layout.head_bytes
+        if src_layout.page_order is PageOrder.TOKEN_MAJOR:
+            tokens = src_layout.page_tokens
+            if dst_layout.page_tokens != tokens:
+                raise ValueError(f"pages hold {tokens} tokens here and {dst_layout.page_tokens} at the peer")
+            item = route.num_heads * src_layout.token_head_bytes
+            src_stride, dst_stride = src_layout.page_bytes // tokens, dst_layout.page_bytes // tokens
+            src_limit, dst_limit = src_limit * tokens, dst_limit * tokens
+            src_pages, shard_dst = token_rows(src_pages, tokens), token_rows(shard_dst, tokens)
     plan.kv_pages = KvPages(
-        src_bases=buffer_bases(src_layout, src.kv, layers, 0, src_head),
-        dst_bases=buffer_bases(dst_layout, dst.kv, layers, shift, dst_head),
+        src_bases=buffer_bases(src_layout, src_map.kv, layers, 0, src_head),
+        dst_bases=buffer_bases(dst_layout, dst_map.kv, layers, shift, dst_head),
         item=item,
-        src_stride=src_layout.page_bytes,
-        dst_stride=dst_layout.page_bytes,
+        src_stride=src_stride,
+        dst_stride=dst_stride,
         src_pages=src_pages,
         dst_pages=shard_dst,
         whole_page=route.whole_page,
-        src_limit=src_layout.kv_pages,
-        dst_limit=dst_layout.kv_pages,
+        src_limit=src_limit,
+        dst_limit=dst_limit,
     )
     if kv_blocks:
         plan.kv = plan.kv_pages.blocks(coalesce)
@@ -206,8 +281,8 @@ def plan_transfer(
         for s, d, n in state_runs:
             plan.state.append(
                 Block(
-                    src.state + src_layout.state_offset(layer, s),
-                    dst.state + dst_layout.state_offset(layer, d),
+                    src_map.state[layer] + s * layer_bytes,
+                    dst_map.state[layer] + d * layer_bytes,
                     n * layer_bytes,
                 )
             )
@@ -215,9 +290,9 @@ def plan_transfer(
         plan.state_skipped_bytes = len(src_state) * src_layout.state_layers * layer_bytes
     if duties.send_aux and src_aux is not None and dst_aux is not None:
         for item, size in enumerate(src_layout.aux_items):
-            so, do = src_layout.aux_offset(item, src_aux), dst_layout.aux_offset(item, dst_aux)
+            sa, da = src_map.aux[item] + src_aux * size, dst_map.aux[item] + dst_aux * size
             if duties.aux_path is AuxPath.TCP:
-                plan.aux_tcp.append((so, do, size))
+                plan.aux_tcp.append((sa, da, size))
             else:
-                plan.aux.append(Block(src.aux + so, dst.aux + do, size))
+                plan.aux.append(Block(sa, da, size))
     return plan

@@ -1,9 +1,10 @@
 """KV, state and aux pools of one rank: their byte layout and their memory.
 
 Layout (all offsets in bytes from the pool base):
-- KV pool: [layer][K=0, V=1][page][head][token][dim]. Heads are the outer dimension inside a page,
-  so the head slice a TP-mismatched route moves is one contiguous block per page (upstream's
-  [token][head][dim] pages need one block per token instead).
+- KV pool: [layer][K=0, V=1][page][head][token][dim]. Heads are the outer dimension inside a page
+  (``PageOrder.HEAD_MAJOR``), so the head slice a TP-mismatched route moves is one contiguous block
+  per page. An engine's own buffers (``memory.py``, SGLang's) keep [token][head][dim] pages
+  (``PageOrder.TOKEN_MAJOR``): there a head slice is one block per token of the page.
 - state pool: [state layer][slot][bytes per layer]; one slot holds one request's state.
 - aux pool: one region per aux item, [item][slot][item bytes], like upstream MetadataBuffers.
 
@@ -21,6 +22,7 @@ import logging
 import mmap
 import os
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
@@ -28,6 +30,13 @@ from pdfabric_core.policy.types import Device
 from pdfabric_core.spec import ModelGeometry
 
 log = logging.getLogger("pdfabric.pools")
+
+
+class PageOrder(StrEnum):
+    """How the bytes of one KV page are ordered."""
+
+    HEAD_MAJOR = "head-major"  # [head][token][dim]: the agent's own pools
+    TOKEN_MAJOR = "token-major"  # [token][head][dim]: SGLang's pools (one row of heads per token)
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,13 @@ class PoolLayout:
     state_slots: int
     aux_items: tuple[int, ...]
     aux_slots: int
+    page_tokens: int = 1  # tokens per page: a token-major head slice is one block per token
+    page_order: PageOrder = PageOrder.HEAD_MAJOR
+
+    @property
+    def token_head_bytes(self) -> int:
+        """One head of one token (a token-major page's unit)."""
+        return self.head_bytes // max(self.page_tokens, 1)
 
     @classmethod
     def from_geometry(
@@ -66,6 +82,7 @@ class PoolLayout:
             state_slots=state_slots,
             aux_items=tuple(geo.aux_row_bytes),
             aux_slots=aux_slots,
+            page_tokens=geo.page_size_tokens,
         )
 
     @property
@@ -100,11 +117,14 @@ class PoolLayout:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["aux_items"] = list(self.aux_items)
+        d["page_order"] = self.page_order.value
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PoolLayout:
-        return cls(**{**d, "aux_items": tuple(d["aux_items"])})
+        """Raises ValueError for an unknown page order, TypeError/KeyError for other bad fields."""
+        order = PageOrder(d.get("page_order", PageOrder.HEAD_MAJOR.value))
+        return cls(**{**d, "aux_items": tuple(d["aux_items"]), "page_order": order})
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from pdfabric_agent.backend import TransferBackend
 from pdfabric_agent.errors import malformed, unknown_rank, wrong_peer
-from pdfabric_agent.plan import Bases
-from pdfabric_agent.pools import PoolLayout, RankPools
+from pdfabric_agent.memory import EngineMemory
+from pdfabric_agent.plan import Bases, MemoryMap
+from pdfabric_agent.pools import Pool, PoolLayout, RankPools
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank, RankMap
@@ -18,17 +19,43 @@ from pdfabric_core.spec import PDClusterSpec
 
 @dataclass
 class LocalRank:
+    """One rank of this node: its transfer engine and its memory, the agent's own pools (the
+    synthetic engine, benchmarks) until a serving engine registers its buffers (``engine``)."""
+
     rank: Rank
     backend: TransferBackend
     pools: RankPools
+    engine: EngineMemory | None = None
 
     @property
     def layout(self) -> PoolLayout:
-        return self.pools.layout
+        return self.engine.layout if self.engine is not None else self.pools.layout
 
     @property
-    def bases(self) -> Bases:
-        return Bases(self.pools.kv.addr, self.pools.state.addr, self.pools.aux.addr)
+    def bases(self) -> MemoryMap:
+        if self.engine is not None:
+            return self.engine.memory_map
+        p = self.pools
+        return MemoryMap.of_pools(p.layout, Bases(p.kv.addr, p.state.addr, p.aux.addr))
+
+    def regions(self) -> tuple[Pool, ...]:
+        """Every registered region of the rank's memory (integrity sums and side-channel rows)."""
+        return self.engine.regions() if self.engine is not None else self.pools.all()
+
+    def read(self, addr: int, length: int) -> bytes:
+        pool = region_of(self.regions(), addr, length)
+        return pool.read(addr - pool.addr, length)
+
+    def write(self, addr: int, data: bytes) -> None:
+        pool = region_of(self.regions(), addr, len(data))
+        pool.write(addr - pool.addr, data)
+
+
+def region_of(regions: tuple[Pool, ...], addr: int, length: int) -> Pool:
+    for pool in regions:
+        if pool.addr <= addr and addr + length <= pool.addr + pool.size:
+            return pool
+    raise ValueError(f"{length} bytes at {addr:#x} are outside the rank's memory")
 
 
 class NodeRanks:

@@ -351,10 +351,10 @@ class PrefillSender:
     async def _checksum(self, local: LocalRank, plan: TransferPlan) -> str:
         """What this rank sent to the target, checksummed at the source (integrity.py)."""
         ctx = self.ctx
-        regions = integrity.source_regions(plan, local.bases.aux)
+        regions = integrity.source_regions(plan)
         started = time.perf_counter()
         checksum = await asyncio.get_running_loop().run_in_executor(
-            ctx.workers, integrity.checksum, local.pools, regions
+            ctx.workers, integrity.checksum, local.regions(), regions
         )
         metrics.integrity_seconds.labels(ctx.labels.cluster, Role.PREFILL.value).observe(time.perf_counter() - started)
         return checksum
@@ -369,7 +369,7 @@ class PrefillSender:
         checksum: str | None = None,
     ) -> None:
         ctx = self.ctx
-        rows = tuple((dst_off, local.pools.aux.read(src_off, size)) for src_off, dst_off, size in plan.aux_tcp)
+        rows = tuple((dst_addr, local.read(src_addr, size)) for src_addr, dst_addr, size in plan.aux_tcp)
         aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
         if aux_tcp_bytes:
             by_path[TCP_SIDE_CHANNEL] = {**zero_bytes(), Kind.AUX.value: aux_tcp_bytes}

@@ -30,7 +30,7 @@ from pdfabric_agent.errors import ApiError, malformed
 from pdfabric_agent.guard import CLUSTER, LIMITS, Limits
 from pdfabric_agent.jsonbody import BODY_CAP, body_cap, read_json
 from pdfabric_agent.labels import Refusal
-from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_agent.wire import DoneReport, LaunchNotice, MemoryRegistration, ReceiveRequest, RoomInfo, SendRequest
 
 log = logging.getLogger("pdfabric.server")
 
@@ -137,6 +137,8 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
                         "endpoint": lr.backend.endpoint(),
                         "path": lr.backend.path,
                         **lr.pools.describe(),
+                        # The engine's own buffers once registered; the pools stay for the synthetic engine.
+                        "engine_memory": lr.engine.describe() if lr.engine is not None else None,
                     }
                     for rank_id, lr in agent.ranks.items()
                 },
@@ -154,6 +156,10 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
 
     async def receive(request: web.Request) -> web.Response:
         return web.json_response(agent.submit_receive(await parsed(request, ReceiveRequest)))
+
+    async def memory(request: web.Request) -> web.Response:
+        # On the loop, not in a worker: no room may be submitted between the check and the swap.
+        return web.json_response(agent.register_memory(await parsed(request, MemoryRegistration)))
 
     async def poll(request: web.Request) -> web.Response:
         try:
@@ -194,6 +200,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         app.router.add_get("/v1/info", info)
         app.router.add_post("/v1/send", send)
         app.router.add_post("/v1/receive", receive)
+        app.router.add_post(MemoryRegistration.PATH, memory)
         app.router.add_get("/v1/rooms/{rank}/{room}", poll)
     else:
         app.router.add_post("/v1/peer/dst", peer_dst)

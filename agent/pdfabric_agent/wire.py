@@ -1,6 +1,7 @@
 """The wire format: one typed message per request the agent takes, parsed and checked here.
 
-Client messages (the serving engine -> its node's agent): ``SendRequest``, ``ReceiveRequest``.
+Client messages (the serving engine -> its node's agent): ``SendRequest``, ``ReceiveRequest``,
+``MemoryRegistration`` (/v1/memory: the engine's own buffers of a rank).
 Peer messages (agent -> agent): ``RoomInfo`` (/v1/peer/dst: where a decode room's data lands),
 ``DoneReport`` (/v1/peer/done: a source's data landed, or failed), ``LaunchNotice``
 (/v1/peer/launched: a source's kernels run; watch their completion marks).
@@ -14,6 +15,7 @@ the client and by peers, so both sides of a message are written in one place.
 from __future__ import annotations
 
 import base64
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from pdfabric_agent.errors import malformed, out_of_range
 from pdfabric_agent.fields import (
     MAX_AUX_ITEMS,
     MAX_AUX_ROW_BYTES,
+    MAX_BUFFERS,
     MAX_INT,
     MAX_MARKS,
     MAX_PATHS,
@@ -43,8 +46,8 @@ from pdfabric_agent.fields import (
     too_large,
 )
 from pdfabric_agent.labels import Kind
-from pdfabric_agent.plan import Bases
-from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.plan import Bases, MemoryMap
+from pdfabric_agent.pools import PageOrder, PoolLayout
 
 CHECKSUM = re.compile(r"[0-9a-f]{1,16}:[0-9a-f]{16}")  # integrity.checksum's form
 # Bytes per kind ("kv", "state", "aux") and, per `path` label, the bytes that path moved.
@@ -141,31 +144,41 @@ def _layout(value: Any) -> PoolLayout:
     d = check_object(value, "peer room info layout")
     try:
         layout = PoolLayout.from_dict(dict(d))
-    except (TypeError, KeyError) as exc:
+    except (TypeError, KeyError, ValueError) as exc:
         raise malformed(f"peer room info has a bad layout: {exc}") from None
     if len(layout.aux_items) > MAX_AUX_ITEMS:
         raise too_large(f"peer room info layout has {len(layout.aux_items)} aux items; at most {MAX_AUX_ITEMS}")
-    numbers = [v for k, v in vars(layout).items() if k != "aux_items"] + list(layout.aux_items)
+    numbers = [v for k, v in vars(layout).items() if k not in ("aux_items", "page_order")] + list(layout.aux_items)
     if not all(type(v) is int and 0 <= v <= MAX_INT for v in numbers):
         raise malformed(f"peer room info layout fields must be integers within 0..{MAX_INT}")
     return layout
 
 
-def _bases(value: Any) -> Bases:
+def _bases(value: Any, layout: PoolLayout) -> MemoryMap:
+    """Where each buffer of the peer's rank starts: a list of addresses per kind."""
     d = check_object(value, "peer room info bases")
+    lists: list[tuple[int, ...]] = []
+    for kind in ("kv", "state", "aux"):
+        addrs = d.get(kind)
+        if not isinstance(addrs, list) or len(addrs) > 2 * MAX_BUFFERS:
+            raise malformed("peer room info bases must give a list of addresses for kv, state and aux")
+        if not all(type(a) is int and 0 < a <= MAX_INT for a in addrs):
+            raise malformed(f"peer room info bases must be integers within 1..{MAX_INT}")
+        lists.append(tuple(addrs))
+    memory = MemoryMap(*lists)
     try:
-        bases = Bases(**d)
-    except TypeError as exc:
-        raise malformed(f"peer room info has bad bases: {exc}") from None
-    if not all(type(v) is int and 0 < v <= MAX_INT for v in (bases.kv, bases.state, bases.aux)):
-        raise malformed(f"peer room info bases must be integers within 1..{MAX_INT}")
-    return bases
+        memory.check(layout)
+    except ValueError as exc:
+        raise malformed(f"peer room info: {exc}") from None
+    return memory
 
 
 @dataclass(frozen=True)
 class RoomInfo:
     """Decode agent -> prefill agent: where room `room` of `decode_rank` lands (its engine endpoint,
-    pool bases and layout, pages, state slots and aux row), for the source `prefill_rank`."""
+    layout and where each of its buffers starts, pages, state slots and aux row), for the source
+    `prefill_rank`. ``bases`` may be given as the agent's pool ``Bases``; it is kept as the
+    ``MemoryMap`` they make."""
 
     PATH: ClassVar[str] = "/v1/peer/dst"
 
@@ -174,10 +187,15 @@ class RoomInfo:
     prefill_rank: str
     endpoint: str
     layout: PoolLayout
-    bases: Bases
+    bases: MemoryMap
     kv_pages: list[int]
     state_indices: list[int]
     aux_index: int | None
+
+    def __post_init__(self) -> None:
+        given: object = self.bases  # Bases at run time when built from the agent's pools
+        if isinstance(given, Bases):
+            object.__setattr__(self, "bases", MemoryMap.of_pools(self.layout, given))
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
@@ -187,7 +205,8 @@ class RoomInfo:
         for name in ("endpoint", "layout", "bases", "kv_pages", "state_indices"):
             if name not in body:
                 raise malformed(f"peer room info lacks {name!r}")
-        layout, bases = _layout(body["layout"]), _bases(body["bases"])
+        layout = _layout(body["layout"])
+        bases = _bases(body["bases"], layout)
         endpoint = check_str(body["endpoint"], "endpoint")
         pages = field_indices(body, "kv_pages", layout.kv_pages, what="KV pages", unique=True)
         state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=True)
@@ -202,7 +221,7 @@ class RoomInfo:
             "prefill_rank": self.prefill_rank,
             "endpoint": self.endpoint,
             "layout": self.layout.to_dict(),
-            "bases": {"kv": self.bases.kv, "state": self.bases.state, "aux": self.bases.aux},
+            "bases": {"kv": list(self.bases.kv), "state": list(self.bases.state), "aux": list(self.bases.aux)},
             "kv_pages": pack_indices(self.kv_pages),
             "state_indices": list(self.state_indices),
             "aux_index": self.aux_index,
@@ -279,16 +298,16 @@ class DoneReport(SourceReport):
             return cls(room, decode_rank, prefill_rank, {}, ok=False, reason=reason or "unknown")
         rows = body.get("aux_rows") or []
         if not isinstance(rows, list):
-            raise malformed("aux_rows must be a list of [offset, base64] pairs")
+            raise malformed("aux_rows must be a list of [address, base64] pairs")
         if len(rows) > MAX_AUX_ITEMS:
             raise too_large(f"aux_rows has {len(rows)} rows; at most {MAX_AUX_ITEMS}")
         parsed: list[tuple[int, bytes]] = []
         for row in rows:
             if not (isinstance(row, list) and len(row) == 2 and isinstance(row[1], str)):
-                raise malformed("aux_rows must be a list of [offset, base64] pairs")
+                raise malformed("aux_rows must be a list of [address, base64] pairs")
             dst_off, data = row
             if type(dst_off) is not int or not 0 <= dst_off <= MAX_INT:
-                raise malformed(f"aux_rows offsets must be integers within 0..{MAX_INT}")
+                raise malformed(f"aux_rows addresses must be integers within 0..{MAX_INT}")
             if len(data) > 4 * -(-MAX_AUX_ROW_BYTES // 3):  # before decoding
                 raise too_large(
                     f"an aux row of {len(data)} base64 characters; rows are at most {MAX_AUX_ROW_BYTES} bytes"
@@ -296,7 +315,7 @@ class DoneReport(SourceReport):
             try:
                 raw = base64.b64decode(data, validate=True)
             except ValueError:  # binascii.Error, and non-ASCII characters
-                raise malformed("aux_rows must be a list of [offset, base64] pairs") from None
+                raise malformed("aux_rows must be a list of [address, base64] pairs") from None
             parsed.append((dst_off, raw))
         checksum = body.get("checksum")
         if checksum is not None and (not isinstance(checksum, str) or not CHECKSUM.fullmatch(checksum)):
@@ -348,3 +367,126 @@ class LaunchNotice(SourceReport):
 
 
 PeerMessage = RoomInfo | DoneReport | LaunchNotice
+
+
+# ---------------------------------------------------------------- engine memory
+class ShareKind(enum.StrEnum):
+    SHM = "shm"  # a CPU buffer in a shared-memory file the engine owns: path, offset
+    CUDA_IPC = "cuda-ipc"  # a GPU buffer: its allocation's CUDA IPC handle and the buffer's offset
+
+
+@dataclass(frozen=True)
+class BufferShare:
+    """How the agent reaches one engine buffer: ``nbytes`` at ``offset`` of a shared-memory file
+    (``path``), or of a CUDA allocation (``export``: fastpath.ipc's ExportDoc)."""
+
+    kind: ShareKind
+    nbytes: int
+    offset: int
+    path: str = ""
+    export: Mapping[str, Any] | None = None
+
+    @classmethod
+    def parse(cls, value: Any, name: str) -> Self:
+        d = check_object(value, name)
+        try:
+            kind = ShareKind(str(d.get("kind")))
+        except ValueError:
+            raise malformed(f"{name}.kind must be one of {[k.value for k in ShareKind]}") from None
+        nbytes = field_int(d, "nbytes", minimum=1)
+        offset = field_int(d, "offset")
+        if kind is ShareKind.SHM:
+            path = check_str(d.get("path"), f"{name}.path", limit=MAX_STR)
+            if not path.startswith("/"):
+                raise malformed(f"{name}.path must be an absolute path of a shared-memory file")
+            return cls(kind, nbytes, offset, path=path)
+        export = check_object(d.get("export"), f"{name}.export")
+        handle = export.get("handle")
+        if not (isinstance(handle, str) and 0 < len(handle) <= 256 and all(c in "0123456789abcdef" for c in handle)):
+            raise malformed(f"{name}.export.handle must be the CUDA IPC handle in lowercase hex")
+        for key in ("offset", "nbytes", "device", "owner_pid"):
+            field_int(export, key)
+        return cls(kind, nbytes, offset, export=dict(export))
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"kind": self.kind.value, "nbytes": self.nbytes, "offset": self.offset}
+        if self.kind is ShareKind.SHM:
+            body["path"] = self.path
+        else:
+            body["export"] = dict(self.export or {})
+        return body
+
+
+def _shares(body: Mapping[str, Any], name: str) -> list[BufferShare]:
+    value = body.get(name, [])
+    if not isinstance(value, list):
+        raise malformed(f"field {name!r} must be a list of buffers")
+    if len(value) > MAX_BUFFERS:
+        raise too_large(f"field {name!r} has {len(value)} buffers; at most {MAX_BUFFERS}")
+    return [BufferShare.parse(v, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+@dataclass(frozen=True)
+class MemoryRegistration:
+    """Engine -> its node's agent: rank `rank`'s KV, state and aux live in the engine's own buffers
+    (SGLang's KVArgs): per layer a K and a V buffer of ``kv_page_bytes`` per page, pages of
+    ``page_tokens`` tokens in ``page_order``; per state layer a buffer of ``state_slot_bytes`` per
+    slot; per aux item a buffer of ``aux_row_bytes[i]`` per row. The agent checks them against the
+    PDCluster's model (``memory.engine_layout``) before it maps or registers anything."""
+
+    PATH: ClassVar[str] = "/v1/memory"
+
+    rank: str
+    page_order: PageOrder
+    page_tokens: int
+    kv_page_bytes: int
+    k: list[BufferShare]
+    v: list[BufferShare]
+    state_slot_bytes: int
+    state: list[BufferShare]
+    aux_row_bytes: list[int]
+    aux: list[BufferShare]
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        rank = field_str(body, "rank")
+        try:
+            order = PageOrder(str(body.get("page_order")))
+        except ValueError:
+            raise malformed(f"field 'page_order' must be one of {[o.value for o in PageOrder]}") from None
+        aux = _shares(body, "aux")
+        rows = body.get("aux_row_bytes", [])
+        if not isinstance(rows, list) or len(rows) != len(aux):
+            raise malformed("field 'aux_row_bytes' must give the row bytes of every aux buffer")
+        return cls(
+            rank=rank,
+            page_order=order,
+            page_tokens=field_int(body, "page_tokens", minimum=1),
+            kv_page_bytes=field_int(body, "kv_page_bytes", minimum=1),
+            k=_shares(body, "k"),
+            v=_shares(body, "v"),
+            state_slot_bytes=field_int(body, "state_slot_bytes"),
+            state=_shares(body, "state"),
+            aux_row_bytes=[_int_item(r, "aux_row_bytes") for r in rows],
+            aux=aux,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "page_order": self.page_order.value,
+            "page_tokens": self.page_tokens,
+            "kv_page_bytes": self.kv_page_bytes,
+            "k": [b.to_json() for b in self.k],
+            "v": [b.to_json() for b in self.v],
+            "state_slot_bytes": self.state_slot_bytes,
+            "state": [b.to_json() for b in self.state],
+            "aux_row_bytes": list(self.aux_row_bytes),
+            "aux": [b.to_json() for b in self.aux],
+        }
+
+
+def _int_item(value: Any, name: str) -> int:
+    if type(value) is not int or not 1 <= value <= MAX_AUX_ROW_BYTES:
+        raise malformed(f"every entry of {name!r} must be an integer within 1..{MAX_AUX_ROW_BYTES}")
+    return value

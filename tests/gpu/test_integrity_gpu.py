@@ -53,13 +53,13 @@ def test_device_sum_equals_the_cpu_sum_and_follows_the_bytes(tmp_path: Path, aux
     src = rank_pools(tmp_path, "src", aux_device)
     fill(src, seed)
     pages = random.Random(seed).sample(range(LAYOUT.kv_pages), 200)
-    theirs = integrity.checksum(src, regions(src, pages))
+    theirs = integrity.checksum(src.all(), regions(src, pages))
     # The same bytes in CPU pools: the numpy sum must give the same value.
     cpu = RankPools(LAYOUT, *(Pool.allocate(f"cpu-{k}", p.size, Device.CPU, shm_dir=str(tmp_path))
                               for k, p in zip(("kv", "state", "aux"), src.all(), strict=True)))  # fmt: skip
     for s, c in zip(src.all(), cpu.all(), strict=True):
         c.write(0, s.read(0, s.size))
-    assert integrity.checksum(cpu, regions(cpu, pages)) == theirs
+    assert integrity.checksum(cpu.all(), regions(cpu, pages)) == theirs
     # Copied region by region into other GPU pools: equal; one flipped byte: not.
     dst = rank_pools(tmp_path, "dst", aux_device)
     fill(dst, seed + 1)
@@ -67,10 +67,10 @@ def test_device_sum_equals_the_cpu_sum_and_follows_the_bytes(tmp_path: Path, aux
         sp = next(p for p in src.all() if p.addr <= sa < p.addr + p.size)
         dp = next(p for p in dst.all() if p.addr <= da < p.addr + p.size)
         dp.write(da - dp.addr, sp.read(sa - sp.addr, n))
-    assert integrity.checksum(dst, regions(dst, pages)) == theirs
+    assert integrity.checksum(dst.all(), regions(dst, pages)) == theirs
     addr, n = regions(dst, pages)[123]
     dst.kv.tensor()[addr - dst.kv.addr + n // 3] ^= 1
-    assert integrity.checksum(dst, regions(dst, pages)) != theirs
+    assert integrity.checksum(dst.all(), regions(dst, pages)) != theirs
     for p in (*src.all(), *dst.all(), *cpu.all()):
         p.close()
 
@@ -84,13 +84,13 @@ def test_device_sum_speed(tmp_path: Path) -> None:
     pages = list(range((1 << 30) // (64 << 10)))[::-1]  # every 64 KiB page, scattered order
     rows = integrity.Rows(pool.addr, 64 << 10, 64 << 10, pages)  # how a KV buffer's pages are summed
     regions = integrity.flat([rows])
-    assert integrity.checksum(pools, [rows]) == integrity.checksum(pools, regions)
+    assert integrity.checksum(pools.all(), [rows]) == integrity.checksum(pools.all(), regions)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    integrity.checksum(pools, regions)
+    integrity.checksum(pools.all(), regions)
     by_region = time.perf_counter() - start
     start = time.perf_counter()
-    integrity.checksum(pools, [rows])
+    integrity.checksum(pools.all(), [rows])
     summed = time.perf_counter() - start
     out = torch.empty_like(pool.tensor())
     torch.cuda.synchronize()

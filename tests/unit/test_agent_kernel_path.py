@@ -19,7 +19,7 @@ from pdfabric_agent.config import load_config
 from pdfabric_agent.hardware import Hardware
 from pdfabric_agent.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
 from pdfabric_agent.peer_client import PeerRefused
-from pdfabric_agent.plan import Bases
+from pdfabric_agent.plan import Bases, MemoryMap
 from pdfabric_agent.pools import PoolLayout, RankPools
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, Target
@@ -154,6 +154,12 @@ def make_agent(tmp_path: Path) -> Agent:
     spec = parse_spec(RAW)
     rankmap = RankMap("ns", "c", "uid-1", "nvlink-intra", RAW, entries)
     return Agent(load_config(env), rankmap, spec, {}, "nvlink-intra")
+
+
+def dst_map(layout: PoolLayout) -> dict[str, list[int]]:
+    """The decode side's buffers on the wire: the pools of a rank at these bases."""
+    m = MemoryMap.of_pools(layout, Bases(0x4000_0000, 0x5000_0000, 0x6000_0000))
+    return {"kv": list(m.kv), "state": list(m.state), "aux": list(m.aux)}
 
 
 def run_room(
@@ -353,7 +359,7 @@ def test_ready_room_is_launched_inside_the_call_that_made_it_ready(tmp_path: Pat
             agent.accept_dst(RoomInfo.parse(
                 {"cluster": "uid-1", "prefill_rank": "prefill-0-tp0-cp0", "decode_rank": "decode-0-tp0", "room": 5,
                  "endpoint": "peer:1", "layout": layout.to_dict(),
-                 "bases": {"kv": 0x4000_0000, "state": 0x5000_0000, "aux": 0x6000_0000},
+                 "bases": dst_map(layout),
                  "kv_pages": list(range(40)), "state_indices": [1], "aux_index": 1}
             ))  # fmt: skip
             view = agent.submit_send(SendRequest.parse(

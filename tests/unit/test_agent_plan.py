@@ -142,7 +142,7 @@ def test_aux_blocks_follow_the_aux_path(transfer: dict[str, Any], path: AuxPath)
     duties, p = plan(spec, 0, 0, 0, [0], [0])
     assert duties.aux_path is path
     engine = [Block(SRC.aux + 8, DST.aux + 24, 8), Block(SRC.aux + 32 + 16, DST.aux + 32 + 48, 16)]
-    tcp = [(8, 24, 8), (48, 80, 16)]
+    tcp = [(b.src, b.dst, b.length) for b in engine]  # the same rows, by address
     assert (p.aux, p.aux_tcp) == ((engine, []) if path is AuxPath.ENGINE else ([], tcp))
 
 

@@ -47,8 +47,8 @@ def copy(plan: TransferPlan, src: RankPools, dst: RankPools, coalesce: bool) -> 
         s = next(p for p in src.all() if p.addr <= b.src < p.addr + p.size)
         d = next(p for p in dst.all() if p.addr <= b.dst < p.addr + p.size)
         d.view()[b.dst - d.addr : b.dst - d.addr + b.length] = s.view()[b.src - s.addr : b.src - s.addr + b.length]
-    for src_off, dst_off, size in plan.aux_tcp:
-        dst.aux.write(dst_off, src.aux.read(src_off, size))
+    for src_addr, dst_addr, size in plan.aux_tcp:
+        dst.aux.write(dst_addr - dst.aux.addr, src.aux.read(src_addr - src.aux.addr, size))
 
 
 def bases(p: RankPools) -> Bases:
@@ -78,17 +78,17 @@ def test_sender_and_receiver_sum_the_same_stream(
         src_pages=rng.sample(range(32), 9), dst_pages=rng.sample(range(32), 9), src_state=[1], dst_state=[3],
         src_aux=2, dst_aux=0, coalesce=coalesce, kv_blocks=False,
     )  # fmt: skip
-    sent = integrity.checksum(src, integrity.source_regions(plan, src.aux.addr))
-    assert integrity.checksum(dst, integrity.dest_regions(plan, dst.aux.addr)) != sent  # not copied yet
+    sent = integrity.checksum(src.all(), integrity.source_regions(plan))
+    assert integrity.checksum(dst.all(), integrity.dest_regions(plan)) != sent  # not copied yet
     copy(plan, src, dst, coalesce)
-    assert integrity.checksum(dst, integrity.dest_regions(plan, dst.aux.addr)) == sent
+    assert integrity.checksum(dst.all(), integrity.dest_regions(plan)) == sent
     # The KV buffers gathered as rows sum exactly like the same regions one by one.
-    assert integrity.checksum(src, integrity.flat(integrity.source_regions(plan, src.aux.addr))) == sent
+    assert integrity.checksum(src.all(), integrity.flat(integrity.source_regions(plan))) == sent
     # One flipped byte anywhere in a destination region changes the sum.
-    addr, n = random.Random(3).choice(integrity.flat(integrity.dest_regions(plan, dst.aux.addr)))
+    addr, n = random.Random(3).choice(integrity.flat(integrity.dest_regions(plan)))
     pool = next(p for p in dst.all() if p.addr <= addr < p.addr + p.size)
     pool.view()[addr - pool.addr + n // 2] ^= 0x40
-    assert integrity.checksum(dst, integrity.dest_regions(plan, dst.aux.addr)) != sent
+    assert integrity.checksum(dst.all(), integrity.dest_regions(plan)) != sent
 
 
 def test_the_sum_does_not_depend_on_chunking_and_sees_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,17 +96,17 @@ def test_the_sum_does_not_depend_on_chunking_and_sees_order(tmp_path: Path, monk
                         state_slots=1, aux_items=(8,), aux_slots=1)  # fmt: skip
     p = pools(tmp_path, "p", layout, 5)
     regions = [(p.kv.addr + 4096 * i + 3, 1000 + i) for i in range(8)]
-    whole = integrity.checksum(p, regions)
+    whole = integrity.checksum(p.all(), regions)
     monkeypatch.setattr(integrity, "CHUNK_BYTES", 1500)
-    assert integrity.checksum(p, regions) == whole
+    assert integrity.checksum(p.all(), regions) == whole
     rows = integrity.Rows(p.kv.addr + 3, 4096, 1000, [5, 1, 6, 2])  # 1000-byte rows: padded per row
     as_regions = integrity.flat([rows])
-    assert integrity.checksum(p, [rows]) == integrity.checksum(p, as_regions)
+    assert integrity.checksum(p.all(), [rows]) == integrity.checksum(p.all(), as_regions)
     monkeypatch.setattr(integrity, "CHUNK_BYTES", 8)  # a chunk per row
-    assert integrity.checksum(p, [rows, *regions[:2]]) == integrity.checksum(p, [*as_regions, *regions[:2]])
-    assert integrity.checksum(p, regions[::-1]) != whole  # the same bytes in another order
-    with pytest.raises(ValueError, match="outside the rank's pools"):
-        integrity.checksum(p, [(p.kv.addr + p.kv.size - 4, 8)])
+    assert integrity.checksum(p.all(), [rows, *regions[:2]]) == integrity.checksum(p.all(), [*as_regions, *regions[:2]])
+    assert integrity.checksum(p.all(), regions[::-1]) != whole  # the same bytes in another order
+    with pytest.raises(ValueError, match="outside the rank's memory"):
+        integrity.checksum(p.all(), [(p.kv.addr + p.kv.size - 4, 8)])
 
 
 def decode_agent(tmp_path: Path, spec_raw: dict[str, Any]) -> tuple[Agent, PDClusterSpec]:
@@ -146,7 +146,7 @@ def test_decode_is_success_only_when_what_arrived_matches(tmp_path: Path) -> Non
         copy(plan, src, dst, True)
         if corrupt:
             dst.kv.view()[dst_pages[-1] * layout.page_bytes] ^= 1
-        checksum = integrity.checksum(src, integrity.source_regions(plan, src.aux.addr))
+        checksum = integrity.checksum(src.all(), integrity.source_regions(plan))
         owed = agent.rooms.decode[(d, n)].owed[p]
         return await agent.accept_done(DoneReport(n, d, p, {"mooncake": owed}, ok=True, checksum=checksum))
 

@@ -156,7 +156,9 @@ def test_a_list_longer_than_the_pool_is_refused_before_its_values() -> None:
         (RoomInfo, "layout", {**LAYOUT.to_dict(), "aux_items": "ab"}),
         (RoomInfo, "layout", {**LAYOUT.to_dict(), "kv_pages": "64"}),
         (RoomInfo, "layout", {**LAYOUT.to_dict(), "kv_pages": 2**70}),
-        (RoomInfo, "bases", {"kv": 1, "state": 1, "aux": 2**70}),
+        (RoomInfo, "bases", {"kv": [1] * 4, "state": [1], "aux": [1, 2**70]}),
+        (RoomInfo, "bases", {"kv": [1] * 3, "state": [1], "aux": [1, 1]}),  # one K/V buffer short
+        (RoomInfo, "bases", {"kv": 1, "state": 1, "aux": 1}),
         (RoomInfo, "endpoint", "host\n:1"),
         (LaunchNotice, "marks", [{"board": "pdfabric-board-0123456789ab", "slot": 1, "seq": 2**70}]),
         (LaunchNotice, "marks", [{"board": "pdfabric-board-0123456789ab", "slot": 1, "seq": 1}] * 1025),

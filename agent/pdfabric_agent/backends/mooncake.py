@@ -45,6 +45,11 @@ class MooncakeBackend(TransferBackend):
             raise TransferError(f"Mooncake register_memory({pool.name}, {pool.size} bytes) returned {rc}")
         self._registered.append((pool.addr, pool.size))
 
+    def unregister(self, pool: Pool) -> None:
+        if (pool.addr, pool.size) in self._registered:
+            self._engine.unregister_memory(pool.addr)
+            self._registered.remove((pool.addr, pool.size))
+
     def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
         if len(blocks) > self.max_batch_entries:
             # Guard the session: an oversized tcp batch poisons it for every later transfer.

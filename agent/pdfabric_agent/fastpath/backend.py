@@ -154,6 +154,13 @@ class FastPathBackend(TransferBackend):
         self._exports.append({"addr": pool.addr, "size": pool.size, "export": exp})
         publish_exports(export_file(self._dir, self.endpoint()), self.gpu, self._exports)
 
+    def unregister(self, pool: Pool) -> None:
+        self.inner.unregister(pool)
+        if (pool.addr, pool.size) in self._local:
+            self._local.remove((pool.addr, pool.size))
+            self._exports = [e for e in self._exports if (e["addr"], e["size"]) != (pool.addr, pool.size)]
+            publish_exports(export_file(self._dir, self.endpoint()), self.gpu, self._exports)
+
     def _peer(self, peer: str) -> PeerMap | None:
         """The peer's pools as writable here, or None (engine path): ``peers.PeerDirectory.lookup``."""
         return self._directory.lookup(peer)
