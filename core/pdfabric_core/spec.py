@@ -136,7 +136,7 @@ class PlacementSpec:
 
 @dataclass(frozen=True)
 class AgentSpec:
-    image: str = "pdfabric/agent:latest"
+    image: str = "pdfabric/agent:0.1.0"  # what `make images` names the CPU agent image (docs/images.md)
     metrics_port: int = 9400
     api_port: int = 7400
     peer_port: int = 7401
