@@ -21,6 +21,16 @@ venv: ## Python environment with torch, kopf, mooncake (reinstalled only when pi
 binaries: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from Go modules
 	@bash hack/controlplane/build.sh >/dev/null
 
+IMAGES ?= operator agent
+
+.PHONY: images
+images: images-deps ## build the container images with podman or docker (IMAGES="operator agent agent-cuda13"; docs/images.md)
+	@bash hack/images.sh build $(IMAGES)
+
+.PHONY: images-deps
+images-deps: ## install podman (runc, cgroupfs; images/containers.conf) and mmdebstrap from Debian when missing
+	@bash hack/images.sh deps
+
 .PHONY: cluster-up
 cluster-up: deps ## start the local control plane with fake GPU nodes (state in .artifacts/cluster)
 	@cd hack && $(PYTHON) -m pdfabric_devcluster up

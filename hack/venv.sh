@@ -23,7 +23,8 @@ reqs="$("$py" - "$root/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
 # The sglang extra names SGLang with its GPU dependency set; the tests take it from the CPU lists below.
-extras = {k: v for k, v in p.get("optional-dependencies", {}).items() if k != "sglang"}
+# agent-cuda13 is the GPU agent image's (Mooncake's cuda13 engine needs libcuda to import).
+extras = {k: v for k, v in p.get("optional-dependencies", {}).items() if k not in ("sglang", "agent-cuda13")}
 print("\n".join(p["dependencies"] + [d for ds in extras.values() for d in ds]))
 PY
 )"
