@@ -46,7 +46,15 @@ from pdfabric_agent.ranks import LocalRank, NodeRanks
 from pdfabric_agent.rooms import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
 from pdfabric_agent.sender import PrefillSender
 from pdfabric_agent.tasks import Liveness, TaskSet
-from pdfabric_agent.wire import DoneReport, LaunchNotice, MemoryRegistration, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_agent.wire import (
+    AbortRequest,
+    DoneReport,
+    LaunchNotice,
+    MemoryRegistration,
+    ReceiveRequest,
+    RoomInfo,
+    SendRequest,
+)
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import RankMap
@@ -151,6 +159,17 @@ class Agent:
             device = regions[0].device.value if regions else "cpu"
             metrics.pool_bytes.labels(self.cluster, msg.rank, kind, device).set(sum(r.size for r in regions))
         return {"rank": msg.rank, "memory": engine.describe()}
+
+    def abort(self, msg: AbortRequest) -> dict[str, Any]:
+        """The engine gave the room up: it fails now (its peers are told); a finished room stays as
+        it ended. 404 for a room the agent does not hold."""
+        local = self.ctx.ranks.served(msg.rank)
+        room = self.rooms.lookup(local.rank.role, msg.rank, msg.room)
+        if isinstance(room, DecodeRoom):
+            self.arrivals.abort(room, msg.reason)
+        elif isinstance(room, PrefillRoom):
+            self.sender.abort(room, msg.reason)
+        return room.view()
 
     def submit_send(self, msg: SendRequest) -> dict[str, Any]:
         return self.sender.submit_send(msg)

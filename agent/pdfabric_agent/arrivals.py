@@ -317,6 +317,10 @@ class DecodeArrivals:
         part = (room.rank, room.expected[prefill_rank], sum(sent.values()), duration)
         later(lambda: self._count_arrival(by_path, how, *part))
 
+    def abort(self, room: DecodeRoom, reason: str) -> None:
+        """The engine gave the room up: Failed now; a source's late report is answered Failed."""
+        self._fail(room, reason)
+
     def _fail(self, room: DecodeRoom, reason: str, outcome: Outcome = Outcome.FAILED) -> None:
         """The room fails: each source that had not arrived counts its part with that outcome."""
         if room.state.finished:

@@ -25,7 +25,7 @@ from typing import Any
 
 from pdfabric_agent.http1 import Connection, StaleConnection
 from pdfabric_agent.pools import PoolLayout
-from pdfabric_agent.wire import MemoryRegistration, ReceiveRequest, RoomSubmit, SendRequest
+from pdfabric_agent.wire import AbortRequest, MemoryRegistration, ReceiveRequest, RoomSubmit, SendRequest
 
 FINAL = ("Success", "Failed")
 WAIT_BACKOFF_MIN_S = 0.01  # `wait`: pause after a poll answered at once, doubling up to the max
@@ -240,6 +240,10 @@ class AgentClient:
         """An engine's own buffers of one rank (``memory``): the agent maps and registers them and
         moves that rank's rooms in them from now on."""
         return self._call("POST", msg.PATH, msg.to_json())
+
+    def abort(self, rank: str, room: int, reason: str = "aborted by the engine") -> dict[str, Any]:
+        """Give a room up: the agent fails it now and tells its peers."""
+        return self._call("POST", AbortRequest.PATH, AbortRequest(rank, room, reason).to_json())
 
     def submit(self, msg: RoomSubmit) -> dict[str, Any]:
         """A send or receive as its wire message (long page lists travel packed: base64 int32)."""

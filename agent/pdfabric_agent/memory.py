@@ -60,15 +60,17 @@ def engine_layout(
             f"of {geo.dtype}): check spec.model against the engine's model, TP size and KV dtype"
         )
     kv_pages = _slots(reg.k + reg.v, reg.kv_page_bytes, "KV", "pages")
-    state_layers = geo.state_layers if geo.state_bytes_per_request else 0
-    slot_bytes = geo.state_bytes_per_request // geo.state_layers if state_layers else 0
-    if len(reg.state) != state_layers or (state_layers and reg.state_slot_bytes != slot_bytes):
+    # As the agent's own pools (PoolLayout.from_geometry): the model's state layers, of 0 bytes
+    # when the model has no state, and then no state buffers.
+    slot_bytes = geo.state_bytes_per_request // geo.state_layers
+    want_buffers = geo.state_layers if slot_bytes else 0
+    if len(reg.state) != want_buffers or (slot_bytes and reg.state_slot_bytes != slot_bytes):
         raise layout_mismatch(
             f"{len(reg.state)} state buffers of {reg.state_slot_bytes} bytes per slot registered; the PDCluster's "
-            f"model has {state_layers} state layers of {slot_bytes} bytes "
+            f"model has {want_buffers} state layers of {slot_bytes} bytes "
             f"(stateBytesPerRequest {geo.state_bytes_per_request} over stateLayers {geo.state_layers})"
         )
-    state_slots = _slots(reg.state, slot_bytes, "state", "slots") if state_layers else 0
+    state_slots = _slots(reg.state, slot_bytes, "state", "slots") if slot_bytes else 0
     if tuple(reg.aux_row_bytes) != tuple(geo.aux_row_bytes):
         raise layout_mismatch(
             f"aux rows of {list(reg.aux_row_bytes)} bytes registered; the PDCluster's model has auxRowBytes "
@@ -92,7 +94,7 @@ def engine_layout(
         local_heads=heads,
         head_bytes=geo.page_size_tokens * geo.head_dim * geo.dtype_bytes,
         kv_pages=kv_pages,
-        state_layers=state_layers,
+        state_layers=geo.state_layers,
         state_layer_bytes=slot_bytes,
         state_slots=state_slots,
         aux_items=tuple(reg.aux_row_bytes),

@@ -88,9 +88,12 @@ class MemoryMap:
         )
 
     def check(self, layout: PoolLayout) -> None:
-        """ValueError unless there is one address per buffer of ``layout``."""
+        """ValueError unless there is one address per buffer of ``layout`` (no state buffers when
+        its state layers hold no bytes)."""
         want = (2 * layout.layers, layout.state_layers, len(layout.aux_items))
         have = (len(self.kv), len(self.state), len(self.aux))
+        if not self.state and not layout.state_layer_bytes:
+            want = (want[0], 0, want[2])
         if have != want:
             raise ValueError(
                 f"memory map has {have[0]} KV, {have[1]} state and {have[2]} aux buffers; "

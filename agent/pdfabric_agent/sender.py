@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -147,8 +148,9 @@ class PrefillSender:
         return {"accepted": "room"}
 
     def _check_dst_layout(self, info: RoomInfo) -> None:
-        """The destination layout must be the one the spec gives that decode rank (only pool sizes,
-        which the decode agent chooses, may differ): else the planned offsets would be wrong."""
+        """The destination layout must be the one the spec gives that decode rank (only pool sizes
+        and the page order of its memory, which the decode side chooses, may differ: a page order
+        unlike this side's is refused when planned): else the planned offsets would be wrong."""
         spec = self.ctx.spec
         rank = self.ctx.ranks.rank(info.decode_rank)
         got = info.layout
@@ -161,6 +163,7 @@ class PrefillSender:
             pp=spec.decode.pp,
             pp_stage=rank.pp_rank,
         )
+        want = dataclasses.replace(want, page_order=got.page_order)
         if got != want:
             mine = vars(got)
             diff = ", ".join(f"{k} {mine[k]} (expected {v})" for k, v in vars(want).items() if mine[k] != v)
@@ -221,6 +224,13 @@ class PrefillSender:
             ctx.tasks.spawn(self._notify_failure(room, str(exc)))
             return
         ctx.rooms.finish(room, Role.PREFILL, RoomState.SUCCESS)
+
+    def abort(self, room: PrefillRoom, reason: str) -> None:
+        """The engine gave the room up (its pages may be reused): Failed now, decode told."""
+        if room.state.finished:
+            return
+        self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason)
+        self.ctx.tasks.spawn(self._notify_failure(room, reason))
 
     async def _notify_failure(self, room: PrefillRoom, reason: str) -> None:
         for t in room.targets.values():

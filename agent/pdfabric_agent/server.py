@@ -30,7 +30,15 @@ from pdfabric_agent.errors import ApiError, malformed
 from pdfabric_agent.guard import CLUSTER, LIMITS, Limits
 from pdfabric_agent.jsonbody import BODY_CAP, body_cap, read_json
 from pdfabric_agent.labels import Refusal
-from pdfabric_agent.wire import DoneReport, LaunchNotice, MemoryRegistration, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_agent.wire import (
+    AbortRequest,
+    DoneReport,
+    LaunchNotice,
+    MemoryRegistration,
+    ReceiveRequest,
+    RoomInfo,
+    SendRequest,
+)
 
 log = logging.getLogger("pdfabric.server")
 
@@ -161,6 +169,9 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         # On the loop, not in a worker: no room may be submitted between the check and the swap.
         return web.json_response(agent.register_memory(await parsed(request, MemoryRegistration)))
 
+    async def abort(request: web.Request) -> web.Response:
+        return web.json_response(agent.abort(await parsed(request, AbortRequest)))
+
     async def poll(request: web.Request) -> web.Response:
         try:
             raw_room = request.match_info["room"]
@@ -201,6 +212,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         app.router.add_post("/v1/send", send)
         app.router.add_post("/v1/receive", receive)
         app.router.add_post(MemoryRegistration.PATH, memory)
+        app.router.add_post(AbortRequest.PATH, abort)
         app.router.add_get("/v1/rooms/{rank}/{room}", poll)
     else:
         app.router.add_post("/v1/peer/dst", peer_dst)

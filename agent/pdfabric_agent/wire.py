@@ -139,6 +139,28 @@ class ReceiveRequest(RoomSubmit):
         return msg
 
 
+@dataclass(frozen=True)
+class AbortRequest:
+    """Engine -> agent: the engine gave up room `room` on `rank` (SGLang's ``abort``): it fails now,
+    and its peers are told."""
+
+    PATH: ClassVar[str] = "/v1/abort"
+
+    rank: str
+    room: int
+    reason: str = "aborted by the engine"
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        reason = body.get("reason", cls.reason)
+        if not isinstance(reason, str) or len(reason) > MAX_REASON:
+            raise malformed(f"field 'reason' must be a string of at most {MAX_REASON} characters")
+        return cls(field_str(body, "rank"), field_int(body, "room"), reason)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "room": self.room, "reason": self.reason}
+
+
 # ---------------------------------------------------------------- peer messages
 def _layout(value: Any) -> PoolLayout:
     d = check_object(value, "peer room info layout")

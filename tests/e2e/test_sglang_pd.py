@@ -1,0 +1,131 @@
+"""SGLang's own classes move a real model's KV through real agents (issue 11).
+
+The pdfabric distribution is installed (its ``sglang.srt.plugins`` entry point with it), SGLang's
+``load_plugins()`` loads the plugin in each engine process, SGLang's ``get_kv_class`` returns the
+pdfabric classes, and the reference engine drives them as SGLang's schedulers do: prefill computes
+the prompts' KV into its own shared-memory pools in SGLang's page layout, the agents move it over
+the Mooncake engine (tcp), decode generates from its pools alone. Greedy generation through PD
+must equal colocated generation token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdfabric_devcluster.fabric import LocalFabric
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+# The reference engine's model (pdfabric_refengine.build_model's defaults) as a PDCluster model.
+REF_MODEL = {
+    "layers": 2,
+    "kvHeads": 4,
+    "headDim": 16,
+    "dtype": "float32",
+    "pageSizeTokens": 16,
+    "stateBytesPerRequest": 0,
+    "auxRowBytes": [64, 64, 64],
+}
+PROMPTS = [list(range(3, 40)), [7, 1, 5] * 11, list(range(100, 116)), [42] * 5]  # 37, 33, 16, 5 tokens
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pdfabric distribution installed as a user would (its entry points with it)."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def colocated() -> list[list[int]]:
+    from pdfabric_refengine import build_model, colocated_generate
+
+    model = build_model(0)
+    return [colocated_generate(model, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def run_pd(
+    lc: LocalFabric, installed: Path, tmp: Path, prefill: dict[str, int], decode: dict[str, int]
+) -> dict[str, Any]:
+    requests = [{"room": 1000 + i, "prompt": p, "max_new_tokens": NEW_TOKENS} for i, p in enumerate(PROMPTS)]
+    (tmp / "requests.json").write_text(json.dumps(requests))
+    agents = {r.rank_id: lc.agents[a.name].address for a in lc.rankmap.agents for r in a.ranks}
+    env = {
+        **os.environ,
+        # The installed distribution first (its metadata and entry point), then the checkout.
+        "PYTHONPATH": os.pathsep.join(
+            [str(installed), *(str(ROOT / d) for d in ("core", "agent", "integrations/sglang", "hack"))]
+        ),
+        "PDFABRIC_ENGINE_TOKEN_FILE": str(tmp / "token"),
+        "SGLANG_PLUGINS": "pdfabric",
+    }
+    (tmp / "token").write_text(lc.token)
+    bootstrap = f"127.0.0.1:{free_port()}"
+    procs = {}
+    for role, par in (("prefill", prefill), ("decode", decode)):
+        cmd = [sys.executable, "-m", "pdfabric_refengine.pd", "--role", role, "--requests", str(tmp / "requests.json"),
+               "--out", str(tmp / f"{role}.json"), "--bootstrap", bootstrap, "--shm-dir", lc.shm_dir,
+               "--agents", json.dumps(agents), *(x for k, v in par.items() for x in (f"--{k}", str(v)))]  # fmt: skip
+        procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = {role: proc.communicate(timeout=240)[0] for role, proc in procs.items()}
+    failed = {role: logs[role][-3000:] for role, proc in procs.items() if proc.returncode != 0}
+    assert not failed, "\n".join(f"{role} engine failed:\n{log}" for role, log in failed.items())
+    return {role: json.loads((tmp / f"{role}.json").read_text()) for role in procs}
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [({"tp": 1}, {"tp": 1}), ({"tp": 2}, {"tp": 4}), ({"tp": 1, "cp": 2}, {"tp": 1})],
+    ids=["tp1-tp1", "tp2-tp4-head-slices", "prefill-cp2"],
+)
+def test_greedy_generation_through_pd_equals_colocated(
+    installed: Path, tmp_path: Path, prefill: dict[str, int], decode: dict[str, int]
+) -> None:
+    p = {**prefill, **({"allCpRanksTransfer": True} if prefill.get("cp", 1) > 1 else {})}
+    spec = {"prefill": p, "decode": decode, "transfer": {"transport": "tcp", "timeoutSeconds": 20}, "model": REF_MODEL}
+    with LocalFabric(spec) as lc:
+        out = run_pd(lc, installed, tmp_path, prefill, decode)
+        # SGLang's get_kv_class answered with the plugin's classes.
+        assert out["decode"]["classes"]["RECEIVER"] == "pdfabric_sglang.conn.PdfabricKVReceiver"
+        assert out["prefill"]["classes"]["SENDER"] == "pdfabric_sglang.conn.PdfabricKVSender"
+        for side in ("prefill", "decode"):
+            assert [r["state"] for r in out[side]["results"]] == ["Success"] * len(PROMPTS), out[side]
+        assert [r["tokens"] for r in out["decode"]["results"]] == colocated()
+        # SGLang's KVTransferMetric: the bytes each decode rank's agent counted, and a latency.
+        moved = sum(
+            lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind=k) for k in ("kv", "state", "aux")
+        )
+        reported = sum(m["bytes"] for r in out["decode"]["results"] for m in r["metrics"].values())
+        assert reported == moved > 0
+        assert all(m["latency_s"] > 0 for r in out["prefill"]["results"] for m in r["metrics"].values())
