@@ -129,3 +129,51 @@ def test_greedy_generation_through_pd_equals_colocated(
         reported = sum(m["bytes"] for r in out["decode"]["results"] for m in r["metrics"].values())
         assert reported == moved > 0
         assert all(m["latency_s"] > 0 for r in out["prefill"]["results"] for m in r["metrics"].values())
+
+
+def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The classes in this process, against real agents: a pool that does not fit the PDCluster's
+    model is refused with the mismatch named; an aborted room is Failed with a KVTransferError."""
+    import numpy as np
+    from pdfabric_refengine import KVPool, kv_args
+    from pdfabric_sglang.conn import PdfabricKVBootstrapServer, PdfabricKVManager, PdfabricKVReceiver
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    spec = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "transfer": {"transport": "tcp"}, "model": REF_MODEL}
+    with LocalFabric(spec) as lc:
+        (tmp_path / "token").write_text(lc.token)
+        monkeypatch.setenv("PDFABRIC_ENGINE_TOKEN_FILE", str(tmp_path / "token"))
+        monkeypatch.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of("decode-0-tp0")].address)
+        wrong = KVPool(layers=2, local_heads=4, head_dim=8, num_pages=8, shm_dir=lc.shm_dir)  # head dim 8, not 16
+        right = KVPool(layers=2, local_heads=4, head_dim=16, num_pages=8, shm_dir=lc.shm_dir)
+        try:
+            with pytest.raises(RuntimeError, match="KV bytes per page registered; decode-0-tp0"):
+                PdfabricKVManager(kv_args(wrong, engine_rank=0, page_size=16, kv_head_num=4, total_kv_head_num=4),
+                                  DisaggregationMode.DECODE, None, False)  # fmt: skip
+            mgr = PdfabricKVManager(
+                kv_args(right, engine_rank=0, page_size=16, kv_head_num=4, total_kv_head_num=4),
+                DisaggregationMode.DECODE, None, False,
+            )  # fmt: skip
+            monkeypatch.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of("prefill-0-tp0-cp0")].address)
+            server = PdfabricKVBootstrapServer("127.0.0.1", 0)
+            try:
+                receiver = PdfabricKVReceiver(mgr, f"127.0.0.1:{server.port}", 77)
+                receiver.init(0)
+                assert receiver.poll() == KVPoll.WaitingForInput
+                receiver.send_metadata(np.asarray([0, 1], dtype=np.int32), 0, None)
+                assert receiver.poll() == KVPoll.Bootstrapping  # prefill has not sent
+                receiver.abort()
+                assert receiver.poll() == KVPoll.Failed
+                with pytest.raises(KVTransferError, match="aborted by SGLang"):
+                    receiver.failure_exception()
+                view = lc.client("decode-0-tp0").poll("decode-0-tp0", 77)
+                assert (view["state"], view["reason"]) == ("Failed", "aborted by SGLang")
+            finally:
+                server.close()
+        finally:
+            wrong.close()
+            right.close()

@@ -1,0 +1,157 @@
+"""Engine-owned memory (agent/memory.py): a registration is checked against the PDCluster's model
+before anything is mapped, mapped buffers are the engine's bytes, and token-major head slices
+plan exactly the bytes a per-token copy moves."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import pytest
+
+from pdfabric_agent.errors import ApiError
+from pdfabric_agent.memory import EngineMemory, engine_layout
+from pdfabric_agent.plan import MemoryMap, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.pools import PageOrder
+from pdfabric_agent.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_core.policy.types import Device, Role
+from pdfabric_core.rankmap import Rank
+from pdfabric_core.spec import parse_spec
+
+MODEL = {"layers": 2, "kvHeads": 4, "headDim": 16, "dtype": "float32", "pageSizeTokens": 16,
+         "stateBytesPerRequest": 0, "auxRowBytes": [64, 64]}  # fmt: skip
+PAGE = 16 * 4 * 16 * 4  # tokens x heads x dim x bytes at TP 1
+
+
+def spec(tp: int = 1, **model: object) -> object:
+    return parse_spec({"prefill": {"tp": tp}, "decode": {"tp": tp}, "transfer": {"transport": "tcp"},
+                       "model": {**MODEL, **model}})  # fmt: skip
+
+
+def shm_file(tmp_path: Path, size: int) -> Path:
+    path = tmp_path / "engine-pool"
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return path
+
+
+def registration(
+    path: Path, *, pages: int = 4, page_bytes: int = PAGE, layers: int = 2, aux: tuple[int, ...] = (64, 64)
+) -> MemoryRegistration:
+    off = 0
+    k, v, a = [], [], []
+    for _ in range(layers):
+        for side in (k, v):
+            side.append(BufferShare(ShareKind.SHM, pages * page_bytes, off, path=str(path)))
+            off += pages * page_bytes
+    for row in aux:
+        a.append(BufferShare(ShareKind.SHM, 8 * row, off, path=str(path)))
+        off += 8 * row
+    return MemoryRegistration("prefill-0-tp0-cp0", PageOrder.TOKEN_MAJOR, 16, page_bytes, k, v, 0, [], list(aux), a)
+
+
+def layout_of(reg: MemoryRegistration, s: object) -> object:
+    return engine_layout(reg, s, Rank(Role.PREFILL, 0, 0), kv_device=Device.CPU, aux_device=Device.CPU)  # type: ignore[arg-type]
+
+
+def refused(reg: MemoryRegistration, s: object) -> ApiError:
+    with pytest.raises(ApiError) as exc:
+        layout_of(reg, s)
+    assert (exc.value.status, exc.value.reason) == (422, "layout_mismatch")
+    return exc.value
+
+
+def test_a_fitting_registration_gives_the_engine_layout(tmp_path: Path) -> None:
+    lay = layout_of(registration(tmp_path / "f"), spec())
+    assert (lay.layers, lay.local_heads, lay.kv_pages, lay.aux_slots, lay.page_order) == (
+        2,
+        4,
+        4,
+        8,
+        PageOrder.TOKEN_MAJOR,
+    )
+    assert lay.page_bytes == PAGE and lay.token_head_bytes == 16 * 4
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"page_bytes": PAGE // 2}, "KV bytes per page"),
+        ({"layers": 3}, "K and 3 V buffers"),
+        ({"aux": (64,)}, "auxRowBytes"),
+    ],
+)
+def test_a_registration_that_does_not_fit_the_model_names_the_mismatch(
+    tmp_path: Path, change: dict[str, object], named: str
+) -> None:
+    assert named in refused(registration(tmp_path / "f", **change), spec()).message  # type: ignore[arg-type]
+
+
+def test_gpu_buffers_on_a_cpu_transport_are_refused(tmp_path: Path) -> None:
+    reg = registration(tmp_path / "f")
+    gpu = BufferShare(
+        ShareKind.CUDA_IPC,
+        PAGE * 4,
+        0,
+        export={"handle": "ab", "offset": 0, "nbytes": PAGE * 4, "device": 0, "owner_pid": 1},
+    )
+    reg = MemoryRegistration(reg.rank, reg.page_order, 16, PAGE, [gpu, *reg.k[1:]], reg.v, 0, [], [64, 64], reg.aux)
+    assert "must be cpu memory" in refused(reg, spec()).message
+
+
+def test_mapped_buffers_are_the_engines_bytes_and_files_elsewhere_are_refused(tmp_path: Path) -> None:
+    reg = registration(tmp_path / "f")
+    size = sum(b.nbytes for b in (*reg.k, *reg.v, *reg.aux))
+    path = shm_file(tmp_path, size)
+    reg = registration(path)
+    lay = layout_of(reg, spec())
+    mem = EngineMemory.map(reg, lay, shm_dir=str(tmp_path), gpu=0)  # type: ignore[arg-type]
+    try:
+        with open(path, "r+b") as fh, mmap.mmap(fh.fileno(), size) as engine:
+            engine[reg.v[1].offset + 5 : reg.v[1].offset + 8] = b"abc"  # the engine writes
+            assert mem.kv[3].read(5, 3) == b"abc"  # (layer 1, V) in (layer, K/V) order
+            mem.aux[1].write(0, b"xy")  # the agent writes (a side-channel row)
+            assert engine[reg.aux[1].offset : reg.aux[1].offset + 2] == b"xy"
+        assert mem.memory_map.kv[1] - mem.memory_map.kv[0] == reg.v[0].offset - reg.k[0].offset
+    finally:
+        mem.close()
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    with pytest.raises(ApiError, match="not in the agent's shared-memory directory"):
+        EngineMemory.map(reg, lay, shm_dir=str(other), gpu=0)  # type: ignore[arg-type]
+
+
+def test_token_major_head_slices_move_each_tokens_heads(tmp_path: Path) -> None:
+    """Prefill TP 1 -> decode TP 2 in SGLang's [token][head][dim] pages: decode rank 1 gets heads
+    2..3 of every token, at its own token rows, and nothing else."""
+    s = parse_spec({"prefill": {"tp": 1}, "decode": {"tp": 2}, "transfer": {"transport": "tcp"}, "model": MODEL})
+    src_reg, dst_reg = registration(tmp_path / "a"), registration(tmp_path / "b", page_bytes=PAGE // 2)
+    src = layout_of(src_reg, s)
+    dst = engine_layout(dst_reg, s, Rank(Role.DECODE, 0, 1), kv_device=Device.CPU, aux_device=Device.CPU)
+    tokens, heads, row = 16, 4, 16 * 4  # per token: 4 heads x 64 bytes at the source, 2 at decode
+    src_buf = (ctypes.c_uint8 * (4 * PAGE * 4))()
+    dst_buf = (ctypes.c_uint8 * (4 * PAGE * 2))()
+    src_map = MemoryMap(tuple(ctypes.addressof(src_buf) + i * 4 * PAGE for i in range(4)), (), tuple(range(1, 3)))
+    dst_map = MemoryMap(tuple(ctypes.addressof(dst_buf) + i * 2 * PAGE for i in range(4)), (), tuple(range(1, 3)))
+    for i in range(len(src_buf)):
+        src_buf[i] = (i * 7 + 3) % 251
+    target = decode_targets(s, 0)[1]
+    duties = sender_duties(s, target, 0, 2)
+    assert duties is not None
+    plan = plan_transfer(duties, src_layout=src, dst_layout=dst, src=src_map, dst=dst_map, src_pages=[3, 1],
+                         dst_pages=[0, 2], src_state=[], dst_state=[], src_aux=None, dst_aux=None)  # fmt: skip
+    for b in plan.kv:
+        ctypes.memmove(b.dst, b.src, b.length)
+    for buf in range(4):
+        for sp, dp in ((3, 0), (1, 2)):
+            for t in range(tokens):
+                s_off = buf * 4 * PAGE + sp * PAGE + t * heads * row + 2 * row  # heads 2..3 of token t
+                d_off = buf * 2 * PAGE + dp * (PAGE // 2) + t * 2 * row
+                assert bytes(dst_buf[d_off : d_off + 2 * row]) == bytes(src_buf[s_off : s_off + 2 * row])
+    assert sum(b.length for b in plan.kv) == 4 * 2 * tokens * 2 * row  # buffers x pages x tokens x slice
+    # A head-major peer cannot take token-major pages: refused when planned, naming both orders.
+    with pytest.raises(ValueError, match="page layouts differ"):
+        plan_transfer(duties, src_layout=src, dst_layout=type(dst)(**{**vars(dst), "page_order": PageOrder.HEAD_MAJOR}),
+                      src=src_map, dst=dst_map, src_pages=[3, 1], dst_pages=[0, 2], src_state=[], dst_state=[],
+                      src_aux=None, dst_aux=None)  # fmt: skip
