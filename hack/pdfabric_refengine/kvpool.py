@@ -76,6 +76,9 @@ class KVPool:
         device: str = "cpu",
         shm_dir: str = "/dev/shm",
         name: str | None = None,
+        state_layers: int = 0,
+        state_slot_bytes: int = 0,
+        state_slots: int = 8,
     ) -> None:
         if min(layers, local_heads, head_dim, num_pages, page_size, aux_slots) < 1:
             raise ValueError("layers, heads, head_dim, pages, page_size and aux slots must all be positive")
@@ -95,6 +98,11 @@ class KVPool:
             *((f"k{layer}", kv_shape, dtype) for layer in range(layers)),
             *((f"v{layer}", kv_shape, dtype) for layer in range(layers)),
             *((f"aux.{item.name}", (aux_slots, item.width), item.dtype) for item in AUX_ITEMS),
+            # One slot-indexed state kind (Mamba's, in SGLang): per state layer [slot][bytes].
+            *(
+                (f"state{i}", (state_slots, state_slot_bytes), torch.uint8)
+                for i in range(state_layers if state_slot_bytes else 0)
+            ),
         ]
         if self.device.type == "cpu":
             tensors, offsets = self._map_shm(specs, shm_dir, name)
@@ -105,19 +113,22 @@ class KVPool:
 
         self.k_buffers: list[torch.Tensor] = tensors[:layers]
         self.v_buffers: list[torch.Tensor] = tensors[layers : 2 * layers]
+        n_aux = len(AUX_ITEMS)
         self.aux: dict[str, torch.Tensor] = {
-            item.name: t for item, t in zip(AUX_ITEMS, tensors[2 * layers :], strict=True)
+            item.name: t for item, t in zip(AUX_ITEMS, tensors[2 * layers : 2 * layers + n_aux], strict=True)
         }
-        # State pools (Mamba, SWA, DSA ...) would go here, one list of tensors per StateType,
-        # registered after KV and aux; the reference model is plain MHA, so there are none.
-        self.state_buffers: list[list[torch.Tensor]] = []
+        # One state kind at most (the reference model is plain MHA: none unless asked for), one
+        # tensor per state layer, registered after KV and aux as SGLang's setup_state_kv_args does.
+        self.state_slot_bytes = state_slot_bytes
+        self.state_buffers: list[list[torch.Tensor]] = [tensors[2 * layers + n_aux :]] if state_slot_bytes else []
         infos = [
             BufferInfo(spec[0], t.data_ptr(), t.nbytes, off)
             for spec, t, off in zip(specs, tensors, offsets, strict=True)
         ]
         self.k_infos: list[BufferInfo] = infos[:layers]
         self.v_infos: list[BufferInfo] = infos[layers : 2 * layers]
-        self.aux_infos: list[BufferInfo] = infos[2 * layers :]
+        self.aux_infos: list[BufferInfo] = infos[2 * layers : 2 * layers + n_aux]
+        self.state_infos: list[BufferInfo] = infos[2 * layers + n_aux :]
 
         self._free_pages: list[int] = list(range(num_pages))
         self._free_slots: list[int] = list(range(aux_slots))
@@ -265,15 +276,18 @@ def kv_args(
     args.aux_item_lens = [t[0].nbytes for t in pool.aux.values()]
     args.ib_device = ib_device
     args.gpu_id = gpu_id
-    # setup_state_kv_args for a pool without state: empty lists, no hybrid/SWA layout.
-    args.state_types = []
-    args.state_data_ptrs = []
-    args.state_data_lens = []
-    args.state_item_lens = []
-    args.state_layer_ids = []
-    args.state_dim_per_tensor = []
-    args.state_slice_outer_counts = []
-    args.state_conv_shard_groups = []
+    # setup_state_kv_args: one list per state kind (none for a pool without state).
+    from sglang.srt.disaggregation.base.conn import StateType  # type: ignore[import-untyped,unused-ignore]
+
+    kinds = [pool.state_infos] if pool.state_infos else []
+    args.state_types = [StateType.MAMBA] * len(kinds)
+    args.state_data_ptrs = [[b.data_ptr for b in k] for k in kinds]
+    args.state_data_lens = [[b.nbytes for b in k] for k in kinds]
+    args.state_item_lens = [[pool.state_slot_bytes for _ in k] for k in kinds]
+    args.state_layer_ids = [list(range(len(k))) for k in kinds]
+    args.state_dim_per_tensor = [[0 for _ in k] for k in kinds]
+    args.state_slice_outer_counts = [[1 for _ in k] for k in kinds]
+    args.state_conv_shard_groups = [[None for _ in k] for k in kinds]
     args.is_hybrid_mla_backend = False
     args.swa_kv_cache_layout = None
     args.mla_compression_ratios = None
