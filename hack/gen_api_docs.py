@@ -124,7 +124,10 @@ def render() -> str:
         "Conditions: `Ready` (placed and every agent Ready), `Placed` (reason names what is missing when False: "
         "`NoGPUNodes`, `InsufficientGPUs`, `NoRDMANodes`, `NoNVLinkDomain`, `NVLinkDomainTooSmall`, "
         "`NoNodeForIntraNodeGroup`; `FallbackTCP` when the declared fallback was used), `TransportReady` "
-        "(agents ready on the requested transport), `Degraded` (`TransportFallback`, `NodeLost`).",
+        "(agents ready on the requested transport; `AgentFallback` when an agent's own /readyz says it carries "
+        "KV over another transport than the rank map asked for), `Degraded` (`TransportFallback`, "
+        "`AgentTransportFallback`, `NodeLost`). A new fallback or placement problem is also a Warning Event "
+        "on the PDCluster.",
         "",
         "| Field | Type | Default | Constraints | Description |",
         "|---|---|---|---|---|",

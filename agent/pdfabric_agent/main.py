@@ -176,6 +176,13 @@ async def serve(cfg: AgentConfig) -> int:
         for role in roles:
             metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
         agent = Agent(cfg, rankmap, spec, ranks, choice.transport.value)
+        # Per pair: the kernel path to a peer on this node when the rank's backend has one, else the engine.
+        pair_paths = {
+            rid: (lr.backend.paths[0], lr.backend.paths[-1]) if lr.backend.kernel else (lr.backend.path,) * 2
+            for rid, lr in ranks.items()
+        }
+        metrics.set_peer_transport(rankmap, spec, entry.name, requested.value, choice.transport.value, pair_paths)
+        readiness.requested, readiness.transport = requested.value, choice.transport.value
         prunner = web.AppRunner(build_api_app(agent, Door.PEER), access_log=None)
         await prunner.setup()
         runners.append(prunner)

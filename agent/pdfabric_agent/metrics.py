@@ -17,6 +17,8 @@ read back from the series ``precreate`` makes: declaring a metric on the registr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdfabric_agent.labels import Completion, Integrity, Kind, Outcome, Refusal
@@ -167,6 +169,12 @@ peer_request_duration = Histogram(
     buckets=PEER_BUCKETS,
     registry=REGISTRY,
 )
+peer_transport_info = Gauge(
+    "pdfabric_peer_transport_info",
+    "1 per (local rank, peer agent) pair: the transport its KV travels over (transport), the one the rank map asked for (requested; they differ after a fallback) and the code path (path: the GPU kernel path for a peer on this node when the rank's backend has one, else the engine).",
+    [*PEER_LABELS, "requested", "transport", "path"],
+    registry=REGISTRY,
+)
 
 
 def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
@@ -231,6 +239,26 @@ def precreate_peers(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> i
         peer_request_duration.labels(*labels)
         for outcome in Outcome:
             peer_requests.labels(*labels, outcome.value)
+    return len(pairs)
+
+
+def set_peer_transport(
+    rankmap: RankMap,
+    spec: PDClusterSpec,
+    agent_name: str,
+    requested: str,
+    transport: str,
+    paths: Mapping[str, tuple[str, str]],
+) -> int:
+    """``pdfabric_peer_transport_info`` at 1 for every pair ``peer_pairs`` names. ``paths``: per
+    local rank id, (path to a peer on this node, path to a peer on another node), e.g. the kernel
+    path and the engine's; equal for a backend with one path. Returns the pairs."""
+    node = {a.name: a.node for a in rankmap.agents}
+    pairs = peer_pairs(rankmap, spec, agent_name)
+    for rank_id, peer, role in pairs:
+        same_node, other_node = paths[rank_id]
+        path = same_node if node.get(peer) == node.get(agent_name) else other_node
+        peer_transport_info.labels(rankmap.cluster, rank_id, peer, role.value, requested, transport, path).set(1)
     return len(pairs)
 
 

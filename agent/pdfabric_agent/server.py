@@ -51,6 +51,8 @@ class Readiness:
     ready: bool = False
     reason: str = "Starting"
     message: str = "the agent is starting"
+    transport: str = ""  # the transport in use, once chosen; the operator reads it (a fallback: != requested)
+    requested: str = ""  # the rank map's transport
 
 
 def _refuse(agent_cluster: str, exc: ApiError) -> web.Response:
@@ -234,6 +236,8 @@ def build_metrics_app(readiness: Readiness) -> web.Application:
 
     async def readyz(request: web.Request) -> web.Response:
         body = {"ready": readiness.ready, "reason": readiness.reason, "message": readiness.message}
+        if readiness.transport:
+            body |= {"transport": readiness.transport, "requested": readiness.requested}
         return web.json_response(body, status=200 if readiness.ready else 503)
 
     app = web.Application(handler_args=Limits.from_env().handler_args())

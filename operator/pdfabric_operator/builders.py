@@ -231,19 +231,28 @@ def build_headless_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, An
     }
 
 
-def build_network_policy(ref: ClusterRef, spec: PDClusterSpec, monitoring_namespace: str = "") -> dict[str, Any]:
+def build_network_policy(
+    ref: ClusterRef, spec: PDClusterSpec, monitoring_namespace: str = "", operator_namespace: str = ""
+) -> dict[str, Any]:
     """Ingress to the agent pods: everything from this cluster's agents (the peer door, and
     Mooncake's handshake and data listeners, whose ports the engine picks at random and which
     accept writes into registered memory from anyone who reaches them), and the metrics port
-    from pods in `monitoring_namespace` (Prometheus), from anywhere when that is empty. The
+    from pods in `monitoring_namespace` (Prometheus) and `operator_namespace` (the operator reads
+    each agent's /readyz there: the transport it really carries, agentstate.py), from anywhere
+    when the first is empty. The
     node's own traffic (kubelet probes) is always allowed by NetworkPolicy. The engine door is
     on the pod's loopback and needs no rule. Enforced only where the cluster's network plugin
     enforces NetworkPolicy; the operator's settings turn it off (config.py)."""
     agents = {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_AGENT}
     metrics: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": spec.agent.metrics_port}]}
     if monitoring_namespace:
-        by_name = {"kubernetes.io/metadata.name": monitoring_namespace}  # set by the API server on every namespace
-        metrics = {"from": [{"namespaceSelector": {"matchLabels": by_name}}], **metrics}
+        names = [
+            monitoring_namespace,
+            *([operator_namespace] if operator_namespace not in ("", monitoring_namespace) else []),
+        ]
+        # kubernetes.io/metadata.name is set by the API server on every namespace
+        sources = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": n}}} for n in names]
+        metrics = {"from": sources, **metrics}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -11,6 +11,8 @@ PDFABRIC_LIVENESS            liveness endpoint URL (default http://0.0.0.0:8081/
 PDFABRIC_VERBOSE             non-empty: debug logging
 PDFABRIC_NETWORK_POLICY      "false": build no NetworkPolicy per PDCluster (and delete one built before) (default true)
 PDFABRIC_MONITORING_NAMESPACE  the namespace whose pods may reach the agents' metrics port; "" any (default "")
+PDFABRIC_NAMESPACE           the operator's own namespace (the chart sets it): its pods may reach the agents' metrics port too (/readyz, agentstate.py)
+PDFABRIC_AGENT_ADDRESSES     a JSON file {agent pod name: "host:port"} read in place of pod IP and metrics port (local runs, hack/pdfabric_devcluster) (default "")
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class OperatorConfig:
     peering_lifetime: int = 60
     network_policy: bool = True
     monitoring_namespace: str = ""
+    namespace: str = ""
+    agent_addresses: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -65,6 +69,9 @@ class OperatorConfig:
         monitoring_namespace = env.get("PDFABRIC_MONITORING_NAMESPACE", "")
         if monitoring_namespace and not _DNS_LABEL.fullmatch(monitoring_namespace):
             raise ConfigError(f"PDFABRIC_MONITORING_NAMESPACE must be a namespace name, got {monitoring_namespace!r}")
+        namespace = env.get("PDFABRIC_NAMESPACE", "")
+        if namespace and not _DNS_LABEL.fullmatch(namespace):
+            raise ConfigError(f"PDFABRIC_NAMESPACE must be a namespace name, got {namespace!r}")
         return cls(
             reconcile_interval=number("PDFABRIC_RECONCILE_INTERVAL", 20.0, 0.1),
             peering=env.get("PDFABRIC_PEERING", "pdfabric"),
@@ -74,4 +81,6 @@ class OperatorConfig:
             peering_lifetime=int(number("PDFABRIC_PEERING_LIFETIME", 60, 1)),
             network_policy=network_policy_raw == "true",
             monitoring_namespace=monitoring_namespace,
+            namespace=namespace,
+            agent_addresses=env.get("PDFABRIC_AGENT_ADDRESSES", ""),
         )

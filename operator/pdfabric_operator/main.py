@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -22,8 +23,10 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
+from pdfabric_core.spec import SpecError, parse_spec
 from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
+from pdfabric_operator.agentstate import AgentAddress, AgentTransport, read_transports
 from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, error_type, load_configuration
 from pdfabric_operator.metrics import CLUSTERS, ERRORS, RECONCILE_DURATION, RECONCILES, ReconcileResult
@@ -40,6 +43,7 @@ class _State:
         self.wakers: dict[str, asyncio.Event] = {}
         self.memory: dict[str, ClusterMemory] = {}
         self.generations: dict[str, int] = {}
+        self.transports: dict[str, dict[str, AgentTransport]] = {}  # cluster uid -> pod uid -> the agent's word
         self.node_prints: dict[str, tuple[Any, ...]] = {}
         self.metrics_started = False
         self.last_reconcile = 0.0
@@ -210,6 +214,7 @@ def agent_pods(
             pod_hash=annotations.get(c.ANN_POD_HASH, ""),
             ranks=annotations.get(c.ANN_RANKS, ""),
             failed=status.get("phase") in ("Failed", "Succeeded"),
+            ip=status.get("podIP") or "",
         )
     }
 
@@ -266,6 +271,23 @@ def _snapshot(gpu_nodes: NodeIndex, gpu_pods: GpuPodIndex, agent_pods: AgentPodI
     )
 
 
+async def _with_transports(snap: Snapshot, body: kopf.Body, uid: str) -> Snapshot:
+    """The snapshot with what each Ready agent said about its transport (read once per pod)."""
+    known = STATE.transports.setdefault(uid, {})
+    for gone in set(known) - {p.uid for p in snap.own}:
+        del known[gone]
+    try:
+        port = parse_spec(dict(body.get("spec") or {})).agent.metrics_port
+    except SpecError:
+        return snap
+    live = [AgentAddress(p.uid, p.name, p.ip) for p in snap.own if p.ready and not p.deleting]
+    try:
+        known.update(await read_transports(live, port, known, STATE.config.agent_addresses))
+    except Exception as exc:  # never in the way of the reconcile: read again next time
+        logging.getLogger("pdfabric.operator").warning("reading the agents' /readyz failed: %r", exc)
+    return dataclasses.replace(snap, transports={k: (t.requested, t.transport) for k, t in known.items()})
+
+
 @kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, id="reconcile", cancellation_timeout=10.0)
 async def reconcile_daemon(
     body: kopf.Body,
@@ -293,7 +315,7 @@ async def reconcile_daemon(
                 return
             generation = body.get("metadata", {}).get("generation", 0)
             STATE.generations[uid] = generation
-            snap = _snapshot(gpu_nodes, gpu_pods, agent_pods, uid)
+            snap = await _with_transports(_snapshot(gpu_nodes, gpu_pods, agent_pods, uid), body, uid)
             started = time.monotonic()
             try:
                 res = await asyncio.to_thread(
@@ -309,6 +331,7 @@ async def reconcile_daemon(
                     stored_rv=body.get("metadata", {}).get("resourceVersion"),
                     network_policy=STATE.config.network_policy,
                     monitoring_namespace=STATE.config.monitoring_namespace,
+                    operator_namespace=STATE.config.namespace,
                 )
                 RECONCILES.labels(res.result.value).inc()
                 if res.actions:
@@ -333,6 +356,7 @@ async def reconcile_daemon(
                 await asyncio.wait_for(wake.wait(), timeout=STATE.config.reconcile_interval)
     finally:
         STATE.wakers.pop(uid, None)
+        STATE.transports.pop(uid, None)
         CLUSTERS.set(len(STATE.wakers))
 
 

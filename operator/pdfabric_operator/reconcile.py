@@ -33,7 +33,7 @@ from pdfabric_operator import pki
 from pdfabric_operator.kube import Kube
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
 from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement
-from pdfabric_operator.status import AgentView, Observed, compute_status, status_patch
+from pdfabric_operator.status import AgentView, Observed, agent_fallbacks, compute_status, status_patch
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class OwnPod:
     pod_hash: str
     ranks: str
     failed: bool = False  # phase Failed (e.g. the kubelet refused it): replace it
+    ip: str = ""  # status.podIP: where the operator reads the agent's /readyz (agentstate)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Snapshot:
     nodes: Sequence[GpuNode]
     placed: Sequence[PlacedPod]
     own: Sequence[OwnPod]
+    # Pod uid -> (requested, in use) as the agent's /readyz said (agentstate); absent: not read yet.
+    transports: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 class Ledger:
@@ -156,6 +159,7 @@ def reconcile_once(
     ledger: Ledger = LEDGER,
     network_policy: bool = True,
     monitoring_namespace: str = "",
+    operator_namespace: str = "",
 ) -> Result:
     out = Result(ReconcileResult.PROGRESSING)
     own = list(snap.own)
@@ -212,7 +216,7 @@ def reconcile_once(
             )
         memory.children_absent = False
         rankmap = b.build_rankmap(ref, raw_spec, outcome)
-        policy = b.build_network_policy(ref, spec, monitoring_namespace) if network_policy else None
+        policy = b.build_network_policy(ref, spec, monitoring_namespace, operator_namespace) if network_policy else None
         _ensure_shared_children(kube, ref, spec, rankmap, policy, memory, recheck_children_after, out)
         desired = {pod["metadata"]["name"]: pod for pod in b.build_agent_pods(ref, spec, outcome)}
         existing = {p.name: p for p in own}
@@ -243,10 +247,14 @@ def reconcile_once(
                 if kube.create(pod):
                     out.actions.append(f"create pod {name}")
         for p in own:
-            views.append(AgentView(p.name, p.node, p.ready, _is_current(p, desired.get(p.name))))
+            requested, transport = snap.transports.get(p.uid, ("", ""))
+            views.append(AgentView(p.name, p.node, p.ready, _is_current(p, desired.get(p.name)), requested, transport))
 
     # 4. Status.
     status = compute_status(Observed(generation, spec, outcome, views, lost_nodes=lost), ref.name)
+    fell_back = agent_fallbacks(views)
+    if fell_back and out.problem is None:
+        out.problem = ("AgentTransportFallback", fell_back)
     if isinstance(outcome, Placement) and status["conditions"][0]["status"] == "True":
         out.result = ReconcileResult.READY
     out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)

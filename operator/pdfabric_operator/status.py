@@ -44,6 +44,19 @@ class AgentView:
     node: str
     ready: bool
     current: bool  # built for the current placement (same pod hash) and not being deleted
+    # What the agent's /readyz says (operator.agentstate): the rank map's transport and the one
+    # it carries KV over; they differ after the agent's own fallback. "": not read (yet).
+    requested: str = ""
+    transport: str = ""
+
+
+def agent_fallbacks(agents: Sequence[AgentView]) -> str:
+    """Who carries KV over another transport than the rank map asked for, in words; "" if nobody.
+    Only current agents count (a pod on its way out says nothing about the cluster now)."""
+    fell = sorted(
+        (v.name, v.requested, v.transport) for v in agents if v.current and v.transport and v.transport != v.requested
+    )
+    return "; ".join(f"agent {n} carries KV over {t} instead of the requested {r}" for n, r, t in fell)
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,10 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
             if all_ready
             else _condition(c.COND_TRANSPORT_READY, False, "AgentsNotReady", agents_msg)
         )
+        fell_back = agent_fallbacks(obs.agents)
+        if fell_back:
+            # The agents' own fallback (their node lacked what the labels promised): running, degraded.
+            transport_ready = _condition(c.COND_TRANSPORT_READY, False, "AgentFallback", fell_back)
         if obs.lost_nodes and not all_ready:
             degraded = _condition(
                 c.COND_DEGRADED,
@@ -160,6 +177,8 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
                 "NodeLost",
                 f"re-placing ranks from lost nodes: {', '.join(sorted(obs.lost_nodes))}",
             )
+        elif fell_back:
+            degraded = _condition(c.COND_DEGRADED, True, "AgentTransportFallback", fell_back)
         else:
             degraded = _condition(
                 c.COND_DEGRADED, False, "AsRequested", f"running {placement.transport.value} as requested"

@@ -149,3 +149,26 @@ def test_series_per_agent_in_a_64_rank_cluster_are_bounded_by_the_rank_map() -> 
     # Each prefill rank talks to its decode TP rank in every decode replica's agent, and back.
     pairs = metrics.peer_pairs(rankmap, spec, "prefill-0")
     assert {peer for _, peer, _ in pairs} == {f"decode-{r}" for r in range(4)}
+
+
+def test_transport_in_use_per_pair_is_bounded_by_the_rank_map() -> None:
+    """pdfabric_peer_transport_info: one series per pair of ``peer_pairs``, with the transport in
+    use, the one asked for and the path (the kernel path only to a peer on the same node)."""
+    rankmap, spec = cluster_64()
+    # prefill-0 shares its node with decode-0: the same-node path for that pair only.
+    entries = tuple(
+        AgentEntry(a.name, "node-shared" if a.name in ("prefill-0", "decode-0") else a.node, a.ranks)
+        for a in rankmap.agents
+    )
+    rankmap = RankMap("ns", "c64t", "uid-64t", "rdma", rankmap.spec, entries)
+    prefill0 = next(a for a in entries if a.name == "prefill-0")
+    paths = {r.rank_id: ("fastpath", "mooncake") for r in prefill0.ranks}
+    assert metrics.set_peer_transport(rankmap, spec, "prefill-0", "rdma", "tcp", paths) == 32
+    series = [lbl for n, lbl, v in samples("c64t") if n == "pdfabric_peer_transport_info" and v == 1]
+    assert len(series) == 32
+    assert {(s["requested"], s["transport"]) for s in series} == {("rdma", "tcp")}
+    assert {s["path"] for s in series if s["peer"] == "decode-0"} == {"fastpath"}
+    assert {s["path"] for s in series if s["peer"] != "decode-0"} == {"mooncake"}
+    assert {(s["rank"], s["peer"]) for s in series} == {
+        (r, p) for r, p, _ in metrics.peer_pairs(rankmap, spec, "prefill-0")
+    }

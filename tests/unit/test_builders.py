@@ -238,3 +238,16 @@ def test_network_policy_admits_only_the_monitoring_namespace_to_metrics() -> Non
         {"from": [{"podSelector": agents}]},
         {"from": [{"namespaceSelector": monitoring}], "ports": [{"protocol": "TCP", "port": 9500}]},
     ]
+
+
+def test_network_policy_admits_the_operators_namespace_to_metrics_too() -> None:
+    """The operator reads each agent's /readyz (the transport it really carries)."""
+    policy = b.build_network_policy(REF, pdcluster().spec(), "monitoring", "pdfabric-system")
+    names = [
+        s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        for s in policy["spec"]["ingress"][1]["from"]
+    ]
+    assert names == ["monitoring", "pdfabric-system"]
+    same = b.build_network_policy(REF, pdcluster().spec(), "monitoring", "monitoring")
+    assert len(same["spec"]["ingress"][1]["from"]) == 1
+    assert "from" not in b.build_network_policy(REF, pdcluster().spec(), "", "pdfabric-system")["spec"]["ingress"][1]

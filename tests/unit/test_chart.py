@@ -60,7 +60,7 @@ def test_deployment_shape() -> None:
     assert dep["spec"]["replicas"] == 2
     assert container["command"] == ["pdfabric-operator"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env["PDFABRIC_PEERING"] == "pdfabric"
     assert pod["serviceAccountName"] == "pdfabric"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -106,11 +106,14 @@ def test_chart_env_is_valid_operator_config() -> None:
     from pdfabric_operator.config import OperatorConfig
 
     (dep,) = [d for d in _render("--set", "operator.reconcileInterval=7") if d["kind"] == "Deployment"]
-    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
     cfg = OperatorConfig.from_env(env)
     assert (cfg.reconcile_interval, cfg.peering, cfg.metrics_port, cfg.watch_timeout) == (7.0, "pdfabric", 8080, 300)
     assert 1 <= cfg.priority <= 2**30, "replicas draw a random peering priority"
     assert (cfg.network_policy, cfg.monitoring_namespace) == (True, "")
+    # The operator's own namespace from the downward API: the agents' NetworkPolicy admits it to /readyz.
+    (ns,) = [e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_NAMESPACE"]
+    assert ns["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
 def test_agent_network_policy_values_reach_the_operator() -> None:
@@ -118,7 +121,7 @@ def test_agent_network_policy_values_reach_the_operator() -> None:
 
     args = ("--set", "agentNetworkPolicy.enabled=false", "--set", "agentNetworkPolicy.monitoringNamespace=monitoring")
     (dep,) = [d for d in _render(*args) if d["kind"] == "Deployment"]
-    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
     cfg = OperatorConfig.from_env(env)
     assert (cfg.network_policy, cfg.monitoring_namespace) == (False, "monitoring")
     proc = _run("template", "pdfabric", str(CHART), "--set", "agentNetworkPolicy.monitoringNamespace=Not_A_Name")

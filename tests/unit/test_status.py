@@ -6,7 +6,7 @@ import pytest
 
 from pdfabric_operator.builders import agent_name
 from pdfabric_operator.planner import Placement, PlacementFailure, plan_placement
-from pdfabric_operator.status import AgentView, Observed, compute_status, status_patch
+from pdfabric_operator.status import AgentView, Observed, agent_fallbacks, compute_status, status_patch
 from tests.builders import gpu_node, pdcluster
 
 NODES = [gpu_node("a", 8), gpu_node("b", 8)]
@@ -127,3 +127,28 @@ def test_patch_clears_keys_that_went_away() -> None:
     desired = compute_status(Observed(1, pdcluster().spec(), _placement(pdcluster()), []), "pd")
     patch = status_patch(desired, stored, "T")
     assert patch is not None and patch["nvlinkDomain"] is None  # merge patch: null deletes
+
+
+def test_an_agents_own_fallback_is_degraded_and_named() -> None:
+    """Placed for rdma, but an agent found no RDMA device and used the declared fallback: its
+    /readyz says so (operator.agentstate), TransportReady and Degraded name it."""
+    builder = pdcluster().prefill(replicas=2, tp=4).decode(replicas=2, tp=4)
+    placement = _placement(builder)
+    views = _views(placement, {"a", "b"})
+    views = [
+        AgentView(v.name, v.node, v.ready, v.current, "nvlink", "tcp" if v.node == "a" else "nvlink") for v in views
+    ]
+    status = compute_status(Observed(1, builder.spec(), placement, views), "pd")
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert (conds["Ready"]["status"], conds["TransportReady"]["reason"]) == ("True", "AgentFallback")
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "AgentTransportFallback")
+    assert (
+        conds["Degraded"]["message"]
+        == f"agent {agent_name('pd', 'a')} carries KV over tcp instead of the requested nvlink"
+    )
+    assert agent_fallbacks(views) == conds["Degraded"]["message"]
+    # Agents that say nothing yet, or a stale pod, say nothing about the cluster now.
+    quiet = [
+        AgentView(v.name, v.node, v.ready, v.name != agent_name("pd", "a"), v.requested, v.transport) for v in views
+    ]
+    assert _conds(compute_status(Observed(1, builder.spec(), placement, quiet), "pd"))["Degraded"][0] == "False"
