@@ -21,6 +21,17 @@ SMALL_MODEL: dict[str, Any] = {
 }
 
 
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `patch` into a copy of `base` (dicts merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 class PDClusterBuilder:
     """Builds a PDCluster manifest (camelCase spec as users write it)."""
 
@@ -59,6 +70,16 @@ class PDClusterBuilder:
 
     def agent(self, **fields: Any) -> PDClusterBuilder:
         return self._section("agent", **fields)
+
+    def engine(self, image: str = "pdfabric/refengine:test", **fields: Any) -> PDClusterBuilder:
+        """spec.engine with a launch line per role; `fields` merge over it (prefill={...}, ...)."""
+        base: dict[str, Any] = {
+            "image": image,
+            "prefill": {"args": ["--disaggregation-mode", "prefill"]},
+            "decode": {"args": ["--disaggregation-mode", "decode"]},
+        }
+        self._spec["engine"] = merge(base, fields)
+        return self
 
     def transport(self, transport: str, mem_pool: str | None = None) -> PDClusterBuilder:
         pool = mem_pool or {"nvlink-intra": "INTRA_NODE_NVLINK", "nvlink": "NVLINK"}.get(transport, "NONE")
@@ -104,6 +125,51 @@ def busy(node: str, gpus: int, owner: str | None = "other") -> PlacedPod:
     """A pod of someone else holding `gpus` GPUs on `node`."""
     return PlacedPod(node, {"nvidia.com/gpu": gpus}, owner)
 
+
+# A valid spec.engine the invalid engine cases below start from.
+ENGINE: dict[str, Any] = {"image": "pdfabric/refengine:test", "prefill": {"args": ["p"]}, "decode": {"args": ["d"]}}
+
+
+def _engine(**patch: Any) -> dict[str, Any]:
+    return {"engine": merge(ENGINE, patch)}
+
+
+# Bad spec.engine cases: (id, spec patch, fragment of the API server's message, naming the field).
+ENGINE_INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
+    ("engine-no-image", {"engine": {"prefill": {"args": ["p"]}, "decode": {"args": ["d"]}}}, "spec.engine.image"),
+    ("engine-no-decode", {"engine": {"image": "e", "prefill": {"args": ["p"]}}}, "spec.engine.decode"),
+    ("engine-empty-image", _engine(image=""), "spec.engine.image"),
+    (
+        "engine-no-launch-line",
+        {"engine": {"image": "e", "prefill": {"args": ["p"]}, "decode": {"port": 31000}}},
+        "engine.decode needs command or args",
+    ),
+    (
+        "engine-env-pdfabric",
+        _engine(prefill={"env": [{"name": "PDFABRIC_RANK", "value": "prefill-0-tp0"}]}),
+        "PDFABRIC_* variables are set by the operator",
+    ),
+    (
+        "engine-env-visible-devices",
+        _engine(decode={"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}),
+        "the device plugin's allocation is the only GPU grant",
+    ),
+    ("engine-env-no-name", _engine(prefill={"env": [{"value": "x"}]}), "spec.engine.prefill.env[0].name"),
+    (
+        "engine-gpus-in-resources",
+        _engine(decode={"resources": {"limits": {"nvidia.com/gpu": 1}}}),
+        "engine.prefill.resources and engine.decode.resources may not name placement.gpuResource",
+    ),
+    (
+        "engine-ports-overlap",
+        _engine(prefill={"port": 30000}, decode={"port": 30010}),
+        "each start a range of 64 ports",
+    ),
+    ("engine-range-holds-agent-port", _engine(decode={"port": 7390}), "each start a range of 64 ports"),
+    ("engine-port-too-high", _engine(prefill={"port": 65500}), "spec.engine.prefill.port"),
+    ("engine-health-path-relative", _engine(prefill={"healthPath": "health"}), "spec.engine.prefill.healthPath"),
+    ("engine-startup-too-short", _engine(decode={"startupSeconds": 1}), "spec.engine.decode.startupSeconds"),
+]
 
 # Specs the API server must reject (schema or CEL) and parse_spec must reject too:
 # (id, spec patch applied over a valid default spec, fragment of the API server's message).
@@ -201,15 +267,5 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("metrics-port-out-of-range", {"agent": {"metricsPort": 70000}}, "spec.agent.metricsPort"),
     ("page-size-zero", {"model": {"pageSizeTokens": 0}}, "spec.model.pageSizeTokens"),
     ("timeout-zero", {"transfer": {"timeoutSeconds": 0}}, "spec.transfer.timeoutSeconds"),
+    *ENGINE_INVALID_SPECS,
 ]
-
-
-def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge `patch` into a copy of `base` (dicts merge, everything else replaces)."""
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out

@@ -22,12 +22,18 @@ from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, 
 __all__ = [
     "DEFAULT_AUX_ROW_BYTES",
     "DTYPE_BYTES",
+    "ENGINE_PORT_SPAN",
+    "FORBIDDEN_ENGINE_ENV",
     "AgentSpec",
+    "DecodeEngineSpec",
     "DecodeSpec",
+    "EngineRoleSpec",
+    "EngineSpec",
     "FallbackPolicy",
     "ModelGeometry",
     "PDClusterSpec",
     "PlacementSpec",
+    "PrefillEngineSpec",
     "PrefillSpec",
     "SpecError",
     "TransferSpec",
@@ -44,8 +50,16 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "f
 # hidden), bootstrap room, checksum. Users override them per model.
 DEFAULT_AUX_ROW_BYTES = (16, 8, 8, 8, 128, 16384, 8, 8)
 
+# The k-th engine of a role in one pod serves on port + k (and prefill's bootstrap on
+# bootstrapPort + k): each of the three port bases owns this many ports (the CRD's most GPUs per node).
+ENGINE_PORT_SPAN = 64
+# The device plugin's allocation is the only GPU grant: engines may not widen or narrow it.
+FORBIDDEN_ENGINE_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+
 # Field metadata key: the stored value that means None (transfer.transport "auto").
 _NONE_VALUE = "pdfabric.none_value"
+# Field metadata key: a section parse_spec parses itself (spec.engine, optional and without defaults).
+_OWN_PARSER = "pdfabric.own_parser"
 
 
 class SpecError(ValueError):
@@ -144,6 +158,42 @@ class AgentSpec:
 
 
 @dataclass(frozen=True)
+class EngineRoleSpec:
+    """The engines of one role: what runs in each engine container (docs/engines.md)."""
+
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()  # Kubernetes EnvVar objects, as written
+    resources: Mapping[str, Any] = field(default_factory=dict)  # extra (CPU, memory); GPUs are the operator's
+    port: int = 30000  # the first engine of the role in a pod; the k-th serves on port + k
+    health_path: str = "/health"
+    startup_seconds: int = 1800
+
+
+@dataclass(frozen=True)
+class PrefillEngineSpec(EngineRoleSpec):
+    bootstrap_port: int = 8998  # SGLang's --disaggregation-bootstrap-port default, + k for the k-th
+
+
+@dataclass(frozen=True)
+class DecodeEngineSpec(EngineRoleSpec):
+    port: int = 31000
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """spec.engine: the serving engines the operator runs beside the agents (None: fabric-only)."""
+
+    image: str
+    prefill: PrefillEngineSpec = PrefillEngineSpec()
+    decode: DecodeEngineSpec = DecodeEngineSpec()
+    shared_memory: str = ""  # sizeLimit of the pod's /dev/shm; "": unlimited
+
+    def role(self, role: str) -> EngineRoleSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
 class PDClusterSpec:
     backend: Backend = Backend.MOONCAKE
     transfer: TransferSpec = TransferSpec()
@@ -152,6 +202,8 @@ class PDClusterSpec:
     model: ModelGeometry = ModelGeometry()
     placement: PlacementSpec = PlacementSpec()
     agent: AgentSpec = AgentSpec()
+    # Optional: without it the PDCluster is fabric-only (engines deployed by something else).
+    engine: EngineSpec | None = field(default=None, metadata={_OWN_PARSER: True})
 
     @property
     def decode_per_prefill(self) -> int:
@@ -207,7 +259,7 @@ def _parse_fields(cls: type[Any], raw: Mapping[str, Any], prefix: str) -> dict[s
     hints = _hints(cls)
     out: dict[str, Any] = {}
     for f in fields(cls):
-        if is_dataclass(hints[f.name]):
+        if is_dataclass(hints[f.name]) or _OWN_PARSER in f.metadata:
             continue
         value = raw.get(crd_key(f.name))
         if value is None:
@@ -241,11 +293,31 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
             section = hints[f.name]
             if isinstance(section, type) and is_dataclass(section):
                 top[f.name] = section(**_parse_fields(section, raw.get(crd_key(f.name)) or {}, f"{crd_key(f.name)}."))
+        top["engine"] = _parse_engine(raw.get("engine"))
         spec = PDClusterSpec(**top)
     except (ValueError, TypeError) as exc:
         raise SpecError(f"invalid PDCluster spec: {exc}") from exc
     validate_spec(spec)
     return spec
+
+
+def _parse_engine(raw: Any) -> EngineSpec | None:
+    """spec.engine, or None when it is left out (the section has no defaults of its own)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"engine must be an object, got {raw!r}")
+    if not raw.get("image"):
+        raise ValueError("engine.image is required (the engine image)")
+    for role in ("prefill", "decode"):
+        if not isinstance(raw.get(role), Mapping):
+            raise ValueError(f"engine.{role} is required (its command or args)")
+    return EngineSpec(
+        image=str(raw["image"]),
+        prefill=PrefillEngineSpec(**_parse_fields(PrefillEngineSpec, raw["prefill"], "engine.prefill.")),
+        decode=DecodeEngineSpec(**_parse_fields(DecodeEngineSpec, raw["decode"], "engine.decode.")),
+        shared_memory="" if raw.get("sharedMemory") is None else str(raw["sharedMemory"]),
+    )
 
 
 def validate_spec(spec: PDClusterSpec) -> None:
@@ -315,6 +387,57 @@ def validate_spec(spec: PDClusterSpec) -> None:
     ):
         if not 1 <= port <= 65535:
             raise SpecError(f"{name} must be a port number (1-65535), got {port}")
+    if spec.engine is not None:
+        _validate_engine(spec, spec.engine)
+
+
+def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
+    """spec.engine's rules, mirrored from the CRD (schema and CEL)."""
+    top = 65535 - ENGINE_PORT_SPAN
+    for role in ("prefill", "decode"):
+        r = engine.role(role)
+        where = f"engine.{role}"
+        if not r.command and not r.args:
+            raise SpecError(f"{where} needs command or args: the engine's launch line")
+        for var in r.env:
+            name = str(var.get("name") or "")
+            if not name:
+                raise SpecError(f"{where}.env: every variable needs a name")
+            if name.startswith("PDFABRIC_"):
+                raise SpecError(f"{where}.env: PDFABRIC_* variables are set by the operator ({name})")
+            if name in FORBIDDEN_ENGINE_ENV:
+                raise SpecError(
+                    f"{where}.env: the device plugin's allocation is the only GPU grant; {name} may not be set"
+                )
+        for kind in ("requests", "limits"):
+            if spec.placement.gpu_resource in (r.resources.get(kind) or {}):
+                raise SpecError(
+                    f"{where}.resources.{kind} may not name {spec.placement.gpu_resource}: "
+                    f"the operator requests each engine's GPUs"
+                )
+        if not r.health_path.startswith("/"):
+            raise SpecError(f"{where}.healthPath must start with /, got {r.health_path!r}")
+        if r.startup_seconds < 10:
+            raise SpecError(f"{where}.startupSeconds must be at least 10, got {r.startup_seconds}")
+    bases = {
+        "engine.prefill.port": engine.prefill.port,
+        "engine.prefill.bootstrapPort": engine.prefill.bootstrap_port,
+        "engine.decode.port": engine.decode.port,
+    }
+    for name, base in bases.items():
+        if not 1 <= base <= top:
+            raise SpecError(f"{name} must be between 1 and {top} (it starts a range of {ENGINE_PORT_SPAN}), got {base}")
+        for agent_port in (spec.agent.api_port, spec.agent.peer_port, spec.agent.metrics_port):
+            if base <= agent_port < base + ENGINE_PORT_SPAN:
+                raise SpecError(f"{name} ({base}) + {ENGINE_PORT_SPAN} ports hold the agent's port {agent_port}")
+    names = list(bases)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if abs(bases[a] - bases[b]) < ENGINE_PORT_SPAN:
+                raise SpecError(
+                    f"{a} ({bases[a]}) and {b} ({bases[b]}) must be at least {ENGINE_PORT_SPAN} apart "
+                    f"(the k-th engine of a role in a pod takes base + k)"
+                )
 
 
 def _validate_transport(spec: PDClusterSpec) -> None:

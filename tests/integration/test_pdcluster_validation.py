@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from tests.builders import INVALID_SPECS, merge, pdcluster
+from tests.builders import ENGINE, ENGINE_INVALID_SPECS, INVALID_SPECS, merge, pdcluster
 from tests.integration import pdcluster_harness as h
 
 operator_kubeconfig = h.operator_kubeconfig
@@ -94,3 +94,45 @@ def test_update_to_invalid_rejected(cluster: Any, namespace: str, crds: None) ->
     assert "decode.cp must be 1" in proc.stderr
     assert cluster.get_json("pdcluster", "upd", "-n", namespace)["spec"]["decode"]["cp"] == 1
     cluster.kubectl("delete", "pdcluster", "upd", "-n", namespace)
+
+
+def test_engine_defaults_applied_by_the_server(cluster: Any, namespace: str, crds: None) -> None:
+    manifest = pdcluster("eng").engine().manifest()
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+    stored = cluster.get_json("pdcluster", "eng", "-n", namespace)["spec"]
+    assert stored["engine"]["prefill"]["port"] == 30000
+    assert stored["engine"]["prefill"]["bootstrapPort"] == 8998
+    assert stored["engine"]["decode"]["port"] == 31000
+    assert stored["engine"]["decode"]["healthPath"] == "/health"
+    assert "bootstrapPort" not in stored["engine"]["decode"]
+    assert parse_spec(stored).engine == parse_spec(manifest["spec"]).engine
+    cluster.kubectl("delete", "pdcluster", "eng", "-n", namespace)
+
+
+def test_engine_refusals_name_the_field(cluster: Any, namespace: str, crds: None) -> None:
+    """Each bad engine spec is refused with the path of the field at fault (spec.engine...)."""
+    assert len(ENGINE_INVALID_SPECS) >= 10
+    failures = []
+    for case_id, patch, _fragment in ENGINE_INVALID_SPECS:
+        manifest = pdcluster(case_id).manifest()
+        manifest["spec"] = merge(manifest["spec"], patch)
+        proc = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+        if proc.returncode == 0 or "spec.engine" not in proc.stderr:
+            failures.append(f"{case_id}: {proc.stderr.strip() or 'accepted'}")
+    assert not failures, "\n".join(failures)
+
+
+def test_adding_and_removing_engine_on_a_live_cluster(cluster: Any, namespace: str, crds: None) -> None:
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(pdcluster("live").manifest()))
+    patch = {"spec": {"engine": ENGINE}}
+    cluster.kubectl("patch", "pdcluster", "live", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+    assert cluster.get_json("pdcluster", "live", "-n", namespace)["spec"]["engine"]["decode"]["port"] == 31000
+    bad = {"spec": {"engine": {"decode": {"env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]}}}}
+    proc = cluster.kubectl(
+        "patch", "pdcluster", "live", "-n", namespace, "--type=merge", "-p", json.dumps(bad), check=False
+    )
+    assert proc.returncode != 0 and "only GPU grant" in proc.stderr
+    off = {"spec": {"engine": None}}
+    cluster.kubectl("patch", "pdcluster", "live", "-n", namespace, "--type=merge", "-p", json.dumps(off))
+    assert "engine" not in cluster.get_json("pdcluster", "live", "-n", namespace)["spec"]
+    cluster.kubectl("delete", "pdcluster", "live", "-n", namespace)

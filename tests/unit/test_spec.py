@@ -12,8 +12,18 @@ import yaml
 
 from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS
 from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, MemPool, Transport
-from pdfabric_core.spec import DTYPE_BYTES, PDClusterSpec, SpecError, crd_key, field_default, parse_spec
-from tests.builders import INVALID_SPECS, merge, pdcluster
+from pdfabric_core.spec import (
+    DTYPE_BYTES,
+    DecodeEngineSpec,
+    EngineSpec,
+    PDClusterSpec,
+    PrefillEngineSpec,
+    SpecError,
+    crd_key,
+    field_default,
+    parse_spec,
+)
+from tests.builders import ENGINE, INVALID_SPECS, merge, pdcluster
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "pdcluster.yaml"
 
@@ -46,6 +56,8 @@ def _spec_fields() -> list[tuple[str | None, Field[Any]]]:
     out: list[tuple[str | None, Field[Any]]] = []
     hints = get_type_hints(PDClusterSpec)
     for f in fields(PDClusterSpec):
+        if f.name == "engine":
+            continue  # optional, without defaults of its own: its own tests below
         if is_dataclass(hints[f.name]):
             out += [(f.name, sub) for sub in fields(hints[f.name])]
         else:
@@ -83,6 +95,7 @@ def test_every_crd_field_is_a_spec_field() -> None:
     crd = {
         f"{key}.{sub}" if sub_node is not None else key
         for key, node in schema["properties"].items()
+        if key != "engine"
         for sub, sub_node in (node.get("properties", {}).items() if node["type"] == "object" else [(key, None)])
     }
     assert crd == {_field_id(s, f) for s, f in SPEC_FIELDS}
@@ -163,3 +176,75 @@ def test_unknown_enum_value_names_the_field_and_the_choices() -> None:
 def test_enum_fields_parse_to_enum_members() -> None:
     spec = parse_spec({"backend": "mori", "placement": {"fallback": "TCP"}})
     assert spec.backend is Backend.MORI and spec.placement.fallback is FallbackPolicy.TCP
+
+
+# --- spec.engine ---------------------------------------------------------------------------------
+
+
+def _engine_schema() -> dict[str, Any]:
+    return _spec_schema()["properties"]["engine"]
+
+
+def test_engine_is_optional_and_fabric_only_without_it() -> None:
+    assert PDClusterSpec().engine is None
+    assert parse_spec(apply_crd_defaults(_spec_schema(), {})).engine is None
+    assert "engine" not in _spec_schema().get("required", [])
+    assert "default" not in _engine_schema()
+
+
+@pytest.mark.parametrize(("role", "cls"), [("prefill", PrefillEngineSpec), ("decode", DecodeEngineSpec)])
+def test_engine_role_crd_defaults_equal_the_dataclass(role: str, cls: type[Any]) -> None:
+    node = _engine_schema()["properties"][role]
+    assert set(node["properties"]) == {crd_key(f.name) for f in fields(cls)}
+    defaulted = apply_crd_defaults(_spec_schema(), {"engine": ENGINE})
+    got = getattr(parse_spec(defaulted).engine, role)
+    assert got == cls(**{f.name: getattr(got, f.name) for f in fields(cls) if f.name in ("command", "args")})
+    for f in fields(cls):
+        prop = node["properties"][crd_key(f.name)]
+        assert ("default" in prop) == (f.name not in ("command", "args", "env", "resources")), f.name
+
+
+def test_engine_crd_fields_are_spec_fields() -> None:
+    assert set(_engine_schema()["properties"]) == {crd_key(f.name) for f in fields(EngineSpec)}
+    assert set(_engine_schema()["required"]) == {"image", "prefill", "decode"}
+
+
+def test_engine_parses_every_field() -> None:
+    raw = merge(
+        ENGINE,
+        {
+            "sharedMemory": "8Gi",
+            "prefill": {
+                "command": ["python3", "-m", "sglang.launch_server"],
+                "env": [{"name": "HF_HOME", "value": "/cache"}],
+                "resources": {"limits": {"memory": "64Gi"}},
+                "port": 40000,
+                "bootstrapPort": 41000,
+                "healthPath": "/ping",
+                "startupSeconds": 60,
+            },
+            "decode": {"port": 42000},
+        },
+    )
+    engine = parse_spec({"engine": raw}).engine
+    assert engine is not None
+    assert engine.image == "pdfabric/refengine:test" and engine.shared_memory == "8Gi"
+    p = engine.prefill
+    assert p.command == ("python3", "-m", "sglang.launch_server") and p.args == ("p",)
+    assert p.env == ({"name": "HF_HOME", "value": "/cache"},)
+    assert (p.port, p.bootstrap_port, p.health_path, p.startup_seconds) == (40000, 41000, "/ping", 60)
+    assert p.resources == {"limits": {"memory": "64Gi"}}
+    assert engine.decode.port == 42000 and engine.role("decode") is engine.decode
+
+
+def test_engine_port_ranges_may_touch() -> None:
+    raw = merge(ENGINE, {"prefill": {"port": 30000, "bootstrapPort": 30064}, "decode": {"port": 30128}})
+    assert parse_spec({"engine": raw}).engine is not None
+
+
+def test_engine_gpu_resource_rule_follows_placement_gpu_resource() -> None:
+    raw = merge(ENGINE, {"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}})
+    with pytest.raises(SpecError, match=r"engine.decode.resources.limits may not name nvidia.com/gpu"):
+        parse_spec({"engine": raw})
+    # Under another GPU resource name, nvidia.com/gpu is just another extended resource.
+    assert parse_spec({"engine": raw, "placement": {"gpuResource": "amd.com/gpu"}}).engine is not None
