@@ -22,6 +22,7 @@ from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator import constants as c
+from pdfabric_operator import engines as e
 from pdfabric_operator import pki
 from pdfabric_operator.planner import AgentPlacement, Placement
 
@@ -281,8 +282,13 @@ def _resources(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport)
     user = spec.agent.resources or {}
     requests = dict(user.get("requests") or {})
     limits = dict(user.get("limits") or {})
+    devices = agent_device_requests(spec, agent, transport)
+    if spec.engine is not None:
+        # With engines in the pod, each engine container holds its own ranks' GPUs (engines.py);
+        # the pod's total is unchanged, the agent container holds none of them.
+        devices.pop(spec.placement.gpu_resource, None)
     # Extended resources cannot overcommit: request == limit, both set.
-    extended = {k: str(v) for k, v in agent_device_requests(spec, agent, transport).items()}
+    extended = {k: str(v) for k, v in devices.items()}
     requests.update(extended)
     limits.update(extended)
     return {"requests": requests, "limits": limits}
@@ -312,7 +318,7 @@ def build_agent_pod(
 ) -> dict[str, Any]:
     """The agent of one node: bound to it directly (the planner is the scheduler), with its ranks' GPUs."""
     name = agent_name(ref.name, agent.node)
-    container = {
+    container: dict[str, Any] = {
         "name": "agent",
         "image": spec.agent.image,
         "command": [c.AGENT_COMMAND],
@@ -356,6 +362,12 @@ def build_agent_pod(
             {"name": "peer-tls", "mountPath": c.PEER_TLS_DIR, "readOnly": True},
         ],
     }
+    engine_containers = e.build_engine_containers(spec, agent)
+    volumes: list[dict[str, Any]] = []
+    if spec.engine is not None:
+        # The agent maps the engines' CPU buffers from the same shared-memory files.
+        container["volumeMounts"].append({"name": e.SHM_VOLUME, "mountPath": e.SHM_PATH})
+        volumes.append(e.shm_volume(spec.engine))
     pod_spec: dict[str, Any] = {
         "nodeName": agent.node,
         "hostname": name,
@@ -369,7 +381,7 @@ def build_agent_pod(
         "tolerations": [
             {"key": spec.placement.gpu_resource, "operator": "Exists", "effect": "NoSchedule"},
         ],
-        "containers": [container],
+        "containers": [container, *engine_containers],
         "volumes": [
             {
                 "name": "rankmap",
@@ -381,9 +393,20 @@ def build_agent_pod(
             },
             # This pod's own certificate and key (issued when the pod is created), and the CA.
             {"name": "peer-tls", "secret": {"secretName": peer_tls_secret_name(name), "defaultMode": 0o400}},
+            *volumes,
         ],
     }
-    meta = _meta(ref, name, **{c.LABEL_COMPONENT: c.COMPONENT_AGENT, c.LABEL_NODE: _dns_label(agent.node, 63)})
+    if engine_containers:
+        # Engines load models for minutes and drain requests on SIGTERM: give them longer.
+        pod_spec["terminationGracePeriodSeconds"] = 60
+    roles = {g.role for g in e.engine_groups(agent)} if spec.engine is not None else set()
+    role_labels = {c.LABEL_SERVES[r.value]: "true" for r in sorted(roles)}
+    meta = _meta(
+        ref,
+        name,
+        **{c.LABEL_COMPONENT: c.COMPONENT_AGENT, c.LABEL_NODE: _dns_label(agent.node, 63)},
+        **role_labels,
+    )
     ranks = encode_ranks(agent.ranks)
     config = agent_config_hash(spec, placement)
     # The hash covers everything the pod was built from, including the settings the agent reads

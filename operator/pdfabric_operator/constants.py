@@ -23,6 +23,9 @@ LABEL_NODE = f"{GROUP}/node"
 APP_NAME = "pdfabric"
 MANAGED_BY = "pdfabric-operator"
 COMPONENT_AGENT = "agent"
+# On node pods that run engines of a role (spec.engine): the per-role Services select them.
+LABEL_SERVES = {"prefill": f"{GROUP}/serves-prefill", "decode": f"{GROUP}/serves-decode"}
+AGENT_CONTAINER = "agent"
 
 # Annotations on agent pods: what they were built for, so drift is a string comparison.
 ANN_RANKS = f"{GROUP}/ranks"

@@ -125,11 +125,13 @@ def _units(spec: PDClusterSpec, transport: Transport) -> list[_Unit]:
                 ranks += replica_ranks(spec, Role.DECODE, d)
             units.append(_Unit(f"group-{p}", tuple(ranks), splittable=False))
         return units
+    # An engine the operator runs (spec.engine) is one container on one node: its replica stays whole.
+    split = spec.engine is None
     units = [
-        _Unit(f"prefill-{r}", tuple(replica_ranks(spec, Role.PREFILL, r)), True) for r in range(spec.prefill.replicas)
+        _Unit(f"prefill-{r}", tuple(replica_ranks(spec, Role.PREFILL, r)), split) for r in range(spec.prefill.replicas)
     ]
     units += [
-        _Unit(f"decode-{r}", tuple(replica_ranks(spec, Role.DECODE, r)), True) for r in range(spec.decode.replicas)
+        _Unit(f"decode-{r}", tuple(replica_ranks(spec, Role.DECODE, r)), split) for r in range(spec.decode.replicas)
     ]
     return units
 
@@ -218,6 +220,13 @@ def _pack(
                 PlacementReason.INSUFFICIENT_GPUS,
                 f"{unit.key} needs {need} GPUs but {what} have {total} free in all "
                 f"(most free: {_describe(free)}); add GPU nodes, free GPUs or lower replicas/TP/CP/PP",
+            )
+        if not unit.key.startswith("group-"):
+            raise _NoFit(
+                PlacementReason.INSUFFICIENT_GPUS,
+                f"{unit.key} needs {need} free GPUs on one node (spec.engine runs each replica as one "
+                f"container); {what} offer at most {max([0, *free.values()])} (most free: {_describe(free)}); "
+                f"free GPUs, lower TP/CP/PP, or run the engines yourself (leave spec.engine out)",
             )
         raise _NoFit(
             PlacementReason.NO_NODE_FOR_INTRA_NODE_GROUP,

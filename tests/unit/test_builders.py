@@ -251,3 +251,183 @@ def test_network_policy_admits_the_operators_namespace_to_metrics_too() -> None:
     same = b.build_network_policy(REF, pdcluster().spec(), "monitoring", "monitoring")
     assert len(same["spec"]["ingress"][1]["from"]) == 1
     assert "from" not in b.build_network_policy(REF, pdcluster().spec(), "", "pdfabric-system")["spec"]["ingress"][1]
+
+
+# --- spec.engine: engines in the node pods -----------------------------------------------------
+
+
+def _engine_pod(builder, nodes):
+    placement = _placed(builder, nodes)
+    pods = b.build_agent_pods(REF, builder.spec(), placement)
+    return placement, pods
+
+
+def _containers(pod) -> dict[str, dict]:
+    return {c["name"]: c for c in pod["spec"]["containers"]}
+
+
+def _env(container) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_without_engine_the_pod_is_fabric_only() -> None:
+    builder = pdcluster().prefill(tp=2).decode(tp=2)
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    assert list(_containers(pod)) == ["agent"]
+    assert _containers(pod)["agent"]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    assert all(v["name"] != "dshm" for v in pod["spec"]["volumes"])
+    assert not any(k.startswith("pdfabric.dev/serves-") for k in pod["metadata"]["labels"])
+
+
+def test_engine_pod_runs_one_container_per_group_with_exactly_its_gpus() -> None:
+    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine()
+    placement, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    containers = _containers(pod)
+    assert list(containers) == ["agent", "prefill-0", "prefill-1", "decode-0"]
+    gpus = {n: c["resources"]["limits"].get("nvidia.com/gpu") for n, c in containers.items()}
+    assert gpus == {"agent": None, "prefill-0": "2", "prefill-1": "2", "decode-0": "4"}
+    for c in containers.values():
+        assert c["resources"]["requests"].get("nvidia.com/gpu") == c["resources"]["limits"].get("nvidia.com/gpu")
+    # The pod's total is what the planner and the ledger count.
+    total = sum(int(g or 0) for g in gpus.values())
+    assert total == b.agent_device_requests(builder.spec(), placement.agents[0], placement.transport)["nvidia.com/gpu"]
+    # No GPU grant but the device plugin's: no privilege, no host namespaces, no visible-devices env.
+    spec = pod["spec"]
+    assert not any(spec.get(k) for k in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"))
+    for c in containers.values():
+        assert not (c.get("securityContext") or {}).get("privileged")
+        assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(_env(c))
+    labels = pod["metadata"]["labels"]
+    assert labels["pdfabric.dev/serves-prefill"] == labels["pdfabric.dev/serves-decode"] == "true"
+
+
+def test_engine_containers_share_shm_and_the_token_with_the_agent() -> None:
+    builder = pdcluster().engine(sharedMemory="8Gi")
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    for c in pod["spec"]["containers"]:
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts["dshm"] == "/dev/shm", c["name"]
+        assert mounts["engine-token"] == "/etc/pdfabric/engine-token", c["name"]
+    engine_mounts = {m["name"] for m in _containers(pod)["prefill-0"]["volumeMounts"]}
+    assert engine_mounts == {"dshm", "engine-token"}  # not the agent's peer key, not the rank map
+
+
+def test_engine_env_is_the_sglang_plugins_contract() -> None:
+    builder = pdcluster().prefill(replicas=2, tp=1).decode(replicas=1, tp=2).agent(apiPort=7500).engine()
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    c = _containers(pod)
+    p1, d0 = _env(c["prefill-1"]), _env(c["decode-0"])
+    assert p1["PDFABRIC_ENGINE_TOKEN_FILE"] == "/etc/pdfabric/engine-token/token"
+    assert p1["PDFABRIC_AGENT_ADDRESS"] == d0["PDFABRIC_AGENT_ADDRESS"] == "127.0.0.1:7500"
+    assert (p1["PDFABRIC_REPLICA"], d0["PDFABRIC_REPLICA"]) == ("1", "0")
+    assert p1["PDFABRIC_RANK"] == "prefill-1-tp0-cp0"  # one rank: its id outright
+    assert "PDFABRIC_RANK" not in d0  # two ranks: the plugin derives each from its engine rank
+    assert p1["PDFABRIC_CP_RANK"] == d0["PDFABRIC_CP_RANK"] == "0"
+    assert (p1["PDFABRIC_PORT"], p1["PDFABRIC_BOOTSTRAP_PORT"], d0["PDFABRIC_PORT"]) == ("30001", "8999", "31000")
+    assert (d0["PDFABRIC_GPUS"], d0["PDFABRIC_TP"], d0["PDFABRIC_ROLE"]) == ("2", "2", "decode")
+    assert "PDFABRIC_BOOTSTRAP_PORT" not in d0
+    assert p1["PDFABRIC_SHM_DIR"] == "/dev/shm"
+
+
+def test_prefill_cp_group_leaves_the_cp_rank_to_the_engine() -> None:
+    builder = pdcluster().prefill(tp=1, cp=2).engine()
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    env = _env(_containers(pod)["prefill-0"])
+    assert "PDFABRIC_CP_RANK" not in env and env["PDFABRIC_CP"] == "2" and env["PDFABRIC_GPUS"] == "2"
+
+
+def test_engine_ports_and_probes() -> None:
+    builder = pdcluster().prefill(replicas=2).engine(prefill={"healthPath": "/ready", "startupSeconds": 95})
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    c = _containers(pod)
+    ports = {n: [(p["name"], p["containerPort"]) for p in x["ports"]] for n, x in c.items() if n != "agent"}
+    assert ports == {
+        "prefill-0": [("p-http-0", 30000), ("p-boot-0", 8998)],
+        "prefill-1": [("p-http-1", 30001), ("p-boot-1", 8999)],
+        "decode-0": [("d-http-0", 31000)],
+    }
+    names = [p["name"] for x in c.values() for p in x["ports"]]
+    assert len(names) == len(set(names)) and all(len(n) <= 15 for n in names)
+    p1 = c["prefill-1"]
+    assert p1["startupProbe"]["httpGet"] == p1["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "p-http-1"}
+    assert p1["startupProbe"]["periodSeconds"] * p1["startupProbe"]["failureThreshold"] >= 95
+    assert p1["livenessProbe"]["tcpSocket"] == {"port": "p-http-1"}
+    assert c["decode-0"]["readinessProbe"]["httpGet"] == {"path": "/health", "port": "d-http-0"}
+
+
+def test_engine_command_args_env_and_resources_are_the_users() -> None:
+    builder = pdcluster().engine(
+        image="sglang:pd",
+        prefill={
+            "command": ["python3", "-m", "sglang.launch_server"],
+            "args": ["--port", "$(PDFABRIC_PORT)"],
+            "env": [
+                {"name": "HF_HOME", "value": "/cache"},
+                {"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "x"}}},
+            ],
+            "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}},
+        },
+    )
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    p0 = _containers(pod)["prefill-0"]
+    assert p0["image"] == "sglang:pd"
+    assert p0["command"] == ["python3", "-m", "sglang.launch_server"]
+    assert p0["args"] == ["--port", "$(PDFABRIC_PORT)"]
+    assert p0["env"][:2] == [
+        {"name": "HF_HOME", "value": "/cache"},
+        {"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "x"}}},
+    ]
+    assert p0["resources"] == {
+        "requests": {"cpu": "4", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
+    }
+    assert "command" not in _containers(pod)["decode-0"]  # the image's entrypoint, with its args
+
+
+def test_engine_spec_change_replaces_the_pod_keeping_its_ranks() -> None:
+    nodes = [gpu_node("n1", 8)]
+    base = pdcluster().engine()
+    _, (before,) = _engine_pod(base, nodes)
+    _, (fabric,) = _engine_pod(pdcluster(), nodes)
+    _, (after,) = _engine_pod(pdcluster().engine(image="pdfabric/refengine:v2"), nodes)
+    ann = "pdfabric.dev/pod-hash"
+    assert (
+        len(
+            {
+                before["metadata"]["annotations"][ann],
+                after["metadata"]["annotations"][ann],
+                fabric["metadata"]["annotations"][ann],
+            }
+        )
+        == 3
+    )
+    assert (
+        before["metadata"]["annotations"]["pdfabric.dev/ranks"]
+        == after["metadata"]["annotations"]["pdfabric.dev/ranks"]
+    )
+
+
+def test_engine_groups_follow_the_nodes_ranks() -> None:
+    from pdfabric_operator import engines
+
+    builder = pdcluster().transport("nvlink-intra").prefill(replicas=1, tp=2).decode(replicas=2, tp=1).engine()
+    placement = _placed(builder, [gpu_node("n1", 8)])
+    groups = engines.engine_groups(placement.agents[0])
+    assert [(g.name, g.index, [r.rank_id for r in g.ranks]) for g in groups] == [
+        ("prefill-0", 0, ["prefill-0-tp0-cp0", "prefill-0-tp1-cp0"]),
+        ("decode-0", 0, ["decode-0-tp0"]),
+        ("decode-1", 1, ["decode-1-tp0"]),
+    ]
+
+
+def test_engine_replicas_are_never_split_across_nodes() -> None:
+    nodes = [gpu_node("n1", 3), gpu_node("n2", 3)]
+    split = plan_placement(pdcluster().prefill(tp=4).spec(), nodes, [], cluster_uid="u")
+    assert isinstance(split, Placement)  # fabric-only: a replica larger than a node is spread
+    assert {r.rank_id.split("-tp")[0] for a in split.agents for r in a.ranks if r.role == "prefill"} == {"prefill-0"}
+    assert sum(1 for a in split.agents if any(r.role == "prefill" for r in a.ranks)) == 2
+    whole = plan_placement(pdcluster().prefill(tp=4).engine().spec(), nodes, [], cluster_uid="u")
+    assert not isinstance(whole, Placement)
+    assert whole.reason == "InsufficientGPUs" and "spec.engine" in whole.message
