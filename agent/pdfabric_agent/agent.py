@@ -103,6 +103,7 @@ class Agent:
         self._forget_due = 0.0
         self._heartbeat_due = clock() + cfg.heartbeat_s
         self._heartbeat_running = False
+        self.probe_regions: dict[str, Any] = {}  # GET /v1/peer/probe: the ranks' link-check regions (probe.py)
 
     @property
     def ranks(self) -> dict[str, LocalRank]:

@@ -17,7 +17,7 @@ import sys
 
 from aiohttp import web
 
-from pdfabric_agent import metrics, tls
+from pdfabric_agent import metrics, probe, tls
 from pdfabric_agent.agent import Agent
 from pdfabric_agent.backends import make_backend
 from pdfabric_agent.config import AgentConfig, ConfigError, load_config, require_peer_tls
@@ -134,6 +134,29 @@ def check_mem_pool(spec: PDClusterSpec, hw: Hardware, choice: TransportChoice, e
     return choice
 
 
+class _Stopping(Exception):
+    """SIGTERM arrived before the agent was ready."""
+
+
+async def link_check(readiness: Readiness, check: probe.LinkCheck, agent: Agent, stop: asyncio.Event) -> None:
+    """The pre-flight link check (probe.py) before Ready; below spec.transfer.minProbeGBps, not
+    Ready with the slow peer named, probing again every RETRY_S until fast enough or stopped."""
+
+    async def fetch(peer: str) -> dict[str, object]:
+        return await agent.peers.get_json(peer, probe.PROBE_PATH)
+
+    readiness.reason, readiness.message = "Probing", f"link check of {len(check.targets)} peer ranks"
+    await check.run(fetch, agent.ctx.workers)
+    while check.slow() and not stop.is_set():
+        readiness.reason, readiness.message = probe.REASON_SLOW, check.verdict()
+        log.warning("%s", readiness.message)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), probe.RETRY_S)
+        if not stop.is_set():
+            await check.run(fetch, agent.ctx.workers, discover_s=0)
+    log.info("%s", check.summary())
+
+
 async def serve(cfg: AgentConfig) -> int:
     readiness = Readiness()
     try:
@@ -156,6 +179,7 @@ async def serve(cfg: AgentConfig) -> int:
     runners.append(mrunner)
 
     agent: Agent | None = None
+    probe_pools: dict[str, Pool] = {}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -183,12 +207,19 @@ async def serve(cfg: AgentConfig) -> int:
         }
         metrics.set_peer_transport(rankmap, spec, entry.name, requested.value, choice.transport.value, pair_paths)
         readiness.requested, readiness.transport = requested.value, choice.transport.value
+        backends = {rid: lr.backend for rid, lr in ranks.items()}
+        gpu_of = {rid: lr.rank.gpu for rid, lr in ranks.items()}
+        probe_pools.update(probe.allocate(rankmap, backends, kv_buffer_device(choice.transport), cfg.shm_dir, gpu_of))
+        agent.probe_regions = probe.describe(probe_pools, backends)
         prunner = web.AppRunner(build_api_app(agent, Door.PEER), access_log=None)
         await prunner.setup()
         runners.append(prunner)
         peer_port = cfg.peer_port or spec.agent.peer_port
         ssl_ctx = tls.server_context(cfg.peer_tls_dir)
         await GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=ssl_ctx).start()
+        await link_check(readiness, probe.LinkCheck(rankmap, spec, entry.name, backends, probe_pools), agent, stop)
+        if stop.is_set():
+            raise _Stopping
         erunner = web.AppRunner(build_api_app(agent, Door.ENGINE), access_log=None)
         await erunner.setup()
         runners.append(erunner)
@@ -199,6 +230,8 @@ async def serve(cfg: AgentConfig) -> int:
         )
         metrics.agent_ready.labels(cluster).set(1)
         log.info("agent %s ready: %s", entry.name, readiness.message)
+    except _Stopping:
+        pass
     except TransportError as exc:
         readiness.reason, readiness.message = exc.reason, str(exc)
         log.error("cannot serve: %s (%s)", exc, exc.reason)
@@ -224,6 +257,8 @@ async def serve(cfg: AgentConfig) -> int:
                 lr.pools.close()
         for runner in runners:
             await runner.cleanup()
+        for pool in probe_pools.values():
+            pool.close()
     return 0
 
 

@@ -175,6 +175,19 @@ peer_transport_info = Gauge(
     [*PEER_LABELS, "requested", "transport", "path"],
     registry=REGISTRY,
 )
+# The pre-flight link check (probe.py): set once a peer is probed (no series before: not measured).
+peer_probe_bandwidth = Gauge(
+    "pdfabric_peer_probe_bandwidth_gbps",
+    "Pre-flight link check: GB/s (1e9 bytes/s) a probe write of a few MiB from a local rank into the peer agent's probe region reached over the chosen transport; 0 when the probe failed.",
+    PEER_LABELS,
+    registry=REGISTRY,
+)
+peer_probe_latency = Gauge(
+    "pdfabric_peer_probe_latency_seconds",
+    "Pre-flight link check: median time of a small (4 KiB) probe write from a local rank to the peer agent's probe region, engine call to confirmed.",
+    PEER_LABELS,
+    registry=REGISTRY,
+)
 
 
 def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
@@ -202,15 +215,15 @@ def precreate(cluster: str, role: str, backend: str, transport: str, paths: tupl
     agent_ready.labels(cluster)
 
 
-def peer_pairs(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tuple[str, str, Role]]:
-    """(local rank id, peer agent, role) of every pair this agent's ranks can move bytes with, from
-    the rank map and the duties alone: a prefill rank's targets in the decode replicas it feeds, a
-    decode rank's expected sources in every prefill replica."""
+def peer_ranks(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tuple[str, str, str, Role]]:
+    """(local rank id, peer agent, peer rank id, role) of every rank pair this agent's ranks can
+    move bytes with, from the rank map and the duties alone: a prefill rank's targets in the
+    decode replicas it feeds, a decode rank's expected sources in every prefill replica."""
     owner = {r.rank_id: a.name for a in rankmap.agents for r in a.ranks}
     entry = next(a for a in rankmap.agents if a.name == agent_name)
-    pairs: set[tuple[str, str, Role]] = set()
+    pairs: set[tuple[str, str, str, Role]] = set()
     for rank in entry.ranks:
-        peers: list[str] = []
+        peers: list[str] = []  # peer rank ids
         if rank.role is Role.PREFILL:
             pf = spec.prefill
             split = pf.dsa_cache_layer_split
@@ -221,13 +234,18 @@ def peer_pairs(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tu
             stage = decode_pp_stage(rank.pp_rank, pf.pp, spec.decode.pp)
             for replica in rankmap.feeds.get(rank.replica, tuple(range(spec.decode.replicas))):
                 for route in decode_targets(spec, rank.tp_rank):
-                    peers.append(owner.get(Rank(Role.DECODE, replica, route.decode_tp_rank, 0, stage).rank_id, ""))
+                    peers.append(Rank(Role.DECODE, replica, route.decode_tp_rank, 0, stage).rank_id)
         else:
             for replica in range(spec.prefill.replicas):
                 for p, c, s in expected_sources(spec, rank.tp_rank, rank.pp_rank):
-                    peers.append(owner.get(Rank(Role.PREFILL, replica, p, c, s).rank_id, ""))
-        pairs.update((rank.rank_id, peer, rank.role) for peer in peers if peer)
+                    peers.append(Rank(Role.PREFILL, replica, p, c, s).rank_id)
+        pairs.update((rank.rank_id, owner[peer], peer, rank.role) for peer in peers if owner.get(peer))
     return pairs
+
+
+def peer_pairs(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tuple[str, str, Role]]:
+    """(local rank id, peer agent, role) of every pair ``peer_ranks`` names: the per-peer view."""
+    return {(rank_id, peer, role) for rank_id, peer, _, role in peer_ranks(rankmap, spec, agent_name)}
 
 
 def precreate_peers(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> int:

@@ -82,6 +82,19 @@ class PeerClient:
                 raise PeerRefused(agent_name, msg.PATH, resp.status, str(data.get("reason", "")), data.get("error", ""))
             return data
 
+    async def get_json(self, agent_name: str, path: str, timeout_s: float = 2.0) -> dict[str, Any]:
+        """GET ``path`` on the peer's door; raises ``PEER_ERRORS`` (the link check's probe regions)."""
+        session = await self._session()
+        url = f"https://{self.address(agent_name)}{path}"
+        async with session.get(
+            url, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
+        ) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status != 200 or not isinstance(data, dict):
+                body = data if isinstance(data, dict) else {}
+                raise PeerRefused(agent_name, path, resp.status, str(body.get("reason", "")), body.get("error", ""))
+            return data
+
     async def ping(self, agent_name: str, timeout_s: float = 2.0) -> bool:
         session = await self._session()
         try:

@@ -7,7 +7,8 @@
     /v1/receive, /v1/rooms/...
   - Peer door (peerPort, the pod address, mutual TLS): other agents, each by its certificate from
     the cluster CA; the name in it must be an agent of the rank map and is handed to the handlers
-    as ``sender_agent``: /v1/peer/dst, /v1/peer/done, /v1/peer/launched, /v1/peer/ping.
+    as ``sender_agent``: /v1/peer/dst, /v1/peer/done, /v1/peer/launched, /v1/peer/ping,
+    /v1/peer/probe (the link check's probe regions, probe.py).
   A route of one door is not served on the other (404).
 - Metrics port: /metrics, /healthz (liveness: the process serves), /readyz (ready: transport
   validated, engines up; otherwise 503 with the reason the operator surfaces).
@@ -201,6 +202,9 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})
 
+    async def probe_regions(request: web.Request) -> web.Response:
+        return web.json_response(agent.probe_regions)  # only describes: the prober does the work
+
     async def not_found(request: web.Request) -> web.Response:
         raise ApiError(404, Refusal.MALFORMED, f"no such endpoint {request.method} {request.path}")
 
@@ -221,6 +225,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         app.router.add_post("/v1/peer/done", peer_done)
         app.router.add_post("/v1/peer/launched", peer_launched)
         app.router.add_get("/v1/peer/ping", ping)
+        app.router.add_get("/v1/peer/probe", probe_regions)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 

@@ -109,6 +109,9 @@ class TransferSpec:
     # End-to-end checksums: decode is Success only when what arrived matches what was sent.
     verify: bool = False
     timeout_seconds: float = 30.0
+    # Pre-flight link check: an agent stays not Ready while a peer it sends to probes below this
+    # many GB/s (agent probe.py); 0 probes and reports without a threshold.
+    min_probe_g_bps: float = 0.0  # CRD key minProbeGBps (crd_key)
 
     @property
     def effective_transport(self) -> Transport:
@@ -335,6 +338,8 @@ def validate_spec(spec: PDClusterSpec) -> None:
         raise SpecError("transfer.maxBatchEntries must be at least 1")
     if spec.transfer.timeout_seconds <= 0:
         raise SpecError("transfer.timeoutSeconds must be positive")
+    if not 0 <= spec.transfer.min_probe_g_bps <= 10000:
+        raise SpecError("transfer.minProbeGBps must be within 0..10000 (0: no threshold)")
     try:
         validate_tp(spec.prefill.tp, spec.model.kv_heads, role="prefill")
         validate_tp(spec.decode.tp, spec.model.kv_heads, role="decode")
