@@ -20,7 +20,7 @@ from typing import Any
 from pdfabric_core.policy.transports import transport_traits
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
-from pdfabric_core.spec import PDClusterSpec
+from pdfabric_core.spec import ENGINE_PORT_SPAN, PDClusterSpec
 from pdfabric_operator import constants as c
 from pdfabric_operator import engines as e
 from pdfabric_operator import pki
@@ -91,6 +91,15 @@ def network_policy_name(cluster: str) -> str:
     return f"{cluster}-agents"
 
 
+def engine_service_name(cluster: str, role: str) -> str:
+    """The headless Service of one role's engines (spec.engine): <cluster>-prefill, <cluster>-decode."""
+    return _dns_label(f"{cluster}-{role}", 63)
+
+
+def engine_service_names(cluster: str) -> list[str]:
+    return [engine_service_name(cluster, r.value) for r in Role]
+
+
 def shared_children(cluster: str) -> list[tuple[str, str]]:
     """(kind, name) of the children every agent of `cluster` shares: rank map, Service, engine
     token, peer CA, NetworkPolicy."""
@@ -100,6 +109,7 @@ def shared_children(cluster: str) -> list[tuple[str, str]]:
         ("Secret", engine_token_secret_name(cluster)),
         ("Secret", ca_secret_name(cluster)),
         ("NetworkPolicy", network_policy_name(cluster)),
+        *(("Service", s) for s in engine_service_names(cluster)),
     ]
 
 
@@ -232,6 +242,37 @@ def build_headless_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, An
     }
 
 
+def build_engine_service(
+    ref: ClusterRef, spec: PDClusterSpec, placement: Placement, role: Role
+) -> dict[str, Any] | None:
+    """The headless Service of `role`'s engines, None without spec.engine. It selects the node
+    pods that run an engine of the role; its ports are named after the engines' (the k-th engine
+    of the role in a pod: http-k, and boot-k for prefill's bootstrap server), so each port's
+    endpoints are exactly the pods that have a k-th engine, and only Ready ones (a router's view)."""
+    if spec.engine is None:
+        return None
+    most = max((sum(1 for g in e.engine_groups(a) if g.role is role) for a in placement.agents), default=0)
+    ports: list[dict[str, Any]] = []
+    for k in range(max(1, most)):
+        group = e.EngineGroup(role, 0, k, ())
+        ports.append({"name": f"http-{k}", "port": e.serving_port(spec.engine, group), "targetPort": group.port_name})
+        boot = e.bootstrap_port(spec.engine, group)
+        if boot is not None:
+            ports.append({"name": f"boot-{k}", "port": boot, "targetPort": group.bootstrap_port_name})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(
+            ref, engine_service_name(ref.name, role.value), **{c.LABEL_COMPONENT: f"{role.value}-engines"}
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_SERVES[role.value]: "true"},
+            "ports": [dict(p, protocol="TCP") for p in ports],
+        },
+    }
+
+
 def build_network_policy(
     ref: ClusterRef, spec: PDClusterSpec, monitoring_namespace: str = "", operator_namespace: str = ""
 ) -> dict[str, Any]:
@@ -264,9 +305,23 @@ def build_network_policy(
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": agents}}]},
                 metrics,
+                *_engine_ingress(spec),
             ],
         },
     }
+
+
+def _engine_ingress(spec: PDClusterSpec) -> list[dict[str, Any]]:
+    """With spec.engine: the engines' serving ports from anywhere (the router and its clients);
+    prefill's bootstrap ports are asked by decode engines only, which the agents' rule admits."""
+    if spec.engine is None:
+        return []
+    span = ENGINE_PORT_SPAN - 1
+    ports = [
+        {"protocol": "TCP", "port": base, "endPort": base + span}
+        for base in (spec.engine.prefill.port, spec.engine.decode.port)
+    ]
+    return [{"ports": ports}]
 
 
 def agent_device_requests(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport) -> dict[str, int]:

@@ -56,3 +56,4 @@ COND_READY = "Ready"
 COND_PLACED = "Placed"
 COND_TRANSPORT_READY = "TransportReady"
 COND_DEGRADED = "Degraded"
+COND_ENGINES_READY = "EnginesReady"  # with spec.engine only: every engine of both roles Ready

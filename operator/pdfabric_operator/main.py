@@ -215,6 +215,7 @@ def agent_pods(
             ranks=annotations.get(c.ANN_RANKS, ""),
             failed=status.get("phase") in ("Failed", "Succeeded"),
             ip=status.get("podIP") or "",
+            containers=tuple((str(s.get("name")), bool(s.get("ready"))) for s in status.get("containerStatuses") or []),
         )
     }
 

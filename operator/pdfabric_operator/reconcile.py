@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RANKMAP_KEY, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
 from pdfabric_operator import builders as b
@@ -49,6 +50,8 @@ class OwnPod:
     pod_hash: str
     ranks: str
     failed: bool = False  # phase Failed (e.g. the kubelet refused it): replace it
+    # (container name, ready) from status.containerStatuses: the agent's and each engine's.
+    containers: tuple[tuple[str, bool], ...] = ()
     ip: str = ""  # status.podIP: where the operator reads the agent's /readyz (agentstate)
 
 
@@ -116,6 +119,7 @@ class ClusterMemory:
     children_absent: bool = False
     last_rankmap_hash: str | None = None
     last_plan: dict[str, tuple[Rank, ...]] | None = None  # node -> ranks of the last placement
+    engine_services_hash: str | None = None  # the rank map the engines' Services were last checked for
 
 
 @dataclass
@@ -218,6 +222,9 @@ def reconcile_once(
         rankmap = b.build_rankmap(ref, raw_spec, outcome)
         policy = b.build_network_policy(ref, spec, monitoring_namespace, operator_namespace) if network_policy else None
         _ensure_shared_children(kube, ref, spec, rankmap, policy, memory, recheck_children_after, out)
+        if not memory.children_checked_at or memory.engine_services_hash != memory.last_rankmap_hash:
+            _ensure_engine_services(kube, ref, spec, outcome, out)
+            memory.engine_services_hash = memory.last_rankmap_hash
         desired = {pod["metadata"]["name"]: pod for pod in b.build_agent_pods(ref, spec, outcome)}
         existing = {p.name: p for p in own}
         # Pods whose ranks moved (or that failed, or are no longer wanted) go at once: the plan
@@ -248,10 +255,25 @@ def reconcile_once(
                     out.actions.append(f"create pod {name}")
         for p in own:
             requested, transport = snap.transports.get(p.uid, ("", ""))
-            views.append(AgentView(p.name, p.node, p.ready, _is_current(p, desired.get(p.name)), requested, transport))
+            containers = dict(p.containers)
+            # With engines in the pod, pod Ready is also theirs: the agent's own container says its.
+            agent_ready = containers.get(c.AGENT_CONTAINER, p.ready) if containers else p.ready
+            views.append(
+                AgentView(
+                    p.name,
+                    p.node,
+                    agent_ready,
+                    _is_current(p, desired.get(p.name)),
+                    requested,
+                    transport,
+                    containers,
+                )
+            )
 
     # 4. Status.
-    status = compute_status(Observed(generation, spec, outcome, views, lost_nodes=lost), ref.name)
+    status = compute_status(
+        Observed(generation, spec, outcome, views, lost_nodes=lost, namespace=ref.namespace), ref.name
+    )
     fell_back = agent_fallbacks(views)
     if fell_back and out.problem is None:
         out.problem = ("AgentTransportFallback", fell_back)
@@ -323,6 +345,36 @@ def _ensure_shared_children(
         out.actions.append("update configmap")
     memory.children_checked_at = time.monotonic()
     memory.last_rankmap_hash = want_hash
+
+
+def _service_ports(svc: Mapping[str, Any]) -> list[tuple[str, int, str]]:
+    return [(p.get("name", ""), p.get("port", 0), str(p.get("targetPort", ""))) for p in svc["spec"].get("ports") or []]
+
+
+def _ensure_engine_services(
+    kube: Kube, ref: b.ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result
+) -> None:
+    """The per-role Services of the engines: created, updated when their ports change (a node
+    got a second engine of a role), deleted when spec.engine goes (only ours, never a namesake)."""
+    for role in Role:
+        want = b.build_engine_service(ref, spec, placement, role)
+        name = b.engine_service_name(ref.name, role.value)
+        have = kube.get("Service", ref.namespace, name)
+        owned = have is not None and any(o.get("uid") == ref.uid for o in have["metadata"].get("ownerReferences") or [])
+        if want is None:
+            if owned and kube.delete("Service", ref.namespace, name):
+                out.actions.append(f"delete service {name} (no engines)")
+        elif have is None:
+            if kube.create(want):
+                out.actions.append(f"create service {name}")
+        elif owned and (
+            _service_ports(have) != _service_ports(want) or have["spec"].get("selector") != want["spec"]["selector"]
+        ):
+            body = dict(
+                want, spec={**have["spec"], "ports": want["spec"]["ports"], "selector": want["spec"]["selector"]}
+            )
+            kube.replace(body, have["metadata"]["resourceVersion"])
+            out.actions.append(f"update service {name}")
 
 
 def _cluster_ca(kube: Kube, ref: b.ClusterRef) -> pki.KeyPair:

@@ -16,7 +16,8 @@ from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_core.traffic import estimate_traffic
 from pdfabric_operator import constants as c
-from pdfabric_operator.builders import agent_name
+from pdfabric_operator import engines as e
+from pdfabric_operator.builders import agent_name, engine_service_name, service_name
 from pdfabric_operator.planner import Placement, PlacementFailure
 
 # Keys of .status this writer owns; anything else there (kopf's own bookkeeping) is left alone.
@@ -32,6 +33,11 @@ OWNED_KEYS = (
     "placement",
     "nvlinkDomain",
     "expectedBytesPerRequest",
+    "engines",
+    "prefillEnginesReady",
+    "decodeEnginesReady",
+    "endpoints",
+    "services",
     "conditions",
 )
 
@@ -48,6 +54,8 @@ class AgentView:
     # it carries KV over; they differ after the agent's own fallback. "": not read (yet).
     requested: str = ""
     transport: str = ""
+    # Container name -> ready, from the pod's containerStatuses (the engines' readiness).
+    containers: Mapping[str, bool] = field(default_factory=dict)
 
 
 def agent_fallbacks(agents: Sequence[AgentView]) -> str:
@@ -68,6 +76,7 @@ class Observed:
     spec_error: str | None = None
     # Nodes lost under our agents; Degraded while their ranks are not yet Ready elsewhere.
     lost_nodes: Sequence[str] = field(default_factory=tuple)
+    namespace: str = ""  # the PDCluster's: the engines' endpoint host names carry it
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -188,8 +197,68 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
         if all_ready
         else _condition(c.COND_READY, False, "AgentsNotReady", agents_msg)
     )
-    status["conditions"] = [ready, placed, transport_ready, degraded]
+    if spec.engine is None:
+        status.update(_no_engines())
+        status["conditions"] = [ready, placed, transport_ready, degraded]
+        return status
+    engines = _engine_status(obs, cluster, placement)
+    status.update(engines)
+    counts = engines["engines"]
+    engines_ok = all(counts[r]["ready"] == counts[r]["desired"] for r in ("prefill", "decode"))
+    engines_msg = (
+        f"prefill engines {engines['prefillEnginesReady']}, decode engines {engines['decodeEnginesReady']} ready"
+    )
+    engines_ready = _condition(
+        c.COND_ENGINES_READY, engines_ok, "EnginesReady" if engines_ok else "EnginesNotReady", engines_msg
+    )
+    if all_ready and not engines_ok:
+        ready = _condition(c.COND_READY, False, "EnginesNotReady", f"{agents_msg}; {engines_msg}")
+    elif all_ready:
+        ready = _condition(c.COND_READY, True, "AgentsReady", f"{agents_msg}; {engines_msg}")
+    status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready]
     return status
+
+
+def _no_engines() -> dict[str, Any]:
+    """Fabric-only (or nothing placed): the engine keys are absent (None deletes them)."""
+    return dict.fromkeys(("engines", "prefillEnginesReady", "decodeEnginesReady", "endpoints", "services"))
+
+
+def _engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[str, Any]:
+    """Engines ready per role, and what a PD router needs: each engine's URL (its pod's stable
+    name under the agents' headless Service), prefill's bootstrap address, the per-role Services."""
+    spec = obs.spec
+    assert spec.engine is not None
+    views = {v.name: v for v in obs.agents if v.current}
+    endpoints: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+    for a, g in e.groups_of(placement.agents):
+        pod = agent_name(cluster, a.node)
+        host = f"{pod}.{service_name(cluster)}.{obs.namespace}.svc"
+        view = views.get(pod)
+        entry: dict[str, Any] = {
+            "replica": g.replica,
+            "node": a.node,
+            "pod": pod,
+            "container": g.name,
+            "url": f"http://{host}:{e.serving_port(spec.engine, g)}",
+        }
+        boot = e.bootstrap_port(spec.engine, g)
+        if boot is not None:
+            entry["bootstrap"] = f"{host}:{boot}"
+            entry["bootstrapPort"] = boot
+        entry["ready"] = bool(view is not None and view.containers.get(g.name))
+        endpoints[g.role.value].append(entry)
+    for role in endpoints.values():
+        role.sort(key=lambda x: x["replica"])
+    desired = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas}
+    ready = {r: sum(1 for x in endpoints[r] if x["ready"]) for r in endpoints}
+    return {
+        "engines": {r: {"desired": desired[r], "ready": ready[r]} for r in endpoints},
+        "prefillEnginesReady": f"{ready['prefill']}/{desired['prefill']}",
+        "decodeEnginesReady": f"{ready['decode']}/{desired['decode']}",
+        "endpoints": endpoints,
+        "services": {r: engine_service_name(cluster, r) for r in endpoints},
+    }
 
 
 def _unplaced(p_desired: int, d_desired: int) -> dict[str, Any]:
@@ -202,6 +271,7 @@ def _unplaced(p_desired: int, d_desired: int) -> dict[str, Any]:
         "agents": {"desired": 0, "ready": 0},
         "placement": [],
         "nvlinkDomain": None,
+        **_no_engines(),
     }
 
 

@@ -178,6 +178,8 @@ def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> Non
         ("Secret", "pd-engine-token"),
         ("Secret", "pd-peer-ca"),
         ("NetworkPolicy", "pd-agents"),
+        ("Service", "pd-prefill"),
+        ("Service", "pd-decode"),
     ]
 
 
@@ -431,3 +433,35 @@ def test_engine_replicas_are_never_split_across_nodes() -> None:
     whole = plan_placement(pdcluster().prefill(tp=4).engine().spec(), nodes, [], cluster_uid="u")
     assert not isinstance(whole, Placement)
     assert whole.reason == "InsufficientGPUs" and "spec.engine" in whole.message
+
+
+def test_engine_services_one_headless_per_role_with_a_port_per_kth_engine() -> None:
+    from pdfabric_core.policy.types import Role
+
+    builder = pdcluster().prefill(replicas=2).decode(replicas=1).engine()
+    placement = _placed(builder, [gpu_node("n1", 8)])
+    assert b.build_engine_service(REF, pdcluster().spec(), placement, Role.PREFILL) is None
+    pre = b.build_engine_service(REF, builder.spec(), placement, Role.PREFILL)
+    dec = b.build_engine_service(REF, builder.spec(), placement, Role.DECODE)
+    assert pre["metadata"]["name"] == "pd-prefill" and dec["metadata"]["name"] == "pd-decode"
+    assert pre["spec"]["clusterIP"] == "None" and not pre["spec"].get("publishNotReadyAddresses")
+    assert pre["spec"]["selector"] == {"pdfabric.dev/cluster-uid": "uid-1", "pdfabric.dev/serves-prefill": "true"}
+    assert [(p["name"], p["port"], p["targetPort"]) for p in pre["spec"]["ports"]] == [
+        ("http-0", 30000, "p-http-0"),
+        ("boot-0", 8998, "p-boot-0"),
+        ("http-1", 30001, "p-http-1"),
+        ("boot-1", 8999, "p-boot-1"),
+    ]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in dec["spec"]["ports"]] == [("http-0", 31000, "d-http-0")]
+    assert pre["metadata"]["ownerReferences"] == [REF.owner_reference()]
+
+
+def test_network_policy_admits_engine_serving_ports_only_with_engines() -> None:
+    assert len(b.build_network_policy(REF, pdcluster().spec())["spec"]["ingress"]) == 2
+    ingress = b.build_network_policy(REF, pdcluster().engine().spec())["spec"]["ingress"]
+    assert ingress[-1] == {
+        "ports": [
+            {"protocol": "TCP", "port": 30000, "endPort": 30063},
+            {"protocol": "TCP", "port": 31000, "endPort": 31063},
+        ]
+    }

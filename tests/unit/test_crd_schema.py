@@ -43,6 +43,8 @@ def test_printer_columns() -> None:
         "Transport": ".status.transport",
         "Prefill": ".status.prefillReady",
         "Decode": ".status.decodeReady",
+        "Prefill-Engines": ".status.prefillEnginesReady",
+        "Decode-Engines": ".status.decodeEnginesReady",
         "Ready": '.status.conditions[?(@.type=="Ready")].status',
         "Reason": '.status.conditions[?(@.type=="Placed")].reason',
         "Age": ".metadata.creationTimestamp",

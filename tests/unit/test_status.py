@@ -152,3 +152,57 @@ def test_an_agents_own_fallback_is_degraded_and_named() -> None:
         AgentView(v.name, v.node, v.ready, v.name != agent_name("pd", "a"), v.requested, v.transport) for v in views
     ]
     assert _conds(compute_status(Observed(1, builder.spec(), placement, quiet), "pd"))["Degraded"][0] == "False"
+
+
+# --- spec.engine ---------------------------------------------------------------------------------
+
+
+def _engine_status(containers_ready: dict[str, bool]):
+    builder = pdcluster().prefill(replicas=2).decode(replicas=1).engine()
+    spec = builder.spec()
+    placement = plan_placement(spec, [gpu_node("n1", 8)], [], cluster_uid="u")
+    assert isinstance(placement, Placement)
+    (a,) = placement.agents
+    name = agent_name("pd", a.node)
+    containers = {"agent": True, "prefill-0": True, "prefill-1": True, "decode-0": True, **containers_ready}
+    view = AgentView(name, a.node, containers["agent"], True, containers=containers)
+    return compute_status(Observed(1, spec, placement, [view], namespace="ns"), "pd")
+
+
+def _cond(status, type_):
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_fabric_only_status_has_no_engine_keys() -> None:
+    spec = pdcluster().spec()
+    placement = plan_placement(spec, [gpu_node("n1", 8)], [], cluster_uid="u")
+    status = compute_status(Observed(1, spec, placement, []), "pd")
+    for key in ("engines", "prefillEnginesReady", "decodeEnginesReady", "endpoints", "services"):
+        assert status[key] is None
+    assert "EnginesReady" not in {c["type"] for c in status["conditions"]}
+
+
+def test_engines_ready_per_role_and_ready_waits_for_them() -> None:
+    status = _engine_status({"prefill-1": False})
+    assert status["engines"] == {"prefill": {"desired": 2, "ready": 1}, "decode": {"desired": 1, "ready": 1}}
+    assert (status["prefillEnginesReady"], status["decodeEnginesReady"]) == ("1/2", "1/1")
+    assert _cond(status, "EnginesReady")["status"] == "False"
+    assert (_cond(status, "Ready")["status"], _cond(status, "Ready")["reason"]) == ("False", "EnginesNotReady")
+    assert status["agents"] == {"desired": 1, "ready": 1}  # the agent itself is Ready
+    ok = _engine_status({})
+    assert _cond(ok, "EnginesReady")["status"] == _cond(ok, "Ready")["status"] == "True"
+
+
+def test_endpoints_are_what_a_pd_router_needs() -> None:
+    status = _engine_status({"decode-0": False})
+    host = f"{agent_name('pd', 'n1')}.pd-agents.ns.svc"
+    pre, dec = status["endpoints"]["prefill"], status["endpoints"]["decode"]
+    assert [(x["replica"], x["url"], x["bootstrap"], x["ready"]) for x in pre] == [
+        (0, f"http://{host}:30000", f"{host}:8998", True),
+        (1, f"http://{host}:30001", f"{host}:8999", True),
+    ]
+    assert [(x["replica"], x["url"], x["ready"], x["container"]) for x in dec] == [
+        (0, f"http://{host}:31000", False, "decode-0")
+    ]
+    assert "bootstrap" not in dec[0]
+    assert status["services"] == {"prefill": "pd-prefill", "decode": "pd-decode"}
