@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 
 from aiohttp import web
 
@@ -113,7 +114,9 @@ def build_ranks(
 INTRA_NODE_NVLINK_ONE_GPU = "IntraNodeNvlinkOneGpu"  # readiness reason
 
 
-def check_mem_pool(spec: PDClusterSpec, hw: Hardware, choice: TransportChoice, env: dict[str, str]) -> TransportChoice:
+def check_mem_pool(
+    spec: PDClusterSpec, hw: Hardware, choice: TransportChoice, env: dict[str, str], rank_gpus: Sequence[int] = ()
+) -> TransportChoice:
     """INTRA_NODE_NVLINK maps the peer GPUs' memory, so a process that sees one GPU cannot work
     (upstream dropped the TCP fallback there): a start-up error with the fix in the message
     (``check_intra_node_nvlink_startup``), raised as a readiness reason, unless the spec declares
@@ -124,7 +127,10 @@ def check_mem_pool(spec: PDClusterSpec, hw: Hardware, choice: TransportChoice, e
 
     try:
         check_intra_node_nvlink_startup(
-            spec.transfer.mem_pool, hw.gpus, cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES")
+            spec.transfer.mem_pool,
+            hw.gpus,
+            cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+            rank_gpus=rank_gpus or None,
         )
     except IntraNodeNvlinkError as exc:
         if tcp_fallback_allowed(spec.placement.fallback, choice.transport):
@@ -188,7 +194,7 @@ async def serve(cfg: AgentConfig) -> int:
         gpus = sorted({r.gpu for r in entry.ranks})
         hw = detect_hardware(gpus)
         choice = choose_transport(spec, rankmap.transport, hw, gpus)
-        choice = check_mem_pool(spec, hw, choice, dict(os.environ))
+        choice = check_mem_pool(spec, hw, choice, dict(os.environ), gpus)
         if choice.fell_back_from is not None:
             log.warning("transport: %s", choice.note)
         requested = choice.fell_back_from or choice.transport

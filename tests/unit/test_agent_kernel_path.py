@@ -335,6 +335,18 @@ def test_intra_node_nvlink_with_one_visible_gpu_is_a_startup_error() -> None:
     assert check_mem_pool(spec_for("NONE"), Hardware(gpus=1), choice, {}) is choice
 
 
+def test_intra_node_nvlink_on_one_gpu_works_when_every_rank_of_the_node_is_on_it() -> None:
+    """Prefill and decode on the one GPU of a node: CUDA IPC between processes of one device, no
+    peer GPU to see; ranks on two GPUs with one visible stay an error."""
+    choice = TransportChoice(Transport.NVLINK_INTRA)
+    spec = spec_for("INTRA_NODE_NVLINK")
+    assert check_mem_pool(spec, Hardware(gpus=1), choice, {}, rank_gpus=[0, 0, 0]) is choice
+    with pytest.raises(TransportError):
+        check_mem_pool(spec, Hardware(gpus=1), choice, {}, rank_gpus=[0, 1])
+    with pytest.raises(TransportError):
+        check_mem_pool(spec, Hardware(gpus=1), choice, {}, rank_gpus=[1])  # a GPU it does not see
+
+
 def test_intra_node_nvlink_with_one_gpu_falls_back_when_the_spec_says_so() -> None:
     choice = TransportChoice(Transport.NVLINK_INTRA)
     got = check_mem_pool(spec_for("INTRA_NODE_NVLINK", "TCP"), Hardware(gpus=1), choice, {})

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -73,8 +74,37 @@ def export_pool(ptr: int, nbytes: int, device: int) -> PoolExport:
     return PoolExport(cuda.ipc_get_handle(base), ptr - base, nbytes, device, os.getpid())
 
 
+# CUDA opens a handle once per process and device: an engine's buffer is opened by the agent that
+# registered it and again by this process's sender mapping the peer (one agent serving both
+# ranks), so openings are shared and counted: (handle, device) -> [base, users].
+_OPENED: dict[tuple[bytes, int], list[int]] = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def _open(handle: bytes, device: int) -> int:
+    with _OPENED_LOCK:
+        entry = _OPENED.get((handle, device))
+        if entry is None:
+            cuda.primary_context(device)
+            entry = _OPENED[(handle, device)] = [cuda.ipc_open_handle(handle), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release(handle: bytes, device: int) -> None:
+    with _OPENED_LOCK:
+        entry = _OPENED.get((handle, device))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            cuda.primary_context(device)
+            cuda.ipc_close(entry[0])
+            del _OPENED[(handle, device)]
+
+
 class PeerMappings:
-    """Opened peer allocations of one sender process, keyed by handle (each is opened once)."""
+    """Opened peer allocations of one user in this process, keyed by handle (each opened once)."""
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -85,15 +115,12 @@ class PeerMappings:
             raise ValueError("a process cannot open its own IPC handle; pass the local pointer instead")
         base = self._bases.get(export.handle)
         if base is None:
-            cuda.primary_context(self.device)
-            base = cuda.ipc_open_handle(export.handle)
-            self._bases[export.handle] = base
+            base = self._bases[export.handle] = _open(export.handle, self.device)
         return base + export.offset
 
     def close(self) -> None:
-        cuda.primary_context(self.device)
-        for base in self._bases.values():
-            cuda.ipc_close(base)
+        for handle in self._bases:
+            _release(handle, self.device)
         self._bases.clear()
 
 

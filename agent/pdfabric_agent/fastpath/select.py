@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pdfabric_core.policy.types import MemPool, Transport
@@ -33,11 +33,19 @@ class PathChoice:
 
 
 def check_intra_node_nvlink_startup(
-    pool: MemPool | str, visible_gpus: int, *, cuda_visible_devices: str | None
+    pool: MemPool | str,
+    visible_gpus: int,
+    *,
+    cuda_visible_devices: str | None,
+    rank_gpus: Sequence[int] | None = None,
 ) -> None:
+    """The process must see the GPUs it maps: every GPU of the node's ranks. When the rank map puts
+    all of this node's ranks (prefill and decode) on one GPU, that one GPU is all it maps (CUDA IPC
+    between processes of one device); otherwise one visible GPU cannot be enough."""
     if MemPool(pool) is not MemPool.INTRA_NODE_NVLINK:
         return
-    if visible_gpus < 2:
+    on_one_gpu = rank_gpus is not None and len(set(rank_gpus)) == 1 and 0 <= min(rank_gpus) < visible_gpus
+    if visible_gpus < 2 and not on_one_gpu:
         raise IntraNodeNvlinkError(
             f"SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK needs this process to see the peer GPUs, "
             f"but it sees {visible_gpus} GPU(s) (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}); "
