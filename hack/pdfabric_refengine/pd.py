@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--bootstrap", required=True)  # prefill: listen here; decode: the prefill's
     ap.add_argument("--shm-dir", default="/dev/shm")
+    ap.add_argument(
+        "--device", default="cpu"
+    )  # where the pools live (cuda:N: shared by CUDA IPC); compute stays on CPU
     ap.add_argument("--agents", default="{}")  # rank id -> its agent's engine door (default: the environment's)
     ap.add_argument("--timeout-s", type=float, default=60.0)
     args = ap.parse_args()
@@ -88,7 +91,7 @@ def main() -> None:
         [
             KVPool(
                 layers=shape.layers, local_heads=max(1, shape.kv_heads // args.tp), head_dim=shape.head_dim,
-                num_pages=args.pages, page_size=shape.page_size, shm_dir=args.shm_dir,
+                num_pages=args.pages, page_size=shape.page_size, shm_dir=args.shm_dir, device=args.device,
             )
             for _ in range(args.tp)
         ]
@@ -105,7 +108,8 @@ def main() -> None:
             rank_id = Rank(args.role, 0, r, c).rank_id
             if rank_id in agents:
                 os.environ["PDFABRIC_AGENT_ADDRESS"] = agents[rank_id]
-            ka = kv_args(pools[c][r], engine_rank=r, page_size=shape.page_size,
+            gpu = int(args.device.split(":")[1]) if args.device.startswith("cuda:") else 0
+            ka = kv_args(pools[c][r], engine_rank=r, page_size=shape.page_size, gpu_id=gpu,
                          kv_head_num=pools[c][r].local_heads, total_kv_head_num=shape.kv_heads)  # fmt: skip
             managers.append(((c, r), classes["MANAGER"](ka, role, None, False)))
     host, _, port = args.bootstrap.rpartition(":")

@@ -41,7 +41,10 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pdfabric distribution installed as a user would (its entry points with it)."""
+    """The pdfabric distribution installed as a user would (its entry points with it); on a machine
+    without the build tools, PDFABRIC_INSTALLED_SITE names a folder it was installed into."""
+    if os.environ.get("PDFABRIC_INSTALLED_SITE"):
+        return Path(os.environ["PDFABRIC_INSTALLED_SITE"])
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
         [
@@ -76,7 +79,7 @@ def colocated() -> list[list[int]]:
 
 
 def run_pd(
-    lc: LocalFabric, installed: Path, tmp: Path, prefill: dict[str, int], decode: dict[str, int]
+    lc: LocalFabric, installed: Path, tmp: Path, prefill: dict[str, int], decode: dict[str, int], device: str = "cpu"
 ) -> dict[str, Any]:
     requests = [{"room": 1000 + i, "prompt": p, "max_new_tokens": NEW_TOKENS} for i, p in enumerate(PROMPTS)]
     (tmp / "requests.json").write_text(json.dumps(requests))
@@ -96,7 +99,7 @@ def run_pd(
     for role, par in (("prefill", prefill), ("decode", decode)):
         cmd = [sys.executable, "-m", "pdfabric_refengine.pd", "--role", role, "--requests", str(tmp / "requests.json"),
                "--out", str(tmp / f"{role}.json"), "--bootstrap", bootstrap, "--shm-dir", lc.shm_dir,
-               "--agents", json.dumps(agents), *(x for k, v in par.items() for x in (f"--{k}", str(v)))]  # fmt: skip
+               "--agents", json.dumps(agents), "--device", device, *(x for k, v in par.items() for x in (f"--{k}", str(v)))]  # fmt: skip
         procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     logs = {role: proc.communicate(timeout=240)[0] for role, proc in procs.items()}
     failed = {role: logs[role][-3000:] for role, proc in procs.items() if proc.returncode != 0}

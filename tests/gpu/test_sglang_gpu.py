@@ -1,0 +1,67 @@
+"""SGLang's classes on one GPU (issue 11): prefill and decode engine processes keep their KV pools
+on the one H200, the agent maps them by CUDA IPC and moves them with the intra-node NVLink path's
+kernels (every rank on GPU 0: the fastest path one GPU allows), and greedy generation through PD
+equals colocated generation token for token. Results go to $PDFABRIC_GPU_RESULTS when set."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
+from tests.e2e.test_sglang_pd import PROMPTS, REF_MODEL, colocated, installed, run_pd  # noqa: E402, F401
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+    pytest.mark.slow,
+]
+
+
+def paths_used(lc: LocalFabric) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name in lc.agents:
+        for (n, lbl), v in lc.scrape(name).items():
+            d = dict(lbl)
+            if n == "pdfabric_transfer_bytes_total" and d.get("role") == "decode" and v:
+                out[f"{d['path']}/{d['kind']}"] = out.get(f"{d['path']}/{d['kind']}", 0) + v
+    return out
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [({"tp": 1}, {"tp": 1}), ({"tp": 2}, {"tp": 4})], ids=["tp1-tp1", "tp2-tp4"]
+)
+def test_greedy_generation_through_pd_on_one_gpu_equals_colocated(
+    installed: Path,  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+    prefill: dict[str, int],
+    decode: dict[str, int],
+) -> None:
+    spec = {"prefill": prefill, "decode": decode, "transfer": {"memPool": "INTRA_NODE_NVLINK", "timeoutSeconds": 20},
+            "model": REF_MODEL}  # fmt: skip
+    with LocalFabric(spec, decode_gpu=0) as lc:
+        out = run_pd(lc, installed, tmp_path, prefill, decode, device="cuda:0")
+        for side in ("prefill", "decode"):
+            assert [r["state"] for r in out[side]["results"]] == ["Success"] * len(PROMPTS), out[side]
+        tokens = [r["tokens"] for r in out["decode"]["results"]]
+        assert tokens == colocated()
+        paths = paths_used(lc)
+        latencies = [m["latency_s"] for r in out["prefill"]["results"] for m in r["metrics"].values()]
+        report: dict[str, Any] = {
+            "case": f"prefill tp{prefill['tp']} -> decode tp{decode['tp']}",
+            "device": torch.cuda.get_device_name(0),
+            "prompts": len(PROMPTS),
+            "tokens_equal_colocated": True,
+            "bytes_by_path": paths,
+            "sender_latency_s": {"min": min(latencies), "max": max(latencies)},
+        }
+        target = os.environ.get("PDFABRIC_GPU_RESULTS")
+        if target:
+            with open(Path(target) / f"sglang-{prefill['tp']}-{decode['tp']}.json", "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=1)
+        assert paths  # the agents counted what moved
