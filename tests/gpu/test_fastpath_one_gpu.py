@@ -8,11 +8,10 @@ fresh random source bytes and fresh random indices (one seed, printed; PDFABRIC_
 it), poisons B's destination pool first and checks all of it afterwards: every written byte equal
 to its source, every other byte still poison.
 
-The agent code refuses a peer on its own GPU (`peers.PeerDirectory._map_peer`: "same GPU: nothing
-for NVLink to do", and `select.choose_path`: "source and destination share one GPU"). The first
-test pins that refusal down; the others give A's backend a peer directory that does not know its
-GPU (gpu=-1), which is the only thing that check looks at, so the rest of the path (IPC mapping,
-planning, ledger, kernel, completion board) is the agent's own code, unchanged.
+The agent code takes a peer on its own GPU (every rank of a one-GPU node on it: engine-owned
+buffers mapped by CUDA IPC are the kernels' alone, Mooncake cannot register them); the first test
+pins that down, the others run with a peer directory built with gpu=-1 as before (nothing in the
+path looks at the GPU index besides the old same-GPU check).
 """
 
 from __future__ import annotations
@@ -373,24 +372,26 @@ def _random_pages(gen: torch.Generator, n: int) -> tuple[list[int], list[int]]:
 # ---- tests -------------------------------------------------------------------------------------
 
 
-def test_agent_code_refuses_a_peer_on_its_own_gpu(pair: Pair) -> None:
-    """What the agent does today with a same-GPU peer: no kernel path (the engine gets the batch),
-    and the start-up choice keeps the engine when source and destination share a GPU."""
+def test_agent_code_takes_a_peer_on_its_own_gpu(pair: Pair) -> None:
+    """A same-GPU peer is mapped and its batch goes through the kernel, not the engine; and the
+    start-up choice takes the kernels on a one-GPU node."""
     from pdfabric_agent.fastpath.backend import maybe_fast_path
     from pdfabric_agent.fastpath.select import TransferPath, choose_path
     from pdfabric_core.policy.types import MemPool, Transport
 
     r = pair.refusal
-    assert r["lookup"] is None
-    assert r["label"] == "mooncake" and r["engine"] == [(pair.peer, 1)] and r["kernel_batches"] == 0
+    assert r["lookup"] is not None
+    assert r["label"] != "mooncake" and r["engine"] == []  # the kernels took it, not the engine
     choice = choose_path(
         MemPool.INTRA_NODE_NVLINK, Transport.NVLINK_INTRA, visible_gpus=1, src_device=0, dst_device=0,
-        peer_access=True, kernel_available=(True, ""),
+        peer_access=False, kernel_available=(True, ""),
     )  # fmt: skip
-    assert choice.path is TransferPath.ENGINE and "share one GPU" in choice.reason
+    # One GPU takes the kernels now (every rank of the node on it: engine-owned buffers mapped by
+    # CUDA IPC are the kernels' alone); the pair above was built before, with a directory pinned.
+    assert choice.path is TransferPath.FASTPATH and "one GPU" in choice.reason
     if torch.cuda.device_count() == 1:
         inner = StubEngine(PORT_A + 10)
-        assert maybe_fast_path(inner, gpu=0, env={}) is inner
+        assert maybe_fast_path(inner, gpu=0, env={}) is not inner
 
 
 @pytest.mark.parametrize("api", ["submit_wait", "write_batch"])

@@ -44,7 +44,6 @@ def test_intra_node_nvlink_with_peer_access_takes_the_fast_path() -> None:
         ({"kernel_available": (False, "libcuda.so.1 missing")}, "libcuda.so.1 missing"),
         ({"pool": MemPool.NONE, "transport": Transport.TCP}, "intra-node NVLink only"),
         ({"pool": MemPool.NVLINK, "transport": Transport.NVLINK}, "intra-node NVLink only"),
-        ({"dst_device": 0}, "share one GPU"),
         ({"dst_device": 3}, "not visible"),
         ({"enabled": False}, "disabled"),
     ],
@@ -53,6 +52,14 @@ def test_everything_else_falls_back_to_the_engine_with_a_reason(kw: dict, reason
     choice = _choose(**kw)
     assert choice.path is TransferPath.ENGINE
     assert reason in choice.reason
+
+
+def test_one_gpu_takes_the_kernels_without_peer_access() -> None:
+    """Every rank of the node on one GPU: the kernels copy within it (CUDA IPC between processes);
+    Mooncake's engine cannot register an engine's buffers mapped from another process."""
+    choice = _choose(visible_gpus=1, dst_device=0, peer_access=False)
+    assert choice.path is TransferPath.FASTPATH and "one GPU" in choice.reason
+    assert _choose(dst_device=0, kernel_available=(False, "no nvrtc")).path is TransferPath.ENGINE
 
 
 def test_one_visible_gpu_under_intra_node_nvlink_is_a_startup_error() -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdfabric_agent.backend import KernelPath, TransferBackend
+from pdfabric_agent.backend import KernelPath, TransferBackend, TransferError
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.fastpath import cuda
 from pdfabric_agent.fastpath.channel import FastPathSender, Transfer
@@ -142,7 +142,17 @@ class FastPathBackend(TransferBackend):
         return self.inner.endpoint()
 
     def register(self, pool: Pool) -> None:
-        self.inner.register(pool)
+        try:
+            self.inner.register(pool)
+        except TransferError:
+            # Mooncake cannot register GPU memory this process opened from another one (an
+            # engine's buffer, by CUDA IPC): the kernels reach it, a batch left to the engine
+            # fails (TransferError) instead of moving the bytes.
+            if pool.device != Device.CUDA or not pool.handle or json.loads(pool.handle).get("owner_pid") == os.getpid():
+                raise
+            log.warning(
+                "%s: kernel path only (the engine cannot register memory mapped from another process)", pool.name
+            )
         if pool.device != Device.CUDA:
             return
         torch.cuda.synchronize(self.gpu)  # what was written into the pool lands before a peer writes it

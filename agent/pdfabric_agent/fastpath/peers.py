@@ -119,10 +119,9 @@ class PeerDirectory:
     def _map_peer(self, peer: str, path: str) -> PeerMap | None:
         with open(path, encoding="utf-8") as fh:
             info: ExportsFile = json.load(fh)
-        if info["gpu"] == self.gpu:
-            return None  # same GPU: nothing for NVLink to do
         if info["pid"] == os.getpid():  # same process: its addresses are valid here once peers can talk
-            cuda.enable_peer_access(self.gpu, info["gpu"])
+            if info["gpu"] != self.gpu:  # on one GPU there is no peer to enable
+                cuda.enable_peer_access(self.gpu, info["gpu"])
             ranges = tuple((p["addr"], p["size"], p["addr"]) for p in info["pools"])
         else:
             ranges = tuple(

@@ -76,13 +76,15 @@ def choose_path(
         return PathChoice(TransferPath.ENGINE, f"fast path is for intra-node NVLink only (pool {MemPool(pool).value})")
     if visible_gpus < 1:
         return PathChoice(TransferPath.ENGINE, "no GPU visible")
-    if src_device == dst_device:
-        return PathChoice(TransferPath.ENGINE, "source and destination share one GPU")
     if max(src_device, dst_device) >= visible_gpus:
         return PathChoice(TransferPath.ENGINE, f"GPU {max(src_device, dst_device)} is not visible here")
-    if not peer_access:
+    if src_device != dst_device and not peer_access:
         return PathChoice(TransferPath.ENGINE, f"no peer access from GPU {src_device} to GPU {dst_device}")
     ok, why = kernel_available
     if not ok:
         return PathChoice(TransferPath.ENGINE, f"kernel toolchain unavailable: {why}")
+    if src_device == dst_device:
+        # One GPU (every rank of the node on it): the kernels copy between the processes' CUDA
+        # IPC mappings on the device; the engine cannot register memory another process owns.
+        return PathChoice(TransferPath.FASTPATH, "one GPU: the kernels copy within it")
     return PathChoice(TransferPath.FASTPATH, "intra-node NVLink with peer access")
