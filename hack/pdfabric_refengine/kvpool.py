@@ -18,7 +18,7 @@ import mmap
 import os
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -240,18 +240,20 @@ def kv_args(
     prefill_start_layer: int = 0,
     system_dp_rank: int = 0,
     ib_device: str = "",
+    cls: Any = None,
 ) -> KVArgs:
     """SGLang's KVArgs for `pool`, filled the way its prefill/decode scheduler fills it for an
     MHATokenToKVPool with MetadataBuffers and no state pool."""
     # Imported here: SGLang pulls in its server args, seconds of import a pure compute user
     # (model, pools, prefill/decode) need not pay.
-    from sglang.srt.disaggregation.base.conn import KVArgs  # type: ignore[import-untyped,unused-ignore]
+    if cls is None:
+        from sglang.srt.disaggregation.base.conn import KVArgs as cls  # type: ignore[import-untyped,unused-ignore]
 
     if page_size != pool.page_size:
         raise ValueError(f"page_size {page_size} differs from the pool's {pool.page_size}")
     if kv_head_num != pool.local_heads:
         raise ValueError(f"kv_head_num {kv_head_num} differs from the pool's {pool.local_heads} local heads")
-    args = KVArgs()
+    args = cls()  # SGLang's KVArgs; any attribute holder (types.SimpleNamespace) without SGLang
     args.engine_rank = engine_rank
     args.pp_rank = pp_rank
     args.system_dp_rank = system_dp_rank
@@ -277,10 +279,14 @@ def kv_args(
     args.ib_device = ib_device
     args.gpu_id = gpu_id
     # setup_state_kv_args: one list per state kind (none for a pool without state).
-    from sglang.srt.disaggregation.base.conn import StateType  # type: ignore[import-untyped,unused-ignore]
-
     kinds = [pool.state_infos] if pool.state_infos else []
-    args.state_types = [StateType.MAMBA] * len(kinds)
+    try:
+        from sglang.srt.disaggregation.base.conn import StateType  # type: ignore[import-untyped,unused-ignore]
+
+        mamba: Any = StateType.MAMBA
+    except ImportError:  # no SGLang here: its value (StateType is a str enum)
+        mamba = "mamba"
+    args.state_types = [mamba] * len(kinds)
     args.state_data_ptrs = [[b.data_ptr for b in k] for k in kinds]
     args.state_data_lens = [[b.nbytes for b in k] for k in kinds]
     args.state_item_lens = [[pool.state_slot_bytes for _ in k] for k in kinds]

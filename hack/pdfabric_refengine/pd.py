@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import time
+import types
 from typing import Any
 
 from pdfabric_refengine.engine import decode, pages_for, prefill_cp
@@ -74,18 +75,27 @@ def main() -> None:
     ap.add_argument(
         "--device", default="cpu"
     )  # where the pools live (cuda:N: shared by CUDA IPC); compute stays on CPU
-    ap.add_argument("--agents", default="{}")  # rank id -> its agent's engine door (default: the environment's)
+    ap.add_argument("--agents", default="{}")
+    # sglang: SGLang's classes after its plugin loading; direct: the agent's engine API itself
+    # (an engine without SGLang, as on a GPU machine that lacks SGLang's GPU kernels).
+    ap.add_argument(
+        "--backend", choices=["sglang", "direct"], default="sglang"
+    )  # rank id -> its agent's engine door (default: the environment's)
     ap.add_argument("--timeout-s", type=float, default=60.0)
     args = ap.parse_args()
 
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+    if args.backend == "direct":
+        classes: dict[str, Any] = {}
+        role: Any = args.role
+    else:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    classes = load_backend()
+        classes = load_backend()
+        role = DisaggregationMode.PREFILL if args.role == "prefill" else DisaggregationMode.DECODE
     model = build_model(args.seed)
     shape = model_shape(model)
     with open(args.requests, encoding="utf-8") as fh:
         requests = json.load(fh)
-    role = DisaggregationMode.PREFILL if args.role == "prefill" else DisaggregationMode.DECODE
     cps = args.cp if args.role == "prefill" else 1
     pools = [
         [
@@ -110,13 +120,21 @@ def main() -> None:
                 os.environ["PDFABRIC_AGENT_ADDRESS"] = agents[rank_id]
             gpu = int(args.device.split(":")[1]) if args.device.startswith("cuda:") else 0
             ka = kv_args(pools[c][r], engine_rank=r, page_size=shape.page_size, gpu_id=gpu,
-                         kv_head_num=pools[c][r].local_heads, total_kv_head_num=shape.kv_heads)  # fmt: skip
-            managers.append(((c, r), classes["MANAGER"](ka, role, None, False)))
+                         kv_head_num=pools[c][r].local_heads, total_kv_head_num=shape.kv_heads,
+                         cls=types.SimpleNamespace if args.backend == "direct" else None)  # fmt: skip
+            mgr = (
+                DirectRank(args.role, ka, gpu)
+                if args.backend == "direct"
+                else classes["MANAGER"](ka, role, None, False)
+            )
+            managers.append(((c, r), mgr))
     host, _, port = args.bootstrap.rpartition(":")
-    server = classes["BOOTSTRAP_SERVER"](host, int(port)) if args.role == "prefill" else None
+    server = classes["BOOTSTRAP_SERVER"](host, int(port)) if args.role == "prefill" and classes else None
     results = []
     try:
         for req in requests:
+            if args.backend == "direct":
+                classes = {"SENDER": DirectSender, "RECEIVER": DirectReceiver}
             run = run_prefill if args.role == "prefill" else run_decode
             results.append(run(classes, model, pools, managers, req, args))
     finally:
@@ -134,6 +152,108 @@ def main() -> None:
             },
             fh,
         )
+
+
+class DirectRank:
+    """One rank's buffers registered with its agent through the engine API (no SGLang)."""
+
+    def __init__(self, role: str, ka: Any, gpu: int | None) -> None:
+        from pdfabric_sglang.kvargs import FabricConfig, rank_id_for, registration
+
+        from pdfabric_agent.client import AgentClient
+        from pdfabric_core.policy.types import Role
+
+        cfg = FabricConfig()
+        probe = AgentClient(cfg.address, cfg.token, "")
+        uid = probe.info()["cluster"]["uid"]
+        probe.close()
+        self.client = AgentClient(cfg.address, cfg.token, uid)
+        self.rank_id = rank_id_for(Role(role), cfg, ka)
+        self.client.register_memory(registration(self.rank_id, ka, is_mla=False, gpu=gpu))
+
+
+class _DirectRoom:
+    """What SGLang's sender and receiver calls do, on the agent's engine API (the room's state
+    codes are KVPoll's)."""
+
+    def __init__(self, mgr: DirectRank, bootstrap_addr: str, room: int) -> None:
+        self.mgr, self.room, self.reason = mgr, room, ""
+        self.submitted_at = self.finished_at = 0.0
+        self.code: int | None = None
+        self.bytes = 0
+        self.view: dict[str, Any] = {}
+
+    def _room_code(self) -> int:
+        from pdfabric_agent.client import AgentRefused
+
+        try:
+            self.view = self.mgr.client.poll(self.mgr.rank_id, self.room)
+        except AgentRefused as exc:
+            if exc.status == 404:
+                return 1  # Bootstrapping: the other side has not announced the room yet
+            self.code, self.reason = 0, str(exc)
+            return 0
+        code = int(self.view["code"])
+        if code in FINAL and self.submitted_at:
+            self.code, self.finished_at, self.reason = code, time.monotonic(), self.view.get("reason", "")
+            self.bytes = sum(int(n) for n in self.view.get("bytes", {}).values())
+        return code
+
+    def get_transfer_metric(self) -> Any:
+        ok = self.code == 4
+        return types.SimpleNamespace(
+            transfer_latency_s=self.finished_at - self.submitted_at if ok else None,
+            transfer_total_bytes=self.bytes if ok else None,
+        )
+
+    def failure_exception(self) -> None:
+        raise RuntimeError(f"room {self.room} on {self.mgr.rank_id} failed: {self.reason}")
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk
+
+
+class DirectSender(_DirectRoom):
+    def __init__(self, mgr: DirectRank, bootstrap_addr: str, room: int) -> None:
+        super().__init__(mgr, bootstrap_addr, room)
+        self.pages: list[int] = []
+        self.decode_replica = 0
+        self.num_pages = 0
+        self.aux_index: int | None = None
+
+    def poll(self) -> int:
+        if self.code is not None:
+            return self.code
+        code = self._room_code()
+        if not self.submitted_at and self.view.get("decode_ranks_ready"):
+            self.decode_replica = int(self.view["decode_ranks_ready"][0].split("-")[1])
+        return code
+
+    def init(self, num_pages: int, aux_index: int | None) -> None:
+        self.num_pages, self.aux_index = num_pages, aux_index
+
+    def send(self, kv_indices: Any, state_indices: Any = None) -> None:
+        if not self.submitted_at:
+            self.submitted_at = time.monotonic()
+        self.pages.extend(int(p) for p in kv_indices)
+        if len(self.pages) == self.num_pages:
+            self.mgr.client.send(
+                self.mgr.rank_id, self.room, self.pages, decode_replica=self.decode_replica, aux_index=self.aux_index
+            )
+
+
+class DirectReceiver(_DirectRoom):
+    def init(self, prefill_dp_rank: int) -> None:
+        pass
+
+    def poll(self) -> int:
+        if self.code is not None:
+            return self.code
+        return self._room_code() if self.submitted_at else 2  # WaitingForInput until the metadata
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None, state_indices: Any = None) -> None:
+        self.submitted_at = time.monotonic()
+        self.mgr.client.receive(self.mgr.rank_id, self.room, [int(p) for p in kv_indices], aux_index=aux_index)
 
 
 def _metric(obj: Any) -> dict[str, Any]:

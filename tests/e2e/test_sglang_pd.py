@@ -79,16 +79,22 @@ def colocated() -> list[list[int]]:
 
 
 def run_pd(
-    lc: LocalFabric, installed: Path, tmp: Path, prefill: dict[str, int], decode: dict[str, int], device: str = "cpu"
+    lc: LocalFabric,
+    installed: Path,
+    tmp: Path,
+    prefill: dict[str, int],
+    decode: dict[str, int],
+    device: str = "cpu",
+    backend: str = "sglang",
 ) -> dict[str, Any]:
     requests = [{"room": 1000 + i, "prompt": p, "max_new_tokens": NEW_TOKENS} for i, p in enumerate(PROMPTS)]
     (tmp / "requests.json").write_text(json.dumps(requests))
     agents = {r.rank_id: lc.agents[a.name].address for a in lc.rankmap.agents for r in a.ranks}
     env = {
         **os.environ,
-        # The installed distribution first (its metadata and entry point), then the checkout.
+        # The checkout's code, and the installed distribution's metadata (its entry point).
         "PYTHONPATH": os.pathsep.join(
-            [str(installed), *(str(ROOT / d) for d in ("core", "agent", "integrations/sglang", "hack"))]
+            [*(str(ROOT / d) for d in ("core", "agent", "integrations/sglang", "hack")), str(installed)]
         ),
         "PDFABRIC_ENGINE_TOKEN_FILE": str(tmp / "token"),
         "SGLANG_PLUGINS": "pdfabric",
@@ -99,7 +105,7 @@ def run_pd(
     for role, par in (("prefill", prefill), ("decode", decode)):
         cmd = [sys.executable, "-m", "pdfabric_refengine.pd", "--role", role, "--requests", str(tmp / "requests.json"),
                "--out", str(tmp / f"{role}.json"), "--bootstrap", bootstrap, "--shm-dir", lc.shm_dir,
-               "--agents", json.dumps(agents), "--device", device, *(x for k, v in par.items() for x in (f"--{k}", str(v)))]  # fmt: skip
+               "--agents", json.dumps(agents), "--device", device, "--backend", backend, *(x for k, v in par.items() for x in (f"--{k}", str(v)))]  # fmt: skip
         procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     logs = {role: proc.communicate(timeout=240)[0] for role, proc in procs.items()}
     failed = {role: logs[role][-3000:] for role, proc in procs.items() if proc.returncode != 0}
@@ -132,6 +138,16 @@ def test_greedy_generation_through_pd_equals_colocated(
         reported = sum(m["bytes"] for r in out["decode"]["results"] for m in r["metrics"].values())
         assert reported == moved > 0
         assert all(m["latency_s"] > 0 for r in out["prefill"]["results"] for m in r["metrics"].values())
+
+
+def test_an_engine_without_sglang_attaches_through_the_engine_api(installed: Path, tmp_path: Path) -> None:
+    """The same engine on the agent's engine API alone (``--backend direct``): how an engine other
+    than SGLang, or SGLang without its GPU kernels, moves its own buffers; head slices TP 2 -> 4."""
+    spec = {"prefill": {"tp": 2}, "decode": {"tp": 4}, "transfer": {"transport": "tcp"}, "model": REF_MODEL}
+    with LocalFabric(spec) as lc:
+        out = run_pd(lc, installed, tmp_path, {"tp": 2}, {"tp": 4}, backend="direct")
+        assert [r["state"] for r in out["decode"]["results"]] == ["Success"] * len(PROMPTS), out["decode"]
+        assert [r["tokens"] for r in out["decode"]["results"]] == colocated()
 
 
 def test_bad_registration_and_aborted_room_reach_sglang_as_failures(

@@ -1,7 +1,9 @@
-"""SGLang's classes on one GPU (issue 11): prefill and decode engine processes keep their KV pools
-on the one H200, the agent maps them by CUDA IPC and moves them with the intra-node NVLink path's
-kernels (every rank on GPU 0: the fastest path one GPU allows), and greedy generation through PD
-equals colocated generation token for token. Results go to $PDFABRIC_GPU_RESULTS when set."""
+"""Engine-owned GPU memory on one GPU (issue 11): prefill and decode engine processes keep their KV
+pools on the one H200, the agent maps them by CUDA IPC and moves them with the intra-node NVLink
+path's kernels (every rank on GPU 0: the fastest path one GPU allows), and greedy generation
+through PD equals colocated generation token for token. The engines talk to the agent through
+SGLang's classes (``sglang``: needs SGLang's GPU kernels, ``sgl_kernel``, which SGLang imports once
+CUDA is up) or its engine API alone (``direct``). Results go to $PDFABRIC_GPU_RESULTS when set."""
 
 from __future__ import annotations
 
@@ -33,19 +35,31 @@ def paths_used(lc: LocalFabric) -> dict[str, float]:
     return out
 
 
+def sglang_gpu_ready() -> bool:
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("backend", ["direct", "sglang"])
 @pytest.mark.parametrize(
     ("prefill", "decode"), [({"tp": 1}, {"tp": 1}), ({"tp": 2}, {"tp": 4})], ids=["tp1-tp1", "tp2-tp4"]
 )
 def test_greedy_generation_through_pd_on_one_gpu_equals_colocated(
+    backend: str,
     installed: Path,  # noqa: F811 (the fixture imported above)
     tmp_path: Path,
     prefill: dict[str, int],
     decode: dict[str, int],
 ) -> None:
+    if backend == "sglang" and not sglang_gpu_ready():
+        pytest.skip("SGLang on a GPU imports its GPU kernels (sgl_kernel), which this machine lacks")
     spec = {"prefill": prefill, "decode": decode, "transfer": {"memPool": "INTRA_NODE_NVLINK", "timeoutSeconds": 20},
             "model": REF_MODEL}  # fmt: skip
     with LocalFabric(spec, decode_gpu=0) as lc:
-        out = run_pd(lc, installed, tmp_path, prefill, decode, device="cuda:0")
+        out = run_pd(lc, installed, tmp_path, prefill, decode, device="cuda:0", backend=backend)
         for side in ("prefill", "decode"):
             assert [r["state"] for r in out[side]["results"]] == ["Success"] * len(PROMPTS), out[side]
         tokens = [r["tokens"] for r in out["decode"]["results"]]
@@ -53,7 +67,7 @@ def test_greedy_generation_through_pd_on_one_gpu_equals_colocated(
         paths = paths_used(lc)
         latencies = [m["latency_s"] for r in out["prefill"]["results"] for m in r["metrics"].values()]
         report: dict[str, Any] = {
-            "case": f"prefill tp{prefill['tp']} -> decode tp{decode['tp']}",
+            "case": f"prefill tp{prefill['tp']} -> decode tp{decode['tp']} ({backend})",
             "device": torch.cuda.get_device_name(0),
             "prompts": len(PROMPTS),
             "tokens_equal_colocated": True,
@@ -62,6 +76,8 @@ def test_greedy_generation_through_pd_on_one_gpu_equals_colocated(
         }
         target = os.environ.get("PDFABRIC_GPU_RESULTS")
         if target:
-            with open(Path(target) / f"sglang-{prefill['tp']}-{decode['tp']}.json", "w", encoding="utf-8") as fh:
+            with open(
+                Path(target) / f"engine-memory-{backend}-{prefill['tp']}-{decode['tp']}.json", "w", encoding="utf-8"
+            ) as fh:
                 json.dump(report, fh, indent=1)
         assert paths  # the agents counted what moved

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import urllib.request
@@ -42,95 +41,15 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client import AgentClient, AgentRefused
-from pdfabric_agent.pools import PageOrder
-from pdfabric_agent.wire import MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import Rank
-from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
+from pdfabric_sglang.kvargs import ENV_CP_RANK, ENV_RANK, ENV_REPLICA, FabricConfig, gpu_of, rank_id_for, registration
+from pdfabric_sglang.shares import UnshareableBuffer
 
 log = logging.getLogger("pdfabric.sglang")
 
-ENV_AGENT = "PDFABRIC_AGENT_ADDRESS"  # the node agent's engine door, host:port
-ENV_TOKEN_FILE = "PDFABRIC_ENGINE_TOKEN_FILE"
-ENV_REPLICA = "PDFABRIC_REPLICA"  # this engine's replica of its role in the PDCluster
-ENV_CP_RANK = "PDFABRIC_CP_RANK"  # prefill: this engine rank's context-parallel rank
-ENV_RANK = "PDFABRIC_RANK"  # the rank id outright, when the above do not describe it
-ENV_BOOTSTRAP_TIMEOUT = "PDFABRIC_BOOTSTRAP_TIMEOUT_S"
 REPLICA_PATH = "/pdfabric/v1/replica"
 FINAL = (KVPoll.Success, KVPoll.Failed)
-
-
-class FabricConfig:
-    """Where the engine finds its agent, and who it is in the PDCluster (from the environment the
-    PDCluster's pod, or the engine's own deployment, sets)."""
-
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ if env is None else env)
-        self.address = env.get(ENV_AGENT, "127.0.0.1:7400")
-        token_file = env.get(ENV_TOKEN_FILE)
-        if not token_file:
-            raise RuntimeError(f"pdfabric: set {ENV_TOKEN_FILE} to the file holding the agent's engine token")
-        with open(token_file, encoding="utf-8") as fh:
-            self.token = fh.read().strip()
-        self.replica = int(env.get(ENV_REPLICA, "0"))
-        self.cp_rank = int(env.get(ENV_CP_RANK, "0"))
-        self.rank = env.get(ENV_RANK) or None
-        self.bootstrap_timeout_s = float(env.get(ENV_BOOTSTRAP_TIMEOUT, "300"))
-
-
-def rank_id_for(role: Role, cfg: FabricConfig, args: KVArgs) -> str:
-    if cfg.rank:
-        return cfg.rank
-    cp = cfg.cp_rank if role is Role.PREFILL else 0
-    return Rank(role, cfg.replica, int(args.engine_rank), cp, int(getattr(args, "pp_rank", 0) or 0)).rank_id
-
-
-def registration(rank_id: str, args: KVArgs, *, is_mla: bool, gpu: int | None) -> MemoryRegistration:
-    """The ``KVArgs`` buffers as the agent takes them (SGLang lists every K layer, then every V)."""
-    if is_mla:
-        raise UnshareableBuffer("pdfabric does not move MLA pools (one buffer per layer) yet")
-    ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
-    if len(ptrs) % 2 or not ptrs:
-        raise UnshareableBuffer(f"{len(ptrs)} KV buffers: an MHA pool has a K and a V buffer per layer")
-    if len(set(items)) != 1:
-        raise UnshareableBuffer(f"KV buffers of different page sizes {sorted(set(items))}")
-    maps = process_mappings()
-    shares = [share_of(p, n, gpu, maps) for p, n in zip(ptrs, lens, strict=True)]
-    layers = len(ptrs) // 2
-    state_types = list(getattr(args, "state_types", []) or [])
-    if len(state_types) > 1:
-        raise UnshareableBuffer(f"state kinds {state_types}: pdfabric moves one slot-indexed state kind")
-    state = []
-    slot_bytes = 0
-    if state_types:
-        s_ptrs, s_lens, s_items = args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]
-        if len(set(s_items)) != 1:
-            raise UnshareableBuffer(f"state buffers of different slot sizes {sorted(set(s_items))}")
-        slot_bytes = s_items[0]
-        state = [share_of(p, n, gpu, maps) for p, n in zip(s_ptrs, s_lens, strict=True)]
-    aux = [share_of(p, n, None, maps) for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
-    return MemoryRegistration(
-        rank=rank_id,
-        page_order=PageOrder.TOKEN_MAJOR,
-        page_tokens=int(args.page_size),
-        kv_page_bytes=items[0],
-        k=shares[:layers],
-        v=shares[layers:],
-        state_slot_bytes=slot_bytes,
-        state=state,
-        aux_row_bytes=list(args.aux_item_lens),
-        aux=aux,
-    )
-
-
-def _gpu_of(args: KVArgs) -> int | None:
-    """The GPU of this rank when CUDA is up here, else None (CPU buffers only)."""
-    try:
-        import torch
-
-        return int(args.gpu_id) if torch.cuda.is_available() else None
-    except ImportError:
-        return None
 
 
 class PdfabricKVManager(BaseKVManager):
@@ -154,7 +73,7 @@ class PdfabricKVManager(BaseKVManager):
                 f"(it serves {sorted(info['ranks'])}); check {ENV_REPLICA}/{ENV_CP_RANK} or set {ENV_RANK}"
             )
         try:
-            reg = registration(self.rank_id, args, is_mla=bool(is_mla_backend), gpu=_gpu_of(args))
+            reg = registration(self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args))
             answer = self.client.register_memory(reg)
         except (UnshareableBuffer, AgentRefused) as exc:
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
