@@ -185,12 +185,21 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
                 assert receiver.poll() == KVPoll.WaitingForInput
                 receiver.send_metadata(np.asarray([0, 1], dtype=np.int32), 0, None)
                 assert receiver.poll() == KVPoll.Bootstrapping  # prefill has not sent
+                # An engine restart registers again: refused while a room would land in the old buffers.
+                monkeypatch.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of("decode-0-tp0")].address)
+                again = kv_args(right, engine_rank=0, page_size=16, kv_head_num=4, total_kv_head_num=4)
+                with pytest.raises(RuntimeError, match="decode-0-tp0 has 1 open rooms"):
+                    PdfabricKVManager(again, DisaggregationMode.DECODE, None, False)
                 receiver.abort()
                 assert receiver.poll() == KVPoll.Failed
                 with pytest.raises(KVTransferError, match="aborted by SGLang"):
                     receiver.failure_exception()
                 view = lc.client("decode-0-tp0").poll("decode-0-tp0", 77)
                 assert (view["state"], view["reason"]) == ("Failed", "aborted by SGLang")
+                # Once no room is open, the new registration replaces the old one.
+                PdfabricKVManager(again, DisaggregationMode.DECODE, None, False)
+                info = lc.client("decode-0-tp0").info()["ranks"]["decode-0-tp0"]["engine_memory"]
+                assert info["buffers"] == 2 * 2 + 3 and info["devices"] == ["cpu"]
             finally:
                 server.close()
         finally:
