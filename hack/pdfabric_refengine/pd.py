@@ -20,10 +20,13 @@ the rank's place from the environment, set here before it is built as a launcher
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import threading
 import time
 import types
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric_refengine.engine import decode, pages_for, prefill_cp
@@ -50,15 +53,126 @@ def load_backend() -> dict[str, Any]:
     } | {"_get": get_kv_class}
 
 
-def wait(obj: Any, until: set[int], timeout_s: float) -> int:
+def wait(obj: Any, until: set[int], timeout_s: float, lock: Any = None) -> int:
+    """Poll ``obj`` until a state in ``until`` or Failed (under ``lock``, released between polls)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        state = int(obj.poll())
+        with lock if lock is not None else contextlib.nullcontext():
+            state = int(obj.poll())
         if state in until or state == 0:
             return state
         if time.monotonic() > deadline:
             raise TimeoutError(f"still {state} after {timeout_s} s")
         time.sleep(POLL_S)
+
+
+@dataclass
+class Engine:
+    """One engine process's ranks: the model, a pool per rank (``pools[cp][tp]``), the rank
+    managers of the backend's classes (registered with their agents) and how requests run on them.
+
+    ``lock`` is the scheduler's single thread: every call on the classes, pools and model is made
+    under it, so several requests (a serving front's threads) interleave as SGLang's scheduler
+    loop interleaves them, polling between steps without holding it."""
+
+    role: str
+    backend: str
+    model: Any
+    pools: list[list[KVPool]]
+    managers: list[tuple[tuple[int, int], Any]]
+    classes: dict[str, Any]
+    timeout_s: float = 60.0
+    lock: Any = field(default_factory=threading.RLock)
+
+    @property
+    def page_size(self) -> int:
+        return self.pools[0][0].page_size
+
+    def room_classes(self) -> dict[str, Any]:
+        if self.backend == "direct":
+            return {"SENDER": DirectSender, "RECEIVER": DirectReceiver}
+        return self.classes
+
+    def bootstrap_server(self, host: str, port: int) -> Any:
+        """Prefill's bootstrap server (SGLang's class; the direct backend needs none)."""
+        if self.role != "prefill" or "BOOTSTRAP_SERVER" not in self.classes:
+            return None
+        return self.classes["BOOTSTRAP_SERVER"](host, port)
+
+    def run(self, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
+        """One request ({"room", "prompt", "max_new_tokens"}); ``bootstrap`` is prefill's bootstrap
+        address (prefill: its own, decode: the one the router gave)."""
+        run = run_prefill if self.role == "prefill" else run_decode
+        return run(self, req, bootstrap)
+
+    def close(self) -> None:
+        for row in self.pools:
+            for pool in row:
+                pool.close()
+
+
+def open_engine(
+    role: str,
+    *,
+    backend: str = "sglang",
+    tp: int = 1,
+    cp: int = 1,
+    pages: int = 64,
+    seed: int = 0,
+    shm_dir: str = "/dev/shm",
+    device: str = "cpu",
+    agents: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> Engine:
+    """The model, a pool per rank in ``shm_dir`` and a registered rank manager each. The rank's
+    place comes from the environment (PDFABRIC_REPLICA, PDFABRIC_RANK, PDFABRIC_AGENT_ADDRESS, as
+    a PDCluster's engine container has it); PDFABRIC_CP_RANK is set per CP rank here, and
+    ``agents`` (rank id -> engine door) overrides the agent address per rank."""
+    if backend == "direct":
+        classes: dict[str, Any] = {}
+        mode: Any = role
+    else:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        classes = load_backend()
+        mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    model = build_model(seed)
+    shape = model_shape(model)
+    cps = cp if role == "prefill" else 1
+    pools = [
+        [
+            KVPool(
+                layers=shape.layers, local_heads=max(1, shape.kv_heads // tp), head_dim=shape.head_dim,
+                num_pages=pages, page_size=shape.page_size, shm_dir=shm_dir, device=device,
+            )
+            for _ in range(tp)
+        ]
+        for _ in range(cps)
+    ]  # fmt: skip
+    from pdfabric_core.rankmap import Rank
+
+    agents = agents or {}
+    managers = []
+    try:
+        for c in range(cps):
+            for r in range(tp):
+                # What a launcher sets in each rank's own process.
+                os.environ["PDFABRIC_CP_RANK"] = str(c)
+                rank_id = Rank(role, 0, r, c).rank_id
+                if rank_id in agents:
+                    os.environ["PDFABRIC_AGENT_ADDRESS"] = agents[rank_id]
+                gpu = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+                ka = kv_args(pools[c][r], engine_rank=r, page_size=shape.page_size, gpu_id=gpu,
+                             kv_head_num=pools[c][r].local_heads, total_kv_head_num=shape.kv_heads,
+                             cls=types.SimpleNamespace if backend == "direct" else None)  # fmt: skip
+                mgr = DirectRank(role, ka, gpu) if backend == "direct" else classes["MANAGER"](ka, mode, None, False)
+                managers.append(((c, r), mgr))
+    except BaseException:
+        for row in pools:
+            for pool in row:
+                pool.close()
+        raise
+    return Engine(role, backend, model, pools, managers, classes, timeout_s)
 
 
 def main() -> None:
@@ -75,74 +189,30 @@ def main() -> None:
     ap.add_argument(
         "--device", default="cpu"
     )  # where the pools live (cuda:N: shared by CUDA IPC); compute stays on CPU
-    ap.add_argument("--agents", default="{}")
+    ap.add_argument("--agents", default="{}")  # rank id -> its agent's engine door (default: the environment's)
     # sglang: SGLang's classes after its plugin loading; direct: the agent's engine API itself
     # (an engine without SGLang, as on a GPU machine that lacks SGLang's GPU kernels).
-    ap.add_argument(
-        "--backend", choices=["sglang", "direct"], default="sglang"
-    )  # rank id -> its agent's engine door (default: the environment's)
+    ap.add_argument("--backend", choices=["sglang", "direct"], default="sglang")
     ap.add_argument("--timeout-s", type=float, default=60.0)
     args = ap.parse_args()
 
-    if args.backend == "direct":
-        classes: dict[str, Any] = {}
-        role: Any = args.role
-    else:
-        from sglang.srt.disaggregation.utils import DisaggregationMode
-
-        classes = load_backend()
-        role = DisaggregationMode.PREFILL if args.role == "prefill" else DisaggregationMode.DECODE
-    model = build_model(args.seed)
-    shape = model_shape(model)
     with open(args.requests, encoding="utf-8") as fh:
         requests = json.load(fh)
-    cps = args.cp if args.role == "prefill" else 1
-    pools = [
-        [
-            KVPool(
-                layers=shape.layers, local_heads=max(1, shape.kv_heads // args.tp), head_dim=shape.head_dim,
-                num_pages=args.pages, page_size=shape.page_size, shm_dir=args.shm_dir, device=args.device,
-            )
-            for _ in range(args.tp)
-        ]
-        for _ in range(cps)
-    ]  # fmt: skip
-    from pdfabric_core.rankmap import Rank
-
-    agents = json.loads(args.agents)
-    managers = []
-    for c in range(cps):
-        for r in range(args.tp):
-            # What a launcher sets in each rank's own process.
-            os.environ["PDFABRIC_CP_RANK"] = str(c)
-            rank_id = Rank(args.role, 0, r, c).rank_id
-            if rank_id in agents:
-                os.environ["PDFABRIC_AGENT_ADDRESS"] = agents[rank_id]
-            gpu = int(args.device.split(":")[1]) if args.device.startswith("cuda:") else 0
-            ka = kv_args(pools[c][r], engine_rank=r, page_size=shape.page_size, gpu_id=gpu,
-                         kv_head_num=pools[c][r].local_heads, total_kv_head_num=shape.kv_heads,
-                         cls=types.SimpleNamespace if args.backend == "direct" else None)  # fmt: skip
-            mgr = (
-                DirectRank(args.role, ka, gpu)
-                if args.backend == "direct"
-                else classes["MANAGER"](ka, role, None, False)
-            )
-            managers.append(((c, r), mgr))
+    engine = open_engine(
+        args.role, backend=args.backend, tp=args.tp, cp=args.cp, pages=args.pages, seed=args.seed,
+        shm_dir=args.shm_dir, device=args.device, agents=json.loads(args.agents), timeout_s=args.timeout_s,
+    )  # fmt: skip
     host, _, port = args.bootstrap.rpartition(":")
-    server = classes["BOOTSTRAP_SERVER"](host, int(port)) if args.role == "prefill" and classes else None
+    server = engine.bootstrap_server(host, int(port))
     results = []
     try:
         for req in requests:
-            if args.backend == "direct":
-                classes = {"SENDER": DirectSender, "RECEIVER": DirectReceiver}
-            run = run_prefill if args.role == "prefill" else run_decode
-            results.append(run(classes, model, pools, managers, req, args))
+            results.append(engine.run(req, args.bootstrap))
     finally:
         if server is not None:
             server.close()
-        for row in pools:
-            for pool in row:
-                pool.close()
+        engine.close()
+    classes = engine.room_classes()
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(
             {
@@ -269,81 +339,143 @@ def _failure(obj: Any) -> str:
     return ""
 
 
-def run_prefill(
-    classes: dict[str, Any], model: Any, pools: list[list[KVPool]], managers: list[Any], req: dict[str, Any], args: Any
-) -> dict[str, Any]:
+def _abort(rooms: dict[Any, Any]) -> None:
+    """Give up the rooms at their agents (SGLang aborts a request's sender or receiver so)."""
+    for obj in rooms.values():
+        abort = getattr(obj, "abort", None)
+        if abort is not None:
+            with contextlib.suppress(Exception):
+                abort()
+
+
+def _failed(room: int, rooms: dict[Any, Any], why: str = "") -> dict[str, Any]:
+    errors = {str(k): _failure(s) for k, s in rooms.items()}
+    if why:
+        errors = {k: v or why for k, v in errors.items()} or {"engine": why}
+    return {"room": room, "state": "Failed", "errors": errors}
+
+
+def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
+    import numpy as np
+
     from pdfabric_core.policy.rank_mapping import cp_page_shard
 
+    classes, pools, lock, timeout_s = engine.room_classes(), engine.pools, engine.lock, engine.timeout_s
     prompt = req["prompt"]
-    n = pages_for(len(prompt), pools[0][0].page_size)
+    n = pages_for(len(prompt), engine.page_size)
     cp = len(pools)
     shards = [cp_page_shard(n, cp, c, all_ranks_send=True) for c in range(cp)]
-    local = [pools[c][0].allocate_pages(len(shards[c])) for c in range(cp)]
-    for c in range(cp):
-        for pool in pools[c][1:]:
-            pool.allocate_pages(len(shards[c]))  # the same local pages on every TP rank
-    aux = [[p.allocate_aux_slot() for p in row] for row in pools]
-    senders = {key: classes["SENDER"](mgr, args.bootstrap, req["room"]) for key, mgr in managers}
-    states = {key: wait(s, {2}, args.timeout_s) for key, s in senders.items()}  # WaitingForInput
-    if any(v == 0 for v in states.values()):
-        return {"room": req["room"], "state": "Failed", "errors": {str(k): _failure(s) for k, s in senders.items()}}
-    for (c, r), s in senders.items():
-        s.init(len(shards[c]), aux[c][r])
-    first = prefill_cp(model, prompt, pools, local, aux[0][0], room=req["room"])
+    local: list[list[int]] = []
+    aux: list[list[int]] = []
+    senders: dict[Any, Any] = {}
+    try:
+        with lock:
+            for c in range(cp):
+                local.append(pools[c][0].allocate_pages(len(shards[c])))
+                for pool in pools[c][1:]:
+                    pool.allocate_pages(len(shards[c]))  # the same local pages on every TP rank
+            aux = [[p.allocate_aux_slot() for p in row] for row in pools]
+            senders = {key: classes["SENDER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
+        try:
+            states = {key: wait(s, {2}, timeout_s, lock) for key, s in senders.items()}  # WaitingForInput
+        except TimeoutError as exc:
+            with lock:
+                _abort(senders)
+            return _failed(req["room"], senders, f"decode did not announce the room: {exc}")
+        if any(v == 0 for v in states.values()):
+            with lock:
+                _abort(senders)
+            return _failed(req["room"], senders)
+        with lock:
+            for (c, r), s in senders.items():
+                s.init(len(shards[c]), aux[c][r])
+            first = prefill_cp(engine.model, prompt, pools, local, aux[0][0], room=req["room"])
+            for (c, _), s in senders.items():
+                pages = np.asarray(local[c], dtype=np.int32)
+                half = len(pages) // 2
+                if half and s.should_send_kv_chunk(half, False):
+                    s.send(pages[:half])  # a chunked prefill's first chunk
+                if s.should_send_kv_chunk(len(pages) - half, True):
+                    s.send(pages[half:], None)  # the last chunk
+        try:
+            final = {key: wait(s, FINAL, timeout_s, lock) for key, s in senders.items()}
+        except TimeoutError as exc:
+            with lock:
+                _abort(senders)
+            return _failed(req["room"], senders, f"the transfer did not finish: {exc}")
+        with lock:
+            return {
+                "room": req["room"],
+                "first_token": first,
+                "state": "Success" if set(final.values()) == {4} else "Failed",
+                "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] != 4},
+                "metrics": {str(k): _metric(s) for k, s in senders.items()},
+            }
+    finally:
+        with lock:
+            for c, pages_c in enumerate(local):
+                for pool in pools[c]:
+                    pool.free_pages(pages_c)
+            for c, row in enumerate(aux):
+                for pool, slot in zip(pools[c], row, strict=True):
+                    pool.free_aux_slot(slot)
+
+
+def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
     import numpy as np
 
-    for (c, _), s in senders.items():
-        pages = np.asarray(local[c], dtype=np.int32)
-        half = len(pages) // 2
-        if half and s.should_send_kv_chunk(half, False):
-            s.send(pages[:half])  # a chunked prefill's first chunk
-        if s.should_send_kv_chunk(len(pages) - half, True):
-            s.send(pages[half:], None)  # the last chunk
-    final = {key: wait(s, FINAL, args.timeout_s) for key, s in senders.items()}
-    for c in range(cp):
-        for pool in pools[c]:
-            pool.free_pages(local[c])
-    return {
-        "room": req["room"],
-        "first_token": first,
-        "state": "Success" if set(final.values()) == {4} else "Failed",
-        "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] != 4},
-        "metrics": {str(k): _metric(s) for k, s in senders.items()},
-    }
-
-
-def run_decode(
-    classes: dict[str, Any], model: Any, pools: list[list[KVPool]], managers: list[Any], req: dict[str, Any], args: Any
-) -> dict[str, Any]:
-    import numpy as np
-
+    classes, lock, timeout_s = engine.room_classes(), engine.lock, engine.timeout_s
     prompt = req["prompt"]
-    row = pools[0]
-    n = pages_for(len(prompt), row[0].page_size)
-    pages = row[0].allocate_pages(n)
-    for pool in row[1:]:
-        pool.allocate_pages(n)
-    aux = row[0].allocate_aux_slot()
-    for pool in row[1:]:
-        pool.allocate_aux_slot()
-    receivers = {key: classes["RECEIVER"](mgr, args.bootstrap, req["room"]) for key, mgr in managers}
-    for r in receivers.values():
-        r.init(0)
-    ready = {key: wait(r, {2}, args.timeout_s) for key, r in receivers.items()}
-    if any(v == 0 for v in ready.values()):
-        return {"room": req["room"], "state": "Failed", "errors": {str(k): _failure(r) for k, r in receivers.items()}}
-    for r in receivers.values():
-        r.send_metadata(np.asarray(pages, dtype=np.int32), aux, None)
-    final = {key: wait(r, FINAL, args.timeout_s) for key, r in receivers.items()}
-    out: dict[str, Any] = {"room": req["room"], "state": "Success" if set(final.values()) == {4} else "Failed"}
-    out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] != 4}
-    out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
-    if out["state"] == "Success":
-        out["tokens"] = decode(model, len(prompt), row, pages, aux, req["max_new_tokens"])
-    for pool in row:
-        pool.free_pages(pages)
-        pool.free_aux_slot(aux)
-    return out
+    row = engine.pools[0]
+    n = pages_for(len(prompt), engine.page_size)
+    pages: list[int] = []
+    aux: int | None = None
+    receivers: dict[Any, Any] = {}
+    try:
+        with lock:
+            pages = row[0].allocate_pages(n)
+            for pool in row[1:]:
+                pool.allocate_pages(n)
+            aux = row[0].allocate_aux_slot()
+            for pool in row[1:]:
+                pool.allocate_aux_slot()
+            receivers = {key: classes["RECEIVER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
+            for r in receivers.values():
+                r.init(0)
+        try:
+            ready = {key: wait(r, {2}, timeout_s, lock) for key, r in receivers.items()}
+        except TimeoutError as exc:
+            with lock:
+                _abort(receivers)
+            return _failed(req["room"], receivers, f"prefill's bootstrap {bootstrap} did not answer: {exc}")
+        if any(v == 0 for v in ready.values()):
+            with lock:
+                _abort(receivers)
+            return _failed(req["room"], receivers)
+        with lock:
+            for r in receivers.values():
+                r.send_metadata(np.asarray(pages, dtype=np.int32), aux, None)
+        try:
+            final = {key: wait(r, FINAL, timeout_s, lock) for key, r in receivers.items()}
+        except TimeoutError as exc:
+            with lock:
+                _abort(receivers)
+            return _failed(req["room"], receivers, f"the transfer did not finish: {exc}")
+        with lock:
+            out: dict[str, Any] = {"room": req["room"], "state": "Success" if set(final.values()) == {4} else "Failed"}
+            out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] != 4}
+            out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
+            if out["state"] == "Success":
+                out["tokens"] = decode(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])
+            return out
+    finally:
+        with lock:
+            if pages:
+                for pool in row:
+                    pool.free_pages(pages)
+            if aux is not None:
+                for pool in row:
+                    pool.free_aux_slot(aux)
 
 
 if __name__ == "__main__":
