@@ -5,12 +5,14 @@ agent pods the operator made, materialises what the kubelet would (downward-API 
 Secret volumes: the rank map, the engine token, the pod's own peer certificate), and starts each
 container command on this machine as an AgentProcess, with the loopback ports and peer addresses
 of fabric.loopback_env (the engine door, which has no containerPort, gets a port of its own too).
-LocalFabric.from_cluster drives them.
+LocalFabric.from_cluster drives them. ``addresses_file`` maps each pod to its agent's metrics
+address (the operator's PDFABRIC_AGENT_ADDRESSES, in place of pod IP and metrics port).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,9 @@ class PodRunner:
         self.workdir = workdir
         self.pods: dict[str, AgentProcess] = {}  # by pod name
         self._planned_ports: dict[str, dict[str, int]] = {}
+        # {pod name: "127.0.0.1:<metrics port>"}, rewritten by sync(): the operator's
+        # PDFABRIC_AGENT_ADDRESSES, so it reads these processes' /readyz (agentstate.py).
+        self.addresses_file = workdir / "agent-addresses.json"
 
     def list_pods(self) -> list[dict[str, Any]]:
         out = self.cluster.get_json("pods", "-n", self.namespace, "-l", self.selector)
@@ -52,7 +57,15 @@ class PodRunner:
         for name, pod in pods.items():
             if name not in self.pods:
                 self.pods[name] = self._start(pod, peers)
+        self._write_addresses()
         return self.pods
+
+    def _write_addresses(self) -> None:
+        addresses = {name: f"127.0.0.1:{p.metrics_port}" for name, p in self.pods.items()}
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = self.addresses_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(addresses))
+        tmp.replace(self.addresses_file)  # the operator re-reads it: never a half-written file
 
     def stop(self) -> None:
         stop_all(self.pods.values(), timeout=15)
