@@ -8,7 +8,12 @@
    placed, to show the reason the operator reports; an invalid one, to show the API server's message;
 4. the agent pods' real command as local processes, real bytes over the Mooncake engine, verified
    on arrival, scraped by a real Prometheus, and a summary read back from it;
-5. the transfer dashboard's traffic panels rendered to docs/img/ from that Prometheus' data.
+5. the transfer dashboard's traffic panels rendered to docs/img/ from that Prometheus' data;
+6. spec.engine on PDCluster demo (the reference engine, the reference model): the pods roll one at
+   a time, each engine container's real command runs locally beside its agent (EnginePodRunner),
+   prompts go through the PD path as SGLang's router sends them (prefill computes the KV, the
+   agents move it, decode generates from it), answers printed beside colocated generation, then
+   the traffic Prometheus saw for them.
 Local processes stop at the end; the cluster stays up for `kubectl` (stop it: make cluster-down).
 """
 
@@ -16,13 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
 from pdfabric_devcluster.cluster import REPO_ROOT, LocalCluster, free_port, wait_for
+from pdfabric_devcluster.enginerunner import EnginePodRunner
 from pdfabric_devcluster.fabric import LocalFabric
-from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.procs import console_argv
 from pdfabric_devcluster.prometheus import Prometheus
 from pdfabric_devcluster.synthetic import expected_bytes
@@ -38,6 +44,19 @@ PAGES = 24
 EXAMPLES = ("demo", "llama-70b", "dsv4-cp8")
 # Prefill TP8 and the two decode TP8 replicas it feeds must share one NVLink domain: 24 GPUs,
 # and the demo fleet's only domain has 16.
+# The reference engine's model (pdfabric_refengine.build_model's defaults), as spec.model.
+REF_MODEL = {
+    "layers": 2,
+    "kvHeads": 4,
+    "headDim": 16,
+    "dtype": "float32",
+    "pageSizeTokens": 16,
+    "stateBytesPerRequest": 0,
+    "auxRowBytes": [64, 64, 64],
+}
+SERVER = ["python", "-m", "pdfabric_refengine.server"]
+PROMPTS = ["Hello, PD!", "prefill and decode", "KV cache over the fabric", "pdfabric"]
+NEW_TOKENS = 16
 TOO_BIG = {
     "apiVersion": "pdfabric.dev/v1alpha1",
     "kind": "PDCluster",
@@ -87,10 +106,14 @@ def main() -> int:
     with open(operator_log, "wb") as log:
         operator = subprocess.Popen(console_argv(["pdfabric-operator"]), env=env, stdout=log, stderr=subprocess.STDOUT)
     print(f"operator pid {operator.pid}, log {operator_log}")
-    runner = PodRunner(cluster, NAMESPACE, "app.kubernetes.io/component=agent", WORKDIR / "pods")
+    site, backend = installed_site()
+    runner = EnginePodRunner(
+        cluster, NAMESPACE, "app.kubernetes.io/component=agent", WORKDIR / "pods", pythonpath=[site] if site else []
+    )
     prometheus = Prometheus(WORKDIR / "prometheus")
     try:
-        return run_demo(cluster, runner, prometheus, metrics_port)
+        code = run_demo(cluster, runner, prometheus, metrics_port)
+        return code or serve_demo(cluster, runner, prometheus, backend)
     finally:
         runner.stop()
         prometheus.stop()
@@ -98,7 +121,24 @@ def main() -> int:
         operator.wait(timeout=30)
 
 
-def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, operator_metrics: int) -> int:
+def installed_site() -> tuple[str, str]:
+    """pdfabric installed as an engine image has it (its sglang.srt.plugins entry point, which
+    SGLang's load_plugins() finds), into the demo's folder; without the build tools the engines
+    use the agent's engine API directly (--backend direct)."""
+    site = WORKDIR / "site"
+    shutil.rmtree(site, ignore_errors=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
+         str(REPO_ROOT)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        print(f"(pdfabric not installable here, the engines run --backend direct: {proc.stderr.strip()[-300:]})")
+        return "", "direct"
+    return str(site), "sglang"
+
+
+def run_demo(cluster: LocalCluster, runner: EnginePodRunner, prometheus: Prometheus, operator_metrics: int) -> int:
     step(f"kubectl apply -f examples/ -n {NAMESPACE}")
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
     show(cluster, "apply", "-n", NAMESPACE, "-f", str(REPO_ROOT / "examples"))
@@ -186,6 +226,88 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
     drawn = render(http_range_query(prometheus.url), traffic_start, time.time(), cluster="demo", namespace=NAMESPACE)
     for name, series in drawn.items():
         print(f"  docs/img/{name}: {series} series")
+
+    return 0
+
+
+def serve_demo(cluster: LocalCluster, runner: EnginePodRunner, prometheus: Prometheus, backend: str) -> int:
+    from pdfabric_refengine import build_model, colocated_generate
+    from pdfabric_refengine.router import PrefillEndpoint, generate
+    from pdfabric_refengine.server import detokenize, tokenize
+
+    step(f"spec.engine on PDCluster demo: the reference engine ({backend} backend) beside the agents")
+    args = ["--tp", "$(PDFABRIC_TP)", "--backend", backend, "--timeout-s", "20"]
+    engine = {
+        "image": "pdfabric/refengine:local",
+        "prefill": {"command": SERVER, "args": ["--role", "prefill", "--cp", "$(PDFABRIC_CP)", *args]},
+        "decode": {"command": SERVER, "args": ["--role", "decode", *args]},
+    }
+    patch = [
+        {"op": "replace", "path": "/spec/model", "value": REF_MODEL},
+        {"op": "add", "path": "/spec/engine", "value": engine},
+    ]
+    print(f"  kubectl patch pdc demo --type json: spec.model = the reference model, spec.engine = {json.dumps(engine)}")
+    show(cluster, "patch", "pdcluster", "demo", "-n", NAMESPACE, "--type", "json", "-p", json.dumps(patch))
+
+    def rolled() -> bool:
+        pods = [p for p in runner.list_pods() if p["metadata"]["name"].startswith("demo")]
+        served = pods and all(len(p["spec"]["containers"]) > 1 for p in pods)
+        ready = (c := pdc_condition(cluster, "demo", "Ready")) and c["status"] == "True"
+        return bool(served and ready)
+
+    wait_for(rolled, timeout=180, interval=1, what="PDCluster demo rolled to its engine pods and Ready")
+    show(cluster, "get", "pdc", "demo", "-n", NAMESPACE)
+    pods = {n: p for n, p in runner.sync().items() if n.startswith("demo")}
+    wait_for(lambda: all(p.ready() for p in pods.values()), timeout=120, interval=0.5, what="every agent ready")
+    runner.wait_engines_healthy(timeout=240)
+    obj = cluster.get_json("pdcluster", "demo", "-n", NAMESPACE)
+    endpoints = obj["status"]["endpoints"]
+    for role in ("prefill", "decode"):
+        for ep in endpoints[role]:
+            local = runner.engine(ep["pod"], ep["container"])
+            boot = f", bootstrap {ep['bootstrap']}" if "bootstrap" in ep else ""
+            print(f"  {role} engine {ep['container']} of {ep['pod']}: {ep['url']}{boot} (here {local.url})")
+    targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
+    prometheus.set_targets(targets)
+    prometheus.wait_targets_up(len(targets))
+
+    step("prompts through PD (the router's request to prefill and decode, one bootstrap room), beside colocated")
+    p_ep, d_ep = endpoints["prefill"][0], endpoints["decode"][0]
+    pe, de = runner.engine(p_ep["pod"], p_ep["container"]), runner.engine(d_ep["pod"], d_ep["container"])
+    prefill = PrefillEndpoint(pe.url, "127.0.0.1", pe.bootstrap_port)
+    model = build_model(0)
+    equal, reported = 0, 0
+    for text in PROMPTS:
+        ids = tokenize(text)
+        answer = generate(prefill, de.url, ids, NEW_TOKENS, timeout_s=120)
+        want = colocated_generate(model, ids, NEW_TOKENS)
+        if not answer.ok:
+            print(f"  {text!r}: FAILED: {answer.error}")
+            return 1
+        same = answer.tokens == want
+        equal += same
+        reported += sum(m["bytes"] for m in answer.meta["kv_transfer"].values())
+        print(f"  prompt {text!r} ({len(ids)} tokens, room {answer.room})")
+        print(f"    PD        text {json.dumps(answer.text, ensure_ascii=False)} tokens {answer.tokens}")
+        print(f"    colocated text {json.dumps(detokenize(want), ensure_ascii=False)} tokens {want}  "
+              f"{'equal' if same else 'DIFFERENT'}")  # fmt: skip
+    print(f"  {equal}/{len(PROMPTS)} answers equal the colocated reference token for token")
+    if equal != len(PROMPTS):
+        return 1
+
+    step("what Prometheus saw for them")
+    time.sleep(2.5)  # two more scrapes
+    queries = {
+        "KV bytes into decode": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="decode",kind="kv"})',
+        "aux bytes into decode": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="decode",kind="aux"})',
+        "successful rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome="success"})',
+        "failed rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome!="success"}) or vector(0)',
+    }
+    for label, expr in queries.items():
+        result = prometheus.query(expr)
+        value = float(result[0]["value"][1]) if result else float("nan")
+        print(f"  {label:32} {value:,.0f}")
+    print(f"  the engines' own count (SGLang's KVTransferMetric of the decode ranks): {reported:,} bytes")
 
     step("done")
     print("The cluster stays up:")
