@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from pdfabric_refengine.geometry import SPEC_MODEL
+
 from pdfabric_devcluster.cluster import REPO_ROOT, LocalCluster, free_port, wait_for
 from pdfabric_devcluster.enginerunner import EnginePodRunner
 from pdfabric_devcluster.fabric import LocalFabric
@@ -44,16 +46,7 @@ PAGES = 24
 EXAMPLES = ("demo", "llama-70b", "dsv4-cp8")
 # Prefill TP8 and the two decode TP8 replicas it feeds must share one NVLink domain: 24 GPUs,
 # and the demo fleet's only domain has 16.
-# The reference engine's model (pdfabric_refengine.build_model's defaults), as spec.model.
-REF_MODEL = {
-    "layers": 2,
-    "kvHeads": 4,
-    "headDim": 16,
-    "dtype": "float32",
-    "pageSizeTokens": 16,
-    "stateBytesPerRequest": 0,
-    "auxRowBytes": [64, 64, 64],
-}
+REF_MODEL = SPEC_MODEL  # the reference engine's model as spec.model
 SERVER = ["python", "-m", "pdfabric_refengine.server"]
 PROMPTS = ["Hello, PD!", "prefill and decode", "KV cache over the fabric", "pdfabric"]
 NEW_TOKENS = 16

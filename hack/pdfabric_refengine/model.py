@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from pdfabric_refengine.geometry import HEAD_DIM, KV_HEADS, LAYERS
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -39,10 +41,10 @@ class ModelShape:
 def build_model(
     seed: int = 0,
     *,
-    layers: int = 2,
-    kv_heads: int = 4,
+    layers: int = LAYERS,
+    kv_heads: int = KV_HEADS,
     heads: int = 8,
-    head_dim: int = 16,
+    head_dim: int = HEAD_DIM,
     vocab: int = 256,
     hidden: int | None = None,
     initializer_range: float = 0.1,

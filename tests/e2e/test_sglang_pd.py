@@ -19,22 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pdfabric_refengine.geometry import SPEC_MODEL
 
 from pdfabric_devcluster.fabric import LocalFabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-# The reference engine's model (pdfabric_refengine.build_model's defaults) as a PDCluster model.
-REF_MODEL = {
-    "layers": 2,
-    "kvHeads": 4,
-    "headDim": 16,
-    "dtype": "float32",
-    "pageSizeTokens": 16,
-    "stateBytesPerRequest": 0,
-    "auxRowBytes": [64, 64, 64],
-}
+REF_MODEL = SPEC_MODEL  # the reference engine's model as spec.model
 PROMPTS = [list(range(3, 40)), [7, 1, 5] * 11, list(range(100, 116)), [42] * 5]  # 37, 33, 16, 5 tokens
 NEW_TOKENS = 32
 

@@ -279,3 +279,17 @@ def test_page_and_slot_allocation() -> None:
         assert pool.allocate_aux_slot() == a
         with pytest.raises(MemoryError):
             pool.allocate_aux_slot()
+
+
+def test_the_spec_model_is_the_reference_engines_own() -> None:
+    """geometry.SPEC_MODEL (what tests and the demo give a PDCluster) describes build_model's model
+    and the pool's aux rows, so a registration fits the spec it is checked against."""
+    from pdfabric_refengine import AUX_ITEMS
+    from pdfabric_refengine.geometry import SPEC_MODEL
+
+    shape = model_shape(build_model(0))
+    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.dtype, shape.page_size) == (
+        SPEC_MODEL["layers"], SPEC_MODEL["kvHeads"], SPEC_MODEL["headDim"], SPEC_MODEL["dtype"],
+        SPEC_MODEL["pageSizeTokens"],
+    )  # fmt: skip
+    assert [item.width * item.dtype.itemsize for item in AUX_ITEMS] == SPEC_MODEL["auxRowBytes"]
