@@ -30,8 +30,9 @@ def wait_readyz(lc: LocalFabric, name: str, timeout_s: float = 60) -> tuple[int,
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status, body = lc.readyz(name)
-        # The metrics server answers before the engines start: wait for a settled reason.
-        if status and body.get("reason") != "Starting":
+        # The metrics server answers before the engines start, and a sending rank's link check
+        # waits for its peers (none started here: up to probe.DISCOVER_S): wait for a settled reason.
+        if status and body.get("reason") not in ("Starting", "Probing"):
             return status, body
         time.sleep(0.1)
     pytest.fail(f"{name} gave no settled /readyz within {timeout_s} s:\n{lc.log(name)}")
