@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from pdfabric_agent.plan import TransferPlan
-from pdfabric_agent.pools import Pool
+from pdfabric_agent.pools import Pool, region_of
 from pdfabric_core.policy.types import Device
 
 Region = tuple[int, int]  # (absolute address, length)
@@ -82,13 +82,6 @@ def _pieces(plan: TransferPlan, *, src: bool) -> Iterator[Piece]:
         yield (src_addr if src else dst_addr), size
 
 
-def _pool_of(pools: Sequence[Pool], addr: int, length: int) -> Pool:
-    for pool in pools:
-        if pool.addr <= addr and addr + length <= pool.addr + pool.size:
-            return pool
-    raise ValueError(f"{length} bytes at {addr:#x} are outside the rank's memory")
-
-
 def checksum(all_pools: Sequence[Pool], pieces: Sequence[Piece]) -> str:
     """``"<length hex>:<sum hex>"`` of the stream the pieces make, read from the rank's memory (its
     pools, or an engine's buffers). Each region (each row of a ``Rows``) is zero-padded to whole
@@ -127,7 +120,7 @@ def _rows_sum(pools: Sequence[Pool], rows: Rows, first: int) -> tuple[int, int]:
     if not rows.pages:
         return 0, 0
     span = max(rows.pages) * rows.stride + rows.item
-    pool = _pool_of(pools, rows.base, span)
+    pool = region_of(pools, rows.base, span)
     off = rows.base - pool.addr
     padded = _padded(rows.item)
     per_chunk = max(1, CHUNK_BYTES // max(padded, 1))
@@ -168,7 +161,7 @@ def _runs(pools: Sequence[Pool], regions: Sequence[Region]) -> Iterator[tuple[De
     run: list[tuple[Pool, int, int]] = []
     device: Device | None = None
     for addr, n in regions:
-        pool = _pool_of(pools, addr, n)
+        pool = region_of(pools, addr, n)
         if pool.device is not device and run:
             assert device is not None
             yield device, run

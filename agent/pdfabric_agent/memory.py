@@ -120,6 +120,11 @@ class EngineMemory:
         self.layout = layout
         self.kv, self.state, self.aux = kv, state, aux
         self._keep = keep  # the open mappings (mmaps, IPC mappings) the pools point into
+        # Fixed once mapped, and read per room.
+        self.memory_map = MemoryMap(
+            kv=tuple(p.addr for p in kv), state=tuple(p.addr for p in state), aux=tuple(p.addr for p in aux)
+        )
+        self._regions = (*kv, *state, *aux)
 
     @classmethod
     def map(cls, reg: MemoryRegistration, layout: PoolLayout, *, shm_dir: str, gpu: int) -> EngineMemory:
@@ -138,23 +143,15 @@ class EngineMemory:
             raise
         return cls(layout, kv, state, aux, mapper)
 
-    @property
-    def memory_map(self) -> MemoryMap:
-        return MemoryMap(
-            kv=tuple(p.addr for p in self.kv),
-            state=tuple(p.addr for p in self.state),
-            aux=tuple(p.addr for p in self.aux),
-        )
-
     def regions(self) -> tuple[Pool, ...]:
-        return (*self.kv, *self.state, *self.aux)
+        return self._regions
 
     def describe(self) -> dict[str, Any]:
         devices = sorted({p.device.value for p in self.regions()})
         return {"layout": self.layout.to_dict(), "buffers": len(self.regions()), "devices": devices}
 
     def close(self) -> None:
-        self.kv, self.state, self.aux = [], [], []
+        self.kv, self.state, self.aux, self._regions = [], [], [], ()
         self._keep.close()
 
 

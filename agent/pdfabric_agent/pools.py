@@ -21,6 +21,7 @@ import json
 import logging
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -230,6 +231,15 @@ class Pool:
             torch.cuda.synchronize(self.gpu)  # nothing of ours still writes or reads it
             cuda.mem_free(self._device_buffer.ptr)
             self._device_buffer = None
+
+
+def region_of(regions: Sequence[Pool], addr: int, length: int) -> Pool:
+    """The registered region holding ``length`` bytes at ``addr`` (the rank's pools, or an
+    engine's buffers); ValueError when none does."""
+    for pool in regions:
+        if pool.addr <= addr and addr + length <= pool.addr + pool.size:
+            return pool
+    raise ValueError(f"{length} bytes at {addr:#x} are outside the rank's memory")
 
 
 def _ipc_handle(tensor: Any, gpu: int) -> str:

@@ -3,6 +3,7 @@ others."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from pdfabric_agent.backend import TransferBackend
 from pdfabric_agent.errors import malformed, unknown_rank, wrong_peer
 from pdfabric_agent.memory import EngineMemory
 from pdfabric_agent.plan import Bases, MemoryMap
-from pdfabric_agent.pools import Pool, PoolLayout, RankPools
+from pdfabric_agent.pools import Pool, PoolLayout, RankPools, region_of
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank, RankMap
@@ -33,8 +34,11 @@ class LocalRank:
 
     @property
     def bases(self) -> MemoryMap:
-        if self.engine is not None:
-            return self.engine.memory_map
+        return self.engine.memory_map if self.engine is not None else self._pools_map
+
+    @functools.cached_property
+    def _pools_map(self) -> MemoryMap:
+        """The agent's own pools never move: their map is made once (it is read per room)."""
         p = self.pools
         return MemoryMap.of_pools(p.layout, Bases(p.kv.addr, p.state.addr, p.aux.addr))
 
@@ -49,13 +53,6 @@ class LocalRank:
     def write(self, addr: int, data: bytes) -> None:
         pool = region_of(self.regions(), addr, len(data))
         pool.write(addr - pool.addr, data)
-
-
-def region_of(regions: tuple[Pool, ...], addr: int, length: int) -> Pool:
-    for pool in regions:
-        if pool.addr <= addr and addr + length <= pool.addr + pool.size:
-            return pool
-    raise ValueError(f"{length} bytes at {addr:#x} are outside the rank's memory")
 
 
 class NodeRanks:
