@@ -10,7 +10,7 @@
    on arrival, scraped by a real Prometheus, and a summary read back from it;
 5. the transfer dashboard's traffic panels rendered to docs/img/ from that Prometheus' data;
 6. spec.engine on PDCluster demo (the reference engine, the reference model): the pods roll one at
-   a time, each engine container's real command runs locally beside its agent (EnginePodRunner),
+   a time, each node pod's agent runs its engines as processes (PodRunner runs the pod's command locally),
    prompts go through the PD path as SGLang's router sends them (prefill computes the KV, the
    agents move it, decode generates from it), answers printed beside colocated generation, then
    the traffic Prometheus saw for them.
@@ -29,8 +29,8 @@ import time
 from pdfabric_refengine.geometry import SPEC_MODEL
 
 from pdfabric_devcluster.cluster import REPO_ROOT, LocalCluster, free_port, wait_for
-from pdfabric_devcluster.enginerunner import EnginePodRunner
 from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.procs import console_argv
 from pdfabric_devcluster.prometheus import Prometheus
 from pdfabric_devcluster.synthetic import expected_bytes
@@ -85,6 +85,11 @@ def main() -> int:
     show(cluster, "get", "crd", "pdclusters.pdfabric.dev")
     show(cluster, "get", "configmaps", "-n", SYSTEM_NAMESPACE, "-l", "grafana_dashboard=1")
 
+    site, backend = installed_site()
+    runner = PodRunner(
+        cluster, NAMESPACE, "app.kubernetes.io/component=agent", WORKDIR / "pods", pythonpath=[site] if site else []
+    )
+
     step("operator running as the chart's ServiceAccount (least-privilege RBAC)")
     metrics_port = free_port()
     env = {
@@ -93,16 +98,14 @@ def main() -> int:
         "PDFABRIC_METRICS_PORT": str(metrics_port),
         "PDFABRIC_LIVENESS": f"http://127.0.0.1:{free_port()}/healthz",
         "PDFABRIC_RECONCILE_INTERVAL": "2",
+        # It reads each agent's /readyz (transport, engines); here the agents are local processes.
+        "PDFABRIC_AGENT_ADDRESSES": str(runner.addresses_file),
         "PYTHONPATH": os.pathsep.join(str(REPO_ROOT / p) for p in ("core", "operator", "agent")),
     }
     operator_log = WORKDIR / "operator.log"
     with open(operator_log, "wb") as log:
         operator = subprocess.Popen(console_argv(["pdfabric-operator"]), env=env, stdout=log, stderr=subprocess.STDOUT)
     print(f"operator pid {operator.pid}, log {operator_log}")
-    site, backend = installed_site()
-    runner = EnginePodRunner(
-        cluster, NAMESPACE, "app.kubernetes.io/component=agent", WORKDIR / "pods", pythonpath=[site] if site else []
-    )
     prometheus = Prometheus(WORKDIR / "prometheus")
     try:
         code = run_demo(cluster, runner, prometheus, metrics_port)
@@ -131,7 +134,7 @@ def installed_site() -> tuple[str, str]:
     return str(site), "sglang"
 
 
-def run_demo(cluster: LocalCluster, runner: EnginePodRunner, prometheus: Prometheus, operator_metrics: int) -> int:
+def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, operator_metrics: int) -> int:
     step(f"kubectl apply -f examples/ -n {NAMESPACE}")
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
     show(cluster, "apply", "-n", NAMESPACE, "-f", str(REPO_ROOT / "examples"))
@@ -223,7 +226,7 @@ def run_demo(cluster: LocalCluster, runner: EnginePodRunner, prometheus: Prometh
     return 0
 
 
-def serve_demo(cluster: LocalCluster, runner: EnginePodRunner, prometheus: Prometheus, backend: str) -> int:
+def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, backend: str) -> int:
     from pdfabric_refengine import build_model, colocated_generate
     from pdfabric_refengine.router import PrefillEndpoint, generate
     from pdfabric_refengine.server import detokenize, tokenize
@@ -242,13 +245,18 @@ def serve_demo(cluster: LocalCluster, runner: EnginePodRunner, prometheus: Prome
     print(f"  kubectl patch pdc demo --type json: spec.model = the reference model, spec.engine = {json.dumps(engine)}")
     show(cluster, "patch", "pdcluster", "demo", "-n", NAMESPACE, "--type", "json", "-p", json.dumps(patch))
 
-    def rolled() -> bool:
-        pods = [p for p in runner.list_pods() if p["metadata"]["name"].startswith("demo")]
-        served = pods and all(len(p["spec"]["containers"]) > 1 for p in pods)
-        ready = (c := pdc_condition(cluster, "demo", "Ready")) and c["status"] == "True"
-        return bool(served and ready)
+    def serving(pod: dict) -> bool:
+        (container,) = pod["spec"]["containers"]
+        return any(v["name"] == "PDFABRIC_ENGINES" for v in container.get("env", []))
 
-    wait_for(rolled, timeout=180, interval=1, what="PDCluster demo rolled to its engine pods and Ready")
+    def rolled() -> bool:
+        # The operator replaces one pod at a time, each once the others are Ready: run what it made.
+        pods = [p for p in runner.list_pods() if p["metadata"]["name"].startswith("demo")]
+        runner.sync()
+        ready = (c := pdc_condition(cluster, "demo", "Ready")) and c["status"] == "True"
+        return bool(pods and all(serving(p) for p in pods) and ready)
+
+    wait_for(rolled, timeout=300, interval=1, what="PDCluster demo rolled to its engine pods and Ready")
     show(cluster, "get", "pdc", "demo", "-n", NAMESPACE)
     pods = {n: p for n, p in runner.sync().items() if n.startswith("demo")}
     wait_for(lambda: all(p.ready() for p in pods.values()), timeout=120, interval=0.5, what="every agent ready")
@@ -257,16 +265,16 @@ def serve_demo(cluster: LocalCluster, runner: EnginePodRunner, prometheus: Prome
     endpoints = obj["status"]["endpoints"]
     for role in ("prefill", "decode"):
         for ep in endpoints[role]:
-            local = runner.engine(ep["pod"], ep["container"])
+            local = runner.engine(ep["pod"], ep["engine"])
             boot = f", bootstrap {ep['bootstrap']}" if "bootstrap" in ep else ""
-            print(f"  {role} engine {ep['container']} of {ep['pod']}: {ep['url']}{boot} (here {local.url})")
+            print(f"  {role} engine {ep['engine']} of {ep['pod']}: {ep['url']}{boot} (here {local.url})")
     targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
     prometheus.set_targets(targets)
     prometheus.wait_targets_up(len(targets))
 
     step("prompts through PD (the router's request to prefill and decode, one bootstrap room), beside colocated")
     p_ep, d_ep = endpoints["prefill"][0], endpoints["decode"][0]
-    pe, de = runner.engine(p_ep["pod"], p_ep["container"]), runner.engine(d_ep["pod"], d_ep["container"])
+    pe, de = runner.engine(p_ep["pod"], p_ep["engine"]), runner.engine(d_ep["pod"], d_ep["engine"])
     prefill = PrefillEndpoint(pe.url, "127.0.0.1", pe.bootstrap_port)
     model = build_model(0)
     equal, reported = 0, 0

@@ -1,34 +1,103 @@
 """Run the real command of agent pods bound to fake nodes as local processes.
 
 kwok marks pods Running but runs nothing. For end-to-end tests and the demo, PodRunner reads the
-agent pods the operator made, materialises what the kubelet would (downward-API env, ConfigMap and
-Secret volumes: the rank map, the engine token, the pod's own peer certificate), and starts each
-container command on this machine as an AgentProcess, with the loopback ports and peer addresses
-of fabric.loopback_env (the engine door, which has no containerPort, gets a port of its own too).
-LocalFabric.from_cluster drives them. ``addresses_file`` maps each pod to its agent's metrics
-address (the operator's PDFABRIC_AGENT_ADDRESSES, in place of pod IP and metrics port).
+agent pods the operator made, materialises what the kubelet would (downward-API, Secret and
+ConfigMap env, ``$(VAR)`` expansion of env values; ConfigMap and Secret volumes: the rank map, the
+engine token, the pod's own peer certificate; a memory-backed ``emptyDir`` as a directory under
+this machine's /dev/shm), and starts the container's command on this machine as an AgentProcess,
+with the loopback ports and peer addresses of fabric.loopback_env (the engine door, which has no
+containerPort, gets a port of its own too). LocalFabric.from_cluster drives them.
+``addresses_file`` maps each pod to its agent's metrics address (the operator's
+PDFABRIC_AGENT_ADDRESSES, in place of pod IP and metrics port).
+
+With spec.engine the container's agent runs the engines itself (PDFABRIC_ENGINES). The image is
+this machine's environment then: ``python``/``python3`` on PATH is this interpreter, the
+repository's packages (and ``pythonpath``, e.g. an installed distribution's entry points) are on
+PYTHONPATH, and each engine port of the launch message becomes the loopback port its container
+port got (the pod network on one shared loopback). ``engine(pod, name)`` finds an engine.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdfabric_core.engines import ENGINES_ENV, EngineState, expand
 from pdfabric_devcluster.cluster import ClusterError, LocalCluster
 from pdfabric_devcluster.fabric import AgentProcess, loopback_env, stop_all
-from pdfabric_devcluster.procs import console_argv, console_scripts, free_port
+from pdfabric_devcluster.procs import REPO_ROOT, console_argv, console_scripts, free_port
+
+SHM_PATH = "/dev/shm"
+# What an engine image has on its PYTHONPATH besides pdfabric's own packages: the SGLang plugin
+# and the reference engine.
+ENGINE_PACKAGES = ("integrations/sglang", "hack")
+
+
+@dataclass(frozen=True)
+class LocalEngine:
+    """One engine of a node pod, run by that pod's agent: where it serves here, what the agent says of it."""
+
+    pod: str
+    name: str
+    port: int
+    bootstrap_port: int
+    agent: AgentProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def state(self) -> EngineState | None:
+        _, body = self.agent.readyz()
+        for raw in body.get("engines") or []:
+            st = EngineState.from_json(raw)
+            if st is not None and st.name == self.name:
+                return st
+        return None
+
+    def healthy(self) -> bool:
+        """GET /health answers 200 (what the agent probes)."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> int:
+        """SIGKILL the engine's process group, as an OOM kill or a crash would end it; its pid."""
+        st = self.state()
+        if st is None or not st.pid:
+            raise ClusterError(f"engine {self.name} of {self.pod} is not running: {st}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(st.pid, signal.SIGKILL)
+        return st.pid
 
 
 class PodRunner:
-    def __init__(self, cluster: LocalCluster, namespace: str, selector: str, workdir: Path) -> None:
+    def __init__(
+        self, cluster: LocalCluster, namespace: str, selector: str, workdir: Path, *, pythonpath: Sequence[str] = ()
+    ) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.selector = selector
         self.workdir = workdir
+        self.pythonpath = list(pythonpath)
         self.pods: dict[str, AgentProcess] = {}  # by pod name
+        self.engines: dict[tuple[str, str], LocalEngine] = {}  # (pod, engine name)
+        self._empty_dirs: dict[tuple[str, ...], Path] = {}
         self._planned_ports: dict[str, dict[str, int]] = {}
         # {pod name: "127.0.0.1:<metrics port>"}, rewritten by sync(): the operator's
         # PDFABRIC_AGENT_ADDRESSES, so it reads these processes' /readyz (agentstate.py).
@@ -45,6 +114,7 @@ class PodRunner:
             if name not in pods or pods[name]["metadata"]["uid"] != local.uid:
                 local.stop()
                 del self.pods[name]
+                self.engines = {k: v for k, v in self.engines.items() if k[0] != name}
         for name, pod in pods.items():
             self._planned_ports.setdefault(name, {})
             for c in pod["spec"]["containers"]:
@@ -68,8 +138,29 @@ class PodRunner:
         tmp.replace(self.addresses_file)  # the operator re-reads it: never a half-written file
 
     def stop(self) -> None:
-        stop_all(self.pods.values(), timeout=15)
+        stop_all(self.pods.values(), timeout=45)  # an agent stops its engines first
         self.pods.clear()
+        self.engines.clear()
+        for path in self._empty_dirs.values():
+            shutil.rmtree(path, ignore_errors=True)
+        self._empty_dirs.clear()
+
+    def engine(self, pod: str, name: str) -> LocalEngine:
+        return self.engines[(pod, name)]
+
+    def wait_engines_healthy(self, timeout: float = 120) -> None:
+        """Every engine of every running pod answers its health path."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sick = [e for e in self.engines.values() if not e.healthy()]
+            if self.engines and not sick:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engines not healthy in {timeout:.0f} s: {[(e.pod, e.name, e.state()) for e in sick]}\n"
+                    + "\n".join(f"--- {p}:\n{a.log_tail()}" for p, a in self.pods.items())
+                )
+            time.sleep(0.2)
 
     # ---- what the kubelet would do ------------------------------------------------------------
     def _start(self, pod: dict[str, Any], peers: dict[str, int]) -> AgentProcess:
@@ -79,18 +170,54 @@ class PodRunner:
         mounts = self._materialise_volumes(spec.get("volumes", []), container.get("volumeMounts", []), root)
         ports = self._planned_ports[meta["name"]]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDFABRIC_")}
+        defined: dict[str, str] = {}  # the kubelet expands $(VAR) against the container's own variables
         for var in container.get("env", []):
-            env[var["name"]] = self._resolve(var, pod)
+            defined[var["name"]] = self._resolve(var, pod, defined)
+        env.update(defined)
+        if SHM_PATH in mounts and "PDFABRIC_SHM_DIR" not in env:
+            env["PDFABRIC_SHM_DIR"] = SHM_PATH  # the agent's default: in its container, the pod's /dev/shm volume
         for key, value in list(env.items()):  # paths inside mounts move to where the files really are
             for mount_path, local_dir in mounts.items():
                 if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
                     env[key] = str(local_dir) + value[len(mount_path.rstrip("/")) :]
         env.update(loopback_env(peers, ports["api"], ports["peer"], ports["metrics"], env))
+        local_ports = {p["containerPort"]: ports[p["name"]] for p in container.get("ports", [])}
+        if ENGINES_ENV in env:
+            env[ENGINES_ENV] = self._local_launches(env[ENGINES_ENV], local_ports)
+            env["PATH"] = os.pathsep.join([str(self._python_bin()), env.get("PATH", "")])
+            own = [str(REPO_ROOT / p) for p in ENGINE_PACKAGES]
+            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *own, *self.pythonpath])
         agent = AgentProcess(
             meta["name"], spec["nodeName"], self._command(container), env, ports["api"], ports["metrics"],
             root / "container.log", uid=meta["uid"], peer_port=ports["peer"],
         )  # fmt: skip
+        for launch in json.loads(env.get(ENGINES_ENV, "[]")):
+            self.engines[(meta["name"], launch["name"])] = LocalEngine(
+                meta["name"], launch["name"], launch["port"], launch.get("bootstrapPort", 0), agent
+            )
         return agent.start()
+
+    @staticmethod
+    def _local_launches(text: str, local_ports: dict[int, int]) -> str:
+        """The launch message with each engine's ports moved to their container ports' loopback ports."""
+        launches = json.loads(text)
+        for launch in launches:
+            for key in ("port", "bootstrapPort"):
+                if key in launch:
+                    if launch[key] not in local_ports:
+                        raise ClusterError(f"engine {launch['name']}: {key} {launch[key]} is no container port")
+                    launch[key] = local_ports[launch[key]]
+        return json.dumps(launches)
+
+    def _python_bin(self) -> Path:
+        """A PATH entry whose python and python3 are this interpreter (the image's python)."""
+        bin_dir = self.workdir / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("python", "python3"):
+            link = bin_dir / name
+            if not link.exists():
+                link.symlink_to(sys.executable)
+        return bin_dir
 
     @staticmethod
     def _command(container: dict[str, Any]) -> list[str]:
@@ -105,10 +232,20 @@ class PodRunner:
         # The console script pip would generate, run from the repository sources.
         return console_argv(command)
 
-    def _resolve(self, var: dict[str, Any], pod: dict[str, Any]) -> str:
+    def _resolve(self, var: dict[str, Any], pod: dict[str, Any], defined: dict[str, str]) -> str:
         if "value" in var:
-            return str(var["value"])
-        field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            return expand(str(var["value"]), defined)
+        source = var.get("valueFrom", {})
+        for kind, ref_key in (("secret", "secretKeyRef"), ("configmap", "configMapKeyRef")):
+            if ref_key in source:
+                ref = source[ref_key]
+                obj = self.cluster.get_json(kind, ref["name"], "-n", self.namespace)
+                data = obj.get("data", {})
+                if ref["key"] not in data:
+                    raise ClusterError(f"env {var['name']}: {kind} {ref['name']} has no key {ref['key']}")
+                raw = data[ref["key"]]
+                return base64.b64decode(raw).decode() if kind == "secret" else str(raw)
+        field = source.get("fieldRef", {}).get("fieldPath")
         values = {
             "spec.nodeName": pod["spec"]["nodeName"],
             "metadata.name": pod["metadata"]["name"],
@@ -129,6 +266,9 @@ class PodRunner:
         for mount in mounts:
             volume = by_name[mount["name"]]
             target = root / "volumes" / mount["name"]
+            if "emptyDir" in volume:
+                out[mount["mountPath"]] = self._empty_dir(root, mount["name"], volume["emptyDir"])
+                continue
             target.mkdir(parents=True, exist_ok=True)
             if "configMap" in volume:
                 cm = self.cluster.get_json("configmap", volume["configMap"]["name"], "-n", self.namespace)
@@ -139,7 +279,7 @@ class PodRunner:
                 data = {k: base64.b64decode(v) for k, v in secret.get("data", {}).items()}
                 items = volume["secret"].get("items")
             else:
-                raise ClusterError(f"volume {mount['name']}: only configMap and secret volumes run locally")
+                raise ClusterError(f"volume {mount['name']}: only configMap, secret and emptyDir volumes run locally")
             for key, value in data.items():
                 paths = [i["path"] for i in items if i["key"] == key] if items else [key]
                 for rel in paths:
@@ -148,3 +288,15 @@ class PodRunner:
                     path.chmod(0o400 if "secret" in volume else 0o444)
             out[mount["mountPath"]] = target
         return out
+
+    def _empty_dir(self, root: Path, name: str, empty_dir: dict[str, Any]) -> Path:
+        """One directory per pod and volume; a memory-backed one under this machine's /dev/shm."""
+        key = (*root.relative_to(self.workdir).parts[:2], name)
+        if key not in self._empty_dirs:
+            if empty_dir.get("medium") == "Memory" and os.path.isdir(SHM_PATH):
+                path = Path(tempfile.mkdtemp(prefix=f"pdfabric-{key[0]}-{name}-", dir=SHM_PATH))
+            else:
+                path = root / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+            self._empty_dirs[key] = path
+        return self._empty_dirs[key]

@@ -126,7 +126,7 @@ def open_engine(
 ) -> Engine:
     """The model, a pool per rank in ``shm_dir`` and a registered rank manager each. The rank's
     place comes from the environment (PDFABRIC_REPLICA, PDFABRIC_RANK, PDFABRIC_AGENT_ADDRESS, as
-    a PDCluster's engine container has it); PDFABRIC_CP_RANK is set per CP rank here, and
+    a PDCluster's engine gets it); PDFABRIC_CP_RANK is set per CP rank here, and
     ``agents`` (rank id -> engine door) overrides the agent address per rank."""
     if backend == "direct":
         classes: dict[str, Any] = {}

@@ -12,7 +12,7 @@ prefill's bootstrap server which replica it is, and generates greedily from the 
 answer is SGLang's: ``text``, ``output_ids`` and ``meta_info``. A transfer that fails or times out
 answers 500 with the reason, the request's pages freed, so a dead peer costs an error, not a hang.
 
-Everything else comes from the environment a PDCluster's engine container gets (docs/engines.md):
+Everything else comes from the environment a PDCluster's engine process gets (docs/engines.md):
 ``PDFABRIC_PORT``, ``PDFABRIC_BOOTSTRAP_PORT``, ``PDFABRIC_TP``, ``PDFABRIC_CP``,
 ``PDFABRIC_SHM_DIR`` as defaults of the flags; ``PDFABRIC_AGENT_ADDRESS``,
 ``PDFABRIC_ENGINE_TOKEN_FILE``, ``PDFABRIC_REPLICA`` and ``PDFABRIC_RANK`` for the rank managers

@@ -1,10 +1,11 @@
 """A PDCluster that serves (issue 12): kubectl apply of a PDCluster with spec.engine -> the
-operator's node pods (agent + one engine container per replica) -> their real commands as local
-processes (EnginePodRunner: the agents, and the reference engine's serving front with SGLang's
-pdfabric classes) -> prompts sent as SGLang's PD router sends them (the same bootstrap room to the
-prefill and the decode endpoint of the status) -> greedy tokens equal to colocated generation.
-Then an engine is killed mid-traffic: its requests fail with an error answer, none hangs, and the
-engine comes back (restarted with backoff) and serves again."""
+operator's node pods (one container: the agent, which runs one engine process per replica on its
+node) -> the container's real command as a local process (PodRunner; the agent starts the
+reference engine's serving front with SGLang's pdfabric classes) -> prompts sent as SGLang's PD
+router sends them (the same bootstrap room to the prefill and the decode endpoint of the status)
+-> greedy tokens equal to colocated generation. Then the decode engine and then the prefill
+engine are killed mid-traffic: their requests fail with an error answer, none hangs, the agent
+restarts the engine with backoff, the PDCluster's status reports the restart, and it serves again."""
 
 from __future__ import annotations
 
@@ -15,24 +16,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kopf.testing import KopfRunner
 from pdfabric_refengine.router import Answer, PrefillEndpoint, generate
 from pdfabric_refengine.server import detokenize
 
-from pdfabric_devcluster.enginerunner import EnginePodRunner
 from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.podrunner import LocalEngine, PodRunner
 from tests.builders import pdcluster
 from tests.e2e import test_sglang_pd as sg
 from tests.integration import pdcluster_harness as h
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-operator_kubeconfig, gpu_nodes, operator = h.operator_kubeconfig, h.gpu_nodes, h.operator
+operator_kubeconfig, gpu_nodes = h.operator_kubeconfig, h.gpu_nodes
 installed = sg.installed
 
 PROMPTS = sg.PROMPTS
 NEW_TOKENS = 16
 SERVER = ["python", "-m", "pdfabric_refengine.server"]
-# What the engine containers run: the reference engine's serving front with SGLang's classes for
+# What the agents run as engines: the reference engine's serving front with SGLang's classes for
 # --disaggregation-transfer-backend pdfabric; its port, TP and shm dir from the container's env.
 ENGINE = {
     "image": "pdfabric/refengine:local",
@@ -42,12 +44,21 @@ ENGINE = {
 
 
 @pytest.fixture
-def runner(cluster: Any, namespace: str, tmp_path: Path, installed: Path) -> Iterator[EnginePodRunner]:
-    pods = EnginePodRunner(
+def runner(cluster: Any, namespace: str, tmp_path: Path, installed: Path) -> Iterator[PodRunner]:
+    pods = PodRunner(
         cluster, namespace, "app.kubernetes.io/component=agent", tmp_path / "pods", pythonpath=[str(installed)]
     )
     yield pods
     pods.stop()
+
+
+@pytest.fixture
+def operator(cluster: Any, operator_kubeconfig: Path, namespace: str, runner: PodRunner) -> Iterator[KopfRunner]:
+    """The operator reading the local agents' /readyz (PDFABRIC_AGENT_ADDRESSES): their engines."""
+    env = {"PDFABRIC_AGENT_ADDRESSES": str(runner.addresses_file)}
+    with h.running_operator(cluster, operator_kubeconfig, f"pdfabric-{namespace}", extra_env=env) as op:
+        yield op
+        h.delete_all_pdclusters(cluster, namespace)
 
 
 def colocated(prompts: list[list[int]]) -> list[list[int]]:
@@ -57,17 +68,63 @@ def colocated(prompts: list[list[int]]) -> list[list[int]]:
     return [colocated_generate(model, p, NEW_TOKENS) for p in prompts]
 
 
-def router_targets(obj: dict[str, Any], runner: EnginePodRunner) -> tuple[PrefillEndpoint, str]:
+def router_targets(obj: dict[str, Any], runner: PodRunner) -> tuple[PrefillEndpoint, str]:
     """The status' endpoints, as a router resolves them: here each engine's loopback ports stand
     in for its pod's DNS name and container ports."""
     (p,) = obj["status"]["endpoints"]["prefill"]
     (d,) = obj["status"]["endpoints"]["decode"]
-    pe, de = runner.engine(p["pod"], p["container"]), runner.engine(d["pod"], d["container"])
+    pe, de = runner.engine(p["pod"], p["engine"]), runner.engine(d["pod"], d["engine"])
     return PrefillEndpoint(pe.url, "127.0.0.1", pe.bootstrap_port), de.url
 
 
+def endpoint(cluster: Any, namespace: str, role: str) -> dict[str, Any]:
+    (ep,) = cluster.get_json("pdcluster", "pd", "-n", namespace)["status"]["endpoints"][role]
+    return dict(ep)
+
+
+def kill_mid_traffic(
+    victim: LocalEngine, prefill: PrefillEndpoint, decode_url: str, want: list[list[int]]
+) -> list[tuple[int, Answer, float]]:
+    """18 requests a router sends 0.15 s apart; the victim is SIGKILLed after 1 s. Every request
+    answers (some with an error), none hangs, none with wrong tokens."""
+    t0 = time.monotonic()
+
+    def one(i: int) -> tuple[int, Answer, float]:
+        time.sleep(0.15 * i)
+        a = generate(prefill, decode_url, PROMPTS[i % len(PROMPTS)], NEW_TOKENS, timeout_s=60)
+        return i, a, time.monotonic() - t0
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(one, i) for i in range(18)]
+        time.sleep(1.0)
+        victim.kill()
+        killed_at = time.monotonic() - t0
+        results = [f.result(timeout=90) for f in futures]
+    failed = [a for _, a, _ in results if not a.ok]
+    assert failed, f"no request was affected by the kill of {victim.name}"
+    assert all(a.error for a in failed)
+    # No hang: a request whose peer died answers within its engine's timeout (10 s) and some slack.
+    assert max(t for *_, t in results) < killed_at + 0.15 * 18 + 25, [round(t, 1) for *_, t in results]
+    # What was answered before the kill, or by the other engine alone, is right or an error.
+    assert all(a.tokens == want[i % len(PROMPTS)] for i, a, _ in results if a.ok)
+    return results
+
+
+def comes_back(cluster: Any, namespace: str, victim: LocalEngine, role: str, restarts: int) -> None:
+    """The agent restarted the engine (its backoff), it serves, and the PDCluster says so."""
+
+    def back() -> bool:
+        st, ep = victim.state(), endpoint(cluster, namespace, role)
+        return bool(st and st.restarts >= restarts and st.ready and ep["ready"] and ep["restarts"] >= restarts)
+
+    h.wait_until(back, timeout=150, what=f"{victim.name} restarted, ready, and so in the status")
+    st = victim.state()
+    assert st is not None and "signal 9" in st.last_exit, st
+    assert "signal 9" in endpoint(cluster, namespace, role)["lastExit"]
+
+
 def test_pdcluster_serves_prompts_through_pd_and_survives_an_engine_kill(
-    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any, runner: EnginePodRunner
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any, runner: PodRunner
 ) -> None:
     gpu_nodes("srv", 2, gpus=4)
     builder = (
@@ -81,14 +138,19 @@ def test_pdcluster_serves_prompts_through_pd_and_survives_an_engine_kill(
         .engine(**ENGINE)
     )
     h.apply_pdc(cluster, builder.manifest(), namespace)
-    obj = h.wait_ready(cluster, namespace, "pd")
-    assert obj["status"]["engines"] == {"prefill": {"desired": 1, "ready": 1}, "decode": {"desired": 1, "ready": 1}}
-
+    h.wait_until(lambda: len(h.agent_pods(cluster, namespace, "pd")) == 2, timeout=60, what="two node pods")
     pods = runner.sync()
     assert len(pods) == 2  # prefill TP2 and decode TP4 each on a node of 4 GPUs
-    h.wait_until(lambda: all(p.ready() for p in pods.values()), timeout=90, what="every agent ready")
-    runner.wait_engines_healthy(timeout=120)
-    assert sorted(c for _, c in runner.engines) == ["decode-0", "prefill-0"]
+    assert sorted(name for _, name in runner.engines) == ["decode-0", "prefill-0"]
+    # An agent is Ready (its /readyz 200, the pod's readiness) once its engines answer too.
+    h.wait_until(lambda: all(p.ready() for p in pods.values()), timeout=180, what="every agent and engine ready")
+    runner.wait_engines_healthy(timeout=30)
+    obj = h.wait_ready(cluster, namespace, "pd", timeout=60)  # Ready waits for the engines too
+    engines = obj["status"]["engines"]
+    assert [(engines[r]["desired"], engines[r]["ready"], engines[r]["restarts"]) for r in ("prefill", "decode")] == [
+        (1, 1, 0),
+        (1, 1, 0),
+    ]
     prefill, decode_url = router_targets(obj, runner)
 
     # Prompts through PD, concurrently as a router sends them: tokens equal colocated generation.
@@ -104,38 +166,22 @@ def test_pdcluster_serves_prompts_through_pd_and_survives_an_engine_kill(
     reported = sum(m["bytes"] for a in answers for m in a.meta["kv_transfer"].values())
     assert reported == moved > 0
 
-    # Kill the decode engine mid-traffic: every request answers (some with an error), none hangs.
-    victim = runner.engine(obj["status"]["endpoints"]["decode"][0]["pod"], "decode-0")
-    t0 = time.monotonic()
-
-    def one(i: int) -> tuple[int, Answer, float]:
-        time.sleep(0.15 * i)
-        a = generate(prefill, decode_url, PROMPTS[i % len(PROMPTS)], NEW_TOKENS, timeout_s=60)
-        return i, a, time.monotonic() - t0
-
-    with ThreadPoolExecutor(max_workers=6) as pool:
-        futures = [pool.submit(one, i) for i in range(18)]
-        time.sleep(1.0)
-        victim.kill()
-        killed_at = time.monotonic() - t0
-        results = [f.result(timeout=90) for f in futures]
-    failed = [a for _, a, _ in results if not a.ok]
-    assert failed, "no request was affected by the kill"
-    assert all(a.error for a in failed)
-    # No hang: a request whose peer died answers within its engine's timeout (10 s) and some slack.
-    assert max(t for *_, t in results) < killed_at + 0.15 * 18 + 25, [round(t, 1) for *_, t in results]
-    # What was answered before the kill, or by prefill alone, is right or an error, never wrong tokens.
-    assert all(a.tokens == want[i % len(PROMPTS)] for i, a, _ in results if a.ok)
-
-    # The engine comes back (the supervisor's backoff; its rank's buffers registered again once
-    # the dead engine's rooms are over) and serves; prefill never restarted.
-    h.wait_until(lambda: victim.restarts >= 1 and victim.healthy(), timeout=120, what="decode-0 restarted and healthy")
-    assert victim.exit_codes[0] == -9
-    assert runner.engine(prefill_pod(obj), "prefill-0").restarts == 0
+    # Kill the decode engine mid-traffic, then (once it is back) the prefill engine.
+    decode = runner.engine(endpoint(cluster, namespace, "decode")["pod"], "decode-0")
+    prefill_engine = runner.engine(endpoint(cluster, namespace, "prefill")["pod"], "prefill-0")
+    kill_mid_traffic(decode, prefill, decode_url, want)
+    comes_back(cluster, namespace, decode, "decode", 1)
+    before = prefill_engine.state()
+    assert before is not None and before.restarts == 0  # prefill was not restarted for decode's death
     again = [generate(prefill, decode_url, p, NEW_TOKENS, timeout_s=60) for p in PROMPTS]
     assert [a.error for a in again] == [""] * len(PROMPTS)
     assert [a.tokens for a in again] == want
 
-
-def prefill_pod(obj: dict[str, Any]) -> str:
-    return str(obj["status"]["endpoints"]["prefill"][0]["pod"])
+    kill_mid_traffic(prefill_engine, prefill, decode_url, want)
+    comes_back(cluster, namespace, prefill_engine, "prefill", 1)
+    again = [generate(prefill, decode_url, p, NEW_TOKENS, timeout_s=60) for p in PROMPTS]
+    assert [a.error for a in again] == [""] * len(PROMPTS)
+    assert [a.tokens for a in again] == want
+    events = cluster.get_json("events", "-n", namespace, "--field-selector", "reason=EngineRestarted")["items"]
+    messages = [e["message"] for e in events]
+    assert any("decode-0" in m for m in messages) and any("prefill-0" in m for m in messages), messages
