@@ -75,8 +75,14 @@ class PDClusterBuilder:
         """spec.engine with a launch line per role; `fields` merge over it (prefill={...}, ...)."""
         base: dict[str, Any] = {
             "image": image,
-            "prefill": {"args": ["--disaggregation-mode", "prefill"]},
-            "decode": {"args": ["--disaggregation-mode", "decode"]},
+            "prefill": {
+                "command": ["python3", "-m", "sglang.launch_server"],
+                "args": ["--disaggregation-mode", "prefill"],
+            },
+            "decode": {
+                "command": ["python3", "-m", "sglang.launch_server"],
+                "args": ["--disaggregation-mode", "decode"],
+            },
         }
         self._spec["engine"] = merge(base, fields)
         return self
@@ -127,7 +133,11 @@ def busy(node: str, gpus: int, owner: str | None = "other") -> PlacedPod:
 
 
 # A valid spec.engine the invalid engine cases below start from.
-ENGINE: dict[str, Any] = {"image": "pdfabric/refengine:test", "prefill": {"args": ["p"]}, "decode": {"args": ["d"]}}
+ENGINE: dict[str, Any] = {
+    "image": "pdfabric/refengine:test",
+    "prefill": {"command": ["serve"], "args": ["p"]},
+    "decode": {"command": ["serve"], "args": ["d"]},
+}
 
 
 def _engine(**patch: Any) -> dict[str, Any]:
@@ -136,14 +146,16 @@ def _engine(**patch: Any) -> dict[str, Any]:
 
 # Bad spec.engine cases: (id, spec patch, fragment of the API server's message, naming the field).
 ENGINE_INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
-    ("engine-no-image", {"engine": {"prefill": {"args": ["p"]}, "decode": {"args": ["d"]}}}, "spec.engine.image"),
-    ("engine-no-decode", {"engine": {"image": "e", "prefill": {"args": ["p"]}}}, "spec.engine.decode"),
+    ("engine-no-image", {"engine": {"prefill": ENGINE["prefill"], "decode": ENGINE["decode"]}}, "spec.engine.image"),
+    ("engine-no-decode", {"engine": {"image": "e", "prefill": ENGINE["prefill"]}}, "spec.engine.decode"),
     ("engine-empty-image", _engine(image=""), "spec.engine.image"),
     (
-        "engine-no-launch-line",
-        {"engine": {"image": "e", "prefill": {"args": ["p"]}, "decode": {"port": 31000}}},
-        "engine.decode needs command or args",
+        # The container's entrypoint is the agent: an engine without a command has no launch line.
+        "engine-no-command",
+        {"engine": {"image": "e", "prefill": ENGINE["prefill"], "decode": {"args": ["d"]}}},
+        "spec.engine.decode.command",
     ),
+    ("engine-empty-command", _engine(prefill={"command": []}), "spec.engine.prefill.command"),
     (
         "engine-env-pdfabric",
         _engine(prefill={"env": [{"name": "PDFABRIC_RANK", "value": "prefill-0-tp0"}]}),

@@ -12,12 +12,13 @@ import re
 from collections.abc import Iterable
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["QuantityError", "add_quantities", "format_quantity", "parse_quantity"]
+__all__ = ["QUANTITY_PATTERN", "QuantityError", "add_quantities", "format_quantity", "parse_quantity"]
 
 _BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-_QUANTITY = re.compile(rf"^({_NUMBER})(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
+# The grammar as the CRD's schema spells it (a pattern on every quantity field; RE2 and Python alike).
+QUANTITY_PATTERN = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+_QUANTITY = re.compile(QUANTITY_PATTERN)
 
 
 class QuantityError(ValueError):
@@ -34,10 +35,10 @@ def parse_quantity(value: object) -> Decimal:
     if m is None:
         raise QuantityError(f"{value!r} is not a quantity (a number with an optional suffix: 500m, 2, 4Gi, 1e3)")
     try:
-        number = Decimal(m.group(1))
+        number = Decimal(text[: m.start(3)] if m.group(3) else text)
     except InvalidOperation:  # pragma: no cover - the pattern admits only decimal numbers
         raise QuantityError(f"{value!r} is not a quantity") from None
-    suffix = m.group(2) or ""
+    suffix = m.group(3) or ""
     if suffix in _BINARY:
         return number * (Decimal(1024) ** _BINARY[suffix])
     if suffix in _DECIMAL:

@@ -18,6 +18,7 @@ from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
 from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, local_heads, validate_pp, validate_tp
 from pdfabric_core.policy.transports import Locality, implied_transport, mem_pool_traits, transport_traits
 from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, MemPool, Transport
+from pdfabric_core.quantity import QuantityError, parse_quantity
 
 __all__ = [
     "DEFAULT_AUX_ROW_BYTES",
@@ -162,7 +163,8 @@ class AgentSpec:
 
 @dataclass(frozen=True)
 class EngineRoleSpec:
-    """The engines of one role: what runs in each engine container (docs/engines.md)."""
+    """The engines of one role: the process the agent runs per replica of the role on a node, with
+    its ranks' GPUs (docs/engines.md)."""
 
     command: tuple[str, ...] = ()
     args: tuple[str, ...] = ()
@@ -185,7 +187,7 @@ class DecodeEngineSpec(EngineRoleSpec):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """spec.engine: the serving engines the operator runs beside the agents (None: fabric-only)."""
+    """spec.engine: the serving engines the agents run in the node pods (None: fabric-only)."""
 
     image: str
     prefill: PrefillEngineSpec = PrefillEngineSpec()
@@ -314,7 +316,7 @@ def _parse_engine(raw: Any) -> EngineSpec | None:
         raise ValueError("engine.image is required (the engine image)")
     for role in ("prefill", "decode"):
         if not isinstance(raw.get(role), Mapping):
-            raise ValueError(f"engine.{role} is required (its command or args)")
+            raise ValueError(f"engine.{role} is required (its command)")
     return EngineSpec(
         image=str(raw["image"]),
         prefill=PrefillEngineSpec(**_parse_fields(PrefillEngineSpec, raw["prefill"], "engine.prefill.")),
@@ -392,6 +394,8 @@ def validate_spec(spec: PDClusterSpec) -> None:
     ):
         if not 1 <= port <= 65535:
             raise SpecError(f"{name} must be a port number (1-65535), got {port}")
+    # Quantities (the operator adds the agent's and the engines' into one container): each must be one.
+    _validate_quantities(spec.agent.resources, "agent.resources")
     if spec.engine is not None:
         _validate_engine(spec, spec.engine)
 
@@ -402,8 +406,11 @@ def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
     for role in ("prefill", "decode"):
         r = engine.role(role)
         where = f"engine.{role}"
-        if not r.command and not r.args:
-            raise SpecError(f"{where} needs command or args: the engine's launch line")
+        if not r.command:
+            raise SpecError(
+                f"{where}.command is required: the engine's launch command (the container's entrypoint is "
+                f"the agent, which runs the engine)"
+            )
         for var in r.env:
             name = str(var.get("name") or "")
             if not name:
@@ -420,10 +427,16 @@ def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
                     f"{where}.resources.{kind} may not name {spec.placement.gpu_resource}: "
                     f"the operator requests each engine's GPUs"
                 )
+        _validate_quantities(r.resources, f"{where}.resources")
         if not r.health_path.startswith("/"):
             raise SpecError(f"{where}.healthPath must start with /, got {r.health_path!r}")
         if r.startup_seconds < 10:
             raise SpecError(f"{where}.startupSeconds must be at least 10, got {r.startup_seconds}")
+    if engine.shared_memory:
+        try:
+            parse_quantity(engine.shared_memory)
+        except QuantityError as exc:
+            raise SpecError(f"engine.sharedMemory: {exc}") from None
     bases = {
         "engine.prefill.port": engine.prefill.port,
         "engine.prefill.bootstrapPort": engine.prefill.bootstrap_port,
@@ -443,6 +456,15 @@ def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
                     f"{a} ({bases[a]}) and {b} ({bases[b]}) must be at least {ENGINE_PORT_SPAN} apart "
                     f"(the k-th engine of a role in a pod takes base + k)"
                 )
+
+
+def _validate_quantities(resources: Mapping[str, Any], where: str) -> None:
+    for kind in ("requests", "limits"):
+        for name, value in (resources.get(kind) or {}).items():
+            try:
+                parse_quantity(value)
+            except QuantityError as exc:
+                raise SpecError(f"{where}.{kind}.{name}: {exc}") from None
 
 
 def _validate_transport(spec: PDClusterSpec) -> None:

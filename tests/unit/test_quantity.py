@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
-from pdfabric_core.quantity import QuantityError, add_quantities, format_quantity, parse_quantity
+from pdfabric_core.quantity import QUANTITY_PATTERN, QuantityError, add_quantities, format_quantity, parse_quantity
 
 
 @pytest.mark.parametrize(
@@ -80,3 +81,10 @@ def test_format_round_trips() -> None:
 def test_add_refuses_a_bad_addend() -> None:
     with pytest.raises(QuantityError, match="'2 cores'"):
         add_quantities(["1", "2 cores"])
+
+
+def test_the_crd_spells_the_same_grammar() -> None:
+    """Every quantity field of the CRD carries the pattern the operator parses by (RE2 and Python alike)."""
+    text = (Path(__file__).resolve().parents[2] / "crds" / "pdcluster.yaml").read_text()
+    assert text.count("pattern: '^[+-]") == text.count("x-kubernetes-int-or-string: true") > 0
+    assert text.count(f"pattern: '{QUANTITY_PATTERN}'") == text.count("x-kubernetes-int-or-string: true")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import Field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -248,3 +249,33 @@ def test_engine_gpu_resource_rule_follows_placement_gpu_resource() -> None:
         parse_spec({"engine": raw})
     # Under another GPU resource name, nvidia.com/gpu is just another extended resource.
     assert parse_spec({"engine": raw, "placement": {"gpuResource": "amd.com/gpu"}}).engine is not None
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_command_is_required_the_entrypoint_is_the_agent(role: str) -> None:
+    for without in ({"args": ["x"]}, {"command": [], "args": ["x"]}):
+        raw = dict(ENGINE, **{role: without})
+        with pytest.raises(SpecError, match=rf"engine\.{role}\.command is required"):
+            parse_spec({"engine": raw})
+    args_less = parse_spec({"engine": dict(ENGINE, **{role: {"command": ["serve"]}})}).engine
+    assert args_less is not None and args_less.role(role).args == ()
+
+
+@pytest.mark.parametrize(
+    ("patch", "where"),
+    [
+        (
+            {"engine": merge(ENGINE, {"decode": {"resources": {"limits": {"memory": "2 GB"}}}})},
+            "engine.decode.resources",
+        ),
+        (
+            {"engine": merge(ENGINE, {"prefill": {"resources": {"requests": {"cpu": "two"}}}})},
+            "engine.prefill.resources",
+        ),
+        ({"engine": merge(ENGINE, {"sharedMemory": "8gb"})}, "engine.sharedMemory"),
+        ({"agent": {"resources": {"requests": {"memory": "1Gb"}}}}, "agent.resources.requests.memory"),
+    ],
+)
+def test_unparsable_quantities_are_refused_naming_the_field(patch: dict[str, Any], where: str) -> None:
+    with pytest.raises(SpecError, match=rf"{re.escape(where)}.*not a quantity"):
+        parse_spec(patch)
