@@ -30,6 +30,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -43,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 from pdfabric_agent import tls
 from pdfabric_agent.client import AgentClient
 from pdfabric_agent.config import SETTINGS
+from pdfabric_core.engines import ENGINES_ENV, EngineState, engine_launches
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap, replica_ranks
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from pdfabric_devcluster.procs import console_argv, free_port, source_pythonpath
+from pdfabric_devcluster.procs import REPO_ROOT, console_argv, free_port, source_pythonpath
 from pdfabric_operator import pki
 
 if TYPE_CHECKING:
@@ -57,6 +59,41 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 DEFAULT_PEER_HOST_TEMPLATE = SETTINGS["PDFABRIC_PEER_HOST_TEMPLATE"][0] or ""
+# What an engine image has on its PYTHONPATH besides pdfabric's own packages: the SGLang plugin
+# and the reference engine.
+ENGINE_PACKAGES = ("integrations/sglang", "hack")
+
+
+def python_bin(bin_dir: Path) -> Path:
+    """A PATH entry whose python and python3 are this interpreter (an engine image's python)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("python", "python3"):
+        link = bin_dir / name
+        if not link.exists():
+            link.symlink_to(sys.executable)
+    return bin_dir
+
+
+def engines_env(
+    spec: PDClusterSpec, ranks: Iterable[Rank], bin_dir: Path, base: Mapping[str, str], pythonpath: Iterable[str] = ()
+) -> tuple[dict[str, str], list[tuple[str, int, int]]]:
+    """What a node pod with spec.engine gives its agent, for a process on loopback: the launch
+    message (each engine's ports a free loopback port), python on PATH, the engine packages on
+    PYTHONPATH; and (engine name, port, bootstrap port) of each engine."""
+    launches = [x.to_json() for x in engine_launches(spec, list(ranks))]
+    where = []
+    for launch in launches:
+        launch["port"] = free_port()
+        if "bootstrapPort" in launch:
+            launch["bootstrapPort"] = free_port()
+        where.append((launch["name"], launch["port"], launch.get("bootstrapPort", 0)))
+    own = [str(REPO_ROOT / p) for p in ENGINE_PACKAGES]
+    env = {
+        ENGINES_ENV: json.dumps(launches),
+        "PATH": os.pathsep.join([str(python_bin(bin_dir)), base.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join([source_pythonpath(base), *own, *pythonpath]),
+    }
+    return env, where
 
 
 def loopback_env(
@@ -243,6 +280,46 @@ def peer_request(
         conn.close()
 
 
+@dataclass(frozen=True)
+class LocalEngine:
+    """One engine of a node pod, run by that pod's agent: where it serves here, what the agent says of it."""
+
+    pod: str
+    name: str
+    port: int
+    bootstrap_port: int
+    agent: AgentProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def state(self) -> EngineState | None:
+        _, body = self.agent.readyz()
+        for raw in body.get("engines") or []:
+            st = EngineState.from_json(raw)
+            if st is not None and st.name == self.name:
+                return st
+        return None
+
+    def healthy(self) -> bool:
+        """GET /health answers 200 (what the agent probes)."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> int:
+        """SIGKILL the engine's process group, as an OOM kill or a crash would end it; its pid."""
+        st = self.state()
+        if st is None or not st.pid:
+            raise RuntimeError(f"engine {self.name} of {self.pod} is not running: {st}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(st.pid, signal.SIGKILL)
+        return st.pid
+
+
 def stop_all(agents: Iterable[AgentProcess], timeout: float = 10) -> None:
     """SIGTERM every process first, then wait for each: they shut down side by side."""
     agents = list(agents)
@@ -292,6 +369,8 @@ class LocalFabric:
         # The GPU decode ranks use (prefill ranks use GPU 0): 1 on a two-GPU machine puts the roles
         # on two GPUs, as INTRA_NODE_NVLINK between prefill and decode needs.
         decode_gpu: int = 0,
+        # With spec.engine: the installed distribution's folder the engines import (entry points).
+        engine_pythonpath: Iterable[str] = (),
     ) -> None:
         spec = parse_spec(raw_spec)
         self._tmp: tempfile.TemporaryDirectory[str] | None = tempfile.TemporaryDirectory(prefix="pdfabric-local-")
@@ -311,6 +390,7 @@ class LocalFabric:
         ports = {e.name: (free_port(), free_port(), free_port()) for e in entries}
         peers = {name: peer for name, (_, peer, _) in ports.items()}
         agents = {}
+        engines: dict[tuple[str, str], tuple[int, int]] = {}
         for e in entries:
             api, peer, met = ports[e.name]
             host = DEFAULT_PEER_HOST_TEMPLATE.format(name=e.name, cluster=rankmap.cluster, namespace=rankmap.namespace)
@@ -332,12 +412,19 @@ class LocalFabric:
                 **loopback_env(peers, api, peer, met, os.environ),
                 **(env or {}),
             }
+            if spec.engine is not None:  # the agent runs its node's engines (docs/engines.md)
+                extra, where = engines_env(spec, e.ranks, workdir / "bin", agent_env, engine_pythonpath)
+                agent_env.update(extra)
+                engines.update({(e.name, name): (port, boot) for name, port, boot in where})
             argv = console_argv(["pdfabric-agent"])
             agents[e.name] = AgentProcess(
                 e.name, e.node, argv, agent_env, api, met, workdir / f"{e.name}.log", peer_port=peer
             )
         self._attach(spec, rankmap, token, agents, str(workdir))
         self.ca = ca
+        self.engines = {
+            key: LocalEngine(key[0], key[1], port, boot, agents[key[0]]) for key, (port, boot) in engines.items()
+        }
 
     @classmethod
     def from_cluster(cls, cluster: LocalCluster, namespace: str, name: str, runner: PodRunner) -> LocalFabric:
@@ -356,12 +443,14 @@ class LocalFabric:
         fabric._tmp = None
         fabric.ca = None  # the operator's, in its Secret
         fabric._attach(parse_spec(obj["spec"]), rankmap, base64.b64decode(token_b64).decode().strip(), agents, "")
+        fabric.engines = {k: v for k, v in runner.engines.items() if k[0] in agents}
         return fabric
 
     def _attach(
         self, spec: PDClusterSpec, rankmap: RankMap, token: str, agents: dict[str, AgentProcess], workdir: str
     ) -> None:
         self.spec, self.rankmap, self.token, self.agents, self.workdir = spec, rankmap, token, agents, workdir
+        self.engines: dict[tuple[str, str], LocalEngine] = {}  # (agent, engine name), with spec.engine
         self._clients: dict[tuple[str, str, str], AgentClient] = {}
 
     @property

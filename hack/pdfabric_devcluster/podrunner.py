@@ -20,70 +20,21 @@ port got (the pod network on one shared loopback). ``engine(pod, name)`` finds a
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import shutil
-import signal
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfabric_core.engines import ENGINES_ENV, EngineState, expand
+from pdfabric_core.engines import ENGINES_ENV, expand
 from pdfabric_devcluster.cluster import ClusterError, LocalCluster
-from pdfabric_devcluster.fabric import AgentProcess, loopback_env, stop_all
+from pdfabric_devcluster.fabric import ENGINE_PACKAGES, AgentProcess, LocalEngine, loopback_env, python_bin, stop_all
 from pdfabric_devcluster.procs import REPO_ROOT, console_argv, console_scripts, free_port
 
 SHM_PATH = "/dev/shm"
-# What an engine image has on its PYTHONPATH besides pdfabric's own packages: the SGLang plugin
-# and the reference engine.
-ENGINE_PACKAGES = ("integrations/sglang", "hack")
-
-
-@dataclass(frozen=True)
-class LocalEngine:
-    """One engine of a node pod, run by that pod's agent: where it serves here, what the agent says of it."""
-
-    pod: str
-    name: str
-    port: int
-    bootstrap_port: int
-    agent: AgentProcess
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def state(self) -> EngineState | None:
-        _, body = self.agent.readyz()
-        for raw in body.get("engines") or []:
-            st = EngineState.from_json(raw)
-            if st is not None and st.name == self.name:
-                return st
-        return None
-
-    def healthy(self) -> bool:
-        """GET /health answers 200 (what the agent probes)."""
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def kill(self) -> int:
-        """SIGKILL the engine's process group, as an OOM kill or a crash would end it; its pid."""
-        st = self.state()
-        if st is None or not st.pid:
-            raise ClusterError(f"engine {self.name} of {self.pod} is not running: {st}")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(st.pid, signal.SIGKILL)
-        return st.pid
 
 
 class PodRunner:
@@ -184,7 +135,7 @@ class PodRunner:
         local_ports = {p["containerPort"]: ports[p["name"]] for p in container.get("ports", [])}
         if ENGINES_ENV in env:
             env[ENGINES_ENV] = self._local_launches(env[ENGINES_ENV], local_ports)
-            env["PATH"] = os.pathsep.join([str(self._python_bin()), env.get("PATH", "")])
+            env["PATH"] = os.pathsep.join([str(python_bin(self.workdir / "bin")), env.get("PATH", "")])
             own = [str(REPO_ROOT / p) for p in ENGINE_PACKAGES]
             env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *own, *self.pythonpath])
         agent = AgentProcess(
@@ -208,16 +159,6 @@ class PodRunner:
                         raise ClusterError(f"engine {launch['name']}: {key} {launch[key]} is no container port")
                     launch[key] = local_ports[launch[key]]
         return json.dumps(launches)
-
-    def _python_bin(self) -> Path:
-        """A PATH entry whose python and python3 are this interpreter (the image's python)."""
-        bin_dir = self.workdir / "bin"
-        bin_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("python", "python3"):
-            link = bin_dir / name
-            if not link.exists():
-                link.symlink_to(sys.executable)
-        return bin_dir
 
     @staticmethod
     def _command(container: dict[str, Any]) -> list[str]:

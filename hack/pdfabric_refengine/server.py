@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--shm-dir", default=os.environ.get("PDFABRIC_SHM_DIR") or "/dev/shm")
     ap.add_argument("--backend", choices=["sglang", "direct"], default="sglang")
     ap.add_argument("--timeout-s", type=float, default=30.0)  # a request's wait for its peer and transfer
+    # cuda:0 keeps the KV pools on the engine's first GPU (its CUDA_VISIBLE_DEVICES, set by the agent).
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     if args.role is None:
         ap.error("--role (or PDFABRIC_ROLE) is required")
@@ -164,7 +166,7 @@ def main() -> None:
 
     engine = open_engine(
         args.role, backend=args.backend, tp=args.tp, cp=args.cp, pages=args.pages, seed=args.seed,
-        shm_dir=args.shm_dir, timeout_s=args.timeout_s,
+        shm_dir=args.shm_dir, device=args.device, timeout_s=args.timeout_s,
     )  # fmt: skip
     bootstrap_server = engine.bootstrap_server(args.host, args.bootstrap_port)
     server = Server(engine, f"{args.host}:{args.bootstrap_port}")
