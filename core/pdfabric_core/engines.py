@@ -217,10 +217,17 @@ class EngineLaunch:
         except ValueError:
             raise ValueError(f"{where}.role must be prefill or decode") from None
         gpus = d.get("gpus")
-        if not isinstance(gpus, list) or not gpus or not all(isinstance(g, int) and g >= 0 for g in gpus):
+        if (
+            not isinstance(gpus, list)
+            or not gpus
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)
+        ):
             raise ValueError(f"{where}.gpus must be a non-empty list of device indices")
+        raw_env = d.get("env", [])
+        if not isinstance(raw_env, list):
+            raise ValueError(f"{where}.env must be a list")
         env: list[EnvEntry] = []
-        for i, e in enumerate(d.get("env") or []):
+        for i, e in enumerate(raw_env):
             if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not e["name"]:
                 raise ValueError(f"{where}.env[{i}] needs a name")
             if isinstance(e.get("fromContainer"), str) and e["fromContainer"]:
@@ -335,7 +342,9 @@ class EngineState:
     name: str
     role: Role
     replica: int
-    phase: str  # Starting (not yet healthy), Running (healthy), Unhealthy, BackOff (waiting to restart)
+    # Waiting (the agent is not Ready yet), Starting (not yet healthy), Running (healthy), Unhealthy,
+    # BackOff (waiting to restart), Stopped (the agent is stopping)
+    phase: str
     ready: bool
     restarts: int = 0
     pid: int = 0  # 0 while not running
