@@ -28,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -56,9 +58,11 @@ from pdfabric_agent.wire import (
     SendRequest,
 )
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
-from pdfabric_core.policy.types import Transport
+from pdfabric_core.policy.types import Device, Transport
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
+
+log = logging.getLogger("pdfabric.agent")
 
 FORGET_EVERY_S = 1.0  # finished rooms are forgotten in sweeps, not on every tick
 
@@ -171,6 +175,40 @@ class Agent:
         elif isinstance(room, PrefillRoom):
             self.sender.abort(room, msg.reason)
         return room.view()
+
+    def engine_exited(self, rank_ids: Sequence[str], reason: str) -> int:
+        """The serving engine of these ranks exited (the supervisor says so before restarting
+        it): every open room of theirs fails now with ``reason``, peers told as for ``abort``, so a
+        decode engine waiting on a dead prefill engine's KV is Failed without waiting out the
+        bootstrap deadline. Then the shared-memory files of the ranks' engine registrations are
+        unlinked (only files in the shm directory): a crash loop cannot fill /dev/shm. This
+        process's mappings stay valid until the restarted engine registers again, which
+        ``register_memory`` takes once the rank has no open rooms. Returns the rooms failed."""
+        ranks = set(rank_ids)
+        failed = 0
+        for _, room in self.rooms.open_rooms():
+            if room.rank not in ranks or room.state.finished:
+                continue
+            if isinstance(room, DecodeRoom):
+                self.arrivals.abort(room, reason)
+            elif isinstance(room, PrefillRoom):
+                self.sender.abort(room, reason)
+            failed += 1
+        shm_dir = os.path.realpath(self.cfg.shm_dir)
+        for rank_id in sorted(ranks):
+            local = self.ranks.get(rank_id)
+            if local is None or local.engine is None:
+                continue
+            paths = {r.handle for r in local.engine.regions() if r.device is Device.CPU and r.handle}
+            for path in sorted(paths):
+                if os.path.dirname(os.path.realpath(path)) != shm_dir:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    log.info("unlinked %s of the exited engine of %s", path, rank_id)
+        if failed:
+            log.warning("%s: %d open rooms failed (%s)", ", ".join(sorted(ranks)), failed, reason)
+        return failed
 
     def submit_send(self, msg: SendRequest) -> dict[str, Any]:
         return self.sender.submit_send(msg)

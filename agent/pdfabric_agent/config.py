@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdfabric_agent import tls
+from pdfabric_core.engines import ENGINES_ENV, EngineLaunch, decode_launches
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,33 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "PDFABRIC_IDLE_TIMEOUT_S": ("60", "An idle keep-alive connection is closed after this."),
     "PDFABRIC_MAX_CONNECTIONS": ("256", "Connections per listener; past it the slowest make room, else 429."),
     "PDFABRIC_LOG_LEVEL": ("INFO", "Python log level."),
+    # The serving engines the agent runs (spec.engine; supervisor.py). None of these variables,
+    # nor any other the agent reads, reaches an engine's environment.
+    "PDFABRIC_ENGINES": (
+        "",
+        "JSON list of the serving engines this agent runs and supervises, one per engine group (the operator's "
+        "`EngineLaunch` messages, pdfabric_core.engines); empty: none (fabric-only). Variables the kubelet "
+        "resolved from the API for them arrive as `PDFABRIC_ENV_<ROLE>_<NAME>`.",
+    ),
+    "PDFABRIC_ENGINE_PROBE_S": (
+        "2",
+        "Each engine's health path is probed this often (and given as long to answer, 2 s at most).",
+    ),
+    "PDFABRIC_ENGINE_LIVENESS_S": (
+        "60",
+        "An engine that was healthy and then fails every probe for this long is killed (SIGKILL to its "
+        "process group) and restarted.",
+    ),
+    "PDFABRIC_ENGINE_BACKOFF_S": (
+        "10",
+        "First restart delay of an engine that exited; doubles per restart, reset after a run of 600 s "
+        "(the kubelet's rule).",
+    ),
+    "PDFABRIC_ENGINE_BACKOFF_MAX_S": ("300", "Longest restart delay of an engine."),
+    "PDFABRIC_ENGINE_GRACE_S": (
+        "30",
+        "On SIGTERM the agent stops its engines first: SIGTERM to each process group, SIGKILL after this long.",
+    ),
 }
 
 
@@ -109,6 +137,13 @@ class AgentConfig:
     workers: int = 8
     peer_port: int | None = None
     peer_tls_dir: str = ""  # tls.crt, tls.key, ca.crt (see tls.py)
+    token_file: str = ""  # PDFABRIC_ENGINE_TOKEN_FILE: the engines read the token there too
+    engines: tuple[EngineLaunch, ...] = ()  # PDFABRIC_ENGINES: the serving engines to supervise
+    engine_probe_s: float = 2.0
+    engine_liveness_s: float = 60.0
+    engine_backoff_s: float = 10.0
+    engine_backoff_max_s: float = 300.0
+    engine_grace_s: float = 30.0
 
 
 def _int(env: Mapping[str, str], name: str, minimum: int = 1) -> int:
@@ -188,6 +223,10 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
     coalesce_raw = env.get("PDFABRIC_COALESCE", "1")
     if coalesce_raw not in ("0", "1"):
         raise ConfigError(f"PDFABRIC_COALESCE must be 0 or 1, got {coalesce_raw!r}")
+    try:
+        engines = tuple(decode_launches(env[ENGINES_ENV])) if env.get(ENGINES_ENV) else ()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     cfg = AgentConfig(
         node_name=env["NODE_NAME"],
         pod_name=env.get("POD_NAME", ""),
@@ -212,9 +251,18 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
         workers=_int(env, "PDFABRIC_WORKERS"),
         peer_port=_port(env, "PDFABRIC_PEER_PORT"),
         peer_tls_dir=tls_dir,
+        token_file=token_file,
+        engines=engines,
+        engine_probe_s=_float(env, "PDFABRIC_ENGINE_PROBE_S"),
+        engine_liveness_s=_float(env, "PDFABRIC_ENGINE_LIVENESS_S"),
+        engine_backoff_s=_float(env, "PDFABRIC_ENGINE_BACKOFF_S"),
+        engine_backoff_max_s=_float(env, "PDFABRIC_ENGINE_BACKOFF_MAX_S"),
+        engine_grace_s=_float(env, "PDFABRIC_ENGINE_GRACE_S"),
     )
     if cfg.probe_backoff_max_s < cfg.probe_backoff_s:
         raise ConfigError("PDFABRIC_PROBE_BACKOFF_MAX_S must be at least PDFABRIC_PROBE_BACKOFF_S")
+    if cfg.engine_backoff_max_s < cfg.engine_backoff_s:
+        raise ConfigError("PDFABRIC_ENGINE_BACKOFF_MAX_S must be at least PDFABRIC_ENGINE_BACKOFF_S")
     return cfg
 
 

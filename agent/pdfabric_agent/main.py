@@ -1,4 +1,5 @@
-"""Agent process: config -> rank map -> hardware and transport -> pools and engines -> servers.
+"""Agent process: config -> rank map -> hardware and transport -> pools and engines -> servers -> the
+serving engines it supervises (spec.engine, supervisor.py), once Ready.
 
 Exit codes: 0 on SIGTERM/SIGINT, 2 on a configuration error (bad env, unreadable rank map, a spec
 the agent cannot honour). A transport this node cannot carry is not an exit: the agent stays up,
@@ -14,7 +15,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
@@ -27,8 +28,10 @@ from pdfabric_agent.hardware import Hardware, detect_hardware
 from pdfabric_agent.pools import Pool, PoolLayout, RankPools
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.server import Door, Readiness, build_api_app, build_metrics_app
+from pdfabric_agent.supervisor import EngineSupervisor
 from pdfabric_agent.transport import TransportChoice, TransportError, choose_transport, mooncake_env
 from pdfabric_agent.writer import TCP_SIDE_CHANNEL
+from pdfabric_core.engines import EngineLaunch
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
 from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, tcp_fallback_allowed
 from pdfabric_core.policy.types import MemPool, Transport
@@ -140,6 +143,15 @@ def check_mem_pool(
     return choice
 
 
+def engine_exit_handler(agent: Agent) -> Callable[[EngineLaunch, str], None]:
+    """What the agent does when a serving engine's run ended (before its restart)."""
+
+    def exited(launch: EngineLaunch, how: str) -> None:
+        agent.engine_exited(launch.rank_ids, f"engine {launch.name} exited ({how})")
+
+    return exited
+
+
 class _Stopping(Exception):
     """SIGTERM arrived before the agent was ready."""
 
@@ -175,6 +187,11 @@ async def serve(cfg: AgentConfig) -> int:
         return 2
     cluster = rankmap.cluster
     metrics.agent_ready.labels(cluster).set(0)
+    # The serving engines (spec.engine): listed as Waiting until the agent is Ready, then run.
+    supervisor: EngineSupervisor | None = None
+    if cfg.engines:
+        supervisor = EngineSupervisor.from_config(cfg, cluster=cluster, api_port=cfg.api_port or spec.agent.api_port)
+        readiness.engines = supervisor.states
     runners: list[web.AppRunner] = []
     mrunner = web.AppRunner(build_metrics_app(readiness), access_log=None)
     await mrunner.setup()
@@ -236,6 +253,8 @@ async def serve(cfg: AgentConfig) -> int:
         )
         metrics.agent_ready.labels(cluster).set(1)
         log.info("agent %s ready: %s", entry.name, readiness.message)
+        if supervisor is not None:
+            supervisor.start(engine_exit_handler(agent))
     except _Stopping:
         pass
     except TransportError as exc:
@@ -255,6 +274,8 @@ async def serve(cfg: AgentConfig) -> int:
         readiness.ready = False
         readiness.reason, readiness.message = "ShuttingDown", "the agent is stopping"
         metrics.agent_ready.labels(cluster).set(0)
+        if supervisor is not None:  # engines first: they may still talk to the agent while stopping
+            await supervisor.stop()
         if agent is not None:
             await agent.close()
             for rank_id, lr in agent.ranks.items():

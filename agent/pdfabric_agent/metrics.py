@@ -189,6 +189,21 @@ peer_probe_latency = Gauge(
     registry=REGISTRY,
 )
 
+# The serving engines the agent supervises (spec.engine; supervisor.py), one series per engine of
+# the pod (engine: its name, prefill-0), at zero from the start. Not the transfer engines above.
+serving_engine_ready = Gauge(
+    "pdfabric_serving_engine_ready",
+    "1 while the serving engine the agent runs answers its health path (the pod is ready only when every one does).",
+    ["cluster", "engine", "role"],
+    registry=REGISTRY,
+)
+serving_engine_restarts = Counter(
+    "pdfabric_serving_engine_restarts",
+    "Runs of a serving engine that ended (an exit, a kill after failed health probes, a program not found), each followed by a restart.",
+    ["cluster", "engine", "role"],
+    registry=REGISTRY,
+)
+
 
 def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
     """Create every closed-set series at zero for this agent's identity."""

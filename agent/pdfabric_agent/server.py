@@ -11,14 +11,16 @@
     /v1/peer/probe (the link check's probe regions, probe.py).
   A route of one door is not served on the other (404).
 - Metrics port: /metrics, /healthz (liveness: the process serves), /readyz (ready: transport
-  validated, engines up; otherwise 503 with the reason the operator surfaces).
+  validated, engines up; otherwise 503 with the reason the operator surfaces). With serving
+  engines supervised by the agent (spec.engine) the body lists them (``engines``,
+  ``enginesReady``) and the answer is 200 only when they all serve too: the pod's readiness.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
 
@@ -40,6 +42,7 @@ from pdfabric_agent.wire import (
     RoomInfo,
     SendRequest,
 )
+from pdfabric_core.engines import EngineState
 
 log = logging.getLogger("pdfabric.server")
 
@@ -54,6 +57,21 @@ class Readiness:
     message: str = "the agent is starting"
     transport: str = ""  # the transport in use, once chosen; the operator reads it (a fallback: != requested)
     requested: str = ""  # the rank map's transport
+    # The serving engines the agent supervises (supervisor.EngineSupervisor.states); None: none.
+    engines: Callable[[], Sequence[EngineState]] | None = None
+
+    def body(self) -> tuple[dict[str, Any], bool]:
+        """/readyz: the agent's own readiness (``ready``, which the operator reads) and, with
+        supervised engines, theirs; the pod is ready (200) only when the agent and every engine are."""
+        body: dict[str, Any] = {"ready": self.ready, "reason": self.reason, "message": self.message}
+        if self.transport:
+            body |= {"transport": self.transport, "requested": self.requested}
+        if self.engines is None:
+            return body, self.ready
+        states = list(self.engines())
+        engines_ready = all(e.ready for e in states)
+        body |= {"engines": [e.to_json() for e in states], "enginesReady": engines_ready}
+        return body, self.ready and engines_ready
 
 
 def _refuse(agent_cluster: str, exc: ApiError) -> web.Response:
@@ -240,10 +258,8 @@ def build_metrics_app(readiness: Readiness) -> web.Application:
         return web.json_response({"alive": True})
 
     async def readyz(request: web.Request) -> web.Response:
-        body = {"ready": readiness.ready, "reason": readiness.reason, "message": readiness.message}
-        if readiness.transport:
-            body |= {"transport": readiness.transport, "requested": readiness.requested}
-        return web.json_response(body, status=200 if readiness.ready else 503)
+        body, ready = readiness.body()
+        return web.json_response(body, status=200 if ready else 503)
 
     app = web.Application(handler_args=Limits.from_env().handler_args())
     app.router.add_get("/metrics", metrics_view)

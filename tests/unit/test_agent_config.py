@@ -127,3 +127,26 @@ def test_every_setting_is_documented_in_agent_md() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "agent.md").read_text()
     assert settings_markdown() in doc
     assert all(f"`{name}`" in doc for name in SETTINGS)
+
+
+def test_engines_and_their_settings_are_read_and_checked(env: dict[str, str]) -> None:
+    from pdfabric_core.engines import EngineLaunch, encode_launches, expand
+    from pdfabric_core.policy.types import Role
+
+    x = EngineLaunch("decode-0", Role.DECODE, 0, ("decode-0-tp0",), (0,), ("sglang", "--port=$(PDFABRIC_PORT)"),
+                     (), 30000, None, "/health", 600, 1, 1, 1, None)  # fmt: skip
+    text = expand(encode_launches([x]), {})  # as the kubelet hands it to the process
+    cfg = load_config({**env, "PDFABRIC_ENGINES": text, "PDFABRIC_ENGINE_GRACE_S": "5"})
+    assert cfg.engines == (x,) and cfg.engine_grace_s == 5.0 and cfg.token_file == env["PDFABRIC_ENGINE_TOKEN_FILE"]
+    assert (cfg.engine_probe_s, cfg.engine_liveness_s, cfg.engine_backoff_s, cfg.engine_backoff_max_s) == (
+        2.0, 60.0, 10.0, 300.0,
+    )  # fmt: skip
+    assert load_config(env).engines == ()
+    with pytest.raises(ConfigError, match=r"PDFABRIC_ENGINES\[0\]\.port must be"):
+        load_config({**env, "PDFABRIC_ENGINES": text.replace('"port":30000', '"port":0')})
+    with pytest.raises(ConfigError, match="PDFABRIC_ENGINES is not JSON"):
+        load_config({**env, "PDFABRIC_ENGINES": "[{"})
+    with pytest.raises(ConfigError, match="PDFABRIC_ENGINE_PROBE_S must be a number"):
+        load_config({**env, "PDFABRIC_ENGINE_PROBE_S": "soon"})
+    with pytest.raises(ConfigError, match="PDFABRIC_ENGINE_BACKOFF_MAX_S must be at least"):
+        load_config({**env, "PDFABRIC_ENGINE_BACKOFF_S": "20", "PDFABRIC_ENGINE_BACKOFF_MAX_S": "10"})
