@@ -1,4 +1,5 @@
-"""What the agents themselves say about the transport they carry KV over, read from their /readyz.
+"""What the agents themselves say, read from their /readyz: the transport they carry KV over and,
+with spec.engine, their own readiness and each engine they run.
 
 The operator places agents for the rank map's transport; an agent re-checks its node's hardware
 and, when the spec declares placement.fallback TCP, may carry KV over tcp instead (labels lied:
@@ -7,6 +8,12 @@ kubelet probes) says ``transport`` and ``requested`` once chosen; the operator r
 agent pod (the choice is fixed for the process's life), with no Kubernetes API permission beyond
 what it has: it is an HTTP GET to the pod's address. The agents' NetworkPolicy lets the operator's
 namespace reach the metrics port (``builders.build_network_policy``).
+
+With spec.engine the same body lists the agent's engines (``engines``: pdfabric_core.engines'
+EngineState, ``enginesReady``) and says the agent's own readiness (``ready``), apart from the
+pod's Ready (which also waits for the engines). Engines come and go (restarts, health), so the
+operator reads every pod of such a cluster on every reconcile, concurrently, 1 s each; a body
+that does not come is no word at all (its engines count as not ready).
 
 ``PDFABRIC_AGENT_ADDRESSES`` (operator setting) names a JSON file {pod name: "host:port"} that
 replaces pod IP and metrics port, for agents run as local processes (hack/pdfabric_devcluster).
@@ -19,8 +26,11 @@ import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
+
+from pdfabric_core.engines import MAX_LAUNCHES, EngineState
 
 log = logging.getLogger("pdfabric.operator.agents")
 
@@ -59,6 +69,37 @@ def parse_readyz(body: object) -> AgentTransport | None:
     return AgentTransport(requested[:64], transport[:64], message[:512] if isinstance(message, str) else "")
 
 
+@dataclass(frozen=True)
+class AgentReport:
+    """One agent's /readyz: its own readiness (None: the body does not say), its transport (None:
+    not chosen yet), its engines by name (None: the body lists none, e.g. fabric-only)."""
+
+    ready: bool | None = None
+    transport: AgentTransport | None = None
+    engines: Mapping[str, EngineState] | None = None
+
+
+def parse_engines(body: object) -> dict[str, EngineState] | None:
+    """The engines of a /readyz body by name; None when it lists none. Malformed entries are
+    left out (the operator does not crash on another process's word)."""
+    if not isinstance(body, dict) or not isinstance(body.get("engines"), list):
+        return None
+    out: dict[str, EngineState] = {}
+    for raw in body["engines"][:MAX_LAUNCHES]:
+        state = EngineState.from_json(raw)
+        if state is not None:
+            out[state.name] = state
+    return out
+
+
+def parse_report(body: object) -> AgentReport | None:
+    """A /readyz body as the operator reads it; None when it is no object."""
+    if not isinstance(body, dict):
+        return None
+    ready = body.get("ready")
+    return AgentReport(ready if isinstance(ready, bool) else None, parse_readyz(body), parse_engines(body))
+
+
 def overrides(path: str) -> dict[str, str]:
     """The PDFABRIC_AGENT_ADDRESSES file, re-read each time (a local runner rewrites it)."""
     if not path:
@@ -71,13 +112,32 @@ def overrides(path: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
-async def _read(session: aiohttp.ClientSession, url: str) -> AgentTransport | None:
+async def _read(session: aiohttp.ClientSession, url: str) -> Any:
+    """The JSON body /readyz answers with, whatever its status (503 while not ready); None if none."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=READ_TIMEOUT_S)) as resp:
             raw = await resp.content.read(MAX_BODY)
-        return parse_readyz(json.loads(raw))
+        return json.loads(raw)
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
         return None
+
+
+def _urls(pods: Iterable[AgentAddress], metrics_port: int, overrides_path: str) -> dict[str, str]:
+    addresses = overrides(overrides_path)
+    todo: dict[str, str] = {}
+    for pod in pods:
+        address = addresses.get(pod.name) or (f"{pod.ip}:{metrics_port}" if pod.ip else "")
+        if address:
+            todo[pod.uid] = f"http://{address}/readyz"
+    return todo
+
+
+async def _read_all(urls: Mapping[str, str]) -> dict[str, Any]:
+    if not urls:
+        return {}
+    async with aiohttp.ClientSession() as session:
+        bodies = await asyncio.gather(*(_read(session, url) for url in urls.values()))
+    return dict(zip(urls, bodies, strict=True))
 
 
 async def read_transports(
@@ -85,16 +145,16 @@ async def read_transports(
 ) -> dict[str, AgentTransport]:
     """The transports of ``pods`` not in ``known`` (by pod uid), read concurrently; an agent that
     does not answer (yet) is left out and read again next time."""
-    addresses = overrides(overrides_path)
-    todo: dict[str, str] = {}
-    for pod in pods:
-        if pod.uid in known:
-            continue
-        address = addresses.get(pod.name) or (f"{pod.ip}:{metrics_port}" if pod.ip else "")
-        if address:
-            todo[pod.uid] = f"http://{address}/readyz"
-    if not todo:
-        return {}
-    async with aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(_read(session, url) for url in todo.values()))
-    return {uid: r for uid, r in zip(todo, results, strict=True) if r is not None}
+    bodies = await _read_all(_urls((p for p in pods if p.uid not in known), metrics_port, overrides_path))
+    parsed = {uid: parse_readyz(body) for uid, body in bodies.items()}
+    return {uid: r for uid, r in parsed.items() if r is not None}
+
+
+async def read_reports(
+    pods: Iterable[AgentAddress], metrics_port: int, overrides_path: str = ""
+) -> dict[str, AgentReport]:
+    """Every pod's /readyz now (by pod uid), read concurrently; a pod that does not answer (or
+    has no address yet) is left out."""
+    bodies = await _read_all(_urls(pods, metrics_port, overrides_path))
+    parsed = {uid: parse_report(body) for uid, body in bodies.items()}
+    return {uid: r for uid, r in parsed.items() if r is not None}

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdfabric_core.engines import EngineGroup, bootstrap_port, serving_port
 from pdfabric_core.policy.transports import transport_traits
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
@@ -68,7 +69,7 @@ def rankmap_name(cluster: str) -> str:
 
 
 def engine_token_secret_name(cluster: str) -> str:
-    """The engine door's token: mounted into agent pods (and, with issue 12, the engines beside them)."""
+    """The engine door's token: mounted into the agent pods (the agent hands its path to the engines it runs)."""
     return f"{cluster}-engine-token"
 
 
@@ -251,12 +252,12 @@ def build_engine_service(
     endpoints are exactly the pods that have a k-th engine, and only Ready ones (a router's view)."""
     if spec.engine is None:
         return None
-    most = max((sum(1 for g in e.engine_groups(a) if g.role is role) for a in placement.agents), default=0)
+    most = max((sum(1 for g in e.groups(a) if g.role is role) for a in placement.agents), default=0)
     ports: list[dict[str, Any]] = []
     for k in range(max(1, most)):
-        group = e.EngineGroup(role, 0, k, ())
-        ports.append({"name": f"http-{k}", "port": e.serving_port(spec.engine, group), "targetPort": group.port_name})
-        boot = e.bootstrap_port(spec.engine, group)
+        group = EngineGroup(role, 0, k, ())
+        ports.append({"name": f"http-{k}", "port": serving_port(spec.engine, group), "targetPort": group.port_name})
+        boot = bootstrap_port(spec.engine, group)
         if boot is not None:
             ports.append({"name": f"boot-{k}", "port": boot, "targetPort": group.bootstrap_port_name})
     return {
@@ -334,15 +335,17 @@ def agent_device_requests(spec: PDClusterSpec, agent: AgentPlacement, transport:
 
 
 def _resources(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport) -> dict[str, Any]:
-    user = spec.agent.resources or {}
-    requests = dict(user.get("requests") or {})
-    limits = dict(user.get("limits") or {})
+    if spec.engine is None:
+        user = spec.agent.resources or {}
+        requests = dict(user.get("requests") or {})
+        limits = dict(user.get("limits") or {})
+    else:
+        # One container runs the agent and every engine of the node: their resources, added up.
+        summed = e.container_resources(spec, agent)
+        requests, limits = summed["requests"], summed["limits"]
+    # Every GPU of the node's ranks, engines or not (the agent hands each engine its own); and
+    # extended resources cannot overcommit: request == limit, both set.
     devices = agent_device_requests(spec, agent, transport)
-    if spec.engine is not None:
-        # With engines in the pod, each engine container holds its own ranks' GPUs (engines.py);
-        # the pod's total is unchanged, the agent container holds none of them.
-        devices.pop(spec.placement.gpu_resource, None)
-    # Extended resources cannot overcommit: request == limit, both set.
     extended = {k: str(v) for k, v in devices.items()}
     requests.update(extended)
     limits.update(extended)
@@ -417,11 +420,15 @@ def build_agent_pod(
             {"name": "peer-tls", "mountPath": c.PEER_TLS_DIR, "readOnly": True},
         ],
     }
-    engine_containers = e.build_engine_containers(spec, agent)
     volumes: list[dict[str, Any]] = []
     if spec.engine is not None:
+        # One container: the engine image runs the agent, and the agent runs the node's engines
+        # (PDFABRIC_ENGINES) with their ranks' GPUs; the pod serves on each engine's ports.
+        container["image"] = spec.engine.image
+        container["env"] += e.engine_env(spec, agent)
+        container["ports"] += e.engine_ports(spec.engine, agent)
         # The agent maps the engines' CPU buffers from the same shared-memory files.
-        container["volumeMounts"].append({"name": e.SHM_VOLUME, "mountPath": e.SHM_PATH})
+        container["volumeMounts"].append(e.shm_mount())
         volumes.append(e.shm_volume(spec.engine))
     pod_spec: dict[str, Any] = {
         "nodeName": agent.node,
@@ -436,7 +443,7 @@ def build_agent_pod(
         "tolerations": [
             {"key": spec.placement.gpu_resource, "operator": "Exists", "effect": "NoSchedule"},
         ],
-        "containers": [container, *engine_containers],
+        "containers": [container],
         "volumes": [
             {
                 "name": "rankmap",
@@ -451,10 +458,10 @@ def build_agent_pod(
             *volumes,
         ],
     }
-    if engine_containers:
+    if spec.engine is not None:
         # Engines load models for minutes and drain requests on SIGTERM: give them longer.
-        pod_spec["terminationGracePeriodSeconds"] = 60
-    roles = {g.role for g in e.engine_groups(agent)} if spec.engine is not None else set()
+        pod_spec["terminationGracePeriodSeconds"] = e.TERMINATION_GRACE_S
+    roles = {g.role for g in e.groups(agent)} if spec.engine is not None else set()
     role_labels = {c.LABEL_SERVES[r.value]: "true" for r in sorted(roles)}
     meta = _meta(
         ref,

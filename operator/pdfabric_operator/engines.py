@@ -1,186 +1,116 @@
-"""The serving engines of a node pod (spec.engine), as plain dicts: pure functions of (spec, placement).
+"""The node pod's pieces for spec.engine, as plain dicts: pure functions of (spec, placement).
 
-One container per engine group: the ranks of one replica of one role placed on the node (with
-spec.engine a replica is never split across nodes, the planner keeps its ranks together). The
-container requests exactly its ranks' GPUs from the device plugin, so it sees those GPUs and no
-others, as indices 0..n-1 in the group's rank order (pp, cp, tp); the agent container then holds
-none. Engine and agent share the pod's IPC namespace (containers of one pod always do) and a
-memory-backed /dev/shm, and the engine reaches the agent's engine door on the pod's loopback.
-docs/engines.md says why this shape and what it costs.
-
-The k-th engine of a role in the pod serves on `port + k` (prefill's bootstrap server on
-`bootstrapPort + k`): engines of one pod share its network namespace. The container's environment
-tells the engine's command its port, GPU count and parallel sizes, so args can say
-`--port $(PDFABRIC_PORT)` (the kubelet expands $(VAR) in command and args).
+Which engines run where, their ports and their launch message are pdfabric_core.engines'; this
+module turns them into what the pod's one container adds with engines (docs/engines.md): the
+engine image (it holds the agent, the container's entrypoint), ``PDFABRIC_ENGINES`` (the node's
+engine launches, kubelet-escaped) and the user's valueFrom variables hoisted for the kubelet to
+resolve, each engine's serving and bootstrap ports, the memory-backed /dev/shm, and resources:
+the agent's plus every engine's role resources, summed exactly. The container holds every GPU of
+the node's ranks (as a fabric-only pod does); the agent starts each engine with
+CUDA_VISIBLE_DEVICES naming its group's GPUs, so the pod spec names no devices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import Rank
-from pdfabric_core.spec import EngineRoleSpec, EngineSpec, PDClusterSpec
-from pdfabric_operator import constants as c
+from pdfabric_core.engines import (
+    ENGINES_ENV,
+    EngineGroup,
+    bootstrap_port,
+    encode_launches,
+    engine_groups,
+    engine_launches,
+    hoisted_env,
+    serving_port,
+)
+from pdfabric_core.quantity import QuantityError, add_quantities
+from pdfabric_core.spec import EngineSpec, PDClusterSpec, SpecError
 from pdfabric_operator.planner import AgentPlacement
 
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
-PROBE_PERIOD_S = 10
+TERMINATION_GRACE_S = 60  # engines load models for minutes and drain requests on SIGTERM
 
 
-@dataclass(frozen=True)
-class EngineGroup:
-    """One engine container: the ranks of one replica of one role on this node."""
-
-    role: Role
-    replica: int
-    index: int  # the k-th engine of its role in this pod: its ports are base + k
-    ranks: tuple[Rank, ...]
-
-    @property
-    def name(self) -> str:
-        """Container name, unique in the pod: prefill-0, decode-3."""
-        return f"{self.role.value}-{self.replica}"
-
-    @property
-    def port_name(self) -> str:
-        """Serving port's name (<= 15 characters): p-http-0, d-http-2 (k = index)."""
-        return f"{self.role.value[0]}-http-{self.index}"
-
-    @property
-    def bootstrap_port_name(self) -> str:
-        return f"p-boot-{self.index}"
+def groups(agent: AgentPlacement) -> list[EngineGroup]:
+    """The engine groups of one node (its ranks, grouped by replica)."""
+    return engine_groups(agent.ranks)
 
 
-def engine_groups(agent: AgentPlacement) -> list[EngineGroup]:
-    """The engine groups of one node, in the agent's rank order (prefill first, then by replica)."""
-    by_key: dict[tuple[Role, int], list[Rank]] = {}
-    for r in agent.ranks:
-        by_key.setdefault((Role(r.role), r.replica), []).append(r)
-    out: list[EngineGroup] = []
-    seen: dict[Role, int] = {}
-    for (role, replica), ranks in by_key.items():
-        k = seen.get(role, 0)
-        seen[role] = k + 1
-        out.append(EngineGroup(role, replica, k, tuple(ranks)))
-    return out
+def groups_of(agents: Sequence[AgentPlacement]) -> list[tuple[AgentPlacement, EngineGroup]]:
+    """Every engine group of a placement with the node it runs on."""
+    return [(a, g) for a in agents for g in groups(a)]
 
 
-def serving_port(engine: EngineSpec, group: EngineGroup) -> int:
-    return engine.role(group.role.value).port + group.index
+def engine_env(spec: PDClusterSpec, agent: AgentPlacement) -> list[dict[str, Any]]:
+    """The container variables the engines need: the user's valueFrom variables (resolved by the
+    kubelet under PDFABRIC_ENV_<ROLE>_<NAME>) and the node's engine launches."""
+    launches = engine_launches(spec, agent.ranks)
+    return [*hoisted_env(spec), {"name": ENGINES_ENV, "value": encode_launches(launches)}]
 
 
-def bootstrap_port(engine: EngineSpec, group: EngineGroup) -> int | None:
-    """Prefill engines' bootstrap port; None for decode."""
-    return engine.prefill.bootstrap_port + group.index if group.role is Role.PREFILL else None
-
-
-def _env(spec: PDClusterSpec, engine: EngineSpec, group: EngineGroup) -> list[dict[str, Any]]:
-    role = engine.role(group.role.value)
-    par = spec.prefill if group.role is Role.PREFILL else spec.decode
-    env: list[dict[str, Any]] = [dict(e) for e in role.env]
-    ours = {
-        # The SGLang plugin's contract (docs/sglang.md): the token, the agent's engine door, who it is.
-        "PDFABRIC_ENGINE_TOKEN_FILE": c.ENGINE_TOKEN_PATH,
-        "PDFABRIC_AGENT_ADDRESS": f"127.0.0.1:{spec.agent.api_port}",
-        "PDFABRIC_REPLICA": str(group.replica),
-        "PDFABRIC_SHM_DIR": SHM_PATH,
-        # For the command line ($(VAR) in args): what this engine serves on and with.
-        "PDFABRIC_ROLE": group.role.value,
-        "PDFABRIC_PORT": str(serving_port(engine, group)),
-        "PDFABRIC_GPUS": str(len(group.ranks)),
-        "PDFABRIC_TP": str(par.tp),
-        "PDFABRIC_PP": str(par.pp),
-    }
-    boot = bootstrap_port(engine, group)
-    if boot is not None:
-        ours["PDFABRIC_BOOTSTRAP_PORT"] = str(boot)
-        ours["PDFABRIC_CP"] = str(spec.prefill.cp)
-    cp_ranks = {r.cp_rank for r in group.ranks}
-    if len(cp_ranks) == 1:
-        # One CP rank in the group (always for decode and for prefill cp 1): say it. A CP > 1
-        # server's scheduler processes each know their own CP rank; one variable cannot.
-        ours["PDFABRIC_CP_RANK"] = str(next(iter(cp_ranks)))
-    if len(group.ranks) == 1:
-        ours["PDFABRIC_RANK"] = group.ranks[0].rank_id
-    env += [{"name": k, "value": v} for k, v in ours.items()]
-    return env
-
-
-def _resources(spec: PDClusterSpec, role: EngineRoleSpec, group: EngineGroup) -> dict[str, Any]:
-    user = role.resources or {}
-    requests = dict(user.get("requests") or {})
-    limits = dict(user.get("limits") or {})
-    # This group's GPUs, and only them: the device plugin's grant (request == limit, extended).
-    gpus = {spec.placement.gpu_resource: str(len(group.ranks))}
-    requests.update(gpus)
-    limits.update(gpus)
-    return {"requests": requests, "limits": limits}
-
-
-def _ports(engine: EngineSpec, group: EngineGroup) -> list[dict[str, Any]]:
-    ports = [{"name": group.port_name, "containerPort": serving_port(engine, group), "protocol": "TCP"}]
-    boot = bootstrap_port(engine, group)
-    if boot is not None:
-        ports.append({"name": group.bootstrap_port_name, "containerPort": boot, "protocol": "TCP"})
+def engine_ports(engine: EngineSpec, agent: AgentPlacement) -> list[dict[str, Any]]:
+    """Each engine's serving port (and prefill's bootstrap port), named for the per-role Services."""
+    ports: list[dict[str, Any]] = []
+    for g in groups(agent):
+        ports.append({"name": g.port_name, "containerPort": serving_port(engine, g), "protocol": "TCP"})
+        boot = bootstrap_port(engine, g)
+        if boot is not None:
+            ports.append({"name": g.bootstrap_port_name, "containerPort": boot, "protocol": "TCP"})
     return ports
 
 
-def _probes(role: EngineRoleSpec, group: EngineGroup) -> dict[str, Any]:
-    http = {"path": role.health_path, "port": group.port_name}
-    return {
-        # Loading a model takes minutes: the startup probe holds the other two off until it serves.
-        "startupProbe": {
-            "httpGet": http,
-            "periodSeconds": PROBE_PERIOD_S,
-            "failureThreshold": max(1, -(-role.startup_seconds // PROBE_PERIOD_S)),
-        },
-        "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 3},
-        # A busy engine may answer its health path slowly; liveness asks only that the port is open.
-        "livenessProbe": {"tcpSocket": {"port": group.port_name}, "periodSeconds": 10, "failureThreshold": 6},
-    }
-
-
-def build_engine_container(spec: PDClusterSpec, engine: EngineSpec, group: EngineGroup) -> dict[str, Any]:
-    role = engine.role(group.role.value)
-    container: dict[str, Any] = {"name": group.name, "image": engine.image}
-    if role.command:
-        container["command"] = list(role.command)
-    if role.args:
-        container["args"] = list(role.args)
-    container.update(
-        {
-            "env": _env(spec, engine, group),
-            "ports": _ports(engine, group),
-            "resources": _resources(spec, role, group),
-            **_probes(role, group),
-            "volumeMounts": [
-                {"name": "engine-token", "mountPath": c.ENGINE_TOKEN_DIR, "readOnly": True},
-                {"name": SHM_VOLUME, "mountPath": SHM_PATH},
-            ],
-        }
-    )
-    return container
-
-
-def build_engine_containers(spec: PDClusterSpec, agent: AgentPlacement) -> list[dict[str, Any]]:
-    """The engine containers of one node pod; [] without spec.engine (fabric-only)."""
-    if spec.engine is None:
-        return []
-    return [build_engine_container(spec, spec.engine, g) for g in engine_groups(agent)]
-
-
 def shm_volume(engine: EngineSpec) -> dict[str, Any]:
-    """The pod's /dev/shm: memory-backed, shared by the agent and the engines (CPU buffers)."""
+    """The pod's /dev/shm: memory-backed, shared by the agent and its engine processes (CPU buffers)."""
     empty_dir: dict[str, Any] = {"medium": "Memory"}
     if engine.shared_memory:
         empty_dir["sizeLimit"] = engine.shared_memory
     return {"name": SHM_VOLUME, "emptyDir": empty_dir}
 
 
-def groups_of(agents: Sequence[AgentPlacement]) -> list[tuple[AgentPlacement, EngineGroup]]:
-    """Every engine group of a placement with the node it runs on."""
-    return [(a, g) for a in agents for g in engine_groups(a)]
+def shm_mount() -> dict[str, Any]:
+    return {"name": SHM_VOLUME, "mountPath": SHM_PATH}
+
+
+def _effective(resources: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(requests, limits) of one part as Kubernetes reads a container's: a request left out is
+    its limit; a limit left out is no limit (None)."""
+    requests = dict(resources.get("requests") or {})
+    limits = dict(resources.get("limits") or {})
+    for name, limit in limits.items():
+        requests.setdefault(name, limit)
+    return requests, limits
+
+
+def sum_resources(parts: Sequence[Mapping[str, Any]], where: str = "resources") -> dict[str, Any]:
+    """The resources of one container running every part (the agent, each engine): per resource,
+    the exact sum of the parts' requests (a part's limit where it states no request, as Kubernetes
+    defaults it); a limit where any part limits the resource, the sum of the parts' limits with
+    their requests standing in for a part that states none (so limits never fall below requests).
+    A part that names a resource in neither adds nothing to it. SpecError for a bad quantity
+    (parse_spec refuses those first, and a request above its part's limit)."""
+    effective = [_effective(p) for p in parts]
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    names = list(dict.fromkeys(n for req, _ in effective for n in req))
+    try:
+        for name in names:
+            requests[name] = add_quantities(req[name] for req, _ in effective if name in req)
+            if any(name in lim for _, lim in effective):
+                limits[name] = add_quantities(
+                    lim[name] if name in lim else req[name] for req, lim in effective if name in req
+                )
+    except QuantityError as exc:
+        raise SpecError(f"{where}: {exc}") from None
+    return {"requests": requests, "limits": limits}
+
+
+def container_resources(spec: PDClusterSpec, agent: AgentPlacement) -> dict[str, Any]:
+    """The agent's resources plus, with spec.engine, each of the node's engines' role resources
+    (devices are the caller's: they are set, not added)."""
+    parts: list[Mapping[str, Any]] = [spec.agent.resources or {}]
+    if spec.engine is not None:
+        parts += [spec.engine.role(g.role.value).resources or {} for g in groups(agent)]
+    return sum_resources(parts, "agent.resources + engine resources")

@@ -26,7 +26,7 @@ from prometheus_client import start_http_server
 from pdfabric_core.spec import SpecError, parse_spec
 from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
-from pdfabric_operator.agentstate import AgentAddress, AgentTransport, read_transports
+from pdfabric_operator.agentstate import AgentAddress, AgentReport, AgentTransport, read_reports, read_transports
 from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, error_type, load_configuration
 from pdfabric_operator.metrics import CLUSTERS, ERRORS, RECONCILE_DURATION, RECONCILES, ReconcileResult
@@ -215,7 +215,6 @@ def agent_pods(
             ranks=annotations.get(c.ANN_RANKS, ""),
             failed=status.get("phase") in ("Failed", "Succeeded"),
             ip=status.get("podIP") or "",
-            containers=tuple((str(s.get("name")), bool(s.get("ready"))) for s in status.get("containerStatuses") or []),
         )
     }
 
@@ -272,21 +271,32 @@ def _snapshot(gpu_nodes: NodeIndex, gpu_pods: GpuPodIndex, agent_pods: AgentPodI
     )
 
 
-async def _with_transports(snap: Snapshot, body: kopf.Body, uid: str) -> Snapshot:
-    """The snapshot with what each Ready agent said about its transport (read once per pod)."""
+async def _with_agents(snap: Snapshot, body: kopf.Body, uid: str) -> Snapshot:
+    """The snapshot with what the agents said in their /readyz: each Ready agent's transport (read
+    once per pod); with spec.engine every pod's whole word (its readiness, its engines), read
+    for every reconcile (engines restart and turn healthy or not while the pod stays)."""
     known = STATE.transports.setdefault(uid, {})
     for gone in set(known) - {p.uid for p in snap.own}:
         del known[gone]
     try:
-        port = parse_spec(dict(body.get("spec") or {})).agent.metrics_port
+        spec = parse_spec(dict(body.get("spec") or {}))
     except SpecError:
         return snap
-    live = [AgentAddress(p.uid, p.name, p.ip) for p in snap.own if p.ready and not p.deleting]
+    port = spec.agent.metrics_port
+    reports: dict[str, AgentReport] = {}
     try:
-        known.update(await read_transports(live, port, known, STATE.config.agent_addresses))
+        if spec.engine is not None:
+            live = [AgentAddress(p.uid, p.name, p.ip) for p in snap.own if not p.deleting and not p.failed]
+            reports = await read_reports(live, port, STATE.config.agent_addresses)
+            known.update({k: r.transport for k, r in reports.items() if r.transport is not None})
+        else:
+            live = [AgentAddress(p.uid, p.name, p.ip) for p in snap.own if p.ready and not p.deleting]
+            known.update(await read_transports(live, port, known, STATE.config.agent_addresses))
     except Exception as exc:  # never in the way of the reconcile: read again next time
         logging.getLogger("pdfabric.operator").warning("reading the agents' /readyz failed: %r", exc)
-    return dataclasses.replace(snap, transports={k: (t.requested, t.transport) for k, t in known.items()})
+    return dataclasses.replace(
+        snap, transports={k: (t.requested, t.transport) for k, t in known.items()}, reports=reports
+    )
 
 
 @kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, id="reconcile", cancellation_timeout=10.0)
@@ -316,7 +326,7 @@ async def reconcile_daemon(
                 return
             generation = body.get("metadata", {}).get("generation", 0)
             STATE.generations[uid] = generation
-            snap = await _with_transports(_snapshot(gpu_nodes, gpu_pods, agent_pods, uid), body, uid)
+            snap = await _with_agents(_snapshot(gpu_nodes, gpu_pods, agent_pods, uid), body, uid)
             started = time.monotonic()
             try:
                 res = await asyncio.to_thread(
@@ -341,6 +351,8 @@ async def reconcile_daemon(
                 if res.problem != last_problem and res.problem is not None:
                     kopf.warn(body, reason=res.problem[0], message=res.problem[1])
                 last_problem = res.problem
+                for reason, message in res.events:  # each once, when it happened (engine restarts)
+                    kopf.warn(body, reason=reason, message=message)
             except Exception as exc:
                 RECONCILES.labels(ReconcileResult.ERROR.value).inc()
                 ERRORS.labels(error_type(exc).value).inc()

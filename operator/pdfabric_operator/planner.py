@@ -125,7 +125,7 @@ def _units(spec: PDClusterSpec, transport: Transport) -> list[_Unit]:
                 ranks += replica_ranks(spec, Role.DECODE, d)
             units.append(_Unit(f"group-{p}", tuple(ranks), splittable=False))
         return units
-    # An engine the operator runs (spec.engine) is one container on one node: its replica stays whole.
+    # An engine the operator runs (spec.engine) is one process on one node: its replica stays whole.
     split = spec.engine is None
     units = [
         _Unit(f"prefill-{r}", tuple(replica_ranks(spec, Role.PREFILL, r)), split) for r in range(spec.prefill.replicas)
@@ -225,7 +225,7 @@ def _pack(
             raise _NoFit(
                 PlacementReason.INSUFFICIENT_GPUS,
                 f"{unit.key} needs {need} free GPUs on one node (spec.engine runs each replica as one "
-                f"container); {what} offer at most {max([0, *free.values()])} (most free: {_describe(free)}); "
+                f"process on one node); {what} offer at most {max([0, *free.values()])} (most free: {_describe(free)}); "
                 f"free GPUs, lower TP/CP/PP, or run the engines yourself (leave spec.engine out)",
             )
         raise _NoFit(

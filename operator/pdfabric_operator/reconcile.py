@@ -31,6 +31,7 @@ from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
 from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
 from pdfabric_operator import pki
+from pdfabric_operator.agentstate import AgentReport
 from pdfabric_operator.kube import Kube
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
 from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement
@@ -50,8 +51,6 @@ class OwnPod:
     pod_hash: str
     ranks: str
     failed: bool = False  # phase Failed (e.g. the kubelet refused it): replace it
-    # (container name, ready) from status.containerStatuses: the agent's and each engine's.
-    containers: tuple[tuple[str, bool], ...] = ()
     ip: str = ""  # status.podIP: where the operator reads the agent's /readyz (agentstate)
 
 
@@ -62,6 +61,9 @@ class Snapshot:
     own: Sequence[OwnPod]
     # Pod uid -> (requested, in use) as the agent's /readyz said (agentstate); absent: not read yet.
     transports: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # With spec.engine: pod uid -> the agent's /readyz as read for this reconcile (its own
+    # readiness, its engines); absent: it did not answer.
+    reports: Mapping[str, AgentReport] = field(default_factory=dict)
 
 
 class Ledger:
@@ -120,6 +122,10 @@ class ClusterMemory:
     last_rankmap_hash: str | None = None
     last_plan: dict[str, tuple[Rank, ...]] | None = None  # node -> ranks of the last placement
     engine_services_hash: str | None = None  # the rank map the engines' Services were last checked for
+    # Engine restarts last seen, pod uid -> engine -> count (an EngineRestarted Event when it grows);
+    # pods that ran before this memory began are judged from their first reading on.
+    engine_restarts: dict[str, dict[str, int]] = field(default_factory=dict)
+    restart_baseline: set[str] | None = None
 
 
 @dataclass
@@ -129,6 +135,8 @@ class Result:
     actions: list[str] = field(default_factory=list)
     # Why the cluster cannot run as asked (no fit, or the declared fallback), for a k8s Event.
     problem: tuple[str, str] | None = None
+    # Warning Events to emit once each (reason, message): engines that restarted since last seen.
+    events: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _now() -> str:
@@ -255,9 +263,9 @@ def reconcile_once(
                     out.actions.append(f"create pod {name}")
         for p in own:
             requested, transport = snap.transports.get(p.uid, ("", ""))
-            containers = dict(p.containers)
-            # With engines in the pod, pod Ready is also theirs: the agent's own container says its.
-            agent_ready = containers.get(c.AGENT_CONTAINER, p.ready) if containers else p.ready
+            report = snap.reports.get(p.uid) if spec.engine is not None else None
+            # With engines in the pod, pod Ready is also theirs: the agent's /readyz says its own.
+            agent_ready = report.ready if report is not None and report.ready is not None else p.ready
             views.append(
                 AgentView(
                     p.name,
@@ -266,9 +274,10 @@ def reconcile_once(
                     _is_current(p, desired.get(p.name)),
                     requested,
                     transport,
-                    containers,
+                    dict(report.engines or {}) if report is not None else {},
                 )
             )
+        out.events += _engine_restarts(memory, spec, own, snap.reports)
 
     # 4. Status.
     status = compute_status(
@@ -281,6 +290,45 @@ def reconcile_once(
         out.result = ReconcileResult.READY
     out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
     return out
+
+
+def _engine_restarts(
+    memory: ClusterMemory, spec: PDClusterSpec, own: Sequence[OwnPod], reports: Mapping[str, AgentReport]
+) -> list[tuple[str, str]]:
+    """EngineRestarted Events for engines whose restart count grew since the last reading (a
+    pod first read that ran before this operator's memory of the cluster began is a baseline; a
+    pod that started since counts from 0)."""
+    if spec.engine is None:
+        memory.engine_restarts.clear()
+        memory.restart_baseline = None
+        return []
+    if memory.restart_baseline is None:
+        memory.restart_baseline = {p.uid for p in own}
+    pods = {p.uid: p for p in own}
+    for uid in set(memory.engine_restarts) - set(pods):
+        del memory.engine_restarts[uid]
+    memory.restart_baseline &= set(pods)
+    events: list[tuple[str, str]] = []
+    for uid, report in sorted(reports.items()):
+        pod = pods.get(uid)
+        if pod is None or report.engines is None:
+            continue
+        seen = memory.engine_restarts.get(uid)
+        baseline = seen is None and uid in memory.restart_baseline
+        now: dict[str, int] = {}
+        for name, state in sorted(report.engines.items()):
+            before = (seen or {}).get(name, state.restarts if baseline else 0)
+            if state.restarts > before:
+                last = f"; last exit: {state.last_exit}" if state.last_exit else ""
+                events.append(
+                    (
+                        "EngineRestarted",
+                        f"engine {name} in pod {pod.name} restarted ({state.restarts} restarts{last})",
+                    )
+                )
+            now[name] = state.restarts
+        memory.engine_restarts[uid] = now
+    return events
 
 
 def _plan_on_record(kube: Kube, ref: b.ClusterRef, own: Sequence[OwnPod]) -> dict[str, tuple[Rank, ...]]:

@@ -11,13 +11,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdfabric_core.engines import EngineState, bootstrap_port, serving_port
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_core.traffic import estimate_traffic
 from pdfabric_operator import constants as c
-from pdfabric_operator import engines as e
 from pdfabric_operator.builders import agent_name, engine_service_name, service_name
+from pdfabric_operator.engines import groups_of
 from pdfabric_operator.planner import Placement, PlacementFailure
 
 # Keys of .status this writer owns; anything else there (kopf's own bookkeeping) is left alone.
@@ -54,8 +55,12 @@ class AgentView:
     # it carries KV over; they differ after the agent's own fallback. "": not read (yet).
     requested: str = ""
     transport: str = ""
-    # Container name -> ready, from the pod's containerStatuses (the engines' readiness).
-    containers: Mapping[str, bool] = field(default_factory=dict)
+    # With spec.engine: engine name -> its state as the agent's /readyz said it this reconcile
+    # (empty: not read; its engines count as not ready). `ready` is then the agent's own word.
+    engines: Mapping[str, EngineState] = field(default_factory=dict)
+
+
+UNKNOWN_PHASE = "Unknown"  # an engine whose agent said nothing of it (not answering, not listed)
 
 
 def agent_fallbacks(agents: Sequence[AgentView]) -> str:
@@ -225,13 +230,14 @@ def _no_engines() -> dict[str, Any]:
 
 
 def _engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[str, Any]:
-    """Engines ready per role, and what a PD router needs: each engine's URL (its pod's stable
-    name under the agents' headless Service), prefill's bootstrap address, the per-role Services."""
+    """Engines ready and restarted per role (the agents' /readyz), each engine's phase, restarts
+    and last exit, and what a PD router needs: its URL (its pod's stable name under the agents'
+    headless Service), prefill's bootstrap address, the per-role Services."""
     spec = obs.spec
     assert spec.engine is not None
     views = {v.name: v for v in obs.agents if v.current}
     endpoints: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
-    for a, g in e.groups_of(placement.agents):
+    for a, g in groups_of(placement.agents):
         pod = agent_name(cluster, a.node)
         host = f"{pod}.{service_name(cluster)}.{obs.namespace}.svc"
         view = views.get(pod)
@@ -239,21 +245,27 @@ def _engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[st
             "replica": g.replica,
             "node": a.node,
             "pod": pod,
-            "container": g.name,
-            "url": f"http://{host}:{e.serving_port(spec.engine, g)}",
+            "engine": g.name,
+            "url": f"http://{host}:{serving_port(spec.engine, g)}",
         }
-        boot = e.bootstrap_port(spec.engine, g)
+        boot = bootstrap_port(spec.engine, g)
         if boot is not None:
             entry["bootstrap"] = f"{host}:{boot}"
             entry["bootstrapPort"] = boot
-        entry["ready"] = bool(view is not None and view.containers.get(g.name))
+        # The agent's word on the engine it runs; no word (not read, not listed): not ready.
+        state = view.engines.get(g.name) if view is not None else None
+        entry["ready"] = bool(state is not None and state.ready)
+        entry["phase"] = state.phase if state is not None else UNKNOWN_PHASE
+        entry["restarts"] = state.restarts if state is not None else 0
+        entry["lastExit"] = state.last_exit if state is not None else ""
         endpoints[g.role.value].append(entry)
     for role in endpoints.values():
         role.sort(key=lambda x: x["replica"])
     desired = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas}
     ready = {r: sum(1 for x in endpoints[r] if x["ready"]) for r in endpoints}
+    restarts = {r: sum(x["restarts"] for x in endpoints[r]) for r in endpoints}
     return {
-        "engines": {r: {"desired": desired[r], "ready": ready[r]} for r in endpoints},
+        "engines": {r: {"desired": desired[r], "ready": ready[r], "restarts": restarts[r]} for r in endpoints},
         "prefillEnginesReady": f"{ready['prefill']}/{desired['prefill']}",
         "decodeEnginesReady": f"{ready['decode']}/{desired['decode']}",
         "endpoints": endpoints,

@@ -10,7 +10,18 @@ from pathlib import Path
 from aiohttp.test_utils import TestServer
 
 from pdfabric_agent.server import Readiness, build_metrics_app
-from pdfabric_operator.agentstate import AgentAddress, AgentTransport, parse_readyz, read_transports
+from pdfabric_core.engines import EngineState
+from pdfabric_core.policy.types import Role
+from pdfabric_operator.agentstate import (
+    AgentAddress,
+    AgentReport,
+    AgentTransport,
+    parse_engines,
+    parse_readyz,
+    parse_report,
+    read_reports,
+    read_transports,
+)
 
 
 def test_parse_readyz() -> None:
@@ -41,6 +52,71 @@ def test_reads_the_agents_readyz_once_per_pod(tmp_path: Path) -> None:
             # Not answering: left out, read again next time.
             silent = [AgentAddress("uid-d", "agent-d", "127.0.0.1")]
             assert await read_transports(silent, 1, {}) == {}
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def _engine(name: str, **kw: object) -> dict[str, object]:
+    role, replica = name.split("-")
+    body: dict[str, object] = {"name": name, "role": role, "replica": int(replica), "phase": "Running", "ready": True}
+    body.update(kw)
+    return body
+
+
+def test_parse_report_reads_the_agents_own_readiness_and_its_engines() -> None:
+    body = {
+        "ready": True,
+        "enginesReady": False,
+        "transport": "tcp",
+        "requested": "tcp",
+        "engines": [
+            _engine("prefill-0", restarts=2, pid=11, lastExit="exit code 1"),
+            _engine("decode-0", ready=False, phase="BackOff"),
+            {"name": "broken"},  # malformed: left out
+        ],
+    }
+    report = parse_report(body)
+    assert report is not None and report.ready is True and report.transport == AgentTransport("tcp", "tcp")
+    assert report.engines is not None and set(report.engines) == {"prefill-0", "decode-0"}
+    p0 = report.engines["prefill-0"]
+    assert (p0.role, p0.ready, p0.restarts, p0.last_exit) == (Role.PREFILL, True, 2, "exit code 1")
+    assert report.engines["decode-0"] == EngineState("decode-0", Role.DECODE, 0, "BackOff", False)
+    assert parse_report({"ready": "yes"}) == AgentReport(None, None, None)  # says nothing usable
+    assert parse_report([1]) is None
+    assert parse_engines({"engines": "prefill-0"}) is None
+
+
+def test_reads_every_pods_report_each_time_whatever_the_status_code(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    body = {"ready": True, "enginesReady": False, "engines": [_engine("decode-0", ready=False, phase="Starting")]}
+    hits: list[str] = []
+
+    async def readyz(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response(body, status=503)  # not ready: the kubelet's answer, still a body
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_get("/readyz", readyz)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            overrides = tmp_path / "addresses.json"
+            overrides.write_text(json.dumps({"agent-a": f"127.0.0.1:{server.port}"}))
+            pods = [
+                AgentAddress("uid-a", "agent-a", "10.0.0.1"),
+                AgentAddress("uid-b", "agent-b", ""),  # no address: left out
+                AgentAddress("uid-c", "agent-c", "127.0.0.1"),  # nobody answers on port 1: left out
+            ]
+            for _ in range(2):
+                got = await read_reports(pods, 1, str(overrides))
+                assert set(got) == {"uid-a"}
+                engines = got["uid-a"].engines
+                assert engines is not None and engines["decode-0"].phase == "Starting"
+            assert hits == ["/readyz", "/readyz"]  # read again every time, not once per pod
         finally:
             await server.close()
 

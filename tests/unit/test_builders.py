@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 from cryptography import x509
@@ -281,134 +282,170 @@ def test_without_engine_the_pod_is_fabric_only() -> None:
     assert not any(k.startswith("pdfabric.dev/serves-") for k in pod["metadata"]["labels"])
 
 
-def test_engine_pod_runs_one_container_per_group_with_exactly_its_gpus() -> None:
-    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine()
+def _launches(container) -> list[dict]:
+    """PDFABRIC_ENGINES as the agent will see it: the kubelet turns $$ into $ (no $(VAR) is ours)."""
+    (value,) = [e["value"] for e in container["env"] if e["name"] == "PDFABRIC_ENGINES"]
+    return json.loads(value.replace("$$", "$"))
+
+
+def test_engine_pod_is_one_container_holding_every_gpu_of_the_node() -> None:
+    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine(image="sglang:pd")
     placement, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    containers = _containers(pod)
-    assert list(containers) == ["agent", "prefill-0", "prefill-1", "decode-0"]
-    gpus = {n: c["resources"]["limits"].get("nvidia.com/gpu") for n, c in containers.items()}
-    assert gpus == {"agent": None, "prefill-0": "2", "prefill-1": "2", "decode-0": "4"}
-    for c in containers.values():
-        assert c["resources"]["requests"].get("nvidia.com/gpu") == c["resources"]["limits"].get("nvidia.com/gpu")
-    # The pod's total is what the planner and the ledger count.
-    total = sum(int(g or 0) for g in gpus.values())
-    assert total == b.agent_device_requests(builder.spec(), placement.agents[0], placement.transport)["nvidia.com/gpu"]
+    (agent,) = pod["spec"]["containers"]
+    assert agent["name"] == "agent" and agent["image"] == "sglang:pd"
+    assert agent["command"] == ["pdfabric-agent"]  # the engine image's agent is the entrypoint
+    res = agent["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "8"
+    want = b.agent_device_requests(builder.spec(), placement.agents[0], placement.transport)["nvidia.com/gpu"]
+    assert int(res["limits"]["nvidia.com/gpu"]) == want  # what the planner and the ledger count
     # No GPU grant but the device plugin's: no privilege, no host namespaces, no visible-devices env.
     spec = pod["spec"]
     assert not any(spec.get(k) for k in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"))
-    for c in containers.values():
-        assert not (c.get("securityContext") or {}).get("privileged")
-        assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(_env(c))
+    assert not (agent.get("securityContext") or {}).get("privileged")
+    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(_env(agent))
+    assert spec["terminationGracePeriodSeconds"] == 60
     labels = pod["metadata"]["labels"]
     assert labels["pdfabric.dev/serves-prefill"] == labels["pdfabric.dev/serves-decode"] == "true"
 
 
-def test_engine_containers_share_shm_and_the_token_with_the_agent() -> None:
+def test_engine_launches_are_the_nodes_groups_with_their_gpus() -> None:
+    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine()
+    placement, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    launches = _launches(pod["spec"]["containers"][0])
+    assert [(x["name"], x["ranks"], x["gpus"]) for x in launches] == [
+        ("prefill-0", ["prefill-0-tp0-cp0", "prefill-0-tp1-cp0"], [0, 1]),
+        ("prefill-1", ["prefill-1-tp0-cp0", "prefill-1-tp1-cp0"], [2, 3]),
+        ("decode-0", [f"decode-0-tp{i}" for i in range(4)], [4, 5, 6, 7]),
+    ]
+    gpus = {r.rank_id: r.gpu for r in placement.agents[0].ranks}
+    assert all(x["gpus"] == [gpus[r] for r in x["ranks"]] for x in launches)
+    p1 = launches[1]
+    assert p1["argv"] == ["python3", "-m", "sglang.launch_server", "--disaggregation-mode", "prefill"]
+    assert (p1["port"], p1["bootstrapPort"], p1["tp"], p1["replica"]) == (30001, 8999, 2, 1)
+    assert "bootstrapPort" not in launches[2] and launches[2]["port"] == 31000
+    # The same message core decodes (the agent's reading of it).
+    from pdfabric_core.engines import decode_launches, encode_launches, engine_launches
+
+    (value,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_ENGINES"]
+    assert value == encode_launches(engine_launches(builder.spec(), placement.agents[0].ranks))
+    assert [x.name for x in decode_launches(value.replace("$$", "$"))] == ["prefill-0", "prefill-1", "decode-0"]
+
+
+def test_engine_pod_has_memory_backed_shm_and_the_token() -> None:
     builder = pdcluster().engine(sharedMemory="8Gi")
     _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
     (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
-    for c in pod["spec"]["containers"]:
-        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-        assert mounts["dshm"] == "/dev/shm", c["name"]
-        assert mounts["engine-token"] == "/etc/pdfabric/engine-token", c["name"]
-    engine_mounts = {m["name"] for m in _containers(pod)["prefill-0"]["volumeMounts"]}
-    assert engine_mounts == {"dshm", "engine-token"}  # not the agent's peer key, not the rank map
+    (c,) = pod["spec"]["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["dshm"] == "/dev/shm"
+    assert mounts["engine-token"] == "/etc/pdfabric/engine-token"
+    _, (unlimited,) = _engine_pod(pdcluster().engine(), [gpu_node("n1", 8)])
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in unlimited["spec"]["volumes"]
 
 
-def test_engine_env_is_the_sglang_plugins_contract() -> None:
-    builder = pdcluster().prefill(replicas=2, tp=1).decode(replicas=1, tp=2).agent(apiPort=7500).engine()
+def test_engine_args_keep_their_vars_and_dollars_for_the_agent() -> None:
+    builder = pdcluster().engine(prefill={"args": ["--port", "$(PDFABRIC_PORT)", "--price", "$$5"]})
     _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    c = _containers(pod)
-    p1, d0 = _env(c["prefill-1"]), _env(c["decode-0"])
-    assert p1["PDFABRIC_ENGINE_TOKEN_FILE"] == "/etc/pdfabric/engine-token/token"
-    assert p1["PDFABRIC_AGENT_ADDRESS"] == d0["PDFABRIC_AGENT_ADDRESS"] == "127.0.0.1:7500"
-    assert (p1["PDFABRIC_REPLICA"], d0["PDFABRIC_REPLICA"]) == ("1", "0")
-    assert p1["PDFABRIC_RANK"] == "prefill-1-tp0-cp0"  # one rank: its id outright
-    assert "PDFABRIC_RANK" not in d0  # two ranks: the plugin derives each from its engine rank
-    assert p1["PDFABRIC_CP_RANK"] == d0["PDFABRIC_CP_RANK"] == "0"
-    assert (p1["PDFABRIC_PORT"], p1["PDFABRIC_BOOTSTRAP_PORT"], d0["PDFABRIC_PORT"]) == ("30001", "8999", "31000")
-    assert (d0["PDFABRIC_GPUS"], d0["PDFABRIC_TP"], d0["PDFABRIC_ROLE"]) == ("2", "2", "decode")
-    assert "PDFABRIC_BOOTSTRAP_PORT" not in d0
-    assert p1["PDFABRIC_SHM_DIR"] == "/dev/shm"
+    (value,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_ENGINES"]
+    assert "$$(PDFABRIC_PORT)" in value  # escaped: the kubelet must not expand it in the agent's env
+    assert _launches(pod["spec"]["containers"][0])[0]["argv"][-4:] == ["--port", "$(PDFABRIC_PORT)", "--price", "$$5"]
 
 
-def test_prefill_cp_group_leaves_the_cp_rank_to_the_engine() -> None:
-    builder = pdcluster().prefill(tp=1, cp=2).engine()
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    env = _env(_containers(pod)["prefill-0"])
-    assert "PDFABRIC_CP_RANK" not in env and env["PDFABRIC_CP"] == "2" and env["PDFABRIC_GPUS"] == "2"
-
-
-def test_engine_ports_and_probes() -> None:
-    builder = pdcluster().prefill(replicas=2).engine(prefill={"healthPath": "/ready", "startupSeconds": 95})
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    c = _containers(pod)
-    ports = {n: [(p["name"], p["containerPort"]) for p in x["ports"]] for n, x in c.items() if n != "agent"}
-    assert ports == {
-        "prefill-0": [("p-http-0", 30000), ("p-boot-0", 8998)],
-        "prefill-1": [("p-http-1", 30001), ("p-boot-1", 8999)],
-        "decode-0": [("d-http-0", 31000)],
-    }
-    names = [p["name"] for x in c.values() for p in x["ports"]]
-    assert len(names) == len(set(names)) and all(len(n) <= 15 for n in names)
-    p1 = c["prefill-1"]
-    assert p1["startupProbe"]["httpGet"] == p1["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "p-http-1"}
-    assert p1["startupProbe"]["periodSeconds"] * p1["startupProbe"]["failureThreshold"] >= 95
-    assert p1["livenessProbe"]["tcpSocket"] == {"port": "p-http-1"}
-    assert c["decode-0"]["readinessProbe"]["httpGet"] == {"path": "/health", "port": "d-http-0"}
-
-
-def test_engine_command_args_env_and_resources_are_the_users() -> None:
+def test_engine_env_plain_in_the_launch_value_from_hoisted_for_the_kubelet() -> None:
+    secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
     builder = pdcluster().engine(
-        image="sglang:pd",
-        prefill={
-            "command": ["python3", "-m", "sglang.launch_server"],
-            "args": ["--port", "$(PDFABRIC_PORT)"],
-            "env": [
-                {"name": "HF_HOME", "value": "/cache"},
-                {"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "x"}}},
-            ],
-            "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}},
-        },
+        prefill={"env": [{"name": "HF_HOME", "value": "/cache"}, {"name": "HF_TOKEN", "valueFrom": secret}]},
+        decode={"env": [{"name": "HF_TOKEN", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]},
     )
     _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    p0 = _containers(pod)["prefill-0"]
-    assert p0["image"] == "sglang:pd"
-    assert p0["command"] == ["python3", "-m", "sglang.launch_server"]
-    assert p0["args"] == ["--port", "$(PDFABRIC_PORT)"]
-    assert p0["env"][:2] == [
-        {"name": "HF_HOME", "value": "/cache"},
-        {"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "x"}}},
-    ]
-    assert p0["resources"] == {
-        "requests": {"cpu": "4", "nvidia.com/gpu": "1"},
-        "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
+    (c,) = pod["spec"]["containers"]
+    hoisted = {e["name"]: e.get("valueFrom") for e in c["env"] if e["name"].startswith("PDFABRIC_ENV_")}
+    assert hoisted == {
+        "PDFABRIC_ENV_PREFILL_HF_TOKEN": secret,
+        "PDFABRIC_ENV_DECODE_HF_TOKEN": {"configMapKeyRef": {"name": "c", "key": "k"}},
     }
-    assert "command" not in _containers(pod)["decode-0"]  # the image's entrypoint, with its args
+    assert "HF_HOME" not in _env(c) and "HF_TOKEN" not in _env(c)  # the engine's, not the agent's
+    p0, d0 = _launches(c)
+    assert p0["env"] == [
+        {"name": "HF_HOME", "value": "/cache"},
+        {"name": "HF_TOKEN", "fromContainer": "PDFABRIC_ENV_PREFILL_HF_TOKEN"},
+    ]
+    assert d0["env"] == [{"name": "HF_TOKEN", "fromContainer": "PDFABRIC_ENV_DECODE_HF_TOKEN"}]
+
+
+def test_engine_ports_and_the_agents_probes() -> None:
+    builder = pdcluster().prefill(replicas=2).engine(prefill={"healthPath": "/ready", "startupSeconds": 95})
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    (c,) = pod["spec"]["containers"]
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [
+        ("peer", 7401),
+        ("metrics", 9400),
+        ("p-http-0", 30000),
+        ("p-boot-0", 8998),
+        ("p-http-1", 30001),
+        ("p-boot-1", 8999),
+        ("d-http-0", 31000),
+    ]
+    names = [p["name"] for p in c["ports"]]
+    assert len(names) == len(set(names)) and all(len(n) <= 15 for n in names)
+    # The pod's probes are the agent's: /readyz answers 200 only when the agent and every engine
+    # are ready (the agent probes each engine's health path itself, with its startup time).
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert "startupProbe" not in c
+    p1 = _launches(c)[1]
+    assert (p1["healthPath"], p1["startupSeconds"]) == ("/ready", 95)
+
+
+def test_engine_resources_add_up_with_the_agents() -> None:
+    builder = (
+        pdcluster()
+        .prefill(replicas=2, tp=1)
+        .decode(replicas=1, tp=2)
+        .agent(resources={"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}})
+        .engine(
+            prefill={"resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}}},
+            decode={"resources": {"requests": {"cpu": 2, "memory": "512Mi"}, "limits": {"example.com/x": "1"}}},
+        )
+    )
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    res = pod["spec"]["containers"][0]["resources"]
+    # cpu: 0.5 + 4 + 4 + 2; memory requests: 1Gi + 64Gi + 64Gi (a limit stands for its request) + 512Mi;
+    # memory limits: 2Gi + 64Gi + 64Gi + 512Mi (decode's request stands for its missing limit).
+    assert res["requests"] == {
+        "cpu": "10500m",
+        "memory": "132608Mi",
+        "example.com/x": "1",
+        "nvidia.com/gpu": "4",
+    }
+    assert res["limits"] == {"memory": "133632Mi", "example.com/x": "1", "nvidia.com/gpu": "4"}
+
+
+def test_sum_resources_refuses_what_is_no_quantity() -> None:
+    from pdfabric_core.spec import SpecError
+    from pdfabric_operator.engines import sum_resources
+
+    with pytest.raises(SpecError, match="not a quantity"):
+        sum_resources([{"requests": {"cpu": "1"}}, {"requests": {"cpu": "lots"}}])
+    assert sum_resources([{}, {}]) == {"requests": {}, "limits": {}}
 
 
 def test_engine_spec_change_replaces_the_pod_keeping_its_ranks() -> None:
     nodes = [gpu_node("n1", 8)]
-    base = pdcluster().engine()
-    _, (before,) = _engine_pod(base, nodes)
-    _, (fabric,) = _engine_pod(pdcluster(), nodes)
-    _, (after,) = _engine_pod(pdcluster().engine(image="pdfabric/refengine:v2"), nodes)
     ann = "pdfabric.dev/pod-hash"
-    assert (
-        len(
-            {
-                before["metadata"]["annotations"][ann],
-                after["metadata"]["annotations"][ann],
-                fabric["metadata"]["annotations"][ann],
-            }
-        )
-        == 3
-    )
-    assert (
-        before["metadata"]["annotations"]["pdfabric.dev/ranks"]
-        == after["metadata"]["annotations"]["pdfabric.dev/ranks"]
-    )
+    variants = [
+        pdcluster(),
+        pdcluster().engine(),
+        pdcluster().engine(image="pdfabric/refengine:v2"),
+        pdcluster().engine(decode={"args": ["--other"]}),
+        pdcluster().engine(prefill={"env": [{"name": "A", "value": "1"}]}),
+        pdcluster().engine(decode={"port": 32000}),
+        pdcluster().engine(sharedMemory="1Gi"),
+    ]
+    pods = [_engine_pod(v, nodes)[1][0] for v in variants]
+    assert len({p["metadata"]["annotations"][ann] for p in pods}) == len(variants)
+    assert len({p["metadata"]["annotations"]["pdfabric.dev/ranks"] for p in pods}) == 1
 
 
 def test_engine_groups_follow_the_nodes_ranks() -> None:
@@ -416,7 +453,7 @@ def test_engine_groups_follow_the_nodes_ranks() -> None:
 
     builder = pdcluster().transport("nvlink-intra").prefill(replicas=1, tp=2).decode(replicas=2, tp=1).engine()
     placement = _placed(builder, [gpu_node("n1", 8)])
-    groups = engines.engine_groups(placement.agents[0])
+    groups = engines.groups(placement.agents[0])
     assert [(g.name, g.index, [r.rank_id for r in g.ranks]) for g in groups] == [
         ("prefill-0", 0, ["prefill-0-tp0-cp0", "prefill-0-tp1-cp0"]),
         ("decode-0", 0, ["decode-0-tp0"]),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdfabric_core.engines import EngineState
+from pdfabric_core.policy.types import Role
 from pdfabric_operator.builders import agent_name
 from pdfabric_operator.planner import Placement, PlacementFailure, plan_placement
 from pdfabric_operator.status import AgentView, Observed, agent_fallbacks, compute_status, status_patch
@@ -157,15 +159,25 @@ def test_an_agents_own_fallback_is_degraded_and_named() -> None:
 # --- spec.engine ---------------------------------------------------------------------------------
 
 
-def _engine_status(containers_ready: dict[str, bool]):
+def _state(name: str, ready: bool = True, **kw) -> EngineState:
+    role = Role(name.split("-")[0])
+    phase = "Running" if ready else "Starting"
+    return EngineState(name, role, int(name.split("-")[1]), kw.pop("phase", phase), ready, **kw)
+
+
+def _engine_status(states: dict[str, EngineState | None], agent_ready: bool = True):
+    """One node with prefill-0, prefill-1, decode-0; `states` overrides the agent's word per engine
+    (None: not listed)."""
     builder = pdcluster().prefill(replicas=2).decode(replicas=1).engine()
     spec = builder.spec()
     placement = plan_placement(spec, [gpu_node("n1", 8)], [], cluster_uid="u")
     assert isinstance(placement, Placement)
     (a,) = placement.agents
     name = agent_name("pd", a.node)
-    containers = {"agent": True, "prefill-0": True, "prefill-1": True, "decode-0": True, **containers_ready}
-    view = AgentView(name, a.node, containers["agent"], True, containers=containers)
+    engines = {n: _state(n) for n in ("prefill-0", "prefill-1", "decode-0")}
+    engines.update(states)
+    listed = {n: x for n, x in engines.items() if x is not None}
+    view = AgentView(name, a.node, agent_ready, True, engines=listed)
     return compute_status(Observed(1, spec, placement, [view], namespace="ns"), "pd")
 
 
@@ -183,8 +195,11 @@ def test_fabric_only_status_has_no_engine_keys() -> None:
 
 
 def test_engines_ready_per_role_and_ready_waits_for_them() -> None:
-    status = _engine_status({"prefill-1": False})
-    assert status["engines"] == {"prefill": {"desired": 2, "ready": 1}, "decode": {"desired": 1, "ready": 1}}
+    status = _engine_status({"prefill-1": _state("prefill-1", False)})
+    assert status["engines"] == {
+        "prefill": {"desired": 2, "ready": 1, "restarts": 0},
+        "decode": {"desired": 1, "ready": 1, "restarts": 0},
+    }
     assert (status["prefillEnginesReady"], status["decodeEnginesReady"]) == ("1/2", "1/1")
     assert _cond(status, "EnginesReady")["status"] == "False"
     assert (_cond(status, "Ready")["status"], _cond(status, "Ready")["reason"]) == ("False", "EnginesNotReady")
@@ -194,15 +209,33 @@ def test_engines_ready_per_role_and_ready_waits_for_them() -> None:
 
 
 def test_endpoints_are_what_a_pd_router_needs() -> None:
-    status = _engine_status({"decode-0": False})
+    status = _engine_status({"decode-0": _state("decode-0", False, restarts=2, last_exit="exit code 1")})
     host = f"{agent_name('pd', 'n1')}.pd-agents.ns.svc"
     pre, dec = status["endpoints"]["prefill"], status["endpoints"]["decode"]
     assert [(x["replica"], x["url"], x["bootstrap"], x["ready"]) for x in pre] == [
         (0, f"http://{host}:30000", f"{host}:8998", True),
         (1, f"http://{host}:30001", f"{host}:8999", True),
     ]
-    assert [(x["replica"], x["url"], x["ready"], x["container"]) for x in dec] == [
+    assert [(x["replica"], x["url"], x["ready"], x["engine"]) for x in dec] == [
         (0, f"http://{host}:31000", False, "decode-0")
     ]
+    assert (dec[0]["phase"], dec[0]["restarts"], dec[0]["lastExit"]) == ("Starting", 2, "exit code 1")
+    assert (pre[0]["phase"], pre[0]["restarts"], pre[0]["lastExit"]) == ("Running", 0, "")
+    assert "container" not in dec[0]
+    assert status["engines"]["decode"] == {"desired": 1, "ready": 0, "restarts": 2}
     assert "bootstrap" not in dec[0]
     assert status["services"] == {"prefill": "pd-prefill", "decode": "pd-decode"}
+
+
+def test_an_engine_the_agent_does_not_list_is_not_ready() -> None:
+    status = _engine_status({"prefill-0": None})
+    (p0, _) = status["endpoints"]["prefill"]
+    assert (p0["ready"], p0["phase"], p0["restarts"], p0["lastExit"]) == (False, "Unknown", 0, "")
+    assert _cond(status, "EnginesReady")["status"] == "False"
+
+
+def test_an_agent_not_ready_itself_is_not_ready_though_its_engines_are() -> None:
+    status = _engine_status({}, agent_ready=False)
+    assert status["agents"] == {"desired": 1, "ready": 0}
+    assert (_cond(status, "Ready")["status"], _cond(status, "Ready")["reason"]) == ("False", "AgentsNotReady")
+    assert _cond(status, "EnginesReady")["status"] == "True"

@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 
+from pdfabric_core.engines import EngineState
+from pdfabric_core.policy.types import Role
 from pdfabric_operator import builders as b
+from pdfabric_operator.agentstate import AgentReport
 from pdfabric_operator.metrics import ReconcileResult
 from pdfabric_operator.planner import PlacedPod
 from pdfabric_operator.reconcile import ClusterMemory, Ledger, OwnPod, Snapshot, reconcile_once
@@ -309,3 +312,65 @@ def test_a_namesake_network_policy_is_never_replaced_or_deleted() -> None:
         snap = Snapshot([gpu_node("a", 8)], [], [])
         _run(kube, ref, pdcluster().prefill(tp=4).decode(tp=4), snap, ClusterMemory(), ledger, **kw)
         assert kube.objects[("NetworkPolicy", "ns", "pd-agents")] is theirs
+
+
+# --- spec.engine: the agents' word on their engines ----------------------------------------------
+
+
+def _report(ready: bool = True, **restarts: int) -> AgentReport:
+    engines = {"prefill-0": ("prefill", 0), "decode-0": ("decode", 0)}
+    states = {
+        name: EngineState(
+            name, Role(role), rep, "Running", True, restarts.get(name.replace("-", "_"), 0), 7, "exit code 1"
+        )
+        for name, (role, rep) in engines.items()
+    }
+    return AgentReport(ready, None, states)
+
+
+def test_engine_readiness_and_the_agents_own_come_from_readyz() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().engine()
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    pods = kube.pods("u1")
+    # Not read: pod Ready says the agent's readiness, the engines are not ready.
+    res = _run(kube, ref, builder, Snapshot(nodes, [], pods), memory, ledger)
+    assert kube.status["engines"]["prefill"] == {"desired": 1, "ready": 0, "restarts": 0}
+    assert kube.status["agents"] == {"desired": 1, "ready": 1}
+    assert res.result != ReconcileResult.READY
+    # Read: the engines' word; the agent's own `ready` rather than the pod's.
+    res = _run(kube, ref, builder, Snapshot(nodes, [], pods, reports={"pod-uid": _report()}), memory, ledger)
+    assert res.result == ReconcileResult.READY
+    assert kube.status["endpoints"]["decode"][0]["phase"] == "Running"
+    not_ready = {"pod-uid": _report(ready=False)}
+    _run(kube, ref, builder, Snapshot(nodes, [], pods, reports=not_ready), memory, ledger)
+    assert kube.status["agents"] == {"desired": 1, "ready": 0}
+
+
+def test_engine_restarts_emit_one_event_per_growth() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().engine()
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)  # no pods yet: any pod is new
+    pods = kube.pods("u1")
+
+    def events(**restarts: int) -> list[tuple[str, str]]:
+        snap = Snapshot(nodes, [], pods, reports={"pod-uid": _report(**restarts)})
+        return _run(kube, ref, builder, snap, memory, ledger).events
+
+    # A pod started since the operator watched: its engines count from 0.
+    (event,) = events(decode_0=1)
+    assert event[0] == "EngineRestarted"
+    assert event[1] == f"engine decode-0 in pod {pods[0].name} restarted (1 restarts; last exit: exit code 1)"
+    assert events(decode_0=1) == []  # the same count: nothing new
+    assert [e[1].split()[1] for e in events(decode_0=2, prefill_0=1)] == ["decode-0", "prefill-0"]
+    assert kube.status["engines"]["decode"]["restarts"] == 2
+    # A pod that ran before the operator's memory of the cluster began: its first reading is a baseline.
+    fresh = ClusterMemory()
+    snap = Snapshot(nodes, [], pods, reports={"pod-uid": _report(decode_0=5)})
+    assert _run(kube, ref, builder, snap, fresh, ledger).events == []
+    snap = Snapshot(nodes, [], pods, reports={"pod-uid": _report(decode_0=6)})
+    assert len(_run(kube, ref, builder, snap, fresh, ledger).events) == 1
