@@ -1,19 +1,120 @@
-"""spec.engine on the real control plane: the node pods the operator builds (engine containers,
-their GPUs, env, IPC and shared memory, probes), the per-role Services, the status a PD router
-reads, rolling replacement on an engine change, and back to fabric-only. The operator runs under
-the chart's ServiceAccount, so a missing RBAC rule fails here."""
+"""spec.engine on the real control plane: the node pod the operator builds (one container, the
+agent from the engine image, holding every GPU of the node's ranks; its engines in
+PDFABRIC_ENGINES; the valueFrom env hoisted; /dev/shm; probes), the per-role Services, the status a
+PD router reads (from the agents' /readyz, served here by fake agents over real HTTP), the
+EngineRestarted Event, rolling replacement on an engine change, and back to fabric-only. The
+operator runs under the chart's ServiceAccount, so a missing RBAC rule fails here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from pdfabric_core.engines import decode_launches
+from pdfabric_operator.builders import agent_name
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h
 from tests.integration.pdcluster_harness import agent_pods, apply_pdc, selector, wait_ready, wait_until
 
-operator_kubeconfig, gpu_nodes, operator = h.operator_kubeconfig, h.gpu_nodes, h.operator
+operator_kubeconfig, gpu_nodes = h.operator_kubeconfig, h.gpu_nodes
+
+
+class FakeAgents:
+    """A /readyz per agent pod on 127.0.0.1 (PDFABRIC_AGENT_ADDRESSES names it to the operator):
+    the agent ready, and each engine of the pod's PDFABRIC_ENGINES Running with `restarts`."""
+
+    def __init__(self, cluster: Any, namespace: str, addresses: Path) -> None:
+        self.cluster, self.namespace, self.addresses = cluster, namespace, addresses
+        self.restarts: dict[str, int] = {}  # engine name -> restarts it reports
+        self.servers: dict[str, ThreadingHTTPServer] = {}
+        self.engines: dict[str, list[str]] = {}  # pod -> its engines, as its spec says
+        addresses.write_text("{}")
+
+    def body(self, pod: str) -> dict[str, Any]:
+        engines = [
+            {
+                "name": n,
+                "role": n.split("-")[0],
+                "replica": int(n.split("-")[1]),
+                "phase": "Running",
+                "ready": True,
+                "restarts": self.restarts.get(n, 0),
+                "pid": 100,
+                "lastExit": "exit code 137" if self.restarts.get(n) else "",
+            }
+            for n in self.engines.get(pod, [])
+        ]
+        return {"ready": True, "enginesReady": True, "engines": engines, "transport": "tcp", "requested": "tcp"}
+
+    def serve(self, pod: str) -> None:
+        if pod in self.servers:
+            return
+        agents = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                raw = json.dumps(agents.body(pod)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.servers[pod] = server
+        self.addresses.write_text(json.dumps({p: f"127.0.0.1:{s.server_address[1]}" for p, s in self.servers.items()}))
+
+    def sync(self) -> None:
+        """Serve every agent pod there is, listing the engines its current spec names."""
+        for pod in agent_pods(self.cluster, self.namespace, "pd"):
+            name = pod["metadata"]["name"]
+            self.engines[name] = [x.name for x in decode_launches(_engines_env(pod))] if _has_engines(pod) else []
+            self.serve(name)
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.shutdown()
+            s.server_close()
+
+
+@pytest.fixture
+def agents(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[FakeAgents]:
+    fake = FakeAgents(cluster, namespace, tmp_path / "agents.json")
+    stop = threading.Event()
+
+    def keep_syncing() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):  # a pod between states; the next pass sees it
+                fake.sync()
+            stop.wait(0.5)
+
+    thread = threading.Thread(target=keep_syncing, daemon=True)
+    thread.start()
+    yield fake
+    stop.set()
+    thread.join(5)
+    fake.close()
+
+
+@pytest.fixture
+def operator(cluster: Any, operator_kubeconfig: Path, namespace: str, agents: FakeAgents) -> Iterator[Any]:
+    """The operator, reading the fake agents' /readyz through PDFABRIC_AGENT_ADDRESSES."""
+    env = {"PDFABRIC_AGENT_ADDRESSES": str(agents.addresses)}
+    with h.running_operator(cluster, operator_kubeconfig, f"pdfabric-{namespace}", extra_env=env) as runner:
+        yield runner
+        h.delete_all_pdclusters(cluster, namespace)
 
 
 def _builder(namespace: str) -> Any:
@@ -22,52 +123,92 @@ def _builder(namespace: str) -> Any:
         .prefill(replicas=2, tp=1)
         .decode(replicas=1, tp=2)
         .placement(nodeSelector=selector(namespace))
-        .engine(decode={"resources": {"limits": {"memory": "2Gi"}}})
+        .engine(
+            prefill={
+                "args": ["--port", "$(PDFABRIC_PORT)"],
+                "env": [
+                    {"name": "HF_HOME", "value": "/cache"},
+                    {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                ],
+            },
+            decode={"resources": {"limits": {"memory": "2Gi"}}},
+        )
     )
 
 
-def _engine_image(pod: dict[str, Any]) -> str:
-    return next(c["image"] for c in pod["spec"]["containers"] if c["name"] != "agent")
+def _has_engines(pod: dict[str, Any]) -> bool:
+    return any(e["name"] == "PDFABRIC_ENGINES" for e in pod["spec"]["containers"][0].get("env", []))
 
 
-def _containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in pod["spec"]["containers"]}
+def _engines_env(pod: dict[str, Any]) -> str:
+    """PDFABRIC_ENGINES as the agent process sees it: the kubelet undoes the $$ escaping."""
+    (value,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_ENGINES"]
+    return str(value).replace("$$", "$")
 
 
-def test_engine_pods_services_and_status(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
+def test_engine_pod_services_status_and_events(
+    cluster: Any, namespace: str, gpu_nodes: Any, agents: FakeAgents, operator: Any
+) -> None:
     (node,) = gpu_nodes("e", 1, gpus=8)
     apply_pdc(cluster, _builder(namespace).manifest(), namespace)
     obj = wait_ready(cluster, namespace, "pd")
     (pod,) = agent_pods(cluster, namespace, "pd")
-    c = _containers(pod)
-    assert list(c) == ["agent", "prefill-0", "prefill-1", "decode-0"]
-    gpus = {n: (x["resources"].get("limits") or {}).get("nvidia.com/gpu") for n, x in c.items()}
-    assert gpus == {"agent": None, "prefill-0": "1", "prefill-1": "1", "decode-0": "2"}
-    assert c["decode-0"]["resources"]["limits"]["memory"] == "2Gi"
+    assert pod["metadata"]["name"] == agent_name("pd", node)
+
+    # One container: the agent, from the engine image, with every GPU of the node's ranks.
+    (c,) = pod["spec"]["containers"]
+    assert (c["name"], c["image"], c["command"]) == ("agent", "pdfabric/refengine:test", ["pdfabric-agent"])
+    res = c["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "4"
+    assert res["limits"]["memory"] == "2Gi"  # decode's, once (one decode engine on the node)
     spec = pod["spec"]
     assert not any(spec.get(k) for k in ("hostIPC", "hostPID", "hostNetwork"))
+    assert not (c.get("securityContext") or {}).get("privileged")
+    env = {e["name"]: e for e in c["env"]}
+    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(env)
+    assert env["PDFABRIC_ENV_PREFILL_HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert "HF_TOKEN" not in env and "HF_HOME" not in env
+    assert spec["terminationGracePeriodSeconds"] == 60
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
-    for x in c.values():
-        assert not (x.get("securityContext") or {}).get("privileged")
-        assert {m["name"]: m["mountPath"] for m in x["volumeMounts"]}["dshm"] == "/dev/shm"
-    env = {e["name"]: e.get("value") for e in c["prefill-1"]["env"]}
-    assert env["PDFABRIC_AGENT_ADDRESS"] == "127.0.0.1:7400"
-    assert env["PDFABRIC_ENGINE_TOKEN_FILE"] == "/etc/pdfabric/engine-token/token"
-    assert (env["PDFABRIC_REPLICA"], env["PDFABRIC_RANK"], env["PDFABRIC_PORT"]) == ("1", "prefill-1-tp0-cp0", "30001")
-    assert not any(k in env for k in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"))
-    probe = c["prefill-1"]["readinessProbe"]["httpGet"]
-    assert (probe["path"], probe["port"]) == ("/health", "p-http-1")
-    assert c["decode-0"]["startupProbe"]["httpGet"]["port"] == "d-http-0"
+    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["dshm"] == "/dev/shm"
+    probe = c["readinessProbe"]["httpGet"]
+    assert (probe["path"], probe["port"]) == ("/readyz", "metrics")  # 200 once the agent and its engines are
+    assert c["livenessProbe"]["httpGet"]["port"] == "metrics"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert {k: v for k, v in ports.items() if k not in ("peer", "metrics")} == {
+        "p-http-0": 30000,
+        "p-boot-0": 8998,
+        "p-http-1": 30001,
+        "p-boot-1": 8999,
+        "d-http-0": 31000,
+    }
 
-    # Status: engines per role, the conditions, and the endpoints a router takes.
+    # The engines the agent runs, as it will read them (the kubelet unescapes $$).
+    launches = decode_launches(_engines_env(pod))
+    assert [(x.name, x.rank_ids, x.port, x.bootstrap_port) for x in launches] == [
+        ("prefill-0", ("prefill-0-tp0-cp0",), 30000, 8998),
+        ("prefill-1", ("prefill-1-tp0-cp0",), 30001, 8999),
+        ("decode-0", ("decode-0-tp0", "decode-0-tp1"), 31000, None),
+    ]
+    assert sorted(g for x in launches for g in x.gpus) == [0, 1, 2, 3]  # each GPU of the pod, once
+    assert launches[1].argv == ("python3", "-m", "sglang.launch_server", "--port", "$(PDFABRIC_PORT)")
+    assert [(e.name, e.value, e.from_container) for e in launches[0].env] == [
+        ("HF_HOME", "/cache", ""),
+        ("HF_TOKEN", "", "PDFABRIC_ENV_PREFILL_HF_TOKEN"),
+    ]
+
+    # Status: from the agents' word on their engines.
     st = obj["status"]
-    assert st["engines"] == {"prefill": {"desired": 2, "ready": 2}, "decode": {"desired": 1, "ready": 1}}
+    assert st["engines"] == {
+        "prefill": {"desired": 2, "ready": 2, "restarts": 0},
+        "decode": {"desired": 1, "ready": 1, "restarts": 0},
+    }
     assert (st["prefillEnginesReady"], st["decodeEnginesReady"]) == ("2/2", "1/1")
     assert h.condition(obj, "EnginesReady")["status"] == "True"
     host = f"{pod['metadata']['name']}.pd-agents.{namespace}.svc"
-    assert [(e["url"], e["bootstrap"]) for e in st["endpoints"]["prefill"]] == [
-        (f"http://{host}:30000", f"{host}:8998"),
-        (f"http://{host}:30001", f"{host}:8999"),
+    assert [(e["engine"], e["url"], e["bootstrap"], e["phase"]) for e in st["endpoints"]["prefill"]] == [
+        ("prefill-0", f"http://{host}:30000", f"{host}:8998", "Running"),
+        ("prefill-1", f"http://{host}:30001", f"{host}:8999", "Running"),
     ]
     assert [e["url"] for e in st["endpoints"]["decode"]] == [f"http://{host}:31000"]
     assert st["services"] == {"prefill": "pd-prefill", "decode": "pd-decode"}
@@ -87,14 +228,33 @@ def test_engine_pods_services_and_status(cluster: Any, namespace: str, gpu_nodes
     dsvc = cluster.get_json("service", "pd-decode", "-n", namespace)
     assert [p["targetPort"] for p in dsvc["spec"]["ports"]] == ["d-http-0"]
 
-    # Back to fabric-only: one container with every GPU, the engines' Services and status gone.
+    # An engine restarts: its restarts and last exit in status, and one Warning Event naming it.
+    agents.restarts["decode-0"] = 1
+
+    def restarted() -> dict[str, Any] | None:
+        ep = h.pdc(cluster, namespace, "pd")["status"]["endpoints"]["decode"][0]
+        return ep if ep["restarts"] == 1 else None
+
+    ep = wait_until(restarted, timeout=30, what="the decode engine's restart in status")
+    assert ep["lastExit"] == "exit code 137"
+    assert h.pdc(cluster, namespace, "pd")["status"]["engines"]["decode"]["restarts"] == 1
+
+    def event() -> list[dict[str, Any]]:
+        items = cluster.get_json("events", "-n", namespace, "--field-selector", "reason=EngineRestarted")["items"]
+        return [e for e in items if e["type"] == "Warning"]
+
+    (ev,) = wait_until(event, timeout=30, what="the EngineRestarted Event")
+    assert "decode-0" in ev["message"] and pod["metadata"]["name"] in ev["message"]
+    assert "exit code 137" in ev["message"]
+
+    # Back to fabric-only: the agent image, every GPU, the engines' Services and status gone.
     manifest = _builder(namespace).manifest()
     del manifest["spec"]["engine"]
     cluster.kubectl("replace", "-n", namespace, "-f", "-", input=json.dumps(manifest))
 
     def fabric_only() -> bool:
         pods = agent_pods(cluster, namespace, "pd")
-        return len(pods) == 1 and [x["name"] for x in pods[0]["spec"]["containers"]] == ["agent"]
+        return len(pods) == 1 and not _has_engines(pods[0])
 
     wait_until(fabric_only, timeout=60, what="the pod without engines")
     obj = wait_ready(cluster, namespace, "pd")
@@ -107,10 +267,36 @@ def test_engine_pods_services_and_status(cluster: Any, namespace: str, gpu_nodes
     )
     (pod,) = agent_pods(cluster, namespace, "pd")
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert pod["spec"]["containers"][0]["image"] != "pdfabric/refengine:test"
     assert pod["spec"]["nodeName"] == node
 
 
-def test_engine_change_rolls_pods_one_at_a_time(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
+def test_engines_not_reported_keep_the_cluster_not_ready(
+    cluster: Any, namespace: str, gpu_nodes: Any, agents: FakeAgents, operator: Any
+) -> None:
+    gpu_nodes("n", 1, gpus=8)
+    builder = pdcluster().placement(nodeSelector=selector(namespace)).engine()
+    original = agents.body
+    agents.body = lambda pod: {**original(pod), "engines": [], "enginesReady": False}  # type: ignore[method-assign]
+    apply_pdc(cluster, builder.manifest(), namespace)
+
+    def not_ready() -> dict[str, Any] | None:
+        obj = h.pdc(cluster, namespace, "pd")
+        cond = h.condition(obj, "Ready")
+        return obj if cond and cond["reason"] == "EnginesNotReady" else None
+
+    obj = wait_until(not_ready, timeout=60, what="Ready False for the engines")
+    assert obj["status"]["agents"] == {"desired": 1, "ready": 1}  # the agent itself says it is ready
+    (p0,) = obj["status"]["endpoints"]["prefill"]
+    assert (p0["ready"], p0["phase"]) == (False, "Unknown")
+    assert h.condition(obj, "EnginesReady")["status"] == "False"
+    agents.body = original  # type: ignore[method-assign]
+    wait_ready(cluster, namespace, "pd")
+
+
+def test_engine_change_rolls_pods_one_at_a_time(
+    cluster: Any, namespace: str, gpu_nodes: Any, agents: FakeAgents, operator: Any
+) -> None:
     gpu_nodes("r", 3, gpus=8)
     builder = pdcluster().prefill(replicas=2, tp=8).decode(tp=8).placement(nodeSelector=selector(namespace)).engine()
     apply_pdc(cluster, builder.manifest(), namespace)
@@ -124,7 +310,7 @@ def test_engine_change_rolls_pods_one_at_a_time(cluster: Any, namespace: str, gp
     while time.monotonic() < deadline:
         items = cluster.get_json("pods", "-n", namespace, "-l", "pdfabric.dev/cluster=pd")["items"]
         live = [p for p in items if not p["metadata"].get("deletionTimestamp")]
-        new = [p for p in live if _engine_image(p) == "pdfabric/refengine:v2"]
+        new = [p for p in live if p["spec"]["containers"][0]["image"] == "pdfabric/refengine:v2"]
         old_ready = [p for p in live if p not in new and p["metadata"]["uid"] in before.values()]
         most_gone = max(most_gone, 3 - len(old_ready) - len(new))
         if len(new) == 3 and all(p["status"].get("phase") == "Running" for p in new):
@@ -137,4 +323,20 @@ def test_engine_change_rolls_pods_one_at_a_time(cluster: Any, namespace: str, gp
     assert set(after) == set(before), "an engine change moves no ranks"
     assert not set(after.values()) & set(before.values()), "every pod was replaced"
     obj = wait_ready(cluster, namespace, "pd")
-    assert obj["status"]["engines"]["prefill"] == {"desired": 2, "ready": 2}
+    assert obj["status"]["engines"]["prefill"] == {"desired": 2, "ready": 2, "restarts": 0}
+
+    # A change to one role's engines replaces only the pods that run that role.
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in agent_pods(cluster, namespace, "pd")}
+    flagged = builder.engine(
+        image="pdfabric/refengine:v2", decode={"args": ["--disaggregation-mode", "decode", "--v2"]}
+    )
+    apply_pdc(cluster, flagged.manifest(), namespace)
+
+    def decode_rolled() -> bool:
+        pods = agent_pods(cluster, namespace, "pd")
+        return any(any("--v2" in x.argv for x in decode_launches(_engines_env(p))) for p in pods)
+
+    wait_until(decode_rolled, timeout=60, what="the decode pod with the new args")
+    wait_ready(cluster, namespace, "pd")
+    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in agent_pods(cluster, namespace, "pd")}
+    assert sum(1 for n in uids if now.get(n) != uids[n]) == 1
