@@ -26,6 +26,7 @@ import http.client
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import ssl
@@ -65,12 +66,14 @@ ENGINE_PACKAGES = ("integrations/sglang", "hack")
 
 
 def python_bin(bin_dir: Path) -> Path:
-    """A PATH entry whose python and python3 are this interpreter (an engine image's python)."""
+    """A PATH entry whose python and python3 run this interpreter (an engine image's python).
+    Scripts, not symlinks: a symlinked venv python elsewhere would not find its pyvenv.cfg."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in ("python", "python3"):
-        link = bin_dir / name
-        if not link.exists():
-            link.symlink_to(sys.executable)
+        script = bin_dir / name
+        if not script.exists():
+            script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+            script.chmod(0o755)
     return bin_dir
 
 
