@@ -459,12 +459,17 @@ def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
 
 
 def _validate_quantities(resources: Mapping[str, Any], where: str) -> None:
+    parsed: dict[str, dict[str, Any]] = {}
     for kind in ("requests", "limits"):
         for name, value in (resources.get(kind) or {}).items():
             try:
-                parse_quantity(value)
+                parsed.setdefault(kind, {})[name] = parse_quantity(value)
             except QuantityError as exc:
                 raise SpecError(f"{where}.{kind}.{name}: {exc}") from None
+    for name, limit in parsed.get("limits", {}).items():
+        request = parsed.get("requests", {}).get(name)
+        if request is not None and request > limit:
+            raise SpecError(f"{where}.requests.{name} must not exceed limits.{name}")
 
 
 def _validate_transport(spec: PDClusterSpec) -> None:

@@ -279,3 +279,11 @@ def test_engine_command_is_required_the_entrypoint_is_the_agent(role: str) -> No
 def test_unparsable_quantities_are_refused_naming_the_field(patch: dict[str, Any], where: str) -> None:
     with pytest.raises(SpecError, match=rf"{re.escape(where)}.*not a quantity"):
         parse_spec(patch)
+
+
+def test_a_request_above_its_limit_is_refused() -> None:
+    raw = merge(ENGINE, {"decode": {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}}})
+    with pytest.raises(SpecError, match=r"engine.decode.resources.requests.cpu must not exceed limits.cpu"):
+        parse_spec({"engine": raw})
+    equal = merge(ENGINE, {"decode": {"resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1024Mi"}}}})
+    assert parse_spec({"engine": equal}).engine is not None
