@@ -87,24 +87,24 @@ def kill_mid_traffic(
 ) -> list[tuple[int, Answer, float]]:
     """18 requests a router sends 0.15 s apart; the victim is SIGKILLed after 1 s. Every request
     answers (some with an error), none hangs, none with wrong tokens."""
-    t0 = time.monotonic()
 
     def one(i: int) -> tuple[int, Answer, float]:
         time.sleep(0.15 * i)
+        start = time.monotonic()
         a = generate(prefill, decode_url, PROMPTS[i % len(PROMPTS)], NEW_TOKENS, timeout_s=60)
-        return i, a, time.monotonic() - t0
+        return i, a, time.monotonic() - start
 
     with ThreadPoolExecutor(max_workers=6) as pool:
         futures = [pool.submit(one, i) for i in range(18)]
         time.sleep(1.0)
         victim.kill()
-        killed_at = time.monotonic() - t0
-        results = [f.result(timeout=90) for f in futures]
+        results = [f.result(timeout=120) for f in futures]
     failed = [a for _, a, _ in results if not a.ok]
     assert failed, f"no request was affected by the kill of {victim.name}"
     assert all(a.error for a in failed)
-    # No hang: a request whose peer died answers within its engine's timeout (10 s) and some slack.
-    assert max(t for *_, t in results) < killed_at + 0.15 * 18 + 25, [round(t, 1) for *_, t in results]
+    # No hang: each request answers within its engines' timeout (10 s) and some slack, whether it
+    # met the dead engine, its restart, or neither.
+    assert max(t for *_, t in results) < 10 + 15, [(round(t, 1), a.error[:80]) for _, a, t in results]
     # What was answered before the kill, or by the other engine alone, is right or an error.
     assert all(a.tokens == want[i % len(PROMPTS)] for i, a, _ in results if a.ok)
     return results
