@@ -493,6 +493,17 @@ class LocalFabric:
     def readyz(self, name: str) -> tuple[int, dict[str, Any]]:
         return self.agents[name].readyz()
 
+    def bytes_by_path(self, role: str = "decode") -> dict[str, float]:
+        """Bytes the agents counted into ``role``'s ranks, by "path/kind" (nvlink-kernel/kv, ...)."""
+        out: dict[str, float] = {}
+        for name in self.agents:
+            for (metric, labels), value in self.scrape(name).items():
+                d = dict(labels)
+                if metric == "pdfabric_transfer_bytes_total" and d.get("role") == role and value:
+                    key = f"{d['path']}/{d['kind']}"
+                    out[key] = out.get(key, 0) + value
+        return out
+
     def log(self, name: str) -> str:
         return self.agents[name].log_tail()
 

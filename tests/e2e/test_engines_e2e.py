@@ -54,11 +54,9 @@ def runner(cluster: Any, namespace: str, tmp_path: Path, installed: Path) -> Ite
 
 @pytest.fixture
 def operator(cluster: Any, operator_kubeconfig: Path, namespace: str, runner: PodRunner) -> Iterator[KopfRunner]:
-    """The operator reading the local agents' /readyz (PDFABRIC_AGENT_ADDRESSES): their engines."""
-    env = {"PDFABRIC_AGENT_ADDRESSES": str(runner.addresses_file)}
-    with h.running_operator(cluster, operator_kubeconfig, f"pdfabric-{namespace}", extra_env=env) as op:
+    """The operator reading the agents' /readyz (PDFABRIC_AGENT_ADDRESSES)."""
+    with h.operator_reading_agents(cluster, operator_kubeconfig, namespace, runner.addresses_file) as op:
         yield op
-        h.delete_all_pdclusters(cluster, namespace)
 
 
 def colocated(prompts: list[list[int]]) -> list[list[int]]:

@@ -32,17 +32,6 @@ def colocated(prompts: list[list[int]]) -> list[list[int]]:
     return [colocated_generate(model, p, NEW_TOKENS) for p in prompts]
 
 
-def paths_used(lc: LocalFabric) -> dict[str, float]:
-    """Bytes into decode by path and kind, as the agents counted them."""
-    out: dict[str, float] = {}
-    for name in lc.agents:
-        for (n, lbl), v in lc.scrape(name).items():
-            d = dict(lbl)
-            if n == "pdfabric_transfer_bytes_total" and d.get("role") == "decode" and v:
-                out[f"{d['path']}/{d['kind']}"] = out.get(f"{d['path']}/{d['kind']}", 0) + v
-    return out
-
-
 def run_supervised(transfer: dict[str, Any], device: str) -> dict[str, Any]:
     """Engines run by their agents: tokens equal colocated, then a decode engine killed and back."""
     args = [*ARGS, "--device", device]
@@ -69,7 +58,7 @@ def run_supervised(transfer: dict[str, Any], device: str) -> dict[str, Any]:
         first_s = time.monotonic() - t0
         assert [a.error for a in answers] == [""] * len(PROMPTS)
         assert [a.tokens for a in answers] == want
-        paths = paths_used(lc)
+        paths = lc.bytes_by_path()
         assert paths
 
         pid = de.kill()
@@ -89,7 +78,7 @@ def run_supervised(transfer: dict[str, Any], device: str) -> dict[str, Any]:
         return {
             "prompts": len(PROMPTS),
             "tokens_equal_colocated": True,
-            "bytes_by_path": paths_used(lc),
+            "bytes_by_path": lc.bytes_by_path(),
             "first_round_s": round(first_s, 3),
             "decode_engine_restarts": st.restarts,
             "decode_last_exit": st.last_exit,

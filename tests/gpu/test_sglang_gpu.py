@@ -25,16 +25,6 @@ pytestmark = [
 ]
 
 
-def paths_used(lc: LocalFabric) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name in lc.agents:
-        for (n, lbl), v in lc.scrape(name).items():
-            d = dict(lbl)
-            if n == "pdfabric_transfer_bytes_total" and d.get("role") == "decode" and v:
-                out[f"{d['path']}/{d['kind']}"] = out.get(f"{d['path']}/{d['kind']}", 0) + v
-    return out
-
-
 def sglang_gpu_ready() -> bool:
     try:
         import sgl_kernel  # noqa: F401
@@ -64,7 +54,7 @@ def test_greedy_generation_through_pd_on_one_gpu_equals_colocated(
             assert [r["state"] for r in out[side]["results"]] == ["Success"] * len(PROMPTS), out[side]
         tokens = [r["tokens"] for r in out["decode"]["results"]]
         assert tokens == colocated()
-        paths = paths_used(lc)
+        paths = lc.bytes_by_path()
         latencies = [m["latency_s"] for r in out["prefill"]["results"] for m in r["metrics"].values()]
         report: dict[str, Any] = {
             "case": f"prefill tp{prefill['tp']} -> decode tp{decode['tp']} ({backend})",

@@ -167,6 +167,18 @@ def operator(cluster: Any, operator_kubeconfig: Path, namespace: str) -> Iterato
         delete_all_pdclusters(cluster, namespace)
 
 
+@contextlib.contextmanager
+def operator_reading_agents(
+    cluster: Any, operator_kubeconfig: Path, namespace: str, addresses: Path
+) -> Iterator[KopfRunner]:
+    """The test's operator reading the agents' /readyz (transport, engines) at the addresses a
+    local runner writes (PDFABRIC_AGENT_ADDRESSES); on teardown deletes the test's PDClusters."""
+    env = {"PDFABRIC_AGENT_ADDRESSES": str(addresses)}
+    with running_operator(cluster, operator_kubeconfig, f"pdfabric-{namespace}", extra_env=env) as runner:
+        yield runner
+        delete_all_pdclusters(cluster, namespace)
+
+
 def delete_all_pdclusters(cluster: Any, namespace: str, timeout: float = 60) -> None:
     # The finalizer needs the operator: delete while it runs, or the namespace would hang.
     cluster.kubectl("delete", "pdclusters", "--all", "-n", namespace, "--wait=false", check=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kopf.testing import KopfRunner
 
 from pdfabric_core.engines import decode_launches
 from pdfabric_operator.builders import agent_name
@@ -109,12 +110,10 @@ def agents(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[FakeAgents]
 
 
 @pytest.fixture
-def operator(cluster: Any, operator_kubeconfig: Path, namespace: str, agents: FakeAgents) -> Iterator[Any]:
-    """The operator, reading the fake agents' /readyz through PDFABRIC_AGENT_ADDRESSES."""
-    env = {"PDFABRIC_AGENT_ADDRESSES": str(agents.addresses)}
-    with h.running_operator(cluster, operator_kubeconfig, f"pdfabric-{namespace}", extra_env=env) as runner:
-        yield runner
-        h.delete_all_pdclusters(cluster, namespace)
+def operator(cluster: Any, operator_kubeconfig: Path, namespace: str, agents: FakeAgents) -> Iterator[KopfRunner]:
+    """The operator reading the agents' /readyz (PDFABRIC_AGENT_ADDRESSES)."""
+    with h.operator_reading_agents(cluster, operator_kubeconfig, namespace, agents.addresses) as op:
+        yield op
 
 
 def _builder(namespace: str) -> Any:
