@@ -102,11 +102,17 @@ def test_thresholds_come_from_values() -> None:
             "--set",
             "metrics.prometheusRule.alerts.peerBlacklisted.for=42m",
             "--set",
+            "metrics.prometheusRule.alerts.servingEngineRestarting.threshold=5",
+            "--set",
+            "metrics.prometheusRule.alerts.servingEngineNotReady.for=40m",
+            "--set",
             "metrics.prometheusRule.runbookBaseURL=https://runbooks.example/pdfabric",
         )
     )
     assert alerts["PDFabricTransferLatencyP99High"]["expr"].rstrip().endswith("> 3")
     assert alerts["PDFabricPeerBlacklisted"]["for"] == "42m"
+    assert alerts["PDFabricServingEngineRestarting"]["expr"].rstrip().endswith("> 5")
+    assert alerts["PDFabricServingEngineNotReady"]["for"] == "40m"
     assert alerts["PDFabricAgentNotReady"]["annotations"]["runbook_url"] == (
         "https://runbooks.example/pdfabric#pdfabricagentnotready"
     )
