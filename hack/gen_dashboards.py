@@ -109,6 +109,29 @@ PEER_PANELS = (
     ),
 )
 
+# The serving engines the agents run (spec.engine; agent supervisor.py): no series, so no data, for
+# a fabric-only PDCluster whose engines are deployed by something else.
+ENGINE_PANELS = (
+    row("Serving engines"),
+    Panel(
+        "Serving engines ready by role",
+        ((f"sum by (role) (pdfabric_serving_engine_ready{{{SEL}}})", "{{role}}"),),
+        description="Engines whose health path answers 200 (model loading is not ready); a pod is Ready "
+        "only when all its engines are.",
+    ),
+    Panel(
+        "Serving engine restarts (1h)",
+        (
+            (
+                f"sum by (pod, engine, role) (increase(pdfabric_serving_engine_restarts_total{{{SEL}}}[1h]))",
+                "{{engine}} ({{role}}) on {{pod}}",
+            ),
+        ),
+        description="Restarts by the agent over the last hour: an exit, a kill after failed health probes. "
+        "The cause: lines prefixed [<engine>] in the agent's log, lastExit in the PDCluster's status.endpoints.",
+    ),
+)
+
 
 TRANSFER_PANELS = (
     Panel(
@@ -200,6 +223,7 @@ TRANSFER_PANELS = (
         ((f"sum by (kind, device) (pdfabric_pool_bytes{{{SEL}}})", "{{kind}} on {{device}}"),),
         unit="bytes",
     ),
+    *ENGINE_PANELS,
     *PEER_PANELS,
 )
 
