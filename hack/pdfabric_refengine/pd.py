@@ -355,12 +355,38 @@ def _failed(room: int, rooms: dict[Any, Any], why: str = "") -> dict[str, Any]:
     return {"room": room, "state": "Failed", "errors": errors}
 
 
+class _GaveUp(Exception):
+    """A request's rooms were given up; ``result`` is its Failed answer."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        super().__init__(result.get("errors"))
+        self.result = result
+
+
+def _wait_all(
+    engine: Engine, rooms: dict[Any, Any], until: set[int], room: int, what: str, *, failed_ends: bool = False
+) -> dict[Any, int]:
+    """Every room's state once each reached ``until`` (or Failed). A timeout, or with
+    ``failed_ends`` a Failed room, aborts them all at their agents and raises _GaveUp."""
+    try:
+        states = {key: wait(obj, until, engine.timeout_s, engine.lock) for key, obj in rooms.items()}
+    except TimeoutError as exc:
+        with engine.lock:
+            _abort(rooms)
+        raise _GaveUp(_failed(room, rooms, f"{what}: {exc}")) from None
+    if failed_ends and any(v == 0 for v in states.values()):
+        with engine.lock:
+            _abort(rooms)
+        raise _GaveUp(_failed(room, rooms))
+    return states
+
+
 def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
     import numpy as np
 
     from pdfabric_core.policy.rank_mapping import cp_page_shard
 
-    classes, pools, lock, timeout_s = engine.room_classes(), engine.pools, engine.lock, engine.timeout_s
+    classes, pools, lock = engine.room_classes(), engine.pools, engine.lock
     prompt = req["prompt"]
     n = pages_for(len(prompt), engine.page_size)
     cp = len(pools)
@@ -376,16 +402,8 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
                     pool.allocate_pages(len(shards[c]))  # the same local pages on every TP rank
             aux = [[p.allocate_aux_slot() for p in row] for row in pools]
             senders = {key: classes["SENDER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
-        try:
-            states = {key: wait(s, {2}, timeout_s, lock) for key, s in senders.items()}  # WaitingForInput
-        except TimeoutError as exc:
-            with lock:
-                _abort(senders)
-            return _failed(req["room"], senders, f"decode did not announce the room: {exc}")
-        if any(v == 0 for v in states.values()):
-            with lock:
-                _abort(senders)
-            return _failed(req["room"], senders)
+        # WaitingForInput: decode announced the room.
+        _wait_all(engine, senders, {2}, req["room"], "decode did not announce the room", failed_ends=True)
         with lock:
             for (c, r), s in senders.items():
                 s.init(len(shards[c]), aux[c][r])
@@ -397,12 +415,7 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
                     s.send(pages[:half])  # a chunked prefill's first chunk
                 if s.should_send_kv_chunk(len(pages) - half, True):
                     s.send(pages[half:], None)  # the last chunk
-        try:
-            final = {key: wait(s, FINAL, timeout_s, lock) for key, s in senders.items()}
-        except TimeoutError as exc:
-            with lock:
-                _abort(senders)
-            return _failed(req["room"], senders, f"the transfer did not finish: {exc}")
+        final = _wait_all(engine, senders, FINAL, req["room"], "the transfer did not finish")
         with lock:
             return {
                 "room": req["room"],
@@ -411,6 +424,8 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
                 "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] != 4},
                 "metrics": {str(k): _metric(s) for k, s in senders.items()},
             }
+    except _GaveUp as gave_up:
+        return gave_up.result
     finally:
         with lock:
             for c, pages_c in enumerate(local):
@@ -424,7 +439,7 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
 def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
     import numpy as np
 
-    classes, lock, timeout_s = engine.room_classes(), engine.lock, engine.timeout_s
+    classes, lock = engine.room_classes(), engine.lock
     prompt = req["prompt"]
     row = engine.pools[0]
     n = pages_for(len(prompt), engine.page_size)
@@ -442,25 +457,12 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
             receivers = {key: classes["RECEIVER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
             for r in receivers.values():
                 r.init(0)
-        try:
-            ready = {key: wait(r, {2}, timeout_s, lock) for key, r in receivers.items()}
-        except TimeoutError as exc:
-            with lock:
-                _abort(receivers)
-            return _failed(req["room"], receivers, f"prefill's bootstrap {bootstrap} did not answer: {exc}")
-        if any(v == 0 for v in ready.values()):
-            with lock:
-                _abort(receivers)
-            return _failed(req["room"], receivers)
+        what = f"prefill's bootstrap {bootstrap} did not answer"
+        _wait_all(engine, receivers, {2}, req["room"], what, failed_ends=True)
         with lock:
             for r in receivers.values():
                 r.send_metadata(np.asarray(pages, dtype=np.int32), aux, None)
-        try:
-            final = {key: wait(r, FINAL, timeout_s, lock) for key, r in receivers.items()}
-        except TimeoutError as exc:
-            with lock:
-                _abort(receivers)
-            return _failed(req["room"], receivers, f"the transfer did not finish: {exc}")
+        final = _wait_all(engine, receivers, FINAL, req["room"], "the transfer did not finish")
         with lock:
             out: dict[str, Any] = {"room": req["room"], "state": "Success" if set(final.values()) == {4} else "Failed"}
             out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] != 4}
@@ -468,6 +470,8 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
             if out["state"] == "Success":
                 out["tokens"] = decode(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])
             return out
+    except _GaveUp as gave_up:
+        return gave_up.result
     finally:
         with lock:
             if pages:
