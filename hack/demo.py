@@ -66,6 +66,14 @@ def show(cluster: LocalCluster, *args: str, input: str | None = None) -> None:
     print(cluster.kubectl(*args, input=input).stdout.rstrip(), flush=True)
 
 
+def print_queries(prometheus: Prometheus, queries: dict[str, str]) -> None:
+    """One line per query: its label and the value Prometheus answers (nan: no series)."""
+    for label, expr in queries.items():
+        result = prometheus.query(expr)
+        value = float(result[0]["value"][1]) if result else float("nan")
+        print(f"  {label:32} {value:,.0f}" if value >= 100 else f"  {label:32} {value:.4g}")
+
+
 def pdc_condition(cluster: LocalCluster, name: str, type_: str) -> dict | None:
     obj = cluster.get_json("pdcluster", name, "-n", NAMESPACE)
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), None)
@@ -209,10 +217,7 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
         '(rate(pdfabric_request_duration_seconds_bucket{cluster="demo",role="prefill"}[1m])))',
         "operator reconciles": "sum(pdfabric_operator_reconciles_total)",
     }
-    for label, expr in queries.items():
-        result = prometheus.query(expr)
-        value = float(result[0]["value"][1]) if result else float("nan")
-        print(f"  {label:32} {value:,.0f}" if value >= 100 else f"  {label:32} {value:.4g}")
+    print_queries(prometheus, queries)
     want = expected_bytes(fabric.spec, pages=PAGES, state_slots=1, aux=True)
     print(f"  the synthetic engine's own count for {ROOMS} requests: KV {ROOMS * want.kv:,}, state "
           f"{ROOMS * want.state:,}, aux {ROOMS * want.aux:,}, state saved {ROOMS * want.state_skipped:,}")  # fmt: skip
@@ -304,10 +309,7 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
         "successful rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome="success"})',
         "failed rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome!="success"}) or vector(0)',
     }
-    for label, expr in queries.items():
-        result = prometheus.query(expr)
-        value = float(result[0]["value"][1]) if result else float("nan")
-        print(f"  {label:32} {value:,.0f}")
+    print_queries(prometheus, queries)
     print(f"  the engines' own count (SGLang's KVTransferMetric of the decode ranks): {reported:,} bytes")
 
     step("done")

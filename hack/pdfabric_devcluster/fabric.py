@@ -77,12 +77,22 @@ def python_bin(bin_dir: Path) -> Path:
     return bin_dir
 
 
+def engine_image_env(bin_dir: Path, base: Mapping[str, str], pythonpath: Iterable[str] = ()) -> dict[str, str]:
+    """An engine image's environment on this machine, over an agent's ``base`` (whose PYTHONPATH
+    already has the sources): python on PATH, the engine packages and ``pythonpath`` on PYTHONPATH."""
+    own = [str(REPO_ROOT / p) for p in ENGINE_PACKAGES]
+    return {
+        "PATH": os.pathsep.join([str(python_bin(bin_dir)), base.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join([base.get("PYTHONPATH", ""), *own, *pythonpath]),
+    }
+
+
 def engines_env(
     spec: PDClusterSpec, ranks: Iterable[Rank], bin_dir: Path, base: Mapping[str, str], pythonpath: Iterable[str] = ()
 ) -> tuple[dict[str, str], list[tuple[str, int, int]]]:
     """What a node pod with spec.engine gives its agent, for a process on loopback: the launch
-    message (each engine's ports a free loopback port), python on PATH, the engine packages on
-    PYTHONPATH; and (engine name, port, bootstrap port) of each engine."""
+    message (each engine's ports a free loopback port) and the engine image's environment
+    (``engine_image_env``); and (engine name, port, bootstrap port) of each engine."""
     launches = [x.to_json() for x in engine_launches(spec, list(ranks))]
     where = []
     for launch in launches:
@@ -90,13 +100,7 @@ def engines_env(
         if "bootstrapPort" in launch:
             launch["bootstrapPort"] = free_port()
         where.append((launch["name"], launch["port"], launch.get("bootstrapPort", 0)))
-    own = [str(REPO_ROOT / p) for p in ENGINE_PACKAGES]
-    env = {
-        ENGINES_ENV: json.dumps(launches),
-        "PATH": os.pathsep.join([str(python_bin(bin_dir)), base.get("PATH", "")]),
-        "PYTHONPATH": os.pathsep.join([source_pythonpath(base), *own, *pythonpath]),
-    }
-    return env, where
+    return {ENGINES_ENV: json.dumps(launches), **engine_image_env(bin_dir, base, pythonpath)}, where
 
 
 def loopback_env(

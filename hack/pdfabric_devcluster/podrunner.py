@@ -31,8 +31,8 @@ from typing import Any
 
 from pdfabric_core.engines import ENGINES_ENV, expand
 from pdfabric_devcluster.cluster import ClusterError, LocalCluster
-from pdfabric_devcluster.fabric import ENGINE_PACKAGES, AgentProcess, LocalEngine, loopback_env, python_bin, stop_all
-from pdfabric_devcluster.procs import REPO_ROOT, console_argv, console_scripts, free_port
+from pdfabric_devcluster.fabric import AgentProcess, LocalEngine, engine_image_env, loopback_env, stop_all
+from pdfabric_devcluster.procs import console_argv, console_scripts, free_port
 
 SHM_PATH = "/dev/shm"
 
@@ -133,23 +133,23 @@ class PodRunner:
                     env[key] = str(local_dir) + value[len(mount_path.rstrip("/")) :]
         env.update(loopback_env(peers, ports["api"], ports["peer"], ports["metrics"], env))
         local_ports = {p["containerPort"]: ports[p["name"]] for p in container.get("ports", [])}
+        launches: list[dict[str, Any]] = []
         if ENGINES_ENV in env:
-            env[ENGINES_ENV] = self._local_launches(env[ENGINES_ENV], local_ports)
-            env["PATH"] = os.pathsep.join([str(python_bin(self.workdir / "bin")), env.get("PATH", "")])
-            own = [str(REPO_ROOT / p) for p in ENGINE_PACKAGES]
-            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *own, *self.pythonpath])
+            launches = self._local_launches(env[ENGINES_ENV], local_ports)
+            env[ENGINES_ENV] = json.dumps(launches)
+            env.update(engine_image_env(self.workdir / "bin", env, self.pythonpath))
         agent = AgentProcess(
             meta["name"], spec["nodeName"], self._command(container), env, ports["api"], ports["metrics"],
             root / "container.log", uid=meta["uid"], peer_port=ports["peer"],
         )  # fmt: skip
-        for launch in json.loads(env.get(ENGINES_ENV, "[]")):
+        for launch in launches:
             self.engines[(meta["name"], launch["name"])] = LocalEngine(
                 meta["name"], launch["name"], launch["port"], launch.get("bootstrapPort", 0), agent
             )
         return agent.start()
 
     @staticmethod
-    def _local_launches(text: str, local_ports: dict[int, int]) -> str:
+    def _local_launches(text: str, local_ports: dict[int, int]) -> list[dict[str, Any]]:
         """The launch message with each engine's ports moved to their container ports' loopback ports."""
         launches = json.loads(text)
         for launch in launches:
@@ -158,7 +158,7 @@ class PodRunner:
                     if launch[key] not in local_ports:
                         raise ClusterError(f"engine {launch['name']}: {key} {launch[key]} is no container port")
                     launch[key] = local_ports[launch[key]]
-        return json.dumps(launches)
+        return list(launches)
 
     @staticmethod
     def _command(container: dict[str, Any]) -> list[str]:
