@@ -10,6 +10,9 @@ Protocol between agents (every message a typed class in ``wire``):
    landed, aux rows when they travel over the TCP side channel): POST /v1/peer/done (``sender``).
 3. The decode room turns Success when every expected source reported; the prefill room turns
    Success when every report was acknowledged. That acknowledgement is "confirmed completion".
+4. A room that fails on the decode side is cancelled at its sources (``RoomCancel``: POST
+   /v1/peer/cancel); each answers whether its writes are over, and the room's destinations are
+   free for the next room once all are (``claims``).
 Either order of 1 and 2 works: early room info waits in the room registry.
 
 Kernel path (a backend whose ``kernel`` is set, see fastpath/): when all of a target's data went
@@ -54,6 +57,7 @@ from pdfabric_agent.wire import (
     LaunchNotice,
     MemoryRegistration,
     ReceiveRequest,
+    RoomCancel,
     RoomInfo,
     SendRequest,
 )
@@ -165,13 +169,14 @@ class Agent:
             metrics.pool_bytes.labels(self.cluster, msg.rank, kind, device).set(sum(r.size for r in regions))
         return {"rank": msg.rank, "memory": engine.describe()}
 
-    def abort(self, msg: AbortRequest) -> dict[str, Any]:
-        """The engine gave the room up: it fails now (its peers are told); a finished room stays as
-        it ended. 404 for a room the agent does not hold."""
+    async def abort(self, msg: AbortRequest) -> dict[str, Any]:
+        """The engine gave the room up: it fails now (its peers are told: a decode room answers
+        once its sources said whether they stopped writing); a finished room stays as it ended.
+        404 for a room the agent does not hold."""
         local = self.ctx.ranks.served(msg.rank)
         room = self.rooms.lookup(local.rank.role, msg.rank, msg.room)
         if isinstance(room, DecodeRoom):
-            self.arrivals.abort(room, msg.reason)
+            await self.arrivals.abort(room, msg.reason)
         elif isinstance(room, PrefillRoom):
             self.sender.abort(room, msg.reason)
         return room.view()
@@ -190,10 +195,11 @@ class Agent:
             if room.rank not in ranks or room.state.finished:
                 continue
             if isinstance(room, DecodeRoom):
-                self.arrivals.abort(room, reason)
+                self.arrivals.give_up(room, reason)
             elif isinstance(room, PrefillRoom):
                 self.sender.abort(room, reason)
             failed += 1
+        failed += self.sender.forget_room_info(ranks, reason)
         shm_dir = os.path.realpath(self.cfg.shm_dir)
         for rank_id in sorted(ranks):
             local = self.ranks.get(rank_id)
@@ -225,6 +231,9 @@ class Agent:
 
     def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
         return self.arrivals.accept_launched(msg, sender_agent)
+
+    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> dict[str, Any]:
+        return self.sender.accept_cancel(msg, sender_agent)
 
     async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:
         """The room's view; with wait_s > 0, answer as soon as it is final or wait_s passed (a

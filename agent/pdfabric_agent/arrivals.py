@@ -11,11 +11,15 @@ marks; the room is Success once every expected source arrived.
    sender's board and the source has arrived once every mark is reached.
 4. ``heartbeat``: the prefill agents that waiting rooms still expect are pinged; two misses fail
    those rooms now instead of at their deadline.
+5. ``_fail``: a room that fails here sends a ``RoomCancel`` to each source whose writes are not
+   known to be over; its answer says whether they are (``fenced``). The room's destinations go
+   back to the pool once every source is quiet (``claims``), else after the transfer timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -41,6 +45,7 @@ from pdfabric_agent.wire import (
     KindBytes,
     LaunchNotice,
     ReceiveRequest,
+    RoomCancel,
     RoomInfo,
     SourceReport,
     zero_bytes,
@@ -53,12 +58,14 @@ from pdfabric_core.traffic import duty_bytes
 
 log = logging.getLogger("pdfabric.agent")
 
+CANCEL_TIMEOUT_S = 2.0  # a source that does not answer a cancel in time keeps the room's hold
+
 
 class DecodeArrivals:
     def __init__(self, ctx: AgentContext, completions: CompletionWatcher) -> None:
         self.ctx = ctx
         self.completions = completions  # kernel senders' completion words
-        self.claims = DestinationClaims()
+        self.claims = DestinationClaims(ctx.clock)
         ctx.rooms.on_retire.append(self._retired)
         # Path names a byte report may carry: they become metric labels, so a closed set.
         self.paths = path_labels() | {TCP_SIDE_CHANNEL}
@@ -66,10 +73,17 @@ class DecodeArrivals:
     def _retired(self, role: Role, room: AnyRoom) -> None:
         if not isinstance(room, DecodeRoom) or room.claim is None:
             return
-        if room.state is RoomState.SUCCESS:
+        if room.state is RoomState.SUCCESS or room.sources_quiet:
             self.claims.release(room.rank, room.claim)
-        else:  # a source may still be writing until its own deadline
+        else:  # a source may still be writing until its own deadline (or until it says it stopped)
             self.claims.hold(room.rank, room.claim, self.ctx.clock() + self.ctx.spec.transfer.timeout_seconds)
+
+    def _quiet(self, room: DecodeRoom, prefill_rank: str) -> None:
+        """This source writes nothing more into the room: a failed room whose sources are all
+        quiet gives its destinations back now."""
+        room.quiet.add(prefill_rank)
+        if room.state.finished and room.sources_quiet and room.claim is not None:
+            self.claims.release(room.rank, room.claim)
 
     # ------------------------------------------------------------ client API
     def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
@@ -186,6 +200,8 @@ class DecodeArrivals:
         room, local = self._source(msg, sender_agent)
         if msg.ok:  # a false report is refused even when it is late
             self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
+        if msg.writes_over:
+            self._quiet(room, msg.prefill_rank)
         if room.state.finished or msg.prefill_rank in room.arrived:
             # Late or repeated reports change nothing (and count no bytes twice); the answer is
             # the room's outcome, which the source takes as its own.
@@ -309,6 +325,7 @@ class DecodeArrivals:
                 sent[kind.value] += n
         room.senders[prefill_rank] = sent
         room.arrived.add(prefill_rank)
+        room.quiet.add(prefill_rank)
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING
         if room.arrived == set(room.expected):
@@ -317,18 +334,52 @@ class DecodeArrivals:
         part = (room.rank, room.expected[prefill_rank], sum(sent.values()), duration)
         later(lambda: self._count_arrival(by_path, how, *part))
 
-    def abort(self, room: DecodeRoom, reason: str) -> None:
-        """The engine gave the room up: Failed now; a source's late report is answered Failed."""
+    def give_up(self, room: DecodeRoom, reason: str) -> None:
+        """Fail the room now (its engine exited); the sources are told in the background."""
         self._fail(room, reason)
 
-    def _fail(self, room: DecodeRoom, reason: str, outcome: Outcome = Outcome.FAILED) -> None:
-        """The room fails: each source that had not arrived counts its part with that outcome."""
+    async def abort(self, room: DecodeRoom, reason: str) -> None:
+        """The engine gave the room up: Failed now; a source's late report is answered Failed.
+        Answers once the sources were told (``RoomCancel``, a bounded wait), so the engine, which
+        frees the room's pages when this returns, finds them free for its next room."""
+        cancels = self._fail(room, reason)
+        if cancels is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(cancels)
+
+    def _fail(self, room: DecodeRoom, reason: str, outcome: Outcome = Outcome.FAILED) -> asyncio.Task[None] | None:
+        """The room fails: each source that had not arrived counts its part with that outcome, and
+        each whose writes are not known to be over is told (the task returned)."""
         if room.state.finished:
-            return
+            return None
         for prefill_rank, agent_name in sorted(room.expected.items()):
             if prefill_rank not in room.arrived:
                 metrics.count_peer_part(self.ctx.labels.cluster, room.rank, agent_name, Role.DECODE, outcome)
         self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason, outcome=outcome)
+        if room.sources_quiet:
+            return None
+        return self.ctx.tasks.spawn(self._cancel_sources(room, reason))
+
+    async def _cancel_sources(self, room: DecodeRoom, reason: str) -> None:
+        ctx = self.ctx
+
+        async def cancel(prefill_rank: str, agent_name: str) -> None:
+            msg = RoomCancel(room.room, room.rank, prefill_rank, reason)
+            try:
+                answer = await ctx.peers.post(agent_name, msg, CANCEL_TIMEOUT_S)
+            except PEER_ERRORS as exc:  # it may still be writing: the hold stands
+                log.info("room %s: %s did not take the cancel (%s)", room.room, agent_name, exc)
+                return
+            if answer.get("fenced") is True:
+                self._quiet(room, prefill_rank)
+
+        await asyncio.gather(
+            *(
+                cancel(r, a)
+                for r, a in sorted(room.expected.items())
+                if r not in room.quiet and not ctx.peers.is_blacklisted(a)
+            )
+        )
 
     def _count_arrival(
         self,

@@ -2,16 +2,20 @@
 aux row. A receive whose destinations overlap another open room's is refused with 409 naming that
 room, so two rooms can never both end Success with one holding the other's bytes.
 
-A room's claims go when it ends Success. When it fails they are held for the transfer timeout
-more: a prefill rank that started writing before the failure (or from room info it received
-before it) may still be writing into those pages until its own deadline, and a new room must not
-receive them meanwhile.
+A room's claims go when it ends Success. When it fails they go once every source's writes into
+the room are over (``arrivals``: a source that arrived, reported after writing, or said it is
+fenced), which is at once in the usual case: SGLang frees a failed request's pages and hands them
+to the next request right away. A source that may still be writing (a write it could not stop)
+holds them for the transfer timeout more, its own deadline, so a new room never receives them
+meanwhile.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,11 +34,13 @@ class _RankClaims:
     state: npt.NDArray[np.int64]
     aux: npt.NDArray[np.int64]
     rooms: dict[int, int] = field(default_factory=dict)  # slot -> room id
+    held: dict[int, float] = field(default_factory=dict)  # slot -> when a failed room's hold ends
     claimed: dict[int, tuple[npt.NDArray[np.int64], ...]] = field(default_factory=dict)  # slot -> indices
 
 
 class DestinationClaims:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._ranks: dict[str, _RankClaims] = {}
         self._slots = itertools.count()
         self._held: collections.deque[tuple[float, str, int]] = collections.deque()  # (due, rank, slot)
@@ -64,11 +70,19 @@ class DestinationClaims:
             held = owners[wanted]
             taken = held != FREE
             if taken.any():
-                holder = rc.rooms[int(held[taken][0])]
+                slot = int(held[taken][0])
+                holder = rc.rooms[slot]
                 shared = sorted({int(x) for x in wanted[taken][:5]})
+                until = rc.held.get(slot)
+                if until is None:
+                    raise conflict(
+                        f"{what} {shared} of {rank_id} belong to room {holder}, still open; a room's "
+                        f"destinations must not overlap another open room's"
+                    )
                 raise conflict(
-                    f"{what} {shared} of {rank_id} belong to room {holder}, still open; a room's "
-                    f"destinations must not overlap another open room's"
+                    f"{what} {shared} of {rank_id} belong to room {holder}, which failed while a source "
+                    f"may still be writing into them; they are free once it stops, at most "
+                    f"{max(0.0, until - self.clock()):.1f} s from now"
                 )
         slot = next(self._slots)
         rc.rooms[slot] = room
@@ -82,11 +96,16 @@ class DestinationClaims:
         if rc is None or slot not in rc.claimed:
             return
         del rc.rooms[slot]
+        rc.held.pop(slot, None)
         for owners, wanted in zip((rc.pages, rc.state, rc.aux), rc.claimed.pop(slot), strict=True):
             owners[wanted] = FREE
 
     def hold(self, rank_id: str, slot: int, until: float) -> None:
-        """Release at `until` (``sweep``), not now."""
+        """Release at `until` (``sweep``), or earlier by ``release``; not now."""
+        rc = self._ranks.get(rank_id)
+        if rc is None or slot not in rc.claimed:
+            return
+        rc.held[slot] = until
         self._held.append((until, rank_id, slot))
 
     def sweep(self, now: float) -> None:

@@ -55,6 +55,9 @@ class Target:
     agent: str
     dst: RoomInfo | None = None  # the decode side's room info, once it arrived
     done: bool = False
+    # A write into this target may be in flight: from just before it is submitted until its call
+    # returns. A cancelled wait leaves it set, since the worker or the kernel may still be writing.
+    writing: bool = False
 
 
 @dataclass(kw_only=True)
@@ -107,7 +110,14 @@ class DecodeRoom(Room):
     claim: int | None = None  # its destinations' claim (claims.DestinationClaims)
     owed: dict[str, KindBytes] = field(default_factory=dict)  # prefill rank id -> bytes it must deliver
     arrived: set[str] = field(default_factory=set)
+    # Sources whose writes into this room are over (arrived, reported after writing, or fenced):
+    # once all are, a failed room's destinations may go to the next room.
+    quiet: set[str] = field(default_factory=set)
     senders: dict[str, KindBytes] = field(default_factory=dict)
+
+    @property
+    def sources_quiet(self) -> bool:
+        return self.quiet >= self.expected.keys()
 
     def view(self) -> dict[str, Any]:
         return {**super().view(), "senders": {k: dict(v) for k, v in sorted(self.senders.items())}}
@@ -137,6 +147,9 @@ class RoomRegistry:
         # (prefill rank, room) -> decode rank -> (arrival time, room info): the decode side was
         # first, or the previous use of this room id finished.
         self.early: dict[RoomKey, dict[str, tuple[float, RoomInfo]]] = {}
+        # (prefill rank, room) -> (when, why): a decode side gave the room up before it was sent;
+        # a send of it fails at once instead of waiting for room info that will not come.
+        self.cancelled: dict[RoomKey, tuple[float, str]] = {}
         self._open: dict[tuple[Role, str, int], AnyRoom] = {}
         self._finished: collections.deque[tuple[float, Role, RoomKey, AnyRoom]] = collections.deque()
         self.on_retire: list[Callable[[Role, AnyRoom], None]] = []  # called once per room, when final
@@ -220,6 +233,9 @@ class RoomRegistry:
                     del infos[decode_rank]
             if not infos:
                 del self.early[key]
+        for key, (at, _) in list(self.cancelled.items()):
+            if now - at > early_ttl_s:
+                del self.cancelled[key]
 
     @property
     def open_count(self) -> int:

@@ -9,7 +9,10 @@ ready, the targets are planned and written, and the decode side confirms.
 3. ``_run``: every target is written (``RoomWriter``) within the transfer deadline, then reported
    (``DoneReport``) unless the decode agent took completion marks; the room is Success once every
    target was acknowledged. A timeout blacklists the silent peers; any failure tells the decode
-   side (``ok: false``) so it fails now instead of at its deadline.
+   side (``ok: false``) so it fails now instead of at its deadline, and whether this rank's writes
+   there are over (``fenced``), so the decode side can reuse the destinations.
+4. ``accept_cancel``: the decode side gave a room up: its room info is dropped (a later send of
+   that room fails at once) or the room fails; the answer says whether writes are over.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pdfabric_agent.plan import TransferPlan, decode_targets, pair_duties, plan_
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, RoomState, Target
-from pdfabric_agent.wire import BytesByPath, DoneReport, RoomInfo, SendRequest, zero_bytes
+from pdfabric_agent.wire import BytesByPath, DoneReport, RoomCancel, RoomInfo, SendRequest, zero_bytes
 from pdfabric_agent.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
 from pdfabric_core.policy.rank_mapping import sending_cp_ranks
 from pdfabric_core.policy.types import Role
@@ -74,6 +77,11 @@ class PrefillSender:
             targets=targets,
         )
         ctx.rooms.add(Role.PREFILL, room)
+        cancelled = ctx.rooms.cancelled.pop((msg.rank, msg.room), None)
+        if cancelled is not None:
+            self._count_unstarted(room, Outcome.FAILED)
+            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, cancelled[1])
+            return room.view()
         if not self._sends_anything(local):
             # Without all-CP-ranks transfer only CP rank 0 sends; the other ranks have no work.
             room.state = RoomState.SUCCESS
@@ -95,8 +103,16 @@ class PrefillSender:
         """A prefill room not sent yet whose decode side already announced itself: upstream's
         Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
         ctx = self.ctx
+        if (rank_id, room_id) in ctx.rooms.prefill:
+            return None
+        cancelled = ctx.rooms.cancelled.get((rank_id, room_id))
+        if cancelled is not None:
+            ctx.ranks.served(rank_id)
+            failed = RoomState.FAILED
+            return {"rank": rank_id, "room": room_id, "state": failed.title, "code": int(failed),
+                    "reason": cancelled[1], "decode_ranks_ready": []}  # fmt: skip
         infos = ctx.rooms.early.get((rank_id, room_id))
-        if not infos or (rank_id, room_id) in ctx.rooms.prefill:
+        if not infos:
             return None
         local = ctx.ranks.served(rank_id)
         needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
@@ -121,18 +137,12 @@ class PrefillSender:
         """A decode agent's room info, from the agent of that decode rank, in the layout that rank
         has: its destinations are what this rank writes, so nothing in it is taken on trust."""
         ctx = self.ctx
-        local = ctx.ranks.local(info.prefill_rank, Role.PREFILL)
-        valid = {
-            Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
-            for r in range(ctx.spec.decode.replicas)
-            for route in decode_targets(ctx.spec, local.rank.tp_rank)
-        }
-        if info.decode_rank not in valid:
-            raise malformed(f"{info.decode_rank} is not fed by {info.prefill_rank}")
-        ctx.ranks.check_speaker(info.decode_rank, sender_agent)
+        self._check_peer(info.prefill_rank, info.decode_rank, sender_agent)
         self._check_dst_layout(info)
         key = (info.prefill_rank, info.room)
         room = ctx.rooms.prefill.get(key)
+        if key in ctx.rooms.cancelled and room is None:
+            raise conflict(f"room {info.room} on {info.prefill_rank} was given up: {ctx.rooms.cancelled[key][1]}")
         if room is None:
             # The decode side was first: keep it for the send.
             ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
@@ -146,6 +156,59 @@ class PrefillSender:
         target.dst = info
         self._maybe_start(room)
         return {"accepted": "room"}
+
+    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> dict[str, Any]:
+        """The decode side gave the room up: nothing more of this rank lands there. Room info not
+        used yet is dropped (a send of the room then fails at once); an open room fails, its
+        batches not yet sent are never sent. ``fenced``: no write of this rank into that decode
+        room is in flight."""
+        ctx = self.ctx
+        self._check_peer(msg.prefill_rank, msg.decode_rank, sender_agent)
+        key = (msg.prefill_rank, msg.room)
+        reason = f"{msg.decode_rank} gave the room up: {msg.reason}"
+        room = ctx.rooms.prefill.get(key)
+        if room is None:
+            infos = ctx.rooms.early.get(key, {})
+            infos.pop(msg.decode_rank, None)
+            if not infos:
+                ctx.rooms.early.pop(key, None)
+            ctx.rooms.cancelled.setdefault(key, (ctx.clock(), reason))
+            return {"fenced": True}
+        target = room.targets.get(msg.decode_rank)
+        if target is None:
+            raise malformed(f"room {msg.room} on {msg.prefill_rank} does not send to {msg.decode_rank}")
+        self.abort(room, reason)
+        return {"fenced": not target.writing, "state": room.state.title}
+
+    def forget_room_info(self, rank_ids: set[str], reason: str) -> int:
+        """The engine of these ranks exited: the room info that waited for its sends (which will
+        not come) is dropped, and each decode side is told at once, fenced (nothing was written),
+        instead of waiting out its deadline with the room's pages. Returns the rooms told."""
+        ctx = self.ctx
+        told = 0
+        for key, infos in list(ctx.rooms.early.items()):
+            if key[0] not in rank_ids:
+                continue
+            del ctx.rooms.early[key]
+            ctx.rooms.cancelled[key] = (ctx.clock(), reason)
+            for decode_rank in sorted(infos):
+                report = DoneReport.failure(key[1], decode_rank, key[0], reason, fenced=True)
+                ctx.tasks.spawn(self._post_failure(ctx.ranks.agent_for(decode_rank), report))
+                told += 1
+        return told
+
+    def _check_peer(self, prefill_rank: str, decode_rank: str, sender_agent: str | None) -> None:
+        """A decode rank this local prefill rank feeds, spoken for by the agent that holds it."""
+        ctx = self.ctx
+        local = ctx.ranks.local(prefill_rank, Role.PREFILL)
+        valid = {
+            Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            for r in range(ctx.spec.decode.replicas)
+            for route in decode_targets(ctx.spec, local.rank.tp_rank)
+        }
+        if decode_rank not in valid:
+            raise malformed(f"{decode_rank} is not fed by {prefill_rank}")
+        ctx.ranks.check_speaker(decode_rank, sender_agent)
 
     def _check_dst_layout(self, info: RoomInfo) -> None:
         """The destination layout must be the one the spec gives that decode rank (only pool sizes
@@ -234,10 +297,16 @@ class PrefillSender:
 
     async def _notify_failure(self, room: PrefillRoom, reason: str) -> None:
         for t in room.targets.values():
-            if t.done or self.ctx.peers.is_blacklisted(t.agent):
+            if t.done:
                 continue
-            with contextlib.suppress(Exception):
-                await self.ctx.peers.post(t.agent, DoneReport.failure(room.room, t.decode_rank, room.rank, reason), 2.0)
+            report = DoneReport.failure(room.room, t.decode_rank, room.rank, reason, fenced=not t.writing)
+            await self._post_failure(t.agent, report)
+
+    async def _post_failure(self, agent_name: str, report: DoneReport) -> None:
+        if self.ctx.peers.is_blacklisted(agent_name):
+            return
+        with contextlib.suppress(Exception):
+            await self.ctx.peers.post(agent_name, report, 2.0)
 
     def _prepare(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
         """Before any write to a target, kernel or engine: its peer is admitted, its room planned."""
@@ -279,6 +348,7 @@ class PrefillSender:
         kernel = local.backend.kernel
         assert kernel is not None
         plan, peer = self._prepare(room, local, target)
+        target.writing = True
         return self.writer.launch(room, local, target, plan, peer, kernel)
 
     # ------------------------------------------------------------ the per-peer view
@@ -317,6 +387,14 @@ class PrefillSender:
         except asyncio.CancelledError:
             outcome = Outcome.TIMEOUT
             raise
+        except Exception:
+            if room.state.finished and not target.writing:
+                # The room failed while this target was written (its failure report said so, not
+                # fenced): now that the write is over, the decode side may reuse its destinations.
+                why = room.reason or "the room failed"
+                report = DoneReport.failure(room.room, target.decode_rank, room.rank, why, fenced=True)
+                self.ctx.tasks.spawn(self._post_failure(target.agent, report))
+            raise
         finally:
             self._count_target(room, target, outcome, moved)
 
@@ -336,6 +414,7 @@ class PrefillSender:
         if started is None:
             plan, peer = self._prepare(room, local, target)
             by_path: BytesByPath = {}
+            target.writing = True
         else:
             plan, by_path = started.plan, started.by_path
         moved.append(by_path)
@@ -344,9 +423,16 @@ class PrefillSender:
                 await self.writer.land(local, room, target, started)
             else:
                 await self.writer.write_engine(local, peer, plan, room, by_path)
-        except (TransferError, OSError) as exc:
+        except Exception as exc:
+            # The engine's calls returned (a kernel that failed may still run: it stays writing).
+            target.writing = started is not None
+            if not isinstance(exc, TransferError | OSError):
+                raise
+            if room.state.finished:  # this room ended (abort, cancel): the peer is not at fault
+                raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
             ctx.peers.blacklist(target.agent, str(exc))
             raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
+        target.writing = False
         room.marks[f"written:{target.decode_rank}"] = ctx.clock()
         if plan.state_skipped_bytes:
             metrics.state_bytes_skipped.labels(ctx.labels.cluster, ctx.labels.backend).inc(plan.state_skipped_bytes)

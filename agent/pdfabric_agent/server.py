@@ -7,8 +7,8 @@
     /v1/receive, /v1/rooms/...
   - Peer door (peerPort, the pod address, mutual TLS): other agents, each by its certificate from
     the cluster CA; the name in it must be an agent of the rank map and is handed to the handlers
-    as ``sender_agent``: /v1/peer/dst, /v1/peer/done, /v1/peer/launched, /v1/peer/ping,
-    /v1/peer/probe (the link check's probe regions, probe.py).
+    as ``sender_agent``: /v1/peer/dst, /v1/peer/done, /v1/peer/launched, /v1/peer/cancel,
+    /v1/peer/ping, /v1/peer/probe (the link check's probe regions, probe.py).
   A route of one door is not served on the other (404).
 - Metrics port: /metrics, /healthz (liveness: the process serves), /readyz (ready: transport
   validated, engines up; otherwise 503 with the reason the operator surfaces). With serving
@@ -39,6 +39,7 @@ from pdfabric_agent.wire import (
     LaunchNotice,
     MemoryRegistration,
     ReceiveRequest,
+    RoomCancel,
     RoomInfo,
     SendRequest,
 )
@@ -191,7 +192,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         return web.json_response(agent.register_memory(await parsed(request, MemoryRegistration)))
 
     async def abort(request: web.Request) -> web.Response:
-        return web.json_response(agent.abort(await parsed(request, AbortRequest)))
+        return web.json_response(await agent.abort(await parsed(request, AbortRequest)))
 
     async def poll(request: web.Request) -> web.Response:
         try:
@@ -216,6 +217,10 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
     async def peer_launched(request: web.Request) -> web.Response:
         msg = await parsed(request, LaunchNotice)
         return web.json_response(agent.accept_launched(msg, sender_agent=request[PEER_AGENT]))
+
+    async def peer_cancel(request: web.Request) -> web.Response:
+        msg = await parsed(request, RoomCancel)
+        return web.json_response(agent.accept_cancel(msg, sender_agent=request[PEER_AGENT]))
 
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})
@@ -242,6 +247,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         app.router.add_post("/v1/peer/dst", peer_dst)
         app.router.add_post("/v1/peer/done", peer_done)
         app.router.add_post("/v1/peer/launched", peer_launched)
+        app.router.add_post(RoomCancel.PATH, peer_cancel)
         app.router.add_get("/v1/peer/ping", ping)
         app.router.add_get("/v1/peer/probe", probe_regions)
     app.router.add_route("*", "/{tail:.*}", not_found)

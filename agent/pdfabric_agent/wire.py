@@ -4,7 +4,9 @@ Client messages (the serving engine -> its node's agent): ``SendRequest``, ``Rec
 ``MemoryRegistration`` (/v1/memory: the engine's own buffers of a rank).
 Peer messages (agent -> agent): ``RoomInfo`` (/v1/peer/dst: where a decode room's data lands),
 ``DoneReport`` (/v1/peer/done: a source's data landed, or failed), ``LaunchNotice``
-(/v1/peer/launched: a source's kernels run; watch their completion marks).
+(/v1/peer/launched: a source's kernels run; watch their completion marks), ``RoomCancel``
+(/v1/peer/cancel: the decode side gave a room up; the source stops and says whether its writes
+are over).
 
 ``parse`` checks what the message alone can say (types, closed sets, self-consistent bounds) and
 raises ``ApiError`` (400) with the field to fix; what needs the agent's state (the rank's layout,
@@ -292,7 +294,11 @@ def _report_head(body: Mapping[str, Any]) -> tuple[int, str, str]:
 @dataclass(frozen=True)
 class DoneReport(SourceReport):
     """Prefill agent -> decode agent: this source's batches were confirmed (``ok``), with the aux rows
-    that travel in the report itself (the TCP side channel), or it failed with ``reason``."""
+    that travel in the report itself (the TCP side channel), or it failed with ``reason``.
+
+    A report is sent once the source's writes into the room are over, except a failure with
+    ``fenced`` false: that source may still be writing (a write it could not stop), so the decode
+    side keeps the room's destinations from other rooms until its transfer timeout has passed."""
 
     PATH: ClassVar[str] = "/v1/peer/done"
 
@@ -300,10 +306,15 @@ class DoneReport(SourceReport):
     reason: str = ""
     aux_rows: tuple[tuple[int, bytes], ...] = ()
     checksum: str | None = None  # of the bytes sent to this decode rank (spec.transfer.verify), integrity.py
+    fenced: bool = False  # (a failure) nothing of this source lands in the room any more
 
     @classmethod
-    def failure(cls, room: int, decode_rank: str, prefill_rank: str, reason: str) -> DoneReport:
-        return cls(room, decode_rank, prefill_rank, {}, ok=False, reason=reason)
+    def failure(cls, room: int, decode_rank: str, prefill_rank: str, reason: str, *, fenced: bool) -> DoneReport:
+        return cls(room, decode_rank, prefill_rank, {}, ok=False, reason=reason, fenced=fenced)
+
+    @property
+    def writes_over(self) -> bool:
+        return self.ok or self.fenced
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
@@ -317,7 +328,10 @@ class DoneReport(SourceReport):
         if len(reason) > MAX_REASON:
             raise too_large(f"field 'reason' has {len(reason)} characters; at most {MAX_REASON}")
         if not ok:
-            return cls(room, decode_rank, prefill_rank, {}, ok=False, reason=reason or "unknown")
+            fenced = body.get("fenced", False)
+            if not isinstance(fenced, bool):
+                raise malformed("field 'fenced' must be true or false")
+            return cls(room, decode_rank, prefill_rank, {}, ok=False, reason=reason or "unknown", fenced=fenced)
         rows = body.get("aux_rows") or []
         if not isinstance(rows, list):
             raise malformed("aux_rows must be a list of [address, base64] pairs")
@@ -348,7 +362,7 @@ class DoneReport(SourceReport):
 
     def to_json(self) -> dict[str, Any]:
         if not self.ok:
-            return {**self._head(), "ok": False, "reason": self.reason}
+            return {**self._head(), "ok": False, "reason": self.reason, "fenced": self.fenced}
         return {
             **self._head(),
             "ok": True,
@@ -388,7 +402,35 @@ class LaunchNotice(SourceReport):
         return {**self._head(), "marks": [m.to_json() for m in self.marks], "bytes_by_path": self.bytes_by_path}
 
 
-PeerMessage = RoomInfo | DoneReport | LaunchNotice
+@dataclass(frozen=True)
+class RoomCancel:
+    """Decode agent -> prefill agent: the decode side gave room `room` of `decode_rank` up (its
+    engine aborted it, its deadline passed, another source failed). The prefill rank writes nothing
+    more there: room info it holds for the room is dropped, and a room of its own that has not
+    written yet fails. The answer says whether its writes into that room are over (``fenced``), so
+    the decode side can give the room's destinations to the next room at once."""
+
+    PATH: ClassVar[str] = "/v1/peer/cancel"
+
+    room: int
+    decode_rank: str
+    prefill_rank: str
+    reason: str
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        room, decode_rank, prefill_rank = _report_head(body)
+        reason = body.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > MAX_REASON:
+            raise malformed(f"field 'reason' must be a string of at most {MAX_REASON} characters")
+        return cls(room, decode_rank, prefill_rank, reason or "cancelled by the decode side")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"room": self.room, "decode_rank": self.decode_rank, "prefill_rank": self.prefill_rank,
+                "reason": self.reason}  # fmt: skip
+
+
+PeerMessage = RoomInfo | DoneReport | LaunchNotice | RoomCancel
 
 
 # ---------------------------------------------------------------- engine memory

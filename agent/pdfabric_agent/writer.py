@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric_agent import metrics
-from pdfabric_agent.backend import KernelPath
+from pdfabric_agent.backend import KernelPath, TransferError
 from pdfabric_agent.completion import CompletionMark
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.labels import Kind
@@ -96,6 +96,8 @@ class RoomWriter:
                 return
         # The engine's batch limit (the tcp engine fails oversized batches) applies from here on.
         for chunk in chunk_batch(blocks, min(backend.max_batch_entries, self.ctx.spec.transfer.max_batch_entries)):
+            if room.state.finished:  # aborted or cancelled meanwhile: what is not sent yet never lands
+                raise TransferError(f"room {room.room} ended ({room.reason}); its remaining batches are not sent")
             used = await loop.run_in_executor(self.ctx.workers, backend.write_batch, peer, chunk)
             # A backend with several paths (GPU kernel with engine fallback) names the one it used.
             self.count(room, by_path, used or backend.path, kind, sum(b.length for b in chunk), len(chunk))

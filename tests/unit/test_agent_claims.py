@@ -1,5 +1,6 @@
 """Destination ownership on a decode rank: open rooms never share a KV page, state slot or aux row;
-a refusal names the holder and claims nothing; Success frees at once, failure after a hold."""
+a refusal names the holder (and, for a failed room held for a source that may still write, for how long
+at most) and claims nothing; Success frees at once, a failed room when released or its hold ends."""
 
 from __future__ import annotations
 
@@ -67,3 +68,19 @@ def test_held_claims_free_only_when_their_time_comes() -> None:
         claims.claim(R, LAYOUT, 2, [5], [], None)
     claims.sweep(110.0)
     claims.claim(R, LAYOUT, 2, [5], [], None)
+
+
+def test_a_held_claim_says_so_and_an_early_release_frees_it() -> None:
+    now = [100.0]
+    claims = DestinationClaims(clock=lambda: now[0])
+    a = claims.claim(R, LAYOUT, 1, [5], [], None)
+    claims.hold(R, a, until=130.0)
+    now[0] = 110.0
+    with pytest.raises(ApiError) as err:
+        claims.claim(R, LAYOUT, 2, [5], [], None)
+    assert "room 1, which failed while a source may still be writing" in err.value.message
+    assert "at most 20.0 s from now" in err.value.message
+    claims.release(R, a)  # its sources said they stopped
+    b = claims.claim(R, LAYOUT, 2, [5], [], None)
+    claims.sweep(130.0)  # the old hold's time frees nothing of the new room's
+    assert claims.holder(R, 5) == 2 and b != a

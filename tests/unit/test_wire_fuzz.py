@@ -18,7 +18,7 @@ from pdfabric_agent.errors import ApiError
 from pdfabric_agent.fields import MAX_INDICES, check_indices, field_index_list, pack_indices
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout
-from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomCancel, RoomInfo, SendRequest
 
 LAYOUT = PoolLayout(2, 2, 64, 64, 1, 64, 8, (8, 8), 8)
 VALID: dict[type[Any], dict[str, Any]] = {
@@ -42,6 +42,7 @@ VALID: dict[type[Any], dict[str, Any]] = {
         {"nvlink": {"kv": 1, "state": 0, "aux": 0}},
         (CompletionMark("pdfabric-board-0123456789ab", 3, 1),),
     ).to_json(),
+    RoomCancel: RoomCancel(7, "decode-0-tp0", "prefill-0-tp0-cp0", "aborted by SGLang").to_json(),
 }
 MESSAGES = list(VALID)
 

@@ -1,0 +1,207 @@
+"""A failed decode room's destinations go back to the pool once its sources' writes are over, not a
+transfer timeout later: SGLang frees a failed request's pages and hands them to the next request
+at once. Two agents wired in process (the peer messages go straight to the other's handlers):
+
+- the decode engine aborts a room whose info waits at the prefill agent: the cancel drops that
+  info, the pages are free when the abort answers, and a later send of the room fails at once
+  without writing;
+- the prefill engine exits while decode room info waits for its sends: the decode room fails at
+  once, fenced, and its pages are free;
+- a source whose write is in flight answers the cancel not fenced: the pages stay held (the 409
+  says why and for how long at most) until the write returns and the source says it stopped;
+- a source that never answers keeps the hold until the transfer timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.agent import Agent
+from pdfabric_agent.errors import ApiError
+from pdfabric_agent.peer_client import PeerRefused
+from pdfabric_agent.rooms import RoomState
+from pdfabric_agent.wire import AbortRequest, DoneReport, LaunchNotice, ReceiveRequest, RoomCancel, RoomInfo, SendRequest
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank
+from tests.unit.test_agent_kernel_path import Backend
+from tests.unit.test_agent_peer_trust import D, P, make_agent
+
+
+class GatedBackend(Backend):
+    """The engine path, whose batches wait for `gate` (a write in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__(kernel=False, takes=False)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def write_batch(self, peer: str, blocks: Any) -> str | None:
+        self.entered.set()
+        self.gate.wait(10)
+        return super().write_batch(peer, blocks)
+
+
+def link(prefill: Agent, decode: Agent, *, cancels_answered: bool = True) -> list[Any]:
+    """Each agent's peer posts go to the other's handler, as the peer door would hand them."""
+    posts: list[Any] = []
+
+    async def deliver(handler: Any, msg: Any) -> dict[str, Any]:
+        posts.append(msg)
+        try:
+            answer = handler(msg)
+            return dict(await answer if asyncio.iscoroutine(answer) else answer)
+        except ApiError as exc:
+            raise PeerRefused("peer", msg.PATH, exc.status, exc.reason.value, exc.message) from None
+
+    async def to_decode(agent_name: str, msg: Any, timeout_s: float) -> dict[str, Any]:
+        if isinstance(msg, DoneReport):
+            return await deliver(lambda m: decode.accept_done(m, sender_agent="a1"), msg)
+        assert isinstance(msg, LaunchNotice)
+        return await deliver(lambda m: decode.accept_launched(m, sender_agent="a1"), msg)
+
+    async def to_prefill(agent_name: str, msg: Any, timeout_s: float) -> dict[str, Any]:
+        if isinstance(msg, RoomInfo):
+            return await deliver(lambda m: prefill.accept_dst(m, sender_agent="a2"), msg)
+        assert isinstance(msg, RoomCancel)
+        if not cancels_answered:
+            posts.append(msg)
+            raise TimeoutError("no answer")
+        return await deliver(lambda m: prefill.accept_cancel(m, sender_agent="a2"), msg)
+
+    prefill.peers.post = to_decode  # type: ignore[method-assign]
+    decode.peers.post = to_prefill  # type: ignore[method-assign]
+    return posts
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> tuple[Agent, Agent]:
+    return make_agent(tmp_path, "n1", [Rank(Role.PREFILL, 0, 0)]), make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+def test_an_aborted_room_whose_info_waits_at_the_source_frees_its_pages_at_once(pair: tuple[Agent, Agent]) -> None:
+    prefill, decode = pair
+    posts = link(prefill, decode)
+    backend = prefill.ranks[P].backend
+    assert isinstance(backend, Backend)
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 1, [3, 4], [1], 1, 0))
+        await settle()
+        assert (P, 1) in prefill.rooms.early  # the decode side was first
+        await decode.abort(AbortRequest(D, 1, "aborted by SGLang"))
+        assert any(isinstance(m, RoomCancel) for m in posts)
+        assert (P, 1) not in prefill.rooms.early
+        # Freed when the abort answered: the engine's next room takes the same destinations.
+        decode.submit_receive(ReceiveRequest(D, 2, [3, 4], [1], 1, 0))
+        # The prefill engine sends the given-up room late: it fails at once, nothing written.
+        view = prefill.submit_send(SendRequest(P, 1, [0, 1], [0], 0, 0))
+        assert (view["state"], view["reason"]) == ("Failed", "decode-0-tp0 gave the room up: aborted by SGLang")
+        assert backend.calls == []
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_a_prefill_engine_exit_fails_waiting_decode_rooms_fenced(pair: tuple[Agent, Agent]) -> None:
+    prefill, decode = pair
+    link(prefill, decode)
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 5, [7, 8], [2], 2, 0))
+        await settle()
+        assert prefill.engine_exited([P], "engine prefill-0 exited (killed by signal 9)") == 1
+        await settle()
+        room = decode.rooms.decode[(D, 5)]
+        assert room.state is RoomState.FAILED and "killed by signal 9" in room.reason
+        assert room.quiet == {P}
+        decode.submit_receive(ReceiveRequest(D, 6, [7, 8], [2], 2, 0))  # not 409: nothing was written
+        # The restarted engine's poll of the dead one's room says Failed, not 404.
+        assert (await prefill.poll(P, 5))["state"] == "Failed"
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_a_write_in_flight_holds_the_pages_until_it_returns(tmp_path: Path) -> None:
+    prefill = make_agent(tmp_path, "n1", [Rank(Role.PREFILL, 0, 0)])
+    decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
+    backend = GatedBackend()
+    prefill.ranks[P].backend = backend
+    link(prefill, decode)
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 9, [3, 4], [1], 1, 0))
+        await settle()
+        prefill.submit_send(SendRequest(P, 9, [0, 1], [0], 0, 0))
+        assert await asyncio.to_thread(backend.entered.wait, 5)
+        await decode.abort(AbortRequest(D, 9, "aborted by SGLang"))
+        assert prefill.rooms.prefill[(P, 9)].state is RoomState.FAILED
+        with pytest.raises(ApiError) as err:
+            decode.submit_receive(ReceiveRequest(D, 10, [4], [], None, 0))
+        assert err.value.status == 409 and "may still be writing" in err.value.message
+        assert "at most" in err.value.message
+        backend.gate.set()  # the write returns; the source stops there and says so
+        await settle()
+        assert decode.rooms.decode[(D, 9)].quiet == {P}
+        decode.submit_receive(ReceiveRequest(D, 10, [4], [], None, 0))
+        # Only the batch in flight went: the room's later batches (state, aux) were never sent.
+        assert len(backend.calls) == 1
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_a_source_that_does_not_answer_keeps_the_hold_until_the_transfer_timeout(pair: tuple[Agent, Agent]) -> None:
+    prefill, decode = pair
+    link(prefill, decode, cancels_answered=False)
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 3, [5], [], None, 0))
+        await settle()
+        failed_at = decode.clock()
+        await decode.abort(AbortRequest(D, 3, "aborted by SGLang"))
+        with pytest.raises(ApiError) as err:
+            decode.submit_receive(ReceiveRequest(D, 4, [5], [], None, 0))
+        assert err.value.status == 409
+        decode.arrivals.claims.sweep(failed_at + decode.ctx.spec.transfer.timeout_seconds - 1)
+        with pytest.raises(ApiError):
+            decode.submit_receive(ReceiveRequest(D, 4, [5], [], None, 0))
+        decode.arrivals.claims.sweep(decode.clock() + decode.ctx.spec.transfer.timeout_seconds)
+        decode.submit_receive(ReceiveRequest(D, 4, [5], [], None, 0))
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_cancel_comes_only_from_the_decode_ranks_agent(pair: tuple[Agent, Agent]) -> None:
+    prefill, _ = pair
+    with pytest.raises(ApiError) as err:
+        prefill.accept_cancel(RoomCancel(1, D, P, "x"), sender_agent="a1")
+    assert (err.value.status, err.value.reason.value) == (403, "wrong_peer")
+    with pytest.raises(ApiError) as err:
+        prefill.accept_cancel(RoomCancel(1, "decode-0-tp3", P, "x"), sender_agent="a2")
+    assert err.value.status in (400, 404)
+
+
+def test_a_failure_report_says_fenced_as_a_boolean_and_defaults_to_not_fenced() -> None:
+    head = {"room": 1, "decode_rank": D, "prefill_rank": P, "ok": False, "reason": "x"}
+    assert DoneReport.parse(head).writes_over is False  # an older agent's report: assume writing
+    report = DoneReport.parse({**head, "fenced": True})
+    assert report.writes_over and DoneReport.parse(report.to_json()) == report
+    with pytest.raises(ApiError) as err:
+        DoneReport.parse({**head, "fenced": "yes"})
+    assert err.value.status == 400 and "fenced" in err.value.message
