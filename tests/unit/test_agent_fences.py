@@ -25,7 +25,15 @@ from pdfabric_agent.agent import Agent
 from pdfabric_agent.errors import ApiError
 from pdfabric_agent.peer_client import PeerRefused
 from pdfabric_agent.rooms import RoomState
-from pdfabric_agent.wire import AbortRequest, DoneReport, LaunchNotice, ReceiveRequest, RoomCancel, RoomInfo, SendRequest
+from pdfabric_agent.wire import (
+    AbortRequest,
+    DoneReport,
+    LaunchNotice,
+    ReceiveRequest,
+    RoomCancel,
+    RoomInfo,
+    SendRequest,
+)
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from tests.unit.test_agent_kernel_path import Backend
