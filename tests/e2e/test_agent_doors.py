@@ -149,7 +149,7 @@ def test_a_peer_certificate_is_not_enough_on_the_engine_door(lc: LocalFabric) ->
 def test_the_engine_door_serves_no_peer_route_even_with_the_token(lc: LocalFabric) -> None:
     decode = lc.agents[lc.agent_of(D)]
     client = lc.client(D)
-    for path in ("/v1/peer/done", "/v1/peer/dst", "/v1/peer/launched"):
+    for path in ("/v1/peer/done", "/v1/peer/dst", "/v1/peer/launched", "/v1/peer/cancel"):
         with pytest.raises(AgentRefused) as info:
             client._call("POST", path, {"room": 1})
         assert (info.value.status, info.value.reason) == (404, "malformed"), path

@@ -4,6 +4,7 @@ exists; once the first room ends Success its destinations are free again."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -57,3 +58,29 @@ def test_overlapping_room_is_refused_naming_the_holder(
     dec.receive(D, room + 100, pages, state_indices=state, aux_index=aux)
     fabric.client(P).send(P, room + 100, list(range(len(pages))), state_indices=[1], aux_index=1)
     assert dec.wait(D, room + 100, 10)["state"] == "Success"
+
+
+def test_an_aborted_rooms_destinations_are_free_when_the_abort_answers(fabric: LocalFabric) -> None:
+    """SGLang frees a failed request's pages and hands them to its next request at once: the abort
+    cancels the room at the prefill agent (which still held its room info), so the next receive of
+    the same pages is taken, and the late send of the given-up room fails without writing."""
+    dec, pre = fabric.client(D), fabric.client(P)
+    dec.receive(D, 80, [30, 31], state_indices=[7], aux_index=6)
+    deadline = time.monotonic() + 10
+    while True:  # until the room info is at the prefill agent (an early room: not sent yet)
+        try:
+            assert pre.poll(P, 80)["state"] == "WaitingForInput"
+            break
+        except AgentRefused:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    before = fabric.metric_sum("pdfabric_transfer_bytes_total", role="prefill")
+    dec.abort(D, 80, "aborted by SGLang")
+    dec.receive(D, 81, [30, 31], state_indices=[7], aux_index=6)  # not 409
+    late = pre.send(P, 80, [0, 1], state_indices=[0], aux_index=0)
+    assert (late["state"], late["reason"]) == ("Failed", "decode-0-tp0 gave the room up: aborted by SGLang")
+    pre.send(P, 81, [2, 3], state_indices=[1], aux_index=1)
+    assert dec.wait(D, 81, 10)["state"] == "Success"
+    assert pre.wait(P, 81, 10)["state"] == "Success"
+    moved = fabric.metric_sum("pdfabric_transfer_bytes_total", role="prefill") - before
+    assert moved == sum(dec.poll(D, 81)["bytes"].values())  # room 81's bytes only: nothing of room 80
