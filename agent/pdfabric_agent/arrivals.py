@@ -59,6 +59,7 @@ from pdfabric_core.traffic import duty_bytes
 log = logging.getLogger("pdfabric.agent")
 
 CANCEL_TIMEOUT_S = 2.0  # a source that does not answer a cancel in time keeps the room's hold
+ABORT_WAIT_S = 0.5  # how long an engine's abort waits for those answers
 
 
 class DecodeArrivals:
@@ -340,12 +341,13 @@ class DecodeArrivals:
 
     async def abort(self, room: DecodeRoom, reason: str) -> None:
         """The engine gave the room up: Failed now; a source's late report is answered Failed.
-        Answers once the sources were told (``RoomCancel``, a bounded wait), so the engine, which
-        frees the room's pages when this returns, finds them free for its next room."""
+        Answers once the sources answered the cancel (``RoomCancel``), so the engine, which frees
+        the room's pages when this returns, finds them free for its next room; at most
+        ``ABORT_WAIT_S``, since the engine's scheduler waits on this call (the cancels go on)."""
         cancels = self._fail(room, reason)
         if cancels is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(cancels)
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(cancels), ABORT_WAIT_S)
 
     def _fail(self, room: DecodeRoom, reason: str, outcome: Outcome = Outcome.FAILED) -> asyncio.Task[None] | None:
         """The room fails: each source that had not arrived counts its part with that outcome, and
