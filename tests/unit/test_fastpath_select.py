@@ -85,6 +85,16 @@ def test_toolchain_probe_never_raises_on_a_cpu_machine() -> None:
     assert ok or why  # a reason always comes with a refusal
 
 
+def test_ledger_counts_a_request_with_pages_and_byte_ranges_once() -> None:
+    ledger = ReceiverLedger()
+    ledger.reserve_ranges(("batch", 1), "decode0", [(0, 64)])  # a block launch: its bytes, then its pages
+    ledger.reserve(("batch", 1), "decode0", {"kv": {7}})
+    ledger.reserve(("batch", 2), "decode0", {"kv": {8}})
+    assert ledger.in_flight() == 2
+    ledger.release(("batch", 1))
+    assert ledger.in_flight() == 1
+
+
 def test_ledger_refuses_overlap_until_release() -> None:
     ledger = ReceiverLedger()
     ledger.reserve("a", "decode0", {"kv": {1, 2, 3}, "aux": {0}})

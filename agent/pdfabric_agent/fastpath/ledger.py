@@ -87,5 +87,6 @@ class ReceiverLedger:
                         del self._busy[key]
 
     def in_flight(self) -> int:
+        """Requests holding a reservation (one that holds pages and byte ranges counts once)."""
         with self._lock:
-            return len(self._rooms) + len(self._room_ranges)
+            return len(self._rooms.keys() | self._room_ranges.keys())
