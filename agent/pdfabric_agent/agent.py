@@ -188,7 +188,9 @@ class Agent:
         bootstrap deadline. Then the shared-memory files of the ranks' engine registrations are
         unlinked (only files in the shm directory): a crash loop cannot fill /dev/shm. This
         process's mappings stay valid until the restarted engine registers again, which
-        ``register_memory`` takes once the rank has no open rooms. Returns the rooms failed."""
+        ``register_memory`` takes once the rank has no open rooms. Room info that waited for a
+        prefill rank's sends is dropped and its decode sides told, fenced
+        (``PrefillSender.forget_room_info``). Returns the rooms failed or told."""
         ranks = set(rank_ids)
         failed = 0
         for _, room in self.rooms.open_rooms():
