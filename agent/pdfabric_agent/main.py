@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
@@ -202,6 +203,7 @@ async def serve(cfg: AgentConfig) -> int:
     runners.append(mrunner)
 
     agent: Agent | None = None
+    peer_tls: tls.PeerTls | None = None
     probe_pools: dict[str, Pool] = {}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -238,8 +240,8 @@ async def serve(cfg: AgentConfig) -> int:
         await prunner.setup()
         runners.append(prunner)
         peer_port = cfg.peer_port or spec.agent.peer_port
-        ssl_ctx = tls.server_context(cfg.peer_tls_dir)
-        await GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=ssl_ctx).start()
+        peer_tls = tls.PeerTls.of(cfg.peer_tls_dir)
+        await GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=peer_tls.server).start()
         await link_check(readiness, probe.LinkCheck(rankmap, spec, entry.name, backends, probe_pools), agent, stop)
         if stop.is_set():
             raise _Stopping
@@ -265,11 +267,15 @@ async def serve(cfg: AgentConfig) -> int:
         log.exception("agent start failed")
 
     try:
+        tls_checked = time.monotonic()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), TICK_S)
             if agent is not None:
                 await agent.tick()
+            if peer_tls is not None and time.monotonic() - tls_checked >= tls.RELOAD_CHECK_S:
+                tls_checked = time.monotonic()
+                peer_tls.reload_if_changed()  # the operator renewed the certificate
     finally:
         readiness.ready = False
         readiness.reason, readiness.message = "ShuttingDown", "the agent is stopping"

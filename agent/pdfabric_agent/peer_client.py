@@ -64,7 +64,7 @@ class PeerClient:
 
     async def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
-            connector = aiohttp.TCPConnector(ssl=tls.client_context(self.cfg.peer_tls_dir))
+            connector = aiohttp.TCPConnector(ssl=tls.PeerTls.of(self.cfg.peer_tls_dir).client)
             self._http = aiohttp.ClientSession(connector=connector)
         return self._http
 

@@ -9,13 +9,22 @@ headless Service) and ``ca.crt`` (the PDCluster's CA, the only issuer either sid
   CN (``peer_agent``); the server then checks that name against the rank map.
 - Client side: this agent's certificate is presented; the server's must chain to the cluster CA
   and carry the DNS name the rank map's agent is dialled by (hostname verification).
+- Renewal: the operator issues the certificate anew in the same Secret while the pod runs; the
+  kubelet swaps the mounted files. ``PeerTls.reload_if_changed`` (every ``RELOAD_CHECK_S``) loads
+  them into the same two contexts, so new connections present the new certificate and
+  connections already open carry on.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 from typing import Any
+
+log = logging.getLogger("pdfabric.agent")
+
+RELOAD_CHECK_S = 10.0  # the kubelet syncs a Secret volume within about a minute
 
 CERT_FILE = "tls.crt"
 KEY_FILE = "tls.key"
@@ -44,6 +53,66 @@ def client_context(tls_dir: str) -> ssl.SSLContext:
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+FileStamp = tuple[int, int, int] | None  # (inode, mtime ns, size) of a file, None when missing
+
+
+class PeerTls:
+    """This agent's two peer-door contexts, one pair per certificate directory, loaded again in
+    place when the files change."""
+
+    _by_dir: dict[str, PeerTls] = {}
+
+    def __init__(self, tls_dir: str) -> None:
+        self.tls_dir = tls_dir
+        self.server = server_context(tls_dir)
+        self.client = client_context(tls_dir)
+        self._stamps = self._stat()
+        self.reloads = 0
+
+    @classmethod
+    def of(cls, tls_dir: str) -> PeerTls:
+        """The process's contexts for `tls_dir` (the peer door and the peer client share them)."""
+        found = cls._by_dir.get(tls_dir)
+        if found is None:
+            found = cls._by_dir[tls_dir] = cls(tls_dir)
+        return found
+
+    def _stat(self) -> tuple[FileStamp, ...]:
+        stamps: list[FileStamp] = []
+        for path in _paths(self.tls_dir):
+            try:
+                st = os.stat(path)  # through the Secret volume's symlinks
+            except OSError:
+                stamps.append(None)
+                continue
+            stamps.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        return tuple(stamps)
+
+    def reload_if_changed(self) -> bool:
+        """Load the directory's files again when they changed; a set that does not load (a key
+        that does not match its certificate halfway through an update) is tried again next time
+        and the contexts keep what they had."""
+        stamps = self._stat()
+        if stamps == self._stamps:
+            return False
+        cert, key, ca = _paths(self.tls_dir)
+        try:
+            # Into fresh contexts first: a set that fails halfway would leave a live context with
+            # the new certificate and the old key, and every handshake failing.
+            server_context(self.tls_dir)
+            client_context(self.tls_dir)
+            for ctx in (self.server, self.client):
+                ctx.load_cert_chain(cert, key)
+                ctx.load_verify_locations(cafile=ca)
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("peer certificate in %s changed but does not load yet: %s", self.tls_dir, exc)
+            return False
+        self._stamps = stamps
+        self.reloads += 1
+        log.info("peer certificate reloaded from %s", self.tls_dir)
+        return True
 
 
 def peer_agent(peercert: Any) -> str | None:

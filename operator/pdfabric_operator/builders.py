@@ -198,8 +198,9 @@ def build_ca_secret(ref: ClusterRef, ca: pki.KeyPair) -> dict[str, Any]:
     }
 
 
-def ca_from_secret(secret: Mapping[str, Any]) -> pki.KeyPair:
-    """The CA back from its Secret as the API returns it (base64 data), or as built (stringData)."""
+def keypair_from_secret(secret: Mapping[str, Any]) -> pki.KeyPair:
+    """The certificate and key of a TLS Secret (the CA's, an agent's) as the API returns it (base64
+    data), or as built (stringData)."""
     if "data" not in secret and "stringData" in secret:
         text = secret["stringData"]
         return pki.KeyPair(text[c.TLS_CERT_KEY].encode(), text[c.TLS_KEY_KEY].encode())

@@ -12,11 +12,13 @@ PDFABRIC_VERBOSE             non-empty: debug logging
 PDFABRIC_NETWORK_POLICY      "false": build no NetworkPolicy per PDCluster (and delete one built before) (default true)
 PDFABRIC_MONITORING_NAMESPACE  the namespace whose pods may reach the agents' metrics port; "" any (default "")
 PDFABRIC_NAMESPACE           the operator's own namespace (the chart sets it): its pods may reach the agents' metrics port too (/readyz, agentstate.py)
+PDFABRIC_PEER_CERT_VALIDITY_S  seconds an agent's peer certificate is valid; it is issued anew two thirds through (default 31536000: 365 days; at least 60)
 PDFABRIC_AGENT_ADDRESSES     a JSON file {agent pod name: "host:port"} read in place of pod IP and metrics port (local runs, hack/pdfabric_devcluster) (default "")
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import re
@@ -42,6 +44,7 @@ class OperatorConfig:
     monitoring_namespace: str = ""
     namespace: str = ""
     agent_addresses: str = ""
+    peer_cert_validity: datetime.timedelta = datetime.timedelta(days=365)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -83,4 +86,5 @@ class OperatorConfig:
             monitoring_namespace=monitoring_namespace,
             namespace=namespace,
             agent_addresses=env.get("PDFABRIC_AGENT_ADDRESSES", ""),
+            peer_cert_validity=datetime.timedelta(seconds=number("PDFABRIC_PEER_CERT_VALIDITY_S", 31536000, 60)),
         )

@@ -343,6 +343,7 @@ async def reconcile_daemon(
                     network_policy=STATE.config.network_policy,
                     monitoring_namespace=STATE.config.monitoring_namespace,
                     operator_namespace=STATE.config.namespace,
+                    cert_valid_for=STATE.config.peer_cert_validity,
                 )
                 RECONCILES.labels(res.result.value).inc()
                 if res.actions:
@@ -353,6 +354,8 @@ async def reconcile_daemon(
                 last_problem = res.problem
                 for reason, message in res.events:  # each once, when it happened (engine restarts)
                     kopf.warn(body, reason=reason, message=message)
+                for reason, message in res.notices:  # certificates renewed (not under posting.level)
+                    kopf.event(body, type="Normal", reason=reason, message=message)
             except Exception as exc:
                 RECONCILES.labels(ReconcileResult.ERROR.value).inc()
                 ERRORS.labels(error_type(exc).value).inc()

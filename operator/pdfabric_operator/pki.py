@@ -8,6 +8,11 @@ people and other tools. Every agent certificate is both a TLS server (its peer d
 
 P-256 keys: a key and a signature cost about a millisecond, so issuing at every pod creation
 (rotation: a replaced agent gets a new key) costs nothing measurable.
+
+Renewal: an agent certificate is issued anew, in the same Secret, two thirds through its validity
+(``renewal_time``; cert-manager's default), while its pod keeps running: the kubelet updates the
+mounted files and the agent loads them (agent ``tls.TlsReloader``). Peers keep verifying against
+the same CA.
 """
 
 from __future__ import annotations
@@ -77,14 +82,24 @@ def new_ca(namespace: str, cluster: str, uid: str) -> KeyPair:
     return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
-def issue_agent(ca: KeyPair, *, namespace: str, cluster: str, agent: str, dns_name: str) -> KeyPair:
-    """A fresh key and certificate for agent ``agent``, reachable (and verified) as ``dns_name``."""
+def issue_agent(
+    ca: KeyPair,
+    *,
+    namespace: str,
+    cluster: str,
+    agent: str,
+    dns_name: str,
+    valid_for: datetime.timedelta = AGENT_VALID_FOR,
+    now: datetime.datetime | None = None,
+) -> KeyPair:
+    """A fresh key and certificate for agent ``agent``, reachable (and verified) as ``dns_name``,
+    valid for ``valid_for`` from ``now`` (never past the CA's own end)."""
     ca_cert = ca.cert
     ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ValueError("the cluster CA key is not an EC key")
     key = ec.generate_private_key(ec.SECP256R1())
-    now = _now()
+    now = _now() if now is None else now
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, agent)]))
@@ -92,7 +107,7 @@ def issue_agent(ca: KeyPair, *, namespace: str, cluster: str, agent: str, dns_na
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _CLOCK_SKEW)
-        .not_valid_after(min(now + AGENT_VALID_FOR, ca_cert.not_valid_after_utc))
+        .not_valid_after(min(now + valid_for, ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(True, False, False, False, False, False, False, False, False),  # digital signature
@@ -119,3 +134,17 @@ def issue_agent(ca: KeyPair, *, namespace: str, cluster: str, agent: str, dns_na
 def serial_hex(cert_pem: bytes) -> str:
     """The certificate's serial number, hex (what an integration test compares across rotations)."""
     return format(x509.load_pem_x509_certificate(cert_pem).serial_number, "x")
+
+
+def renewal_time(cert_pem: bytes) -> datetime.datetime:
+    """When a certificate is to be issued anew: two thirds through its validity, so a renewal that
+    fails has the last third to be retried in."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    # From when it was issued: its not-before is back-dated for clock skew (which, for a short
+    # validity, would make a renewal due at once, and again at every reconcile).
+    issued, end = cert.not_valid_before_utc + _CLOCK_SKEW, cert.not_valid_after_utc
+    return issued + (end - issued) * 2 / 3
+
+
+def not_after(cert_pem: bytes) -> datetime.datetime:
+    return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc

@@ -20,9 +20,9 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pdfabric_core.policy.types import Role
@@ -126,6 +126,9 @@ class ClusterMemory:
     # pods that ran before this memory began are judged from their first reading on.
     engine_restarts: dict[str, dict[str, int]] = field(default_factory=dict)
     restart_baseline: set[str] | None = None
+    # Agent pod name -> when its peer certificate is to be issued anew (read from its Secret the
+    # first time, then from each issue).
+    cert_renew_at: dict[str, datetime] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,6 +140,8 @@ class Result:
     problem: tuple[str, str] | None = None
     # Warning Events to emit once each (reason, message): engines that restarted since last seen.
     events: list[tuple[str, str]] = field(default_factory=list)
+    # Normal Events to emit once each (reason, message): peer certificates renewed.
+    notices: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _now() -> str:
@@ -172,6 +177,8 @@ def reconcile_once(
     network_policy: bool = True,
     monitoring_namespace: str = "",
     operator_namespace: str = "",
+    cert_valid_for: timedelta = pki.AGENT_VALID_FOR,
+    now: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> Result:
     out = Result(ReconcileResult.PROGRESSING)
     own = list(snap.own)
@@ -258,9 +265,13 @@ def reconcile_once(
             if name not in existing:
                 # Every new pod gets a new key and certificate (rotation: a replaced agent's old
                 # key no longer matches what its name's Secret holds).
-                _issue_peer_tls(kube, ref, name)
+                memory.cert_renew_at[name] = _issue_peer_tls(kube, ref, name, cert_valid_for, now())
                 if kube.create(pod):
                     out.actions.append(f"create pod {name}")
+        _renew_peer_tls(kube, ref, [p for p in own if p.name in desired and not p.deleting], memory, cert_valid_for,
+                        now(), out)  # fmt: skip
+        for gone in set(memory.cert_renew_at) - set(desired):
+            del memory.cert_renew_at[gone]
         for p in own:
             requested, transport = snap.transports.get(p.uid, ("", ""))
             report = snap.reports.get(p.uid) if spec.engine is not None else None
@@ -436,23 +447,57 @@ def _cluster_ca(kube: Kube, ref: b.ClusterRef) -> pki.KeyPair:
         have = kube.get("Secret", ref.namespace, name)  # another replica made it first
         if have is None:
             raise RuntimeError(f"Secret {ref.namespace}/{name} was created and is gone again")
-    return b.ca_from_secret(have)
+    return b.keypair_from_secret(have)
 
 
-def _issue_peer_tls(kube: Kube, ref: b.ClusterRef, agent: str) -> None:
-    """A fresh key and certificate for agent pod `agent`, in its Secret (created or replaced)."""
+def _issue_peer_tls(kube: Kube, ref: b.ClusterRef, agent: str, valid_for: timedelta, now: datetime) -> datetime:
+    """A fresh key and certificate for agent pod `agent`, in its Secret (created or replaced);
+    returns when it is to be renewed."""
     ca = _cluster_ca(kube, ref)
     leaf = pki.issue_agent(
-        ca, namespace=ref.namespace, cluster=ref.name, agent=agent, dns_name=b.peer_dns_name(ref, agent)
+        ca,
+        namespace=ref.namespace,
+        cluster=ref.name,
+        agent=agent,
+        dns_name=b.peer_dns_name(ref, agent),
+        valid_for=valid_for,
+        now=now,
     )
     secret = b.build_peer_tls_secret(ref, agent, leaf, ca)
-    if kube.create(secret):
-        return
-    have = kube.get("Secret", ref.namespace, secret["metadata"]["name"])
-    if have is None:
-        kube.create(secret)
-    else:
-        kube.replace(secret, have["metadata"]["resourceVersion"])
+    if not kube.create(secret):
+        have = kube.get("Secret", ref.namespace, secret["metadata"]["name"])
+        if have is None:
+            kube.create(secret)
+        else:
+            kube.replace(secret, have["metadata"]["resourceVersion"])
+    return pki.renewal_time(leaf.cert_pem)
+
+
+def _renew_peer_tls(
+    kube: Kube,
+    ref: b.ClusterRef,
+    running: Sequence[OwnPod],
+    memory: ClusterMemory,
+    valid_for: timedelta,
+    now: datetime,
+    out: Result,
+) -> None:
+    """Issue anew the peer certificate of each running agent whose renewal time came (or whose
+    Secret is gone), in place: the pod keeps running and its agent loads the new files."""
+    for p in running:
+        due = memory.cert_renew_at.get(p.name)
+        if due is None:  # first seen by this operator (a restart): its Secret says
+            have = kube.get("Secret", ref.namespace, b.peer_tls_secret_name(p.name))
+            due = pki.renewal_time(b.keypair_from_secret(have).cert_pem) if have is not None else now
+            memory.cert_renew_at[p.name] = due
+        if now < due:
+            continue
+        memory.cert_renew_at[p.name] = _issue_peer_tls(kube, ref, p.name, valid_for, now)
+        out.actions.append(f"renew certificate of {p.name}")
+        out.notices.append(
+            ("PeerCertificateRenewed", f"issued agent {p.name} a new peer certificate (Secret "
+             f"{b.peer_tls_secret_name(p.name)}); the running agent loads it")
+        )  # fmt: skip
 
 
 def _write_status(

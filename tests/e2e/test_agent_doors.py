@@ -9,6 +9,7 @@ import http.client
 import json
 import socket
 import ssl
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
 
 from pdfabric_agent import tls
 from pdfabric_agent.client import AgentRefused
@@ -169,3 +171,32 @@ def test_a_tls_handshake_that_never_comes_is_cut_off() -> None:
             started = time.monotonic()
             assert s.recv(1024) == b""  # closed by the agent
             assert time.monotonic() - started < 5
+
+
+def _presented_serial(agent: Any, client_tls_dir: str) -> int:
+    ctx = tls.client_context(client_tls_dir)
+    with (
+        socket.create_connection((agent.host, agent.peer_port), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname=agent.peer_host) as sock,
+    ):
+        return int(sock.getpeercert()["serialNumber"], 16)
+
+
+def test_a_running_agent_takes_its_renewed_certificate() -> None:
+    """The operator renews an agent's certificate in place (Secret files rewritten): the running
+    agent presents the new one to new connections within its 10 s check, and rooms still move."""
+    with LocalFabric(SPEC) as fabric:
+        decode, prefill = fabric.agents[fabric.agent_of(D)], fabric.agents[fabric.agent_of(P)]
+        first = _presented_serial(decode, prefill.tls_dir)
+        fabric.issue_peer_tls(decode.name, Path(decode.tls_dir))  # rewritten in place, file by file
+        cert_pem = (Path(decode.tls_dir) / tls.CERT_FILE).read_bytes()
+        renewed = x509.load_pem_x509_certificate(cert_pem).serial_number
+        assert renewed != first
+        deadline = time.monotonic() + 30
+        while _presented_serial(decode, prefill.tls_dir) != renewed:
+            assert time.monotonic() < deadline, "the agent did not load its renewed certificate"
+            time.sleep(0.5)
+        fabric.client(D).receive(D, 5, [0, 1])
+        fabric.client(P).send(P, 5, [2, 3])
+        assert fabric.client(D).wait(D, 5, 10)["state"] == "Success"
+        assert fabric.client(P).wait(P, 5, 10)["state"] == "Success"

@@ -208,7 +208,7 @@ def test_secrets_are_owned_and_the_ca_key_is_only_in_the_ca_secret() -> None:
     assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == agent
     cert.verify_directly_issued_by(ca.cert)
     as_read = {"data": {k: base64.b64encode(v.encode()).decode() for k, v in ca_secret["stringData"].items()}}
-    assert b.ca_from_secret(as_read) == ca
+    assert b.keypair_from_secret(as_read) == ca
 
 
 def test_certificates_for_the_longest_names_the_api_allows() -> None:

@@ -93,8 +93,15 @@ def test_chart_crds_keep_on_uninstall() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["replicaCount=-1", "image.pullPolicy=Sometimes", "operator.reconcileInterval=0", "metrics.port=70000", "bogus=1"],
-    ids=["negative-replicas", "bad-pull-policy", "zero-interval", "port-out-of-range", "unknown-key"],
+    [
+        "replicaCount=-1",
+        "image.pullPolicy=Sometimes",
+        "operator.reconcileInterval=0",
+        "metrics.port=70000",
+        "bogus=1",
+        "operator.peerCertificateValiditySeconds=30",
+    ],
+    ids=["negative-replicas", "bad-pull-policy", "zero-interval", "port-out-of-range", "unknown-key", "cert-too-short"],
 )
 def test_values_schema_rejects(bad: str) -> None:
     proc = _run("template", "pdfabric", str(CHART), "--set", bad)
@@ -111,6 +118,14 @@ def test_chart_env_is_valid_operator_config() -> None:
     assert (cfg.reconcile_interval, cfg.peering, cfg.metrics_port, cfg.watch_timeout) == (7.0, "pdfabric", 8080, 300)
     assert 1 <= cfg.priority <= 2**30, "replicas draw a random peering priority"
     assert (cfg.network_policy, cfg.monitoring_namespace) == (True, "")
+    assert cfg.peer_cert_validity.total_seconds() == 365 * 86400
+    (short,) = [
+        d for d in _render("--set", "operator.peerCertificateValiditySeconds=3600") if d["kind"] == "Deployment"
+    ]
+    short_env = {
+        e["name"]: e["value"] for e in short["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e
+    }
+    assert OperatorConfig.from_env(short_env).peer_cert_validity.total_seconds() == 3600
     # The operator's own namespace from the downward API: the agents' NetworkPolicy admits it to /readyz.
     (ns,) = [e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_NAMESPACE"]
     assert ns["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -137,6 +152,7 @@ def test_agent_network_policy_values_reach_the_operator() -> None:
         ({"PDFABRIC_METRICS_PORT": "-1"}, "at least 0"),
         ({"PDFABRIC_NETWORK_POLICY": "maybe"}, "true or false"),
         ({"PDFABRIC_MONITORING_NAMESPACE": "Monitoring"}, "a namespace name"),
+        ({"PDFABRIC_PEER_CERT_VALIDITY_S": "59"}, "at least 60"),
     ],
     ids=[
         "interval-not-a-number",
@@ -145,6 +161,7 @@ def test_agent_network_policy_values_reach_the_operator() -> None:
         "negative-port",
         "network-policy-not-a-bool",
         "monitoring-namespace-not-a-name",
+        "cert-validity-too-short",
     ],
 )
 def test_operator_config_rejects(env: dict[str, str], fragment: str) -> None:

@@ -41,7 +41,8 @@ class FakeKube:
 
     def replace(self, obj: dict[str, Any], resource_version: str) -> None:
         self.calls.append(("update", obj["kind"], obj["metadata"]["name"]))
-        self.objects[(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
+        stored = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(int(resource_version) + 1)}}
+        self.objects[(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])] = stored
 
     def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
         self.calls.append(("delete", kind, name))
@@ -374,3 +375,49 @@ def test_engine_restarts_emit_one_event_per_growth() -> None:
     assert _run(kube, ref, builder, snap, fresh, ledger).events == []
     snap = Snapshot(nodes, [], pods, reports={"pod-uid": _report(decode_0=6)})
     assert len(_run(kube, ref, builder, snap, fresh, ledger).events) == 1
+
+
+def test_peer_certificates_are_renewed_in_place_two_thirds_through() -> None:
+    import datetime
+
+    from pdfabric_operator import pki
+
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("a", 8)]
+    valid = datetime.timedelta(days=30)
+    clock = [datetime.datetime.now(datetime.UTC)]
+    kw: dict[str, Any] = {"cert_valid_for": valid, "now": lambda: clock[0]}
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger, **kw)
+    (name,) = [n for (kind, _, n) in kube.objects if kind == "Pod"]
+    secret_key = ("Secret", "ns", b.peer_tls_secret_name(name))
+
+    def serial() -> str:
+        return str(kube.objects[secret_key]["metadata"]["annotations"]["pdfabric.dev/cert-serial"])
+
+    first = serial()
+    leaf = b.keypair_from_secret(kube.objects[secret_key])
+    assert pki.not_after(leaf.cert_pem) - clock[0] <= valid
+    due = pki.renewal_time(leaf.cert_pem)
+    assert abs(due - (clock[0] + valid * 2 / 3)) < datetime.timedelta(seconds=5)
+    clock[0] = due - datetime.timedelta(seconds=10)
+    early = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger, **kw)
+    assert serial() == first and not early.notices
+    clock[0] = due + datetime.timedelta(seconds=1)
+    res = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger, **kw)
+    assert res.actions == [f"renew certificate of {name}"]
+    assert [r for r, _ in res.notices] == ["PeerCertificateRenewed"]
+    assert serial() != first and ("Pod", "ns", name) in kube.objects  # in place: the pod stays
+    again = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger, **kw)
+    assert not again.actions  # not renewed at every reconcile
+    # An operator that restarts (no memory) reads when each certificate is due from its Secret.
+    kube.calls.clear()
+    fresh = ClusterMemory()
+    restarted = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), fresh, ledger, **kw)
+    assert not restarted.notices and ("get", "Secret", b.peer_tls_secret_name(name)) in kube.calls
+    # A Secret that is gone is issued again for the running pod.
+    del kube.objects[secret_key]
+    fresh = ClusterMemory()
+    lost = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), fresh, ledger, **kw)
+    assert lost.actions == [f"renew certificate of {name}"] and secret_key in kube.objects
