@@ -313,6 +313,9 @@ class DirectSender(_DirectRoom):
 
 
 class DirectReceiver(_DirectRoom):
+    """Expects prefill replica 0: the direct backend runs no bootstrap server to ask which prefill
+    replica a request came from (SGLang's classes do), so it serves one prefill replica only."""
+
     def init(self, prefill_dp_rank: int) -> None:
         pass
 

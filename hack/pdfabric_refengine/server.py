@@ -7,8 +7,9 @@ As SGLang's router drives PD today, it sends the same ``/generate`` request (``i
 ``bootstrap_room`` to one prefill and one decode server (``router.generate`` does so). Prefill
 computes the prompt's KV into its pools and sends it through the backend's sender (pd.py's
 ``run_prefill``: SGLang's classes after its plugin loading, or the agent's engine API with
-``--backend direct``); decode receives it into its own pools through the receiver, asking the
-prefill's bootstrap server which replica it is, and generates greedily from the pages alone; its
+``--backend direct``, which runs no bootstrap server and so pairs with prefill replica 0 only);
+decode receives it into its own pools through the receiver, asking the prefill's bootstrap server
+which replica it is, and generates greedily from the pages alone; its
 answer is SGLang's: ``text``, ``output_ids`` and ``meta_info``. A transfer that fails or times out
 answers 500 with the reason, the request's pages freed, so a dead peer costs an error, not a hang.
 

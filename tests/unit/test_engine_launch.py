@@ -121,3 +121,23 @@ def test_engine_state_round_trip_and_malformed_is_none() -> None:
     for bad in ([], {**s.to_json(), "role": "x"}, {**s.to_json(), "restarts": -1}, {**s.to_json(), "pid": True},
                 {**s.to_json(), "name": 3}):  # fmt: skip
         assert EngineState.from_json(bad) is None
+
+
+def test_sglang_router_args_name_each_prefill_with_its_bootstrap_port_and_each_decode() -> None:
+    from pdfabric_core.engines import sglang_router_args
+
+    endpoints = {
+        "prefill": [
+            {"url": "http://pd-a.pd-agents.ns.svc:30000", "bootstrapPort": 8998},
+            {"url": "http://pd-a.pd-agents.ns.svc:30001", "bootstrapPort": 8999},
+        ],
+        "decode": [{"url": "http://pd-b.pd-agents.ns.svc:31000"}],
+    }
+    assert sglang_router_args(endpoints) == [
+        "--pd-disaggregation",
+        "--prefill", "http://pd-a.pd-agents.ns.svc:30000", "8998",
+        "--prefill", "http://pd-a.pd-agents.ns.svc:30001", "8999",
+        "--decode", "http://pd-b.pd-agents.ns.svc:31000",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        sglang_router_args({"prefill": endpoints["prefill"], "decode": []})

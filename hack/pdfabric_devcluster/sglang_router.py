@@ -1,0 +1,79 @@
+"""SGLang's own PD router (the ``sglang-router`` distribution) as a local process, pointed at a
+PDCluster's engine endpoints the way docs/engines.md tells users to (``sglang_router_args``): the
+tests send it plain ``/generate`` requests and it pairs each with a prefill and a decode engine,
+adding the bootstrap fields itself."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pdfabric_core.engines import sglang_router_args
+from pdfabric_devcluster.procs import free_port
+
+
+class SGLangRouter:
+    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.url = url
+        self.proc = proc
+        self.log = log
+
+    def generate(self, body: Mapping[str, Any], timeout_s: float = 60.0) -> tuple[int, dict[str, Any]]:
+        """POST /generate through the router: its status and JSON answer (0 when none came)."""
+        req = urllib.request.Request(
+            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                return exc.code, json.loads(raw)
+            except ValueError:
+                return exc.code, {"error": raw.decode(errors="replace")}
+        except (OSError, ValueError) as exc:
+            return 0, {"error": f"{type(exc).__name__}: {exc}"}
+
+
+@contextlib.contextmanager
+def sglang_router(
+    endpoints: Mapping[str, Sequence[Mapping[str, Any]]], log: Path, *, extra: Sequence[str] = (), wait_s: float = 60
+) -> Iterator[SGLangRouter]:
+    """The router on a free loopback port, Ready (its /health answers 200) before this yields."""
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", *sglang_router_args(endpoints)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    router = SGLangRouter(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited {proc.returncode}; its log: {log}")
+            try:
+                with urllib.request.urlopen(router.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sglang-router not healthy within {wait_s:g} s; its log: {log}")
+            time.sleep(0.25)
+        yield router
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
