@@ -87,6 +87,11 @@ class PDClusterBuilder:
         self._spec["engine"] = merge(base, fields)
         return self
 
+    def router(self, image: str = "lmsysorg/sglang-router:test", **fields: Any) -> PDClusterBuilder:
+        """spec.router (it needs spec.engine)."""
+        self._spec["router"] = {"image": image, **fields}
+        return self
+
     def transport(self, transport: str, mem_pool: str | None = None) -> PDClusterBuilder:
         pool = mem_pool or {"nvlink-intra": "INTRA_NODE_NVLINK", "nvlink": "NVLINK"}.get(transport, "NONE")
         return self.transfer(transport=transport, memPool=pool)

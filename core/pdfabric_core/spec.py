@@ -198,6 +198,23 @@ class EngineSpec:
         return self.prefill if role == "prefill" else self.decode
 
 
+ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """spec.router: SGLang's PD router, run by the operator as a Deployment in front of the
+    engines, its workers the engines' endpoints (pdfabric_core.engines.sglang_router_args)."""
+
+    image: str
+    command: tuple[str, ...] = ROUTER_COMMAND
+    args: tuple[str, ...] = ()  # after the workers and the listen address, e.g. --policy cache_aware
+    port: int = 8000
+    replicas: int = 1
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class PDClusterSpec:
     backend: Backend = Backend.MOONCAKE
@@ -209,6 +226,8 @@ class PDClusterSpec:
     agent: AgentSpec = AgentSpec()
     # Optional: without it the PDCluster is fabric-only (engines deployed by something else).
     engine: EngineSpec | None = field(default=None, metadata={_OWN_PARSER: True})
+    # Optional, with spec.engine: SGLang's router in front of the engines.
+    router: RouterSpec | None = field(default=None, metadata={_OWN_PARSER: True})
 
     @property
     def decode_per_prefill(self) -> int:
@@ -299,6 +318,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
             if isinstance(section, type) and is_dataclass(section):
                 top[f.name] = section(**_parse_fields(section, raw.get(crd_key(f.name)) or {}, f"{crd_key(f.name)}."))
         top["engine"] = _parse_engine(raw.get("engine"))
+        top["router"] = _parse_router(raw.get("router"))
         spec = PDClusterSpec(**top)
     except (ValueError, TypeError) as exc:
         raise SpecError(f"invalid PDCluster spec: {exc}") from exc
@@ -322,6 +342,19 @@ def _parse_engine(raw: Any) -> EngineSpec | None:
         prefill=PrefillEngineSpec(**_parse_fields(PrefillEngineSpec, raw["prefill"], "engine.prefill.")),
         decode=DecodeEngineSpec(**_parse_fields(DecodeEngineSpec, raw["decode"], "engine.decode.")),
         shared_memory="" if raw.get("sharedMemory") is None else str(raw["sharedMemory"]),
+    )
+
+
+def _parse_router(raw: Any) -> RouterSpec | None:
+    """spec.router, or None when it is left out."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"router must be an object, got {raw!r}")
+    if not raw.get("image"):
+        raise ValueError("router.image is required (an image with SGLang's router, sglang-router)")
+    return RouterSpec(
+        image=str(raw["image"]), **_parse_fields(RouterSpec, {k: v for k, v in raw.items() if k != "image"}, "router.")
     )
 
 
@@ -362,6 +395,11 @@ def validate_spec(spec: PDClusterSpec) -> None:
             f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
         )
     _validate_transport(spec)
+    if spec.router is not None:
+        if spec.engine is None:
+            raise SpecError("router needs engine: it routes to the engines the node pods run (spec.engine)")
+        if not 1 <= spec.router.port <= 65535 or spec.router.replicas < 1 or not spec.router.command:
+            raise SpecError("router.port must be within 1..65535, router.replicas at least 1, router.command not empty")
     if spec.placement.fallback not in tuple(FallbackPolicy):
         raise SpecError(
             f"placement.fallback must be one of {', '.join(FallbackPolicy)}, got {spec.placement.fallback!r}"

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric_core.engines import EngineGroup, bootstrap_port, serving_port
+from pdfabric_core.engines import EngineGroup, bootstrap_port, serving_port, sglang_router_args
 from pdfabric_core.policy.transports import transport_traits
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
@@ -103,7 +103,7 @@ def engine_service_names(cluster: str) -> list[str]:
 
 def shared_children(cluster: str) -> list[tuple[str, str]]:
     """(kind, name) of the children every agent of `cluster` shares: rank map, Service, engine
-    token, peer CA, NetworkPolicy."""
+    token, peer CA, NetworkPolicy, the engines' Services, spec.router's Deployment and Service."""
     return [
         ("ConfigMap", rankmap_name(cluster)),
         ("Service", service_name(cluster)),
@@ -111,6 +111,8 @@ def shared_children(cluster: str) -> list[tuple[str, str]]:
         ("Secret", ca_secret_name(cluster)),
         ("NetworkPolicy", network_policy_name(cluster)),
         *(("Service", s) for s in engine_service_names(cluster)),
+        ("Deployment", router_name(cluster)),
+        ("Service", router_name(cluster)),
     ]
 
 
@@ -271,6 +273,94 @@ def build_engine_service(
             "clusterIP": "None",
             "selector": {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_SERVES[role.value]: "true"},
             "ports": [dict(p, protocol="TCP") for p in ports],
+        },
+    }
+
+
+def engine_endpoints(
+    cluster: str, namespace: str, spec: PDClusterSpec, placement: Placement
+) -> dict[str, list[dict[str, Any]]]:
+    """Where each engine serves, per role, by replica: its pod's stable name under the agents'
+    headless Service (it resolves before the pod is Ready and stays with the node), its serving
+    URL and, for prefill, its bootstrap address. What the status lists for a PD router and what
+    the operator's router is started with."""
+    assert spec.engine is not None
+    endpoints: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+    for a, g in e.groups_of(placement.agents):
+        pod = agent_name(cluster, a.node)
+        host = f"{pod}.{service_name(cluster)}.{namespace}.svc"
+        entry: dict[str, Any] = {
+            "replica": g.replica,
+            "node": a.node,
+            "pod": pod,
+            "engine": g.name,
+            "url": f"http://{host}:{serving_port(spec.engine, g)}",
+        }
+        boot = bootstrap_port(spec.engine, g)
+        if boot is not None:
+            entry["bootstrap"] = f"{host}:{boot}"
+            entry["bootstrapPort"] = boot
+        endpoints[g.role.value].append(entry)
+    for entries in endpoints.values():
+        entries.sort(key=lambda x: x["replica"])
+    return endpoints
+
+
+def router_name(cluster: str) -> str:
+    return f"{cluster}-router"
+
+
+def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Placement) -> dict[str, Any] | None:
+    """spec.router's Deployment: SGLang's router with every engine as a worker, None without
+    spec.router. Its arguments change only with the placement (the endpoints are stable names),
+    and then it rolls with a surge (a new router is Ready before an old one goes)."""
+    router = spec.router
+    if router is None:
+        return None
+    name = router_name(ref.name)
+    labels = {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_ROUTER}
+    args = [
+        *sglang_router_args(engine_endpoints(ref.name, ref.namespace, spec, placement)),
+        "--host", "0.0.0.0", "--port", str(router.port),
+        *router.args,
+    ]  # fmt: skip
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": router.image,
+        "command": list(router.command),
+        "args": args,
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 15, "failureThreshold": 4},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if router.resources:
+        container["resources"] = dict(router.resources)
+    pod_spec: dict[str, Any] = {"containers": [container], "automountServiceAccountToken": False}
+    if router.node_selector:
+        pod_spec["nodeSelector"] = dict(router.node_selector)
+    deployment_spec = {
+        "replicas": router.replicas,
+        "selector": {"matchLabels": labels},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+        "template": {"metadata": {"labels": {**labels, c.LABEL_MANAGED_BY: c.MANAGED_BY}}, "spec": pod_spec},
+    }
+    meta = _meta(ref, name, **{c.LABEL_COMPONENT: c.COMPONENT_ROUTER})
+    meta["annotations"] = {c.ANN_ROUTER_HASH: _short_hash(json.dumps(deployment_spec, sort_keys=True), 16)}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": deployment_spec}
+
+
+def build_router_service(ref: ClusterRef, spec: PDClusterSpec) -> dict[str, Any] | None:
+    """Where clients send requests: the router's pods, None without spec.router."""
+    if spec.router is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ref, router_name(ref.name), **{c.LABEL_COMPONENT: c.COMPONENT_ROUTER}),
+        "spec": {
+            "selector": {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_ROUTER},
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 

@@ -23,6 +23,7 @@ LABEL_NODE = f"{GROUP}/node"
 APP_NAME = "pdfabric"
 MANAGED_BY = "pdfabric-operator"
 COMPONENT_AGENT = "agent"
+COMPONENT_ROUTER = "router"  # spec.router's pods (a Deployment's, never in the agent pod index)
 # On node pods that run engines of a role (spec.engine): the per-role Services select them.
 LABEL_SERVES = {"prefill": f"{GROUP}/serves-prefill", "decode": f"{GROUP}/serves-decode"}
 AGENT_CONTAINER = "agent"
@@ -31,6 +32,7 @@ AGENT_CONTAINER = "agent"
 ANN_RANKS = f"{GROUP}/ranks"
 ANN_POD_HASH = f"{GROUP}/pod-hash"
 ANN_RANKMAP_HASH = f"{GROUP}/rankmap-hash"
+ANN_ROUTER_HASH = f"{GROUP}/router-hash"  # what spec.router's Deployment was built from
 ANN_CONFIG_HASH = f"{GROUP}/config-hash"
 # On an agent's peer-tls Secret: the serial of the certificate in it (a new pod, a new serial).
 ANN_CERT_SERIAL = f"{GROUP}/cert-serial"

@@ -23,9 +23,10 @@ _PLURALS = {
     "Service": "services",
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
+    "Deployment": "deployments",
 }
 # Kinds outside the core group: their API prefix.
-_GROUPS = {"NetworkPolicy": "/apis/networking.k8s.io/v1"}
+_GROUPS = {"NetworkPolicy": "/apis/networking.k8s.io/v1", "Deployment": "/apis/apps/v1"}
 
 
 def load_configuration() -> client.Configuration:

@@ -190,7 +190,10 @@ def gpu_pods(spec: Any, status: Any, labels: Any, **_: Any) -> dict[str, PlacedP
     return {node: PlacedPod(node, requests, labels.get(c.LABEL_CLUSTER_UID))}
 
 
-@kopf.index("pods", labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY})
+@kopf.index(
+    "pods",
+    labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_COMPONENT: c.COMPONENT_AGENT},
+)
 def agent_pods(
     name: str,
     namespace: str | None,

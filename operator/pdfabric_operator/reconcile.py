@@ -129,6 +129,7 @@ class ClusterMemory:
     # Agent pod name -> when its peer certificate is to be issued anew (read from its Secret the
     # first time, then from each issue).
     cert_renew_at: dict[str, datetime] = field(default_factory=dict)
+    router_absent: bool = False  # spec.router is off and its children were checked gone
 
 
 @dataclass
@@ -211,6 +212,7 @@ def reconcile_once(
 
     # 3. Children.
     views: list[AgentView] = []
+    router: Mapping[str, Any] | None = None
     if isinstance(outcome, PlacementFailure):
         PLACEMENT_FAILURES.labels(outcome.reason.value).inc()
         out.result = ReconcileResult.UNPLACED
@@ -240,6 +242,7 @@ def reconcile_once(
         if not memory.children_checked_at or memory.engine_services_hash != memory.last_rankmap_hash:
             _ensure_engine_services(kube, ref, spec, outcome, out)
             memory.engine_services_hash = memory.last_rankmap_hash
+        router = _ensure_router(kube, ref, spec, outcome, memory, out)
         desired = {pod["metadata"]["name"]: pod for pod in b.build_agent_pods(ref, spec, outcome)}
         existing = {p.name: p for p in own}
         # Pods whose ranks moved (or that failed, or are no longer wanted) go at once: the plan
@@ -292,7 +295,7 @@ def reconcile_once(
 
     # 4. Status.
     status = compute_status(
-        Observed(generation, spec, outcome, views, lost_nodes=lost, namespace=ref.namespace), ref.name
+        Observed(generation, spec, outcome, views, lost_nodes=lost, namespace=ref.namespace, router=router), ref.name
     )
     fell_back = agent_fallbacks(views)
     if fell_back and out.problem is None:
@@ -434,6 +437,52 @@ def _ensure_engine_services(
             )
             kube.replace(body, have["metadata"]["resourceVersion"])
             out.actions.append(f"update service {name}")
+
+
+def _owned(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
+
+
+def _ensure_router(
+    kube: Kube, ref: b.ClusterRef, spec: PDClusterSpec, placement: Placement, memory: ClusterMemory, out: Result
+) -> Mapping[str, Any] | None:
+    """spec.router's Deployment and Service: created, the Deployment replaced when what it was
+    built from differs (the engines moved, spec.router changed: it rolls with a surge), both
+    deleted when spec.router goes (ours only, never a namesake). Returns the Deployment as read,
+    for its readiness in the status; read on every reconcile only while spec.router is set."""
+    name, ns = b.router_name(ref.name), ref.namespace
+    want = b.build_router_deployment(ref, spec, placement)
+    if want is None:
+        if memory.router_absent:
+            return None
+        for kind in ("Deployment", "Service"):
+            have = kube.get(kind, ns, name)
+            if have is not None and _owned(have, ref.uid) and kube.delete(kind, ns, name):
+                out.actions.append(f"delete {kind.lower()} {name} (no router)")
+        memory.router_absent = True
+        return None
+    memory.router_absent = False
+    have = kube.get("Deployment", ns, name)
+    if have is None:
+        if kube.create(want):
+            out.actions.append(f"create deployment {name}")
+    elif _owned(have, ref.uid):
+        have_hash = (have["metadata"].get("annotations") or {}).get(c.ANN_ROUTER_HASH)
+        if have_hash != want["metadata"]["annotations"][c.ANN_ROUTER_HASH]:
+            kube.replace(want, have["metadata"]["resourceVersion"])
+            out.actions.append(f"update deployment {name}")
+    svc = b.build_router_service(ref, spec)
+    assert svc is not None
+    have_svc = kube.get("Service", ns, name)
+    if have_svc is None:
+        if kube.create(svc):
+            out.actions.append(f"create service {name}")
+    elif _owned(have_svc, ref.uid) and _service_ports(have_svc) != _service_ports(svc):
+        kube.replace(
+            dict(svc, spec={**have_svc["spec"], "ports": svc["spec"]["ports"]}), have_svc["metadata"]["resourceVersion"]
+        )
+        out.actions.append(f"update service {name}")
+    return have
 
 
 def _cluster_ca(kube: Kube, ref: b.ClusterRef) -> pki.KeyPair:

@@ -11,14 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdfabric_core.engines import EngineState, bootstrap_port, serving_port
+from pdfabric_core.engines import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_core.traffic import estimate_traffic
 from pdfabric_operator import constants as c
-from pdfabric_operator.builders import agent_name, engine_service_name, service_name
-from pdfabric_operator.engines import groups_of
+from pdfabric_operator.builders import agent_name, engine_endpoints, engine_service_name, router_name
 from pdfabric_operator.planner import Placement, PlacementFailure
 
 # Keys of .status this writer owns; anything else there (kopf's own bookkeeping) is left alone.
@@ -39,6 +38,7 @@ OWNED_KEYS = (
     "decodeEnginesReady",
     "endpoints",
     "services",
+    "router",
     "conditions",
 )
 
@@ -82,6 +82,7 @@ class Observed:
     # Nodes lost under our agents; Degraded while their ranks are not yet Ready elsewhere.
     lost_nodes: Sequence[str] = field(default_factory=tuple)
     namespace: str = ""  # the PDCluster's: the engines' endpoint host names carry it
+    router: Mapping[str, Any] | None = None  # spec.router's Deployment as read (its readiness)
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -216,17 +217,40 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
     engines_ready = _condition(
         c.COND_ENGINES_READY, engines_ok, "EnginesReady" if engines_ok else "EnginesNotReady", engines_msg
     )
+    router = _router_status(obs, cluster)
+    status["router"] = router
+    router_ok = router is None or router["readyReplicas"] > 0
+    router_msg = "" if router is None else f"; router {router['ready']} ready"
     if all_ready and not engines_ok:
-        ready = _condition(c.COND_READY, False, "EnginesNotReady", f"{agents_msg}; {engines_msg}")
+        ready = _condition(c.COND_READY, False, "EnginesNotReady", f"{agents_msg}; {engines_msg}{router_msg}")
+    elif all_ready and not router_ok:
+        ready = _condition(c.COND_READY, False, "RouterNotReady", f"{agents_msg}; {engines_msg}{router_msg}")
     elif all_ready:
-        ready = _condition(c.COND_READY, True, "AgentsReady", f"{agents_msg}; {engines_msg}")
+        ready = _condition(c.COND_READY, True, "AgentsReady", f"{agents_msg}; {engines_msg}{router_msg}")
     status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready]
     return status
 
 
 def _no_engines() -> dict[str, Any]:
     """Fabric-only (or nothing placed): the engine keys are absent (None deletes them)."""
-    return dict.fromkeys(("engines", "prefillEnginesReady", "decodeEnginesReady", "endpoints", "services"))
+    return dict.fromkeys(("engines", "prefillEnginesReady", "decodeEnginesReady", "endpoints", "services", "router"))
+
+
+def _router_status(obs: Observed, cluster: str) -> dict[str, Any] | None:
+    """spec.router: its Service and URL, and its replicas ready as its Deployment says."""
+    router = obs.spec.router
+    if router is None:
+        return None
+    seen = (obs.router or {}).get("status") or {}
+    ready = int(seen.get("readyReplicas") or 0)
+    name = router_name(cluster)
+    return {
+        "service": name,
+        "url": f"http://{name}.{obs.namespace}.svc:{router.port}",
+        "replicas": router.replicas,
+        "readyReplicas": ready,
+        "ready": f"{ready}/{router.replicas}",
+    }
 
 
 def _engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[str, Any]:
@@ -236,31 +260,16 @@ def _engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[st
     spec = obs.spec
     assert spec.engine is not None
     views = {v.name: v for v in obs.agents if v.current}
-    endpoints: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
-    for a, g in groups_of(placement.agents):
-        pod = agent_name(cluster, a.node)
-        host = f"{pod}.{service_name(cluster)}.{obs.namespace}.svc"
-        view = views.get(pod)
-        entry: dict[str, Any] = {
-            "replica": g.replica,
-            "node": a.node,
-            "pod": pod,
-            "engine": g.name,
-            "url": f"http://{host}:{serving_port(spec.engine, g)}",
-        }
-        boot = bootstrap_port(spec.engine, g)
-        if boot is not None:
-            entry["bootstrap"] = f"{host}:{boot}"
-            entry["bootstrapPort"] = boot
-        # The agent's word on the engine it runs; no word (not read, not listed): not ready.
-        state = view.engines.get(g.name) if view is not None else None
-        entry["ready"] = bool(state is not None and state.ready)
-        entry["phase"] = state.phase if state is not None else UNKNOWN_PHASE
-        entry["restarts"] = state.restarts if state is not None else 0
-        entry["lastExit"] = state.last_exit if state is not None else ""
-        endpoints[g.role.value].append(entry)
-    for role in endpoints.values():
-        role.sort(key=lambda x: x["replica"])
+    endpoints = engine_endpoints(cluster, obs.namespace, spec, placement)
+    for entries in endpoints.values():
+        for entry in entries:
+            view = views.get(entry["pod"])
+            # The agent's word on the engine it runs; no word (not read, not listed): not ready.
+            state = view.engines.get(entry["engine"]) if view is not None else None
+            entry["ready"] = bool(state is not None and state.ready)
+            entry["phase"] = state.phase if state is not None else UNKNOWN_PHASE
+            entry["restarts"] = state.restarts if state is not None else 0
+            entry["lastExit"] = state.last_exit if state is not None else ""
     desired = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas}
     ready = {r: sum(1 for x in endpoints[r] if x["ready"]) for r in endpoints}
     restarts = {r: sum(x["restarts"] for x in endpoints[r]) for r in endpoints}

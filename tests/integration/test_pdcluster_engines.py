@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from pdfabric_core.engines import decode_launches
+from pdfabric_core.engines import decode_launches, sglang_router_args
 from pdfabric_operator.builders import agent_name
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h
@@ -339,3 +339,42 @@ def test_engine_change_rolls_pods_one_at_a_time(
     wait_ready(cluster, namespace, "pd")
     now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in agent_pods(cluster, namespace, "pd")}
     assert sum(1 for n in uids if now.get(n) != uids[n]) == 1
+
+
+def test_spec_router_runs_sglangs_router_in_front_of_the_engines(
+    cluster: Any, namespace: str, gpu_nodes: Any, agents: FakeAgents, operator: Any
+) -> None:
+    """spec.router: a Deployment of SGLang's router whose workers are exactly the engines the
+    status lists, behind a Service; the cluster is Ready once the router is too (its pod scheduled
+    by the real scheduler, run by KWOK); removing spec.router removes both."""
+    gpu_nodes("r", 1, gpus=8)
+    builder = _builder(namespace).router(args=["--policy", "cache_aware"], nodeSelector=selector(namespace))
+    apply_pdc(cluster, builder.manifest(), namespace)
+    obj = wait_ready(cluster, namespace, "pd", timeout=90)
+    dep = cluster.get_json("deployment", "pd-router", "-n", namespace)
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    workers = sglang_router_args(obj["status"]["endpoints"])
+    assert c["args"] == [*workers, "--host", "0.0.0.0", "--port", "8000", "--policy", "cache_aware"]
+    assert workers.count("--prefill") == 2 and workers.count("--decode") == 1
+    assert obj["status"]["router"] == {
+        "service": "pd-router",
+        "url": f"http://pd-router.{namespace}.svc:8000",
+        "replicas": 1,
+        "readyReplicas": 1,
+        "ready": "1/1",
+    }
+    svc = cluster.get_json("service", "pd-router", "-n", namespace)
+    routers = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=router")["items"]
+    assert len(routers) == 1 and svc["spec"]["selector"].items() <= routers[0]["metadata"]["labels"].items()
+    assert len(agent_pods(cluster, namespace, "pd")) == 1  # the router's pod is its Deployment's, not an agent
+
+    apply_pdc(cluster, _builder(namespace).manifest(), namespace)
+
+    def gone() -> bool:
+        left = cluster.kubectl(
+            "get", "deployment/pd-router", "service/pd-router", "-n", namespace, "--ignore-not-found", "-o", "name"
+        ).stdout.strip()
+        return not left
+
+    wait_until(gone, timeout=60, what="the router's Deployment and Service deleted")
+    wait_until(lambda: "router" not in h.pdc(cluster, namespace, "pd")["status"], timeout=30, what="status.router gone")

@@ -181,6 +181,8 @@ def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> Non
         ("NetworkPolicy", "pd-agents"),
         ("Service", "pd-prefill"),
         ("Service", "pd-decode"),
+        ("Deployment", "pd-router"),
+        ("Service", "pd-router"),
     ]
 
 
@@ -502,3 +504,46 @@ def test_network_policy_admits_engine_serving_ports_only_with_engines() -> None:
             {"protocol": "TCP", "port": 31000, "endPort": 31063},
         ]
     }
+
+
+def test_router_deployment_names_every_engine_as_its_worker() -> None:
+    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine()
+    builder = builder.router(args=["--policy", "cache_aware"], replicas=2, nodeSelector={"pool": "cpu"})
+    placement = _placed(builder, [gpu_node("n1", 8)])
+    spec = builder.spec()
+    dep = b.build_router_deployment(REF, spec, placement)
+    assert dep is not None and dep["kind"] == "Deployment" and dep["metadata"]["name"] == "pd-router"
+    assert dep["metadata"]["ownerReferences"] == [REF.owner_reference()]
+    pod = dep["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    host = f"{b.agent_name('pd', 'n1')}.pd-agents.{REF.namespace}.svc"
+    assert c["command"] == ["python3", "-m", "sglang_router.launch_router"]
+    assert c["args"] == [
+        "--pd-disaggregation",
+        "--prefill", f"http://{host}:30000", "8998",
+        "--prefill", f"http://{host}:30001", "8999",
+        "--decode", f"http://{host}:31000",
+        "--host", "0.0.0.0", "--port", "8000",
+        "--policy", "cache_aware",
+    ]  # fmt: skip
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert dep["spec"]["replicas"] == 2 and pod["spec"]["nodeSelector"] == {"pool": "cpu"}
+    # A rolling update never leaves the cluster without a router; no GPU, no API credentials.
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert "resources" not in c and pod["spec"]["automountServiceAccountToken"] is False
+    # Its pods are not agent pods (the operator's agent index selects component=agent).
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    svc = b.build_router_service(REF, spec)
+    assert svc is not None and svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    # What it is built from is in its hash: another placement, another hash.
+    other = b.build_router_deployment(REF, spec, _placed(builder, [gpu_node("n2", 8)]))
+    assert other is not None
+    assert other["metadata"]["annotations"] != dep["metadata"]["annotations"]
+
+
+def test_no_router_without_spec_router() -> None:
+    builder = pdcluster().engine()
+    assert b.build_router_deployment(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)])) is None
+    assert b.build_router_service(REF, builder.spec()) is None

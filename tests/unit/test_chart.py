@@ -81,6 +81,7 @@ def test_rbac_is_least_privilege() -> None:
     assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "update", "delete"}
     assert grants[("", "pods")] == {"get", "list", "watch", "create", "delete"}
     assert grants[("", "nodes")] == {"get", "list", "watch"}
+    assert grants[("apps", "deployments")] == {"get", "create", "update", "delete"}  # spec.router's
     assert grants[("pdfabric.dev", "pdclusters/status")] == {"get", "patch"}
     assert not any(verb in grants.get(("", "nodes"), set()) for verb in ("create", "update", "patch", "delete"))
 

@@ -57,8 +57,8 @@ def _spec_fields() -> list[tuple[str | None, Field[Any]]]:
     out: list[tuple[str | None, Field[Any]]] = []
     hints = get_type_hints(PDClusterSpec)
     for f in fields(PDClusterSpec):
-        if f.name == "engine":
-            continue  # optional, without defaults of its own: its own tests below
+        if f.name in ("engine", "router"):
+            continue  # optional, without defaults of its own: their own tests below
         if is_dataclass(hints[f.name]):
             out += [(f.name, sub) for sub in fields(hints[f.name])]
         else:
@@ -96,7 +96,7 @@ def test_every_crd_field_is_a_spec_field() -> None:
     crd = {
         f"{key}.{sub}" if sub_node is not None else key
         for key, node in schema["properties"].items()
-        if key != "engine"
+        if key not in ("engine", "router")
         for sub, sub_node in (node.get("properties", {}).items() if node["type"] == "object" else [(key, None)])
     }
     assert crd == {_field_id(s, f) for s, f in SPEC_FIELDS}
@@ -287,3 +287,18 @@ def test_a_request_above_its_limit_is_refused() -> None:
         parse_spec({"engine": raw})
     equal = merge(ENGINE, {"decode": {"resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1024Mi"}}}})
     assert parse_spec({"engine": equal}).engine is not None
+
+
+def test_router_crd_fields_and_defaults_are_the_router_specs() -> None:
+    from pdfabric_core.spec import RouterSpec
+
+    schema = _spec_schema()["properties"]["router"]
+    assert set(schema["properties"]) == {crd_key(f.name) for f in fields(RouterSpec)}
+    engine = {"image": "e", "prefill": {"command": ["p"]}, "decode": {"command": ["d"]}}
+    defaults = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
+    parsed = parse_spec({"engine": engine, "router": {"image": "r", **defaults}}).router
+    assert parsed == RouterSpec(image="r")
+    with pytest.raises(SpecError, match="router needs engine"):
+        parse_spec({"router": {"image": "r"}})
+    with pytest.raises(SpecError, match=r"router\.image is required"):
+        parse_spec({"engine": engine, "router": {}})

@@ -421,3 +421,40 @@ def test_peer_certificates_are_renewed_in_place_two_thirds_through() -> None:
     fresh = ClusterMemory()
     lost = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), fresh, ledger, **kw)
     assert lost.actions == [f"renew certificate of {name}"] and secret_key in kube.objects
+
+
+def test_spec_router_is_created_read_for_readiness_replaced_when_engines_move_and_removed() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().engine().router()
+    nodes = [gpu_node("a", 8)]
+    first = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    assert {"create deployment pd-router", "create service pd-router"} <= set(first.actions)
+    reports = {"pod-uid": _report()}
+    res = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    # Engines ready, router not yet: not Ready, and the status says why.
+    assert res.result != ReconcileResult.READY
+    assert kube.status["router"] == {
+        "service": "pd-router", "url": "http://pd-router.ns.svc:8000", "replicas": 1, "readyReplicas": 0,
+        "ready": "0/1",
+    }  # fmt: skip
+    assert kube.status["conditions"][0]["reason"] == "RouterNotReady"
+    dep = kube.objects[("Deployment", "ns", "pd-router")]
+    dep["status"] = {"readyReplicas": 1}
+    res = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    assert res.result == ReconcileResult.READY and kube.status["router"]["ready"] == "1/1"
+    assert not res.actions  # steady: nothing rewritten
+    # spec.router changes: the Deployment is replaced (it rolls); gone: both are deleted.
+    changed = pdcluster().engine().router(args=["--policy", "random"])
+    res = _run(kube, ref, changed, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    assert "update deployment pd-router" in res.actions
+    assert kube.objects[("Deployment", "ns", "pd-router")]["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == [
+        "--policy", "random",
+    ]  # fmt: skip
+    off = pdcluster().engine()
+    res = _run(kube, ref, off, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    assert {"delete deployment pd-router (no router)", "delete service pd-router (no router)"} <= set(res.actions)
+    assert "router" not in kube.status or kube.status["router"] is None
+    kube.calls.clear()
+    _run(kube, ref, off, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    assert ("get", "Deployment", "pd-router") not in kube.calls  # checked gone once, not every reconcile
