@@ -15,6 +15,8 @@ this machine's environment then: ``python``/``python3`` on PATH is this interpre
 repository's packages (and ``pythonpath``, e.g. an installed distribution's entry points) are on
 PYTHONPATH, and each engine port of the launch message becomes the loopback port its container
 port got (the pod network on one shared loopback). ``engine(pod, name)`` finds an engine.
+``start_routers`` runs spec.router's pods' command too (SGLang's router), their engine URLs
+resolved to those loopback ports (``local_url``), as the cluster DNS would resolve them.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import base64
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from pdfabric_core.engines import ENGINES_ENV, expand
 from pdfabric_devcluster.cluster import ClusterError, LocalCluster
 from pdfabric_devcluster.fabric import AgentProcess, LocalEngine, engine_image_env, loopback_env, stop_all
 from pdfabric_devcluster.procs import console_argv, console_scripts, free_port
+from pdfabric_devcluster.sglang_router import SGLangRouter
 
 SHM_PATH = "/dev/shm"
 
@@ -50,6 +55,8 @@ class PodRunner:
         self.engines: dict[tuple[str, str], LocalEngine] = {}  # (pod, engine name)
         self._empty_dirs: dict[tuple[str, ...], Path] = {}
         self._planned_ports: dict[str, dict[str, int]] = {}
+        self._container_ports: dict[str, dict[int, int]] = {}  # pod -> container port -> loopback port
+        self.routers: dict[str, SGLangRouter] = {}  # spec.router's pods, by pod name (start_routers)
         # {pod name: "127.0.0.1:<metrics port>"}, rewritten by sync(): the operator's
         # PDFABRIC_AGENT_ADDRESSES, so it reads these processes' /readyz (agentstate.py).
         self.addresses_file = workdir / "agent-addresses.json"
@@ -89,6 +96,9 @@ class PodRunner:
         tmp.replace(self.addresses_file)  # the operator re-reads it: never a half-written file
 
     def stop(self) -> None:
+        for router in self.routers.values():
+            router.stop()
+        self.routers.clear()
         stop_all(self.pods.values(), timeout=45)  # an agent stops its engines first
         self.pods.clear()
         self.engines.clear()
@@ -98,6 +108,55 @@ class PodRunner:
 
     def engine(self, pod: str, name: str) -> LocalEngine:
         return self.engines[(pod, name)]
+
+    def local_url(self, url: str) -> str:
+        """An engine URL as the cluster's DNS gives it (``http://<agent pod>.<service>.<ns>.svc:<port>``)
+        as this machine reaches it: the loopback port that pod's container port got."""
+        parsed = urllib.parse.urlsplit(url)
+        host, port = parsed.hostname or "", parsed.port
+        pod = host.split(".")[0]
+        running = self.pods.get(pod)
+        if running is None or port is None or not host.endswith(f".{self.namespace}.svc"):
+            raise ClusterError(f"{url} names no running agent pod of namespace {self.namespace}")
+        by_container_port = self._container_ports.get(pod, {})
+        if port not in by_container_port:
+            raise ClusterError(f"{url}: pod {pod} has no container port {port}")
+        return urllib.parse.urlunsplit((parsed.scheme, f"127.0.0.1:{by_container_port[port]}", parsed.path, "", ""))
+
+    def start_routers(self, selector: str = "app.kubernetes.io/component=router") -> list[SGLangRouter]:
+        """Run spec.router's pods (its Deployment's, scheduled, run by nothing under KWOK) as the
+        kubelet would run their container: its command and args as written, except that each
+        engine URL goes to its loopback port (``local_url``: the cluster DNS here) and the listen
+        address to a loopback port of its own. ``python3`` is this interpreter."""
+        out = self.cluster.get_json("pods", "-n", self.namespace, "-l", selector)
+        pods = [p for p in out["items"] if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")]
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            if name in self.routers:
+                continue
+            (container,) = pod["spec"]["containers"]
+            argv = [*container.get("command", []), *container.get("args", [])]
+            port = free_port()
+            argv_in = list(argv)
+            for i, arg in enumerate(argv_in):
+                if arg.startswith("http://"):
+                    argv[i] = self.local_url(arg)
+                elif i > 1 and argv_in[i - 2] == "--prefill" and arg.isdigit():
+                    # The prefill engine's bootstrap port: a container port of the same pod, moved.
+                    host = urllib.parse.urlsplit(argv_in[i - 1]).hostname
+                    argv[i] = str(urllib.parse.urlsplit(self.local_url(f"http://{host}:{arg}")).port)
+                elif i and argv_in[i - 1] == "--host":
+                    argv[i] = "127.0.0.1"  # not every interface of this machine
+                elif i and argv_in[i - 1] == "--port":
+                    argv[i] = str(port)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PDFABRIC_")}
+            env.update(engine_image_env(self.workdir / "bin", env, self.pythonpath))
+            log = self.workdir / name / "router.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "wb") as fh:
+                proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
+            self.routers[name] = SGLangRouter(f"http://127.0.0.1:{port}", proc, log)
+        return list(self.routers.values())
 
     def wait_engines_healthy(self, timeout: float = 120) -> None:
         """Every engine of every running pod answers its health path."""
@@ -133,6 +192,7 @@ class PodRunner:
                     env[key] = str(local_dir) + value[len(mount_path.rstrip("/")) :]
         env.update(loopback_env(peers, ports["api"], ports["peer"], ports["metrics"], env))
         local_ports = {p["containerPort"]: ports[p["name"]] for p in container.get("ports", [])}
+        self._container_ports[meta["name"]] = local_ports
         launches: list[dict[str, Any]] = []
         if ENGINES_ENV in env:
             launches = self._local_launches(env[ENGINES_ENV], local_ports)

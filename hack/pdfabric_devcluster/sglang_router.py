@@ -26,6 +26,30 @@ class SGLangRouter:
         self.proc = proc
         self.log = log
 
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (OSError, ValueError):
+            return False
+
+    def wait_healthy(self, wait_s: float = 60) -> None:
+        deadline = time.monotonic() + wait_s
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited {self.proc.returncode}; its log: {self.log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sglang-router not healthy within {wait_s:g} s; its log: {self.log}")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
     def generate(self, body: Mapping[str, Any], timeout_s: float = 60.0) -> tuple[int, dict[str, Any]]:
         """POST /generate through the router: its status and JSON answer (0 when none came)."""
         req = urllib.request.Request(
@@ -56,24 +80,7 @@ def sglang_router(
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     router = SGLangRouter(f"http://127.0.0.1:{port}", proc, log)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited {proc.returncode}; its log: {log}")
-            try:
-                with urllib.request.urlopen(router.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sglang-router not healthy within {wait_s:g} s; its log: {log}")
-            time.sleep(0.25)
+        router.wait_healthy(wait_s)
         yield router
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        router.stop()

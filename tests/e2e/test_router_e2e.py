@@ -1,0 +1,70 @@
+"""spec.router end to end: kubectl apply of a PDCluster with spec.engine and spec.router -> the
+operator's node pod (its agent runs two prefill engines and a decode engine) and the router's
+Deployment -> the kube-scheduler places the router pod, and the harness runs both pods' real
+commands (PodRunner: the router's is SGLang's own router, its engine URLs resolved to the agent
+pod's loopback ports as the cluster DNS would) -> plain /generate requests to the router -> greedy
+tokens equal to colocated generation, KV sent by both prefill engines' ranks, the PDCluster Ready
+with its router."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+
+from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.podrunner import PodRunner
+from tests.builders import pdcluster
+from tests.e2e import test_engines_e2e as eng
+from tests.e2e import test_sglang_pd as sg
+from tests.integration import pdcluster_harness as h
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+operator_kubeconfig, gpu_nodes, installed = h.operator_kubeconfig, h.gpu_nodes, sg.installed
+runner, operator = eng.runner, eng.operator
+
+
+def test_the_operators_router_serves_prompts_through_pd(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: KopfRunner, runner: PodRunner
+) -> None:
+    gpu_nodes("rt", 1, gpus=4)
+    builder = (
+        pdcluster()
+        .transport("tcp")
+        .prefill(replicas=2, tp=1)
+        .decode(tp=1)
+        .model(**sg.REF_MODEL)
+        .transfer(timeoutSeconds=8)
+        .placement(nodeSelector=h.selector(namespace))
+        .engine(**eng.ENGINE)
+        .router(args=["--policy", "round_robin"], nodeSelector=h.selector(namespace))
+    )
+    h.apply_pdc(cluster, builder.manifest(), namespace)
+    h.wait_until(lambda: len(h.agent_pods(cluster, namespace, "pd")) == 1, timeout=60, what="the node pod")
+    pods = runner.sync()
+    assert sorted(name for _, name in runner.engines) == ["decode-0", "prefill-0", "prefill-1"]
+    h.wait_until(lambda: all(p.ready() for p in pods.values()), timeout=180, what="the agent and its engines ready")
+    runner.wait_engines_healthy(timeout=30)
+
+    def router_scheduled() -> list[Any]:
+        out = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=router")["items"]
+        return [p for p in out if p["spec"].get("nodeName")]
+
+    h.wait_until(router_scheduled, timeout=60, what="the router pod scheduled")
+    (router,) = runner.start_routers()
+    router.wait_healthy(60)
+    obj = h.wait_ready(cluster, namespace, "pd", timeout=60)  # the engines and a router replica
+    assert obj["status"]["router"]["ready"] == "1/1"
+
+    prompts = eng.PROMPTS * 2
+    want = eng.colocated(prompts)
+    body = {"sampling_params": {"max_new_tokens": eng.NEW_TOKENS, "temperature": 0}}
+    answers = [router.generate({**body, "input_ids": p}) for p in prompts]
+    assert [status for status, _ in answers] == [200] * len(prompts), [a for s, a in answers if s != 200][:2]
+    assert [a["output_ids"] for _, a in answers] == want
+    fabric = LocalFabric.from_cluster(cluster, namespace, "pd", runner)
+    for rank in ("prefill-0-tp0-cp0", "prefill-1-tp0-cp0"):
+        sent = fabric.metric_sum("pdfabric_peer_transfer_bytes_total", role="prefill", rank=rank)
+        assert sent > 0, f"the router sent nothing through {rank}"
