@@ -9,16 +9,18 @@
 4. the agent pods' real command as local processes, real bytes over the Mooncake engine, verified
    on arrival, scraped by a real Prometheus, and a summary read back from it;
 5. the transfer dashboard's traffic panels rendered to docs/img/ from that Prometheus' data;
-6. spec.engine on PDCluster demo (the reference engine, the reference model): the pods roll one at
-   a time, each node pod's agent runs its engines as processes (PodRunner runs the pod's command locally),
-   prompts go through the PD path as SGLang's router sends them (prefill computes the KV, the
-   agents move it, decode generates from it), answers printed beside colocated generation, then
-   the traffic Prometheus saw for them.
+6. spec.engine and spec.router on PDCluster demo (the reference engine, the reference model,
+   SGLang's router): the pods roll one at a time, each node pod's agent runs its engines as
+   processes and the router's pod runs SGLang's router (PodRunner runs the pods' commands
+   locally), prompts go through the router and the PD path (prefill computes the KV, the agents
+   move it, decode generates from it), answers printed beside colocated generation, then the
+   traffic Prometheus saw for them.
 Local processes stop at the end; the cluster stays up for `kubectl` (stop it: make cluster-down).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,7 +30,7 @@ import time
 
 from pdfabric_refengine.geometry import SPEC_MODEL
 
-from pdfabric_devcluster.cluster import REPO_ROOT, LocalCluster, free_port, wait_for
+from pdfabric_devcluster.cluster import REPO_ROOT, ClusterError, LocalCluster, free_port, wait_for
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.procs import console_argv
@@ -233,7 +235,6 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
 
 def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, backend: str) -> int:
     from pdfabric_refengine import build_model, colocated_generate
-    from pdfabric_refengine.router import PrefillEndpoint, generate
     from pdfabric_refengine.server import detokenize, tokenize
 
     step(f"spec.engine on PDCluster demo: the reference engine ({backend} backend) beside the agents")
@@ -243,11 +244,14 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
         "prefill": {"command": SERVER, "args": ["--role", "prefill", "--cp", "$(PDFABRIC_CP)", *args]},
         "decode": {"command": SERVER, "args": ["--role", "decode", *args]},
     }
+    router_spec = {"image": "sglang-router:0.3.2", "args": ["--policy", "round_robin"]}
     patch = [
         {"op": "replace", "path": "/spec/model", "value": REF_MODEL},
         {"op": "add", "path": "/spec/engine", "value": engine},
+        {"op": "add", "path": "/spec/router", "value": router_spec},
     ]
-    print(f"  kubectl patch pdc demo --type json: spec.model = the reference model, spec.engine = {json.dumps(engine)}")
+    print(f"  kubectl patch pdc demo --type json: spec.model = the reference model, spec.engine = {json.dumps(engine)}, "
+          f"spec.router = {json.dumps(router_spec)}")  # fmt: skip
     show(cluster, "patch", "pdcluster", "demo", "-n", NAMESPACE, "--type", "json", "-p", json.dumps(patch))
 
     def serving(pod: dict) -> bool:
@@ -255,13 +259,17 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
         return any(v["name"] == "PDFABRIC_ENGINES" for v in container.get("env", []))
 
     def rolled() -> bool:
-        # The operator replaces one pod at a time, each once the others are Ready: run what it made.
+        # The operator replaces one pod at a time, each once the others are Ready: run what it made
+        # (the router's pod too, once the scheduler placed it).
         pods = [p for p in runner.list_pods() if p["metadata"]["name"].startswith("demo")]
         runner.sync()
+        if pods and all(serving(p) for p in pods) and runner.engines:
+            with contextlib.suppress(ClusterError):  # an engine URL of a pod not started yet
+                runner.start_routers()
         ready = (c := pdc_condition(cluster, "demo", "Ready")) and c["status"] == "True"
-        return bool(pods and all(serving(p) for p in pods) and ready)
+        return bool(pods and all(serving(p) for p in pods) and ready and runner.routers)
 
-    wait_for(rolled, timeout=300, interval=1, what="PDCluster demo rolled to its engine pods and Ready")
+    wait_for(rolled, timeout=300, interval=1, what="PDCluster demo rolled to its engine pods, its router and Ready")
     show(cluster, "get", "pdc", "demo", "-n", NAMESPACE)
     pods = {n: p for n, p in runner.sync().items() if n.startswith("demo")}
     wait_for(lambda: all(p.ready() for p in pods.values()), timeout=120, interval=0.5, what="every agent ready")
@@ -276,25 +284,30 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
     targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
     prometheus.set_targets(targets)
     prometheus.wait_targets_up(len(targets))
+    (router,) = runner.routers.values()
+    router.wait_healthy(120)
+    print(f"  spec.router: {json.dumps(obj['status'].get('router'))}; SGLang's router runs its pod's command "
+          f"(here {router.url})")  # fmt: skip
+    show(cluster, "get", "deployment", "demo-router", "-n", NAMESPACE)
 
-    step("prompts through PD (the router's request to prefill and decode, one bootstrap room), beside colocated")
-    p_ep, d_ep = endpoints["prefill"][0], endpoints["decode"][0]
-    pe, de = runner.engine(p_ep["pod"], p_ep["engine"]), runner.engine(d_ep["pod"], d_ep["engine"])
-    prefill = PrefillEndpoint(pe.url, "127.0.0.1", pe.bootstrap_port)
+    step("prompts through SGLang's router (it sends each to prefill and decode, one bootstrap room), beside colocated")
     model = build_model(0)
     equal, reported = 0, 0
     for text in PROMPTS:
         ids = tokenize(text)
-        answer = generate(prefill, de.url, ids, NEW_TOKENS, timeout_s=120)
+        status, body = router.generate(
+            {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}, timeout_s=120
+        )
         want = colocated_generate(model, ids, NEW_TOKENS)
-        if not answer.ok:
-            print(f"  {text!r}: FAILED: {answer.error}")
+        if status != 200:
+            print(f"  {text!r}: FAILED: HTTP {status} {json.dumps(body)[:400]}")
             return 1
-        same = answer.tokens == want
+        tokens, meta = list(body["output_ids"]), body.get("meta_info", {})
+        same = tokens == want
         equal += same
-        reported += sum(m["bytes"] for m in answer.meta["kv_transfer"].values())
-        print(f"  prompt {text!r} ({len(ids)} tokens, room {answer.room})")
-        print(f"    PD        text {json.dumps(answer.text, ensure_ascii=False)} tokens {answer.tokens}")
+        reported += sum(m["bytes"] for m in meta.get("kv_transfer", {}).values())
+        print(f"  prompt {text!r} ({len(ids)} tokens, room {meta.get('bootstrap_room')})")
+        print(f"    PD        text {json.dumps(body['text'], ensure_ascii=False)} tokens {tokens}")
         print(f"    colocated text {json.dumps(detokenize(want), ensure_ascii=False)} tokens {want}  "
               f"{'equal' if same else 'DIFFERENT'}")  # fmt: skip
     print(f"  {equal}/{len(PROMPTS)} answers equal the colocated reference token for token")
