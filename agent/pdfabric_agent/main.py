@@ -275,7 +275,9 @@ async def serve(cfg: AgentConfig) -> int:
                 await agent.tick()
             if peer_tls is not None and time.monotonic() - tls_checked >= tls.RELOAD_CHECK_S:
                 tls_checked = time.monotonic()
-                peer_tls.reload_if_changed()  # the operator renewed the certificate
+                outcome = peer_tls.reload_if_changed()  # the operator renewed the certificate
+                if outcome is not None:
+                    metrics.peer_certificate_reloads.labels(cluster, outcome).inc()
     finally:
         readiness.ready = False
         readiness.reason, readiness.message = "ShuttingDown", "the agent is stopping"

@@ -205,6 +205,16 @@ serving_engine_restarts = Counter(
 )
 
 
+# The peer certificate the operator renews in place (tls.PeerTls): each changed set the agent saw,
+# loaded, or refused (it does not load: a key that is not its certificate's) and tried again.
+peer_certificate_reloads = Counter(
+    "pdfabric_peer_certificate_reloads",
+    "Changed peer certificate files the agent saw (the operator renewed them in place): outcome loaded, or refused and tried again.",
+    ["cluster", "outcome"],
+    registry=REGISTRY,
+)
+
+
 def precreate(cluster: str, role: str, backend: str, transport: str, paths: tuple[str, ...]) -> None:
     """Create every closed-set series at zero for this agent's identity."""
     for path in paths:

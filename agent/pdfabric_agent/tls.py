@@ -90,13 +90,13 @@ class PeerTls:
             stamps.append((st.st_ino, st.st_mtime_ns, st.st_size))
         return tuple(stamps)
 
-    def reload_if_changed(self) -> bool:
-        """Load the directory's files again when they changed; a set that does not load (a key
-        that does not match its certificate halfway through an update) is tried again next time
-        and the contexts keep what they had."""
+    def reload_if_changed(self) -> str | None:
+        """Load the directory's files again when they changed: "loaded"; a set that does not load
+        (a key that does not match its certificate halfway through an update) is "refused", tried
+        again next time, and the contexts keep what they had; None when nothing changed."""
         stamps = self._stat()
         if stamps == self._stamps:
-            return False
+            return None
         cert, key, ca = _paths(self.tls_dir)
         try:
             # Into fresh contexts first: a set that fails halfway would leave a live context with
@@ -108,11 +108,11 @@ class PeerTls:
                 ctx.load_verify_locations(cafile=ca)
         except (OSError, ssl.SSLError) as exc:
             log.warning("peer certificate in %s changed but does not load yet: %s", self.tls_dir, exc)
-            return False
+            return "refused"
         self._stamps = stamps
         self.reloads += 1
         log.info("peer certificate reloaded from %s", self.tls_dir)
-        return True
+        return "loaded"
 
 
 def peer_agent(peercert: Any) -> str | None:

@@ -196,6 +196,8 @@ def test_a_running_agent_takes_its_renewed_certificate() -> None:
         while _presented_serial(decode, prefill.tls_dir) != renewed:
             assert time.monotonic() < deadline, "the agent did not load its renewed certificate"
             time.sleep(0.5)
+        loaded = fabric.metric_sum("pdfabric_peer_certificate_reloads_total", names=[decode.name], outcome="loaded")
+        assert loaded >= 1  # (a check between the file writes may also have counted a refusal)
         fabric.client(D).receive(D, 5, [0, 1])
         fabric.client(P).send(P, 5, [2, 3])
         assert fabric.client(D).wait(D, 5, 10)["state"] == "Success"

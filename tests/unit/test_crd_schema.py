@@ -45,6 +45,7 @@ def test_printer_columns() -> None:
         "Decode": ".status.decodeReady",
         "Prefill-Engines": ".status.prefillEnginesReady",
         "Decode-Engines": ".status.decodeEnginesReady",
+        "Router": ".status.router.ready",
         "Ready": '.status.conditions[?(@.type=="Ready")].status',
         "Reason": '.status.conditions[?(@.type=="Placed")].reason',
         "Age": ".metadata.creationTimestamp",

@@ -74,14 +74,14 @@ def test_a_renewed_certificate_is_presented_to_new_connections_without_a_restart
         port = server.sockets[0].getsockname()[1]
         serial_of = {pki.serial_hex(first[tls.CERT_FILE])}
         assert format(await presented_serial(port, client), "x") in serial_of
-        assert peer_tls.reload_if_changed() is False  # nothing changed: nothing loaded
+        assert peer_tls.reload_if_changed() is None  # nothing changed: nothing loaded
 
         # A connection opened before the renewal.
         reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname="a1.local")
 
         renewed = leaf_files(ca, "a1")
         kubelet_write(server_dir, renewed, 2)
-        assert peer_tls.reload_if_changed() is True and peer_tls.reloads == 1
+        assert peer_tls.reload_if_changed() == "loaded" and peer_tls.reloads == 1
         assert format(await presented_serial(port, client), "x") == pki.serial_hex(renewed[tls.CERT_FILE])
         writer.write(b"y")  # the old connection carries on
         await writer.drain()
@@ -92,11 +92,11 @@ def test_a_renewed_certificate_is_presented_to_new_connections_without_a_restart
         broken = leaf_files(ca, "a1")
         broken[tls.KEY_FILE] = leaf_files(ca, "a1")[tls.KEY_FILE]
         kubelet_write(server_dir, broken, 3)
-        assert peer_tls.reload_if_changed() is False
+        assert peer_tls.reload_if_changed() == "refused"
         assert format(await presented_serial(port, client), "x") == pki.serial_hex(renewed[tls.CERT_FILE])
         fixed = leaf_files(ca, "a1")
         kubelet_write(server_dir, fixed, 4)
-        assert peer_tls.reload_if_changed() is True  # tried again on the next check
+        assert peer_tls.reload_if_changed() == "loaded"  # tried again on the next check
         assert format(await presented_serial(port, client), "x") == pki.serial_hex(fixed[tls.CERT_FILE])
         server.close()
         await server.wait_closed()
@@ -133,7 +133,7 @@ def test_the_client_side_presents_the_renewed_certificate_too(tmp_path: Path) ->
         await connect()
         renewed = leaf_files(ca, "a2")
         kubelet_write(client_dir, renewed, 2)
-        assert client_tls.reload_if_changed()
+        assert client_tls.reload_if_changed() == "loaded"
         await connect()
         server.close()
         await server.wait_closed()
