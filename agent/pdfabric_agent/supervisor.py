@@ -23,6 +23,7 @@ containers:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -134,6 +135,7 @@ class _Engine:
     proc: asyncio.subprocess.Process | None = None
     task: asyncio.Task[None] | None = None
     exponent: int = 0  # backoff doublings so far
+    delays: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))  # the last waits
     relays: list[asyncio.Task[None]] = field(default_factory=list)
 
     def set(self, **changes: Any) -> None:
@@ -283,6 +285,7 @@ class EngineSupervisor:
             if ran >= self.timings.reset_after_s:
                 e.exponent = 0
             delay = self.timings.backoff(e.exponent)
+            e.delays.append(delay)
             e.exponent += 1
             e.set(phase="BackOff")
             with contextlib.suppress(TimeoutError):
