@@ -163,6 +163,10 @@ class AgentProcess:
         return template.format(name=self.name, cluster=rm.cluster, namespace=rm.namespace)
 
     def start(self) -> AgentProcess:
+        """Start the process; one already running is left as it is (a second start of a running
+        agent orphaned it, with its engines, for the rest of the machine's life)."""
+        if self.alive():
+            return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # A session of its own, so stop() reaches whatever the agent started, too.
@@ -526,7 +530,8 @@ class LocalFabric:
                 self._tmp.cleanup()
 
     def __enter__(self) -> LocalFabric:
-        self.start()
+        # Agents with spec.engine are ready once their engines load and answer: slower.
+        self.start(wait_s=240 if self.spec.engine is not None else 60)
         return self
 
     def __exit__(self, *exc: object) -> None:
