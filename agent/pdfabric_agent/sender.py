@@ -428,9 +428,8 @@ class PrefillSender:
             target.writing = started is not None
             if not isinstance(exc, TransferError | OSError):
                 raise
-            if room.state.finished:  # this room ended (abort, cancel): the peer is not at fault
-                raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
-            ctx.peers.blacklist(target.agent, str(exc))
+            if not room.state.finished:  # a room that ended (abort, cancel) is not the peer's fault
+                ctx.peers.blacklist(target.agent, str(exc))
             raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
         target.writing = False
         room.marks[f"written:{target.decode_rank}"] = ctx.clock()

@@ -386,9 +386,7 @@ def _ensure_shared_children(
         out.actions.append("create service")
     have_policy = kube.get("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name))
     # Only this cluster's own policy is replaced or deleted, never a namesake someone else made.
-    owned = have_policy is not None and any(
-        o.get("uid") == ref.uid for o in have_policy["metadata"].get("ownerReferences") or []
-    )
+    owned = have_policy is not None and _owned(have_policy, ref.uid)
     if policy is None:
         if owned and kube.delete("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name)):
             out.actions.append("delete networkpolicy (turned off)")
@@ -422,7 +420,7 @@ def _ensure_engine_services(
         want = b.build_engine_service(ref, spec, placement, role)
         name = b.engine_service_name(ref.name, role.value)
         have = kube.get("Service", ref.namespace, name)
-        owned = have is not None and any(o.get("uid") == ref.uid for o in have["metadata"].get("ownerReferences") or [])
+        owned = have is not None and _owned(have, ref.uid)
         if want is None:
             if owned and kube.delete("Service", ref.namespace, name):
                 out.actions.append(f"delete service {name} (no engines)")
