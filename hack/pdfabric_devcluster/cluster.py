@@ -402,6 +402,26 @@ class LocalCluster:
             lambda: wanted <= self.ready_nodes(), timeout=timeout, interval=0.25, what=f"nodes {sorted(wanted)} Ready"
         )
 
+    def established_crds(self) -> set[str]:
+        """Names of the CRDs whose Established condition is True."""
+        established = set()
+        for crd in self.get_json("crds")["items"]:
+            for cond in crd.get("status", {}).get("conditions") or []:
+                if cond["type"] == "Established" and cond["status"] == "True":
+                    established.add(crd["metadata"]["name"])
+        return established
+
+    def wait_crds_established(self, names: Iterable[str], timeout: float = 60) -> None:
+        # Not `kubectl wait --for=condition=Established`: on a CRD created a moment ago it can read
+        # status before the apiserver wrote any conditions and fail at once instead of waiting.
+        wanted = set(names)
+        wait_for(
+            lambda: wanted <= self.established_crds(),
+            timeout=timeout,
+            interval=0.25,
+            what=f"CRDs {sorted(wanted)} Established",
+        )
+
     def set_node_down(self, name: str, down: bool = True) -> None:
         """Simulate a lost node: kwok reports it Ready=Unknown until brought back."""
         value = f"{NODE_DOWN_ANNOTATION}=true" if down else f"{NODE_DOWN_ANNOTATION}-"
