@@ -186,6 +186,8 @@ ENGINE_INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("engine-port-too-high", _engine(prefill={"port": 65500}), "spec.engine.prefill.port"),
     ("engine-health-path-relative", _engine(prefill={"healthPath": "health"}), "spec.engine.prefill.healthPath"),
     ("engine-startup-too-short", _engine(decode={"startupSeconds": 1}), "spec.engine.decode.startupSeconds"),
+    # An unquoted `sandbox: Off` in YAML 1.1 is the boolean false; the word is Disabled.
+    ("engine-sandbox-unknown", _engine(sandbox="Off"), 'spec.engine.sandbox: Unsupported value: "Off"'),
 ]
 
 # Specs the API server must reject (schema or CEL) and parse_spec must reject too:

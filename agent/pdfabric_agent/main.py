@@ -37,7 +37,7 @@ from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer
 from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, tcp_fallback_allowed
 from pdfabric_core.policy.types import MemPool, Transport
 from pdfabric_core.rankmap import AgentEntry, RankMap
-from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
+from pdfabric_core.spec import EngineSandbox, PDClusterSpec, SpecError, parse_spec
 
 log = logging.getLogger("pdfabric.main")
 
@@ -191,7 +191,12 @@ async def serve(cfg: AgentConfig) -> int:
     # The serving engines (spec.engine): listed as Waiting until the agent is Ready, then run.
     supervisor: EngineSupervisor | None = None
     if cfg.engines:
-        supervisor = EngineSupervisor.from_config(cfg, cluster=cluster, api_port=cfg.api_port or spec.agent.api_port)
+        supervisor = EngineSupervisor.from_config(
+            cfg,
+            cluster=cluster,
+            api_port=cfg.api_port or spec.agent.api_port,
+            sandbox_mode=spec.engine.sandbox if spec.engine else EngineSandbox.BEST_EFFORT,
+        )
         readiness.engines = supervisor.states
     runners: list[web.AppRunner] = []
     mrunner = web.AppRunner(build_metrics_app(readiness), access_log=None)

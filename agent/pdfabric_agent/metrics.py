@@ -191,6 +191,13 @@ peer_probe_latency = Gauge(
 
 # The serving engines the agent supervises (spec.engine; supervisor.py), one series per engine of
 # the pod (engine: its name, prefill-0), at zero from the start. Not the transfer engines above.
+serving_engine_sandboxed = Gauge(
+    "pdfabric_serving_engine_sandboxed",
+    "1 when the agent starts its serving engines in the Landlock sandbox that hides the peer key from them "
+    "(spec.engine.sandbox), 0 when they run without it (Disabled, or BestEffort on a kernel without Landlock).",
+    ["cluster"],
+    registry=REGISTRY,
+)
 serving_engine_ready = Gauge(
     "pdfabric_serving_engine_ready",
     "1 while the serving engine the agent runs answers its health path (the pod is ready only when every one does).",

@@ -17,7 +17,9 @@ containers:
   it was healthy;
 - exit: ``on_exit(launch, how)`` first (the agent fails the engine's open rooms), then a restart
   after the kubelet's backoff (doubling to a cap, reset after a run of 10 minutes);
-- stop: SIGTERM to every engine's process group, SIGKILL after the grace period.
+- stop: SIGTERM to every engine's process group, SIGKILL after the grace period;
+- sandbox (spec.engine.sandbox): each engine starts through sandbox.py's launcher, which hides
+  the peer TLS directory from it and everything it starts (``sandboxed_argv``).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from pdfabric_agent import metrics
+from pdfabric_agent import metrics, sandbox
 from pdfabric_agent.config import SETTINGS, AgentConfig
 from pdfabric_core.engines import ENGINES_ENV, HOISTED_PREFIX, EngineLaunch, EngineState, expand
+from pdfabric_core.spec import EngineSandbox
 
 log = logging.getLogger("pdfabric.supervisor")
 
@@ -105,6 +108,17 @@ def engine_argv(launch: EngineLaunch, env: Mapping[str, str]) -> list[str]:
     return [found, *argv[1:]]
 
 
+def sandboxed_argv(python: str, hidden: Sequence[str], mode: EngineSandbox, argv: Sequence[str]) -> list[str]:
+    """`argv` started through sandbox.py's launcher, run by path in isolated mode (Disabled, or
+    nothing to hide: `argv` itself)."""
+    if mode is EngineSandbox.DISABLED or not hidden:
+        return list(argv)
+    flags = [f for h in hidden for f in ("--hide", h)]
+    if mode is EngineSandbox.REQUIRED:
+        flags.append("--required")
+    return [python, "-I", os.path.abspath(sandbox.__file__), *flags, "--", *argv]
+
+
 @dataclass(frozen=True)
 class Timings:
     probe_s: float = 2.0
@@ -168,8 +182,15 @@ class EngineSupervisor:
         agent_env: Mapping[str, str] | None = None,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
+        sandbox_mode: EngineSandbox = EngineSandbox.DISABLED,
+        hidden: Sequence[str] = (),
     ) -> None:
         self.cluster = cluster
+        self.sandbox_mode = sandbox_mode
+        self.hidden = tuple(hidden)
+        abi, self.sandbox_unavailable = (0, "") if sandbox_mode is EngineSandbox.DISABLED else sandbox.landlock_abi()
+        # Whether the engines run sandboxed: what pdfabric_serving_engine_sandboxed says.
+        self.sandboxed = abi >= 1 and bool(self.hidden)
         self.agent_address = agent_address
         self.token_file = token_file
         self.shm_dir = shm_dir
@@ -185,9 +206,13 @@ class EngineSupervisor:
         for x in launches:
             metrics.serving_engine_ready.labels(cluster, x.name, x.role.value).set(0)
             metrics.serving_engine_restarts.labels(cluster, x.name, x.role.value)
+        if launches:
+            metrics.serving_engine_sandboxed.labels(cluster).set(1 if self.sandboxed else 0)
 
     @classmethod
-    def from_config(cls, cfg: AgentConfig, *, cluster: str, api_port: int) -> EngineSupervisor:
+    def from_config(
+        cls, cfg: AgentConfig, *, cluster: str, api_port: int, sandbox_mode: EngineSandbox
+    ) -> EngineSupervisor:
         return cls(
             cfg.engines,
             cluster=cluster,
@@ -195,6 +220,8 @@ class EngineSupervisor:
             token_file=cfg.token_file,
             shm_dir=cfg.shm_dir,
             timings=Timings.from_config(cfg),
+            sandbox_mode=sandbox_mode,
+            hidden=[cfg.peer_tls_dir] if cfg.peer_tls_dir else [],
         )
 
     # ---------------------------------------------------------------- views
@@ -215,6 +242,17 @@ class EngineSupervisor:
         if self._agent_env is None:
             self._agent_env = dict(os.environ)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._probe_timeout()))
+        if self._engines and self.sandbox_mode is not EngineSandbox.DISABLED and not self.sandboxed:
+            log.warning(
+                "engine sandbox %s: %s; %s",
+                self.sandbox_mode,
+                self.sandbox_unavailable or "no peer TLS directory to hide",
+                "the engines are not started"
+                if self.sandbox_mode is EngineSandbox.REQUIRED
+                else "engines run without it",
+            )
+        elif self.sandboxed:
+            log.info("engines run in a Landlock sandbox without access to %s", ", ".join(self.hidden))
         for e in self._engines:
             e.task = asyncio.create_task(self._supervise(e), name=f"engine-{e.launch.name}")
 
@@ -309,6 +347,12 @@ class EngineSupervisor:
             launch, self._agent_env, agent_address=self.agent_address, token_file=self.token_file, shm_dir=self.shm_dir
         )
         argv = engine_argv(launch, env)
+        if self.sandbox_mode is EngineSandbox.REQUIRED and not self.sandboxed:
+            raise LaunchError(
+                f"spec.engine.sandbox is Required, but {self.sandbox_unavailable or 'there is no peer TLS directory'}"
+            )
+        if self.sandboxed:
+            argv = sandboxed_argv(sys.executable, self.hidden, self.sandbox_mode, argv)
         proc = await asyncio.create_subprocess_exec(
             *argv,
             env=env,

@@ -185,6 +185,15 @@ class DecodeEngineSpec(EngineRoleSpec):
     port: int = 31000
 
 
+class EngineSandbox(enum.StrEnum):
+    """spec.engine.sandbox: whether the agent starts its engines in a Landlock sandbox that hides
+    the peer credentials from them (pdfabric_agent.sandbox)."""
+
+    REQUIRED = "Required"  # no Landlock in the node's kernel: the engines are not started
+    BEST_EFFORT = "BestEffort"  # no Landlock: started without it, and reported
+    DISABLED = "Disabled"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """spec.engine: the serving engines the agents run in the node pods (None: fabric-only)."""
@@ -193,6 +202,7 @@ class EngineSpec:
     prefill: PrefillEngineSpec = PrefillEngineSpec()
     decode: DecodeEngineSpec = DecodeEngineSpec()
     shared_memory: str = ""  # sizeLimit of the pod's /dev/shm; "": unlimited
+    sandbox: EngineSandbox = EngineSandbox.BEST_EFFORT
 
     def role(self, role: str) -> EngineRoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -342,7 +352,17 @@ def _parse_engine(raw: Any) -> EngineSpec | None:
         prefill=PrefillEngineSpec(**_parse_fields(PrefillEngineSpec, raw["prefill"], "engine.prefill.")),
         decode=DecodeEngineSpec(**_parse_fields(DecodeEngineSpec, raw["decode"], "engine.decode.")),
         shared_memory="" if raw.get("sharedMemory") is None else str(raw["sharedMemory"]),
+        sandbox=_parse_sandbox(raw.get("sandbox")),
     )
+
+
+def _parse_sandbox(raw: Any) -> EngineSandbox:
+    if raw is None:
+        return EngineSandbox.BEST_EFFORT
+    try:
+        return EngineSandbox(raw)
+    except ValueError:
+        raise ValueError(f"engine.sandbox must be one of {', '.join(EngineSandbox)}, got {raw!r}") from None
 
 
 def _parse_router(raw: Any) -> RouterSpec | None:

@@ -384,7 +384,13 @@ class LocalFabric:
         engine_pythonpath: Iterable[str] = (),
     ) -> None:
         spec = parse_spec(raw_spec)
-        self._tmp: tempfile.TemporaryDirectory[str] | None = tempfile.TemporaryDirectory(prefix="pdfabric-local-")
+        # Under /var/tmp, not /tmp: the engines' sandbox hides each agent's TLS directory here, and a
+        # sandboxed engine cannot read what is created later directly in a directory on the way
+        # there (sandbox.py), which /tmp would be for every temporary file an engine writes.
+        base = "/var/tmp" if os.access("/var/tmp", os.W_OK) else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = tempfile.TemporaryDirectory(
+            prefix="pdfabric-local-", dir=base
+        )
         workdir = Path(self._tmp.name)
         entries = place(spec, ranks_per_agent=ranks_per_agent, decode_gpu=decode_gpu)
         # A fresh uid per fabric, shaped like a PDCluster's metadata.uid: two fabrics in one process

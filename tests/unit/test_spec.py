@@ -16,6 +16,7 @@ from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, 
 from pdfabric_core.spec import (
     DTYPE_BYTES,
     DecodeEngineSpec,
+    EngineSandbox,
     EngineSpec,
     PDClusterSpec,
     PrefillEngineSpec,
@@ -215,6 +216,7 @@ def test_engine_parses_every_field() -> None:
         ENGINE,
         {
             "sharedMemory": "8Gi",
+            "sandbox": "Required",
             "prefill": {
                 "command": ["python3", "-m", "sglang.launch_server"],
                 "env": [{"name": "HF_HOME", "value": "/cache"}],
@@ -230,12 +232,23 @@ def test_engine_parses_every_field() -> None:
     engine = parse_spec({"engine": raw}).engine
     assert engine is not None
     assert engine.image == "pdfabric/refengine:test" and engine.shared_memory == "8Gi"
+    assert engine.sandbox is EngineSandbox.REQUIRED
     p = engine.prefill
     assert p.command == ("python3", "-m", "sglang.launch_server") and p.args == ("p",)
     assert p.env == ({"name": "HF_HOME", "value": "/cache"},)
     assert (p.port, p.bootstrap_port, p.health_path, p.startup_seconds) == (40000, 41000, "/ping", 60)
     assert p.resources == {"limits": {"memory": "64Gi"}}
     assert engine.decode.port == 42000 and engine.role("decode") is engine.decode
+
+
+def test_engine_sandbox_defaults_to_best_effort_and_refuses_other_words() -> None:
+    engine = parse_spec({"engine": ENGINE}).engine
+    assert engine is not None and engine.sandbox is EngineSandbox.BEST_EFFORT
+    defaulted = apply_crd_defaults(_spec_schema(), {"engine": ENGINE})
+    assert defaulted["engine"]["sandbox"] == "BestEffort"
+    assert _engine_schema()["properties"]["sandbox"]["enum"] == [m.value for m in EngineSandbox]
+    with pytest.raises(SpecError, match=r"engine.sandbox must be one of Required, BestEffort, Disabled, got False"):
+        parse_spec({"engine": merge(ENGINE, {"sandbox": False})})  # what YAML 1.1 makes of an unquoted Off
 
 
 def test_engine_port_ranges_may_touch() -> None:

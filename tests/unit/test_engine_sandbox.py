@@ -1,0 +1,264 @@
+"""The engines' Landlock sandbox (sandbox.py) and the supervisor starting engines in it: what stays
+readable, the real kernel hiding the peer TLS directory from a launched process (and keeping it
+from tracing its parent), and the Required / BestEffort / Disabled modes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdfabric_agent import metrics, sandbox
+from pdfabric_agent.supervisor import EngineSupervisor, Timings, sandboxed_argv
+from pdfabric_core.engines import EngineLaunch
+from pdfabric_core.policy.types import Role
+from pdfabric_core.spec import EngineSandbox
+
+ABI, WHY = sandbox.landlock_abi()
+needs_landlock = pytest.mark.skipif(ABI < 1, reason=f"no Landlock here: {WHY}")
+LAUNCHER = [sys.executable, "-I", os.path.abspath(sandbox.__file__)]
+FAST = Timings(probe_s=0.05, liveness_s=0.3, backoff_s=0.1, backoff_max_s=0.4, grace_s=1.0)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[Path]:
+    """secret/ (the hidden TLS directory, the kubelet's ..data layout), a sibling, and symlinks:
+    into the secret, onto the way, and dangling."""
+    secret = tmp_path / "pod" / "secret"
+    data = secret / "..2026_12_01"
+    data.mkdir(parents=True)
+    (data / "tls.key").write_text("KEY")
+    (secret / "..data").symlink_to(data.name)
+    (secret / "tls.key").symlink_to("..data/tls.key")
+    (tmp_path / "pod" / "token").write_text("TOKEN")
+    (tmp_path / "pod" / "work").mkdir()
+    (tmp_path / "pod" / "into-secret").symlink_to(secret / "tls.key")
+    (tmp_path / "pod" / "onto-the-way").symlink_to(tmp_path)
+    (tmp_path / "pod" / "dangling").symlink_to(tmp_path / "nowhere")
+    yield tmp_path
+
+
+def test_grants_are_the_siblings_on_the_way_and_never_what_leads_to_the_secret(tree: Path) -> None:
+    pod = tree / "pod"
+    got = dict(sandbox.grants([str(pod / "secret")]))
+    assert got[str(pod / "token")] is False and got[str(pod / "work")] is True
+    assert not any(sandbox._within(p, str(pod / "secret")) for p in got)  # neither it nor a link into it
+    way = {"/", *(str(p) for p in pod.parents), str(pod)}
+    assert not way & set(got)  # a grant on the way would cover the secret
+    assert str(tree / "nowhere") not in got
+    assert str(Path("/").resolve() / "usr") in got  # everything else stays readable
+    assert sandbox.grants([str(tree / "missing")]) == []
+
+
+@needs_landlock
+def test_the_launcher_hides_the_secret_and_keeps_the_rest_readable(tree: Path) -> None:
+    pod = tree / "pod"
+    probe = textwrap.dedent(
+        f"""
+        import json, os, sys
+        def can_read(path):
+            try:
+                open(path, "rb").read()
+                return True
+            except OSError:
+                return False
+        later = {str(pod / "work" / "later")!r}
+        open(later, "w").write("x")
+        print(json.dumps({{
+            "key": can_read({str(pod / "secret" / "tls.key")!r}),
+            "key-by-data": can_read({str(pod / "secret" / "..2026_12_01" / "tls.key")!r}),
+            "key-by-link": can_read({str(pod / "into-secret")!r}),
+            "key-by-proc-root": can_read("/proc/self/root" + {str(pod / "secret" / "tls.key")!r}),
+            "names": sorted(os.listdir({str(pod / "secret")!r})),
+            "token": can_read({str(pod / "token")!r}),
+            "later": can_read(later),
+            "stdlib": can_read(os.__file__),
+        }}))
+        """
+    )
+    out = subprocess.run(
+        [*LAUNCHER, "--hide", str(pod / "secret"), "--required", "--", sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seen = json.loads(out.stdout)
+    assert not (seen["key"] or seen["key-by-data"] or seen["key-by-link"] or seen["key-by-proc-root"]), seen
+    assert seen["names"] == ["..2026_12_01", "..data", "tls.key"]  # names are not secrets; contents are
+    assert seen["token"] and seen["later"] and seen["stdlib"], seen
+
+
+@needs_landlock
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop capabilities")
+def test_a_sandboxed_process_cannot_read_its_parents_memory_or_environment(tree: Path) -> None:
+    # Without CAP_SYS_PTRACE, as in a pod that drops all capabilities (a root shell here keeps it).
+    parent = textwrap.dedent(
+        f"""
+        import os, subprocess, sys
+        me = os.getpid()
+        child = "import sys\\nfor what in ('environ', 'mem', 'fd/0'):\\n    try:\\n        open(f'/proc/{{}}/' + what, 'rb').read(1)\\n        print(what, 'read')\\n    except OSError as exc:\\n        print(what, type(exc).__name__)".format(me)
+        out = subprocess.run({LAUNCHER!r} + ["--hide", {str(tree / "pod" / "secret")!r}, "--required", "--",
+                             sys.executable, "-c", child], capture_output=True, text=True)
+        print(out.stdout + out.stderr)
+        """
+    )
+    out = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, "-c", parent],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "environ PermissionError" in out.stdout and "mem PermissionError" in out.stdout, out.stdout
+    assert "fd/0 PermissionError" in out.stdout, out.stdout
+
+
+def test_the_check_fails_closed_when_a_hidden_file_is_readable(tree: Path) -> None:
+    with pytest.raises(sandbox.SandboxError, match=r"tls\.key is still readable"):
+        sandbox._check_hidden([str(tree / "pod" / "secret")])
+
+
+def test_required_without_landlock_exits_before_running_anything(
+    tree: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: (0, "this kernel has no Landlock"))
+    ran = tree / "ran"
+    code = sandbox.main(["--hide", str(tree / "pod" / "secret"), "--required", "--", "touch", str(ran)])
+    assert code == sandbox.EXIT_UNAVAILABLE and not ran.exists()
+    assert "required, but this kernel has no Landlock; not starting touch" in capsys.readouterr().err
+
+
+def test_sandboxed_argv_by_mode() -> None:
+    argv = ["python3", "-m", "sglang.launch_server"]
+    assert sandboxed_argv("/py", ["/tls"], EngineSandbox.DISABLED, argv) == argv
+    assert sandboxed_argv("/py", [], EngineSandbox.REQUIRED, argv) == argv
+    best = sandboxed_argv("/py", ["/tls"], EngineSandbox.BEST_EFFORT, argv)
+    assert best == ["/py", "-I", os.path.abspath(sandbox.__file__), "--hide", "/tls", "--", *argv]
+    required = sandboxed_argv("/py", ["/tls"], EngineSandbox.REQUIRED, argv)
+    assert required[-len(argv) - 2 :] == ["--required", "--", *argv]
+
+
+# ------------------------------------------------------------------ the supervisor
+# An engine that records what it could read, then serves /health.
+ENGINE = """
+import http.server, json, sys
+port, dump, key, token = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+def can_read(path):
+    try:
+        open(path).read()
+        return True
+    except OSError:
+        return False
+with open(dump, "w") as fh:
+    json.dump({"key": can_read(key), "token": can_read(token), "argv": sys.argv}, fh)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_supervisor(tree: Path, mode: EngineSandbox) -> tuple[EngineSupervisor, Path]:
+    script, dump, port = tree / "engine.py", tree / "dump.json", free_port()
+    script.write_text(ENGINE)
+    pod = tree / "pod"
+    argv = (
+        sys.executable,
+        str(script),
+        "$(PDFABRIC_PORT)",
+        str(dump),
+        str(pod / "secret" / "tls.key"),
+        str(pod / "token"),
+    )
+    x = EngineLaunch(
+        name="prefill-0", role=Role.PREFILL, replica=0, rank_ids=("prefill-0-tp0-cp0",), gpus=(0,), argv=argv,
+        env=(), port=port, bootstrap_port=port + 1, health_path="/health", startup_seconds=30, tp=1, pp=1, cp=1,
+        cp_rank=0,
+    )  # fmt: skip
+    sup = EngineSupervisor(
+        [x], cluster="sbx", agent_address="127.0.0.1:7400", token_file=str(pod / "token"), shm_dir="/dev/shm",
+        timings=FAST, agent_env={"PATH": os.environ.get("PATH", os.defpath)}, stdout=io.StringIO(),
+        stderr=io.StringIO(), sandbox_mode=mode, hidden=[str(pod / "secret")],
+    )  # fmt: skip
+    return sup, dump
+
+
+def sandboxed_sample() -> float | None:
+    return metrics.REGISTRY.get_sample_value("pdfabric_serving_engine_sandboxed", {"cluster": "sbx"})
+
+
+async def serve_once(sup: EngineSupervisor) -> None:
+    sup.start()
+    try:
+        for _ in range(250):
+            if sup.ready:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"engine not ready: {sup.states()}")
+    finally:
+        await sup.stop()
+
+
+@needs_landlock
+@pytest.mark.parametrize("mode", [EngineSandbox.REQUIRED, EngineSandbox.BEST_EFFORT])
+def test_supervised_engines_cannot_read_the_peer_key(tree: Path, mode: EngineSandbox) -> None:
+    sup, dump = engine_supervisor(tree, mode)
+    assert sup.sandboxed and sandboxed_sample() == 1
+    asyncio.run(serve_once(sup))
+    seen = json.loads(dump.read_text())
+    assert seen == {"key": False, "token": True, "argv": seen["argv"]}
+    assert seen["argv"][0].endswith("engine.py")  # the launcher exec'd the engine itself
+
+
+def test_disabled_runs_the_engine_as_it_is(tree: Path) -> None:
+    sup, dump = engine_supervisor(tree, EngineSandbox.DISABLED)
+    assert not sup.sandboxed and sandboxed_sample() == 0
+    asyncio.run(serve_once(sup))
+    assert json.loads(dump.read_text())["key"] is True
+
+
+def test_without_landlock_required_starts_nothing_and_best_effort_runs_unsandboxed(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: (0, "this kernel has no Landlock"))
+    sup, dump = engine_supervisor(tree, EngineSandbox.REQUIRED)
+    assert not sup.sandboxed and sandboxed_sample() == 0
+
+    async def refused() -> None:
+        sup.start()
+        try:
+            for _ in range(250):
+                if sup.states()[0].restarts:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await sup.stop()
+
+    asyncio.run(refused())
+    state = sup.states()[0]
+    assert state.last_exit == "spec.engine.sandbox is Required, but this kernel has no Landlock"
+    assert not dump.exists()
+    best, dump = engine_supervisor(tree, EngineSandbox.BEST_EFFORT)
+    asyncio.run(serve_once(best))
+    assert json.loads(dump.read_text())["key"] is True and sandboxed_sample() == 0
