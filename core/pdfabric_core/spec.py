@@ -159,6 +159,7 @@ class AgentSpec:
     api_port: int = 7400
     peer_port: int = 7401
     resources: Mapping[str, Any] = field(default_factory=dict)
+    run_as_user: int = 65532  # the node pods' user and group (0: root, for engine images that need it)
 
 
 @dataclass(frozen=True)

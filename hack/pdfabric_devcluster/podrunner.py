@@ -286,7 +286,7 @@ class PodRunner:
                 for rel in paths:
                     path = target / rel
                     path.write_bytes(value)
-                    path.chmod(0o400 if "secret" in volume else 0o444)
+                    path.chmod(volume["secret"].get("defaultMode", 0o644) if "secret" in volume else 0o444)
             out[mount["mountPath"]] = target
         return out
 

@@ -306,6 +306,9 @@ def engine_endpoints(
     return endpoints
 
 
+ROUTER_USER = 65532  # SGLang's router reads and writes no files: any non-root user serves
+
+
 def router_name(cluster: str) -> str:
     return f"{cluster}-router"
 
@@ -336,7 +339,16 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
     }
     if router.resources:
         container["resources"] = dict(router.resources)
-    pod_spec: dict[str, Any] = {"containers": [container], "automountServiceAccountToken": False}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ROUTER_USER,
+            "runAsGroup": ROUTER_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
     if router.node_selector:
         pod_spec["nodeSelector"] = dict(router.node_selector)
     deployment_spec = {
@@ -459,6 +471,21 @@ def agent_config_hash(spec: PDClusterSpec, placement: Placement) -> str:
     return _short_hash(json.dumps(config, sort_keys=True, default=str), 16)
 
 
+def pod_security_context(user: int) -> dict[str, Any]:
+    """A node pod's: its user as group and fsGroup (the Secret files are group-readable), the
+    runtime's default seccomp profile, and runAsNonRoot unless the user is root; with the
+    container's settings this meets the "restricted" Pod Security Standard (user 0: "baseline")."""
+    ctx: dict[str, Any] = {
+        "runAsUser": user,
+        "runAsGroup": user,
+        "fsGroup": user,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if user != 0:
+        ctx["runAsNonRoot"] = True
+    return ctx
+
+
 def build_agent_pod(
     ref: ClusterRef,
     spec: PDClusterSpec,
@@ -509,8 +536,14 @@ def build_agent_pod(
             {"name": "rankmap", "mountPath": c.RANKMAP_DIR, "readOnly": True},
             {"name": "engine-token", "mountPath": c.ENGINE_TOKEN_DIR, "readOnly": True},
             {"name": "peer-tls", "mountPath": c.PEER_TLS_DIR, "readOnly": True},
+            {"name": "home", "mountPath": c.HOME_DIR},
         ],
+        # Nothing the agent or an engine does needs a capability or a privilege gain (Landlock, the
+        # engines' sandbox, needs neither); dropping CAP_SYS_PTRACE is what keeps a sandboxed engine
+        # from tracing the agent.
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    container["env"].append({"name": "HOME", "value": c.HOME_DIR})  # the pod's user may have no home of its own
     volumes: list[dict[str, Any]] = []
     if spec.engine is not None:
         # One container: the engine image runs the agent, and the agent runs the node's engines
@@ -534,18 +567,21 @@ def build_agent_pod(
         "tolerations": [
             {"key": spec.placement.gpu_resource, "operator": "Exists", "effect": "NoSchedule"},
         ],
+        "securityContext": pod_security_context(spec.agent.run_as_user),
         "containers": [container],
         "volumes": [
             {
                 "name": "rankmap",
                 "configMap": {"name": rankmap_name(ref.name), "items": [{"key": RANKMAP_KEY, "path": RANKMAP_KEY}]},
             },
+            # Readable by the pod's user and group (fsGroup), nobody else.
             {
                 "name": "engine-token",
-                "secret": {"secretName": engine_token_secret_name(ref.name), "defaultMode": 0o400},
+                "secret": {"secretName": engine_token_secret_name(ref.name), "defaultMode": 0o440},
             },
             # This pod's own certificate and key (issued when the pod is created), and the CA.
-            {"name": "peer-tls", "secret": {"secretName": peer_tls_secret_name(name), "defaultMode": 0o400}},
+            {"name": "peer-tls", "secret": {"secretName": peer_tls_secret_name(name), "defaultMode": 0o440}},
+            {"name": "home", "emptyDir": {}},
             *volumes,
         ],
     }

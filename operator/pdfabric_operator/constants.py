@@ -46,6 +46,7 @@ TOKEN_KEY = "token"
 ENGINE_TOKEN_DIR = f"{RANKMAP_DIR}/engine-token"
 ENGINE_TOKEN_PATH = f"{ENGINE_TOKEN_DIR}/{TOKEN_KEY}"
 PEER_TLS_DIR = f"{RANKMAP_DIR}/peer-tls"
+HOME_DIR = "/var/lib/pdfabric/home"  # HOME of the node pods: an emptyDir (caches of the engines)
 # kubernetes.io/tls Secret keys; the agent's tls.py reads the same names.
 TLS_CERT_KEY = "tls.crt"
 TLS_KEY_KEY = "tls.key"

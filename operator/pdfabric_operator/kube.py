@@ -48,7 +48,30 @@ def load_configuration() -> client.Configuration:
     return cfg
 
 
+class Refused(Exception):
+    """The API server would not create an object for a reason retrying does not fix: admission
+    (Pod Security, a ResourceQuota, a webhook) or validation. `message` is the server's."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _server_message(exc: ApiException) -> str:
+    """The Status object's message, or the HTTP reason when the body is not one."""
+    try:
+        body = json.loads(exc.body or "")
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return str(body["message"])
+    return str(exc.reason or exc.status)
+
+
 def error_type(exc: BaseException) -> ErrorType:
+    if isinstance(exc, Refused):
+        return ErrorType.API_FORBIDDEN if exc.status == 403 else ErrorType.API_OTHER
     if isinstance(exc, ApiException):
         if exc.status == 409:
             return ErrorType.API_CONFLICT
@@ -111,7 +134,8 @@ class Kube:
             raise
 
     def create(self, obj: dict[str, Any]) -> bool:
-        """Create; False when it already exists (a deterministic name: someone made it first)."""
+        """Create; False when it already exists (a deterministic name: someone made it first).
+        Refused when the server will not have it (400, 403, 422)."""
         meta = obj["metadata"]
         try:
             self.request("create", self.path(obj["kind"], meta["namespace"]), obj)
@@ -119,6 +143,8 @@ class Kube:
             if exc.status == 409:
                 ERRORS.labels(ErrorType.API_CONFLICT.value).inc()
                 return False
+            if exc.status in (400, 403, 422):
+                raise Refused(exc.status, _server_message(exc)) from exc
             raise
         return True
 

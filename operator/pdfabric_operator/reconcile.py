@@ -32,7 +32,7 @@ from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
 from pdfabric_operator import pki
 from pdfabric_operator.agentstate import AgentReport
-from pdfabric_operator.kube import Kube
+from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
 from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement
 from pdfabric_operator.status import AgentView, Observed, agent_fallbacks, compute_status, status_patch
@@ -213,6 +213,7 @@ def reconcile_once(
     # 3. Children.
     views: list[AgentView] = []
     router: Mapping[str, Any] | None = None
+    refused: dict[str, str] = {}  # agent pods the API server would not create, with its message
     if isinstance(outcome, PlacementFailure):
         PLACEMENT_FAILURES.labels(outcome.reason.value).inc()
         out.result = ReconcileResult.UNPLACED
@@ -269,8 +270,11 @@ def reconcile_once(
                 # Every new pod gets a new key and certificate (rotation: a replaced agent's old
                 # key no longer matches what its name's Secret holds).
                 memory.cert_renew_at[name] = _issue_peer_tls(kube, ref, name, cert_valid_for, now())
-                if kube.create(pod):
-                    out.actions.append(f"create pod {name}")
+                try:
+                    if kube.create(pod):
+                        out.actions.append(f"create pod {name}")
+                except Refused as exc:  # admission said no: reported, tried again next reconcile
+                    refused[name] = exc.message
         _renew_peer_tls(kube, ref, [p for p in own if p.name in desired and not p.deleting], memory, cert_valid_for,
                         now(), out)  # fmt: skip
         for gone in set(memory.cert_renew_at) - set(desired):
@@ -295,8 +299,15 @@ def reconcile_once(
 
     # 4. Status.
     status = compute_status(
-        Observed(generation, spec, outcome, views, lost_nodes=lost, namespace=ref.namespace, router=router), ref.name
-    )
+        Observed(
+            generation, spec, outcome, views, lost_nodes=lost, namespace=ref.namespace, router=router,
+            refused_pods=refused,
+        ),
+        ref.name,
+    )  # fmt: skip
+    if refused:
+        first = min(refused)
+        out.problem = ("PodRejected", f"the API server refused agent pod {first}: {refused[first]}")
     fell_back = agent_fallbacks(views)
     if fell_back and out.problem is None:
         out.problem = ("AgentTransportFallback", fell_back)

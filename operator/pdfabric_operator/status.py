@@ -83,6 +83,9 @@ class Observed:
     lost_nodes: Sequence[str] = field(default_factory=tuple)
     namespace: str = ""  # the PDCluster's: the engines' endpoint host names carry it
     router: Mapping[str, Any] | None = None  # spec.router's Deployment as read (its readiness)
+    # Agent pods the API server refused to create (admission: Pod Security, quota, a webhook),
+    # by name, with its message: Ready is False with reason PodRejected until they are created.
+    refused_pods: Mapping[str, str] = field(default_factory=dict)
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -203,6 +206,8 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
         if all_ready
         else _condition(c.COND_READY, False, "AgentsNotReady", agents_msg)
     )
+    if obs.refused_pods:
+        ready = _pods_refused(obs.refused_pods)
     if spec.engine is None:
         status.update(_no_engines())
         status["conditions"] = [ready, placed, transport_ready, degraded]
@@ -227,8 +232,18 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
         ready = _condition(c.COND_READY, False, "RouterNotReady", f"{agents_msg}; {engines_msg}{router_msg}")
     elif all_ready:
         ready = _condition(c.COND_READY, True, "AgentsReady", f"{agents_msg}; {engines_msg}{router_msg}")
+    if obs.refused_pods:
+        ready = _pods_refused(obs.refused_pods)
     status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready]
     return status
+
+
+def _pods_refused(refused: Mapping[str, str]) -> dict[str, str]:
+    first = min(refused)
+    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    return _condition(
+        c.COND_READY, False, "PodRejected", f"the API server refused agent pod {first}{more}: {refused[first]}"
+    )
 
 
 def _no_engines() -> dict[str, Any]:

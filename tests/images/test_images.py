@@ -31,10 +31,13 @@ from urllib.parse import urlparse
 
 import pytest
 
+from pdfabric_core.spec import PDClusterSpec
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import free_port
 from pdfabric_devcluster.synthetic import expected_bytes
 from pdfabric_devcluster.transfer import transfer_room
+from pdfabric_operator.builders import pod_security_context
+from pdfabric_operator.constants import HOME_DIR
 from tests.builders import SMALL_MODEL, pdcluster
 from tests.integration import pdcluster_harness as h
 
@@ -265,16 +268,31 @@ def agent_spec() -> dict[str, Any]:
 AGENT_ENV_PREFIXES = ("PDFABRIC_", "NODE_NAME", "POD_NAME", "POD_NAMESPACE", "POD_IP")
 
 
+def give_to_group(root: Path, gid: int) -> None:
+    """What the kubelet does for fsGroup: the files group-owned and group-readable."""
+    for path in [root, *root.rglob("*")]:
+        os.chown(path, -1, gid, follow_symlinks=False)
+        if not path.is_symlink():
+            path.chmod(path.stat().st_mode | (0o050 if path.is_dir() else 0o040))
+
+
 def containerize(fabric: LocalFabric, ref: str) -> list[str]:
     """Turn each of the fabric's agent processes into `podman run` of the agent image, with the
-    same command (the image's), environment and files (mounted at the same paths), host network."""
+    same command (the image's), environment and files (mounted at the same paths), host network,
+    and the node pods' user, no capabilities and no new privileges."""
+    ctx = pod_security_context(PDClusterSpec().agent.run_as_user)
+    user, group = ctx["runAsUser"], ctx["fsGroup"]
+    give_to_group(Path(fabric.workdir), group)
     names = []
     for agent in fabric.agents.values():
         name = f"pdfabric-test-{agent.name}-{fabric.uid[:8]}"
         env = {k: v for k, v in agent.env.items() if k.startswith(AGENT_ENV_PREFIXES)}
+        os.chown(env["PDFABRIC_SHM_DIR"], user, group)  # the pod's /dev/shm is its own
         mounts = [fabric.workdir, env["PDFABRIC_SHM_DIR"]]
         agent.argv = [
             "podman", "run", "--rm", "--name", name, "--network", "host", "--stop-timeout", "10",
+            "--user", f"{user}:{group}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+            "--tmpfs", f"{HOME_DIR}:rw,mode=1777", "-e", f"HOME={HOME_DIR}",
             *[a for m in mounts for a in ("-v", f"{m}:{m}")],
             *[a for k, v in env.items() for a in ("-e", f"{k}={v}")],
             ref,

@@ -75,7 +75,9 @@ def test_agent_pod_contract() -> None:
         "rankmap": "/etc/pdfabric",
         "engine-token": "/etc/pdfabric/engine-token",
         "peer-tls": "/etc/pdfabric/peer-tls",
+        "home": "/var/lib/pdfabric/home",
     }
+    assert env["HOME"]["value"] == "/var/lib/pdfabric/home"
     secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
     # Its own certificate only: the Secret is named after this pod; the CA's key is in none of them.
     assert secrets == {"engine-token": "pd-engine-token", "peer-tls": f"{pod['metadata']['name']}-peer-tls"}
@@ -83,6 +85,43 @@ def test_agent_pod_contract() -> None:
     assert pod["metadata"]["ownerReferences"] == [REF.owner_reference()]
     assert pod["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == "uid-1"
     assert b.decode_ranks(pod["metadata"]["annotations"]["pdfabric.dev/ranks"]) == placement.agents[0].ranks
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma", "nvlink-intra"])
+@pytest.mark.parametrize("engine", [False, True])
+def test_node_pods_run_unprivileged_as_the_restricted_standard_asks(transport: str, engine: bool) -> None:
+    builder = pdcluster().transport(transport).prefill(tp=2).decode(tp=2)
+    if engine:
+        builder = builder.engine()
+    placement = _placed(builder, [gpu_node("n1", 8, rdma=2)])
+    (pod,) = b.build_agent_pods(REF, builder.spec(), placement)
+    spec, (container,) = pod["spec"], pod["spec"]["containers"]
+    assert spec["securityContext"] == {
+        "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532, "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }  # fmt: skip
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert not any(spec.get(k) for k in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"))
+    assert {k for v in spec["volumes"] for k in v if k != "name"} <= {"configMap", "secret", "emptyDir"}
+    # fsGroup owns the Secret files: group-readable, for the pod's user only.
+    assert {v["secret"]["defaultMode"] for v in spec["volumes"] if "secret" in v} == {0o440}
+    assert not any("hostPort" in p for p in container["ports"])
+
+
+def test_a_root_user_is_allowed_and_then_not_claimed_non_root() -> None:
+    builder = pdcluster().agent(runAsUser=0).engine()
+    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    ctx = pod["spec"]["securityContext"]
+    assert (ctx["runAsUser"], ctx["fsGroup"]) == (0, 0) and "runAsNonRoot" not in ctx
+    other = pdcluster().agent(runAsUser=1000)
+    (pod,) = b.build_agent_pods(REF, other.spec(), _placed(other, [gpu_node("n1", 8)]))
+    assert pod["spec"]["securityContext"]["runAsUser"] == 1000
+    assert (
+        pod["metadata"]["annotations"]["pdfabric.dev/pod-hash"]
+        != b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), [gpu_node("n1", 8)]))[0]["metadata"][
+            "annotations"
+        ]["pdfabric.dev/pod-hash"]
+    )  # a new user rolls the pods
 
 
 def test_tcp_pod_requests_no_rdma() -> None:

@@ -12,6 +12,7 @@ from pdfabric_core.engines import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator import builders as b
 from pdfabric_operator.agentstate import AgentReport
+from pdfabric_operator.kube import Refused
 from pdfabric_operator.metrics import ReconcileResult
 from pdfabric_operator.planner import PlacedPod
 from pdfabric_operator.reconcile import ClusterMemory, Ledger, OwnPod, Snapshot, reconcile_once
@@ -458,3 +459,40 @@ def test_spec_router_is_created_read_for_readiness_replaced_when_engines_move_an
     kube.calls.clear()
     _run(kube, ref, off, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
     assert ("get", "Deployment", "pd-router") not in kube.calls  # checked gone once, not every reconcile
+
+
+class RefusingKube(FakeKube):
+    """An API server whose admission (Pod Security here) refuses every Pod."""
+
+    REFUSAL = 'pods "pd-a" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true'
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        if obj["kind"] == "Pod":
+            self.calls.append(("create", "Pod", obj["metadata"]["name"]))
+            raise Refused(403, self.REFUSAL)
+        return super().create(obj)
+
+
+def test_a_refused_agent_pod_is_reported_and_tried_again() -> None:
+    kube, ledger, memory = RefusingKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("a", 8)]
+    res = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "PodRejected")
+    name = b.agent_name("pd", "a")
+    assert ready["message"] == f"the API server refused agent pod {name}: {RefusingKube.REFUSAL}"
+    assert res.problem == ("PodRejected", ready["message"])  # the Event
+    assert not any(a.startswith("create pod") for a in res.actions)
+    again = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    assert (
+        again.problem == res.problem
+        and [c for c in kube.calls if c[:2] == ("create", "Pod")] == [("create", "Pod", name)] * 2
+    )
+    # Once admission lets it in (the namespace's level changed), the condition goes.
+    kube.__class__ = FakeKube
+    third = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    assert f"create pod {name}" in third.actions and third.problem is None
+    (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
+    assert ready["reason"] != "PodRejected"
