@@ -7,6 +7,7 @@ No control-plane dependencies here: the agent harness (fabric.py) runs on GPU ma
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import tomllib
@@ -17,8 +18,38 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PACKAGES = ("core", "operator", "agent")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback port nothing listens on, for a process started later. Chosen below the kernel's
+    ephemeral range: a port the kernel hands out (bind to 0, or the source port of any outgoing
+    connection, several per second on a busy machine) could be taken between this check and the
+    listener's bind; above 20000, clear of the ports Mooncake picks for its listeners (12001 and
+    random ones below 17000 in its logs here).
+    Never the same port twice in this process."""
+    low = _ephemeral_low()
+    span = range(20000, low) if low - 20000 >= 2000 else range(0)
+    rng = random.Random()
+    for _ in range(256 if span else 0):
+        port = rng.choice(span)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -94,8 +94,17 @@ def test_apply_place_transfer_scrape(
     # CP2 with all-ranks transfer: CP rank 1's copy of the state was not sent, and counted as saved.
     skipped = prometheus.query('sum(pdfabric_state_dedup_skipped_bytes_total{cluster="pd"})')
     assert float(skipped[0]["value"][1]) == 2 * want.state_skipped > 0
-    ok = prometheus.query('sum(pdfabric_requests_total{cluster="pd", outcome="success"})')
-    assert float(ok[0]["value"][1]) == 2 * (spec.prefill.tp * spec.prefill.cp + spec.decode.tp)
+
+    # Each rank's request counts once it is confirmed; a prefill rank's confirmation can land a
+    # scrape after the bytes did (the decode side saw Success first).
+    def succeeded() -> float:
+        ok = prometheus.query('sum(pdfabric_requests_total{cluster="pd", outcome="success"})')
+        return float(ok[0]["value"][1]) if ok else -1.0
+
+    want_ok = 2 * (spec.prefill.tp * spec.prefill.cp + spec.decode.tp)
+    h.wait_until(lambda: succeeded() == want_ok, timeout=20, what=f"{want_ok} successful requests scraped")
+    time.sleep(1.5)  # and no more than that after another scrape
+    assert succeeded() == want_ok
 
     # Every shipped panel query is valid PromQL; the transfer dashboard's return data now.
     time.sleep(2)  # a second scrape so rate() has two points

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from pdfabric_refengine.geometry import SPEC_MODEL
 
 from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.procs import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -55,12 +55,6 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True,
     )
     return target
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def colocated() -> list[list[int]]:
