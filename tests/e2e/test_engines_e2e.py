@@ -20,6 +20,7 @@ from kopf.testing import KopfRunner
 from pdfabric_refengine.router import Answer, PrefillEndpoint, generate
 from pdfabric_refengine.server import detokenize
 
+from pdfabric_agent.sandbox import landlock_abi
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import LocalEngine, PodRunner
 from tests.builders import pdcluster
@@ -163,6 +164,10 @@ def test_pdcluster_serves_prompts_through_pd_and_survives_an_engine_kill(
     moved = sum(fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind=k) for k in ("kv", "aux"))
     reported = sum(m["bytes"] for a in answers for m in a.meta["kv_transfer"].values())
     assert reported == moved > 0
+    # The engines served from the sandbox that hides the peer key (spec.engine.sandbox BestEffort,
+    # on this machine's kernel when it has Landlock).
+    sandboxed = fabric.metric_sum("pdfabric_serving_engine_sandboxed")
+    assert sandboxed == (2 if landlock_abi()[0] >= 1 else 0), sandboxed
 
     # Kill the decode engine mid-traffic, then (once it is back) the prefill engine.
     decode = runner.engine(endpoint(cluster, namespace, "decode")["pod"], "decode-0")
