@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pdfabric_refengine.router import PrefillEndpoint, generate
 
+from pdfabric_agent.sandbox import landlock_abi
 from pdfabric_devcluster.fabric import LocalFabric
 from tests.e2e import test_sglang_pd as sg
 from tests.e2e.test_sglang_pd import REF_MODEL
@@ -77,9 +78,14 @@ def run_supervised(transfer: dict[str, Any], device: str) -> dict[str, Any]:
         again = [generate(prefill, de.url, p, NEW_TOKENS, timeout_s=60) for p in PROMPTS]
         assert [a.error for a in again] == [""] * len(PROMPTS)
         assert [a.tokens for a in again] == want
+        # Both agents started their engines in the sandbox that hides the peer key, where the
+        # kernel has Landlock (BestEffort, the default): CUDA IPC and the pools work from inside it.
+        sandboxed = lc.metric_sum("pdfabric_serving_engine_sandboxed")
+        assert sandboxed == (len(lc.agents) if landlock_abi()[0] >= 1 else 0), sandboxed
         return {
             "prompts": len(PROMPTS),
             "tokens_equal_colocated": True,
+            "engines_sandboxed": sandboxed == len(lc.agents),
             "bytes_by_path": lc.bytes_by_path(),
             "first_round_s": round(first_s, 3),
             "decode_engine_restarts": st.restarts,
