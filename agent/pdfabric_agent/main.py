@@ -246,8 +246,8 @@ async def serve(cfg: AgentConfig) -> int:
         runners.append(prunner)
         peer_port = cfg.peer_port or spec.agent.peer_port
         peer_tls = tls.PeerTls.of(cfg.peer_tls_dir)
-        for outcome in ("loaded", "refused"):  # at 0 from the start: the first refusal is an increase
-            metrics.peer_certificate_reloads.labels(cluster, outcome)
+        for reload_outcome in ("loaded", "refused"):  # at 0 from the start: the first refusal is an increase
+            metrics.peer_certificate_reloads.labels(cluster, reload_outcome)
         await GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=peer_tls.server).start()
         await link_check(readiness, probe.LinkCheck(rankmap, spec, entry.name, backends, probe_pools), agent, stop)
         if stop.is_set():
