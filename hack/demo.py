@@ -281,11 +281,13 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
             local = runner.engine(ep["pod"], ep["engine"])
             boot = f", bootstrap {ep['bootstrap']}" if "bootstrap" in ep else ""
             print(f"  {role} engine {ep['engine']} of {ep['pod']}: {ep['url']}{boot} (here {local.url})")
+    ((router_pod, router),) = runner.routers.items()
+    router.wait_healthy(120, ready=True)  # its readiness probe: a healthy prefill and decode worker
+    # Prometheus scrapes the agents and the router (its port named metrics, as the PodMonitor does).
     targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
+    targets.append((router.metrics_url.removeprefix("http://"), {"pod": router_pod, "namespace": NAMESPACE}))
     prometheus.set_targets(targets)
     prometheus.wait_targets_up(len(targets))
-    (router,) = runner.routers.values()
-    router.wait_healthy(120)
     print(f"  spec.router: {json.dumps(obj['status'].get('router'))}; SGLang's router runs its pod's command "
           f"(here {router.url})")  # fmt: skip
     show(cluster, "get", "deployment", "demo-router", "-n", NAMESPACE)
@@ -321,6 +323,7 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
         "aux bytes into decode": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="decode",kind="aux"})',
         "successful rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome="success"})',
         "failed rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome!="success"}) or vector(0)',
+        "/generate requests the router took": f'sum(smg_http_requests_total{{namespace="{NAMESPACE}",path="/generate"}})',
     }
     print_queries(prometheus, queries)
     print(f"  the engines' own count (SGLang's KVTransferMetric of the decode ranks): {reported:,} bytes")

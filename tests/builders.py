@@ -286,5 +286,10 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("metrics-port-out-of-range", {"agent": {"metricsPort": 70000}}, "spec.agent.metricsPort"),
     ("page-size-zero", {"model": {"pageSizeTokens": 0}}, "spec.model.pageSizeTokens"),
     ("timeout-zero", {"transfer": {"timeoutSeconds": 0}}, "spec.transfer.timeoutSeconds"),
+    (
+        "router-metrics-on-its-port",
+        {**_engine(), "router": {"image": "r", "port": 8000, "metricsPort": 8000}},
+        "router.metricsPort must differ from router.port",
+    ),
     *ENGINE_INVALID_SPECS,
 ]

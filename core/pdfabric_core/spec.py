@@ -221,6 +221,7 @@ class RouterSpec:
     command: tuple[str, ...] = ROUTER_COMMAND
     args: tuple[str, ...] = ()  # after the workers and the listen address, e.g. --policy cache_aware
     port: int = 8000
+    metrics_port: int = 29000  # sglang-router's --prometheus-port (its own default)
     replicas: int = 1
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -421,6 +422,10 @@ def validate_spec(spec: PDClusterSpec) -> None:
             raise SpecError("router needs engine: it routes to the engines the node pods run (spec.engine)")
         if not 1 <= spec.router.port <= 65535 or spec.router.replicas < 1 or not spec.router.command:
             raise SpecError("router.port must be within 1..65535, router.replicas at least 1, router.command not empty")
+        if spec.router.metrics_port == spec.router.port:
+            raise SpecError(
+                "router.metricsPort must differ from router.port: the router serves requests and metrics on two listeners"
+            )
     if spec.placement.fallback not in tuple(FallbackPolicy):
         raise SpecError(
             f"placement.fallback must be one of {', '.join(FallbackPolicy)}, got {spec.placement.fallback!r}"

@@ -136,7 +136,7 @@ class PodRunner:
                 continue
             (container,) = pod["spec"]["containers"]
             argv = [*container.get("command", []), *container.get("args", [])]
-            port = free_port()
+            port, metrics = free_port(), free_port()
             argv_in = list(argv)
             for i, arg in enumerate(argv_in):
                 if arg.startswith("http://"):
@@ -145,17 +145,19 @@ class PodRunner:
                     # The prefill engine's bootstrap port: a container port of the same pod, moved.
                     host = urllib.parse.urlsplit(argv_in[i - 1]).hostname
                     argv[i] = str(urllib.parse.urlsplit(self.local_url(f"http://{host}:{arg}")).port)
-                elif i and argv_in[i - 1] == "--host":
+                elif i and argv_in[i - 1] in ("--host", "--prometheus-host"):
                     argv[i] = "127.0.0.1"  # not every interface of this machine
                 elif i and argv_in[i - 1] == "--port":
                     argv[i] = str(port)
+                elif i and argv_in[i - 1] == "--prometheus-port":
+                    argv[i] = str(metrics)
             env = {k: v for k, v in os.environ.items() if not k.startswith("PDFABRIC_")}
             env.update(engine_image_env(self.workdir / "bin", env, self.pythonpath))
             log = self.workdir / name / "router.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "wb") as fh:
                 proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
-            self.routers[name] = SGLangRouter(f"http://127.0.0.1:{port}", proc, log)
+            self.routers[name] = SGLangRouter(f"http://127.0.0.1:{port}", proc, log, f"http://127.0.0.1:{metrics}")
         return list(self.routers.values())
 
     def wait_engines_healthy(self, timeout: float = 120) -> None:

@@ -21,26 +21,50 @@ from pdfabric_devcluster.procs import free_port
 
 
 class SGLangRouter:
-    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path, metrics_url: str = "") -> None:
         self.url = url
         self.proc = proc
         self.log = log
+        self.metrics_url = metrics_url  # its --prometheus-port, where set
 
-    def healthy(self) -> bool:
+    def _ok(self, path: str) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(self.url + path, timeout=2) as resp:
                 return bool(resp.status == 200)
         except (OSError, ValueError):
             return False
 
-    def wait_healthy(self, wait_s: float = 60) -> None:
+    def healthy(self) -> bool:
+        """The process serves (its /health; 200 with no worker at all)."""
+        return self._ok("/health")
+
+    def ready(self) -> bool:
+        """It can route: /readiness is 200 once it holds a healthy prefill and decode worker (the
+        operator's readiness probe)."""
+        return self._ok("/readiness")
+
+    def wait_healthy(self, wait_s: float = 60, *, ready: bool = False) -> None:
         deadline = time.monotonic() + wait_s
-        while not self.healthy():
+        what = "ready" if ready else "healthy"
+        while not (self.ready() if ready else self.healthy()):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited {self.proc.returncode}; its log: {self.log}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"sglang-router not healthy within {wait_s:g} s; its log: {self.log}")
+                raise TimeoutError(f"sglang-router not {what} within {wait_s:g} s; its log: {self.log}")
             time.sleep(0.25)
+
+    def metric_samples(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        """The router's own Prometheus samples of `name`, by their labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.metrics_url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        return {
+            tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name
+        }
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -73,12 +97,13 @@ def sglang_router(
     endpoints: Mapping[str, Sequence[Mapping[str, Any]]], log: Path, *, extra: Sequence[str] = (), wait_s: float = 60
 ) -> Iterator[SGLangRouter]:
     """The router on a free loopback port, Ready (its /health answers 200) before this yields."""
-    port = free_port()
+    port, metrics = free_port(), free_port()
     argv = [sys.executable, "-m", "sglang_router.launch_router", *sglang_router_args(endpoints)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), *extra]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    router = SGLangRouter(f"http://127.0.0.1:{port}", proc, log)
+    router = SGLangRouter(f"http://127.0.0.1:{port}", proc, log, f"http://127.0.0.1:{metrics}")
     try:
         router.wait_healthy(wait_s)
         yield router

@@ -325,6 +325,7 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
     args = [
         *sglang_router_args(engine_endpoints(ref.name, ref.namespace, spec, placement)),
         "--host", "0.0.0.0", "--port", str(router.port),
+        "--prometheus-host", "0.0.0.0", "--prometheus-port", str(router.metrics_port),
         *router.args,
     ]  # fmt: skip
     container: dict[str, Any] = {
@@ -332,9 +333,18 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
         "image": router.image,
         "command": list(router.command),
         "args": args,
-        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 15, "failureThreshold": 4},
+        "ports": [
+            {"name": "http", "containerPort": router.port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": router.metrics_port, "protocol": "TCP"},
+        ],
+        # /readiness answers 503 until the router holds a healthy prefill and decode worker (its
+        # /health is 200 with none): no traffic to a router that could only fail it.
+        "readinessProbe": {"httpGet": {"path": "/readiness", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/liveness", "port": "http"},
+            "periodSeconds": 15,
+            "failureThreshold": 4,
+        },
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     if router.resources:
@@ -355,7 +365,10 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
         "replicas": router.replicas,
         "selector": {"matchLabels": labels},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-        "template": {"metadata": {"labels": {**labels, c.LABEL_MANAGED_BY: c.MANAGED_BY}}, "spec": pod_spec},
+        "template": {
+            "metadata": {"labels": {**labels, c.LABEL_APP: c.APP_NAME, c.LABEL_MANAGED_BY: c.MANAGED_BY}},
+            "spec": pod_spec,
+        },
     }
     meta = _meta(ref, name, **{c.LABEL_COMPONENT: c.COMPONENT_ROUTER})
     meta["annotations"] = {c.ANN_ROUTER_HASH: _short_hash(json.dumps(deployment_spec, sort_keys=True), 16)}

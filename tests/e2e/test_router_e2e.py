@@ -54,7 +54,7 @@ def test_the_operators_router_serves_prompts_through_pd(
 
     h.wait_until(router_scheduled, timeout=60, what="the router pod scheduled")
     (router,) = runner.start_routers()
-    router.wait_healthy(60)
+    router.wait_healthy(60, ready=True)  # the operator's readiness probe: a healthy worker of each kind
     obj = h.wait_ready(cluster, namespace, "pd", timeout=60)  # the engines and a router replica
     assert obj["status"]["router"]["ready"] == "1/1"
 
@@ -68,3 +68,7 @@ def test_the_operators_router_serves_prompts_through_pd(
     for rank in ("prefill-0-tp0-cp0", "prefill-1-tp0-cp0"):
         sent = fabric.metric_sum("pdfabric_peer_transfer_bytes_total", role="prefill", rank=rank)
         assert sent > 0, f"the router sent nothing through {rank}"
+    # The router's own metrics, on the port the Deployment names "metrics" (the chart's
+    # PodMonitor scrapes it): every request it took, as it counted them.
+    generated = router.metric_samples("smg_http_requests_total")
+    assert generated[(("method", "POST"), ("path", "/generate"))] == len(prompts), generated

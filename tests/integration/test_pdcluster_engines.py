@@ -354,7 +354,12 @@ def test_spec_router_runs_sglangs_router_in_front_of_the_engines(
     dep = cluster.get_json("deployment", "pd-router", "-n", namespace)
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     workers = sglang_router_args(obj["status"]["endpoints"])
-    assert c["args"] == [*workers, "--host", "0.0.0.0", "--port", "8000", "--policy", "cache_aware"]
+    assert c["args"] == [
+        *workers, "--host", "0.0.0.0", "--port", "8000", "--prometheus-host", "0.0.0.0", "--prometheus-port", "29000",
+        "--policy", "cache_aware",
+    ]  # fmt: skip
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "metrics": 29000}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness"
     assert workers.count("--prefill") == 2 and workers.count("--decode") == 1
     assert obj["status"]["router"] == {
         "service": "pd-router",

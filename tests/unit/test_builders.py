@@ -563,9 +563,13 @@ def test_router_deployment_names_every_engine_as_its_worker() -> None:
         "--prefill", f"http://{host}:30001", "8999",
         "--decode", f"http://{host}:31000",
         "--host", "0.0.0.0", "--port", "8000",
+        "--prometheus-host", "0.0.0.0", "--prometheus-port", "29000",
         "--policy", "cache_aware",
     ]  # fmt: skip
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("metrics", 29000)]
+    # Ready only with a healthy worker of each kind (its /health says 200 with none).
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
     assert dep["spec"]["replicas"] == 2 and pod["spec"]["nodeSelector"] == {"pool": "cpu"}
     # A rolling update never leaves the cluster without a router; no GPU, no API credentials.
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}

@@ -210,23 +210,35 @@ def test_podmonitor_selects_the_agent_pods_the_operator_builds() -> None:
     from tests.builders import gpu_node, pdcluster
 
     ref = b.ClusterRef("team-a", "pd", "uid-1")
-    spec = pdcluster().spec()
+    spec = pdcluster().engine().router().spec()
     placement = plan_placement(spec, [gpu_node("n1", 8, rdma=2)], [], cluster_uid=ref.uid)
     assert isinstance(placement, Placement)
     pod = b.build_agent_pods(ref, spec, placement)[0]
+    router = b.build_router_deployment(ref, spec, placement)
+    assert router is not None
+    router_pod = router["spec"]["template"]
     (pm,) = [
         d
         for d in _render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.labels.release=kps")
         if d["kind"] == "PodMonitor"
     ]
-    selector = pm["spec"]["selector"]["matchLabels"]
-    assert selector.items() <= pod["metadata"]["labels"].items()
-    assert selector["app.kubernetes.io/component"] == "agent", "agents only, not every pdfabric object"
+
+    def selects(labels: dict[str, str]) -> bool:
+        sel = pm["spec"]["selector"]
+        if not sel["matchLabels"].items() <= labels.items():
+            return False
+        assert all(e["operator"] == "In" for e in sel.get("matchExpressions", []))
+        return all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", []))
+
+    assert selects(pod["metadata"]["labels"]) and selects(router_pod["metadata"]["labels"])
+    # Agents and routers only, not every pdfabric object.
+    assert not selects({**pod["metadata"]["labels"], "app.kubernetes.io/component": "operator"})
     assert pm["spec"]["namespaceSelector"] == {"any": True}, "PDClusters live in any namespace"
     assert pm["metadata"]["labels"]["release"] == "kps"
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
-    port_names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
-    assert endpoint["port"] in port_names and endpoint["port"] == "metrics"
+    for scraped in (pod["spec"], router_pod["spec"]):
+        port_names = {p["name"] for p in scraped["containers"][0]["ports"]}
+        assert endpoint["port"] in port_names and endpoint["port"] == "metrics"
     assert endpoint["path"] == "/metrics"
 
     (scoped,) = [
