@@ -323,7 +323,7 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
         "aux bytes into decode": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="decode",kind="aux"})',
         "successful rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome="success"})',
         "failed rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome!="success"}) or vector(0)',
-        "/generate requests the router took": f'sum(smg_http_requests_total{{namespace="{NAMESPACE}",path="/generate"}})',
+        "router /generate requests": f'sum(smg_http_requests_total{{namespace="{NAMESPACE}",path="/generate"}})',
     }
     print_queries(prometheus, queries)
     print(f"  the engines' own count (SGLang's KVTransferMetric of the decode ranks): {reported:,} bytes")
