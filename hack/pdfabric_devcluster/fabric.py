@@ -537,7 +537,13 @@ class LocalFabric:
 
     def __enter__(self) -> LocalFabric:
         # Agents with spec.engine are ready once their engines load and answer: slower.
-        self.start(wait_s=240 if self.spec.engine is not None else 60)
+        try:
+            self.start(wait_s=240 if self.spec.engine is not None else 60)
+        except BaseException:
+            # __exit__ does not run when __enter__ raises: one agent that never got ready left
+            # the others (and their engines) running for the machine's life.
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -173,3 +173,14 @@ def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
         assert "no agent on node 'node-elsewhere'" in proc.stderr
     finally:
         lc.close()
+
+
+def test_a_fabric_whose_agent_never_gets_ready_leaves_no_agent_running() -> None:
+    """The with-block's start fails (one agent exits at once): the others are stopped, not orphaned."""
+    lc = LocalFabric(cluster_spec())
+    first, *others = lc.agents.values()
+    assert others, "the spec places more than one agent"
+    first.argv = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="exited 3"), lc:
+        pass
+    assert not any(a.alive() for a in lc.agents.values())
