@@ -387,14 +387,17 @@ class LocalCluster:
             self.wait_nodes_ready(names)
         return names
 
+    def _names_with(self, kind: str, condition: str) -> set[str]:
+        """Names of the `kind` objects whose `condition` is True (a new object may have none yet)."""
+        return {
+            item["metadata"]["name"]
+            for item in self.get_json(kind)["items"]
+            for cond in item.get("status", {}).get("conditions") or []
+            if cond["type"] == condition and cond["status"] == "True"
+        }
+
     def ready_nodes(self) -> set[str]:
-        out = self.get_json("nodes")
-        ready = set()
-        for node in out["items"]:
-            for cond in node.get("status", {}).get("conditions", []):
-                if cond["type"] == "Ready" and cond["status"] == "True":
-                    ready.add(node["metadata"]["name"])
-        return ready
+        return self._names_with("nodes", "Ready")
 
     def wait_nodes_ready(self, names: Iterable[str], timeout: float = 60) -> None:
         wanted = set(names)
@@ -402,21 +405,12 @@ class LocalCluster:
             lambda: wanted <= self.ready_nodes(), timeout=timeout, interval=0.25, what=f"nodes {sorted(wanted)} Ready"
         )
 
-    def established_crds(self) -> set[str]:
-        """Names of the CRDs whose Established condition is True."""
-        established = set()
-        for crd in self.get_json("crds")["items"]:
-            for cond in crd.get("status", {}).get("conditions") or []:
-                if cond["type"] == "Established" and cond["status"] == "True":
-                    established.add(crd["metadata"]["name"])
-        return established
-
     def wait_crds_established(self, names: Iterable[str], timeout: float = 60) -> None:
         # Not `kubectl wait --for=condition=Established`: on a CRD created a moment ago it can read
         # status before the apiserver wrote any conditions and fail at once instead of waiting.
         wanted = set(names)
         wait_for(
-            lambda: wanted <= self.established_crds(),
+            lambda: wanted <= self._names_with("crds", "Established"),
             timeout=timeout,
             interval=0.25,
             what=f"CRDs {sorted(wanted)} Established",
