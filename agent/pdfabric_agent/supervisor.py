@@ -110,13 +110,13 @@ def engine_argv(launch: EngineLaunch, env: Mapping[str, str]) -> list[str]:
 
 def sandboxed_argv(python: str, hidden: Sequence[str], mode: EngineSandbox, argv: Sequence[str]) -> list[str]:
     """`argv` started through sandbox.py's launcher, run by path in isolated mode (Disabled, or
-    nothing to hide: `argv` itself)."""
+    nothing to hide: `argv` itself). Always --required: the supervisor wraps only where it found
+    Landlock, so a launcher that cannot apply it there fails the run (and says why) rather than
+    start an engine the agent reports sandboxed."""
     if mode is EngineSandbox.DISABLED or not hidden:
         return list(argv)
     flags = [f for h in hidden for f in ("--hide", h)]
-    if mode is EngineSandbox.REQUIRED:
-        flags.append("--required")
-    return [python, "-I", os.path.abspath(sandbox.__file__), *flags, "--", *argv]
+    return [python, "-I", os.path.abspath(sandbox.__file__), *flags, "--required", "--", *argv]
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,8 @@ class EngineSupervisor:
         self._agent_env = agent_env  # None: the agent's environment when start() runs
         self._stdout, self._stderr = stdout, stderr
         self._engines = [
-            _Engine(x, EngineState(x.name, x.role, x.replica, phase="Waiting", ready=False)) for x in launches
+            _Engine(x, EngineState(x.name, x.role, x.replica, phase="Waiting", ready=False, sandboxed=self.sandboxed))
+            for x in launches
         ]
         self._on_exit: OnExit | None = None
         self._stopping = asyncio.Event()

@@ -349,6 +349,7 @@ class EngineState:
     restarts: int = 0
     pid: int = 0  # 0 while not running
     last_exit: str = ""  # how the last run ended ("exit code 1", "signal 9", "startup timeout ...")
+    sandboxed: bool = False  # started in the sandbox that hides the peer key (spec.engine.sandbox)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -360,6 +361,7 @@ class EngineState:
             "restarts": self.restarts,
             "pid": self.pid,
             "lastExit": self.last_exit,
+            "sandboxed": self.sandboxed,
         }
 
     @classmethod
@@ -378,7 +380,10 @@ class EngineState:
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (replica, restarts, pid)):
             return None
         assert isinstance(replica, int) and isinstance(restarts, int) and isinstance(pid, int)
-        return cls(name[:64], role, replica, phase[:32], d.get("ready") is True, restarts, pid, last[:256])
+        return cls(
+            name[:64], role, replica, phase[:32], d.get("ready") is True, restarts, pid, last[:256],
+            d.get("sandboxed") is True,
+        )  # fmt: skip
 
 
 def sglang_router_args(endpoints: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:

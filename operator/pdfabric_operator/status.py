@@ -285,6 +285,7 @@ def _engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[st
             entry["phase"] = state.phase if state is not None else UNKNOWN_PHASE
             entry["restarts"] = state.restarts if state is not None else 0
             entry["lastExit"] = state.last_exit if state is not None else ""
+            entry["sandboxed"] = bool(state is not None and state.sandboxed)
     desired = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas}
     ready = {r: sum(1 for x in endpoints[r] if x["ready"]) for r in endpoints}
     restarts = {r: sum(x["restarts"] for x in endpoints[r]) for r in endpoints}

@@ -168,6 +168,9 @@ def test_pdcluster_serves_prompts_through_pd_and_survives_an_engine_kill(
     # on this machine's kernel when it has Landlock).
     sandboxed = fabric.metric_sum("pdfabric_serving_engine_sandboxed")
     assert sandboxed == (2 if landlock_abi()[0] >= 1 else 0), sandboxed
+    # And the PDCluster's status says so per engine (the operator reads the agents' /readyz).
+    claims = [e["sandboxed"] for r in ("prefill", "decode") for e in obj["status"]["endpoints"][r]]
+    assert claims == [landlock_abi()[0] >= 1] * 2, obj["status"]["endpoints"]
 
     # Kill the decode engine mid-traffic, then (once it is back) the prefill engine.
     decode = runner.engine(endpoint(cluster, namespace, "decode")["pod"], "decode-0")

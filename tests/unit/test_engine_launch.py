@@ -115,9 +115,17 @@ def test_decode_launches_refuses_the_list_naming_the_variable_and_index() -> Non
 
 
 def test_engine_state_round_trip_and_malformed_is_none() -> None:
-    s = EngineState("decode-3", Role.DECODE, 3, "BackOff", False, restarts=2, pid=0, last_exit="exit code 1")
+    s = EngineState(
+        "decode-3", Role.DECODE, 3, "BackOff", False, restarts=2, pid=0, last_exit="exit code 1", sandboxed=True
+    )
     assert EngineState.from_json(s.to_json()) == s
     assert EngineState.from_json(json.loads(json.dumps(s.to_json()))) == s
+    # Only a true boolean is a sandbox claim (an older agent's word has no field: not sandboxed).
+    for claim in ("yes", 1, None):
+        got = EngineState.from_json({**s.to_json(), "sandboxed": claim})
+        assert got is not None and got.sandboxed is False
+    older = {k: v for k, v in s.to_json().items() if k != "sandboxed"}
+    assert EngineState.from_json(older) == EngineState(**{**s.__dict__, "sandboxed": False})
     for bad in ([], {**s.to_json(), "role": "x"}, {**s.to_json(), "restarts": -1}, {**s.to_json(), "pid": True},
                 {**s.to_json(), "name": 3}):  # fmt: skip
         assert EngineState.from_json(bad) is None

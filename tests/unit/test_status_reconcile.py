@@ -323,7 +323,15 @@ def _report(ready: bool = True, **restarts: int) -> AgentReport:
     engines = {"prefill-0": ("prefill", 0), "decode-0": ("decode", 0)}
     states = {
         name: EngineState(
-            name, Role(role), rep, "Running", True, restarts.get(name.replace("-", "_"), 0), 7, "exit code 1"
+            name,
+            Role(role),
+            rep,
+            "Running",
+            True,
+            restarts.get(name.replace("-", "_"), 0),
+            7,
+            "exit code 1",
+            sandboxed=name.startswith("decode"),
         )
         for name, (role, rep) in engines.items()
     }
@@ -346,6 +354,8 @@ def test_engine_readiness_and_the_agents_own_come_from_readyz() -> None:
     res = _run(kube, ref, builder, Snapshot(nodes, [], pods, reports={"pod-uid": _report()}), memory, ledger)
     assert res.result == ReconcileResult.READY
     assert kube.status["endpoints"]["decode"][0]["phase"] == "Running"
+    # Each engine's sandbox as its agent reports it.
+    assert [kube.status["endpoints"][r][0]["sandboxed"] for r in ("prefill", "decode")] == [False, True]
     not_ready = {"pod-uid": _report(ready=False)}
     _run(kube, ref, builder, Snapshot(nodes, [], pods, reports=not_ready), memory, ledger)
     assert kube.status["agents"] == {"desired": 1, "ready": 0}
