@@ -6,6 +6,7 @@ No control-plane dependencies here: the agent harness (fabric.py) runs on GPU ma
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -18,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PACKAGES = ("core", "operator", "agent")
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -26,6 +28,7 @@ def _ephemeral_low() -> int:
 
 
 _HANDED_OUT: set[int] = set()
+_RNG = random.Random()
 
 
 def free_port() -> int:
@@ -37,9 +40,8 @@ def free_port() -> int:
     Never the same port twice in this process."""
     low = _ephemeral_low()
     span = range(20000, low) if low - 20000 >= 2000 else range(0)
-    rng = random.Random()
     for _ in range(256 if span else 0):
-        port = rng.choice(span)
+        port = _RNG.choice(span)
         if port in _HANDED_OUT:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

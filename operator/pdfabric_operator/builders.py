@@ -345,7 +345,7 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
             "periodSeconds": 15,
             "failureThreshold": 4,
         },
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": unprivileged_container(),
     }
     if router.resources:
         container["resources"] = dict(router.resources)
@@ -484,6 +484,11 @@ def agent_config_hash(spec: PDClusterSpec, placement: Placement) -> str:
     return _short_hash(json.dumps(config, sort_keys=True, default=str), 16)
 
 
+def unprivileged_container() -> dict[str, Any]:
+    """Every container the operator builds: no capability, no privilege gain."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def pod_security_context(user: int) -> dict[str, Any]:
     """A node pod's: its user as group and fsGroup (the Secret files are group-readable), the
     runtime's default seccomp profile, and runAsNonRoot unless the user is root; with the
@@ -554,7 +559,7 @@ def build_agent_pod(
         # Nothing the agent or an engine does needs a capability or a privilege gain (Landlock, the
         # engines' sandbox, needs neither); dropping CAP_SYS_PTRACE is what keeps a sandboxed engine
         # from tracing the agent.
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": unprivileged_container(),
     }
     container["env"].append({"name": "HOME", "value": c.HOME_DIR})  # the pod's user may have no home of its own
     volumes: list[dict[str, Any]] = []

@@ -35,7 +35,14 @@ from pdfabric_operator.agentstate import AgentReport
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
 from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement
-from pdfabric_operator.status import AgentView, Observed, agent_fallbacks, compute_status, status_patch
+from pdfabric_operator.status import (
+    AgentView,
+    Observed,
+    agent_fallbacks,
+    compute_status,
+    ready_condition,
+    status_patch,
+)
 
 
 @dataclass(frozen=True)
@@ -305,13 +312,12 @@ def reconcile_once(
         ),
         ref.name,
     )  # fmt: skip
-    if refused:
-        first = min(refused)
-        out.problem = ("PodRejected", f"the API server refused agent pod {first}: {refused[first]}")
+    if refused:  # the Event says what the Ready condition says
+        out.problem = ("PodRejected", ready_condition(status)["message"])
     fell_back = agent_fallbacks(views)
     if fell_back and out.problem is None:
         out.problem = ("AgentTransportFallback", fell_back)
-    if isinstance(outcome, Placement) and status["conditions"][0]["status"] == "True":
+    if isinstance(outcome, Placement) and ready_condition(status)["status"] == "True":
         out.result = ReconcileResult.READY
     out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
     return out

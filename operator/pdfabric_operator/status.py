@@ -107,6 +107,19 @@ def _rank_ids(ranks: Sequence[Rank]) -> list[str]:
 
 
 def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
+    status = _status(obs, cluster)
+    if obs.refused_pods:  # whatever else holds, the cluster is not Ready while a pod is refused
+        refused = _pods_refused(obs.refused_pods)
+        status["conditions"] = [refused if x["type"] == c.COND_READY else x for x in status["conditions"]]
+    return status
+
+
+def ready_condition(status: Mapping[str, Any]) -> dict[str, str]:
+    """The Ready condition of a status compute_status wrote."""
+    return next(x for x in status["conditions"] if x["type"] == c.COND_READY)
+
+
+def _status(obs: Observed, cluster: str) -> dict[str, Any]:
     spec = obs.spec
     p_desired, d_desired = spec.prefill.replicas, spec.decode.replicas
     status: dict[str, Any] = {
@@ -206,8 +219,6 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
         if all_ready
         else _condition(c.COND_READY, False, "AgentsNotReady", agents_msg)
     )
-    if obs.refused_pods:
-        ready = _pods_refused(obs.refused_pods)
     if spec.engine is None:
         status.update(_no_engines())
         status["conditions"] = [ready, placed, transport_ready, degraded]
@@ -232,8 +243,6 @@ def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
         ready = _condition(c.COND_READY, False, "RouterNotReady", f"{agents_msg}; {engines_msg}{router_msg}")
     elif all_ready:
         ready = _condition(c.COND_READY, True, "AgentsReady", f"{agents_msg}; {engines_msg}{router_msg}")
-    if obs.refused_pods:
-        ready = _pods_refused(obs.refused_pods)
     status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready]
     return status
 

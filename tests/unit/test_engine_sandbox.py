@@ -22,6 +22,7 @@ from pdfabric_agent.supervisor import EngineSupervisor, Timings, sandboxed_argv
 from pdfabric_core.engines import EngineLaunch
 from pdfabric_core.policy.types import Role
 from pdfabric_core.spec import EngineSandbox
+from pdfabric_devcluster.procs import free_port
 
 ABI, WHY = sandbox.landlock_abi()
 needs_landlock = pytest.mark.skipif(ABI < 1, reason=f"no Landlock here: {WHY}")
@@ -170,14 +171,6 @@ class H(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_supervisor(tree: Path, mode: EngineSandbox) -> tuple[EngineSupervisor, Path]:

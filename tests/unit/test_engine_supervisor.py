@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,6 +23,7 @@ from pdfabric_agent.server import Readiness
 from pdfabric_agent.supervisor import EngineSupervisor, LaunchError, Timings, engine_argv, engine_env, visible_devices
 from pdfabric_core.engines import EngineLaunch, EngineState, EnvEntry, hoisted_name
 from pdfabric_core.policy.types import Role
+from pdfabric_devcluster.procs import free_port
 
 PY = sys.executable
 FAST = Timings(probe_s=0.05, liveness_s=0.3, backoff_s=0.1, backoff_max_s=0.4, grace_s=1.0)
@@ -55,12 +55,6 @@ worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 open(sys.argv[1], "w").write(str(worker.pid))
 time.sleep(60)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(argv: list[str], *, port: int = 1, startup: int = 30, env: tuple[EnvEntry, ...] = (),
