@@ -120,7 +120,12 @@ class DecodeRoom(Room):
         return self.quiet >= self.expected.keys()
 
     def view(self) -> dict[str, Any]:
-        return {**super().view(), "senders": {k: dict(v) for k, v in sorted(self.senders.items())}}
+        return {
+            **super().view(),
+            "senders": {k: dict(v) for k, v in sorted(self.senders.items())},
+            # Every source's writes into the room are over: a failed room's pages may be reused.
+            "sources_quiet": self.sources_quiet,
+        }
 
 
 AnyRoom = PrefillRoom | DecodeRoom

@@ -1,16 +1,26 @@
-"""SGLang's transfer-backend contract (``sglang.srt.disaggregation.base.conn``) on the node agent.
+"""SGLang's transfer-backend contract on the node agent: the whole surface SGLang 0.5.23's scheduler
+uses (``prefill.py``, ``decode.py``, ``utils.py``), not just what ``base/conn.py`` declares.
 
 - ``PdfabricKVManager``: one per engine rank. Registers the rank's ``KVArgs`` buffers with the
   agent (``/v1/memory``), which checks them against the PDCluster's model and moves that rank's
-  rooms in them from then on. The rendezvous is the PDCluster's rank map, not a bootstrap table.
+  rooms in them from then on. The rendezvous is the PDCluster's rank map, not a bootstrap table;
+  decode's ``prefill_info_table`` holds, per prefill bootstrap address, which prefill replica it is
+  (``peers.PrefillPeers``, looked up off the scheduler thread).
 - ``PdfabricKVSender`` (prefill): SGLang's bootstrap room is the agent's room id. ``poll`` reports
   Bootstrapping until the decode side announced the room to the agent, WaitingForInput once every
   decode rank did (the agent names them, so the sender learns the decode replica the router chose),
   then the agent's state of the room. ``send`` takes chunks; the room is submitted with the last
   one (the agent moves a room's pages in one plan).
-- ``PdfabricKVReceiver`` (decode): asks the prefill's bootstrap server which prefill replica it is
-  (``init``), then ``send_metadata`` submits the room's destination pages, aux row and state slots.
-- ``PdfabricKVBootstrapServer`` (prefill): answers that question, nothing more.
+- ``PdfabricKVReceiver`` (decode): ``init`` takes the prefill replica from the manager's table,
+  ``send_metadata`` submits the room's destination pages, aux row and state slots.
+- ``PdfabricKVBootstrapServer`` (prefill): tells decode which replica this is; ``/health`` for
+  decode's heartbeat.
+
+Every agent call is guarded: an agent that refuses, is down or restarting fails the request with
+the reason (``KVTransferError``), never the server. A failure SGLang learns from another rank
+through its all-reduce is raised with ``is_from_another_rank``, and this rank's room is aborted at
+the agent. Deferred decode KV release (on by default in SGLang) is answered from the agent's own
+knowledge of the room: its pages are released once every source's writes are over.
 
 Both sides fill SGLang's ``KVTransferMetric``: latency from the first chunk handed to the backend
 (sender) or the metadata submit (receiver) to the agent's confirmed completion, and the bytes the
@@ -19,18 +29,13 @@ agent counted for the room, once each (skipped CP state is not counted).
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import (
-    BaseKVBootstrapServer,
     BaseKVManager,
     BaseKVReceiver,
     BaseKVSender,
@@ -43,16 +48,27 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 from pdfabric_agent.client import AgentClient, AgentRefused
 from pdfabric_agent.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
+from pdfabric_sglang.bootstrap import PdfabricKVBootstrapServer
 from pdfabric_sglang.kvargs import ENV_CP_RANK, ENV_RANK, ENV_REPLICA, FabricConfig, gpu_of, rank_id_for, registration
+from pdfabric_sglang.peers import PrefillPeer, PrefillPeers
 from pdfabric_sglang.shares import UnshareableBuffer
+
+__all__ = ["PdfabricKVBootstrapServer", "PdfabricKVManager", "PdfabricKVReceiver", "PdfabricKVSender"]
 
 log = logging.getLogger("pdfabric.sglang")
 
-REPLICA_PATH = "/pdfabric/v1/replica"
 FINAL = (KVPoll.Success, KVPoll.Failed)
+# A poll, submit or abort on the scheduler thread waits at most this long for the agent (it answers
+# in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
+AGENT_CALL_TIMEOUT_S = 2.0
+AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting or timed out; garbled
 
 
 class PdfabricKVManager(BaseKVManager):
+    # Failed decode rooms keep their pages until the agent says every source's writes are over.
+    enable_deferred_decode_kv_release = True
+    supports_host_destination = False
+
     def __init__(
         self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
     ) -> None:
@@ -65,7 +81,7 @@ class PdfabricKVManager(BaseKVManager):
         info = info_client.info()
         info_client.close()
         self.cluster_uid = info["cluster"]["uid"]
-        self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid)
+        self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
         self.rank_id = rank_id_for(self.role, self.config, args)
         if self.rank_id not in info["ranks"]:
             raise RuntimeError(
@@ -79,6 +95,10 @@ class PdfabricKVManager(BaseKVManager):
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
         self.layout = answer["memory"]["layout"]
         self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
+        # Decode: prefill bootstrap address -> which prefill replica serves there (SGLang's decode
+        # queue reads dp_size and follow_bootstrap_room from it for every request).
+        self.peers = PrefillPeers(self.cluster_uid)
+        self.prefill_info_table: dict[str, PrefillPeer] = self.peers.table
         log.info(
             "pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer["memory"]["buffers"], info["agent"]
         )
@@ -86,13 +106,37 @@ class PdfabricKVManager(BaseKVManager):
     def register_to_bootstrap(self) -> None:
         """Nothing to register: the PDCluster's rank map tells every agent where each rank is."""
 
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Whether the prefill behind ``bootstrap_addr`` is known; starts the lookup (off the
+        scheduler thread) when it is not. SGLang's decode queue calls it until True."""
+        return self.peers.ensure(bootstrap_addr)
+
+    def submit_prefill_recompute(self, receiver: Any, payload: Any) -> None:
+        """Rebootstrap (a retracted request re-received): the agent's rooms are single-use, so the
+        request fails with the reason instead of waiting for a room that cannot open again."""
+        receiver.fail("pdfabric cannot re-receive a retracted request (rebootstrap) yet")
+
+    # Deferred decode KV release: the agent knows when a failed room's sources are quiet.
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        try:
+            view = self.client.poll(self.rank_id, int(bootstrap_room))
+        except AgentRefused as exc:
+            return exc.status == 404  # the agent never took the room: nothing can write into it
+        except (OSError, ValueError):
+            return False  # unknown: SGLang releases at its deadline
+        return bool(view.get("sources_quiet", view.get("code") == KVPoll.Success))
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """Nothing kept per room here: the agent's room holds the state."""
+
 
 class _RoomClient:
     """What sender and receiver share: a room of the manager's rank, its outcome and metric."""
 
     def __init__(self, mgr: PdfabricKVManager, bootstrap_room: int | None) -> None:
-        self.mgr = mgr
+        self.kv_mgr = mgr  # SGLang's name: its queues read kv_mgr off senders and receivers
         self.room = int(bootstrap_room or 0)
+        self.bootstrap_room = self.room
         self.submitted_at: float | None = None
         self.finished_at: float | None = None
         self.concluded: int | None = None  # a KVPoll value once final
@@ -100,18 +144,51 @@ class _RoomClient:
         self.bytes_moved: int | None = None
         self.created = time.monotonic()
 
+    @property
+    def mgr(self) -> PdfabricKVManager:
+        return self.kv_mgr
+
     def _conclude(self, state: int, reason: str = "") -> int:
         if self.concluded is None:
             self.concluded, self.reason = state, reason
             self.finished_at = time.monotonic()
+            if state == KVPoll.Failed:
+                log.warning("pdfabric: room %d on %s failed: %s", self.room, self.mgr.rank_id, reason)
         return self.concluded
+
+    def fail(self, reason: str) -> None:
+        """Conclude Failed and tell the agent (a room it took fails at once, its peers are told)."""
+        self._abort_at_agent(reason)
+        self._conclude(KVPoll.Failed, reason)
+
+    def _abort_at_agent(self, reason: str) -> None:
+        if self.submitted_at is None or self.concluded is not None:
+            return
+        try:
+            self.mgr.client.abort(self.mgr.rank_id, self.room, reason)
+        except AGENT_ERRORS as exc:
+            log.warning("pdfabric: abort of room %d at the agent: %s", self.room, exc)
+
+    def _view(self) -> dict[str, Any] | None:
+        """The agent's view of the room; None when it has none yet (404). Concludes Failed when the
+        agent cannot be asked."""
+        try:
+            return self.mgr.client.poll(self.mgr.rank_id, self.room)
+        except AgentRefused as exc:
+            if exc.status == 404:
+                return None
+            self._conclude(KVPoll.Failed, f"agent refused the poll: {exc}")
+        except (OSError, ValueError) as exc:
+            self._conclude(KVPoll.Failed, f"agent {self.mgr.config.address} unreachable: {exc}")
+        return None
 
     def _agent_state(self) -> int:
         """The submitted room's state at the agent (its codes are SGLang's KVPoll values)."""
-        try:
-            view = self.mgr.client.poll(self.mgr.rank_id, self.room)
-        except AgentRefused as exc:
-            return self._conclude(KVPoll.Failed, f"agent refused the poll: {exc}")
+        view = self._view()
+        if self.concluded is not None:
+            return self.concluded
+        if view is None:  # a submitted room the agent no longer knows: it restarted
+            return self._conclude(KVPoll.Failed, "the agent lost the room (restarted?)")
         code = int(view["code"])
         if code in FINAL:
             if code == KVPoll.Success:
@@ -126,15 +203,19 @@ class _RoomClient:
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes_moved)
 
     def failure_exception(self) -> None:
+        if self.concluded != KVPoll.Failed:
+            # SGLang's all-reduce took the MIN over its ranks: another rank failed this request.
+            self.fail("failed on another rank of this request")
+            raise KVTransferError(
+                self.room, f"pdfabric room {self.room} failed on another rank", is_from_another_rank=True
+            )
         raise KVTransferError(self.room, f"pdfabric room {self.room} on {self.mgr.rank_id} failed: {self.reason}")
 
     def abort(self) -> None:
-        if self.submitted_at is not None and self.concluded is None:
-            try:
-                self.mgr.client.abort(self.mgr.rank_id, self.room, "aborted by SGLang")
-            except AgentRefused as exc:
-                log.warning("pdfabric: abort of room %d: %s", self.room, exc)
-        self._conclude(KVPoll.Failed, "aborted by SGLang")
+        self.fail("aborted by SGLang")
+
+    def clear(self) -> None:
+        """SGLang is done with the request: nothing held here (the agent's room is final)."""
 
 
 class PdfabricKVSender(_RoomClient, BaseKVSender):
@@ -150,37 +231,50 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         self.aux_index: int | None = None
         self.pages: list[int] = []
         self.decode_replica: int | None = None
+        self.decode_prefix_len = 0
         self.first_chunk_at = 0.0
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
+
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens decode already holds (its radix cache): prefill sends the pages after them."""
+        n, self.decode_prefix_len = self.decode_prefix_len, 0
+        return n
 
     def poll(self) -> int:
         if self.concluded is not None:
             return self.concluded
         if self.submitted_at is not None:
             return self._agent_state()
-        try:
-            view = self.mgr.client.poll(self.mgr.rank_id, self.room)
-        except AgentRefused as exc:
-            if exc.status != 404:
-                return self._conclude(KVPoll.Failed, str(exc))
-            view = None  # decode has not announced the room yet
-        if view is not None and view.get("decode_ranks_ready"):
-            self.decode_replica = replica_of(view["decode_ranks_ready"][0])
-            if view["state"] == "WaitingForInput":
-                return KVPoll.WaitingForInput
+        view = self._view()
+        if self.concluded is not None:
+            return self.concluded
+        if view is not None:
+            if int(view.get("code", -1)) == KVPoll.Failed:  # decode gave the room up before we sent
+                return self._conclude(KVPoll.Failed, view.get("reason") or "the decode side failed the room")
+            if view.get("decode_ranks_ready"):
+                self.decode_replica = replica_of(view["decode_ranks_ready"][0])
+                self.decode_prefix_len = int(view.get("decode_prefix_tokens", 0))
+                if view["state"] == "WaitingForInput":
+                    return KVPoll.WaitingForInput
         if time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
             return self._conclude(
                 KVPoll.Failed, f"decode did not announce the room within {self.mgr.bootstrap_timeout_s:g} s"
             )
         return KVPoll.Bootstrapping
 
+    def poll_pp_consensus(self) -> int:
+        """PP stage 0's poll, which SGLang spreads to the other stages; every stage's agent room
+        follows the same decode announcement, so this stage's own poll is the same answer."""
+        return self.poll()
+
     def send(
         self,
         kv_indices: npt.NDArray[np.int32],
         state_indices: list[Any] | None = None,
         num_kv_tokens: int | None = None,
+        **_: Any,
     ) -> None:
         if self.concluded is not None:
             return
@@ -200,8 +294,8 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         msg = SendRequest(self.mgr.rank_id, self.room, self.pages, state, self.aux_index, self.decode_replica)
         try:
             self.mgr.client.submit(msg)
-        except AgentRefused as exc:
-            self._conclude(KVPoll.Failed, f"agent refused the send: {exc}")
+        except AGENT_ERRORS as exc:
+            self._conclude(KVPoll.Failed, f"the agent did not take the send: {exc}")
             return
         self.submitted_at = self.first_chunk_at
 
@@ -218,29 +312,40 @@ def replica_of(rank_id: str) -> int:
 
 
 class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
-    def __init__(self, mgr: PdfabricKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+    def __init__(
+        self, mgr: PdfabricKVManager, bootstrap_addr: str, bootstrap_room: int | None = None, **_: Any
+    ) -> None:
         _RoomClient.__init__(self, mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
         self.prefill_replica: int | None = None
         self.inited = False
         self.conclude_state: int | None = None  # SGLang's decode reads it after init
+        # Deferred decode KV release: SGLang counts the prefill sources it awaits (one agent room)
+        # and holds a failed room's pages while abort_notified.
+        self.bootstrap_infos: list[PrefillPeer] = []
+        self.abort_notified = False
+        self.require_staging = False
 
-    def init(self, prefill_dp_rank: int) -> None:
+    def init(self, prefill_dp_rank: int = 0) -> None:
         self.inited = True
         self._resolve()
 
     def _resolve(self) -> None:
-        """Ask the prefill's bootstrap server which replica it is; it may not be up yet (then
-        Bootstrapping, until the bootstrap timeout)."""
-        try:
-            self.prefill_replica = prefill_replica_at(self.bootstrap_addr, self.mgr.cluster_uid, timeout_s=1.0)
-        except ValueError as exc:  # another PDCluster's prefill: no retry helps
-            self.conclude_state = self._conclude(KVPoll.Failed, f"prefill bootstrap {self.bootstrap_addr}: {exc}")
-        except OSError as exc:
-            if time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
-                self.conclude_state = self._conclude(
-                    KVPoll.Failed, f"prefill bootstrap {self.bootstrap_addr} unreachable: {exc}"
-                )
+        """The prefill replica behind the bootstrap address, from the manager's table (SGLang's
+        decode queue calls ``init`` once the table has it; other callers wait in ``poll``)."""
+        peers = self.mgr.peers
+        if peers.ensure(self.bootstrap_addr):
+            peer = peers.table[self.bootstrap_addr]
+            self.prefill_replica = peer.replica
+            self.bootstrap_infos = [peer]
+            return
+        error = peers.error(self.bootstrap_addr)
+        if error is not None and not error.retryable:  # another PDCluster's prefill: no retry helps
+            self.conclude_state = self._conclude(KVPoll.Failed, f"prefill bootstrap {self.bootstrap_addr}: {error}")
+        elif time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
+            self.conclude_state = self._conclude(
+                KVPoll.Failed, f"prefill bootstrap {self.bootstrap_addr} unreachable: {error}"
+            )
 
     def send_metadata(
         self,
@@ -248,9 +353,16 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
         aux_index: int | None = None,
         state_indices: list[Any] | None = None,
         decode_prefix_len: int | None = None,
-        destination: Any = None,
+        **_: Any,
     ) -> None:
         if self.concluded is not None or self.prefill_replica is None:
+            return
+        if decode_prefix_len:
+            self.conclude_state = self._conclude(
+                KVPoll.Failed,
+                f"decode holds {decode_prefix_len} tokens of this prompt in its radix cache; pdfabric moves "
+                "whole prompts only (run decode without --disaggregation-decode-enable-radix-cache)",
+            )
             return
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
         state = (
@@ -262,8 +374,8 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
         self.submitted_at = time.monotonic()
         try:
             self.mgr.client.submit(msg)
-        except AgentRefused as exc:
-            self.conclude_state = self._conclude(KVPoll.Failed, f"agent refused the receive: {exc}")
+        except AGENT_ERRORS as exc:
+            self.conclude_state = self._conclude(KVPoll.Failed, f"the agent did not take the receive: {exc}")
 
     def poll(self) -> int:
         if self.concluded is not None:
@@ -279,43 +391,12 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
             self.conclude_state = state
         return state
 
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """The agent fails the room and tells its sources; its pages wait for them to be quiet."""
+        if self.submitted_at is not None:
+            self._abort_at_agent("decode released the request")
+            self.abort_notified = True
 
-def prefill_replica_at(bootstrap_addr: str, cluster_uid: str, timeout_s: float = 5.0) -> int:
-    """Which prefill replica serves behind a bootstrap address (the router gives decode that address)."""
-    with urllib.request.urlopen(f"http://{bootstrap_addr}{REPLICA_PATH}", timeout=timeout_s) as resp:
-        doc = json.loads(resp.read())
-    if doc.get("cluster") != cluster_uid:
-        raise ValueError(f"it serves PDCluster {doc.get('cluster')!r}, not this decode's {cluster_uid!r}")
-    return int(doc["replica"])
-
-
-class PdfabricKVBootstrapServer(BaseKVBootstrapServer):
-    """On prefill: tells decode engines which prefill replica this is (``REPLICA_PATH``)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        config = FabricConfig()
-        client = AgentClient(config.address, config.token, "")
-        doc = {"replica": config.replica, "cluster": client.info()["cluster"]["uid"]}
-        client.close()
-        body = json.dumps(doc).encode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                status, payload = (200, body) if self.path == REPLICA_PATH else (404, b'{"error": "not found"}')
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="pdfabric-bootstrap", daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def fail(self, reason: str) -> None:
+        super().fail(reason)
+        self.conclude_state = KVPoll.Failed

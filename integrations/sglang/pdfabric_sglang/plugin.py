@@ -5,6 +5,10 @@ choices, the ``TransferBackend`` enum the scheduler builds from that flag, and `
 which returns a backend's manager / sender / receiver / bootstrap-server classes. The plugin adds
 ``pdfabric`` to each through SGLang's own extension points (the choices list's ``add_...``
 function, ``HookRegistry``'s class REPLACE and AROUND hooks), changing nothing else.
+
+With pdfabric as the backend, two allocations run in shared memory so the node agent can map them
+(``cpu_pools``): ``MetadataBuffers`` (SGLang keeps them on the CPU on every device) and, on the CPU
+engine, the MHA KV pool's buffers.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any
 BACKEND = "pdfabric"
 TRANSFER_BACKEND = "sglang.srt.disaggregation.utils.TransferBackend"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+METADATA_BUFFERS_INIT = "sglang.srt.disaggregation.utils.MetadataBuffers.__init__"
+MHA_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 
 
 def transfer_backend_with_pdfabric(original: type[enum.Enum]) -> type[enum.Enum]:
@@ -49,6 +55,37 @@ def get_kv_class_around(original: Any, transfer_backend: Any, class_type: Any) -
     }[class_type]
 
 
+def pdfabric_is_the_backend() -> bool:
+    """This SGLang process runs PD with pdfabric (its disaggregation settings say so)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        disagg = get_disagg()
+        return bool(disagg.disaggregation_transfer_backend == BACKEND and str(disagg.disaggregation_mode) != "null")
+    except (AttributeError, RuntimeError, KeyError):
+        return False  # not a serving process (no runtime context published)
+
+
+def metadata_buffers_in_shm(original: Any, buffers: Any, *args: Any, **kwargs: Any) -> None:
+    """``MetadataBuffers.__init__`` with its CPU rows in the agent's shared memory."""
+    if not pdfabric_is_the_backend():
+        return original(buffers, *args, **kwargs)  # type: ignore[no-any-return]
+    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
+
+    with shared_cpu_allocations():
+        return original(buffers, *args, **kwargs)  # type: ignore[no-any-return]
+
+
+def cpu_kv_pool_in_shm(original: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
+    """The MHA KV pool's buffers in the agent's shared memory when SGLang runs on the CPU."""
+    if str(getattr(pool, "device", "")) != "cpu" or not pdfabric_is_the_backend():
+        return original(pool, *args, **kwargs)  # type: ignore[no-any-return]
+    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
+
+    with shared_cpu_allocations():
+        return original(pool, *args, **kwargs)  # type: ignore[no-any-return]
+
+
 def register() -> None:
     """The entry point: called by ``sglang.srt.plugins.load_plugins()`` before hooks are applied."""
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
@@ -59,3 +96,5 @@ def register() -> None:
         add_disagg_transfer_backend_choices([BACKEND])
     HookRegistry.register(TRANSFER_BACKEND, transfer_backend_with_pdfabric(utils.TransferBackend), HookType.REPLACE)
     HookRegistry.register(GET_KV_CLASS, get_kv_class_around, HookType.AROUND)
+    HookRegistry.register(METADATA_BUFFERS_INIT, metadata_buffers_in_shm, HookType.AROUND)
+    HookRegistry.register(MHA_POOL_BUFFERS, cpu_kv_pool_in_shm, HookType.AROUND)

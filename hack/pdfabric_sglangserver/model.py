@@ -1,0 +1,81 @@
+"""A model directory SGLang's server loads with ``--load-format dummy``: a small Llama's config and a
+byte-level tokenizer built here (nothing downloaded). SGLang fills the weights from its own seed, so
+two servers given the same directory and seed hold the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Small enough for 2 CPU cores, shaped like a real GQA Llama: 2 layers, 4 query heads over 2 KV heads.
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 320,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+}
+SPECIALS = ["<s>", "</s>"]  # ids 256 and 257: every byte is one token below them
+
+
+def spec_model(page_size: int) -> dict[str, object]:
+    """The same model as a PDCluster's ``spec.model`` (the agent checks SGLang's buffers against it)."""
+    return {
+        "layers": CONFIG["num_hidden_layers"],
+        "kvHeads": CONFIG["num_key_value_heads"],
+        "headDim": CONFIG["head_dim"],
+        "dtype": "bfloat16",
+        "pageSizeTokens": page_size,
+    }
+
+
+def write_model_dir(path: Path) -> Path:
+    """Write the config and tokenizer into ``path`` (idempotent) and return it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    vocab = {ch: i for i, ch in enumerate(_byte_alphabet_in_order())}  # token id = byte value
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": CONFIG["max_position_embeddings"],
+                "add_bos_token": False,
+            }
+        )
+    )
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
+    return path
+
+
+def _byte_alphabet_in_order() -> list[str]:
+    """GPT-2's byte-to-unicode table, in byte order (bytes 0..255)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]

@@ -1,0 +1,181 @@
+"""SGLang's real server (``python -m sglang.launch_server``) on this CPU machine, as tests and the demo
+start it: SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) on a small random-weight Llama
+(``model.write_model_dir``), as a single server or as a PD prefill or decode server over any
+transfer backend (pdfabric, or SGLang's own Mooncake backend as the control).
+
+What keeps SGLang's CPU path off CUDA (../shared/docs/SGLANG.md has the reasons):
+``--disaggregation-decode-retraction-backup cpu_tensor`` on decode (its default backup host-registers
+memory), ``--disable-overlap-schedule`` on prefill (it records a CUDA event for a repeated prompt),
+and, for Mooncake only, ``MooncakeKVSender.supports_host_tensor_indices = False``
+(``mooncake_cpu_sitecustomize``). The ``sgl_kernel`` stand-in (``standin/``) is on every server's
+PYTHONPATH: test code, documented there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+STANDIN = HERE / "standin"  # the sgl_kernel stand-in
+MOONCAKE_CPU = HERE / "mooncake_cpu"  # a sitecustomize for Mooncake-backend servers on CPU
+START_TIMEOUT_S = 420.0  # 72-123 s on 2 idle cores; CI's machine is busier
+
+CPU_FLAGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--disable-cuda-graph",
+    "--load-format", "dummy",
+    "--max-total-tokens", "4096",
+    "--mem-fraction-static", "0.05",
+    "--random-seed", "0",
+    "--log-level", "warning",
+)  # fmt: skip
+
+
+def server_argv(
+    model_dir: Path,
+    port: int,
+    *,
+    mode: str | None = None,
+    backend: str = "",
+    bootstrap_port: int = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The command line of one CPU server: single (``mode`` None), prefill or decode."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS]
+    if mode is not None:
+        argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
+    if mode == "prefill":
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port), "--disable-overlap-schedule"]
+    if mode == "decode":
+        argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    return [*argv, *extra]
+
+
+def server_env(base: Mapping[str, str], pythonpath: Sequence[str] = (), *, mooncake: bool = False) -> dict[str, str]:
+    """``base`` plus what SGLang's CPU engine needs here: the CPU engine, loopback transfers, the
+    stand-in (and, for the Mooncake control, its CPU sitecustomize) on PYTHONPATH."""
+    paths = [str(STANDIN), *([str(MOONCAKE_CPU)] if mooncake else []), *pythonpath]
+    if base.get("PYTHONPATH"):
+        paths.append(base["PYTHONPATH"])
+    return {
+        **base,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_HOST_IP": "127.0.0.1",
+        "PYTHONPATH": os.pathsep.join(paths),
+        "PYTHONUNBUFFERED": "1",
+        # No GPU here: keep torch from looking for one in every helper process.
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+
+
+@dataclass
+class SGLangServer:
+    """One running server: its URL, process and log."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    argv: list[str]
+    env: dict[str, str]
+    bootstrap_port: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    ready_after_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (OSError, ValueError):
+            return False
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server {self.name} exited {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SGLang server {self.name} not healthy within {timeout_s:g} s:\n{self.tail()}")
+            time.sleep(1.0)
+        self.ready_after_s = time.monotonic() - self.started_at
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def generate(self, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
+        return post_json(self.url + "/generate", body, timeout_s)
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group (its scheduler and detokenizer with it), then kill."""
+        if self.proc.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # helpers left in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def restart(self) -> None:
+        """Stop and start the same command (same ports): a crashed or killed server coming back."""
+        self.stop()
+        fresh = start_server(self.name, self.argv, self.env, self.log, self.port, self.bootstrap_port)
+        self.proc, self.started_at = fresh.proc, fresh.started_at
+
+
+def start_server(
+    name: str, argv: list[str], env: dict[str, str], log: Path, port: int, bootstrap_port: int = 0
+) -> SGLangServer:
+    """Start a server in its own process group (so one signal reaches all of SGLang's processes)."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return SGLangServer(name, port, proc, log, argv, env, bootstrap_port)
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body: the status and JSON answer (0 and the error when none came)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, {"error": raw.decode(errors="replace")}
+    except (OSError, ValueError) as exc:
+        return 0, {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def greedy(prompt_ids: Sequence[int], new_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A /generate body for greedy decoding of exactly ``new_tokens`` tokens."""
+    params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    return {"input_ids": list(prompt_ids), "sampling_params": params, **extra}

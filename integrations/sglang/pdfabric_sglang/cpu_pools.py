@@ -1,0 +1,95 @@
+"""SGLang's CPU engine keeps its KV pool and ``MetadataBuffers`` in private process memory, which the
+node agent cannot map. With pdfabric as the transfer backend on ``--device cpu``, the plugin runs
+the two constructors that allocate them inside ``shared_cpu_allocations``: each CPU tensor they
+create with ``torch.zeros`` / ``torch.empty`` is a file in the agent's shared-memory directory
+(``PDFABRIC_SHM_DIR``) mapped shared, so ``KVArgs`` points into memory the agent maps too. Nothing
+else changes: same shapes, dtypes and zeroed contents; GPU tensors are untouched.
+
+The files are named after the process and removed when it exits; the agent's own stale-pool sweep
+is for its pools, so a killed engine's files stay until the pod's emptyDir goes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+ENV_SHM_DIR = "PDFABRIC_SHM_DIR"
+PREFIX = "pdfabric-sglang-"
+
+_lock = threading.Lock()
+_created: list[str] = []
+
+
+def shm_dir() -> str:
+    return os.environ.get(ENV_SHM_DIR) or "/dev/shm"
+
+
+def _remove_created() -> None:
+    for path in _created:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+atexit.register(_remove_created)
+
+
+def shared_tensor(shape: tuple[int, ...], dtype: Any, directory: str) -> Any:
+    """A zeroed CPU tensor backed by a new file in ``directory``, mapped shared."""
+    import torch
+
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    with _lock:
+        _created.append(path)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def _shape_of(size: tuple[Any, ...]) -> tuple[int, ...] | None:
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = tuple(size[0])
+    if all(isinstance(n, int) for n in size):
+        return tuple(size)
+    return None
+
+
+def _is_cpu(device: Any) -> bool:
+    return device is not None and str(device) == "cpu"
+
+
+@contextlib.contextmanager
+def shared_cpu_allocations(directory: str | None = None) -> Iterator[None]:
+    """Within the block, ``torch.zeros`` and ``torch.empty`` with an explicit CPU device (and no
+    other option than dtype) return tensors in shared-memory files of ``directory``."""
+    import torch
+
+    where = directory or shm_dir()
+    real: dict[str, Callable[..., Any]] = {"zeros": torch.zeros, "empty": torch.empty}
+
+    def redirect(name: str) -> Callable[..., Any]:
+        def alloc(*size: Any, **kwargs: Any) -> Any:
+            shape = _shape_of(size)
+            if shape is None or not _is_cpu(kwargs.get("device")) or set(kwargs) - {"device", "dtype"}:
+                return real[name](*size, **kwargs)
+            if math.prod(shape) == 0:
+                return real[name](*size, **kwargs)
+            return shared_tensor(shape, kwargs.get("dtype") or torch.get_default_dtype(), where)
+
+        return alloc
+
+    torch.zeros, torch.empty = redirect("zeros"), redirect("empty")  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.zeros, torch.empty = real["zeros"], real["empty"]  # type: ignore[assignment]

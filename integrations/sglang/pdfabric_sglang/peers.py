@@ -1,0 +1,89 @@
+"""Decode's table of prefill servers: which prefill replica of the PDCluster answers behind each
+bootstrap address the router hands out. SGLang's decode queue reads it for every request
+(``prefill_info_table``) and fills it through ``try_ensure_parallel_info``; the lookup is one HTTP
+GET to the prefill's bootstrap server, made on a worker thread so the scheduler's loop never waits
+on the network."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+REPLICA_PATH = "/pdfabric/v1/replica"
+LOOKUP_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class PrefillPeer:
+    """A prefill server as decode sees it. ``dp_size`` and ``follow_bootstrap_room`` are the
+    attributes SGLang's decode queue reads: a pdfabric prefill replica is one attention-DP group,
+    so every room of it goes to DP rank 0."""
+
+    replica: int
+    cluster: str
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+class LookupError_(Exception):
+    """Why a prefill bootstrap address could not be resolved; ``retryable`` when it may come up."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def prefill_peer_at(bootstrap_addr: str, cluster_uid: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> PrefillPeer:
+    """Ask the prefill's bootstrap server which replica it is, and check it is this PDCluster's."""
+    try:
+        with urllib.request.urlopen(f"http://{bootstrap_addr}{REPLICA_PATH}", timeout=timeout_s) as resp:
+            doc = json.loads(resp.read())
+    except (OSError, ValueError) as exc:
+        raise LookupError_(f"{type(exc).__name__}: {exc}", retryable=True) from None
+    if not isinstance(doc, dict) or doc.get("cluster") != cluster_uid:
+        cluster = doc.get("cluster") if isinstance(doc, dict) else None
+        raise LookupError_(f"it serves PDCluster {cluster!r}, not this decode's {cluster_uid!r}", retryable=False)
+    return PrefillPeer(replica=int(doc["replica"]), cluster=cluster_uid)
+
+
+class PrefillPeers:
+    """Bootstrap address -> ``PrefillPeer``, resolved in the background, one lookup at a time per
+    address; a failed lookup is retried on the next ``ensure`` unless it can never succeed."""
+
+    def __init__(self, cluster_uid: str) -> None:
+        self.cluster_uid = cluster_uid
+        self.table: dict[str, PrefillPeer] = {}
+        self._pending: dict[str, Future[PrefillPeer]] = {}
+        self._errors: dict[str, LookupError_] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdfabric-prefill-lookup")
+
+    def ensure(self, bootstrap_addr: str) -> bool:
+        """True once the address is resolved; otherwise starts (or checks) its lookup."""
+        if bootstrap_addr in self.table:
+            return True
+        with self._lock:
+            future = self._pending.get(bootstrap_addr)
+            if future is None:
+                error = self._errors.get(bootstrap_addr)
+                if error is not None and not error.retryable:
+                    return False
+                self._pending[bootstrap_addr] = self._pool.submit(prefill_peer_at, bootstrap_addr, self.cluster_uid)
+                return False
+            if not future.done():
+                return False
+            del self._pending[bootstrap_addr]
+        try:
+            self.table[bootstrap_addr] = future.result()
+        except LookupError_ as exc:
+            self._errors[bootstrap_addr] = exc
+            return False
+        self._errors.pop(bootstrap_addr, None)
+        return True
+
+    def error(self, bootstrap_addr: str) -> LookupError_ | None:
+        """The last lookup's failure for the address, if it failed."""
+        return self._errors.get(bootstrap_addr)

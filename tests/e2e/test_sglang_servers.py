@@ -1,0 +1,194 @@
+"""SGLang's own servers run PD over pdfabric: ``python -m sglang.launch_server`` (SGLang's CPU engine,
+its scheduler, its PD queues) as a prefill and a decode server with ``--disaggregation-transfer-backend
+pdfabric``, real agents on loopback tcp between them, SGLang's router in front. SGLang's own
+Mooncake backend runs the same cases as the control (``BACKENDS``).
+
+The model is a small random-weight Llama (the same seed in every server), so a decode that did not
+get the prefill's KV would not generate the single server's tokens: greedy answers through PD
+equal to one SGLang server's answers token for token prove the KV, and the first token carried in
+the metadata rows, arrived.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.procs import free_port
+from pdfabric_devcluster.sglang_router import SGLangRouter, sglang_router
+from pdfabric_sglangserver.model import spec_model, write_model_dir
+from pdfabric_sglangserver.servers import SGLangServer, greedy, server_argv, server_env, start_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ["mooncake", "pdfabric"]
+# 6 prompts of 5..700 tokens (byte ids below 256), and 16 more for the concurrent case.
+PROMPTS = [
+    [104, 101, 108, 108, 111],
+    list(range(32, 120)),
+    [7, 1, 5] * 40,
+    list(range(40, 250)) * 2,
+    [(i * 37) % 251 for i in range(700)],
+    [65] * 33,
+]
+CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 9 * i)] for i in range(16)]
+NEW_TOKENS = 12
+
+
+def aux_row_bytes() -> list[int]:
+    """Bytes per row of each of SGLang's ``MetadataBuffers`` as its scheduler builds them without
+    speculative decoding (hidden states padded to 16 float32, scheduler.py): the PDCluster's
+    ``spec.model.auxRowBytes``."""
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    bufs = MetadataBuffers(2, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4096)
+    return [int(n) for n in bufs.get_buf_infos()[2]]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("sglang-model"))
+
+
+@pytest.fixture(scope="session")
+def installed_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pdfabric installed as a user installs it (its ``sglang.srt.plugins`` entry point with it)."""
+    import subprocess
+    import sys
+
+    if os.environ.get("PDFABRIC_INSTALLED_SITE"):
+        return Path(os.environ["PDFABRIC_INSTALLED_SITE"])
+    target = tmp_path_factory.mktemp("site")
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
+    subprocess.run([*argv, str(target), str(ROOT)], check=True, capture_output=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    """One SGLang server serving the model alone: the answers PD must equal."""
+    logs = tmp_path_factory.mktemp("single")
+    port = free_port()
+    server = start_server(
+        "single", server_argv(model_dir, port), server_env(dict(os.environ)), logs / "single.log", port
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class PD:
+    backend: str
+    prefill: SGLangServer
+    decode: SGLangServer
+    router: SGLangRouter
+    fabric: LocalFabric | None  # pdfabric's agents (None for Mooncake)
+
+    def generate(self, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
+        return self.router.generate(body, timeout_s)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pd(
+    request: pytest.FixtureRequest, model_dir: Path, installed_site: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PD]:
+    """A prefill and a decode SGLang server over ``request.param``, and SGLang's router."""
+    backend: str = request.param
+    logs = tmp_path_factory.mktemp(f"pd-{backend}")
+    fabric = None
+    base = dict(os.environ)
+    extra_path: list[str] = []
+    envs: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+    if backend == "pdfabric":
+        spec = {
+            "prefill": {"tp": 1},
+            "decode": {"tp": 1},
+            "transfer": {"transport": "tcp", "timeoutSeconds": 30},
+            "model": {**spec_model(page_size=1), "auxRowBytes": aux_row_bytes()},
+        }
+        fabric = LocalFabric(spec).__enter__()
+        token = logs / "engine-token"
+        token.write_text(fabric.token)
+        extra_path = [str(installed_site), *(str(ROOT / p) for p in ("core", "agent", "integrations/sglang"))]
+        for role, rank_id in (("prefill", "prefill-0-tp0-cp0"), ("decode", "decode-0-tp0")):
+            envs[role] = {
+                "PDFABRIC_ENGINE_TOKEN_FILE": str(token),
+                "PDFABRIC_AGENT_ADDRESS": fabric.agents[fabric.agent_of(rank_id)].address,
+                "PDFABRIC_REPLICA": "0",
+                "PDFABRIC_SHM_DIR": fabric.shm_dir,
+                "SGLANG_PLUGINS": "pdfabric",
+            }
+    transfer = "mooncake" if backend == "mooncake" else "pdfabric"
+    servers: dict[str, SGLangServer] = {}
+    try:
+        for role in ("prefill", "decode"):
+            port, boot = free_port(), free_port() if role == "prefill" else 0
+            argv = server_argv(model_dir, port, mode=role, backend=transfer, bootstrap_port=boot)
+            env = server_env({**base, **envs[role]}, extra_path, mooncake=backend == "mooncake")
+            servers[role] = start_server(f"{backend}-{role}", argv, env, logs / f"{role}.log", port, boot)
+        for server in servers.values():
+            server.wait_healthy()
+        endpoints = {
+            "prefill": [{"url": servers["prefill"].url, "bootstrapPort": servers["prefill"].bootstrap_port}],
+            "decode": [{"url": servers["decode"].url}],
+        }
+        with sglang_router(endpoints, logs / "router.log", wait_s=120) as router:
+            router.wait_healthy(120, ready=True)
+            yield PD(backend, servers["prefill"], servers["decode"], router, fabric)
+    finally:
+        for server in servers.values():
+            server.stop()
+        if fabric is not None:
+            fabric.__exit__(None, None, None)
+
+
+def tokens(answer: dict[str, Any]) -> list[int]:
+    return list(answer.get("output_ids") or [])
+
+
+def test_pd_answers_equal_a_single_server_token_for_token(pd: PD, single: SGLangServer) -> None:
+    for prompt in PROMPTS:
+        want_status, want = single.generate(greedy(prompt, NEW_TOKENS))
+        assert want_status == 200, want
+        status, got = pd.generate(greedy(prompt, NEW_TOKENS))
+        assert status == 200, (pd.backend, got, pd.decode.tail(), pd.prefill.tail())
+        assert tokens(got) == tokens(want), (pd.backend, len(prompt))
+        assert len(tokens(got)) == NEW_TOKENS
+
+
+def test_pd_16_concurrent_requests_equal_a_single_server(pd: PD, single: SGLangServer) -> None:
+    want = [tokens(single.generate(greedy(p, NEW_TOKENS))[1]) for p in CONCURRENT]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda p: pd.generate(greedy(p, NEW_TOKENS), 240), CONCURRENT))
+    assert [s for s, _ in answers] == [200] * len(CONCURRENT), [a for s, a in answers if s != 200][:2]
+    assert [tokens(a) for _, a in answers] == want
+
+
+def test_pd_moves_kv_through_the_agents(pd: PD) -> None:
+    """pdfabric's agents counted the KV of the requests (Mooncake has no such counter)."""
+    if pd.fabric is None:
+        pytest.skip("SGLang's Mooncake backend exports no per-request byte counters")
+    before = pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv")
+    prompt = list(range(1, 101))
+    status, _ = pd.generate(greedy(prompt, 4))
+    assert status == 200
+    deadline = time.monotonic() + 10
+    # 100 tokens x 2 layers x (K + V) x 2 KV heads x 16 head dim x 2 bytes (bfloat16)
+    want = 100 * 2 * 2 * 2 * 16 * 2
+    while pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before < want:
+        assert time.monotonic() < deadline, "the decode agent did not count the request's KV"
+        time.sleep(0.2)
+    assert pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before == want
