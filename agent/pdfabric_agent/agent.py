@@ -43,7 +43,7 @@ from pdfabric_agent.arrivals import DecodeArrivals
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.context import AgentContext
-from pdfabric_agent.errors import ApiError, conflict, layout_mismatch
+from pdfabric_agent.errors import ApiError, conflict, layout_mismatch, memory_not_registered
 from pdfabric_agent.labels import Refusal
 from pdfabric_agent.memory import EngineMemory, engine_layout
 from pdfabric_agent.peer_client import PeerClient
@@ -219,10 +219,16 @@ class Agent:
         return failed
 
     def submit_send(self, msg: SendRequest) -> dict[str, Any]:
+        self._check_engine_memory(msg)
         return self.sender.submit_send(msg)
 
     def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
+        self._check_engine_memory(msg)
         return self.arrivals.submit_receive(msg)
+
+    def _check_engine_memory(self, msg: SendRequest | ReceiveRequest) -> None:
+        if msg.engine_memory and self.ctx.ranks.served(msg.rank).engine is None:
+            raise memory_not_registered(msg.rank)
 
     # Peer messages: `sender_agent` is the agent the peer door authenticated (its certificate).
     def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:

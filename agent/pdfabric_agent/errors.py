@@ -31,6 +31,15 @@ def unknown_room(room: int, rank_id: str) -> ApiError:
     return ApiError(404, Refusal.UNKNOWN_ROOM, f"room {room} is unknown on {rank_id}")
 
 
+def memory_not_registered(rank_id: str) -> ApiError:
+    return ApiError(
+        409,
+        Refusal.MEMORY_NOT_REGISTERED,
+        f"{rank_id} has no engine memory registered here (the agent restarted since the engine registered): "
+        "register it again (POST /v1/memory), then resubmit",
+    )
+
+
 def conflict(message: str) -> ApiError:
     return ApiError(409, Refusal.CONFLICT, message)
 

@@ -68,6 +68,14 @@ def check_str(value: Any, name: str, *, limit: int = MAX_STR) -> str:
     return value
 
 
+def field_flag(body: Mapping[str, Any], name: str) -> bool:
+    """An optional boolean, false when absent."""
+    value = body.get(name, False)
+    if type(value) is not bool:
+        raise malformed(f"{name} must be true or false")
+    return value
+
+
 def field_str(body: Mapping[str, Any], name: str) -> str:
     return check_str(body.get(name), name)
 

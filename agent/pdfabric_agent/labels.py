@@ -35,6 +35,8 @@ class Refusal(enum.StrEnum):
     UNKNOWN_ROOM = "unknown_room"
     CONFLICT = "conflict"  # the room is already active on that rank
     LAYOUT_MISMATCH = "layout_mismatch"  # an engine's buffers do not fit the PDCluster's model (422)
+    # A room for the engine's own memory on a rank with none registered (the agent restarted): 409
+    MEMORY_NOT_REGISTERED = "memory_not_registered"
     WRONG_PEER = "wrong_peer"  # an authenticated peer speaking for a rank the rank map does not give it
     TOO_LARGE = "too_large"  # body, head or a list longer than the largest legal request (413, 431)
     TIMEOUT = "timeout"  # head or body not read within its deadline (408)

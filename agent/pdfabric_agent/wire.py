@@ -38,6 +38,7 @@ from pdfabric_agent.fields import (
     check_indices,
     check_object,
     check_str,
+    field_flag,
     field_index_list,
     field_indices,
     field_int,
@@ -77,6 +78,9 @@ class RoomSubmit:
     state_indices: list[int]
     aux_index: int | None
     peer_replica: int
+    # The pages are in the engine's own registered memory (POST /v1/memory), never the agent's pools:
+    # an agent that restarted and lost the registration refuses the room instead of moving its pools.
+    engine_memory: bool = False
 
     @classmethod
     def peer_field(cls) -> str:
@@ -91,6 +95,7 @@ class RoomSubmit:
             state_indices=field_index_list(body, "state_indices"),
             aux_index=field_opt_int(body, "aux_index"),
             peer_replica=field_int(body, cls.peer_field()),
+            engine_memory=field_flag(body, "engine_memory"),
         )
 
     def check_bounds(self, layout: PoolLayout, peer_replicas: int) -> None:
@@ -113,6 +118,8 @@ class RoomSubmit:
         }
         if self.aux_index is not None:
             body["aux_index"] = self.aux_index
+        if self.engine_memory:
+            body["engine_memory"] = True
         return body
 
 

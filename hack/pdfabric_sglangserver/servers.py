@@ -153,9 +153,13 @@ class SGLangServer:
 def start_server(
     name: str, argv: list[str], env: dict[str, str], log: Path, port: int, bootstrap_port: int = 0
 ) -> SGLangServer:
-    """Start a server in its own process group (so one signal reaches all of SGLang's processes)."""
+    """Start a server in its own process group (so one signal reaches all of SGLang's processes), in
+    its log's folder: ``python -m`` puts the working directory on sys.path, and a checkout's
+    ``*.egg-info`` there would announce plugins the server cannot import."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=env, cwd=log.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return SGLangServer(name, port, proc, log, argv, env, bootstrap_port)
 
 

@@ -192,3 +192,51 @@ def test_pd_moves_kv_through_the_agents(pd: PD) -> None:
         assert time.monotonic() < deadline, "the decode agent did not count the request's KV"
         time.sleep(0.2)
     assert pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before == want
+
+
+def wait_serving(pd: PD, want: list[int], prompt: list[int], timeout_s: float = 180.0) -> None:
+    """Until a request through the router answers ``want`` again (the router re-admits a worker
+    after its health checks pass)."""
+    deadline = time.monotonic() + timeout_s
+    last: tuple[int, dict[str, Any]] = (0, {})
+    while time.monotonic() < deadline:
+        last = pd.generate(greedy(prompt, NEW_TOKENS), 60)
+        if last[0] == 200:
+            assert tokens(last[1]) == want, pd.backend
+            return
+        time.sleep(2.0)
+    raise AssertionError(f"{pd.backend}: no answer after the restart within {timeout_s:g} s: {last}")
+
+
+def test_decode_server_killed_mid_traffic_fails_its_requests_then_serves_after_restart(
+    pd: PD, single: SGLangServer
+) -> None:
+    """Long generations are in decode when its server dies: each answer is an error (none hangs,
+    none is a wrong 200); the restarted server (same port) serves equal answers again."""
+    long_prompts = [[(i * 11 + j) % 250 + 1 for j in range(30)] for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(pd.generate, greedy(p, 1500), 120) for p in long_prompts]
+        time.sleep(4.0)  # the requests are decoding
+        pd.decode.stop()
+        answers = [f.result(timeout=150) for f in futures]
+    assert all(status != 200 for status, _ in answers), [s for s, _ in answers]
+    pd.decode.restart()
+    pd.decode.wait_healthy()
+    prompt = PROMPTS[1]
+    wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)
+
+
+def test_prefill_agent_killed_fails_requests_then_restarted_agent_serves(pd: PD, single: SGLangServer) -> None:
+    """The prefill node's agent dies: requests fail with an error and both servers live on; the
+    restarted agent lost the engine's registration, so the engine registers again on its next
+    room (the agent refuses a room for memory it does not hold) and answers are equal again."""
+    if pd.fabric is None:
+        pytest.skip("SGLang's Mooncake backend has no node agent")
+    agent = pd.fabric.agent_of("prefill-0-tp0-cp0")
+    pd.fabric.kill(agent)
+    prompt = PROMPTS[2]
+    status, answer = pd.generate(greedy(prompt, NEW_TOKENS), 150)
+    assert status != 200, answer
+    assert pd.prefill.healthy() and pd.decode.healthy()
+    pd.fabric.start(agent)
+    wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)

@@ -46,6 +46,7 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client import AgentClient, AgentRefused
+from pdfabric_agent.labels import Refusal
 from pdfabric_agent.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_sglang.bootstrap import PdfabricKVBootstrapServer
@@ -62,6 +63,7 @@ FINAL = (KVPoll.Success, KVPoll.Failed)
 # in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
 AGENT_CALL_TIMEOUT_S = 2.0
 AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting or timed out; garbled
+MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
 
 
 class PdfabricKVManager(BaseKVManager):
@@ -88,13 +90,13 @@ class PdfabricKVManager(BaseKVManager):
                 f"pdfabric: agent {info['agent']} does not serve rank {self.rank_id} "
                 f"(it serves {sorted(info['ranks'])}); check {ENV_REPLICA}/{ENV_CP_RANK} or set {ENV_RANK}"
             )
+        self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
         try:
-            reg = registration(self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args))
-            answer = self.client.register_memory(reg)
+            self.registration = registration(self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args))
+            answer = self.register()
         except (UnshareableBuffer, AgentRefused) as exc:
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
         self.layout = answer["memory"]["layout"]
-        self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
         # Decode: prefill bootstrap address -> which prefill replica serves there (SGLang's decode
         # queue reads dp_size and follow_bootstrap_room from it for every request).
         self.peers = PrefillPeers(self.cluster_uid)
@@ -102,6 +104,34 @@ class PdfabricKVManager(BaseKVManager):
         log.info(
             "pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer["memory"]["buffers"], info["agent"]
         )
+
+    def register(self) -> dict[str, Any]:
+        """Register this rank's buffers with the agent. A restarted engine finds the rank still
+        busy with its previous process's rooms (409) until they end (at most the PDCluster's
+        transfer timeout): it waits for them, up to the bootstrap timeout."""
+        deadline = time.monotonic() + self.bootstrap_timeout_s
+        while True:
+            try:
+                return self.client.register_memory(self.registration)
+            except AgentRefused as exc:
+                if exc.status != 409 or time.monotonic() > deadline:
+                    raise
+                log.info("pdfabric: %s waits for its previous rooms to end: %s", self.rank_id, exc)
+                time.sleep(1.0)
+
+    def submit(self, msg: SendRequest | ReceiveRequest) -> None:
+        """Hand a room to the agent; an agent that restarted since this engine registered (it
+        lost the registration and says so) gets the buffers again, then the room."""
+        try:
+            self.client.submit(msg)
+        except AgentRefused as exc:
+            if exc.reason != MEMORY_NOT_REGISTERED:
+                raise
+            log.warning(
+                "pdfabric: agent %s lost %s's memory (restarted); registering again", self.config.address, self.rank_id
+            )
+            self.client.register_memory(self.registration)
+            self.client.submit(msg)
 
     def register_to_bootstrap(self) -> None:
         """Nothing to register: the PDCluster's rank map tells every agent where each rank is."""
@@ -291,9 +321,11 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         if self.decode_replica is None:
             self._conclude(KVPoll.Failed, "the last chunk came before decode announced the room")
             return
-        msg = SendRequest(self.mgr.rank_id, self.room, self.pages, state, self.aux_index, self.decode_replica)
+        msg = SendRequest(
+            self.mgr.rank_id, self.room, self.pages, state, self.aux_index, self.decode_replica, engine_memory=True
+        )
         try:
-            self.mgr.client.submit(msg)
+            self.mgr.submit(msg)
         except AGENT_ERRORS as exc:
             self._conclude(KVPoll.Failed, f"the agent did not take the send: {exc}")
             return
@@ -370,10 +402,12 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
             if state_indices and state_indices[0] is not None
             else []
         )
-        msg = ReceiveRequest(self.mgr.rank_id, self.room, pages, state, aux_index, self.prefill_replica)
+        msg = ReceiveRequest(
+            self.mgr.rank_id, self.room, pages, state, aux_index, self.prefill_replica, engine_memory=True
+        )
         self.submitted_at = time.monotonic()
         try:
-            self.mgr.client.submit(msg)
+            self.mgr.submit(msg)
         except AGENT_ERRORS as exc:
             self.conclude_state = self._conclude(KVPoll.Failed, f"the agent did not take the receive: {exc}")
 
