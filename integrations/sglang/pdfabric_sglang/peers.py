@@ -62,28 +62,34 @@ class PrefillPeers:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdfabric-prefill-lookup")
 
     def ensure(self, bootstrap_addr: str) -> bool:
-        """True once the address is resolved; otherwise starts (or checks) its lookup."""
+        """True once the address is resolved; otherwise starts its lookup (one at a time)."""
+        self._harvest(bootstrap_addr)
         if bootstrap_addr in self.table:
             return True
         with self._lock:
+            if bootstrap_addr in self._pending:
+                return False
+            error = self._errors.get(bootstrap_addr)
+            if error is not None and not error.retryable:
+                return False
+            self._pending[bootstrap_addr] = self._pool.submit(prefill_peer_at, bootstrap_addr, self.cluster_uid)
+        return False
+
+    def error(self, bootstrap_addr: str) -> LookupError_ | None:
+        """The last lookup's failure for the address, if it failed."""
+        self._harvest(bootstrap_addr)
+        return self._errors.get(bootstrap_addr)
+
+    def _harvest(self, bootstrap_addr: str) -> None:
+        """Take a finished lookup's answer into the table, or its failure into the errors."""
+        with self._lock:
             future = self._pending.get(bootstrap_addr)
-            if future is None:
-                error = self._errors.get(bootstrap_addr)
-                if error is not None and not error.retryable:
-                    return False
-                self._pending[bootstrap_addr] = self._pool.submit(prefill_peer_at, bootstrap_addr, self.cluster_uid)
-                return False
-            if not future.done():
-                return False
+            if future is None or not future.done():
+                return
             del self._pending[bootstrap_addr]
         try:
             self.table[bootstrap_addr] = future.result()
         except LookupError_ as exc:
             self._errors[bootstrap_addr] = exc
-            return False
+            return
         self._errors.pop(bootstrap_addr, None)
-        return True
-
-    def error(self, bootstrap_addr: str) -> LookupError_ | None:
-        """The last lookup's failure for the address, if it failed."""
-        return self._errors.get(bootstrap_addr)

@@ -1,0 +1,315 @@
+"""The SGLang backend's parts that its scheduler leans on, one at a time (the e2e servers test runs
+them under SGLang's real scheduler):
+
+- the agent refuses a room for engine memory it does not hold (it restarted), and the message
+  says what to do; the flag travels on the wire and nothing else is taken for it;
+- decode's prefill table is filled off the calling thread, and a prefill of another PDCluster is
+  refused for good while an unreachable one is retried;
+- the CPU engine's allocations land in shared-memory files the agent can map;
+- a sender or receiver whose agent is down, refuses or restarted fails the request with the
+  reason; a failure learned from another rank says so; a Failed early view is Failed; a radix
+  prefix is refused with what to change; deferred release follows the agent's ``sources_quiet``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdfabric_agent.client import AgentRefused
+from pdfabric_agent.errors import ApiError
+from pdfabric_agent.labels import Refusal
+from pdfabric_agent.wire import ReceiveRequest, SendRequest
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank
+from tests.unit.test_agent_peer_trust import D, P, make_agent
+
+# ---------------------------------------------------------------- the agent: engine memory
+
+
+def test_a_room_for_engine_memory_is_refused_when_none_is_registered(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path, "n1", [Rank(Role.PREFILL, 0, 0)])
+    with pytest.raises(ApiError) as err:
+        agent.submit_send(SendRequest(P, 7, [0, 1], [], 0, 0, engine_memory=True))
+    assert err.value.status == 409
+    assert err.value.reason is Refusal.MEMORY_NOT_REGISTERED
+    assert "register it again (POST /v1/memory)" in err.value.message
+    assert agent.rooms.prefill == {}  # nothing half-created
+    decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
+    with pytest.raises(ApiError) as err:
+        decode.submit_receive(ReceiveRequest(D, 7, [0, 1], [], 0, 0, engine_memory=True))
+    assert err.value.reason is Refusal.MEMORY_NOT_REGISTERED
+
+
+def test_engine_memory_flag_on_the_wire() -> None:
+    msg = SendRequest(P, 7, [0, 1], [], 0, 0, engine_memory=True)
+    assert SendRequest.parse(msg.to_json()) == msg
+    plain = SendRequest(P, 7, [0, 1], [], 0, 0)
+    assert "engine_memory" not in plain.to_json()  # older agents see the body they know
+    assert SendRequest.parse(plain.to_json()).engine_memory is False
+    with pytest.raises(ApiError) as err:
+        SendRequest.parse({**msg.to_json(), "engine_memory": "yes"})
+    assert err.value.status == 400 and "engine_memory must be true or false" in err.value.message
+
+
+# ---------------------------------------------------------------- decode's prefill table
+
+
+@pytest.fixture
+def bootstrap() -> Iterator[dict[str, Any]]:
+    """A prefill bootstrap server's replica answer, changeable by the test."""
+    state: dict[str, Any] = {"doc": {"replica": 2, "cluster": "uid-1"}, "calls": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            state["calls"] += 1
+            body = json.dumps(state["doc"]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    state["addr"] = f"127.0.0.1:{server.server_address[1]}"
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+def until(check: Any, timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return value
+
+
+def test_prefill_table_fills_in_the_background(bootstrap: dict[str, Any]) -> None:
+    from pdfabric_sglang.peers import PrefillPeer, PrefillPeers
+
+    peers = PrefillPeers("uid-1")
+    assert peers.ensure(bootstrap["addr"]) is False  # the lookup started; the caller does not wait
+    until(lambda: peers.ensure(bootstrap["addr"]))
+    assert peers.table[bootstrap["addr"]] == PrefillPeer(replica=2, cluster="uid-1")
+    # What SGLang's decode queue reads off it: one DP group, every room to DP rank 0.
+    assert (peers.table[bootstrap["addr"]].dp_size, peers.table[bootstrap["addr"]].follow_bootstrap_room) == (1, True)
+    calls = bootstrap["calls"]
+    assert peers.ensure(bootstrap["addr"]) and bootstrap["calls"] == calls  # cached
+
+
+def test_another_clusters_prefill_is_refused_for_good(bootstrap: dict[str, Any]) -> None:
+    from pdfabric_sglang.peers import PrefillPeers
+
+    bootstrap["doc"] = {"replica": 0, "cluster": "uid-other"}
+    peers = PrefillPeers("uid-1")
+    peers.ensure(bootstrap["addr"])
+    until(lambda: peers.error(bootstrap["addr"]) is not None or peers.ensure(bootstrap["addr"]))
+    error = peers.error(bootstrap["addr"])
+    assert error is not None and not error.retryable and "uid-other" in str(error)
+    calls = bootstrap["calls"]
+    assert peers.ensure(bootstrap["addr"]) is False and bootstrap["calls"] == calls  # not asked again
+
+
+def test_an_unreachable_prefill_is_retried() -> None:
+    from pdfabric_sglang.peers import PrefillPeers
+
+    from pdfabric_devcluster.procs import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    peers = PrefillPeers("uid-1")
+    peers.ensure(addr)
+    until(lambda: peers.error(addr) is not None)
+    assert peers.error(addr).retryable  # type: ignore[union-attr]
+    assert peers.ensure(addr) is False  # a new lookup started
+
+
+# ---------------------------------------------------------------- CPU pools in shared memory
+
+
+def test_cpu_allocations_land_in_shared_memory_files(tmp_path: Path) -> None:
+    import torch
+    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
+    from pdfabric_sglang.shares import process_mappings, share_of
+
+    from pdfabric_agent.wire import ShareKind
+
+    with shared_cpu_allocations(str(tmp_path)):
+        kv = torch.zeros((8, 2, 16), dtype=torch.bfloat16, device="cpu")
+        rows = torch.zeros(4, 16, dtype=torch.uint64, device="cpu")
+        private = torch.zeros((4,), dtype=torch.float32)  # no explicit device: left alone
+        pinned = torch.empty((4,), dtype=torch.float32, device="cpu", requires_grad=True)  # other options too
+    after = torch.zeros((2,), device="cpu")  # outside the block: the real allocator again
+    assert kv.shape == (8, 2, 16) and kv.dtype == torch.bfloat16 and not kv.any()
+    assert rows.shape == (4, 16) and rows.dtype == torch.uint64
+    maps = process_mappings()
+    share = share_of(kv.data_ptr(), kv.numel() * kv.element_size(), None, maps)
+    assert share.kind is ShareKind.SHM and Path(share.path).parent == tmp_path
+    kv[3, 1, 5] = 7.0  # the file is the memory: what the agent maps is what SGLang writes
+    with open(share.path, "rb") as fh:
+        raw = np.frombuffer(fh.read(), dtype=np.uint16)
+    assert raw[(3 * 2 + 1) * 16 + 5] == np.array([7.0], dtype=np.float32).view(np.uint32)[0] >> 16
+    for t in (private, pinned, after):
+        with pytest.raises(ValueError):
+            share_of(t.data_ptr(), 16, None, maps)
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+# ---------------------------------------------------------------- senders and receivers
+
+
+class FakeClient:
+    """The agent client's calls a room makes, answered by the test (a unit test of the classes)."""
+
+    def __init__(self) -> None:
+        self.views: dict[int, Any] = {}
+        self.submitted: list[Any] = []
+        self.aborted: list[int] = []
+        self.submit_error: Exception | None = None
+
+    def poll(self, rank: str, room: int, wait_s: float = 0.0) -> dict[str, Any]:
+        view = self.views.get(room)
+        if isinstance(view, Exception):
+            raise view
+        if view is None:
+            raise AgentRefused(404, "unknown_room", f"room {room} is unknown on {rank}")
+        return dict(view)
+
+    def submit(self, msg: Any) -> dict[str, Any]:
+        if self.submit_error is not None:
+            raise self.submit_error
+        self.submitted.append(msg)
+        return {}
+
+    def abort(self, rank: str, room: int, reason: str = "") -> dict[str, Any]:
+        self.aborted.append(room)
+        return {}
+
+
+def manager(role: Role) -> Any:
+    """A manager as the sender and receiver see it, around a FakeClient (no agent, no buffers)."""
+    from pdfabric_sglang.conn import PdfabricKVManager
+    from pdfabric_sglang.peers import PrefillPeer, PrefillPeers
+
+    mgr = PdfabricKVManager.__new__(PdfabricKVManager)
+    mgr.client = FakeClient()  # type: ignore[assignment]
+    mgr.rank_id = P if role is Role.PREFILL else D
+    mgr.config = SimpleNamespace(address="127.0.0.1:1")  # type: ignore[assignment]
+    mgr.bootstrap_timeout_s = 300.0
+    mgr.peers = PrefillPeers("uid-1")
+    mgr.peers.table["p:1"] = PrefillPeer(replica=0, cluster="uid-1")
+    mgr.prefill_info_table = mgr.peers.table
+    return mgr
+
+
+def test_a_sender_whose_agent_is_down_fails_with_the_reason() -> None:
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 5)
+    mgr.client.views[5] = ConnectionRefusedError(111, "Connection refused")
+    assert tx.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError) as err:
+        tx.failure_exception()
+    assert "unreachable" in str(err.value) and not err.value.is_from_another_rank
+
+
+def test_a_sender_send_the_agent_cannot_take_fails_the_request() -> None:
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 5)
+    mgr.client.views[5] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": [D]}
+    assert tx.poll() == KVPoll.WaitingForInput
+    tx.init(2, 0)
+    mgr.client.submit_error = ConnectionResetError(104, "reset")
+    tx.send(np.array([0, 1], np.int32))  # the last chunk: no exception escapes into the scheduler
+    assert tx.poll() == KVPoll.Failed and "did not take the send" in tx.reason
+
+
+def test_a_failed_early_view_is_failed() -> None:
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 5)
+    mgr.client.views[5] = {"state": "Failed", "code": 0, "reason": "decode aborted", "decode_ranks_ready": []}
+    assert tx.poll() == KVPoll.Failed and tx.reason == "decode aborted"
+
+
+def test_a_failure_from_another_rank_says_so_and_aborts_this_ranks_room() -> None:
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 5)
+    mgr.client.views[5] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": [D]}
+    tx.poll()
+    tx.init(1, 0)
+    tx.send(np.array([3], np.int32))
+    mgr.client.views[5] = {"state": "Transferring", "code": 3}
+    assert tx.poll() == KVPoll.Transferring
+    with pytest.raises(KVTransferError) as err:  # SGLang's all-reduce said Failed: another rank failed
+        tx.failure_exception()
+    assert err.value.is_from_another_rank
+    assert mgr.client.aborted == [5] and tx.poll() == KVPoll.Failed
+
+
+def test_a_submitted_room_the_agent_lost_fails() -> None:
+    from pdfabric_sglang.conn import PdfabricKVReceiver
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.DECODE)
+    rx = PdfabricKVReceiver(mgr, "p:1", 9)
+    rx.init(0)
+    assert rx.poll() == KVPoll.WaitingForInput
+    rx.send_metadata(np.array([1, 2], np.int32), 0, None)
+    assert mgr.client.submitted[0].engine_memory is True
+    assert rx.poll() == KVPoll.Failed and "restarted" in rx.reason  # 404 after submit
+
+
+def test_a_decode_radix_prefix_is_refused_with_what_to_change() -> None:
+    from pdfabric_sglang.conn import PdfabricKVReceiver
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.DECODE)
+    rx = PdfabricKVReceiver(mgr, "p:1", 9)
+    rx.init(0)
+    rx.send_metadata(np.array([1, 2], np.int32), 0, None, decode_prefix_len=32)
+    assert rx.poll() == KVPoll.Failed and rx.conclude_state == KVPoll.Failed
+    assert "--disaggregation-decode-enable-radix-cache" in rx.reason and mgr.client.submitted == []
+
+
+def test_deferred_release_waits_for_the_agents_quiet_sources() -> None:
+    from pdfabric_sglang.conn import PdfabricKVReceiver
+
+    mgr = manager(Role.DECODE)
+    rx = PdfabricKVReceiver(mgr, "p:1", 9)
+    rx.init(0)
+    rx.send_metadata(np.array([1, 2], np.int32), 0, None)
+    rx.abort()
+    rx.ensure_abort_notified(force_arm=True)
+    assert rx.abort_notified and mgr.client.aborted == [9] and len(rx.bootstrap_infos) == 1
+    mgr.client.views[9] = {"state": "Failed", "code": 0, "sources_quiet": False}
+    assert mgr.is_abort_release_safe(9, 1) is False  # a source may still be writing
+    mgr.client.views[9] = {"state": "Failed", "code": 0, "sources_quiet": True}
+    assert mgr.is_abort_release_safe(9, 1) is True
+    mgr.client.views[9] = ConnectionRefusedError(111, "refused")
+    assert mgr.is_abort_release_safe(9, 1) is False  # unknown: SGLang's deadline releases it
+    assert mgr.is_abort_release_safe(10, 1) is True  # a room the agent never took
