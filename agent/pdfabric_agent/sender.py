@@ -36,7 +36,7 @@ from pdfabric_agent.ranks import LocalRank
 from pdfabric_agent.rooms import PrefillRoom, RoomState, Target
 from pdfabric_agent.wire import BytesByPath, DoneReport, RoomCancel, RoomInfo, SendRequest, zero_bytes
 from pdfabric_agent.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
-from pdfabric_core.policy.rank_mapping import sending_cp_ranks
+from pdfabric_core.duties import prefill_rank_sends
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
@@ -56,13 +56,14 @@ class PrefillSender:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
         msg.check_bounds(local.layout, ctx.spec.decode.replicas)
+        sends = self._sends_anything(local)
         replica = msg.peer_replica
         feeds = ctx.rankmap.feeds.get(local.rank.replica)
-        if feeds is not None and replica not in feeds:
+        if sends and feeds is not None and replica not in feeds:
             raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
         ctx.rooms.refuse_reuse(Role.PREFILL, msg.rank, msg.room)
         targets: dict[str, Target] = {}
-        for route in decode_targets(ctx.spec, local.rank.tp_rank):
+        for route in decode_targets(ctx.spec, local.rank.tp_rank) if sends else []:
             decode_rank = Rank(Role.DECODE, replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
             targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, ctx.ranks.agent_for(decode_rank))
         now = ctx.clock()
@@ -82,10 +83,11 @@ class PrefillSender:
             self._count_unstarted(room, Outcome.FAILED)
             ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, cancelled[1])
             return room.view()
-        if not self._sends_anything(local):
-            # Without all-CP-ranks transfer only CP rank 0 sends; the other ranks have no work.
+        if not sends:
+            # A CP rank that does not send (only CP rank 0 without all-CP-ranks transfer), or a TP
+            # rank whose replicated heads another rank sends: no work, and SGLang waits for it.
             room.state = RoomState.SUCCESS
-            room.reason = f"CP rank {local.rank.cp_rank} sends nothing for this spec"
+            room.reason = self._why_nothing(local)
             ctx.rooms.retire(Role.PREFILL, room)
             return room.view()
         for agent_name in {t.agent for t in targets.values()}:
@@ -111,10 +113,15 @@ class PrefillSender:
             failed = RoomState.FAILED
             return {"rank": rank_id, "room": room_id, "state": failed.title, "code": int(failed),
                     "reason": cancelled[1], "decode_ranks_ready": []}  # fmt: skip
+        local = ctx.ranks.served(rank_id)
+        if not self._sends_anything(local):
+            # No decode rank announces a room to a rank it does not read from: ready at once.
+            ready = RoomState.WAITING_FOR_INPUT
+            return {"rank": rank_id, "room": room_id, "state": ready.title, "code": int(ready),
+                    "reason": self._why_nothing(local), "decode_ranks_ready": [], "sends": False}  # fmt: skip
         infos = ctx.rooms.early.get((rank_id, room_id))
         if not infos:
             return None
-        local = ctx.ranks.served(rank_id)
         needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
         state = RoomState.WAITING_FOR_INPUT if len(infos) >= needed else RoomState.BOOTSTRAPPING
         return {
@@ -127,10 +134,12 @@ class PrefillSender:
         }
 
     def _sends_anything(self, local: LocalRank) -> bool:
-        p = self.ctx.spec.prefill
-        return local.rank.cp_rank in sending_cp_ranks(
-            p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split
-        )
+        return prefill_rank_sends(self.ctx.spec, local.rank.tp_rank, local.rank.cp_rank)
+
+    def _why_nothing(self, local: LocalRank) -> str:
+        if decode_targets(self.ctx.spec, local.rank.tp_rank):
+            return f"CP rank {local.rank.cp_rank} sends nothing for this spec"
+        return f"TP rank {local.rank.tp_rank}'s KV heads are replicated: another prefill rank sends them"
 
     # ------------------------------------------------------------ peer API
     def accept_dst(self, info: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:

@@ -89,6 +89,19 @@ def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
     return list(_routes_from(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads))
 
 
+def prefill_rank_sends(spec: PDClusterSpec, prefill_tp_rank: int, cp_rank: int) -> bool:
+    """Whether a prefill rank moves anything: its CP rank sends for this spec, and some decode rank
+    takes its heads. With KV heads replicated (prefill TP above the KV head count, above decode
+    TP), a decode rank reads each head from one prefill rank of the replicas; the others have no
+    route. SGLang's scheduler still polls every rank and takes the MIN, so such a rank must go
+    WaitingForInput and Success with nothing to move, never wait for a decode announcement."""
+    p = spec.prefill
+    sending_cp = sending_cp_ranks(
+        p.cp, all_cp_ranks_transfer=p.all_cp_ranks_transfer, dsa_cache_layer_split=p.dsa_cache_layer_split
+    )
+    return cp_rank in sending_cp and bool(decode_targets(spec, prefill_tp_rank))
+
+
 def sender_duties(
     spec: PDClusterSpec, route: KvRoute, cp_rank: int, num_pages: int, pp_stage: int = 0
 ) -> Duties | None:

@@ -30,6 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin"  # the sgl_kernel stand-in
 MOONCAKE_CPU = HERE / "mooncake_cpu"  # a sitecustomize for Mooncake-backend servers on CPU
+PAGE_SIZE = 16
 START_TIMEOUT_S = 420.0  # 72-123 s on 2 idle cores; CI's machine is busier
 
 CPU_FLAGS = (
@@ -42,6 +43,11 @@ CPU_FLAGS = (
     "--mem-fraction-static", "0.05",
     "--random-seed", "0",
     "--log-level", "warning",
+    "--sleep-on-idle",  # SGLang's schedulers spin when idle otherwise: a core each, for the session
+    # Pages of 16 tokens (prompts end in partial pages) and prefill in chunks of 128 tokens (a
+    # 700-token prompt is 6 chunks), as SGLang runs on GPUs; the same in every server.
+    "--page-size", str(PAGE_SIZE),
+    "--chunked-prefill-size", "128",
 )  # fmt: skip
 
 

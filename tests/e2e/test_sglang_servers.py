@@ -25,7 +25,7 @@ from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import free_port
 from pdfabric_devcluster.sglang_router import SGLangRouter, sglang_router
 from pdfabric_sglangserver.model import spec_model, write_model_dir
-from pdfabric_sglangserver.servers import SGLangServer, greedy, server_argv, server_env, start_server
+from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy, server_argv, server_env, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -74,7 +74,7 @@ def installed_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
     """One SGLang server serving the model alone: the answers PD must equal."""
     logs = tmp_path_factory.mktemp("single")
@@ -116,8 +116,8 @@ def pd(
         spec = {
             "prefill": {"tp": 1},
             "decode": {"tp": 1},
-            "transfer": {"transport": "tcp", "timeoutSeconds": 30},
-            "model": {**spec_model(page_size=1), "auxRowBytes": aux_row_bytes()},
+            "transfer": {"transport": "tcp", "timeoutSeconds": 20},
+            "model": {**spec_model(page_size=PAGE_SIZE), "auxRowBytes": aux_row_bytes()},
         }
         fabric = LocalFabric(spec).__enter__()
         token = logs / "engine-token"
@@ -145,7 +145,9 @@ def pd(
             "prefill": [{"url": servers["prefill"].url, "bootstrapPort": servers["prefill"].bootstrap_port}],
             "decode": [{"url": servers["decode"].url}],
         }
-        with sglang_router(endpoints, logs / "router.log", wait_s=120) as router:
+        # Health checks every 5 s (60 s by default): a restarted worker is taken back sooner.
+        health = ("--health-check-interval-secs", "5")
+        with sglang_router(endpoints, logs / "router.log", extra=health, wait_s=120) as router:
             router.wait_healthy(120, ready=True)
             yield PD(backend, servers["prefill"], servers["decode"], router, fabric)
     finally:
@@ -186,8 +188,9 @@ def test_pd_moves_kv_through_the_agents(pd: PD) -> None:
     status, _ = pd.generate(greedy(prompt, 4))
     assert status == 200
     deadline = time.monotonic() + 10
-    # 100 tokens x 2 layers x (K + V) x 2 KV heads x 16 head dim x 2 bytes (bfloat16)
-    want = 100 * 2 * 2 * 2 * 16 * 2
+    # 100 tokens are 7 pages of 16: 112 token rows x 2 layers x (K + V) x 2 KV heads x 16 head
+    # dim x 2 bytes (bfloat16); whole pages move, as with SGLang's own backends
+    want = -(-100 // PAGE_SIZE) * PAGE_SIZE * 2 * 2 * 2 * 16 * 2
     while pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before < want:
         assert time.monotonic() < deadline, "the decode agent did not count the request's KV"
         time.sleep(0.2)

@@ -313,3 +313,72 @@ def test_deferred_release_waits_for_the_agents_quiet_sources() -> None:
     mgr.client.views[9] = ConnectionRefusedError(111, "refused")
     assert mgr.is_abort_release_safe(9, 1) is False  # unknown: SGLang's deadline releases it
     assert mgr.is_abort_release_safe(10, 1) is True  # a room the agent never took
+
+
+# ---------------------------------------------------------------- prefill ranks with nothing to move
+
+
+def prefill_agent(tmp_path: Path, raw: dict[str, Any], ranks: list[Rank]) -> Any:
+    """One agent serving ``ranks`` of a spec ``raw`` (the engine path, in process)."""
+    from pdfabric_agent.agent import Agent
+    from pdfabric_agent.config import load_config
+    from pdfabric_agent.pools import PoolLayout, RankPools
+    from pdfabric_agent.ranks import LocalRank
+    from pdfabric_core.rankmap import AgentEntry, RankMap
+    from pdfabric_core.spec import parse_spec
+    from tests.unit.test_agent_kernel_path import Backend
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    env = {"NODE_NAME": "n1", "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
+    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
+    spec = parse_spec(raw)
+    decode = tuple(Rank(Role.DECODE, 0, t) for t in range(spec.decode.tp))
+    entries = (AgentEntry("a1", "n1", tuple(ranks)), AgentEntry("a2", "n2", decode))
+    agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", raw, entries), spec, {}, "tcp")
+    for rank in ranks:
+        layout = PoolLayout.from_geometry(spec.model, spec.prefill.tp, kv_pages=16, state_slots=4, aux_slots=4)
+        pool = SimpleNamespace(addr=0x1000_0000)
+        agent.ranks[rank.rank_id] = LocalRank(
+            rank, Backend(kernel=False, takes=False), RankPools(layout, pool, pool, pool)
+        )  # type: ignore[arg-type]
+    return agent
+
+
+REPLICATED = {
+    "prefill": {"tp": 4},
+    "decode": {"tp": 2},
+    "transfer": {"transport": "tcp"},
+    "model": {"layers": 2, "kvHeads": 2, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32"},
+}
+
+
+def test_a_prefill_rank_whose_replicated_heads_another_rank_sends_is_ready_at_once(tmp_path: Path) -> None:
+    """Prefill TP 4 -> decode TP 2 with 2 KV heads: ranks 1 and 3 hold copies of the heads ranks 0
+    and 2 send. No decode rank announces a room to them, and SGLang takes the MIN of all ranks'
+    polls: they are WaitingForInput at once, and their send is Success with nothing moved."""
+    ranks = [Rank(Role.PREFILL, 0, t) for t in range(4)]
+    agent = prefill_agent(tmp_path, REPLICATED, ranks)
+    quiet = {r.rank_id: agent.sender.early_view(r.rank_id, 11) for r in ranks}
+    assert quiet["prefill-0-tp0-cp0"] is None and quiet["prefill-0-tp2-cp0"] is None  # wait for decode
+    for rank_id in ("prefill-0-tp1-cp0", "prefill-0-tp3-cp0"):
+        view = quiet[rank_id]
+        assert view is not None and view["state"] == "WaitingForInput" and view["sends"] is False
+        assert "replicated" in view["reason"]
+        done = agent.submit_send(SendRequest(rank_id, 11, [0, 1], [], 0, 0))
+        assert done["state"] == "Success" and sum(done["bytes"].values()) == 0
+
+
+def test_the_engine_sender_of_a_rank_that_sends_nothing_completes() -> None:
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 12)
+    mgr.client.views[12] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": [], "sends": False}
+    assert tx.poll() == KVPoll.WaitingForInput
+    tx.init(1, 0)
+    tx.send(np.array([4], np.int32))
+    assert mgr.client.submitted[0].peer_replica == 0
+    mgr.client.views[12] = {"state": "Success", "code": 4, "bytes": {}}
+    assert tx.poll() == KVPoll.Success

@@ -283,6 +283,9 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         if view is not None:
             if int(view.get("code", -1)) == KVPoll.Failed:  # decode gave the room up before we sent
                 return self._conclude(KVPoll.Failed, view.get("reason") or "the decode side failed the room")
+            if view.get("sends") is False:  # this rank moves nothing (replicated heads, a quiet CP rank)
+                self.decode_replica = 0  # any: the agent concludes the room at once, to no decode rank
+                return KVPoll.WaitingForInput
             if view.get("decode_ranks_ready"):
                 self.decode_replica = replica_of(view["decode_ranks_ready"][0])
                 self.decode_prefix_len = int(view.get("decode_prefix_tokens", 0))
