@@ -51,6 +51,27 @@ CPU_FLAGS = (
 )  # fmt: skip
 
 
+def server_args(
+    model_dir: Path,
+    port: int | str,
+    *,
+    mode: str | None = None,
+    backend: str = "",
+    bootstrap_port: int | str = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The flags of one CPU server: single (``mode`` None), prefill or decode. Ports may be given as
+    ``$(PDFABRIC_PORT)`` and ``$(PDFABRIC_BOOTSTRAP_PORT)`` for a PDCluster's ``spec.engine``."""
+    args = ["--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS]
+    if mode is not None:
+        args += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
+    if mode == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(bootstrap_port), "--disable-overlap-schedule"]
+    if mode == "decode":
+        args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    return [*args, *extra]
+
+
 def server_argv(
     model_dir: Path,
     port: int,
@@ -60,16 +81,13 @@ def server_argv(
     bootstrap_port: int = 0,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of one CPU server: single (``mode`` None), prefill or decode."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS]
-    if mode is not None:
-        argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
-    if mode == "prefill":
-        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port), "--disable-overlap-schedule"]
-    if mode == "decode":
-        argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
-    return [*argv, *extra]
+    """The command line of one CPU server (``server_args`` after SGLang's module)."""
+    flags = server_args(model_dir, port, mode=mode, backend=backend, bootstrap_port=bootstrap_port, extra=extra)
+    return [sys.executable, "-m", "sglang.launch_server", *flags]
+
+
+# What a CPU server's process needs besides its flags (``server_env`` adds the PYTHONPATH parts).
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
 
 
 def server_env(base: Mapping[str, str], pythonpath: Sequence[str] = (), *, mooncake: bool = False) -> dict[str, str]:
@@ -80,10 +98,8 @@ def server_env(base: Mapping[str, str], pythonpath: Sequence[str] = (), *, moonc
         paths.append(base["PYTHONPATH"])
     return {
         **base,
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "SGLANG_HOST_IP": "127.0.0.1",
+        **CPU_ENV,
         "PYTHONPATH": os.pathsep.join(paths),
-        "PYTHONUNBUFFERED": "1",
         # No GPU here: keep torch from looking for one in every helper process.
         "CUDA_VISIBLE_DEVICES": "",
     }

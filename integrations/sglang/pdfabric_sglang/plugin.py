@@ -86,8 +86,16 @@ def cpu_kv_pool_in_shm(original: Any, pool: Any, *args: Any, **kwargs: Any) -> N
         return original(pool, *args, **kwargs)  # type: ignore[no-any-return]
 
 
+_registered = False
+
+
 def register() -> None:
-    """The entry point: called by ``sglang.srt.plugins.load_plugins()`` before hooks are applied."""
+    """The entry point: called by ``sglang.srt.plugins.load_plugins()`` before hooks are applied.
+    Once per process: the same distribution found twice on the path must not wrap SGLang twice."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
     from sglang.srt.disaggregation import utils
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
