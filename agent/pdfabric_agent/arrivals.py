@@ -122,6 +122,7 @@ class DecodeArrivals:
             kv_pages=msg.kv_pages,
             state_indices=msg.state_indices,
             aux_index=msg.aux_index,
+            prefix_tokens=msg.prefix_tokens,
         )
         ctx.tasks.spawn(self._bootstrap(room, info))
         return room.view()

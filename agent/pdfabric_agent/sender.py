@@ -131,6 +131,8 @@ class PrefillSender:
             "code": int(state),
             "reason": "",
             "decode_ranks_ready": sorted(infos),
+            # What decode holds already (one request: every decode rank says the same).
+            "decode_prefix_tokens": max(info.prefix_tokens for _, info in infos.values()),
         }
 
     def _sends_anything(self, local: LocalRank) -> bool:

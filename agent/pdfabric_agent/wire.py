@@ -17,6 +17,7 @@ the client and by peers, so both sides of a message are written in one place.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import re
 from collections.abc import Mapping
@@ -140,12 +141,23 @@ class ReceiveRequest(RoomSubmit):
     PEER_ROLE = "prefill"
     UNIQUE = True
 
+    # Prompt tokens decode already holds (SGLang's decode radix cache: ``decode_prefix_len``): the
+    # pages here are those after them, and the prefill sends from that token on.
+    prefix_tokens: int = 0
+
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
         msg = super().parse(body)
         if not msg.kv_pages:
             raise malformed("kv_pages is empty: a room moves at least one page")
-        return msg
+        prefix = field_opt_int(body, "prefix_tokens")
+        return dataclasses.replace(msg, prefix_tokens=prefix) if prefix else msg
+
+    def to_json(self) -> dict[str, Any]:
+        body = super().to_json()
+        if self.prefix_tokens:
+            body["prefix_tokens"] = self.prefix_tokens
+        return body
 
 
 @dataclass(frozen=True)
@@ -222,6 +234,7 @@ class RoomInfo:
     kv_pages: list[int]
     state_indices: list[int]
     aux_index: int | None
+    prefix_tokens: int = 0  # the decode radix prefix (ReceiveRequest.prefix_tokens)
 
     def __post_init__(self) -> None:
         given: object = self.bases  # Bases at run time when built from the agent's pools
@@ -243,7 +256,8 @@ class RoomInfo:
         state = field_indices(body, "state_indices", layout.state_slots, what="state slots", unique=True)
         aux = field_opt_int(body, "aux_index")
         check_index(aux, layout.aux_slots, name="aux_index")
-        return cls(room, decode_rank, prefill_rank, endpoint, layout, bases, pages, state, aux)
+        prefix = field_opt_int(body, "prefix_tokens") or 0
+        return cls(room, decode_rank, prefill_rank, endpoint, layout, bases, pages, state, aux, prefix)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -256,6 +270,7 @@ class RoomInfo:
             "kv_pages": pack_indices(self.kv_pages),
             "state_indices": list(self.state_indices),
             "aux_index": self.aux_index,
+            "prefix_tokens": self.prefix_tokens,
         }
 
 

@@ -69,6 +69,9 @@ def server_args(
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port), "--disable-overlap-schedule"]
     if mode == "decode":
         args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        # Decode keeps prompts in its radix cache; a later prompt with a cached prefix asks prefill
+        # for the pages after it only (SGLang's decode_prefix_len).
+        args += ["--disaggregation-decode-enable-radix-cache"]
     return [*args, *extra]
 
 

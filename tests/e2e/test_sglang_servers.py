@@ -286,6 +286,29 @@ def test_pd_moves_kv_through_the_agents(pd: PD) -> None:
     assert pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before == want
 
 
+def test_decode_radix_prefix_moves_only_the_pages_after_it(pd: PD, single: SGLangServer) -> None:
+    """Decode's radix cache holds a 64-token prompt (4 pages); the same prompt with 40 tokens more
+    is prefilled whole but moves only the 3 pages after the cached prefix, and decodes the single
+    server's tokens."""
+    base = [(i * 29) % 241 + 3 for i in range(64)]
+    longer = base + [(i * 17) % 233 + 5 for i in range(40)]
+    for prompt in (base, longer):
+        want = tokens(single.generate(greedy(prompt, NEW_TOKENS))[1])
+        kv_before = pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") if pd.fabric else 0
+        status, got = pd.generate(greedy(prompt, NEW_TOKENS))
+        assert status == 200, (pd.backend, got)
+        assert tokens(got) == want, (pd.backend, len(prompt))
+    if pd.fabric is not None:
+        page_bytes = PAGE_SIZE * 2 * 2 * 2 * 16 * 2  # 16 tokens x 2 layers x (K + V) x 2 heads x 16 dim x 2 bytes
+        deadline = time.monotonic() + 10
+        while (
+            moved := pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - kv_before
+        ) < 3 * page_bytes:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert moved == 3 * page_bytes, f"{moved / page_bytes:g} pages moved for the second prompt, want 3"
+
+
 def wait_serving(pd: PD, want: list[int], prompt: list[int], timeout_s: float = 180.0) -> None:
     """Until a request through the router answers ``want`` again (the router re-admits a worker
     after its health checks pass)."""

@@ -7,8 +7,8 @@ them under SGLang's real scheduler):
   refused for good while an unreachable one is retried;
 - the CPU engine's allocations land in shared-memory files the agent can map;
 - a sender or receiver whose agent is down, refuses or restarted fails the request with the
-  reason; a failure learned from another rank says so; a Failed early view is Failed; a radix
-  prefix is refused with what to change; deferred release follows the agent's ``sources_quiet``.
+  reason; a failure learned from another rank says so; a Failed early view is Failed; decode's
+  radix prefix reaches the prefill; deferred release follows the agent's ``sources_quiet``.
 """
 
 from __future__ import annotations
@@ -284,16 +284,35 @@ def test_a_submitted_room_the_agent_lost_fails() -> None:
     assert rx.poll() == KVPoll.Failed and "restarted" in rx.reason  # 404 after submit
 
 
-def test_a_decode_radix_prefix_is_refused_with_what_to_change() -> None:
-    from pdfabric_sglang.conn import PdfabricKVReceiver
+def test_a_decode_radix_prefix_reaches_the_prefill_sender() -> None:
+    """Decode holds 32 tokens of the prompt (its radix cache): it submits the pages after them with
+    the prefix; the prefill's agent view carries it, and SGLang's prefill pops it to send from
+    there."""
+    from pdfabric_sglang.conn import PdfabricKVReceiver, PdfabricKVSender
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    mgr = manager(Role.DECODE)
-    rx = PdfabricKVReceiver(mgr, "p:1", 9)
+    dec = manager(Role.DECODE)
+    rx = PdfabricKVReceiver(dec, "p:1", 9)
     rx.init(0)
     rx.send_metadata(np.array([1, 2], np.int32), 0, None, decode_prefix_len=32)
-    assert rx.poll() == KVPoll.Failed and rx.conclude_state == KVPoll.Failed
-    assert "--disaggregation-decode-enable-radix-cache" in rx.reason and mgr.client.submitted == []
+    (sent,) = dec.client.submitted
+    assert (sent.kv_pages, sent.prefix_tokens) == ([1, 2], 32)
+    pre = manager(Role.PREFILL)
+    tx = PdfabricKVSender(pre, "p:1", 9)
+    pre.client.views[9] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": [D], "decode_prefix_tokens": 32}
+    assert tx.poll() == KVPoll.WaitingForInput
+    assert tx.pop_decode_prefix_len() == 32 and tx.pop_decode_prefix_len() == 0  # popped once
+
+
+def test_the_prefix_travels_decode_agent_to_prefill_agent() -> None:
+    from tests.unit.test_agent_peer_trust import room_info
+
+    msg = ReceiveRequest(D, 9, [1, 2], [], 0, 0, engine_memory=True, prefix_tokens=32)
+    assert ReceiveRequest.parse(msg.to_json()) == msg
+    assert "prefix_tokens" not in ReceiveRequest(D, 9, [1, 2], [], 0, 0).to_json()
+    info = room_info(9, prefix_tokens=32)
+    assert type(info).parse(info.to_json()).prefix_tokens == 32
+    assert type(info).parse({**info.to_json(), "prefix_tokens": None}).prefix_tokens == 0  # an older agent
 
 
 def test_deferred_release_waits_for_the_agents_quiet_sources() -> None:

@@ -392,21 +392,23 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
     ) -> None:
         if self.concluded is not None or self.prefill_replica is None:
             return
-        if decode_prefix_len:
-            self.conclude_state = self._conclude(
-                KVPoll.Failed,
-                f"decode holds {decode_prefix_len} tokens of this prompt in its radix cache; pdfabric moves "
-                "whole prompts only (run decode without --disaggregation-decode-enable-radix-cache)",
-            )
-            return
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
         state = (
             [int(s) for s in np.asarray(state_indices[0]).reshape(-1)]
             if state_indices and state_indices[0] is not None
             else []
         )
+        # With SGLang's decode radix cache, ``kv_indices`` are the pages after the prefix decode
+        # holds; the prefill learns the prefix from the agent and sends from there.
         msg = ReceiveRequest(
-            self.mgr.rank_id, self.room, pages, state, aux_index, self.prefill_replica, engine_memory=True
+            self.mgr.rank_id,
+            self.room,
+            pages,
+            state,
+            aux_index,
+            self.prefill_replica,
+            engine_memory=True,
+            prefix_tokens=int(decode_prefix_len or 0),
         )
         self.submitted_at = time.monotonic()
         try:
