@@ -340,6 +340,23 @@ def test_decode_server_killed_mid_traffic_fails_its_requests_then_serves_after_r
     wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)
 
 
+def test_prefill_server_killed_fails_its_requests_then_serves_after_restart(pd: PD, single: SGLangServer) -> None:
+    """The prefill server dies with requests bootstrapping and prefilling: each fails with an error
+    within the transfer timeout (decode is not left waiting for KV that cannot come), decode lives
+    on, and the restarted prefill serves equal answers again."""
+    prompts = [[(i * 7 + j * 3) % 250 + 1 for j in range(600)] for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(pd.generate, greedy(p, NEW_TOKENS), 120) for p in prompts]
+        time.sleep(0.5)  # in prefill's queues
+        pd.prefill.kill()
+        answers = [f.result(timeout=150) for f in futures]
+    assert all(status != 200 for status, _ in answers), [s for s, _ in answers]
+    assert pd.decode.healthy()
+    pd.prefill.recover()
+    prompt = PROMPTS[3]
+    wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)
+
+
 def test_prefill_agent_killed_fails_requests_then_restarted_agent_serves(pd: PD, single: SGLangServer) -> None:
     """The prefill node's agent dies: requests fail with an error and both servers live on; the
     restarted agent lost the engine's registration, so the engine registers again on its next

@@ -58,7 +58,12 @@ __all__ = ["PdfabricKVBootstrapServer", "PdfabricKVManager", "PdfabricKVReceiver
 
 log = logging.getLogger("pdfabric.sglang")
 
-FINAL = (KVPoll.Success, KVPoll.Failed)
+# SGLang's KVPoll codes as typed ints (SGLang ships no type information).
+FAILED: int = int(KVPoll.Failed)
+BOOTSTRAPPING: int = int(KVPoll.Bootstrapping)
+WAITING_FOR_INPUT: int = int(KVPoll.WaitingForInput)
+SUCCESS: int = int(KVPoll.Success)
+FINAL = (SUCCESS, FAILED)
 # A poll, submit or abort on the scheduler thread waits at most this long for the agent (it answers
 # in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
 AGENT_CALL_TIMEOUT_S = 2.0
@@ -154,7 +159,7 @@ class PdfabricKVManager(BaseKVManager):
             return exc.status == 404  # the agent never took the room: nothing can write into it
         except (OSError, ValueError):
             return False  # unknown: SGLang releases at its deadline
-        return bool(view.get("sources_quiet", view.get("code") == KVPoll.Success))
+        return bool(view.get("sources_quiet", view.get("code") == SUCCESS))
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         """Nothing kept per room here: the agent's room holds the state."""
@@ -182,14 +187,17 @@ class _RoomClient:
         if self.concluded is None:
             self.concluded, self.reason = state, reason
             self.finished_at = time.monotonic()
-            if state == KVPoll.Failed:
+            if state == FAILED:
                 log.warning("pdfabric: room %d on %s failed: %s", self.room, self.mgr.rank_id, reason)
+        return self.concluded
+
+    def _final(self) -> int | None:
         return self.concluded
 
     def fail(self, reason: str) -> None:
         """Conclude Failed and tell the agent (a room it took fails at once, its peers are told)."""
         self._abort_at_agent(reason)
-        self._conclude(KVPoll.Failed, reason)
+        self._conclude(FAILED, reason)
 
     def _abort_at_agent(self, reason: str) -> None:
         if self.submitted_at is None or self.concluded is not None:
@@ -207,9 +215,9 @@ class _RoomClient:
         except AgentRefused as exc:
             if exc.status == 404:
                 return None
-            self._conclude(KVPoll.Failed, f"agent refused the poll: {exc}")
+            self._conclude(FAILED, f"agent refused the poll: {exc}")
         except (OSError, ValueError) as exc:
-            self._conclude(KVPoll.Failed, f"agent {self.mgr.config.address} unreachable: {exc}")
+            self._conclude(FAILED, f"agent {self.mgr.config.address} unreachable: {exc}")
         return None
 
     def _agent_state(self) -> int:
@@ -218,22 +226,22 @@ class _RoomClient:
         if self.concluded is not None:
             return self.concluded
         if view is None:  # a submitted room the agent no longer knows: it restarted
-            return self._conclude(KVPoll.Failed, "the agent lost the room (restarted?)")
+            return self._conclude(FAILED, "the agent lost the room (restarted?)")
         code = int(view["code"])
         if code in FINAL:
-            if code == KVPoll.Success:
+            if code == SUCCESS:
                 self.bytes_moved = sum(int(n) for n in view.get("bytes", {}).values())
             return self._conclude(code, view.get("reason", ""))
         return code
 
     def get_transfer_metric(self) -> KVTransferMetric:
         latency = None
-        if self.submitted_at is not None and self.finished_at is not None and self.concluded == KVPoll.Success:
+        if self.submitted_at is not None and self.finished_at is not None and self.concluded == SUCCESS:
             latency = self.finished_at - self.submitted_at
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes_moved)
 
     def failure_exception(self) -> None:
-        if self.concluded != KVPoll.Failed:
+        if self.concluded != FAILED:
             # SGLang's all-reduce took the MIN over its ranks: another rank failed this request.
             self.fail("failed on another rank of this request")
             raise KVTransferError(
@@ -278,24 +286,22 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         if self.submitted_at is not None:
             return self._agent_state()
         view = self._view()
-        if self.concluded is not None:
-            return self.concluded
+        if (done := self._final()) is not None:  # the agent could not be asked
+            return done
         if view is not None:
-            if int(view.get("code", -1)) == KVPoll.Failed:  # decode gave the room up before we sent
-                return self._conclude(KVPoll.Failed, view.get("reason") or "the decode side failed the room")
+            if int(view.get("code", -1)) == FAILED:  # decode gave the room up before we sent
+                return self._conclude(FAILED, view.get("reason") or "the decode side failed the room")
             if view.get("sends") is False:  # this rank moves nothing (replicated heads, a quiet CP rank)
                 self.decode_replica = 0  # any: the agent concludes the room at once, to no decode rank
-                return KVPoll.WaitingForInput
+                return WAITING_FOR_INPUT
             if view.get("decode_ranks_ready"):
                 self.decode_replica = replica_of(view["decode_ranks_ready"][0])
                 self.decode_prefix_len = int(view.get("decode_prefix_tokens", 0))
                 if view["state"] == "WaitingForInput":
-                    return KVPoll.WaitingForInput
+                    return WAITING_FOR_INPUT
         if time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
-            return self._conclude(
-                KVPoll.Failed, f"decode did not announce the room within {self.mgr.bootstrap_timeout_s:g} s"
-            )
-        return KVPoll.Bootstrapping
+            return self._conclude(FAILED, f"decode did not announce the room within {self.mgr.bootstrap_timeout_s:g} s")
+        return BOOTSTRAPPING
 
     def poll_pp_consensus(self) -> int:
         """PP stage 0's poll, which SGLang spreads to the other stages; every stage's agent room
@@ -322,7 +328,7 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
             else []
         )
         if self.decode_replica is None:
-            self._conclude(KVPoll.Failed, "the last chunk came before decode announced the room")
+            self._conclude(FAILED, "the last chunk came before decode announced the room")
             return
         msg = SendRequest(
             self.mgr.rank_id, self.room, self.pages, state, self.aux_index, self.decode_replica, engine_memory=True
@@ -330,7 +336,7 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         try:
             self.mgr.submit(msg)
         except AGENT_ERRORS as exc:
-            self._conclude(KVPoll.Failed, f"the agent did not take the send: {exc}")
+            self._conclude(FAILED, f"the agent did not take the send: {exc}")
             return
         self.submitted_at = self.first_chunk_at
 
@@ -376,10 +382,10 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
             return
         error = peers.error(self.bootstrap_addr)
         if error is not None and not error.retryable:  # another PDCluster's prefill: no retry helps
-            self.conclude_state = self._conclude(KVPoll.Failed, f"prefill bootstrap {self.bootstrap_addr}: {error}")
+            self.conclude_state = self._conclude(FAILED, f"prefill bootstrap {self.bootstrap_addr}: {error}")
         elif time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
             self.conclude_state = self._conclude(
-                KVPoll.Failed, f"prefill bootstrap {self.bootstrap_addr} unreachable: {error}"
+                FAILED, f"prefill bootstrap {self.bootstrap_addr} unreachable: {error}"
             )
 
     def send_metadata(
@@ -414,7 +420,7 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
         try:
             self.mgr.submit(msg)
         except AGENT_ERRORS as exc:
-            self.conclude_state = self._conclude(KVPoll.Failed, f"the agent did not take the receive: {exc}")
+            self.conclude_state = self._conclude(FAILED, f"the agent did not take the receive: {exc}")
 
     def poll(self) -> int:
         if self.concluded is not None:
@@ -422,9 +428,9 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
         if self.prefill_replica is None:
             if self.inited:
                 self._resolve()
-            return self.concluded if self.concluded is not None else KVPoll.Bootstrapping
+            return self.concluded if self.concluded is not None else BOOTSTRAPPING
         if self.submitted_at is None:
-            return KVPoll.WaitingForInput
+            return WAITING_FOR_INPUT
         state = self._agent_state()
         if state in FINAL:
             self.conclude_state = state
@@ -438,4 +444,4 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
 
     def fail(self, reason: str) -> None:
         super().fail(reason)
-        self.conclude_state = KVPoll.Failed
+        self.conclude_state = FAILED

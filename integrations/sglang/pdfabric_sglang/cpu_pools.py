@@ -88,8 +88,8 @@ def shared_cpu_allocations(directory: str | None = None) -> Iterator[None]:
 
         return alloc
 
-    torch.zeros, torch.empty = redirect("zeros"), redirect("empty")  # type: ignore[assignment]
+    torch.zeros, torch.empty = redirect("zeros"), redirect("empty")
     try:
         yield
     finally:
-        torch.zeros, torch.empty = real["zeros"], real["empty"]  # type: ignore[assignment]
+        torch.zeros, torch.empty = real["zeros"], real["empty"]
