@@ -7,13 +7,17 @@ No control-plane dependencies here: the agent harness (fabric.py) runs on GPU ma
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import socket
 import sys
 import tomllib
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PACKAGES = ("core", "operator", "agent")
@@ -76,3 +80,19 @@ def console_argv(command: list[str]) -> list[str]:
         raise ValueError(f"command {command[:1]} is not one of this project's scripts {sorted(scripts)}")
     module, func = scripts[command[0]].split(":")
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())", *command[1:]]
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body: the status and JSON answer (0 and the error when none came)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, {"error": raw.decode(errors="replace")}
+    except (OSError, ValueError) as exc:
+        return 0, {"error": f"{type(exc).__name__}: {exc}"}

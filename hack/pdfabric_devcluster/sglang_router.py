@@ -6,18 +6,16 @@ adding the bootstrap fields itself."""
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pdfabric_core.engines import sglang_router_args
-from pdfabric_devcluster.procs import free_port
+from pdfabric_devcluster.procs import free_port, post_json
 
 
 class SGLangRouter:
@@ -76,20 +74,7 @@ class SGLangRouter:
 
     def generate(self, body: Mapping[str, Any], timeout_s: float = 60.0) -> tuple[int, dict[str, Any]]:
         """POST /generate through the router: its status and JSON answer (0 when none came)."""
-        req = urllib.request.Request(
-            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                return exc.code, json.loads(raw)
-            except ValueError:
-                return exc.code, {"error": raw.decode(errors="replace")}
-        except (OSError, ValueError) as exc:
-            return 0, {"error": f"{type(exc).__name__}: {exc}"}
+        return post_json(self.url + "/generate", body, timeout_s)
 
 
 @contextlib.contextmanager

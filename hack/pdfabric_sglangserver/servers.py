@@ -14,18 +14,18 @@ PYTHONPATH: test code, documented there.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdfabric_devcluster.procs import post_json
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin"  # the sgl_kernel stand-in
@@ -186,22 +186,6 @@ def start_server(
             argv, env=env, cwd=log.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     return SGLangServer(name, port, proc, log, argv, env, bootstrap_port)
-
-
-def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
-    """POST a JSON body: the status and JSON answer (0 and the error when none came)."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, {"error": raw.decode(errors="replace")}
-    except (OSError, ValueError) as exc:
-        return 0, {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def greedy(prompt_ids: Sequence[int], new_tokens: int, **extra: Any) -> dict[str, Any]:
