@@ -114,6 +114,8 @@ class PrefillSender:
             return {"rank": rank_id, "room": room_id, "state": failed.title, "code": int(failed),
                     "reason": cancelled[1], "decode_ranks_ready": []}  # fmt: skip
         local = ctx.ranks.served(rank_id)
+        if local.rank.role is not Role.PREFILL:
+            return None  # a decode rank's rooms are its own (the poll looks them up)
         if not self._sends_anything(local):
             # No decode rank announces a room to a rank it does not read from: ready at once.
             ready = RoomState.WAITING_FOR_INPUT

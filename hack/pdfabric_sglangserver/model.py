@@ -41,6 +41,23 @@ def spec_model(page_size: int) -> dict[str, object]:
     }
 
 
+def metadata_row_bytes() -> list[int]:
+    """Bytes per row of each of SGLang's ``MetadataBuffers`` as its scheduler builds them without
+    speculative decoding (hidden states padded to 16 float32, scheduler.py): what a PDCluster's
+    ``spec.model.auxRowBytes`` must say for SGLang's servers."""
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    bufs = MetadataBuffers(2, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4096)
+    return [int(n) for n in bufs.get_buf_infos()[2]]
+
+
+def spec_model_for_servers(page_size: int) -> dict[str, object]:
+    """``spec.model`` of a PDCluster serving this model with SGLang's servers: the geometry and the
+    metadata rows."""
+    return {**spec_model(page_size), "auxRowBytes": metadata_row_bytes()}
+
+
 def write_model_dir(path: Path) -> Path:
     """Write the config and tokenizer into ``path`` (idempotent) and return it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

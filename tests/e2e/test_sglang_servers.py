@@ -25,7 +25,7 @@ import pytest
 from pdfabric_devcluster.fabric import LocalEngine, LocalFabric
 from pdfabric_devcluster.procs import free_port
 from pdfabric_devcluster.sglang_router import SGLangRouter, sglang_router
-from pdfabric_sglangserver.model import spec_model, write_model_dir
+from pdfabric_sglangserver.model import spec_model_for_servers, write_model_dir
 from pdfabric_sglangserver.servers import (
     CPU_ENV,
     PAGE_SIZE,
@@ -55,17 +55,6 @@ PROMPTS = [
 ]
 CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 9 * i)] for i in range(16)]
 NEW_TOKENS = 12
-
-
-def aux_row_bytes() -> list[int]:
-    """Bytes per row of each of SGLang's ``MetadataBuffers`` as its scheduler builds them without
-    speculative decoding (hidden states padded to 16 float32, scheduler.py): the PDCluster's
-    ``spec.model.auxRowBytes``."""
-    import torch
-    from sglang.srt.disaggregation.utils import MetadataBuffers
-
-    bufs = MetadataBuffers(2, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4096)
-    return [int(n) for n in bufs.get_buf_infos()[2]]
 
 
 @pytest.fixture(scope="session")
@@ -152,7 +141,7 @@ def fabric_spec(**extra: Any) -> dict[str, Any]:
         "prefill": {"tp": 1},
         "decode": {"tp": 1},
         "transfer": {"transport": "tcp", "timeoutSeconds": 20},
-        "model": {**spec_model(page_size=PAGE_SIZE), "auxRowBytes": aux_row_bytes()},
+        "model": spec_model_for_servers(PAGE_SIZE),
         **extra,
     }
 

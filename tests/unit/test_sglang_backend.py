@@ -338,7 +338,8 @@ def test_deferred_release_waits_for_the_agents_quiet_sources() -> None:
 
 
 def prefill_agent(tmp_path: Path, raw: dict[str, Any], ranks: list[Rank]) -> Any:
-    """One agent serving ``ranks`` of a spec ``raw`` (the engine path, in process)."""
+    """The agent serving ``ranks`` of a spec ``raw`` (the engine path, in process): the prefill
+    ranks are on one agent, the decode ranks on another."""
     from pdfabric_agent.agent import Agent
     from pdfabric_agent.config import load_config
     from pdfabric_agent.pools import PoolLayout, RankPools
@@ -352,8 +353,9 @@ def prefill_agent(tmp_path: Path, raw: dict[str, Any], ranks: list[Rank]) -> Any
     env = {"NODE_NAME": "n1", "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
     env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
     spec = parse_spec(raw)
+    prefill = tuple(Rank(Role.PREFILL, 0, t) for t in range(spec.prefill.tp))
     decode = tuple(Rank(Role.DECODE, 0, t) for t in range(spec.decode.tp))
-    entries = (AgentEntry("a1", "n1", tuple(ranks)), AgentEntry("a2", "n2", decode))
+    entries = (AgentEntry("a1", "n1", prefill), AgentEntry("a2", "n2", decode))
     agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", raw, entries), spec, {}, "tcp")
     for rank in ranks:
         layout = PoolLayout.from_geometry(spec.model, spec.prefill.tp, kv_pages=16, state_slots=4, aux_slots=4)
@@ -386,6 +388,11 @@ def test_a_prefill_rank_whose_replicated_heads_another_rank_sends_is_ready_at_on
         assert "replicated" in view["reason"]
         done = agent.submit_send(SendRequest(rank_id, 11, [0, 1], [], 0, 0))
         assert done["state"] == "Success" and sum(done["bytes"].values()) == 0
+        assert agent.sender.early_view(rank_id, 11) is None  # sent: the poll answers the room, Success
+    # Decode rank 1 has the number of a prefill rank with no route, but it is no prefill rank: its
+    # polls answer its own rooms (an early answer here left decode rooms WaitingForInput).
+    decode = prefill_agent(tmp_path, REPLICATED, [Rank(Role.DECODE, 0, 1)])
+    assert decode.sender.early_view("decode-0-tp1", 11) is None
 
 
 def test_the_engine_sender_of_a_rank_that_sends_nothing_completes() -> None:
