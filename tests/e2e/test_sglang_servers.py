@@ -97,6 +97,7 @@ class Server:
     agent as the PDCluster's ``spec.engine``."""
 
     healthy: Callable[[], bool]
+    pid: Callable[[], int]  # the server's process now (0: none): a restart changes it
     tail: Callable[[], str]
     kill: Callable[[], object]  # ends it as a crash would
     recover: Callable[[], None]  # returns once it serves again (restarted by the test or its agent)
@@ -107,7 +108,10 @@ def started_here(server: SGLangServer) -> Server:
         server.restart()
         server.wait_healthy()
 
-    return Server(server.healthy, server.tail, server.stop, recover)
+    def pid() -> int:
+        return server.proc.pid if server.proc.poll() is None else 0
+
+    return Server(server.healthy, pid, server.tail, server.stop, recover)
 
 
 def started_by_agent(lc: LocalFabric, engine: LocalEngine) -> Server:
@@ -120,7 +124,11 @@ def started_by_agent(lc: LocalFabric, engine: LocalEngine) -> Server:
             assert time.monotonic() < deadline, f"the agent did not restart {engine.name}: {st}"
             time.sleep(1.0)
 
-    return Server(engine.healthy, lambda: lc.log(engine.agent.name)[-4000:], engine.kill, recover)
+    def pid() -> int:
+        st = engine.state()
+        return st.pid if st is not None and st.pid else 0
+
+    return Server(engine.healthy, pid, lambda: lc.log(engine.agent.name)[-4000:], engine.kill, recover)
 
 
 @dataclass
@@ -334,13 +342,14 @@ def test_prefill_server_killed_fails_its_requests_then_serves_after_restart(pd: 
     within the transfer timeout (decode is not left waiting for KV that cannot come), decode lives
     on, and the restarted prefill serves equal answers again."""
     prompts = [[(i * 7 + j * 3) % 250 + 1 for j in range(600)] for i in range(4)]
+    decode_pid = pd.decode.pid()
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(pd.generate, greedy(p, NEW_TOKENS), 120) for p in prompts]
         time.sleep(0.5)  # in prefill's queues
         pd.prefill.kill()
         answers = [f.result(timeout=150) for f in futures]
     assert all(status != 200 for status, _ in answers), [s for s, _ in answers]
-    assert pd.decode.healthy()
+    assert pd.decode.pid() == decode_pid != 0  # the decode server lives on, not restarted
     pd.prefill.recover()
     prompt = PROMPTS[3]
     wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)
