@@ -14,7 +14,10 @@
    processes and the router's pod runs SGLang's router (PodRunner runs the pods' commands
    locally), prompts go through the router and the PD path (prefill computes the KV, the agents
    move it, decode generates from it), answers printed beside colocated generation, then the
-   traffic Prometheus saw for them.
+   traffic Prometheus saw for them;
+7. spec.engine running SGLang's own server (PDCluster sglang: SGLang's CPU engine on a small
+   random-weight Llama, pdfabric as its transfer backend, SGLang's router in front): answers equal
+   a single SGLang server's token for token, and the bytes Prometheus saw.
 Local processes stop at the end; the cluster stays up for `kubectl` (stop it: make cluster-down).
 """
 
@@ -35,6 +38,7 @@ from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.procs import console_argv
 from pdfabric_devcluster.prometheus import Prometheus
+from pdfabric_devcluster.sglang_router import SGLangRouter
 from pdfabric_devcluster.synthetic import expected_bytes
 from pdfabric_devcluster.transfer import transfer_room
 from render_panels import http_range_query, render
@@ -76,8 +80,8 @@ def print_queries(prometheus: Prometheus, queries: dict[str, str]) -> None:
         print(f"  {label:32} {value:,.0f}" if value >= 100 else f"  {label:32} {value:.4g}")
 
 
-def pdc_condition(cluster: LocalCluster, name: str, type_: str) -> dict | None:
-    obj = cluster.get_json("pdcluster", name, "-n", NAMESPACE)
+def pdc_condition(cluster: LocalCluster, name: str, type_: str, namespace: str = NAMESPACE) -> dict | None:
+    obj = cluster.get_json("pdcluster", name, "-n", namespace)
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), None)
 
 
@@ -119,7 +123,9 @@ def main() -> int:
     prometheus = Prometheus(WORKDIR / "prometheus")
     try:
         code = run_demo(cluster, runner, prometheus, metrics_port)
-        return code or serve_demo(cluster, runner, prometheus, backend)
+        code = code or serve_demo(cluster, runner, prometheus, backend)
+        code = code or sglang_demo(cluster, runner, prometheus, site)
+        return code or finish(cluster)
     finally:
         runner.stop()
         prometheus.stop()
@@ -328,10 +334,140 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
     print_queries(prometheus, queries)
     print(f"  the engines' own count (SGLang's KVTransferMetric of the decode ranks): {reported:,} bytes")
 
+    return 0
+
+
+SGLANG_PROMPTS = ["Hello, PD!", "SGLang's own server moves its KV through pdfabric", "prefill and decode " * 8]
+
+
+def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, site: str) -> int:
+    """A PDCluster whose engines are SGLang's real server (SGLang's CPU engine, a small random-weight
+    Llama): the agents start prefill and decode servers with pdfabric as their transfer backend,
+    SGLang's router pairs them, and each answer equals a single SGLang server's."""
+    from pdfabric_sglangserver.model import spec_model_for_servers, write_model_dir
+    from pdfabric_sglangserver.servers import (
+        CPU_ENV,
+        PAGE_SIZE,
+        STANDIN,
+        greedy,
+        server_args,
+        server_argv,
+        server_env,
+        start_server,
+    )
+
+    step("spec.engine running SGLang's own server: PDCluster sglang")
+    if not site:
+        print(
+            "  (skipped: SGLang loads the pdfabric plugin through its entry point, and pdfabric could not be installed)"
+        )
+        return 0
+    model_dir = write_model_dir(WORKDIR / "sglang-model")
+    # What this machine's "SGLang image" needs: SGLang's CPU engine, the plugin, and the test stand-in
+    # for SGLang's CPU kernels on PYTHONPATH ($(PYTHONPATH) is the image's own, expanded by the agent).
+    cpu_env = {**CPU_ENV, "SGLANG_PLUGINS": "pdfabric", "PYTHONPATH": f"{STANDIN}:$(PYTHONPATH)"}
+    env = [{"name": k, "value": v} for k, v in cpu_env.items()]
+    roles = {
+        role: {
+            "command": ["python", "-m", "sglang.launch_server"],
+            "args": server_args(
+                model_dir,
+                "$(PDFABRIC_PORT)",
+                mode=role,
+                backend="pdfabric",
+                bootstrap_port="$(PDFABRIC_BOOTSTRAP_PORT)",
+            ),
+            "env": env,
+        }
+        for role in ("prefill", "decode")
+    }
+    pdc = {
+        "apiVersion": "pdfabric.dev/v1alpha1",
+        "kind": "PDCluster",
+        "metadata": {"name": "sglang"},
+        "spec": {
+            "transfer": {"transport": "tcp", "timeoutSeconds": 20},
+            "prefill": {"tp": 1},
+            "decode": {"tp": 1},
+            "model": spec_model_for_servers(PAGE_SIZE),
+            "engine": {"image": "sglang-pdfabric:local", **roles},
+            "router": {"image": "sglang-router:0.3.2", "args": ["--health-check-interval-secs", "5"]},
+        },
+    }
+    manifest = WORKDIR / "pdcluster-sglang.json"
+    manifest.write_text(json.dumps(pdc, indent=1))
+    print(f"  the PDCluster: {manifest}")
+    show(cluster, "apply", "-n", NAMESPACE, "-f", str(manifest))
+    # The reference answers: one SGLang server serving the same model alone, started meanwhile.
+    port = free_port()
+    single = start_server(
+        "single", server_argv(model_dir, port), server_env(dict(os.environ)), WORKDIR / "sglang-single.log", port
+    )
+    try:
+
+        def routers() -> list[SGLangRouter]:
+            return [r for name, r in runner.routers.items() if name.startswith("sglang-")]
+
+        def rolled() -> bool:
+            runner.sync()
+            if runner.engines:
+                with contextlib.suppress(ClusterError):  # an engine URL of a pod not started yet
+                    runner.start_routers()
+            ready = (c := pdc_condition(cluster, "sglang", "Ready")) and c["status"] == "True"
+            return bool(ready and routers())
+
+        # Ready once the agents' SGLang servers answer (a minute or two on this machine's 2 cores).
+        wait_for(rolled, timeout=600, interval=1, what="PDCluster sglang Ready: its agents, servers and router")
+        pods = {n: p for n, p in runner.sync().items() if n.startswith("sglang-")}
+        show(cluster, "get", "pdc", "sglang", "-n", NAMESPACE)
+        (router,) = routers()
+        router.wait_healthy(300, ready=True)
+        single.wait_healthy()
+        targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
+        prometheus.set_targets(targets)
+        prometheus.wait_targets_up(len(targets))
+
+        step("prompts through SGLang's router to SGLang's prefill and decode servers, beside a single SGLang server")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        equal = 0
+        for text in SGLANG_PROMPTS:
+            ids = tok(text)["input_ids"]
+            status, body = router.generate(greedy(ids, NEW_TOKENS), timeout_s=120)
+            want_status, want = single.generate(greedy(ids, NEW_TOKENS))
+            if status != 200 or want_status != 200:
+                print(f"  {text!r}: FAILED: HTTP {status} {json.dumps(body)[:400]} / single {want_status}")
+                return 1
+            same = body["output_ids"] == want["output_ids"]
+            equal += same
+            print(f"  prompt {text!r} ({len(ids)} tokens)")
+            print(f"    PD     tokens {body['output_ids']}")
+            print(f"    single tokens {want['output_ids']}  {'equal' if same else 'DIFFERENT'}")
+        print(
+            f"  {equal}/{len(SGLANG_PROMPTS)} answers of SGLang's PD servers equal the single server's token for token"
+        )
+        if equal != len(SGLANG_PROMPTS):
+            return 1
+        time.sleep(2.5)  # two more scrapes
+        print_queries(
+            prometheus,
+            {
+                "KV bytes into SGLang's decode server": 'sum(pdfabric_transfer_bytes_total{cluster="sglang",role="decode",kind="kv"})',
+                "metadata (aux) bytes": 'sum(pdfabric_transfer_bytes_total{cluster="sglang",role="decode",kind="aux"})',
+                "successful rank-requests": 'sum(pdfabric_requests_total{cluster="sglang",outcome="success"})',
+            },
+        )
+    finally:
+        single.stop()
+    return 0
+
+
+def finish(cluster: LocalCluster) -> int:
     step("done")
     print("The cluster stays up:")
     print(f"  export KUBECONFIG={cluster.kubeconfig} PATH={cluster.bin_dir}:$PATH")
-    print(f"  kubectl get pdc -n {NAMESPACE}")
+    print("  kubectl get pdc -A")
     print("Stop it with: make cluster-down")
     return 0
 

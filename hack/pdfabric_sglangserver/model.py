@@ -1,6 +1,9 @@
-"""A model directory SGLang's server loads with ``--load-format dummy``: a small Llama's config and a
-byte-level tokenizer built here (nothing downloaded). SGLang fills the weights from its own seed, so
-two servers given the same directory and seed hold the same weights."""
+"""A model directory SGLang's server loads like a downloaded checkpoint: a small Llama's config,
+weights drawn from a seed (safetensors) and a byte-level tokenizer, all built here (nothing
+downloaded). The weights are drawn wide (``INIT_RANGE``, not SGLang's ``--load-format dummy`` range
+of 1e-3, under which attention is nearly uniform and the KV barely changes the next token): here
+each generated token depends on the whole context, so a decode that did not get the prompt's KV
+exactly would not generate the same tokens as a single server."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ CONFIG = {
     "bos_token_id": 256,
     "eos_token_id": 257,
 }
+INIT_RANGE = 0.3  # the std of the seeded normal weights (HF's initializer_range)
+SEED = 0
 SPECIALS = ["<s>", "</s>"]  # ids 256 and 257: every byte is one token below them
 
 
@@ -63,6 +68,7 @@ def write_model_dir(path: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path.mkdir(parents=True, exist_ok=True)
+    write_weights(path)
     (path / "config.json").write_text(json.dumps(CONFIG, indent=1))
     vocab = {ch: i for i, ch in enumerate(_byte_alphabet_in_order())}  # token id = byte value
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -83,6 +89,17 @@ def write_model_dir(path: Path) -> Path:
     )
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
     return path
+
+
+def write_weights(path: Path) -> None:
+    """The model's weights from ``SEED`` (bfloat16 safetensors), the same on every call."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**fields, initializer_range=INIT_RANGE)).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
 
 
 def _byte_alphabet_in_order() -> list[str]:

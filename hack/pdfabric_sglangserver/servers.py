@@ -38,7 +38,6 @@ CPU_FLAGS = (
     "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch",
     "--disable-cuda-graph",
-    "--load-format", "dummy",
     "--max-total-tokens", "4096",
     "--mem-fraction-static", "0.05",
     "--random-seed", "0",

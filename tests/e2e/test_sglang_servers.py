@@ -3,10 +3,10 @@ its scheduler, its PD queues) as a prefill and a decode server with ``--disaggre
 pdfabric``, real agents on loopback tcp between them, SGLang's router in front. SGLang's own
 Mooncake backend runs the same cases as the control (``BACKENDS``).
 
-The model is a small random-weight Llama (the same seed in every server), so a decode that did not
-get the prefill's KV would not generate the single server's tokens: greedy answers through PD
-equal to one SGLang server's answers token for token prove the KV, and the first token carried in
-the metadata rows, arrived.
+The model is a small Llama with weights drawn from a seed (``pdfabric_sglangserver.model``), wide
+enough that each token depends on the whole context (``test_the_models_tokens_depend_on_the_kv``):
+greedy answers through PD equal to one SGLang server's answers token for token prove the KV, and
+the first token carried in the metadata rows, arrived.
 """
 
 from __future__ import annotations
@@ -245,6 +245,15 @@ def pd(
 
 def tokens(answer: dict[str, Any]) -> list[int]:
     return list(answer.get("output_ids") or [])
+
+
+def test_the_models_tokens_depend_on_the_kv(single: SGLangServer) -> None:
+    """The premise of every equality below: two prompts that end alike but differ before go on
+    differently after their first token, so decode's tokens depend on the KV it was given."""
+    tails = [
+        tokens(single.generate(greedy([*head, 9, 9], NEW_TOKENS))[1])[1:] for head in ([5, 6, 7, 8], [100, 120, 30, 40])
+    ]
+    assert tails[0] != tails[1], tails
 
 
 def test_pd_answers_equal_a_single_server_token_for_token(pd: PD, single: SGLangServer) -> None:
