@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,12 +168,17 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
             server = PdfabricKVBootstrapServer("127.0.0.1", 0)
             try:
                 receiver = PdfabricKVReceiver(mgr, f"127.0.0.1:{server.port}", 77)
-                receiver.init(0)
-                assert receiver.poll() == KVPoll.WaitingForInput
+                receiver.init(0)  # the prefill's replica is looked up off this thread: Bootstrapping until known
+                deadline = time.monotonic() + 10
+                while (state := receiver.poll()) == KVPoll.Bootstrapping and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert state == KVPoll.WaitingForInput
                 receiver.send_metadata(np.asarray([0, 1], dtype=np.int32), 0, None)
                 assert receiver.poll() == KVPoll.Bootstrapping  # prefill has not sent
-                # An engine restart registers again: refused while a room would land in the old buffers.
+                # An engine restart registers again: it waits while a room would land in the old
+                # buffers, and is refused once its bootstrap timeout passed with the room still open.
                 monkeypatch.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of("decode-0-tp0")].address)
+                monkeypatch.setenv("PDFABRIC_BOOTSTRAP_TIMEOUT_S", "2")
                 again = kv_args(right, engine_rank=0, page_size=16, kv_head_num=4, total_kv_head_num=4)
                 with pytest.raises(RuntimeError, match="decode-0-tp0 has 1 open rooms"):
                     PdfabricKVManager(again, DisaggregationMode.DECODE, None, False)
