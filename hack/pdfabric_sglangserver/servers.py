@@ -167,6 +167,13 @@ class SGLangServer:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # helpers left in the group
             os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash or an OOM kill ends a server (``stop``
+        lets SGLang drain its requests first)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
     def restart(self) -> None:
         """Stop and start the same command (same ports): a crashed or killed server coming back."""
         self.stop()
