@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pdfabric_sglang.cpu_pools import remove_orphans
 
 from pdfabric_devcluster.fabric import LocalEngine, LocalFabric
 from pdfabric_devcluster.procs import free_port
@@ -192,6 +193,7 @@ def pair_started_here(backend: str, model_dir: Path, installed_site: Path, logs:
         for server in servers.values():
             server.stop()
         if fabric is not None:
+            remove_orphans(fabric.shm_dir)  # the servers' pools (SGLang ends its scheduler with SIGKILL)
             fabric.close()
 
 
@@ -218,6 +220,7 @@ def pair_started_by_agents(model_dir: Path, installed_site: Path) -> Iterator[PD
         yield endpoints, started_by_agent(lc, pe), started_by_agent(lc, de), lc
     finally:
         lc.close()
+        remove_orphans(lc.shm_dir)
 
 
 PD_PARTS = tuple[dict[str, list[dict[str, Any]]], Server, Server, "LocalFabric | None"]

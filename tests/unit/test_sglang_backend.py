@@ -14,6 +14,7 @@ them under SGLang's real scheduler):
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -165,6 +166,26 @@ def test_cpu_allocations_land_in_shared_memory_files(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             share_of(t.data_ptr(), 16, None, maps)
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_files_of_gone_processes_are_removed_by_the_next_allocation(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import torch
+    from pdfabric_sglang.cpu_pools import PREFIX, shared_cpu_allocations
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    orphan = tmp_path / f"{PREFIX}{dead_pid}-abc"  # a killed engine's KV pool
+    orphan.write_bytes(b"x" * 64)
+    other = tmp_path / "pdfabric-uid-1-prefill-0-tp0-cp0-kv"  # the agent's own pool: not ours to remove
+    other.write_bytes(b"x")
+    with shared_cpu_allocations(str(tmp_path)):
+        torch.zeros((4,), dtype=torch.float32, device="cpu")
+    names = {p.name for p in tmp_path.iterdir()}
+    assert orphan.name not in names and other.name in names
+    assert any(n.startswith(f"{PREFIX}{os.getpid()}-") for n in names)  # this process's new file
 
 
 # ---------------------------------------------------------------- senders and receivers

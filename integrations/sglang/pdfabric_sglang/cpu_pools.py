@@ -5,8 +5,9 @@ create with ``torch.zeros`` / ``torch.empty`` is a file in the agent's shared-me
 (``PDFABRIC_SHM_DIR``) mapped shared, so ``KVArgs`` points into memory the agent maps too. Nothing
 else changes: same shapes, dtypes and zeroed contents; GPU tensors are untouched.
 
-The files are named after the process and removed when it exits; the agent's own stale-pool sweep
-is for its pools, so a killed engine's files stay until the pod's emptyDir goes.
+The files are named after the process and removed when it exits. A killed process cannot remove
+its own: the next SGLang process to allocate in the directory removes those of processes that are
+gone (``remove_orphans``), so a crash loop cannot fill the shared memory.
 """
 
 from __future__ import annotations
@@ -38,6 +39,32 @@ def _remove_created() -> None:
 
 
 atexit.register(_remove_created)
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Remove this module's files in ``directory`` whose process is gone; the paths removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.startswith(PREFIX):
+                continue
+            pid_text = name[len(PREFIX) :].split("-", 1)[0]
+            if not pid_text.isdigit() or _alive(int(pid_text)):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def shared_tensor(shape: tuple[int, ...], dtype: Any, directory: str) -> Any:
@@ -75,6 +102,7 @@ def shared_cpu_allocations(directory: str | None = None) -> Iterator[None]:
     import torch
 
     where = directory or shm_dir()
+    remove_orphans(where)
     real: dict[str, Callable[..., Any]] = {"zeros": torch.zeros, "empty": torch.empty}
 
     def redirect(name: str) -> Callable[..., Any]:
