@@ -49,7 +49,7 @@ from pdfabric_core.engines import ENGINES_ENV, EngineState, engine_launches
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap, replica_ranks
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from pdfabric_devcluster.procs import REPO_ROOT, console_argv, free_port, source_pythonpath
+from pdfabric_devcluster.procs import REPO_ROOT, answers_200, console_argv, free_port, source_pythonpath
 from pdfabric_operator import pki
 
 if TYPE_CHECKING:
@@ -315,11 +315,7 @@ class LocalEngine:
 
     def healthy(self) -> bool:
         """GET /health answers 200 (what the agent probes)."""
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return answers_200(self.url + "/health", 1)
 
     def kill(self) -> int:
         """SIGKILL the engine's process group, as an OOM kill or a crash would end it; its pid."""

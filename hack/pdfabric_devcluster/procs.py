@@ -82,6 +82,15 @@ def console_argv(command: list[str]) -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())", *command[1:]]
 
 
+def answers_200(url: str, timeout_s: float) -> bool:
+    """GET ``url`` answers 200 within ``timeout_s`` (no answer, or another status: False)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return bool(resp.status == 200)
+    except (OSError, ValueError):
+        return False
+
+
 def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
     """POST a JSON body: the status and JSON answer (0 and the error when none came)."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})

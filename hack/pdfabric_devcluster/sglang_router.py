@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdfabric_core.engines import sglang_router_args
-from pdfabric_devcluster.procs import free_port, post_json
+from pdfabric_devcluster.procs import answers_200, free_port, post_json
 
 
 class SGLangRouter:
@@ -26,11 +26,7 @@ class SGLangRouter:
         self.metrics_url = metrics_url  # its --prometheus-port, where set
 
     def _ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (OSError, ValueError):
-            return False
+        return answers_200(self.url + path, 2)
 
     def healthy(self) -> bool:
         """The process serves (its /health; 200 with no worker at all)."""

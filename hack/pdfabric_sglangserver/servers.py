@@ -1,5 +1,5 @@
 """SGLang's real server (``python -m sglang.launch_server``) on this CPU machine, as tests and the demo
-start it: SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) on a small random-weight Llama
+start it: SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) on a small Llama with seeded weights
 (``model.write_model_dir``), as a single server or as a PD prefill or decode server over any
 transfer backend (pdfabric, or SGLang's own Mooncake backend as the control).
 
@@ -7,7 +7,7 @@ What keeps SGLang's CPU path off CUDA (../shared/docs/SGLANG.md has the reasons)
 ``--disaggregation-decode-retraction-backup cpu_tensor`` on decode (its default backup host-registers
 memory), ``--disable-overlap-schedule`` on prefill (it records a CUDA event for a repeated prompt),
 and, for Mooncake only, ``MooncakeKVSender.supports_host_tensor_indices = False``
-(``mooncake_cpu_sitecustomize``). The ``sgl_kernel`` stand-in (``standin/``) is on every server's
+(``mooncake_cpu/sitecustomize.py``). The ``sgl_kernel`` stand-in (``standin/``) is on every server's
 PYTHONPATH: test code, documented there.
 """
 
@@ -19,13 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfabric_devcluster.procs import post_json
+from pdfabric_devcluster.procs import answers_200, post_json
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin"  # the sgl_kernel stand-in
@@ -118,19 +117,13 @@ class SGLangServer:
     argv: list[str]
     env: dict[str, str]
     bootstrap_port: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-    ready_after_s: float = 0.0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                return bool(resp.status == 200)
-        except (OSError, ValueError):
-            return False
+        return answers_200(self.url + "/health", 5)
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -140,7 +133,6 @@ class SGLangServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"SGLang server {self.name} not healthy within {timeout_s:g} s:\n{self.tail()}")
             time.sleep(1.0)
-        self.ready_after_s = time.monotonic() - self.started_at
 
     def tail(self, n: int = 4000) -> str:
         try:
@@ -178,7 +170,7 @@ class SGLangServer:
         """Stop and start the same command (same ports): a crashed or killed server coming back."""
         self.stop()
         fresh = start_server(self.name, self.argv, self.env, self.log, self.port, self.bootstrap_port)
-        self.proc, self.started_at = fresh.proc, fresh.started_at
+        self.proc = fresh.proc
 
 
 def start_server(

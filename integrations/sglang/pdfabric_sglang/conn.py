@@ -360,7 +360,6 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
         self.bootstrap_addr = bootstrap_addr
         self.prefill_replica: int | None = None
         self.inited = False
-        self.conclude_state: int | None = None  # SGLang's decode reads it after init
         # Deferred decode KV release: SGLang counts the prefill sources it awaits (one agent room)
         # and holds a failed room's pages while abort_notified.
         self.bootstrap_infos: list[PrefillPeer] = []
@@ -382,11 +381,9 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
             return
         error = peers.error(self.bootstrap_addr)
         if error is not None and not error.retryable:  # another PDCluster's prefill: no retry helps
-            self.conclude_state = self._conclude(FAILED, f"prefill bootstrap {self.bootstrap_addr}: {error}")
+            self._conclude(FAILED, f"prefill bootstrap {self.bootstrap_addr}: {error}")
         elif time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
-            self.conclude_state = self._conclude(
-                FAILED, f"prefill bootstrap {self.bootstrap_addr} unreachable: {error}"
-            )
+            self._conclude(FAILED, f"prefill bootstrap {self.bootstrap_addr} unreachable: {error}")
 
     def send_metadata(
         self,
@@ -420,7 +417,7 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
         try:
             self.mgr.submit(msg)
         except AGENT_ERRORS as exc:
-            self.conclude_state = self._conclude(FAILED, f"the agent did not take the receive: {exc}")
+            self._conclude(FAILED, f"the agent did not take the receive: {exc}")
 
     def poll(self) -> int:
         if self.concluded is not None:
@@ -431,17 +428,15 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
             return self.concluded if self.concluded is not None else BOOTSTRAPPING
         if self.submitted_at is None:
             return WAITING_FOR_INPUT
-        state = self._agent_state()
-        if state in FINAL:
-            self.conclude_state = state
-        return state
+        return self._agent_state()
+
+    @property
+    def conclude_state(self) -> int | None:
+        """What SGLang's decode reads after ``init``: the receiver's outcome, once it has one."""
+        return self.concluded
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         """The agent fails the room and tells its sources; its pages wait for them to be quiet."""
         if self.submitted_at is not None:
             self._abort_at_agent("decode released the request")
             self.abort_notified = True
-
-    def fail(self, reason: str) -> None:
-        super().fail(reason)
-        self.conclude_state = FAILED

@@ -66,24 +66,25 @@ def pdfabric_is_the_backend() -> bool:
         return False  # not a serving process (no runtime context published)
 
 
+def _allocating_in_shm(original: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
+
+    with shared_cpu_allocations():
+        return original(obj, *args, **kwargs)  # type: ignore[no-any-return]
+
+
 def metadata_buffers_in_shm(original: Any, buffers: Any, *args: Any, **kwargs: Any) -> None:
     """``MetadataBuffers.__init__`` with its CPU rows in the agent's shared memory."""
     if not pdfabric_is_the_backend():
         return original(buffers, *args, **kwargs)  # type: ignore[no-any-return]
-    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
-
-    with shared_cpu_allocations():
-        return original(buffers, *args, **kwargs)  # type: ignore[no-any-return]
+    return _allocating_in_shm(original, buffers, *args, **kwargs)
 
 
 def cpu_kv_pool_in_shm(original: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
     """The MHA KV pool's buffers in the agent's shared memory when SGLang runs on the CPU."""
     if str(getattr(pool, "device", "")) != "cpu" or not pdfabric_is_the_backend():
         return original(pool, *args, **kwargs)  # type: ignore[no-any-return]
-    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
-
-    with shared_cpu_allocations():
-        return original(pool, *args, **kwargs)  # type: ignore[no-any-return]
+    return _allocating_in_shm(original, pool, *args, **kwargs)
 
 
 _registered = False
