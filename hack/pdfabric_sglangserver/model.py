@@ -8,6 +8,7 @@ exactly would not generate the same tokens as a single server."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 # Small enough for 2 CPU cores, shaped like a real GQA Llama: 2 layers, 4 query heads over 2 KV heads.
@@ -35,13 +36,41 @@ SEED = 0
 SPECIALS = ["<s>", "</s>"]  # ids 256 and 257: every byte is one token below them
 
 
-def spec_model(page_size: int) -> dict[str, object]:
+@dataclass(frozen=True)
+class Variant:
+    """``CONFIG`` or the same model with other KV heads or dtype. One KV head: every query head
+    shares it, so each of several TP ranks holds a copy. float32: a server of several TP ranks sums
+    its partial results in another order than one rank does; in bfloat16 that rounding alone turns
+    some greedy tokens, in float32 it stays far below the gap between the top two logits."""
+
+    kv_heads: int = 2
+    dtype: str = "bfloat16"
+
+    @property
+    def config(self) -> dict[str, object]:
+        return {**CONFIG, "num_key_value_heads": self.kv_heads, "torch_dtype": self.dtype}
+
+    @property
+    def name(self) -> str:
+        return f"kv{self.kv_heads}-{self.dtype}"
+
+    @property
+    def server_flags(self) -> list[str]:
+        """What a server of this variant needs: its dtype said (SGLang's ``auto`` computes a float32
+        checkpoint in 16 bits)."""
+        return ["--dtype", self.dtype]
+
+
+DEFAULT = Variant()
+
+
+def spec_model(page_size: int, variant: Variant = DEFAULT) -> dict[str, object]:
     """The same model as a PDCluster's ``spec.model`` (the agent checks SGLang's buffers against it)."""
     return {
         "layers": CONFIG["num_hidden_layers"],
-        "kvHeads": CONFIG["num_key_value_heads"],
+        "kvHeads": variant.kv_heads,
         "headDim": CONFIG["head_dim"],
-        "dtype": "bfloat16",
+        "dtype": variant.dtype,
         "pageSizeTokens": page_size,
     }
 
@@ -57,19 +86,19 @@ def metadata_row_bytes() -> list[int]:
     return [int(n) for n in bufs.get_buf_infos()[2]]
 
 
-def spec_model_for_servers(page_size: int) -> dict[str, object]:
+def spec_model_for_servers(page_size: int, variant: Variant = DEFAULT) -> dict[str, object]:
     """``spec.model`` of a PDCluster serving this model with SGLang's servers: the geometry and the
     metadata rows."""
-    return {**spec_model(page_size), "auxRowBytes": metadata_row_bytes()}
+    return {**spec_model(page_size, variant), "auxRowBytes": metadata_row_bytes()}
 
 
-def write_model_dir(path: Path) -> Path:
-    """Write the config and tokenizer into ``path`` (idempotent) and return it."""
+def write_model_dir(path: Path, variant: Variant = DEFAULT) -> Path:
+    """Write the config, weights and tokenizer into ``path`` (idempotent) and return it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path.mkdir(parents=True, exist_ok=True)
-    write_weights(path)
-    (path / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    write_weights(path, variant)
+    (path / "config.json").write_text(json.dumps(variant.config, indent=1))
     vocab = {ch: i for i, ch in enumerate(_byte_alphabet_in_order())}  # token id = byte value
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -91,14 +120,15 @@ def write_model_dir(path: Path) -> Path:
     return path
 
 
-def write_weights(path: Path) -> None:
-    """The model's weights from ``SEED`` (bfloat16 safetensors), the same on every call."""
+def write_weights(path: Path, variant: Variant = DEFAULT) -> None:
+    """The model's weights from ``SEED`` (safetensors in the variant's dtype), the same on every call."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    fields = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    skip = ("architectures", "model_type", "torch_dtype")
+    fields = {k: v for k, v in variant.config.items() if k not in skip}
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**fields, initializer_range=INIT_RANGE)).to(torch.bfloat16)
+    model = LlamaForCausalLM(LlamaConfig(**fields, initializer_range=INIT_RANGE)).to(getattr(torch, variant.dtype))
     model.save_pretrained(path, safe_serialization=True)
 
 

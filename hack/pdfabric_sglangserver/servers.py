@@ -91,15 +91,40 @@ def server_argv(
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
 
 
-def server_env(base: Mapping[str, str], pythonpath: Sequence[str] = (), *, mooncake: bool = False) -> dict[str, str]:
+def parallel_flags(tp: int = 1, pp: int = 1) -> list[str]:
+    """SGLang's flags for a server of ``tp`` x ``pp`` scheduler ranks (none for one rank)."""
+    return [*(["--tp-size", str(tp)] if tp > 1 else []), *(["--pp-size", str(pp)] if pp > 1 else [])]
+
+
+def parallel_env(ranks: int) -> dict[str, str]:
+    """What SGLang's CPU engine needs to run ``ranks`` scheduler ranks in one server here: each
+    rank's OpenMP cores (SGLang asks for them when ranks outnumber NUMA nodes; ranks share this
+    machine's cores in turn), and no NCCL. This venv's torch is a CUDA build whose NCCL library
+    SGLang would load for its groups and then ask for a GPU; with a CPU build of torch (what
+    SGLang's CPU users install) it finds none, which ``SGLANG_NCCL_SO_PATH`` says here. SGLang's
+    groups then all-reduce over gloo, its CPU fallback."""
+    if ranks <= 1:
+        return {}
+    cores = os.cpu_count() or 1
+    return {
+        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(ranks)),
+        "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+    }
+
+
+def server_env(
+    base: Mapping[str, str], pythonpath: Sequence[str] = (), *, mooncake: bool = False, ranks: int = 1
+) -> dict[str, str]:
     """``base`` plus what SGLang's CPU engine needs here: the CPU engine, loopback transfers, the
-    stand-in (and, for the Mooncake control, its CPU sitecustomize) on PYTHONPATH."""
+    stand-in (and, for the Mooncake control, its CPU sitecustomize) on PYTHONPATH, and for a server
+    of several ranks their cores (``parallel_env``)."""
     paths = [str(STANDIN), *([str(MOONCAKE_CPU)] if mooncake else []), *pythonpath]
     if base.get("PYTHONPATH"):
         paths.append(base["PYTHONPATH"])
     return {
         **base,
         **CPU_ENV,
+        **parallel_env(ranks),
         "PYTHONPATH": os.pathsep.join(paths),
         # No GPU here: keep torch from looking for one in every helper process.
         "CUDA_VISIBLE_DEVICES": "",

@@ -32,32 +32,6 @@ PROMPTS = [list(range(3, 40)), [7, 1, 5] * 11, list(range(100, 116)), [42] * 5] 
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pdfabric distribution installed as a user would (its entry points with it); on a machine
-    without the build tools, PDFABRIC_INSTALLED_SITE names a folder it was installed into."""
-    if os.environ.get("PDFABRIC_INSTALLED_SITE"):
-        return Path(os.environ["PDFABRIC_INSTALLED_SITE"])
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return target
-
-
 def colocated() -> list[list[int]]:
     from pdfabric_refengine import build_model, colocated_generate
 
@@ -67,7 +41,7 @@ def colocated() -> list[list[int]]:
 
 def run_pd(
     lc: LocalFabric,
-    installed: Path,
+    installed_site: Path,
     tmp: Path,
     prefill: dict[str, int],
     decode: dict[str, int],
@@ -81,7 +55,7 @@ def run_pd(
         **os.environ,
         # The checkout's code, and the installed distribution's metadata (its entry point).
         "PYTHONPATH": os.pathsep.join(
-            [*(str(ROOT / d) for d in ("core", "agent", "integrations/sglang", "hack")), str(installed)]
+            [*(str(ROOT / d) for d in ("core", "agent", "integrations/sglang", "hack")), str(installed_site)]
         ),
         "PDFABRIC_ENGINE_TOKEN_FILE": str(tmp / "token"),
         "SGLANG_PLUGINS": "pdfabric",
@@ -106,12 +80,12 @@ def run_pd(
     ids=["tp1-tp1", "tp2-tp4-head-slices", "prefill-cp2"],
 )
 def test_greedy_generation_through_pd_equals_colocated(
-    installed: Path, tmp_path: Path, prefill: dict[str, int], decode: dict[str, int]
+    installed_site: Path, tmp_path: Path, prefill: dict[str, int], decode: dict[str, int]
 ) -> None:
     p = {**prefill, **({"allCpRanksTransfer": True} if prefill.get("cp", 1) > 1 else {})}
     spec = {"prefill": p, "decode": decode, "transfer": {"transport": "tcp", "timeoutSeconds": 20}, "model": REF_MODEL}
     with LocalFabric(spec) as lc:
-        out = run_pd(lc, installed, tmp_path, prefill, decode)
+        out = run_pd(lc, installed_site, tmp_path, prefill, decode)
         # SGLang's get_kv_class answered with the plugin's classes.
         assert out["decode"]["classes"]["RECEIVER"] == "pdfabric_sglang.conn.PdfabricKVReceiver"
         assert out["prefill"]["classes"]["SENDER"] == "pdfabric_sglang.conn.PdfabricKVSender"
@@ -127,12 +101,12 @@ def test_greedy_generation_through_pd_equals_colocated(
         assert all(m["latency_s"] > 0 for r in out["prefill"]["results"] for m in r["metrics"].values())
 
 
-def test_an_engine_without_sglang_attaches_through_the_engine_api(installed: Path, tmp_path: Path) -> None:
+def test_an_engine_without_sglang_attaches_through_the_engine_api(installed_site: Path, tmp_path: Path) -> None:
     """The same engine on the agent's engine API alone (``--backend direct``): how an engine other
     than SGLang, or SGLang without its GPU kernels, moves its own buffers; head slices TP 2 -> 4."""
     spec = {"prefill": {"tp": 2}, "decode": {"tp": 4}, "transfer": {"transport": "tcp"}, "model": REF_MODEL}
     with LocalFabric(spec) as lc:
-        out = run_pd(lc, installed, tmp_path, {"tp": 2}, {"tp": 4}, backend="direct")
+        out = run_pd(lc, installed_site, tmp_path, {"tp": 2}, {"tp": 4}, backend="direct")
         assert [r["state"] for r in out["decode"]["results"]] == ["Success"] * len(PROMPTS), out["decode"]
         assert [r["tokens"] for r in out["decode"]["results"]] == colocated()
 

@@ -11,34 +11,16 @@ the first token carried in the metadata rows, arrived.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pdfabric_sglang.cpu_pools import remove_orphans
 
-from pdfabric_devcluster.fabric import LocalEngine, LocalFabric
-from pdfabric_devcluster.procs import free_port
-from pdfabric_devcluster.sglang_router import SGLangRouter, sglang_router
-from pdfabric_sglangserver.model import spec_model_for_servers, write_model_dir
-from pdfabric_sglangserver.servers import (
-    CPU_ENV,
-    PAGE_SIZE,
-    STANDIN,
-    START_TIMEOUT_S,
-    SGLangServer,
-    greedy,
-    server_args,
-    server_argv,
-    server_env,
-    start_server,
-)
+from pdfabric_sglangserver.pd import PD, behind_router, pair_started_by_agents, pair_started_here, tokens
+from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -58,174 +40,6 @@ CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 9 * i)] for i in r
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("sglang-model"))
-
-
-@pytest.fixture(scope="session")
-def installed_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pdfabric installed as a user installs it (its ``sglang.srt.plugins`` entry point with it)."""
-    import subprocess
-    import sys
-
-    if os.environ.get("PDFABRIC_INSTALLED_SITE"):
-        return Path(os.environ["PDFABRIC_INSTALLED_SITE"])
-    target = tmp_path_factory.mktemp("site")
-    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
-    subprocess.run([*argv, str(target), str(ROOT)], check=True, capture_output=True)
-    return target
-
-
-@pytest.fixture(scope="module")
-def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    """One SGLang server serving the model alone: the answers PD must equal."""
-    logs = tmp_path_factory.mktemp("single")
-    port = free_port()
-    server = start_server(
-        "single", server_argv(model_dir, port), server_env(dict(os.environ)), logs / "single.log", port
-    )
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        server.stop()
-
-
-@dataclass
-class Server:
-    """One PD server as the tests see it, however it runs: started by the test, or by its node's
-    agent as the PDCluster's ``spec.engine``."""
-
-    healthy: Callable[[], bool]
-    pid: Callable[[], int]  # the server's process now (0: none): a restart changes it
-    tail: Callable[[], str]
-    kill: Callable[[], object]  # ends it as a crash would
-    recover: Callable[[], None]  # returns once it serves again (restarted by the test or its agent)
-
-
-def started_here(server: SGLangServer) -> Server:
-    def recover() -> None:
-        server.restart()
-        server.wait_healthy()
-
-    def pid() -> int:
-        return server.proc.pid if server.proc.poll() is None else 0
-
-    return Server(server.healthy, pid, server.tail, server.kill, recover)
-
-
-def started_by_agent(lc: LocalFabric, engine: LocalEngine) -> Server:
-    def recover() -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:  # the agent restarts it after its backoff; ready once it answers /health
-            st = engine.state()
-            if st is not None and st.ready and st.restarts >= 1 and engine.healthy():
-                return
-            assert time.monotonic() < deadline, f"the agent did not restart {engine.name}: {st}"
-            time.sleep(1.0)
-
-    def pid() -> int:
-        st = engine.state()
-        return st.pid if st is not None and st.pid else 0
-
-    return Server(engine.healthy, pid, lambda: lc.log(engine.agent.name)[-4000:], engine.kill, recover)
-
-
-@dataclass
-class PD:
-    backend: str
-    prefill: Server
-    decode: Server
-    router: SGLangRouter
-    fabric: LocalFabric | None  # pdfabric's agents (None for Mooncake)
-
-    def generate(self, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
-        return self.router.generate(body, timeout_s)
-
-
-def fabric_spec(**extra: Any) -> dict[str, Any]:
-    """The PDCluster of the pdfabric cases: prefill TP1 -> decode TP1 of the test model, tcp."""
-    return {
-        "prefill": {"tp": 1},
-        "decode": {"tp": 1},
-        "transfer": {"transport": "tcp", "timeoutSeconds": 20},
-        "model": spec_model_for_servers(PAGE_SIZE),
-        **extra,
-    }
-
-
-@contextlib.contextmanager
-def pair_started_here(backend: str, model_dir: Path, installed_site: Path, logs: Path) -> Iterator[PD_PARTS]:
-    """Prefill and decode servers started here, over SGLang's Mooncake backend or over pdfabric
-    with agents started here (an engine deployed by something else attached to its node's agent)."""
-    fabric = None
-    extra_path: list[str] = []
-    envs: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
-    servers: dict[str, SGLangServer] = {}
-    try:
-        if backend == "pdfabric":
-            fabric = LocalFabric(fabric_spec()).__enter__()
-            token = logs / "engine-token"
-            token.write_text(fabric.token)
-            extra_path = [str(installed_site), *(str(ROOT / p) for p in ("core", "agent", "integrations/sglang"))]
-            for role, rank_id in (("prefill", "prefill-0-tp0-cp0"), ("decode", "decode-0-tp0")):
-                envs[role] = {
-                    "PDFABRIC_ENGINE_TOKEN_FILE": str(token),
-                    "PDFABRIC_AGENT_ADDRESS": fabric.agents[fabric.agent_of(rank_id)].address,
-                    "PDFABRIC_REPLICA": "0",
-                    "PDFABRIC_SHM_DIR": fabric.shm_dir,
-                    "SGLANG_PLUGINS": "pdfabric",
-                }
-        for role in ("prefill", "decode"):
-            port, boot = free_port(), free_port() if role == "prefill" else 0
-            argv = server_argv(model_dir, port, mode=role, backend=backend, bootstrap_port=boot)
-            env = server_env({**os.environ, **envs[role]}, extra_path, mooncake=backend == "mooncake")
-            servers[role] = start_server(f"{backend}-{role}", argv, env, logs / f"{role}.log", port, boot)
-        for server in servers.values():
-            server.wait_healthy()
-        endpoints = {
-            "prefill": [{"url": servers["prefill"].url, "bootstrapPort": servers["prefill"].bootstrap_port}],
-            "decode": [{"url": servers["decode"].url}],
-        }
-        yield endpoints, started_here(servers["prefill"]), started_here(servers["decode"]), fabric
-    finally:
-        for server in servers.values():
-            server.stop()
-        if fabric is not None:
-            remove_orphans(fabric.shm_dir)  # the servers' pools (SGLang ends its scheduler with SIGKILL)
-            fabric.close()
-
-
-@contextlib.contextmanager
-def pair_started_by_agents(model_dir: Path, installed_site: Path) -> Iterator[PD_PARTS]:
-    """The PDCluster runs SGLang's servers itself (``spec.engine``): each node pod's agent starts
-    its role's server with the PDCluster's command, restarts it when it dies, and the server
-    registers its memory through the agent's engine door."""
-    env = [{"name": k, "value": v} for k, v in {**CPU_ENV, "SGLANG_PLUGINS": "pdfabric"}.items()]
-    command = ["python", "-m", "sglang.launch_server"]
-    roles = {}
-    for role in ("prefill", "decode"):
-        args = server_args(model_dir, "$(PDFABRIC_PORT)", mode=role, backend="pdfabric",
-                           bootstrap_port="$(PDFABRIC_BOOTSTRAP_PORT)")  # fmt: skip
-        roles[role] = {"command": command, "args": args, "env": env}
-    spec = fabric_spec(engine={"image": "sglang-pdfabric:local", **roles})
-    agent_env = {"PDFABRIC_ENGINE_BACKOFF_S": "1", "PDFABRIC_ENGINE_BACKOFF_MAX_S": "2"}
-    lc = LocalFabric(spec, env=agent_env, engine_pythonpath=[str(installed_site), str(STANDIN)])
-    try:
-        lc.start(wait_s=START_TIMEOUT_S)  # Ready: the agents and their servers
-        (pe,) = [e for (_, name), e in lc.engines.items() if name == "prefill-0"]
-        (de,) = [e for (_, name), e in lc.engines.items() if name == "decode-0"]
-        endpoints = {"prefill": [{"url": pe.url, "bootstrapPort": pe.bootstrap_port}], "decode": [{"url": de.url}]}
-        yield endpoints, started_by_agent(lc, pe), started_by_agent(lc, de), lc
-    finally:
-        lc.close()
-        remove_orphans(lc.shm_dir)
-
-
-PD_PARTS = tuple[dict[str, list[dict[str, Any]]], Server, Server, "LocalFabric | None"]
-
-
 @pytest.fixture(scope="module", params=BACKENDS)
 def pd(
     request: pytest.FixtureRequest, model_dir: Path, installed_site: Path, tmp_path_factory: pytest.TempPathFactory
@@ -238,16 +52,8 @@ def pd(
         if backend == SPEC_ENGINE
         else pair_started_here(backend, model_dir, installed_site, logs)
     )
-    with pair as (endpoints, prefill, decode, fabric):
-        # Health checks every 5 s (60 s by default): a restarted worker is taken back sooner.
-        health = ("--health-check-interval-secs", "5")
-        with sglang_router(endpoints, logs / "router.log", extra=health, wait_s=120) as router:
-            router.wait_healthy(120, ready=True)
-            yield PD(backend, prefill, decode, router, fabric)
-
-
-def tokens(answer: dict[str, Any]) -> list[int]:
-    return list(answer.get("output_ids") or [])
+    with behind_router(backend, pair, logs) as pd:
+        yield pd
 
 
 def test_the_models_tokens_depend_on_the_kv(single: SGLangServer) -> None:

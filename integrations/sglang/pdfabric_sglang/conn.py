@@ -271,6 +271,7 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         self.decode_replica: int | None = None
         self.decode_prefix_len = 0
         self.first_chunk_at = 0.0
+        self.last_state_slots: list[int] | None = None  # set with the last chunk
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
@@ -285,6 +286,15 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
             return self.concluded
         if self.submitted_at is not None:
             return self._agent_state()
+        state = self._bootstrap_state()
+        if state == WAITING_FOR_INPUT and self.last_state_slots is not None:
+            self._submit()  # the last chunk came before this rank saw decode's announcement
+            return self.concluded if self.concluded is not None else WAITING_FOR_INPUT
+        return state
+
+    def _bootstrap_state(self) -> int:
+        """Before the room is submitted: Bootstrapping until decode announced it to the agent,
+        then WaitingForInput (and which decode replica takes it)."""
         view = self._view()
         if (done := self._final()) is not None:  # the agent could not be asked
             return done
@@ -322,16 +332,27 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         self.pages.extend(int(p) for p in np.asarray(kv_indices).reshape(-1))
         if self.num_pages is None or len(self.pages) < self.num_pages:
             return  # not the last chunk: the room goes with it
-        state = (
+        self.last_state_slots = (
             [int(s) for s in np.asarray(state_indices[0]).reshape(-1)]
             if state_indices and state_indices[0] is not None
             else []
         )
-        if self.decode_replica is None:
-            self._conclude(FAILED, "the last chunk came before decode announced the room")
-            return
+        # SGLang may send before this rank saw decode's announcement itself: a PP stage after the
+        # first follows stage 0's poll, and a TP or CP rank follows the all-reduced poll. Ask the
+        # agent now; if decode's word has not reached this rank's room yet, poll submits it.
+        if self.decode_replica is not None or self._bootstrap_state() == WAITING_FOR_INPUT:
+            self._submit()
+
+    def _submit(self) -> None:
+        assert self.decode_replica is not None and self.last_state_slots is not None
         msg = SendRequest(
-            self.mgr.rank_id, self.room, self.pages, state, self.aux_index, self.decode_replica, engine_memory=True
+            self.mgr.rank_id,
+            self.room,
+            self.pages,
+            self.last_state_slots,
+            self.aux_index,
+            self.decode_replica,
+            engine_memory=True,
         )
         try:
             self.mgr.submit(msg)

@@ -1,0 +1,133 @@
+"""SGLang's real servers with several scheduler ranks run PD over pdfabric, and SGLang's Mooncake
+backend runs the same cases as the control:
+
+- prefill TP2 -> decode TP1 of a model with one KV head: both prefill ranks hold the same head, so
+  one of them sends and the other has nothing to send, yet must complete as SGLang's scheduler
+  expects (its poll is all-reduced over the TP ranks). In float32: TP2 sums partial results in
+  another order than one rank, which in bfloat16 alone turns some greedy tokens;
+- prefill PP2 -> decode TP1: each prefill stage sends its own layer.
+
+Each server is one ``sglang.launch_server`` with ``--tp-size`` or ``--pp-size``: SGLang starts a
+scheduler process per rank and all-reduces their polls over gloo. Greedy answers must equal a
+one-rank server's answers token for token (the KV of every layer and head arrived).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pdfabric_core.spec import DTYPE_BYTES
+from pdfabric_devcluster.procs import free_port
+from pdfabric_sglangserver.model import DEFAULT, Variant, write_model_dir
+from pdfabric_sglangserver.pd import PD, Shape, behind_router, pair_started_here, tokens
+from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy, server_argv, server_env, start_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+REPLICATED_HEADS = Shape(prefill_tp=2, model=Variant(kv_heads=1, dtype="float32"))
+PIPELINE = Shape(prefill_pp=2)
+SHAPES = [REPLICATED_HEADS, PIPELINE]
+BACKENDS = ["mooncake", "pdfabric"]
+# What SGLang's own Mooncake backend gets wrong here (the control, not a pdfabric claim): with both
+# prefill ranks holding the one KV head it answers wrong tokens from the second token on (2 of 2
+# runs here: at 88 tokens in bfloat16, at 300 in float32). Kept running, to see when it passes.
+UPSTREAM_WRONG = {(REPLICATED_HEADS, "mooncake"): "SGLang's Mooncake backend corrupts replicated-head KV"}
+PROMPTS = [
+    list(range(32, 120)),
+    [(i * 37) % 251 for i in range(300)],  # 3 chunks of 128 tokens
+    [65] * 33,
+]
+CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 11 * i)] for i in range(8)]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def variant_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[Variant, Path]:
+    """Each shape's model directory (the session's for the default model)."""
+    dirs = {DEFAULT: model_dir}
+    for variant in {s.model for s in SHAPES} - {DEFAULT}:
+        dirs[variant] = write_model_dir(tmp_path_factory.mktemp(f"sglang-model-{variant.name}"), variant)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def one_rank_servers(
+    single: SGLangServer, variant_dirs: dict[Variant, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[Variant, SGLangServer]]:
+    """A one-rank server of each model variant: the answers its PD shapes must equal."""
+    servers = {DEFAULT: single}
+    try:
+        for variant, path in variant_dirs.items():
+            if variant != DEFAULT:
+                log, port = tmp_path_factory.mktemp(f"single-{variant.name}") / "single.log", free_port()
+                argv, env = server_argv(path, port, extra=variant.server_flags), server_env(dict(os.environ))
+                servers[variant] = start_server(f"single-{variant.name}", argv, env, log, port)
+        for server in servers.values():
+            server.wait_healthy()
+        yield servers
+    finally:
+        for variant, server in servers.items():
+            if variant != DEFAULT:
+                server.stop()
+
+
+@pytest.fixture(scope="module", params=[(s, b) for s in SHAPES for b in BACKENDS], ids=lambda p: f"{p[0].name}-{p[1]}")
+def shaped(
+    request: pytest.FixtureRequest,
+    variant_dirs: dict[Variant, Path],
+    installed_site: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Shape, PD]]:
+    shape, backend = request.param
+    logs = tmp_path_factory.mktemp(f"{shape.name}-{backend}")
+    pair = pair_started_here(backend, variant_dirs[shape.model], installed_site, logs, shape)
+    with behind_router(backend, pair, logs) as pd:
+        yield shape, pd
+
+
+@pytest.fixture
+def reference(shaped: tuple[Shape, PD], one_rank_servers: dict[Variant, SGLangServer]) -> SGLangServer:
+    return one_rank_servers[shaped[0].model]
+
+
+def test_shaped_pd_answers_equal_a_one_rank_server(
+    shaped: tuple[Shape, PD], reference: SGLangServer, request: pytest.FixtureRequest
+) -> None:
+    shape, pd = shaped
+    if (shape, pd.backend) in UPSTREAM_WRONG:
+        request.node.add_marker(pytest.mark.xfail(reason=UPSTREAM_WRONG[shape, pd.backend], strict=False))
+    for prompt in PROMPTS:
+        want = tokens(reference.generate(greedy(prompt, NEW_TOKENS))[1])
+        status, got = pd.generate(greedy(prompt, NEW_TOKENS))
+        assert status == 200, (shape.name, pd.backend, got, pd.prefill.tail(), pd.decode.tail())
+        assert tokens(got) == want, (shape.name, pd.backend, len(prompt))
+    want_all = [tokens(reference.generate(greedy(p, NEW_TOKENS))[1]) for p in CONCURRENT]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: pd.generate(greedy(p, NEW_TOKENS), 240), CONCURRENT))
+    assert [s for s, _ in answers] == [200] * len(CONCURRENT), [a for s, a in answers if s != 200][:2]
+    assert [tokens(a) for _, a in answers] == want_all
+
+
+def test_shaped_pd_moves_each_rank_share_once(shaped: tuple[Shape, PD]) -> None:
+    """The decode agent counted the prompt's KV exactly once: with replicated heads one prefill rank
+    sent the head (not both), with PP each stage sent its own layer."""
+    shape, pd = shaped
+    if pd.fabric is None:
+        pytest.skip("SGLang's Mooncake backend exports no per-request byte counters")
+    before = pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv")
+    status, _ = pd.generate(greedy(list(range(1, 101)), 4))
+    assert status == 200
+    # 100 tokens are 7 pages of 16: 112 token rows x 2 layers x (K + V) x KV heads x 16 x dtype bytes
+    want = -(-100 // PAGE_SIZE) * PAGE_SIZE * 2 * 2 * shape.model.kv_heads * 16 * DTYPE_BYTES[shape.model.dtype]
+    deadline = time.monotonic() + 10
+    while (moved := pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before) < want:
+        assert time.monotonic() < deadline, f"the decode agent counted {moved} of {want} KV bytes"
+        time.sleep(0.2)
+    time.sleep(1.0)  # a second copy would land right after the first
+    assert pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before == want
