@@ -38,21 +38,28 @@ SPECIALS = ["<s>", "</s>"]  # ids 256 and 257: every byte is one token below the
 
 @dataclass(frozen=True)
 class Variant:
-    """``CONFIG`` or the same model with other KV heads or dtype. One KV head: every query head
-    shares it, so each of several TP ranks holds a copy. float32: a server of several TP ranks sums
+    """``CONFIG`` or the same model with other KV heads, dtype or layers. One KV head: every query
+    head shares it, so each of several TP ranks holds a copy. Three layers: two PP stages split them
+    unevenly (SGLang gives the last stage the extra layer). float32: a server of several TP ranks sums
     its partial results in another order than one rank does; in bfloat16 that rounding alone turns
     some greedy tokens, in float32 it stays far below the gap between the top two logits."""
 
     kv_heads: int = 2
     dtype: str = "bfloat16"
+    layers: int = 2
 
     @property
     def config(self) -> dict[str, object]:
-        return {**CONFIG, "num_key_value_heads": self.kv_heads, "torch_dtype": self.dtype}
+        return {
+            **CONFIG,
+            "num_key_value_heads": self.kv_heads,
+            "torch_dtype": self.dtype,
+            "num_hidden_layers": self.layers,
+        }
 
     @property
     def name(self) -> str:
-        return f"kv{self.kv_heads}-{self.dtype}"
+        return f"l{self.layers}-kv{self.kv_heads}-{self.dtype}"
 
     @property
     def server_flags(self) -> list[str]:
@@ -67,7 +74,7 @@ DEFAULT = Variant()
 def spec_model(page_size: int, variant: Variant = DEFAULT) -> dict[str, object]:
     """The same model as a PDCluster's ``spec.model`` (the agent checks SGLang's buffers against it)."""
     return {
-        "layers": CONFIG["num_hidden_layers"],
+        "layers": variant.layers,
         "kvHeads": variant.kv_heads,
         "headDim": CONFIG["head_dim"],
         "dtype": variant.dtype,

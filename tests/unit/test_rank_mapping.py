@@ -142,11 +142,27 @@ def test_state_layer_shard(layers: int, cp: int, rank: int, split: bool, expecte
 
 @pytest.mark.parametrize(
     ("layers", "pp", "stage", "expected"),
-    [(32, 1, 0, range(0, 32)), (32, 2, 1, range(16, 32)), (10, 4, 0, range(0, 3)), (10, 4, 3, range(8, 10))],
-    ids=["no-pp", "pp2-second-half", "uneven-first-takes-remainder", "uneven-last"],
+    [(32, 1, 0, range(0, 32)), (32, 2, 1, range(16, 32)), (10, 4, 0, range(0, 2)), (10, 4, 3, range(7, 10))],
+    ids=["no-pp", "pp2-second-half", "uneven-first-stage-base", "uneven-last-takes-remainder"],
 )
 def test_pp_layer_range(layers: int, pp: int, stage: int, expected: range) -> None:
     assert pp_layer_range(layers, pp, stage) == expected
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 5, 10, 27, 61])
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_pp_layer_range_is_sglangs_split(layers: int, pp: int) -> None:
+    """SGLang's own ``get_pp_indices`` (remainder on the last stages), every stage, when SGLang is
+    installed; otherwise the split still covers every layer once, in order."""
+    if layers < pp:
+        return
+    ranges = [pp_layer_range(layers, pp, stage) for stage in range(pp)]
+    assert [i for r in ranges for i in r] == list(range(layers))
+    try:
+        from sglang.srt.distributed.utils import get_pp_indices
+    except ImportError:
+        return
+    assert [(r.start, r.stop) for r in ranges] == [get_pp_indices(layers, s, pp) for s in range(pp)]
 
 
 @pytest.mark.parametrize(

@@ -110,8 +110,9 @@ def routes_from_prefill(prefill_tp_rank: int, prefill_tp: int, decode_tp: int, k
 
 def contiguous_shard(n: int, parts: int, index: int) -> range:
     """Share `index` of n items split into `parts` contiguous shares; the first shares take the
-    remainder (n=10, parts=4: 3, 3, 2, 2). CP page shards, CP state-layer shards and PP layer
-    ranges all split this way."""
+    remainder (n=10, parts=4: 3, 3, 2, 2), as SGLang splits CP pages
+    (``_get_cp_rank_page_bounds``). CP page shards and CP state-layer shards split this way; PP
+    layer ranges do not (``pp_layer_range``)."""
     if parts < 1 or not 0 <= index < parts:
         raise ValueError(f"share {index} is outside a split into {parts} parts")
     base, extra = divmod(n, parts)
@@ -161,10 +162,16 @@ def validate_pp(prefill_pp: int, decode_pp: int) -> None:
 
 
 def pp_layer_range(layers: int, pp: int, stage: int) -> range:
-    """Global layers PP stage `stage` holds: contiguous, the first stages take the remainder."""
+    """Global layers PP stage `stage` holds, as SGLang splits them (``get_pp_indices``): contiguous,
+    the LAST stages take the remainder (10 layers in 4 stages: 2, 2, 3, 3). SGLang's
+    ``SGLANG_PP_LAYER_PARTITION`` may split otherwise; an engine whose stage holds another number
+    of layers is refused at registration."""
     if pp < 1 or not 0 <= stage < pp:
         raise ValueError(f"PP stage {stage} is outside a pipeline of {pp} stages")
-    return contiguous_shard(layers, pp, stage)
+    base, extra = divmod(layers, pp)
+    first_longer = pp - extra  # stages before it hold `base` layers, it and after `base + 1`
+    start = stage * base + max(0, stage - first_longer)
+    return range(start, start + base + (1 if stage >= first_longer else 0))
 
 
 def decode_pp_stage(prefill_stage: int, prefill_pp: int, decode_pp: int) -> int:
