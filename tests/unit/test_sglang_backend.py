@@ -429,3 +429,48 @@ def test_the_engine_sender_of_a_rank_that_sends_nothing_completes() -> None:
     assert mgr.client.submitted[0].peer_replica == 0
     mgr.client.views[12] = {"state": "Success", "code": 4, "bytes": {}}
     assert tx.poll() == KVPoll.Success
+
+
+def test_a_pp_stage_that_sends_before_seeing_decode_submits_from_its_next_poll() -> None:
+    """SGLang's PP stages after the first follow stage 0's poll: the last chunk can come before
+    this stage's room saw decode's announcement. The send waits; the next poll submits it."""
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 13)
+    tx.init(2, 0)
+    tx.send(np.array([4, 5], np.int32))  # decode has not announced the room at this rank's agent
+    assert mgr.client.submitted == [] and tx.concluded is None
+    assert tx.poll() == KVPoll.Bootstrapping
+    mgr.client.views[13] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": ["decode-1-tp0"]}
+    assert tx.poll() == KVPoll.WaitingForInput  # submitted now
+    assert [(m.kv_pages, m.peer_replica) for m in mgr.client.submitted] == [([4, 5], 1)]
+    mgr.client.views[13] = {"state": "Success", "code": 4, "bytes": {"kv": 64}}
+    assert tx.poll() == KVPoll.Success
+
+
+@pytest.mark.parametrize(
+    ("attention", "want"),
+    [
+        (None, "prefill-0-tp1-cp0"),  # not SGLang's scheduler: KVArgs.engine_rank
+        ((1, 0, 1), "prefill-0-tp1-cp0"),  # no CP: the same
+        ((0, 1, 2), "prefill-0-tp0-cp1"),  # CP2 in one server: engine_rank 1 is TP 0, CP 1
+    ],
+)
+def test_the_rank_id_follows_sglangs_attention_cp_rank(attention: tuple[int, int, int] | None, want: str) -> None:
+    from pdfabric_sglang.kvargs import AttentionRanks, rank_id_for
+
+    cfg = SimpleNamespace(rank=None, replica=0, cp_rank=0)
+    args = SimpleNamespace(engine_rank=1, pp_rank=0)
+    ranks = AttentionRanks(*attention) if attention else None
+    assert rank_id_for(Role.PREFILL, cfg, args, ranks) == want  # type: ignore[arg-type]
+
+
+def test_attention_ranks_are_read_from_sglangs_parallel_state() -> None:
+    from pdfabric_sglang.conn import attention_ranks
+    from sglang.srt.runtime_context import get_parallel
+
+    assert attention_ranks() is None  # nothing published in this process
+    with get_parallel().override(attn_tp_rank=0, attn_cp_rank=1, attn_cp_size=2):
+        assert attention_ranks() == (0, 1, 2)

@@ -50,7 +50,16 @@ from pdfabric_agent.labels import Refusal
 from pdfabric_agent.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_sglang.bootstrap import PdfabricKVBootstrapServer
-from pdfabric_sglang.kvargs import ENV_CP_RANK, ENV_RANK, ENV_REPLICA, FabricConfig, gpu_of, rank_id_for, registration
+from pdfabric_sglang.kvargs import (
+    ENV_CP_RANK,
+    ENV_RANK,
+    ENV_REPLICA,
+    AttentionRanks,
+    FabricConfig,
+    gpu_of,
+    rank_id_for,
+    registration,
+)
 from pdfabric_sglang.peers import PrefillPeer, PrefillPeers
 from pdfabric_sglang.shares import UnshareableBuffer
 
@@ -89,7 +98,7 @@ class PdfabricKVManager(BaseKVManager):
         info_client.close()
         self.cluster_uid = info["cluster"]["uid"]
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
-        self.rank_id = rank_id_for(self.role, self.config, args)
+        self.rank_id = rank_id_for(self.role, self.config, args, attention_ranks())
         if self.rank_id not in info["ranks"]:
             raise RuntimeError(
                 f"pdfabric: agent {info['agent']} does not serve rank {self.rank_id} "
@@ -363,6 +372,18 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk  # an empty last chunk still submits the room
+
+
+def attention_ranks() -> AttentionRanks | None:
+    """This scheduler rank's attention TP and CP ranks from SGLang's parallel state; None where
+    SGLang has published none (an engine that is not SGLang's scheduler)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        return AttentionRanks(int(parallel.attn_tp_rank), int(parallel.attn_cp_rank), int(parallel.attn_cp_size))
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return None
 
 
 def replica_of(rank_id: str) -> int:

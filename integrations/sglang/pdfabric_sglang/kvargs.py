@@ -6,7 +6,7 @@ engine on a machine without SGLang's GPU kernels)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdfabric_agent.pools import PageOrder
 from pdfabric_agent.wire import MemoryRegistration
@@ -42,11 +42,26 @@ class FabricConfig:
         self.bootstrap_timeout_s = float(env.get(ENV_BOOTSTRAP_TIMEOUT, "300"))
 
 
-def rank_id_for(role: Role, cfg: FabricConfig, args: KVArgs) -> str:
+def rank_id_for(role: Role, cfg: FabricConfig, args: KVArgs, attention: AttentionRanks | None = None) -> str:
+    """This engine rank's id in the PDCluster: ``PDFABRIC_RANK`` outright; else the attention TP
+    and CP ranks SGLang's scheduler runs with (``attention``) when it runs context parallelism (its
+    CP ranks are scheduler ranks of one server, and ``KVArgs.engine_rank`` is then the rank in
+    TP x CP, not the TP rank); else ``KVArgs.engine_rank`` and ``PDFABRIC_CP_RANK``."""
     if cfg.rank:
         return cfg.rank
-    cp = cfg.cp_rank if role is Role.PREFILL else 0
-    return Rank(role, cfg.replica, int(args.engine_rank), cp, int(getattr(args, "pp_rank", 0) or 0)).rank_id
+    tp, cp = int(args.engine_rank), cfg.cp_rank
+    if attention is not None and attention.cp_size > 1:
+        tp, cp = attention.tp_rank, attention.cp_rank
+    cp = cp if role is Role.PREFILL else 0
+    return Rank(role, cfg.replica, tp, cp, int(getattr(args, "pp_rank", 0) or 0)).rank_id
+
+
+class AttentionRanks(NamedTuple):
+    """An SGLang scheduler rank's place in its server's attention groups."""
+
+    tp_rank: int
+    cp_rank: int
+    cp_size: int
 
 
 def registration(rank_id: str, args: KVArgs, *, is_mla: bool, gpu: int | None) -> MemoryRegistration:
