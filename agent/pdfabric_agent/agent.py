@@ -43,7 +43,7 @@ from pdfabric_agent.arrivals import DecodeArrivals
 from pdfabric_agent.completion import CompletionWatcher
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.context import AgentContext
-from pdfabric_agent.errors import ApiError, conflict, layout_mismatch, memory_not_registered
+from pdfabric_agent.errors import ApiError, conflict, layout_mismatch, memory_not_registered, unknown_room
 from pdfabric_agent.labels import Refusal
 from pdfabric_agent.memory import EngineMemory, engine_layout
 from pdfabric_agent.peer_client import PeerClient
@@ -62,7 +62,7 @@ from pdfabric_agent.wire import (
     SendRequest,
 )
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
-from pdfabric_core.policy.types import Device, Transport
+from pdfabric_core.policy.types import Device, Role, Transport
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
 
@@ -171,9 +171,22 @@ class Agent:
 
     async def abort(self, msg: AbortRequest) -> dict[str, Any]:
         """The engine gave the room up: it fails now (its peers are told: a decode room answers
-        once its sources said whether they stopped writing); a finished room stays as it ended.
-        404 for a room the agent does not hold."""
+        once its sources said whether they stopped writing); a finished room stays as it ended. A
+        prefill room not sent yet is given up too: decode sides that announced it are told at once,
+        and later ones are refused (``PrefillSender.give_up_unsent``); so is a decode room not
+        submitted yet whose prefill replica the engine names (``DecodeArrivals.give_up_unannounced``).
+        404 for another decode room the agent does not hold."""
         local = self.ctx.ranks.served(msg.rank)
+        if local.rank.role is Role.PREFILL and self.rooms.get(Role.PREFILL, msg.rank, msg.room) is None:
+            self.sender.give_up_unsent(msg.rank, msg.room, msg.reason)
+            view = self.sender.early_view(msg.rank, msg.room)  # Failed, with the reason
+            if view is None:
+                raise unknown_room(msg.room, msg.rank)
+            return view
+        unannounced = self.rooms.get(Role.DECODE, msg.rank, msg.room) is None
+        if local.rank.role is Role.DECODE and msg.peer_replica is not None and unannounced:
+            told = self.arrivals.give_up_unannounced(local, msg.room, msg.peer_replica, msg.reason)
+            return {"rank": msg.rank, "room": msg.room, "state": "Failed", "reason": msg.reason, "told": told}
         room = self.rooms.lookup(local.rank.role, msg.rank, msg.room)
         if isinstance(room, DecodeRoom):
             await self.arrivals.abort(room, msg.reason)

@@ -363,6 +363,27 @@ class DecodeArrivals:
             return None
         return self.ctx.tasks.spawn(self._cancel_sources(room, reason))
 
+    def give_up_unannounced(self, local: LocalRank, room_id: int, peer_replica: int, reason: str) -> int:
+        """The engine gave up a room before submitting it (SGLang aborted the request while it
+        waited for its prefill side): each prefill rank it was to come from is told, so its engine's
+        request fails now instead of at its bootstrap deadline. Nothing was announced or written,
+        so nothing waits for the answers. Returns the prefill ranks told."""
+        ctx = self.ctx
+        if not 0 <= peer_replica < ctx.spec.prefill.replicas:
+            raise out_of_range(f"peer_replica {peer_replica} is outside 0..{ctx.spec.prefill.replicas - 1}")
+        sources = expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank)
+        for p, c, s in sources:
+            prefill_rank = Rank(Role.PREFILL, peer_replica, p, c, s).rank_id
+            msg = RoomCancel(room_id, local.rank.rank_id, prefill_rank, reason)
+            ctx.tasks.spawn(self._post_cancel(ctx.ranks.agent_for(prefill_rank), msg))
+        return len(sources)
+
+    async def _post_cancel(self, agent_name: str, msg: RoomCancel) -> None:
+        try:
+            await self.ctx.peers.post(agent_name, msg, CANCEL_TIMEOUT_S)
+        except PEER_ERRORS as exc:  # its engine learns at its bootstrap deadline instead
+            log.info("room %s: %s did not take the cancel (%s)", msg.room, agent_name, exc)
+
     async def _cancel_sources(self, room: DecodeRoom, reason: str) -> None:
         ctx = self.ctx
 

@@ -241,9 +241,12 @@ class AgentClient:
         moves that rank's rooms in them from now on."""
         return self._call("POST", msg.PATH, msg.to_json())
 
-    def abort(self, rank: str, room: int, reason: str = "aborted by the engine") -> dict[str, Any]:
-        """Give a room up: the agent fails it now and tells its peers."""
-        return self._call("POST", AbortRequest.PATH, AbortRequest(rank, room, reason).to_json())
+    def abort(
+        self, rank: str, room: int, reason: str = "aborted by the engine", peer_replica: int | None = None
+    ) -> dict[str, Any]:
+        """Give a room up: the agent fails it now and tells its peers (for a decode room not
+        submitted yet, the agents of prefill replica ``peer_replica``)."""
+        return self._call("POST", AbortRequest.PATH, AbortRequest(rank, room, reason, peer_replica).to_json())
 
     def submit(self, msg: RoomSubmit) -> dict[str, Any]:
         """A send or receive as its wire message (long page lists travel packed: base64 int32)."""

@@ -194,20 +194,25 @@ class PrefillSender:
         return {"fenced": not target.writing, "state": room.state.title}
 
     def forget_room_info(self, rank_ids: set[str], reason: str) -> int:
-        """The engine of these ranks exited: the room info that waited for its sends (which will
-        not come) is dropped, and each decode side is told at once, fenced (nothing was written),
-        instead of waiting out its deadline with the room's pages. Returns the rooms told."""
+        """The engine of these ranks exited: every room it had not sent is given up
+        (``give_up_unsent``). Returns the decode ranks told."""
+        keys = [key for key in self.ctx.rooms.early if key[0] in rank_ids]
+        return sum(self.give_up_unsent(rank_id, room_id, reason) for rank_id, room_id in keys)
+
+    def give_up_unsent(self, rank_id: str, room_id: int, reason: str) -> int:
+        """The engine gave up a room it has not sent (it aborted the request, or exited): the room
+        info that waited for its send is dropped and each decode side that announced itself is told
+        at once, fenced (nothing was written), instead of waiting out its deadline with the room's
+        pages; room info still to come is refused and a late send fails (the room is remembered as
+        given up). Returns the decode ranks told."""
         ctx = self.ctx
+        key = (rank_id, room_id)
+        ctx.rooms.cancelled[key] = (ctx.clock(), reason)
         told = 0
-        for key, infos in list(ctx.rooms.early.items()):
-            if key[0] not in rank_ids:
-                continue
-            del ctx.rooms.early[key]
-            ctx.rooms.cancelled[key] = (ctx.clock(), reason)
-            for decode_rank in sorted(infos):
-                report = DoneReport.failure(key[1], decode_rank, key[0], reason, fenced=True)
-                ctx.tasks.spawn(self._post_failure(ctx.ranks.agent_for(decode_rank), report))
-                told += 1
+        for decode_rank in sorted(ctx.rooms.early.pop(key, {})):
+            report = DoneReport.failure(room_id, decode_rank, rank_id, reason, fenced=True)
+            ctx.tasks.spawn(self._post_failure(ctx.ranks.agent_for(decode_rank), report))
+            told += 1
         return told
 
     def _check_peer(self, prefill_rank: str, decode_rank: str, sender_agent: str | None) -> None:

@@ -170,16 +170,22 @@ class AbortRequest:
     rank: str
     room: int
     reason: str = "aborted by the engine"
+    # A decode rank's room it has not submitted yet: the prefill replica it was to come from, whose
+    # agents are told (else the prefill side learns only at its bootstrap deadline).
+    peer_replica: int | None = None
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
         reason = body.get("reason", cls.reason)
         if not isinstance(reason, str) or len(reason) > MAX_REASON:
             raise malformed(f"field 'reason' must be a string of at most {MAX_REASON} characters")
-        return cls(field_str(body, "rank"), field_int(body, "room"), reason)
+        return cls(field_str(body, "rank"), field_int(body, "room"), reason, field_opt_int(body, "peer_replica"))
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "room": self.room, "reason": self.reason}
+        body: dict[str, Any] = {"rank": self.rank, "room": self.room, "reason": self.reason}
+        if self.peer_replica is not None:
+            body["peer_replica"] = self.peer_replica
+        return body
 
 
 # ---------------------------------------------------------------- peer messages

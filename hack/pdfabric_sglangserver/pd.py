@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 from pdfabric_sglang.cpu_pools import remove_orphans
 
 from pdfabric_devcluster.fabric import LocalEngine, LocalFabric
-from pdfabric_devcluster.procs import free_port
+from pdfabric_devcluster.procs import free_port, post_json
 from pdfabric_devcluster.sglang_router import SGLangRouter, sglang_router
 from pdfabric_sglangserver.model import DEFAULT, Variant, spec_model_for_servers
 from pdfabric_sglangserver.servers import (
@@ -126,9 +128,22 @@ class PD:
     decode: Server
     router: SGLangRouter
     fabric: LocalFabric | None  # pdfabric's agents (None for Mooncake)
+    bootstrap_port: int  # the prefill server's
 
     def generate(self, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
         return self.router.generate(body, timeout_s)
+
+    def generate_direct(
+        self, body: dict[str, Any], timeout_s: float = 120.0
+    ) -> tuple[tuple[int, dict[str, Any]], tuple[int, dict[str, Any]]]:
+        """One request posted to both servers as SGLang's router posts it (the bootstrap fields
+        added), without the router's retries: the prefill server's answer and the decode server's."""
+        boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port}
+        body = {**body, **boot, "bootstrap_room": secrets.randbits(63)}
+        with ThreadPoolExecutor(2) as pool:
+            prefill = pool.submit(post_json, self.prefill.url + "/generate", body, timeout_s)
+            decode = pool.submit(post_json, self.decode.url + "/generate", body, timeout_s)
+            return prefill.result(), decode.result()
 
 
 @contextlib.contextmanager
@@ -215,7 +230,7 @@ def behind_router(backend: str, pair: contextlib.AbstractContextManager[PairPart
         health = ("--health-check-interval-secs", "5")
         with sglang_router(endpoints, logs / "router.log", extra=health, wait_s=120) as router:
             router.wait_healthy(120, ready=True)
-            yield PD(backend, prefill, decode, router, fabric)
+            yield PD(backend, prefill, decode, router, fabric, endpoints["prefill"][0]["bootstrapPort"])
 
 
 def tokens(answer: dict[str, Any]) -> list[int]:

@@ -12,6 +12,7 @@ the first token carried in the metadata rows, arrived.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from pdfabric_devcluster.procs import post_json
 from pdfabric_sglangserver.pd import PD, behind_router, pair_started_by_agents, pair_started_here, tokens
 from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy
 
@@ -192,3 +194,82 @@ def test_prefill_agent_killed_fails_requests_then_restarted_agent_serves(pd: PD,
     assert pd.prefill.healthy() and pd.decode.healthy()
     pd.fabric.start(agent)
     wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)
+
+
+# ---------------------------------------------------------------- aborts from SGLang's side
+
+LONG_PROMPT_TOKENS = 1800  # 15 chunks of 128 tokens: prefill is busy for a while on these cores
+ABORTED_ANSWER_S = 60.0  # both servers answer an aborted request within this (pdfabric: seconds)
+# The control, not a pdfabric claim; kept running, non-strict, to see when upstream passes.
+UPSTREAM_WRONG = {
+    ("mooncake", "prefill"): "SGLang's Mooncake decode waits for its own timeout (300 s) for a request "
+    "its prefill aborted before sending",
+}
+
+
+def aborted(status: int, answer: dict[str, Any]) -> bool:
+    """SGLang answered the request as aborted (an error status, or a finish reason of abort)."""
+    reason = (answer.get("meta_info") or {}).get("finish_reason") or {}
+    return status != 200 or reason.get("type") == "abort"
+
+
+def abort_in_flight(pd: PD, side: str, attempt: int) -> tuple[tuple[int, dict[str, Any]], ...]:
+    """Three long requests keep prefill busy; a fourth, queued behind them, is aborted on one
+    server (SGLang's /abort_request) while it waits. Posted to both servers as SGLang's router
+    posts them, without its retries (the router would send an aborted request again): the fourth's
+    prefill and decode answers, then the three decode answers."""
+    prompts = [[(i * 41 + attempt * 7 + k) % 250 + 1 for i in range(LONG_PROMPT_TOKENS)] for k in range(4)]
+    rid = f"abort-{uuid.uuid4().hex}"
+    server = pd.decode if side == "decode" else pd.prefill
+    with ThreadPoolExecutor(4) as pool:
+        ahead = [pool.submit(pd.generate_direct, greedy(p, NEW_TOKENS), 150) for p in prompts[:3]]
+        time.sleep(0.1)
+        body = {**greedy(prompts[3], NEW_TOKENS), "rid": rid}
+        answer = pool.submit(pd.generate_direct, body, ABORTED_ANSWER_S)
+        time.sleep(0.3)  # it is in both servers' queues: prefill works on the ones ahead
+        post_json(server.url + "/abort_request", {"rid": rid}, 10)
+        prefill_answer, decode_answer = answer.result(timeout=180)
+        return prefill_answer, decode_answer, *(f.result(timeout=180)[1] for f in ahead)
+
+
+def rooms_failed(pd: PD, role: str) -> float:
+    assert pd.fabric is not None
+    return pd.fabric.metric_sum("pdfabric_requests_total", role=role, outcome="failed")
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_an_abort_in_flight_ends_the_request_and_the_servers_serve_on(
+    pd: PD, single: SGLangServer, side: str, request: pytest.FixtureRequest
+) -> None:
+    """SGLang aborts a request mid-flight, queued behind others: on decode while it waits for the
+    KV, or on prefill before it was prefilled (before pdfabric's send). Both servers answer it
+    (neither hangs), decode's answer says aborted, the requests beside it answer; with pdfabric the
+    abort reaches the other side through the agents (decode's abort fails prefill's request; a
+    prefill abort fails decode's room), which need not wait for a deadline; the next requests
+    answer equal to a single server."""
+    if (pd.backend, side) in UPSTREAM_WRONG:
+        request.node.add_marker(pytest.mark.xfail(reason=UPSTREAM_WRONG[pd.backend, side], strict=False))
+    failed_decode_rooms = rooms_failed(pd, "decode") if pd.fabric is not None else 0.0
+    for attempt in range(3):  # on an idle machine the request may finish before the abort lands
+        started = time.monotonic()
+        prefill_answer, decode_answer, *others = abort_in_flight(pd, side, attempt)
+        assert time.monotonic() - started < ABORTED_ANSWER_S + 30, "the aborted request hung"
+        assert 0 not in (prefill_answer[0], decode_answer[0]), (prefill_answer, decode_answer)  # no answer
+        assert [s for s, _ in others] == [200, 200, 200], f"a request beside the aborted one failed: {others}"
+        if aborted(*decode_answer):
+            break
+        assert decode_answer[0] == 200 and len(tokens(decode_answer[1])) == NEW_TOKENS, decode_answer
+    else:
+        pytest.fail(f"three requests finished before their abort on {side}")
+    if pd.fabric is not None and side == "decode":
+        # The abort reached the prefill side through the agents: its request failed, not served.
+        assert aborted(*prefill_answer), prefill_answer
+    if pd.fabric is not None and side == "prefill":
+        deadline = time.monotonic() + 30  # decode's room fails once its agent hears (fenced: at once)
+        while rooms_failed(pd, "decode") <= failed_decode_rooms:
+            assert time.monotonic() < deadline, "the decode agent's room of the aborted request did not end"
+            time.sleep(0.2)
+    for prompt in (PROMPTS[1], PROMPTS[4]):
+        want = tokens(single.generate(greedy(prompt, NEW_TOKENS))[1])
+        status, got = pd.generate(greedy(prompt, NEW_TOKENS))
+        assert (status, tokens(got)) == (200, want), (pd.backend, side, got)

@@ -5,8 +5,8 @@ at once. Two agents wired in process (the peer messages go straight to the other
 - the decode engine aborts a room whose info waits at the prefill agent: the cancel drops that
   info, the pages are free when the abort answers, and a later send of the room fails at once
   without writing;
-- the prefill engine exits while decode room info waits for its sends: the decode room fails at
-  once, fenced, and its pages are free;
+- the prefill engine exits, or aborts the request before sending it, while decode room info waits
+  for its sends: the decode room fails at once, fenced, and its pages are free;
 - a source whose write is in flight answers the cancel not fenced: the pages stay held (the 409
   says why and for how long at most) until the write returns and the source says it stopped;
 - a source that never answers keeps the hold until the transfer timeout.
@@ -136,6 +136,73 @@ def test_a_prefill_engine_exit_fails_waiting_decode_rooms_fenced(pair: tuple[Age
         decode.submit_receive(ReceiveRequest(D, 6, [7, 8], [2], 2, 0))  # not 409: nothing was written
         # The restarted engine's poll of the dead one's room says Failed, not 404.
         assert (await prefill.poll(P, 5))["state"] == "Failed"
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_a_prefill_engine_abort_before_its_send_fails_the_decode_room_fenced(pair: tuple[Agent, Agent]) -> None:
+    """SGLang aborts a request on prefill before its last chunk (nothing submitted): the decode
+    room that waits for it fails at once, fenced, with the reason, and its pages are free; the
+    prefill room's poll says Failed and a late send of it fails without writing."""
+    prefill, decode = pair
+    link(prefill, decode)
+
+    async def go() -> None:
+        decode.submit_receive(ReceiveRequest(D, 11, [7, 8], [2], 2, 0))
+        await settle()
+        view = await prefill.abort(AbortRequest(P, 11, "aborted by SGLang"))
+        assert (view["state"], view["reason"]) == ("Failed", "aborted by SGLang")
+        await settle()
+        room = decode.rooms.decode[(D, 11)]
+        assert room.state is RoomState.FAILED and "aborted by SGLang" in room.reason
+        assert room.quiet == {P}
+        decode.submit_receive(ReceiveRequest(D, 12, [7, 8], [2], 2, 0))  # the pages are free
+        assert (await prefill.poll(P, 11))["state"] == "Failed"
+        late = prefill.submit_send(SendRequest(P, 11, [0, 1], [0], 0, 0))
+        assert (late["state"], late["reason"]) == ("Failed", "aborted by SGLang")
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_a_prefill_abort_before_decode_announced_refuses_the_announcement(pair: tuple[Agent, Agent]) -> None:
+    """The abort came before decode announced the room: the announcement is refused, so the decode
+    room fails at once instead of holding its pages until its deadline."""
+    prefill, decode = pair
+    link(prefill, decode)
+
+    async def go() -> None:
+        await prefill.abort(AbortRequest(P, 13, "aborted by SGLang"))
+        decode.submit_receive(ReceiveRequest(D, 13, [7, 8], [2], 2, 0))
+        await settle()
+        room = decode.rooms.decode[(D, 13)]
+        assert room.state is RoomState.FAILED and "aborted by SGLang" in room.reason, room.reason
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(go())
+
+
+def test_a_decode_engine_abort_before_its_receive_fails_the_prefill_room(pair: tuple[Agent, Agent]) -> None:
+    """SGLang aborts a request on decode before it submitted its room (it waited for prefill):
+    naming the prefill replica, the abort reaches the prefill agent, whose engine's poll of the
+    room says Failed with the reason at once, and whose late send fails without writing."""
+    prefill, decode = pair
+    link(prefill, decode)
+
+    async def go() -> None:
+        view = await decode.abort(AbortRequest(D, 14, "aborted by SGLang", peer_replica=0))
+        assert (view["state"], view["told"]) == ("Failed", 1)
+        await settle()
+        polled = await prefill.poll(P, 14)
+        assert polled["state"] == "Failed" and "aborted by SGLang" in polled["reason"], polled
+        late = prefill.submit_send(SendRequest(P, 14, [0, 1], [0], 0, 0))
+        assert late["state"] == "Failed"
+        with pytest.raises(ApiError):  # naming no replica, an unknown decode room is still 404
+            await decode.abort(AbortRequest(D, 15, "aborted by SGLang"))
         await prefill.close()
         await decode.close()
 

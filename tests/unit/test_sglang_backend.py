@@ -198,6 +198,7 @@ class FakeClient:
         self.views: dict[int, Any] = {}
         self.submitted: list[Any] = []
         self.aborted: list[int] = []
+        self.told: list[int | None] = []  # the peer replica named with each abort
         self.submit_error: Exception | None = None
 
     def poll(self, rank: str, room: int, wait_s: float = 0.0) -> dict[str, Any]:
@@ -214,8 +215,9 @@ class FakeClient:
         self.submitted.append(msg)
         return {}
 
-    def abort(self, rank: str, room: int, reason: str = "") -> dict[str, Any]:
+    def abort(self, rank: str, room: int, reason: str = "", peer_replica: int | None = None) -> dict[str, Any]:
         self.aborted.append(room)
+        self.told.append(peer_replica)
         return {}
 
 
@@ -474,3 +476,22 @@ def test_attention_ranks_are_read_from_sglangs_parallel_state() -> None:
     assert attention_ranks() is None  # nothing published in this process
     with get_parallel().override(attn_tp_rank=0, attn_cp_rank=1, attn_cp_size=2):
         assert attention_ranks() == (0, 1, 2)
+
+
+def test_an_abort_before_the_submit_reaches_the_agent_on_both_sides() -> None:
+    """SGLang aborts a request before its room was submitted: the prefill sender gives the room up
+    at its agent (decode's announcement is refused or failed), and the decode receiver names the
+    prefill replica so that side's agents are told; neither waits for a deadline."""
+    from pdfabric_sglang.conn import PdfabricKVReceiver, PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pmgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(pmgr, "p:1", 21)
+    tx.abort()
+    assert (pmgr.client.aborted, pmgr.client.told) == ([21], [None])
+    assert tx.poll() == KVPoll.Failed
+    dmgr = manager(Role.DECODE)
+    rx = PdfabricKVReceiver(dmgr, "p:1", 22)  # SGLang aborts it before init: the table says
+    rx.abort()
+    assert (dmgr.client.aborted, dmgr.client.told) == ([22], [0])
+    assert rx.poll() == KVPoll.Failed

@@ -208,11 +208,20 @@ class _RoomClient:
         self._abort_at_agent(reason)
         self._conclude(FAILED, reason)
 
+    def _agent_holds_room(self) -> bool:
+        """Whether the agent has something of this room to give up (senders and receivers say
+        more: an abort before the submit reaches the other side too)."""
+        return self.submitted_at is not None
+
+    def _peer_to_tell(self) -> int | None:
+        """For a room not submitted yet: the peer replica the agent tells of the abort."""
+        return None
+
     def _abort_at_agent(self, reason: str) -> None:
-        if self.submitted_at is None or self.concluded is not None:
+        if not self._agent_holds_room() or self.concluded is not None:
             return
         try:
-            self.mgr.client.abort(self.mgr.rank_id, self.room, reason)
+            self.mgr.client.abort(self.mgr.rank_id, self.room, reason, self._peer_to_tell())
         except AGENT_ERRORS as exc:
             log.warning("pdfabric: abort of room %d at the agent: %s", self.room, exc)
 
@@ -284,6 +293,12 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
+
+    def _agent_holds_room(self) -> bool:
+        # Submitted or not: the agent holds what decode announced for the room (or will, and must
+        # then refuse it), so a request SGLang aborts before its last chunk fails at decode now,
+        # not at decode's deadline.
+        return True
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens decode already holds (its radix cache): prefill sends the pages after them."""
@@ -411,6 +426,22 @@ class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):
     def init(self, prefill_dp_rank: int = 0) -> None:
         self.inited = True
         self._resolve()
+
+    def abort(self) -> None:
+        if self.submitted_at is None and self.prefill_replica is None and self.concluded is None:
+            # SGLang may abort before init (the prefill table still being filled): the prefill side
+            # waits for this room all the same, so find out which replica it is, briefly.
+            self.mgr.peers.wait(self.bootstrap_addr, AGENT_CALL_TIMEOUT_S)
+            self._resolve()
+        super().abort()
+
+    def _agent_holds_room(self) -> bool:
+        # Before send_metadata the prefill side may already wait for this room: its agents are told
+        # (through this rank's agent), so its request fails now, not at its bootstrap deadline.
+        return self.submitted_at is not None or self.prefill_replica is not None
+
+    def _peer_to_tell(self) -> int | None:
+        return self.prefill_replica if self.submitted_at is None else None
 
     def _resolve(self) -> None:
         """The prefill replica behind the bootstrap address, from the manager's table (SGLang's

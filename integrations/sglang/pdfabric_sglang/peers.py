@@ -6,6 +6,7 @@ on the network."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import urllib.request
@@ -74,6 +75,18 @@ class PrefillPeers:
                 return False
             self._pending[bootstrap_addr] = self._pool.submit(prefill_peer_at, bootstrap_addr, self.cluster_uid)
         return False
+
+    def wait(self, bootstrap_addr: str, timeout_s: float) -> bool:
+        """``ensure``, waiting up to ``timeout_s`` for the lookup (off the scheduler's hot path:
+        an abort before the table had the address)."""
+        if self.ensure(bootstrap_addr):
+            return True
+        with self._lock:
+            future = self._pending.get(bootstrap_addr)
+        if future is not None:
+            with contextlib.suppress(Exception):  # its failure is harvested below
+                future.result(timeout=timeout_s)
+        return self.ensure(bootstrap_addr)
 
     def error(self, bootstrap_addr: str) -> LookupError_ | None:
         """The last lookup's failure for the address, if it failed."""
