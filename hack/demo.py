@@ -344,17 +344,9 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
     """A PDCluster whose engines are SGLang's real server (SGLang's CPU engine, a small random-weight
     Llama): the agents start prefill and decode servers with pdfabric as their transfer backend,
     SGLang's router pairs them, and each answer equals a single SGLang server's."""
-    from pdfabric_sglangserver.model import spec_model_for_servers, write_model_dir
-    from pdfabric_sglangserver.servers import (
-        CPU_ENV,
-        PAGE_SIZE,
-        STANDIN,
-        greedy,
-        server_args,
-        server_argv,
-        server_env,
-        start_server,
-    )
+    from pdfabric_sglangserver.model import write_model_dir
+    from pdfabric_sglangserver.pd import example_pdcluster
+    from pdfabric_sglangserver.servers import greedy, server_argv, server_env, start_server
 
     step("spec.engine running SGLang's own server: PDCluster sglang")
     if not site:
@@ -363,37 +355,7 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
         )
         return 0
     model_dir = write_model_dir(WORKDIR / "sglang-model")
-    # What this machine's "SGLang image" needs: SGLang's CPU engine, the plugin, and the test stand-in
-    # for SGLang's CPU kernels on PYTHONPATH ($(PYTHONPATH) is the image's own, expanded by the agent).
-    cpu_env = {**CPU_ENV, "SGLANG_PLUGINS": "pdfabric", "PYTHONPATH": f"{STANDIN}:$(PYTHONPATH)"}
-    env = [{"name": k, "value": v} for k, v in cpu_env.items()]
-    roles = {
-        role: {
-            "command": ["python", "-m", "sglang.launch_server"],
-            "args": server_args(
-                model_dir,
-                "$(PDFABRIC_PORT)",
-                mode=role,
-                backend="pdfabric",
-                bootstrap_port="$(PDFABRIC_BOOTSTRAP_PORT)",
-            ),
-            "env": env,
-        }
-        for role in ("prefill", "decode")
-    }
-    pdc = {
-        "apiVersion": "pdfabric.dev/v1alpha1",
-        "kind": "PDCluster",
-        "metadata": {"name": "sglang"},
-        "spec": {
-            "transfer": {"transport": "tcp", "timeoutSeconds": 20},
-            "prefill": {"tp": 1},
-            "decode": {"tp": 1},
-            "model": spec_model_for_servers(PAGE_SIZE),
-            "engine": {"image": "sglang-pdfabric:local", **roles},
-            "router": {"image": "sglang-router:0.3.2", "args": ["--health-check-interval-secs", "5"]},
-        },
-    }
+    pdc = example_pdcluster(model_dir)
     manifest = WORKDIR / "pdcluster-sglang.json"
     manifest.write_text(json.dumps(pdc, indent=1))
     print(f"  the PDCluster: {manifest}")

@@ -233,5 +233,19 @@ def behind_router(backend: str, pair: contextlib.AbstractContextManager[PairPart
             yield PD(backend, prefill, decode, router, fabric, endpoints["prefill"][0]["bootstrapPort"])
 
 
+EXAMPLE = ROOT / "examples" / "sglang" / "pdcluster-sglang-cpu.yaml"
+
+
+def example_pdcluster(model_dir: Path) -> dict[str, Any]:
+    """examples/sglang's PDCluster with this machine's two values filled in: the model directory,
+    and the test stand-in for SGLang's CPU kernels on the servers' PYTHONPATH ($(PYTHONPATH) there
+    is the image's own, expanded by the agent)."""
+    import yaml
+
+    text = EXAMPLE.read_text().replace("${MODEL_DIR}", str(model_dir))
+    doc: dict[str, Any] = yaml.safe_load(text.replace("${SGL_KERNEL_STANDIN}", str(STANDIN)))
+    return doc
+
+
 def tokens(answer: dict[str, Any]) -> list[int]:
     return list(answer.get("output_ids") or [])
