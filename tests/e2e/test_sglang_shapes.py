@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pdfabric_core.spec import DTYPE_BYTES
-from pdfabric_devcluster.procs import free_port
+from pdfabric_devcluster.procs import free_port, post_json
 from pdfabric_sglangserver.model import DEFAULT, Variant, write_model_dir
 from pdfabric_sglangserver.pd import PD, Shape, behind_router, pair_started_here, tokens
 from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy, server_argv, server_env, start_server
@@ -33,7 +33,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPLICATED_HEADS = Shape(prefill_tp=2, model=Variant(kv_heads=1, dtype="float32"))
 PIPELINE = Shape(prefill_pp=2, model=Variant(layers=3))  # stage 0 holds layer 0, stage 1 layers 1 and 2
-SHAPES = [REPLICATED_HEADS, PIPELINE]
+# One rank each, float32: a retracted request's prefix recomputed by prefill equals the one decode
+# computed token by token (in bfloat16 the two paths round differently and later tokens turn).
+RETRACTED = Shape(model=Variant(dtype="float32"))
+SHAPES = [REPLICATED_HEADS, PIPELINE, RETRACTED]
 BACKENDS = ["mooncake", "pdfabric"]
 # What SGLang's own Mooncake backend gets wrong here (the control, not a pdfabric claim); kept
 # running, non-strict, to see when upstream passes:
@@ -140,3 +143,31 @@ def test_shaped_pd_moves_each_rank_share_once(shaped: tuple[Shape, PD]) -> None:
         time.sleep(0.2)
     time.sleep(1.0)  # a second copy would land right after the first
     assert pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before == want
+
+
+def test_a_retracted_request_is_received_again_and_answers_equal(
+    shaped: tuple[Shape, PD], reference: SGLangServer
+) -> None:
+    """Rebootstrap: decode's /pause_generation with mode retract takes a long generation out of
+    its batch and, on /continue_generation, re-receives it: SGLang posts the prompt and the tokens
+    so far to prefill, which computes their KV again and sends it under the same bootstrap room.
+    The answer is whole and equal to a one-rank server's."""
+    shape, pd = shaped
+    if shape is not RETRACTED:
+        pytest.skip("run on the one-rank float32 pair (see RETRACTED)")
+    prompt, new = list(range(32, 120)), 1500
+    want = tokens(reference.generate(greedy(prompt, new), 300)[1])
+    for _ in range(3):  # the pause must find the request decoding
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(pd.generate_direct, greedy(prompt, new), 300)
+            time.sleep(4.0)  # prefill, transfer and the first tokens: decoding for ~20 s after
+            assert post_json(pd.decode.url + "/pause_generation", {"mode": "retract"}, 30)[0] == 200
+            time.sleep(1.0)
+            assert post_json(pd.decode.url + "/continue_generation", {}, 30)[0] == 200
+            (_, _), (status, got) = answer.result(timeout=330)
+        assert status == 200, (pd.backend, got, pd.decode.tail())
+        if got["meta_info"].get("num_retractions", 0) >= 1:
+            break
+    else:
+        pytest.fail("three requests ended before decode retracted them")
+    assert tokens(got) == want, pd.backend

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -234,6 +235,7 @@ def manager(role: Role) -> Any:
     mgr.peers = PrefillPeers("uid-1")
     mgr.peers.table["p:1"] = PrefillPeer(replica=0, cluster="uid-1")
     mgr.prefill_info_table = mgr.peers.table
+    mgr._room_openings = OrderedDict()
     return mgr
 
 
@@ -495,3 +497,17 @@ def test_an_abort_before_the_submit_reaches_the_agent_on_both_sides() -> None:
     rx.abort()
     assert (dmgr.client.aborted, dmgr.client.told) == ([22], [0])
     assert rx.poll() == KVPoll.Failed
+
+
+def test_a_reopened_room_is_a_fresh_agent_room_the_same_on_both_sides() -> None:
+    """Rebootstrap opens SGLang's bootstrap room again on both sides: the n-th opening is the same
+    fresh agent room at the prefill sender and the decode receiver (the agent's rooms are
+    single-use), and the first opening is the bootstrap room itself."""
+    from pdfabric_sglang.conn import PdfabricKVReceiver, PdfabricKVSender
+
+    pmgr, dmgr = manager(Role.PREFILL), manager(Role.DECODE)
+    first = (PdfabricKVSender(pmgr, "p:1", 2**62 + 5).room, PdfabricKVReceiver(dmgr, "p:1", 2**62 + 5).room)
+    again = (PdfabricKVSender(pmgr, "p:1", 2**62 + 5).room, PdfabricKVReceiver(dmgr, "p:1", 2**62 + 5).room)
+    assert first == (2**62 + 5, 2**62 + 5)
+    assert again[0] == again[1] != first[0] and 0 <= again[0] < 2**63
+    assert dmgr.current_room(2**62 + 5) == again[1]

@@ -1,6 +1,6 @@
 """The prefill side's bootstrap server: tells decode engines which prefill replica of the PDCluster
-this is (``peers.REPLICA_PATH``) and answers decode's heartbeat (``/health``). Nothing else: the
-PDCluster's rank map tells every agent where each rank is."""
+this is and the prefill server's own port (``peers.REPLICA_PATH``), and answers decode's heartbeat
+(``/health``). Nothing else: the PDCluster's rank map tells every agent where each rank is."""
 
 from __future__ import annotations
 
@@ -18,11 +18,22 @@ from pdfabric_sglang.peers import REPLICA_PATH
 HEALTH_PATH = "/health"
 
 
+def serving_port() -> int | None:
+    """The prefill server's own HTTP port, from SGLang's published configuration in this process
+    (decode posts a rebootstrap's recompute there); None where SGLang published none."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        return int(get_serving().port)
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return None
+
+
 class PdfabricKVBootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
         config = FabricConfig()
         client = AgentClient(config.address, config.token, "")
-        doc = {"replica": config.replica, "cluster": client.info()["cluster"]["uid"]}
+        doc = {"replica": config.replica, "cluster": client.info()["cluster"]["uid"], "http_port": serving_port()}
         client.close()
         answers = {REPLICA_PATH: json.dumps(doc).encode(), HEALTH_PATH: b'{"status": "ok"}'}
 

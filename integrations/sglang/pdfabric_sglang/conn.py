@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -60,7 +62,7 @@ from pdfabric_sglang.kvargs import (
     rank_id_for,
     registration,
 )
-from pdfabric_sglang.peers import PrefillPeer, PrefillPeers
+from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
 from pdfabric_sglang.shares import UnshareableBuffer
 
 __all__ = ["PdfabricKVBootstrapServer", "PdfabricKVManager", "PdfabricKVReceiver", "PdfabricKVSender"]
@@ -115,6 +117,8 @@ class PdfabricKVManager(BaseKVManager):
         # queue reads dp_size and follow_bootstrap_room from it for every request).
         self.peers = PrefillPeers(self.cluster_uid)
         self.prefill_info_table: dict[str, PrefillPeer] = self.peers.table
+        self._room_openings: OrderedDict[int, int] = OrderedDict()  # bootstrap room -> openings - 1
+        self._recompute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdfabric-recompute")
         log.info(
             "pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer["memory"]["buffers"], info["agent"]
         )
@@ -155,15 +159,50 @@ class PdfabricKVManager(BaseKVManager):
         scheduler thread) when it is not. SGLang's decode queue calls it until True."""
         return self.peers.ensure(bootstrap_addr)
 
-    def submit_prefill_recompute(self, receiver: Any, payload: Any) -> None:
-        """Rebootstrap (a retracted request re-received): the agent's rooms are single-use, so the
-        request fails with the reason instead of waiting for a room that cannot open again."""
-        receiver.fail("pdfabric cannot re-receive a retracted request (rebootstrap) yet")
+    def open_room(self, bootstrap_room: int) -> int:
+        """The agent's room id for a sender or receiver of SGLang's ``bootstrap_room``. The agent's
+        rooms are single-use; SGLang opens a room again when decode re-receives a retracted request
+        (rebootstrap: the same bootstrap room, its prefill recomputed). Each side counts the times
+        it opened the room, so the n-th opening is the same fresh agent room on both sides."""
+        opened = self._room_openings.pop(bootstrap_room, -1) + 1
+        self._room_openings[bootstrap_room] = opened
+        while len(self._room_openings) > REMEMBERED_ROOMS:
+            self._room_openings.popitem(last=False)
+        return reopened_room(bootstrap_room, opened)
+
+    def current_room(self, bootstrap_room: int) -> int:
+        """The agent room of the latest opening of ``bootstrap_room``."""
+        return reopened_room(bootstrap_room, self._room_openings.get(bootstrap_room, 0))
+
+    def submit_prefill_recompute(self, receiver: PdfabricKVReceiver, payload: dict[str, Any]) -> None:
+        """Rebootstrap: decode re-receives a retracted request, so its prefill must compute the
+        prefix again and send it to the receiver's fresh room (``open_room``). SGLang's decode ranks
+        all call this; one of them (attention TP 0, CP 0, PP stage 0) posts the request to the
+        prefill server's ``/generate`` (its port from the bootstrap server), off the scheduler's
+        thread. A post that fails fails the receiver with the reason."""
+        attention = attention_ranks()
+        if (attention is not None and (attention.tp_rank, attention.cp_rank) != (0, 0)) or int(
+            getattr(self.kv_args, "pp_rank", 0) or 0
+        ):
+            return
+        peer = self.peers.table.get(receiver.bootstrap_addr)
+        if peer is None or peer.http_port is None:
+            receiver.fail(f"rebootstrap: the prefill behind {receiver.bootstrap_addr} named no HTTP port")
+            return
+        host = receiver.bootstrap_addr.rsplit(":", 1)[0]
+        url = f"http://{host}:{peer.http_port}/generate"
+
+        def post() -> None:
+            status, answer = post_generate(url, payload, self.bootstrap_timeout_s)
+            if status != 200:
+                receiver.fail(f"rebootstrap: {url} answered {status or 'nothing'}: {answer[:200]}")
+
+        self._recompute.submit(post)
 
     # Deferred decode KV release: the agent knows when a failed room's sources are quiet.
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
         try:
-            view = self.client.poll(self.rank_id, int(bootstrap_room))
+            view = self.client.poll(self.rank_id, self.current_room(int(bootstrap_room)))
         except AgentRefused as exc:
             return exc.status == 404  # the agent never took the room: nothing can write into it
         except (OSError, ValueError):
@@ -179,8 +218,8 @@ class _RoomClient:
 
     def __init__(self, mgr: PdfabricKVManager, bootstrap_room: int | None) -> None:
         self.kv_mgr = mgr  # SGLang's name: its queues read kv_mgr off senders and receivers
-        self.room = int(bootstrap_room or 0)
-        self.bootstrap_room = self.room
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.room = mgr.open_room(self.bootstrap_room)  # the agent's room: a fresh one if reopened
         self.submitted_at: float | None = None
         self.finished_at: float | None = None
         self.concluded: int | None = None  # a KVPoll value once final
@@ -263,9 +302,11 @@ class _RoomClient:
             # SGLang's all-reduce took the MIN over its ranks: another rank failed this request.
             self.fail("failed on another rank of this request")
             raise KVTransferError(
-                self.room, f"pdfabric room {self.room} failed on another rank", is_from_another_rank=True
+                self.bootstrap_room, f"pdfabric room {self.room} failed on another rank", is_from_another_rank=True
             )
-        raise KVTransferError(self.room, f"pdfabric room {self.room} on {self.mgr.rank_id} failed: {self.reason}")
+        raise KVTransferError(
+            self.bootstrap_room, f"pdfabric room {self.room} on {self.mgr.rank_id} failed: {self.reason}"
+        )
 
     def abort(self) -> None:
         self.fail("aborted by SGLang")
@@ -387,6 +428,15 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk  # an empty last chunk still submits the room
+
+
+REMEMBERED_ROOMS = 1 << 16  # bootstrap rooms whose openings a manager counts (rebootstrap comes soon after)
+_ROOM_STRIDE = 0x9E3779B97F4A7C15  # odd: successive openings of one room land far apart
+
+
+def reopened_room(bootstrap_room: int, opened: int) -> int:
+    """The agent room of the ``opened``-th reopening of a bootstrap room (0: the room itself)."""
+    return bootstrap_room if opened == 0 else (bootstrap_room + opened * _ROOM_STRIDE) % (1 << 63)
 
 
 def attention_ranks() -> AttentionRanks | None:

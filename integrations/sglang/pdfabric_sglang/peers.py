@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class PrefillPeer:
     cluster: str
     dp_size: int = 1
     follow_bootstrap_room: bool = True
+    http_port: int | None = None  # the prefill server's own port (rebootstrap posts its /generate there)
 
 
 class LookupError_(Exception):
@@ -47,7 +49,22 @@ def prefill_peer_at(bootstrap_addr: str, cluster_uid: str, timeout_s: float = LO
     if not isinstance(doc, dict) or doc.get("cluster") != cluster_uid:
         cluster = doc.get("cluster") if isinstance(doc, dict) else None
         raise LookupError_(f"it serves PDCluster {cluster!r}, not this decode's {cluster_uid!r}", retryable=False)
-    return PrefillPeer(replica=int(doc["replica"]), cluster=cluster_uid)
+    http_port = doc.get("http_port")
+    return PrefillPeer(
+        replica=int(doc["replica"]), cluster=cluster_uid, http_port=int(http_port) if http_port else None
+    )
+
+
+def post_generate(url: str, payload: dict[str, object], timeout_s: float) -> tuple[int, str]:
+    """POST a JSON request to an SGLang server: its status (0: no answer) and the body's start."""
+    req = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read(4096).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(4096).decode(errors="replace")
+    except (OSError, ValueError) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
 
 
 class PrefillPeers:
