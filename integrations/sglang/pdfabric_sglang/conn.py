@@ -6,7 +6,8 @@ uses (``prefill.py``, ``decode.py``, ``utils.py``), not just what ``base/conn.py
   rooms in them from then on. The rendezvous is the PDCluster's rank map, not a bootstrap table;
   decode's ``prefill_info_table`` holds, per prefill bootstrap address, which prefill replica it is
   (``peers.PrefillPeers``, looked up off the scheduler thread).
-- ``PdfabricKVSender`` (prefill): SGLang's bootstrap room is the agent's room id. ``poll`` reports
+- ``PdfabricKVSender`` (prefill): SGLang's bootstrap room is the agent's room id (a room SGLang
+  opens again, rebootstrap, is a fresh agent room the same on both sides: ``open_room``). ``poll`` reports
   Bootstrapping until the decode side announced the room to the agent, WaitingForInput once every
   decode rank did (the agent names them, so the sender learns the decode replica the router chose),
   then the agent's state of the room. ``send`` takes chunks; the room is submitted with the last
