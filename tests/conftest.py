@@ -7,6 +7,8 @@ logs are kept (path printed) when any test of the session failed, and removed ot
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +25,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = Path(str(item.fspath)).relative_to(REPO_ROOT).parts
         if len(parts) > 1 and parts[1] in ("integration", "e2e"):
             item.add_marker(getattr(pytest.mark, parts[1]))
+
+
+@pytest.fixture(scope="session")
+def installed_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pdfabric installed as a user installs it (its ``sglang.srt.plugins`` entry point with it)."""
+    if os.environ.get("PDFABRIC_INSTALLED_SITE"):
+        return Path(os.environ["PDFABRIC_INSTALLED_SITE"])
+    target = tmp_path_factory.mktemp("site")
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
+    subprocess.run([*argv, str(target), str(REPO_ROOT)], check=True, capture_output=True)
+    return target
 
 
 @pytest.fixture(scope="session")

@@ -1,19 +1,15 @@
-"""What the SGLang server tests share for the whole session: the test model's directory, pdfabric
-installed as a user installs it, and one SGLang server serving the model alone (the answers every
-PD shape must equal). Each costs a minute or more and a server holds about 3 GB, so each is made
-once."""
+"""What the SGLang server tests share for the whole session: the test model's directory and one
+SGLang server serving the model alone (the answers every PD shape must equal; a server costs a
+minute or more and holds about 3 GB, so it is started once). pdfabric installed as a user installs
+it (``installed_site``) is in tests/conftest.py."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -21,17 +17,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pdfabric_sglangserver.model import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("sglang-model"))
-
-
-@pytest.fixture(scope="session")
-def installed_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pdfabric installed as a user installs it (its ``sglang.srt.plugins`` entry point with it)."""
-    if os.environ.get("PDFABRIC_INSTALLED_SITE"):
-        return Path(os.environ["PDFABRIC_INSTALLED_SITE"])
-    target = tmp_path_factory.mktemp("site")
-    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
-    subprocess.run([*argv, str(target), str(ROOT)], check=True, capture_output=True)
-    return target
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,6 @@ from tests.integration import pdcluster_harness as h
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 operator_kubeconfig, gpu_nodes = h.operator_kubeconfig, h.gpu_nodes
-installed = sg.installed
 
 PROMPTS = sg.PROMPTS
 NEW_TOKENS = 16
@@ -45,9 +44,9 @@ ENGINE = {
 
 
 @pytest.fixture
-def runner(cluster: Any, namespace: str, tmp_path: Path, installed: Path) -> Iterator[PodRunner]:
+def runner(cluster: Any, namespace: str, tmp_path: Path, installed_site: Path) -> Iterator[PodRunner]:
     pods = PodRunner(
-        cluster, namespace, "app.kubernetes.io/component=agent", tmp_path / "pods", pythonpath=[str(installed)]
+        cluster, namespace, "app.kubernetes.io/component=agent", tmp_path / "pods", pythonpath=[str(installed_site)]
     )
     yield pods
     pods.stop()

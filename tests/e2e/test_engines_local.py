@@ -16,11 +16,9 @@ from pdfabric_refengine.router import PrefillEndpoint, generate
 
 from pdfabric_agent.sandbox import landlock_abi
 from pdfabric_devcluster.fabric import LocalFabric
-from tests.e2e import test_sglang_pd as sg
 from tests.e2e.test_sglang_pd import REF_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-installed = sg.installed  # the pdfabric distribution, for SGLang's plugin entry point
 
 SERVER = ["python", "-m", "pdfabric_refengine.server"]
 ARGS = ["--backend", "direct", "--timeout-s", "15"]
@@ -100,7 +98,7 @@ def test_agents_run_their_engines_and_restart_a_killed_one() -> None:
     assert {"kv", "aux"} <= kinds, report
 
 
-def test_sglangs_own_router_pairs_prompts_across_two_prefill_engines(tmp_path: Any, installed: Any) -> None:
+def test_sglangs_own_router_pairs_prompts_across_two_prefill_engines(tmp_path: Any, installed_site: Any) -> None:
     """The real sglang-router, pointed at the engines' endpoints as docs/engines.md says
     (``sglang_router_args``: each prefill engine by its URL and bootstrap port), takes plain
     /generate requests, pairs each with one of two prefill engines (round robin) and the decode
@@ -121,7 +119,7 @@ def test_sglangs_own_router_pairs_prompts_across_two_prefill_engines(tmp_path: A
             "decode": {"command": SERVER, "args": ["--role", "decode", *args]},
         },
     }
-    with LocalFabric(spec, engine_pythonpath=[str(installed)]) as lc:
+    with LocalFabric(spec, engine_pythonpath=[str(installed_site)]) as lc:
         lc.start(wait_s=240)
         prefills = sorted((name, agent, e) for (agent, name), e in lc.engines.items() if name.startswith("prefill"))
         decodes = [e for (_, name), e in lc.engines.items() if name.startswith("decode")]

@@ -22,7 +22,7 @@ from tests.integration import pdcluster_harness as h
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-operator_kubeconfig, gpu_nodes, installed = h.operator_kubeconfig, h.gpu_nodes, sg.installed
+operator_kubeconfig, gpu_nodes = h.operator_kubeconfig, h.gpu_nodes
 runner, operator = eng.runner, eng.operator
 
 

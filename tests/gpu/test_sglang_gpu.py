@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
-from tests.e2e.test_sglang_pd import PROMPTS, REF_MODEL, colocated, installed, run_pd  # noqa: E402, F401
+from tests.e2e.test_sglang_pd import PROMPTS, REF_MODEL, colocated, run_pd  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
@@ -39,7 +39,7 @@ def sglang_gpu_ready() -> bool:
 )
 def test_greedy_generation_through_pd_on_one_gpu_equals_colocated(
     backend: str,
-    installed: Path,  # noqa: F811 (the fixture imported above)
+    installed_site: Path,
     tmp_path: Path,
     prefill: dict[str, int],
     decode: dict[str, int],
@@ -49,7 +49,7 @@ def test_greedy_generation_through_pd_on_one_gpu_equals_colocated(
     spec = {"prefill": prefill, "decode": decode, "transfer": {"memPool": "INTRA_NODE_NVLINK", "timeoutSeconds": 20},
             "model": REF_MODEL}  # fmt: skip
     with LocalFabric(spec, decode_gpu=0) as lc:
-        out = run_pd(lc, installed, tmp_path, prefill, decode, device="cuda:0", backend=backend)
+        out = run_pd(lc, installed_site, tmp_path, prefill, decode, device="cuda:0", backend=backend)
         for side in ("prefill", "decode"):
             assert [r["state"] for r in out[side]["results"]] == ["Success"] * len(PROMPTS), out[side]
         tokens = [r["tokens"] for r in out["decode"]["results"]]
