@@ -183,8 +183,8 @@ class Agent:
             if view is None:
                 raise unknown_room(msg.room, msg.rank)
             return view
-        unannounced = self.rooms.get(Role.DECODE, msg.rank, msg.room) is None
-        if local.rank.role is Role.DECODE and msg.peer_replica is not None and unannounced:
+        decode_unannounced = local.rank.role is Role.DECODE and self.rooms.get(Role.DECODE, msg.rank, msg.room) is None
+        if decode_unannounced and msg.peer_replica is not None:
             told = self.arrivals.give_up_unannounced(local, msg.room, msg.peer_replica, msg.reason)
             return {"rank": msg.rank, "room": msg.room, "state": "Failed", "reason": msg.reason, "told": told}
         room = self.rooms.lookup(local.rank.role, msg.rank, msg.room)

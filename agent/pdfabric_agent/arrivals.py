@@ -378,23 +378,21 @@ class DecodeArrivals:
             ctx.tasks.spawn(self._post_cancel(ctx.ranks.agent_for(prefill_rank), msg))
         return len(sources)
 
-    async def _post_cancel(self, agent_name: str, msg: RoomCancel) -> None:
+    async def _post_cancel(self, agent_name: str, msg: RoomCancel) -> dict[str, Any] | None:
+        """Send one cancel: the source's answer, or None when it did not take it (a room it may
+        still write into stays held; an unannounced room's engine learns at its deadline)."""
         try:
-            await self.ctx.peers.post(agent_name, msg, CANCEL_TIMEOUT_S)
-        except PEER_ERRORS as exc:  # its engine learns at its bootstrap deadline instead
+            return await self.ctx.peers.post(agent_name, msg, CANCEL_TIMEOUT_S)
+        except PEER_ERRORS as exc:
             log.info("room %s: %s did not take the cancel (%s)", msg.room, agent_name, exc)
+            return None
 
     async def _cancel_sources(self, room: DecodeRoom, reason: str) -> None:
         ctx = self.ctx
 
         async def cancel(prefill_rank: str, agent_name: str) -> None:
-            msg = RoomCancel(room.room, room.rank, prefill_rank, reason)
-            try:
-                answer = await ctx.peers.post(agent_name, msg, CANCEL_TIMEOUT_S)
-            except PEER_ERRORS as exc:  # it may still be writing: the hold stands
-                log.info("room %s: %s did not take the cancel (%s)", room.room, agent_name, exc)
-                return
-            if answer.get("fenced") is True:
+            answer = await self._post_cancel(agent_name, RoomCancel(room.room, room.rank, prefill_rank, reason))
+            if answer is not None and answer.get("fenced") is True:
                 self._quiet(room, prefill_rank)
 
         await asyncio.gather(
