@@ -81,6 +81,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "PDFABRIC_BODY_TIMEOUT_S": ("30", "A request body must arrive within this once its head did; else 408."),
     "PDFABRIC_IDLE_TIMEOUT_S": ("60", "An idle keep-alive connection is closed after this."),
     "PDFABRIC_MAX_CONNECTIONS": ("256", "Connections per listener; past it the slowest make room, else 429."),
+    "PDFABRIC_MAX_HANDSHAKES": (
+        "64",
+        "TLS handshakes in progress on the peer door; past it the oldest slow one (0.5 s) is reset, else the new one.",
+    ),
     "PDFABRIC_LOG_LEVEL": ("INFO", "Python log level."),
     # The serving engines the agent runs (spec.engine; supervisor.py). None of these variables,
     # nor any other the agent reads, reaches an engine's environment.

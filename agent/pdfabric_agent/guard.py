@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
 from pdfabric_agent import metrics
+from pdfabric_agent.handshakes import Handshakes
 from pdfabric_agent.labels import Refusal
 
 log = logging.getLogger("pdfabric.guard")
@@ -59,13 +60,20 @@ class Limits:
     # A head still incomplete after this long is a slow client's (a good one sends its head in one
     # write right after connecting): at the bound, the oldest such connection makes room.
     slow_head_s: float = 0.1
+    # A TLS listener's handshakes in progress (handshakes.py): at most this many, and one still
+    # running after slow_handshake_s makes room for a new connection at the bound.
+    max_handshakes: int = 64
+    slow_handshake_s: float = 0.5
+    tls_shutdown_s: float = 1.0  # a closed TLS connection waits this long for the client's close_notify
 
     ENV = {
         "header_timeout_s": "PDFABRIC_HEADER_TIMEOUT_S",
         "body_timeout_s": "PDFABRIC_BODY_TIMEOUT_S",
         "idle_timeout_s": "PDFABRIC_IDLE_TIMEOUT_S",
         "max_connections": "PDFABRIC_MAX_CONNECTIONS",
+        "max_handshakes": "PDFABRIC_MAX_HANDSHAKES",
     }
+    COUNTS = ("max_connections", "max_handshakes")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Limits:
@@ -76,7 +84,7 @@ class Limits:
             if not raw:
                 continue
             try:
-                value: float = int(raw) if field == "max_connections" else float(raw)
+                value: float = int(raw) if field in cls.COUNTS else float(raw)
             except ValueError:
                 raise ValueError(f"{name}={raw!r} is not a number") from None
             if value <= 0:
@@ -129,6 +137,9 @@ class Guard:
     def protocol(self) -> GuardedHandler:
         """The protocol factory for ``loop.create_server``."""
         return GuardedHandler(self.server, self, loop=self.loop, **self.server._kwargs)
+
+    def refused(self, reason: Refusal) -> None:
+        count(self.cluster, reason)
 
     # ---------------------------------------------------------------- admission
     def admit(self, conn: GuardedHandler) -> bool:
@@ -309,7 +320,7 @@ class GuardedTCPSite(web.TCPSite):
     """``web.TCPSite`` whose connections are guarded. Limits and the cluster label come from the
     app (``LIMITS``, ``CLUSTER``: ``server.build_api_app`` sets them) unless given here."""
 
-    __slots__ = ("_guard", "_guard_cluster", "_guard_limits")
+    __slots__ = ("_guard", "_guard_cluster", "_guard_limits", "_handshakes")
 
     def __init__(
         self,
@@ -335,6 +346,7 @@ class GuardedTCPSite(web.TCPSite):
         )
         self._guard_limits, self._guard_cluster = limits, cluster
         self._guard: Guard | None = None
+        self._handshakes: Handshakes | None = None
 
     @property
     def guard(self) -> Guard | None:
@@ -343,13 +355,15 @@ class GuardedTCPSite(web.TCPSite):
     async def start(self) -> None:
         await web.BaseSite.start(self)
         self._guard = guard = _guard_for(self._runner, self._guard_limits, self._guard_cluster)
+        factory: Callable[[], asyncio.Protocol] = guard.protocol
+        if self._ssl_context is not None:
+            # TLS is started per connection after its accept, so the handshake phase is bounded too.
+            self._handshakes = Handshakes(guard, self._ssl_context)
+            factory = self._handshakes.protocol
         self._server = await guard.loop.create_server(
-            guard.protocol,
+            factory,
             self._host,
             self._port,
-            ssl=self._ssl_context,
-            # A TLS handshake happens before the guard sees the connection: bound it the same way.
-            ssl_handshake_timeout=guard.limits.header_timeout_s if self._ssl_context is not None else None,
             backlog=self._backlog,
             reuse_address=self._reuse_address,
             reuse_port=self._reuse_port,
@@ -359,4 +373,6 @@ class GuardedTCPSite(web.TCPSite):
     async def stop(self) -> None:
         if self._guard is not None:
             self._guard.close()
+        if self._handshakes is not None:
+            self._handshakes.close()
         await super().stop()

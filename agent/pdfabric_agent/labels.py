@@ -41,6 +41,7 @@ class Refusal(enum.StrEnum):
     TOO_LARGE = "too_large"  # body, head or a list longer than the largest legal request (413, 431)
     TIMEOUT = "timeout"  # head or body not read within its deadline (408)
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the listener's connection bound (429)
+    TLS_HANDSHAKE = "tls_handshake"  # the peer door: a TLS handshake that failed or took too long (reset)
     INTERNAL = "internal"  # an unexpected error, logged (500): never bad input
 
 

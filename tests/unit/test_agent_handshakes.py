@@ -1,0 +1,245 @@
+"""The peer door's TLS handshake phase (issue 27, item 1), in-process: a real mutual-TLS listener
+served by ``GuardedTCPSite`` on a loopback socket, clients with real certificates and raw sockets
+that connect and never finish a handshake. Handshakes in progress are bounded in count (the oldest
+slow one makes room) and time, and a closed TLS connection's descriptor goes within the TLS
+shutdown bound."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from pdfabric_agent import metrics, tls
+from pdfabric_agent.guard import GuardedTCPSite, Limits
+from pdfabric_devcluster.fabric import write_tls_dir
+from pdfabric_operator import pki
+
+CLUSTER = "handshakes"
+HOST = "agent-0.test"
+
+
+@pytest.fixture(scope="module")
+def tls_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(the server's, a client agent's) peer TLS directories, of one cluster CA."""
+    base = tmp_path_factory.mktemp("tls")
+    ca = pki.new_ca("ns", CLUSTER, "uid-handshakes")
+    server = pki.issue_agent(ca, namespace="ns", cluster=CLUSTER, agent="agent-0", dns_name=HOST)
+    client = pki.issue_agent(ca, namespace="ns", cluster=CLUSTER, agent="agent-1", dns_name="agent-1.test")
+    return str(write_tls_dir(base / "server", server, ca)), str(write_tls_dir(base / "client", client, ca))
+
+
+class TlsServed:
+    """A one-route app behind a guarded TLS listener, its event loop in a thread."""
+
+    def __init__(self, server_tls: str, limits: Limits) -> None:
+        async def ping(request: web.Request) -> web.Response:
+            peer = tls.peer_agent(request.transport.get_extra_info("peercert") if request.transport else None)
+            return web.json_response({"peer": peer})
+
+        app = web.Application(handler_args=limits.handler_args())
+        app.router.add_get("/ping", ping)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner = web.AppRunner(app, access_log=None)
+        self.site: GuardedTCPSite | None = None
+        self.context = tls.server_context(server_tls)
+        self.call(self._start(limits))
+
+    async def _start(self, limits: Limits) -> None:
+        await self.runner.setup()
+        self.site = GuardedTCPSite(
+            self.runner, "127.0.0.1", 0, limits=limits, cluster=CLUSTER, ssl_context=self.context
+        )
+        await self.site.start()
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    @property
+    def port(self) -> int:
+        assert self.site is not None
+        return self.site.port
+
+    @property
+    def handshaking(self) -> int:
+        assert self.site is not None and self.site._handshakes is not None
+        return len(self.site._handshakes.pending)
+
+    @property
+    def connections(self) -> int:
+        assert self.site is not None and self.site.guard is not None
+        return len(self.site.guard.conns)
+
+    def close(self) -> None:
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+LIMITS = Limits(header_timeout_s=1.5, idle_timeout_s=1.0, max_handshakes=8, slow_handshake_s=0.2, tls_shutdown_s=0.5)
+
+
+@pytest.fixture
+def served(tls_dirs: tuple[str, str]) -> Iterator[TlsServed]:
+    s = TlsServed(tls_dirs[0], LIMITS)
+    yield s
+    s.close()
+
+
+def good_get(port: int, client_tls: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """One HTTPS GET /ping as a peer agent would (its certificate, the server's name verified)."""
+    ctx = tls.client_context(client_tls)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw,
+        ctx.wrap_socket(raw, server_hostname=HOST) as s,
+    ):
+        s.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
+
+
+def half_open(port: int, n: int, hello: bytes = b"\x16\x03\x01") -> list[socket.socket]:
+    """`n` connections that start a ClientHello and never finish it."""
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(hello)
+        socks.append(s)
+    return socks
+
+
+def refusals(reason: str) -> float:
+    return metrics.api_refusals.labels(CLUSTER, reason)._value.get()
+
+
+def wait_until(cond: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_a_peer_with_its_certificate_is_served(served: TlsServed, tls_dirs: tuple[str, str]) -> None:
+    assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
+    wait_until(lambda: served.handshaking == 0, 2)
+
+
+def test_a_client_without_a_certificate_is_refused_in_the_handshake_and_counted(served: TlsServed) -> None:
+    before = refusals("tls_handshake")
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", served.port), timeout=5) as raw:
+        try:
+            with ctx.wrap_socket(raw, server_hostname=HOST) as s:
+                s.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = s.recv(100)  # TLS 1.3: the client learns of the refusal on its first read
+        except (ssl.SSLError, OSError):
+            answer = b""
+    assert answer == b""  # no HTTP answer: the connection ended in the handshake
+    wait_until(lambda: refusals("tls_handshake") == before + 1, 2)
+    assert served.connections == 0 and served.handshaking == 0
+
+
+def ended_by_peer(s: socket.socket, timeout_s: float = 2.0) -> bool:
+    """The agent closed the connection (a reset when bytes it never read were left, else EOF)."""
+    s.settimeout(timeout_s)
+    try:
+        return s.recv(10) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_half_open_handshakes_are_bounded_and_a_peer_still_gets_through(
+    served: TlsServed, tls_dirs: tuple[str, str]
+) -> None:
+    socks = half_open(served.port, 40)
+    try:
+        wait_until(lambda: served.handshaking == LIMITS.max_handshakes, 2)
+        time.sleep(LIMITS.slow_handshake_s)  # the held ones are now slow: a new connection evicts one
+        assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
+        assert served.handshaking <= LIMITS.max_handshakes
+        ended = sum(ended_by_peer(s, 0.2) for s in socks)
+        assert ended >= 40 - LIMITS.max_handshakes  # each one past the bound, and the one evicted
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_at_the_bound_a_new_connection_is_reset_while_every_handshake_is_young(tls_dirs: tuple[str, str]) -> None:
+    patient = Limits(header_timeout_s=10, max_handshakes=4, slow_handshake_s=5)
+    served = TlsServed(tls_dirs[0], patient)
+    before = refusals("too_many_connections")
+    socks = half_open(served.port, patient.max_handshakes)
+    try:
+        wait_until(lambda: served.handshaking == patient.max_handshakes, 2)
+        with socket.create_connection(("127.0.0.1", served.port), timeout=5) as extra:
+            extra.sendall(b"\x16\x03\x01")
+            assert ended_by_peer(extra)
+        assert refusals("too_many_connections") == before + 1
+        assert served.handshaking == patient.max_handshakes
+        assert not any(ended_by_peer(s, 0.1) for s in socks)  # the young ones kept their place
+    finally:
+        for s in socks:
+            s.close()
+        served.close()
+
+
+def test_a_handshake_that_never_finishes_is_reset_at_the_head_timeout(served: TlsServed) -> None:
+    before = refusals("tls_handshake")
+    (s,) = half_open(served.port, 1)
+    with s:
+        started = time.monotonic()
+        assert ended_by_peer(s, LIMITS.header_timeout_s + 3)
+        took = time.monotonic() - started
+    assert LIMITS.header_timeout_s - 0.3 <= took <= LIMITS.header_timeout_s + 2
+    wait_until(lambda: served.handshaking == 0, 2)
+    assert refusals("tls_handshake") == before + 1
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_closed_tls_connection_releases_its_descriptor_within_the_shutdown_bound(
+    served: TlsServed, tls_dirs: tuple[str, str]
+) -> None:
+    """Idle TLS connections the agent closes, from clients that never answer its close_notify (they
+    do not read): the agent's side is released after tls_shutdown_s, not asyncio's 30 s."""
+    ctx = tls.client_context(tls_dirs[1])
+    before = open_fds()
+    clients = []
+    for _ in range(10):
+        raw = socket.create_connection(("127.0.0.1", served.port), timeout=5)
+        clients.append(ctx.wrap_socket(raw, server_hostname=HOST))
+    wait_until(lambda: served.connections == 10, 3)
+    assert open_fds() == before + 20  # each connection: the client's socket and the agent's
+    try:
+        # idle timeout, then the shutdown bound, with margin for the 0.25 s sweep
+        wait_until(lambda: open_fds() == before + 10, LIMITS.idle_timeout_s + LIMITS.tls_shutdown_s + 2)
+        assert served.connections == 0
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_limits_read_the_handshake_bound_from_the_environment() -> None:
+    assert Limits.from_env({"PDFABRIC_MAX_HANDSHAKES": "12"}).max_handshakes == 12
+    with pytest.raises(ValueError, match="PDFABRIC_MAX_HANDSHAKES must be positive"):
+        Limits.from_env({"PDFABRIC_MAX_HANDSHAKES": "0"})
+    with pytest.raises(ValueError, match="not a number"):
+        Limits.from_env({"PDFABRIC_MAX_HANDSHAKES": "1.5"})
