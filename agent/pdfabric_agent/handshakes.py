@@ -7,9 +7,9 @@ of them exhaust a process limited to 1,024. Here the peer door accepts plain TCP
 starts TLS itself (``loop.start_tls``), so every connection is counted from its accept:
 
 - at most ``max_handshakes`` handshakes at once. Past it, a new connection takes the place of the
-  oldest handshake still running after ``slow_handshake_s`` (a peer agent's takes a round trip or
-  two), else it is reset at once. Reset, not closed: the descriptor goes now, with no TLS shutdown
-  to wait for.
+  oldest handshake of the address holding the most when that is another address, else of the
+  oldest still running after ``slow_handshake_s`` (a peer agent's takes a round trip or two), else
+  it is reset at once. The descriptor goes at once, with no TLS shutdown to wait for.
 - each handshake within ``header_timeout_s`` (then reset).
 - a TLS connection this agent closes waits ``tls_shutdown_s`` for the client's close_notify, then
   its descriptor goes (asyncio's default waits 30 s).
@@ -34,31 +34,51 @@ HANDSHAKE_ERRORS = (ssl.SSLError, OSError, TimeoutError, EOFError)
 
 
 class Handshakes:
-    """One TLS listener's handshakes in progress, in accept order."""
+    """One TLS listener's handshakes in progress, in accept order, and by source address."""
 
     def __init__(self, guard: Guard, context: ssl.SSLContext) -> None:
         self.guard = guard
         self.context = context
         self.pending: dict[TlsGate, None] = {}
+        self.by_source: dict[str, dict[TlsGate, None]] = {}
 
     def protocol(self) -> TlsGate:
         """The protocol factory for ``loop.create_server`` (plain TCP)."""
         return TlsGate(self)
 
     def admit(self, gate: TlsGate) -> bool:
-        limits = self.guard.limits
-        if len(self.pending) >= limits.max_handshakes:
-            oldest = next(iter(self.pending))
-            if self.guard.loop.time() - oldest.since < limits.slow_handshake_s:
-                self.guard.refused(Refusal.TOO_MANY_CONNECTIONS)
-                return False
+        """Room for `gate`'s handshake, made when needed: see ``victim``."""
+        if len(self.pending) >= self.guard.limits.max_handshakes:
+            victim = self.victim(gate.source)
             self.guard.refused(Refusal.TOO_MANY_CONNECTIONS)
-            oldest.reset()
+            if victim is None:
+                return False
+            victim.reset()
         self.pending[gate] = None
+        self.by_source.setdefault(gate.source, {})[gate] = None
         return True
 
+    def victim(self, source: str) -> TlsGate | None:
+        """The handshake a new one from `source` replaces at the bound: the oldest of the source
+        holding the most, when that is another source (a peer agent holds one or two; a flood from
+        one address cannot keep another address out); else the oldest handshake still running
+        after ``slow_handshake_s``; else none, and the new connection is reset."""
+        busiest = max(self.by_source, key=lambda s: len(self.by_source[s]))
+        if busiest != source and len(self.by_source[busiest]) > len(self.by_source.get(source, ())) + 1:
+            return next(iter(self.by_source[busiest]))
+        oldest = next(iter(self.pending))
+        if self.guard.loop.time() - oldest.since >= self.guard.limits.slow_handshake_s:
+            return oldest
+        return None
+
     def done(self, gate: TlsGate) -> None:
-        self.pending.pop(gate, None)
+        if self.pending.pop(gate, None) is None:
+            return
+        mine = self.by_source.get(gate.source)
+        if mine is not None:
+            mine.pop(gate, None)
+            if not mine:
+                del self.by_source[gate.source]
 
     def close(self) -> None:
         for gate in list(self.pending):
@@ -93,10 +113,13 @@ class TlsGate(asyncio.Protocol):
         self.since = handshakes.guard.loop.time()
         self.raw: asyncio.Transport | None = None
         self.task: asyncio.Task[None] | None = None
+        self.source = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.raw = transport
+        peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         transport.pause_reading()  # nothing is read before start_tls takes the connection over
         if not self.handshakes.admit(self):
             transport.abort()

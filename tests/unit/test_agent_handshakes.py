@@ -111,12 +111,12 @@ def good_get(port: int, client_tls: str, timeout: float = 5.0) -> tuple[int, byt
     return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
 
 
-def half_open(port: int, n: int, hello: bytes = b"\x16\x03\x01") -> list[socket.socket]:
-    """`n` connections that start a ClientHello and never finish it."""
+def half_open(port: int, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """`n` connections from `source` that start a ClientHello and never finish it."""
     socks = []
     for _ in range(n):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5)
-        s.sendall(hello)
+        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+        s.sendall(b"\x16\x03\x01")
         socks.append(s)
     return socks
 
@@ -195,6 +195,25 @@ def test_at_the_bound_a_new_connection_is_reset_while_every_handshake_is_young(t
         assert not any(ended_by_peer(s, 0.1) for s in socks)  # the young ones kept their place
     finally:
         for s in socks:
+            s.close()
+        served.close()
+
+
+def test_a_flood_from_one_address_cannot_keep_a_peer_at_another_out(tls_dirs: tuple[str, str]) -> None:
+    """Every handshake slot young and held by 127.0.0.2: a peer at 127.0.0.1 takes the place of
+    the flood's oldest, and the flood cannot take it back (its own connections are reset)."""
+    patient = Limits(header_timeout_s=10, max_handshakes=4, slow_handshake_s=5)
+    served = TlsServed(tls_dirs[0], patient)
+    flood = half_open(served.port, patient.max_handshakes, source="127.0.0.2")
+    try:
+        wait_until(lambda: served.handshaking == patient.max_handshakes, 2)
+        assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
+        assert ended_by_peer(flood[0], 1.0)  # the oldest of the flood made room
+        refill, more = half_open(served.port, 2, source="127.0.0.2")  # the free slot, then one too many
+        with refill, more:
+            assert ended_by_peer(more) and not ended_by_peer(refill, 0.1)  # every slot young: reset
+    finally:
+        for s in flood:
             s.close()
         served.close()
 

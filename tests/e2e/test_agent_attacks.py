@@ -1,0 +1,130 @@
+"""What the last attacks got through (issue 27), against real agents on loopback (tcp, the peer door
+on mutual TLS):
+
+- a flood of half-open TLS handshakes against agents held to 1,024 descriptors (the soft limit
+  common under containerd) must not fail a room or blacklist a peer;
+- a prefill agent stopped (SIGSTOP) in the middle of a write, then resumed, must blame no peer:
+  its own pause is not the decode agent's failure, and the next room succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import selectors
+import socket
+import threading
+import time
+
+import pytest
+
+from pdfabric_devcluster.fabric import AgentProcess, LocalFabric
+from pdfabric_devcluster.transfer import transfer_room
+from tests.builders import SMALL_MODEL
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
+SPEC = {
+    "prefill": {"tp": 1},
+    "decode": {"tp": 1},
+    "transfer": {"transport": "tcp", "timeoutSeconds": 10},
+    "model": SMALL_MODEL,
+}
+DESCRIPTORS = 1024
+
+
+def hold_descriptors(agent: AgentProcess, soft: int) -> None:
+    assert agent.proc is not None
+    _, hard = resource.prlimit(agent.proc.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(agent.proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def open_descriptors(agent: AgentProcess) -> int:
+    assert agent.proc is not None
+    return len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
+
+
+class HandshakeFlood:
+    """`n` connections to a peer door from another loopback address (another pod, as the agent sees
+    it), each sending the first bytes of a ClientHello and nothing more; a connection the agent
+    closes is opened again at once, so the flood stays at `n` for as long as it runs."""
+
+    def __init__(self, address: str, n: int, source: str = "127.0.0.2") -> None:
+        host, port = address.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.n, self.source = n, source
+        self.stop = threading.Event()
+        self.opened = 0
+        self.ended = 0
+        self.sel = selectors.DefaultSelector()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> None:
+        s = socket.socket()
+        s.setblocking(False)
+        s.bind((self.source, 0))
+        with contextlib.suppress(BlockingIOError):
+            s.connect(self.target)
+        with contextlib.suppress(OSError):  # not connected yet: a connection that sends nothing, as bad
+            s.send(b"\x16\x03\x01")
+        self.sel.register(s, selectors.EVENT_READ)
+        self.opened += 1
+
+    def _run(self) -> None:
+        for _ in range(self.n):
+            self._open()
+        while not self.stop.is_set():
+            for key, _ in self.sel.select(0.1):
+                s = key.fileobj
+                assert isinstance(s, socket.socket)
+                try:
+                    gone = s.recv(16) == b""
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if gone:
+                    self.sel.unregister(s)
+                    s.close()
+                    self.ended += 1
+                    self._open()
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+
+    def __enter__(self) -> HandshakeFlood:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_rooms_stay_exact_under_a_handshake_flood_at_1024_descriptors() -> None:
+    """The flood starts before the first room, so the agents' peer connections are all opened under
+    it (a prefill agent whose descriptors the flood took cannot connect to report a room done)."""
+    with LocalFabric(SPEC) as lc:
+        prefill, decode = lc.agents[lc.agent_of(P)], lc.agents[lc.agent_of(D)]
+        for agent in (prefill, decode):
+            hold_descriptors(agent, DESCRIPTORS)
+        rooms: list[tuple[int, str, list[str]]] = []
+        with HandshakeFlood(prefill.peer_address, 1500) as on_prefill, HandshakeFlood(decode.peer_address, 1500):
+            time.sleep(2)  # the floods are at full strength
+            held = max(open_descriptors(prefill), open_descriptors(decode))
+            ends = time.monotonic() + 20
+            room = 100
+            while time.monotonic() < ends:
+                result = transfer_room(lc, room, pages=1 + room % 8, state_slots=1, timeout_s=15)
+                rooms.append((room, result.decode[D]["state"], result.errors[D]))
+                room += 1
+            churn = on_prefill.ended
+        blacklisted = lc.metric_sum("pdfabric_peers_blacklisted")
+        failed = [r for r in rooms if r[1] != "Success" or r[2]]
+        print(f"flood: {len(rooms)} rooms, {churn} flood connections reset by the prefill agent, {held} fds held")
+        assert not failed, failed[:3]
+        assert len(rooms) >= 20
+        assert blacklisted == 0
+        assert held < DESCRIPTORS // 2  # the flood holds a bounded share of the agent's descriptors
+        assert churn > 0  # the flood was really refused and came back
