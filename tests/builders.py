@@ -7,6 +7,7 @@ from typing import Any
 
 from pdfabric_core.spec import PDClusterSpec, parse_spec
 from pdfabric_operator.planner import GpuNode, PlacedPod
+from pdfabric_operator.scheduling import Taint
 
 # A model small enough for real agents on 2 cores yet with every pool kind: KV pages of 4 tokens,
 # 4 state layers (so CP4 layer split has one each) and three aux rows.
@@ -122,6 +123,7 @@ def gpu_node(
     ready: bool = True,
     schedulable: bool = True,
     labels: dict[str, str] | None = None,
+    taints: tuple[Taint, ...] = (),
 ) -> GpuNode:
     all_labels = {"nvidia.com/gpu.product": "H200", "nvidia.com/gpu.count": str(gpus), **(labels or {})}
     if clique:
@@ -129,7 +131,7 @@ def gpu_node(
     alloc = {"nvidia.com/gpu": gpus}
     if rdma:
         alloc["rdma/hca"] = rdma
-    return GpuNode(name, all_labels, alloc, ready, schedulable)
+    return GpuNode(name, all_labels, alloc, ready, schedulable, taints)
 
 
 def busy(node: str, gpus: int, owner: str | None = "other") -> PlacedPod:

@@ -25,6 +25,7 @@ from pdfabric_core.spec import ENGINE_PORT_SPAN, PDClusterSpec
 from pdfabric_operator import constants as c
 from pdfabric_operator import engines as e
 from pdfabric_operator import pki
+from pdfabric_operator import scheduling as sched
 from pdfabric_operator.planner import AgentPlacement, Placement
 
 
@@ -510,7 +511,8 @@ def build_agent_pod(
     placement: Placement,
     agent: AgentPlacement,
 ) -> dict[str, Any]:
-    """The agent of one node: bound to it directly (the planner is the scheduler), with its ranks' GPUs."""
+    """The agent of one node, with its ranks' GPUs: pinned to the planner's node by required node
+    affinity (scheduling.py), bound there by the kube-scheduler, never by spec.nodeName."""
     name = agent_name(ref.name, agent.node)
     container: dict[str, Any] = {
         "name": "agent",
@@ -573,7 +575,9 @@ def build_agent_pod(
         container["volumeMounts"].append(e.shm_mount())
         volumes.append(e.shm_volume(spec.engine))
     pod_spec: dict[str, Any] = {
-        "nodeName": agent.node,
+        # The scheduler binds it (taints, cordons, fit, priority and quotas apply); the affinity
+        # allows only the node the planner chose, so placement stays the planner's.
+        "affinity": sched.node_affinity(agent.node, sched.placement_labels(spec, agent.domain)),
         "hostname": name,
         "subdomain": service_name(ref.name),
         "restartPolicy": "Always",
@@ -581,10 +585,8 @@ def build_agent_pod(
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 15,
-        # The operator re-places ranks from NotReady nodes itself; do not linger there for minutes.
-        "tolerations": [
-            {"key": spec.placement.gpu_resource, "operator": "Exists", "effect": "NoSchedule"},
-        ],
+        # The planner filters nodes with these same tolerations (planner.usable_nodes).
+        "tolerations": sched.node_pod_tolerations(spec),
         "securityContext": pod_security_context(spec.agent.run_as_user),
         "containers": [container],
         "volumes": [
@@ -619,8 +621,18 @@ def build_agent_pod(
     # The hash covers everything the pod was built from, including the settings the agent reads
     # from the rank map at start; a differing hash means "replace the pod" (pod specs are mostly
     # immutable, so drift is fixed by delete + create, never by patch).
-    pod_hash = _short_hash(json.dumps([pod_spec, meta["labels"], ranks, config], sort_keys=True), 16)
-    meta["annotations"] = {c.ANN_RANKS: ranks, c.ANN_POD_HASH: pod_hash, c.ANN_CONFIG_HASH: config}
+    # The affinity is left out: it only pins the pod to its node (its name says which) and the
+    # labels it was chosen for, and is read only when the pod is scheduled; a nodeSelector edit
+    # that leaves the ranks where they are must not restart the agents.
+    hashed = {k: v for k, v in pod_spec.items() if k != "affinity"}
+    pod_hash = _short_hash(json.dumps([hashed, meta["labels"], ranks, config], sort_keys=True), 16)
+    meta["annotations"] = {
+        c.ANN_RANKS: ranks,
+        c.ANN_POD_HASH: pod_hash,
+        c.ANN_CONFIG_HASH: config,
+        # The node the planner chose, readable before the scheduler binds the pod (spec.nodeName).
+        c.ANN_NODE: agent.node,
+    }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -32,6 +32,7 @@ from pdfabric_operator.kube import Kube, error_type, load_configuration
 from pdfabric_operator.metrics import CLUSTERS, ERRORS, RECONCILE_DURATION, RECONCILES, ReconcileResult
 from pdfabric_operator.planner import GpuNode, PlacedPod
 from pdfabric_operator.reconcile import LEDGER, ClusterMemory, OwnPod, Snapshot, reconcile_once
+from pdfabric_operator.scheduling import taints_from, unschedulable_message
 
 
 class _State:
@@ -166,6 +167,7 @@ def node_from_body(name: str, labels: Any, spec: Any, status: Any, meta: Any) ->
         allocatable=_extended(status.get("allocatable") or {}),
         ready=conditions.get("Ready") == "True",
         schedulable=not spec.get("unschedulable") and not meta.get("deletionTimestamp"),
+        taints=taints_from(spec.get("taints")),
     )
 
 
@@ -206,18 +208,21 @@ def agent_pods(
     **_: Any,
 ) -> dict[str, OwnPod]:
     ready = any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in status.get("conditions") or [])
+    bound = spec.get("nodeName") or ""
     return {
         labels[c.LABEL_CLUSTER_UID]: OwnPod(
             name=name,
             namespace=_namespaced(namespace),
             uid=uid,
-            node=spec.get("nodeName") or "",
+            # Until the scheduler binds it, the node the planner chose for it.
+            node=bound or annotations.get(c.ANN_NODE, ""),
             ready=ready,
             deleting=bool(meta.get("deletionTimestamp")),
             pod_hash=annotations.get(c.ANN_POD_HASH, ""),
             ranks=annotations.get(c.ANN_RANKS, ""),
             failed=status.get("phase") in ("Failed", "Succeeded"),
             ip=status.get("podIP") or "",
+            unschedulable="" if bound else unschedulable_message(status.get("conditions")),
         )
     }
 
@@ -251,6 +256,7 @@ def node_changed(name: str, type: str | None, body: Any, **_: Any) -> None:
         node.schedulable,
         tuple(sorted(node.allocatable.items())),
         tuple(sorted(node.labels.items())),
+        node.taints,
     )
     if STATE.node_prints.get(name) != fingerprint:
         STATE.node_prints[name] = fingerprint

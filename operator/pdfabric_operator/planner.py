@@ -3,8 +3,11 @@
 plan_placement(spec, nodes, placed pods, previous placement) returns a Placement or a
 PlacementFailure whose reason and message say exactly what is missing. The algorithm:
 
-1. Eligible nodes: Ready, schedulable, not being deleted, matching spec.placement.nodeSelector,
-   with allocatable GPUs of spec.placement.gpuResource (and of the RDMA resource for rdma).
+1. Eligible nodes: Ready, schedulable (not cordoned), not being deleted, without a NoSchedule or
+   NoExecute taint the node pods do not tolerate (the scheduler's own filter, scheduling.py),
+   matching spec.placement.nodeSelector, with allocatable GPUs of spec.placement.gpuResource (and
+   of the RDMA resource for rdma). The kube-scheduler binds the pods (scheduling.py says how they
+   are pinned); this filter keeps the planner from choosing a node it would refuse.
 2. Free GPUs per node = allocatable - requests of every pod already on it that is not ours
    (all PDClusters and anything else requesting the resource). Our own pods are ignored so a
    re-plan may reuse their GPUs.
@@ -31,6 +34,7 @@ from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, Locality, tcp_fa
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import Rank, replica_ranks
 from pdfabric_core.spec import PDClusterSpec
+from pdfabric_operator.scheduling import Taint, node_pod_tolerations, untolerated
 
 
 class PlacementReason(enum.StrEnum):
@@ -51,6 +55,7 @@ class GpuNode:
     allocatable: Mapping[str, int] = field(default_factory=dict)  # extended resources only
     ready: bool = True
     schedulable: bool = True  # False when cordoned or being deleted
+    taints: tuple[Taint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,12 @@ class PlacementFailure:
     reason: PlacementReason
     message: str  # says what is missing and what to change
     requested_transport: Transport
+
+
+def usable_nodes(spec: PDClusterSpec, nodes: Iterable[GpuNode]) -> set[str]:
+    """Nodes a node pod of `spec` may run on now: Ready, not cordoned, no taint it does not tolerate."""
+    tolerations = node_pod_tolerations(spec)
+    return {n.name for n in nodes if n.ready and n.schedulable and not untolerated(n.taints, tolerations)}
 
 
 # --- units -------------------------------------------------------------------------------------
@@ -155,6 +166,13 @@ def _free(nodes: Iterable[GpuNode], placed: Iterable[PlacedPod], resource: str, 
 def _describe(free: Mapping[str, int], limit: int = 3) -> str:
     top = sorted(free.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
     return ", ".join(f"{n}: {max(0, f)}" for n, f in top) or "none"
+
+
+def _taint_list(tainted: Mapping[str, Sequence[Taint]], limit: int = 3) -> str:
+    named = sorted((n, t) for n, t in tainted.items() if t)[:limit]
+    if not named:
+        return ""
+    return ": " + "; ".join(f"{n} {', '.join(map(str, t))}" for n, t in named)
 
 
 class _NoFit(Exception):
@@ -305,14 +323,21 @@ def _plan(
     pl = spec.placement
     gpu = pl.gpu_resource
     ready = [n for n in nodes if n.ready and n.schedulable]
-    selected = [n for n in ready if _matches(n, pl.node_selector)]
+    matching = [n for n in ready if _matches(n, pl.node_selector)]
+    tolerations = node_pod_tolerations(spec)
+    tainted = {n.name: untolerated(n.taints, tolerations) for n in matching}
+    selected = [n for n in matching if not tainted[n.name]]
     eligible = [n for n in selected if n.allocatable.get(gpu, 0) > 0]
     where = f"ready nodes matching nodeSelector {dict(pl.node_selector)}" if pl.node_selector else "ready nodes"
+    left_out = len(matching) - len(selected)
+    if left_out:  # every message below then says which nodes the taints kept out
+        where += f" (leaving out {left_out} with a taint the node pods do not tolerate{_taint_list(tainted)})"
     if not eligible:
         raise _NoFit(
             PlacementReason.NO_GPU_NODES,
             f"no {where} have allocatable {gpu} ({len(nodes)} nodes seen, {len(ready)} ready, "
-            f"{len(selected)} matching); add GPU nodes or relax placement.nodeSelector",
+            f"{len(matching)} matching, {len(selected)} tolerated); add GPU nodes, relax placement.nodeSelector "
+            f"or tolerate the taints",
         )
     traits = transport_traits(transport)
     if traits.device_resource:

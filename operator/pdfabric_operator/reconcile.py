@@ -34,7 +34,7 @@ from pdfabric_operator import pki
 from pdfabric_operator.agentstate import AgentReport
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
-from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement
+from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement, usable_nodes
 from pdfabric_operator.status import (
     AgentView,
     Observed,
@@ -59,6 +59,8 @@ class OwnPod:
     ranks: str
     failed: bool = False  # phase Failed (e.g. the kubelet refused it): replace it
     ip: str = ""  # status.podIP: where the operator reads the agent's /readyz (agentstate)
+    # Not bound yet and the scheduler said why (its PodScheduled=False message); "" otherwise.
+    unschedulable: str = ""
 
 
 @dataclass(frozen=True)
@@ -202,11 +204,11 @@ def reconcile_once(
 
     # 2. Plan, sticky to the last plan (not to the pods: a pod being replaced would make the plan
     # flip between two nodes). After a restart the rank map is the durable record of that plan.
-    usable = {n.name for n in snap.nodes if n.ready and n.schedulable}
+    usable = usable_nodes(spec, snap.nodes)
     if memory.last_plan is None:
         memory.last_plan = _plan_on_record(kube, ref, own)
     previous = memory.last_plan
-    lost = sorted({p.node for p in own if p.node not in usable})
+    lost = sorted({p.node for p in own if p.node and p.node not in usable})
     with ledger.lock:
         placed = ledger.merged(snap.placed, ref.uid)
         outcome = plan_placement(spec, snap.nodes, placed, cluster_uid=ref.uid, previous=previous)
@@ -221,6 +223,7 @@ def reconcile_once(
     views: list[AgentView] = []
     router: Mapping[str, Any] | None = None
     refused: dict[str, str] = {}  # agent pods the API server would not create, with its message
+    unschedulable: dict[str, str] = {}  # current agent pods the scheduler has not bound, with its word
     if isinstance(outcome, PlacementFailure):
         PLACEMENT_FAILURES.labels(outcome.reason.value).inc()
         out.result = ReconcileResult.UNPLACED
@@ -261,7 +264,14 @@ def reconcile_once(
             want = desired.get(p.name)
             if p.deleting or _is_current(p, want):
                 continue
-            if want is not None and not p.failed and want["metadata"]["annotations"][c.ANN_RANKS] == p.ranks:
+            # An unbound pod serves nothing: replaced at once (the new spec may let it fit).
+            unbound = bool(p.unschedulable)
+            if (
+                want is not None
+                and not p.failed
+                and not unbound
+                and want["metadata"]["annotations"][c.ANN_RANKS] == p.ranks
+            ):
                 rolling.append(p)
             elif kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
@@ -286,6 +296,11 @@ def reconcile_once(
                         now(), out)  # fmt: skip
         for gone in set(memory.cert_renew_at) - set(desired):
             del memory.cert_renew_at[gone]
+        unschedulable = {
+            p.name: f"node {p.node}: {p.unschedulable}"
+            for p in own
+            if p.unschedulable and _is_current(p, desired.get(p.name))
+        }
         for p in own:
             requested, transport = snap.transports.get(p.uid, ("", ""))
             report = snap.reports.get(p.uid) if spec.engine is not None else None
@@ -308,12 +323,14 @@ def reconcile_once(
     status = compute_status(
         Observed(
             generation, spec, outcome, views, lost_nodes=lost, namespace=ref.namespace, router=router,
-            refused_pods=refused,
+            refused_pods=refused, unschedulable_pods=unschedulable,
         ),
         ref.name,
     )  # fmt: skip
     if refused:  # the Event says what the Ready condition says
         out.problem = ("PodRejected", ready_condition(status)["message"])
+    elif unschedulable:
+        out.problem = ("PodUnschedulable", ready_condition(status)["message"])
     fell_back = agent_fallbacks(views)
     if fell_back and out.problem is None:
         out.problem = ("AgentTransportFallback", fell_back)

@@ -86,6 +86,9 @@ class Observed:
     # Agent pods the API server refused to create (admission: Pod Security, quota, a webhook),
     # by name, with its message: Ready is False with reason PodRejected until they are created.
     refused_pods: Mapping[str, str] = field(default_factory=dict)
+    # Agent pods the kube-scheduler has not bound, by name, with the node the planner chose and
+    # the scheduler's reason: Ready and Placed are False with reason PodUnschedulable meanwhile.
+    unschedulable_pods: Mapping[str, str] = field(default_factory=dict)
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -108,6 +111,13 @@ def _rank_ids(ranks: Sequence[Rank]) -> list[str]:
 
 def compute_status(obs: Observed, cluster: str) -> dict[str, Any]:
     status = _status(obs, cluster)
+    if obs.unschedulable_pods:  # placed by the planner, refused by the scheduler: say why
+        message = _pods_unschedulable(obs.unschedulable_pods)
+        override = {
+            c.COND_READY: _condition(c.COND_READY, False, "PodUnschedulable", message),
+            c.COND_PLACED: _condition(c.COND_PLACED, False, "PodUnschedulable", message),
+        }
+        status["conditions"] = [override.get(x["type"], x) for x in status["conditions"]]
     if obs.refused_pods:  # whatever else holds, the cluster is not Ready while a pod is refused
         refused = _pods_refused(obs.refused_pods)
         status["conditions"] = [refused if x["type"] == c.COND_READY else x for x in status["conditions"]]
@@ -253,6 +263,12 @@ def _pods_refused(refused: Mapping[str, str]) -> dict[str, str]:
     return _condition(
         c.COND_READY, False, "PodRejected", f"the API server refused agent pod {first}{more}: {refused[first]}"
     )
+
+
+def _pods_unschedulable(pods: Mapping[str, str]) -> str:
+    first = min(pods)
+    more = f" (and {len(pods) - 1} more)" if len(pods) > 1 else ""
+    return f"the scheduler has not bound agent pod {first}{more} to its {pods[first]}"
 
 
 def _no_engines() -> dict[str, Any]:

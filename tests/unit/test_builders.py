@@ -53,7 +53,17 @@ def test_agent_pod_contract() -> None:
     (pod,) = b.build_agent_pods(REF, builder.spec(), placement)
     spec = pod["spec"]
     (container,) = spec["containers"]
-    assert spec["nodeName"] == "n1"
+    # The scheduler binds it, pinned to the planner's node; it never names the node itself.
+    assert "nodeName" not in spec
+    assert spec["affinity"] == {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]
+            }
+        }
+    }
+    assert pod["metadata"]["annotations"]["pdfabric.dev/node"] == "n1"
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert container["command"] == ["pdfabric-agent"]
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -590,3 +600,20 @@ def test_no_router_without_spec_router() -> None:
     builder = pdcluster().engine()
     assert b.build_router_deployment(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)])) is None
     assert b.build_router_service(REF, builder.spec()) is None
+
+
+def test_nvlink_pods_are_pinned_to_their_node_its_domain_and_the_selector() -> None:
+    builder = pdcluster().transport("nvlink").placement(nodeSelector={"pool": "pd"}).prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("x1", 4, clique="x", labels={"pool": "pd"}), gpu_node("x2", 4, clique="x", labels={"pool": "pd"})]
+    pods = b.build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
+    for pod in pods:
+        (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        node = pod["metadata"]["annotations"]["pdfabric.dev/node"]
+        assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": [node]}]
+        assert term["matchExpressions"] == [
+            {"key": "nvidia.com/gpu.clique", "operator": "In", "values": ["x"]},
+            {"key": "pool", "operator": "In", "values": ["pd"]},
+        ]
+    assert sorted(p["metadata"]["annotations"]["pdfabric.dev/node"] for p in pods) == ["x1", "x2"]

@@ -6,7 +6,15 @@ import pytest
 
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import Rank
-from pdfabric_operator.planner import PlacedPod, Placement, PlacementFailure, PlacementReason, plan_placement
+from pdfabric_operator.planner import (
+    PlacedPod,
+    Placement,
+    PlacementFailure,
+    PlacementReason,
+    plan_placement,
+    usable_nodes,
+)
+from pdfabric_operator.scheduling import Taint
 from tests.builders import busy, gpu_node, pdcluster
 
 UID = "uid-1"
@@ -93,6 +101,27 @@ PLACED_CASES = [
         {"c": 2},
     ),
     (
+        "untolerated-noschedule-and-noexecute-skipped",
+        pdcluster(),
+        [
+            gpu_node("a", 8, taints=(Taint("dedicated", "training", "NoSchedule"),)),
+            gpu_node("b", 8, taints=(Taint("maintenance", "", "NoExecute"),)),
+            gpu_node("c", 8),
+        ],
+        [],
+        {"c": 2},
+    ),
+    (
+        "gpu-taint-tolerated-prefer-no-schedule-ignored",
+        pdcluster(),
+        [
+            gpu_node("a", 4, taints=(Taint("nvidia.com/gpu", "present", "NoSchedule"),)),
+            gpu_node("b", 2, taints=(Taint("soft", "", "PreferNoSchedule"),)),
+        ],
+        [],
+        {"b": 2},
+    ),
+    (
         "own-pods-do-not-block-replan",
         pdcluster().prefill(tp=4).decode(tp=4),
         [gpu_node("a", 8)],
@@ -170,6 +199,14 @@ FAILURE_CASES = [
         [busy("a", 2), busy("b", 1)],
         "NoNodeForIntraNodeGroup",
         "needs 8 free GPUs on one node",
+    ),
+    (
+        "only-node-tainted",
+        pdcluster(),
+        [gpu_node("a", 8, taints=(Taint("dedicated", "training", "NoSchedule"),))],
+        [],
+        "NoGPUNodes",
+        "(leaving out 1 with a taint the node pods do not tolerate: a dedicated=training:NoSchedule)",
     ),
     (
         "selector-matches-nothing",
@@ -298,3 +335,35 @@ def test_plan_is_deterministic() -> None:
     nodes = [gpu_node(f"n{i}", 4) for i in range(5)]
     results = {repr(plan_placement(spec, list(order), [], cluster_uid=UID)) for order in (nodes, nodes[::-1])}
     assert len(results) == 1
+
+
+def test_tainted_node_moves_its_ranks_like_a_cordoned_one() -> None:
+    spec = pdcluster().prefill(replicas=2, tp=4).decode(replicas=2, tp=4).spec()
+    first = plan_placement(spec, [gpu_node(n, 8) for n in "abc"], [], cluster_uid=UID)
+    assert isinstance(first, Placement)
+    before = first.ranks_by_node()
+    tainted = first.agents[0].node
+    taint = (Taint("dedicated", "training", "NoSchedule"),)
+    nodes = [gpu_node(n, 8, taints=taint if n == tainted else ()) for n in "abc"]
+    second = plan_placement(spec, nodes, [], cluster_uid=UID, previous=before)
+    assert isinstance(second, Placement)
+    after = second.ranks_by_node()
+    assert tainted not in after
+    assert all(after[n] == r for n, r in before.items() if n != tainted), "untainted nodes keep their ranks"
+    full = [gpu_node("a", 8, taints=taint), gpu_node("b", 8), gpu_node("c", 8)]
+    failure = plan_placement(spec, full, [busy("b", 8), busy("c", 8)], cluster_uid=UID)
+    assert isinstance(failure, PlacementFailure) and failure.reason is PlacementReason.INSUFFICIENT_GPUS
+    assert "(leaving out 1 with a taint the node pods do not tolerate: a dedicated=training:NoSchedule)" in (
+        failure.message
+    )
+
+
+def test_usable_nodes_are_ready_uncordoned_and_tolerated() -> None:
+    nodes = [
+        gpu_node("a", 8),
+        gpu_node("b", 8, ready=False),
+        gpu_node("c", 8, schedulable=False),
+        gpu_node("d", 8, taints=(Taint("x", "", "NoSchedule"),)),
+        gpu_node("e", 8, taints=(Taint("nvidia.com/gpu", "", "NoSchedule"),)),
+    ]
+    assert usable_nodes(pdcluster().spec(), nodes) == {"a", "e"}

@@ -239,3 +239,21 @@ def test_an_agent_not_ready_itself_is_not_ready_though_its_engines_are() -> None
     assert status["agents"] == {"desired": 1, "ready": 0}
     assert (_cond(status, "Ready")["status"], _cond(status, "Ready")["reason"]) == ("False", "AgentsNotReady")
     assert _cond(status, "EnginesReady")["status"] == "True"
+
+
+def test_an_unbound_pod_is_reported_with_the_schedulers_word() -> None:
+    placement = _placement(BUILDER)
+    pod = agent_name("pd", placement.agents[0].node)
+    word = "node a: 0/3 nodes are available: 1 node(s) had untolerated taint {dedicated: x}"
+    status = compute_status(
+        Observed(1, BUILDER.spec(), placement, _views(placement, set()), unschedulable_pods={pod: word}), "pd"
+    )
+    conds = {c["type"]: c for c in status["conditions"]}
+    message = f"the scheduler has not bound agent pod {pod} to its {word}"
+    for kind in ("Ready", "Placed"):
+        assert (conds[kind]["status"], conds[kind]["reason"], conds[kind]["message"]) == (
+            "False",
+            "PodUnschedulable",
+            message,
+        )
+    assert conds["Degraded"]["reason"] == "AsRequested"

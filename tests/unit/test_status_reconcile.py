@@ -61,7 +61,7 @@ class FakeKube:
                 o["metadata"]["name"],
                 o["metadata"]["namespace"],
                 "pod-uid",
-                o["spec"]["nodeName"],
+                o["metadata"]["annotations"]["pdfabric.dev/node"],
                 ready,
                 False,
                 o["metadata"]["annotations"]["pdfabric.dev/pod-hash"],
@@ -121,7 +121,9 @@ def test_ledger_prevents_double_booking_before_the_cache_catches_up() -> None:
     # Neither cluster's pods are in the (empty) watch cache yet.
     for uid in ("u1", "u2"):
         _run(kube, b.ClusterRef("ns", f"pd-{uid}", uid), builder, Snapshot(nodes, [], []), ClusterMemory(), ledger)
-    used = [o["spec"]["nodeName"] for (kind, _, _), o in kube.objects.items() if kind == "Pod"]
+    used = [
+        o["metadata"]["annotations"]["pdfabric.dev/node"] for (kind, _, _), o in kube.objects.items() if kind == "Pod"
+    ]
     assert sorted(used) == ["a", "b"], "two 8-GPU clusters must not share one 8-GPU node"
 
 
@@ -138,7 +140,7 @@ def test_foreign_pods_count_until_ledger_knows_the_owner() -> None:
         ledger,
     )
     (pod,) = [o for (kind, _, _), o in kube.objects.items() if kind == "Pod"]
-    assert pod["spec"]["nodeName"] == "b"
+    assert pod["metadata"]["annotations"]["pdfabric.dev/node"] == "b"
 
 
 def test_stale_pod_is_replaced_and_unplaceable_removes_children() -> None:
@@ -506,3 +508,29 @@ def test_a_refused_agent_pod_is_reported_and_tried_again() -> None:
     assert f"create pod {name}" in third.actions and third.problem is None
     (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
     assert ready["reason"] != "PodRejected"
+
+
+def test_an_agent_pod_the_scheduler_does_not_bind_is_reported() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    word = "0/1 nodes are available: 1 Insufficient cpu."
+    pending = [dataclasses.replace(p, ready=False, unschedulable=word) for p in kube.pods("u1")]
+    res = _run(kube, ref, builder, Snapshot(nodes, [], pending), memory, ledger)
+    name = b.agent_name("pd", "a")
+    (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
+    assert (ready["reason"], ready["message"]) == (
+        "PodUnschedulable",
+        f"the scheduler has not bound agent pod {name} to its node a: {word}",
+    )
+    assert res.problem == ("PodUnschedulable", ready["message"])
+    assert not res.actions, "the pod stays: the scheduler binds it once it fits"
+    # A spec that changes the pod (smaller requests) replaces an unbound pod at once: no roll waits on it.
+    smaller = builder.agent(resources={"requests": {"cpu": "1"}})
+    fixed = _run(kube, ref, smaller, Snapshot(nodes, [], pending), memory, ledger)
+    assert f"delete pod {name}" in fixed.actions
+    _run(kube, ref, smaller, Snapshot(nodes, [], []), memory, ledger)  # the pod gone: created anew
+    bound = _run(kube, ref, smaller, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert bound.problem is None and bound.result is ReconcileResult.READY
