@@ -90,18 +90,19 @@ class Agent:
         self.entry = rankmap.agent_for_node(cfg.node_name)
         self.clock = clock
         labels = MetricLabels(rankmap.cluster, spec.backend, transport)
+        liveness = Liveness(clock())
         self.ctx = AgentContext(
             cfg=cfg,
             spec=spec,
             rankmap=rankmap,
             ranks=NodeRanks(rankmap, spec, self.entry.name, ranks),
             rooms=RoomRegistry(labels, clock),
-            peers=PeerClient(cfg, rankmap, spec.agent.peer_port, clock),
+            peers=PeerClient(cfg, rankmap, spec.agent.peer_port, clock, liveness),
             tasks=TaskSet(),
             workers=ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine"),
             clock=clock,
             labels=labels,
-            liveness=Liveness(clock()),
+            liveness=liveness,
         )
         self.rooms = self.ctx.rooms
         self.peers = self.ctx.peers

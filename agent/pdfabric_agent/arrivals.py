@@ -150,13 +150,14 @@ class DecodeArrivals:
             if ctx.peers.is_blacklisted(agent_name):
                 raise RuntimeError(ctx.peers.why_blacklisted(agent_name))
             msg = dataclasses.replace(info, prefill_rank=prefill_rank)
+            pushed = ctx.clock()
             try:
                 await ctx.peers.post(agent_name, msg, 5.0)
             except PeerRefused:
                 raise
             except PEER_ERRORS as exc:
-                ctx.peers.blacklist(agent_name, f"room info push failed: {exc}")
-                raise RuntimeError(f"prefill agent {agent_name} unreachable: {exc}") from None
+                why = ctx.peers.blame(agent_name, f"room info push failed: {exc}", pushed, silent=True)
+                raise RuntimeError(f"prefill agent {agent_name} unreachable: {why}") from None
 
         try:
             await asyncio.gather(*(push(r, a) for r, a in room.expected.items()))
@@ -451,8 +452,9 @@ class DecodeArrivals:
                     if prefill_rank not in room.arrived:
                         waiting.setdefault(agent_name, []).append(room)
         names = sorted(waiting)
+        sent = ctx.clock()
         results = await asyncio.gather(*(ctx.peers.ping(n, timeout_s=timeout_s) for n in names))
         for name, ok in zip(names, results, strict=True):
-            if ctx.peers.heartbeat_result(name, ok):
+            if ctx.peers.heartbeat_result(name, ok, sent):
                 for room in waiting[name]:
                     self._fail(room, f"prefill agent {name} stopped answering")

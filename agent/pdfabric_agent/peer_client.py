@@ -19,6 +19,7 @@ import aiohttp
 from pdfabric_agent import metrics, tls
 from pdfabric_agent.config import AgentConfig
 from pdfabric_agent.peers import PeerHealth
+from pdfabric_agent.tasks import Liveness
 from pdfabric_agent.wire import PeerMessage
 from pdfabric_core.rankmap import RankMap
 
@@ -43,8 +44,12 @@ PEER_ERRORS = (PeerRefused, aiohttp.ClientError, TimeoutError, OSError)
 
 
 class PeerClient:
-    def __init__(self, cfg: AgentConfig, rankmap: RankMap, peer_port: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, cfg: AgentConfig, rankmap: RankMap, peer_port: int, clock: Callable[[], float], liveness: Liveness
+    ) -> None:
         self.cfg = cfg
+        self.clock = clock
+        self.liveness = liveness
         self.rankmap = rankmap
         self.peer_port = peer_port  # every agent's peer door listens on the spec's peerPort
         self.health = PeerHealth(cfg.probe_backoff_s, cfg.probe_backoff_max_s, clock)
@@ -113,18 +118,38 @@ class PeerClient:
     def why_blacklisted(self, agent_name: str) -> str:
         return f"peer agent {agent_name} is blacklisted: {self.health.reason(agent_name)}"
 
-    def blacklist(self, agent_name: str, reason: str) -> None:
-        self.health.fail(agent_name, reason)
+    def blame(self, agent_name: str, reason: str, since: float, *, silent: bool = False) -> str:
+        """A call to `agent_name` that started at `since` failed: blacklist it, unless this agent
+        itself stalled after `since` (stopped, frozen), which explains the failure as well. Returns
+        the reason to report, saying so when the peer was not blamed. `silent`: it did not answer
+        (``heard_from`` re-admits it), rather than failing a transfer."""
+        stalled = self.liveness.stalled_since(since, self.clock())
+        if stalled:
+            log.info("not blaming %s for %s: this agent was stalled for %.1f s", agent_name, reason, stalled)
+            return f"{reason}; this agent was stalled for {stalled:.1f} s, so {agent_name} is not blamed"
+        self.health.fail(agent_name, reason, silent=silent)
         metrics.peers_blacklisted.labels(self.rankmap.cluster).set(len(self.health.blacklisted))
+        return reason
 
-    def heartbeat_result(self, agent_name: str, ok: bool) -> bool:
-        """Record one heartbeat; True when the agent has now missed ``HEARTBEAT_MISSES`` in a row
-        (it is blacklisted then and its count starts again)."""
+    def heard_from(self, agent_name: str) -> None:
+        """`agent_name` called the peer door: alive, whatever its missed heartbeats said."""
+        if self.health.heard_from(agent_name):
+            cluster = self.rankmap.cluster
+            metrics.session_recoveries.labels(cluster).inc()
+            metrics.peers_blacklisted.labels(cluster).set(len(self.health.blacklisted))
+            log.info("peer agent %s called in; re-admitted", agent_name)
+
+    def heartbeat_result(self, agent_name: str, ok: bool, sent: float) -> bool:
+        """Record one heartbeat sent at `sent`; True when the agent has now missed
+        ``HEARTBEAT_MISSES`` in a row (it is blacklisted then and its count starts again). A miss
+        while this agent itself stalled is not counted."""
+        if not ok and self.liveness.stalled_since(sent, self.clock()):
+            return False
         self._missed[agent_name] = 0 if ok else self._missed.get(agent_name, 0) + 1
         if self._missed[agent_name] < HEARTBEAT_MISSES:
             return False
         self._missed[agent_name] = 0
-        self.blacklist(agent_name, f"missed {HEARTBEAT_MISSES} heartbeats")
+        self.blame(agent_name, f"missed {HEARTBEAT_MISSES} heartbeats", sent, silent=True)
         return True
 
     def due_probes(self) -> list[str]:

@@ -18,6 +18,7 @@ class _Entry:
     next_probe: float
     delay: float
     reason: str
+    silent: bool  # blacklisted for not answering (not for a failed transfer): hearing from it refutes that
 
 
 class PeerHealth:
@@ -31,11 +32,24 @@ class PeerHealth:
         self._clock = clock
         self._bad: dict[str, _Entry] = {}
 
-    def fail(self, peer: str, reason: str) -> None:
-        """Blacklist peer (idempotent: a second failure does not reset its backoff)."""
-        if peer not in self._bad:
+    def fail(self, peer: str, reason: str, *, silent: bool = False) -> None:
+        """Blacklist peer (idempotent: a second failure does not reset its backoff). `silent`: it
+        did not answer; a failure of another kind makes the entry not silent."""
+        entry = self._bad.get(peer)
+        if entry is None:
             now = self._clock()
-            self._bad[peer] = _Entry(now, now + self._initial, self._initial, reason)
+            self._bad[peer] = _Entry(now, now + self._initial, self._initial, reason, silent)
+        elif not silent:
+            entry.silent = False
+
+    def heard_from(self, peer: str) -> bool:
+        """The peer called this agent (with its certificate): one blacklisted only for silence is
+        re-admitted now. True when it was."""
+        entry = self._bad.get(peer)
+        if entry is None or not entry.silent:
+            return False
+        del self._bad[peer]
+        return True
 
     def is_blacklisted(self, peer: str) -> bool:
         return peer in self._bad

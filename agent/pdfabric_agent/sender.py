@@ -29,7 +29,7 @@ from pdfabric_agent.backend import TransferError
 from pdfabric_agent.context import AgentContext
 from pdfabric_agent.errors import conflict, malformed, out_of_range
 from pdfabric_agent.labels import Kind, Outcome
-from pdfabric_agent.peer_client import PEER_ERRORS
+from pdfabric_agent.peer_client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.plan import TransferPlan, decode_targets, pair_duties, plan_transfer
 from pdfabric_agent.pools import PoolLayout
 from pdfabric_agent.ranks import LocalRank
@@ -296,7 +296,7 @@ class PrefillSender:
                 reason += f"; this agent was stalled for {stalled:.1f} s, so the peers are not blamed"
             else:
                 for agent_name in agents:
-                    ctx.peers.blacklist(agent_name, f"room {room.room} timed out")
+                    ctx.peers.blame(agent_name, f"room {room.room} timed out", room.submitted, silent=True)
             ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
             ctx.tasks.spawn(self._notify_failure(room, "transfer timed out"))
             return
@@ -436,6 +436,7 @@ class PrefillSender:
         else:
             plan, by_path = started.plan, started.by_path
         moved.append(by_path)
+        writing_since = ctx.clock()
         try:
             if started is not None:
                 await self.writer.land(local, room, target, started)
@@ -446,9 +447,10 @@ class PrefillSender:
             target.writing = started is not None
             if not isinstance(exc, TransferError | OSError):
                 raise
+            why = str(exc)
             if not room.state.finished:  # a room that ended (abort, cancel) is not the peer's fault
-                ctx.peers.blacklist(target.agent, str(exc))
-            raise TransferError(f"{room.rank} -> {target.decode_rank}: {exc}") from None
+                why = ctx.peers.blame(target.agent, why, writing_since)
+            raise TransferError(f"{room.rank} -> {target.decode_rank}: {why}") from None
         target.writing = False
         room.marks[f"written:{target.decode_rank}"] = ctx.clock()
         if plan.state_skipped_bytes:
@@ -489,11 +491,14 @@ class PrefillSender:
         report = DoneReport(
             room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows, checksum=checksum
         )
+        posted = ctx.clock()
         try:
-            answer = await ctx.peers.post(target.agent, report, max(0.1, room.deadline - ctx.clock()))
+            answer = await ctx.peers.post(target.agent, report, max(0.1, room.deadline - posted))
         except PEER_ERRORS as exc:
-            ctx.peers.blacklist(target.agent, f"done report failed: {exc}")
-            raise TransferError(f"{target.agent} did not acknowledge room {room.room}: {exc}") from None
+            why = ctx.peers.blame(
+                target.agent, f"done report failed: {exc}", posted, silent=not isinstance(exc, PeerRefused)
+            )
+            raise TransferError(f"{target.agent} did not acknowledge room {room.room}: {why}") from None
         if answer.get("state") == RoomState.FAILED.title:
             # Decode gave up on the room (its deadline, another source's failure): not a peer fault.
             raise DecodeFailed(f"{target.decode_rank} reports room {room.room} Failed: {answer.get('reason', '')}")

@@ -145,7 +145,8 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
             if door is Door.ENGINE:
                 agent.check_token(_authorization(request))
             else:
-                request[PEER_AGENT] = peer_identity(agent, request)
+                request[PEER_AGENT] = caller = peer_identity(agent, request)
+                agent.peers.heard_from(caller)  # alive, whatever its missed heartbeats said
             return await handler(request)
         except ApiError as exc:
             return _refuse(cluster, exc)

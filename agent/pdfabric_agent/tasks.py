@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -34,28 +35,28 @@ def later(fn: Callable[[], None]) -> None:
 
 
 class Liveness:
-    """When this agent's own event loop last ran its tick, and its stalls: a process that was
-    stopped (SIGSTOP, a frozen node, a long GC) finds every deadline passed when it resumes, and
-    must not blame the peers for its own pause."""
+    """When this agent's own event loop last ran its tick, and its recent stalls: a process that was
+    stopped (SIGSTOP, a frozen node, a long GC) finds every deadline passed and its writes failed
+    when it resumes, and must not blame the peers for its own pause."""
 
     STALL_S = 2.0  # a tick gap this long is a stall (ticks come every 0.1 s)
+    KEEP = 64  # stalls remembered (an operation older than the oldest kept is old enough to fail)
 
     def __init__(self, now: float) -> None:
         self.last_tick = now
-        self.last_stall_end = float("-inf")
-        self.longest_stall_s = 0.0
+        self.stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.KEEP)  # (end, s)
 
     def tick(self, now: float) -> None:
         gap = now - self.last_tick
         if gap >= self.STALL_S:
-            self.last_stall_end = now
-            self.longest_stall_s = max(self.longest_stall_s, gap)
+            self.stalls.append((now, gap))
         self.last_tick = now
 
     def stalled_since(self, since: float, now: float) -> float:
         """Seconds this agent was stalled after `since` (0.0 when it ran throughout): the gap it
-        is in right now, or the last one that ended after `since`."""
+        is in right now (its tick has not run since it resumed), else the longest stall that ended
+        after `since`."""
         current = now - self.last_tick
         if current >= self.STALL_S:
             return current
-        return self.longest_stall_s if self.last_stall_end > since else 0.0
+        return max((gap for end, gap in self.stalls if end > since), default=0.0)

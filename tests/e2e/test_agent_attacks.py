@@ -13,6 +13,7 @@ import contextlib
 import os
 import resource
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -128,3 +129,39 @@ def test_rooms_stay_exact_under_a_handshake_flood_at_1024_descriptors() -> None:
         assert blacklisted == 0
         assert held < DESCRIPTORS // 2  # the flood holds a bounded share of the agent's descriptors
         assert churn > 0  # the flood was really refused and came back
+
+
+BIG = {**SPEC, "model": {"layers": 4, "kvHeads": 8, "headDim": 128, "pageSizeTokens": 16, "auxRowBytes": [8, 8]}}
+ROOM_PAGES = 1024  # 256 MiB of KV: a write that takes long enough on loopback to be stopped in
+
+
+@pytest.mark.parametrize(("stop_s", "heartbeat_s"), [(4.0, "1"), (12.0, "1"), (8.0, "5")])
+def test_a_prefill_stopped_mid_write_blames_no_peer_and_the_next_room_succeeds(stop_s: float, heartbeat_s: str) -> None:
+    """SIGSTOP of the prefill agent while its write runs, SIGCONT `stop_s` later (the production
+    probe backoff, 30 s: a peer blacklisted now would fail the next room at once). Whatever became
+    of the stopped room, no agent blames the other afterwards, and the next room is exact. With 1 s
+    heartbeats decode gives the room up while prefill is stopped (and re-admits it when it calls
+    again); with the default 5 s, prefill's write outlives the stop and fails when it resumes."""
+    with LocalFabric(BIG, env={"PDFABRIC_KV_PAGES": "2048", "PDFABRIC_HEARTBEAT_S": heartbeat_s}) as lc:
+        prefill = lc.agents[lc.agent_of(P)]
+        pages = list(range(ROOM_PAGES))
+        # Decode's destinations above the next room's: a failed room holds its pages for a while.
+        lc.client(D).receive(D, 1, [ROOM_PAGES + p for p in pages])
+        deadline = time.monotonic() + 10
+        while lc.client(D).poll(D, 1)["state"] != "WaitingForInput":
+            assert time.monotonic() < deadline, "room info not delivered"
+            time.sleep(0.02)
+        lc.client(P).send(P, 1, pages)
+        while lc.client(P).poll(P, 1)["state"] != "Transferring":
+            assert time.monotonic() < deadline, "the write did not start"
+            time.sleep(0.005)
+        prefill.signal(signal.SIGSTOP)
+        time.sleep(stop_s)
+        prefill.signal(signal.SIGCONT)
+        stopped = {rank: lc.client(rank).wait(rank, 1, 30) for rank in (P, D)}
+        print({rank: (v["state"], v.get("reason", "")) for rank, v in stopped.items()})
+        result = transfer_room(lc, 2, pages=16)
+        blacklisted = {name: lc.metric_sum("pdfabric_peers_blacklisted", [name]) for name in lc.agents}
+        assert result.errors == {D: []}, (result.decode, result.prefill)
+        assert blacklisted == dict.fromkeys(lc.agents, 0.0)
+        assert not any("blacklisted" in v.get("reason", "") for v in stopped.values()), stopped

@@ -109,7 +109,7 @@ def test_a_room_refused_for_a_blacklisted_peer_counts_its_targets_failed(tmp_pat
     before = value("pdfabric_peer_requests_total", **labels)
 
     async def go() -> None:
-        prefill.peers.blacklist("a2", "test")
+        prefill.peers.blame("a2", "test", prefill.clock())
         assert prefill.submit_send(SendRequest(P, 83, [0], [], None, 0))["state"] == "Failed"
         await prefill.close()
 

@@ -66,3 +66,13 @@ def test_probe_result_for_a_healthy_peer_is_ignored() -> None:
 def test_bad_backoff_is_rejected(initial: float, maximum: float) -> None:
     with pytest.raises(ValueError):
         PeerHealth(initial, maximum, Clock())
+
+
+def test_a_peer_blacklisted_for_silence_is_readmitted_when_heard_from() -> None:
+    health = PeerHealth(30, 300, Clock())
+    health.fail("agent-d0", "missed 2 heartbeats", silent=True)
+    assert health.heard_from("agent-d0") and not health.is_blacklisted("agent-d0")
+    assert not health.heard_from("agent-d0")  # nothing to re-admit
+    health.fail("agent-d0", "missed 2 heartbeats", silent=True)
+    health.fail("agent-d0", "batch write returned -1")  # a transfer failed too: not only silence
+    assert not health.heard_from("agent-d0") and health.is_blacklisted("agent-d0")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pdfabric_agent.backend import TransferError
 from pdfabric_agent.plan import Bases
 from pdfabric_agent.pools import PoolLayout, RankPools
 from pdfabric_agent.ranks import LocalRank
@@ -35,6 +36,16 @@ def test_liveness_sees_a_gap_in_the_ticks() -> None:
     assert live.stalled_since(103.05, now=103.2) == 0.0  # a room submitted after it saw none
 
 
+def test_liveness_names_the_stall_of_the_operation_not_the_longest_ever() -> None:
+    live = Liveness(now=0.0)
+    live.tick(30.0)  # a 30 s stall, long ago
+    live.tick(30.1)
+    live.tick(33.1)  # a 3 s stall
+    live.tick(33.2)
+    assert live.stalled_since(31.0, now=33.3) == pytest.approx(3.0)
+    assert live.stalled_since(-1.0, now=33.3) == pytest.approx(30.0)  # both ended after it: the longer
+
+
 class Blocking(Backend):
     """An engine whose batch does not return before the room's deadline."""
 
@@ -43,31 +54,102 @@ class Blocking(Backend):
         return None
 
 
-@pytest.mark.parametrize("stalled", [True, False], ids=["agent-stalled", "peer-silent"])
-def test_a_stalled_agent_fails_the_room_but_blames_no_peer(tmp_path: Path, stalled: bool) -> None:
-    agent = make_agent(tmp_path)
+class Failing(Backend):
+    """An engine whose batch fails (Mooncake's -1), as an in-flight write does once the process
+    that issued it resumes from a stop longer than the engine's own timeout."""
+
+    def write_batch(self, peer: str, blocks: Any) -> str | None:
+        raise TransferError(f"batch write to {peer} returned -1")
+
+
+def prefill_room(agent: Any, backend: Backend, deadline_s: float) -> PrefillRoom:
     layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
     pool = SimpleNamespace(addr=0x1000_0000)
-    local = LocalRank(
-        Rank(Role.PREFILL, 0, 0), Blocking(kernel=False, takes=False), RankPools(layout, pool, pool, pool)
-    )  # type: ignore[arg-type]
+    local = LocalRank(Rank(Role.PREFILL, 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
     agent.ranks[local.rank.rank_id] = local
-    record_posts(agent, [])
     target = Target("decode-0-tp0", 0, "a2")
     target.dst = RoomInfo(1, "decode-0-tp0", local.rank.rank_id, "peer:1", layout, Bases(1 << 30, 2 << 30, 3 << 30),
                           list(range(8)), [1], 1)  # fmt: skip
     now = agent.clock()
-    room = PrefillRoom(rank=local.rank.rank_id, room=1, submitted=now, deadline=now + 0.2, src_pages=list(range(8)),
-                       src_state=[0], src_aux=0, targets={"decode-0-tp0": target})  # fmt: skip
+    room = PrefillRoom(rank=local.rank.rank_id, room=1, submitted=now, deadline=now + deadline_s,
+                       src_pages=list(range(8)), src_state=[0], src_aux=0, targets={"decode-0-tp0": target})  # fmt: skip
     agent.rooms.add(Role.PREFILL, room)
-    if stalled:  # the loop last ticked long ago: this agent itself was not running
-        agent.ctx.liveness.last_tick -= 10.0
+    return room
 
+
+def run(agent: Any, room: PrefillRoom) -> None:
     async def go() -> None:
         await agent.sender._run(room, {})
         await agent.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("stalled", [True, False], ids=["agent-stalled", "peer-silent"])
+def test_a_stalled_agent_fails_the_room_but_blames_no_peer(tmp_path: Path, stalled: bool) -> None:
+    agent = make_agent(tmp_path)
+    record_posts(agent, [])
+    room = prefill_room(agent, Blocking(kernel=False, takes=False), 0.2)
+    if stalled:  # the loop last ticked long ago: this agent itself was not running
+        agent.ctx.liveness.last_tick -= 10.0
+    run(agent, room)
     assert room.state.title == "Failed" and "did not complete within" in room.reason
     assert ("stalled for" in room.reason) is stalled
     assert agent.peers.is_blacklisted("a2") is not stalled
+
+
+@pytest.mark.parametrize("stalled", [True, False], ids=["agent-stalled", "peer-failed"])
+def test_a_write_that_failed_after_this_agent_stalled_blames_no_peer(tmp_path: Path, stalled: bool) -> None:
+    agent = make_agent(tmp_path)
+    record_posts(agent, [])
+    room = prefill_room(agent, Failing(kernel=False, takes=False), 5.0)
+    if stalled:  # resumed, its tick not run yet: the write's error comes first
+        agent.ctx.liveness.last_tick -= 10.0
+    run(agent, room)
+    assert room.state.title == "Failed" and "returned -1" in room.reason
+    assert ("so a2 is not blamed" in room.reason) is stalled
+    assert agent.peers.is_blacklisted("a2") is not stalled
+
+
+@pytest.mark.parametrize("stalled", [True, False], ids=["agent-stalled", "peer-silent"])
+def test_a_done_report_that_failed_after_this_agent_stalled_blames_no_peer(tmp_path: Path, stalled: bool) -> None:
+    agent = make_agent(tmp_path)
+
+    async def post(agent_name: str, msg: Any, timeout_s: float) -> dict[str, Any]:
+        if stalled:
+            agent.ctx.liveness.last_tick -= 10.0  # stopped while the report was on its way
+        raise TimeoutError("no answer")
+
+    agent.peers.post = post
+    room = prefill_room(agent, Backend(kernel=False, takes=False), 5.0)
+    run(agent, room)
+    assert room.state.title == "Failed" and "did not acknowledge" in room.reason
+    assert agent.peers.is_blacklisted("a2") is not stalled
+
+
+def test_a_missed_heartbeat_while_this_agent_stalled_is_not_counted(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    peers, live = agent.peers, agent.ctx.liveness
+    sent = agent.clock()
+    live.last_tick -= 10.0  # the pings went out, then this agent stopped
+    assert not peers.heartbeat_result("a2", False, sent) and not peers.heartbeat_result("a2", False, sent)
+    assert not peers.is_blacklisted("a2")
+    live.tick(agent.clock())  # it runs again; the stall ended after `sent`, still not counted
+    assert not peers.heartbeat_result("a2", False, sent)
+    later = agent.clock()  # pings sent after the stall: two misses blacklist, as before
+    assert not peers.heartbeat_result("a2", False, later)
+    assert peers.heartbeat_result("a2", False, later)
+    assert peers.is_blacklisted("a2")
+
+
+def test_a_peer_blacklisted_for_silence_that_calls_in_is_readmitted(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    peers = agent.peers
+    peers.blame("a2", "missed 2 heartbeats", agent.clock(), silent=True)
+    assert peers.is_blacklisted("a2")
+    peers.heard_from("a2")
+    assert not peers.is_blacklisted("a2")
+    # A failed transfer is not refuted by a call: the probe's backoff re-admits it.
+    peers.blame("a2", "batch write returned -1", agent.clock())
+    peers.heard_from("a2")
+    assert peers.is_blacklisted("a2")
