@@ -192,6 +192,31 @@ ENGINE_INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("engine-sandbox-unknown", _engine(sandbox="Off"), 'spec.engine.sandbox: Unsupported value: "Off"'),
 ]
 
+
+def _pod(**fields: Any) -> dict[str, Any]:
+    return {"agent": {"pod": fields}}
+
+
+# Bad pod overrides (agent.pod, router.pod): what would break the pods' contract.
+POD_INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
+    ("pod-label-operators", _pod(labels={"pdfabric.dev/cluster-uid": "x"}), "are the operator's"),
+    ("pod-label-managed-by", _pod(labels={"app.kubernetes.io/managed-by": "me"}), "are the operator's"),
+    ("pod-annotation-operators", _pod(annotations={"pdfabric.dev/pod-hash": "x"}), "are the operator's"),
+    ("pod-volume-name-taken", _pod(volumes=[{"name": "peer-tls", "emptyDir": {}}]), "the operator's volume names"),
+    ("pod-volume-no-name", _pod(volumes=[{"emptyDir": {}}]), "spec.agent.pod.volumes[0].name"),
+    ("pod-mount-over-rankmap", _pod(volumeMounts=[{"name": "w", "mountPath": "/etc/pdfabric"}]), "clear of"),
+    ("pod-mount-above-home", _pod(volumeMounts=[{"name": "w", "mountPath": "/var/lib"}]), "clear of"),
+    ("pod-mount-relative", _pod(volumeMounts=[{"name": "w", "mountPath": "models"}]), "clear of"),
+    ("pod-env-pdfabric", _pod(env=[{"name": "PDFABRIC_RANKMAP", "value": "/x"}]), "are set by the operator"),
+    ("pod-env-node-name", _pod(env=[{"name": "NODE_NAME", "value": "n"}]), "are set by the operator"),
+    ("pod-toleration-operator", _pod(tolerations=[{"key": "k", "operator": "In"}]), "spec.agent.pod.tolerations"),
+    (
+        "router-pod-env-pdfabric",
+        {**_engine(), "router": {"image": "r", "pod": {"env": [{"name": "PDFABRIC_X", "value": "1"}]}}},
+        "are set by the operator",
+    ),
+]
+
 # Specs the API server must reject (schema or CEL) and parse_spec must reject too:
 # (id, spec patch applied over a valid default spec, fragment of the API server's message).
 INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
@@ -294,4 +319,5 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "router.metricsPort must differ from router.port",
     ),
     *ENGINE_INVALID_SPECS,
+    *POD_INVALID_SPECS,
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import types
 from collections.abc import Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
@@ -34,6 +34,7 @@ __all__ = [
     "ModelGeometry",
     "PDClusterSpec",
     "PlacementSpec",
+    "PodOverrides",
     "PrefillEngineSpec",
     "PrefillSpec",
     "SpecError",
@@ -56,6 +57,18 @@ DEFAULT_AUX_ROW_BYTES = (16, 8, 8, 8, 128, 16384, 8, 8)
 ENGINE_PORT_SPAN = 64
 # The device plugin's allocation is the only GPU grant: engines may not widen or narrow it.
 FORBIDDEN_ENGINE_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+
+# What a PDCluster's pod overrides (agent.pod, router.pod) may not touch: the operator's own
+# labels and annotations (selectors, the pod index and kopf's bookkeeping read them), the volumes
+# and paths the agent's contract mounts, and the Secrets the operator issues (a CA key mounted
+# into a pod would let its processes mint agent certificates).
+RESERVED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/managed-by", "app.kubernetes.io/component")
+RESERVED_KEY_PREFIX = "pdfabric.dev/"
+RESERVED_VOLUMES = ("rankmap", "engine-token", "peer-tls", "home", "dshm")
+RESERVED_PATHS = ("/etc/pdfabric", "/var/lib/pdfabric", "/dev/shm")
+RESERVED_SECRET_SUFFIXES = ("-peer-ca", "-peer-tls", "-engine-token")
+# Set by the operator in the node pod's container (the downward API, the agent's settings).
+RESERVED_NODE_ENV = ("NODE_NAME", "POD_NAME", "POD_NAMESPACE", "POD_IP", "HOME")
 
 # Field metadata key: the stored value that means None (transfer.transport "auto").
 _NONE_VALUE = "pdfabric.none_value"
@@ -153,6 +166,23 @@ class PlacementSpec:
 
 
 @dataclass(frozen=True)
+class PodOverrides:
+    """What users add to the pods the operator builds (agent.pod: the node pods; router.pod: the
+    router's): Kubernetes objects as written, merged with the operator's (docs/pods.md)."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    priority_class_name: str = ""
+    service_account_name: str = ""
+    image_pull_secrets: tuple[Mapping[str, Any], ...] = ()
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class AgentSpec:
     image: str = "pdfabric/agent:0.1.0"  # what `make images` names the CPU agent image (docs/images.md)
     metrics_port: int = 9400
@@ -160,6 +190,7 @@ class AgentSpec:
     peer_port: int = 7401
     resources: Mapping[str, Any] = field(default_factory=dict)
     run_as_user: int = 65532  # the node pods' user and group (0: root, for engine images that need it)
+    pod: PodOverrides = PodOverrides()  # parsed by parse_spec (a section inside a section)
 
 
 @dataclass(frozen=True)
@@ -225,6 +256,7 @@ class RouterSpec:
     replicas: int = 1
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    pod: PodOverrides = PodOverrides()  # parsed by _parse_router
 
 
 @dataclass(frozen=True)
@@ -329,6 +361,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
             section = hints[f.name]
             if isinstance(section, type) and is_dataclass(section):
                 top[f.name] = section(**_parse_fields(section, raw.get(crd_key(f.name)) or {}, f"{crd_key(f.name)}."))
+        top["agent"] = replace(top["agent"], pod=_parse_pod((raw.get("agent") or {}).get("pod"), "agent.pod."))
         top["engine"] = _parse_engine(raw.get("engine"))
         top["router"] = _parse_router(raw.get("router"))
         spec = PDClusterSpec(**top)
@@ -376,8 +409,18 @@ def _parse_router(raw: Any) -> RouterSpec | None:
     if not raw.get("image"):
         raise ValueError("router.image is required (an image with SGLang's router, sglang-router)")
     return RouterSpec(
-        image=str(raw["image"]), **_parse_fields(RouterSpec, {k: v for k, v in raw.items() if k != "image"}, "router.")
+        image=str(raw["image"]),
+        pod=_parse_pod(raw.get("pod"), "router.pod."),
+        **_parse_fields(RouterSpec, {k: v for k, v in raw.items() if k != "image"}, "router."),
     )
+
+
+def _parse_pod(raw: Any, prefix: str) -> PodOverrides:
+    if raw is None:
+        return PodOverrides()
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{prefix[:-1]} must be an object, got {raw!r}")
+    return PodOverrides(**_parse_fields(PodOverrides, raw, prefix))
 
 
 def validate_spec(spec: PDClusterSpec) -> None:
@@ -460,8 +503,78 @@ def validate_spec(spec: PDClusterSpec) -> None:
             raise SpecError(f"{name} must be a port number (1-65535), got {port}")
     # Quantities (the operator adds the agent's and the engines' into one container): each must be one.
     _validate_quantities(spec.agent.resources, "agent.resources")
+    _validate_pod(spec.agent.pod, "agent.pod", RESERVED_NODE_ENV)
+    if spec.router is not None:
+        _validate_pod(spec.router.pod, "router.pod", RESERVED_NODE_ENV)
     if spec.engine is not None:
         _validate_engine(spec, spec.engine)
+
+
+def _reserved_path(path: str) -> str | None:
+    """The reserved path `path` would hide or sit inside (or be), None when it is clear of them."""
+    norm = "/" + path.strip("/")
+    for reserved in RESERVED_PATHS:
+        if norm == reserved or norm.startswith(reserved + "/") or reserved.startswith(norm.rstrip("/") + "/"):
+            return reserved
+    return None
+
+
+def _secret_names(volume: Mapping[str, Any]) -> list[str]:
+    """The Secrets a volume mounts: a secret volume's, a projected volume's secret sources."""
+    names = [str((volume.get("secret") or {}).get("secretName") or "")]
+    for source in (volume.get("projected") or {}).get("sources") or []:
+        names.append(str((source.get("secret") or {}).get("name") or ""))
+    return [n for n in names if n]
+
+
+def _validate_pod(pod: PodOverrides, where: str, reserved_env: tuple[str, ...]) -> None:
+    """The pod overrides' rules (mirrored by the CRD's CEL where CEL can see them): nothing that
+    would break the contract of the pods the operator builds."""
+    for kind, keys in (("labels", pod.labels), ("annotations", pod.annotations)):
+        for key in keys:
+            if key.startswith(RESERVED_KEY_PREFIX) or (kind == "labels" and key in RESERVED_LABELS):
+                raise SpecError(f"{where}.{kind}: {key} is the operator's (its selectors and bookkeeping read it)")
+    names = []
+    for volume in pod.volumes:
+        name = str(volume.get("name") or "")
+        if not name:
+            raise SpecError(f"{where}.volumes: every volume needs a name")
+        if name in RESERVED_VOLUMES:
+            raise SpecError(f"{where}.volumes: {name} is the name of a volume the operator mounts")
+        for secret in _secret_names(volume):
+            if secret.endswith(RESERVED_SECRET_SUFFIXES):
+                raise SpecError(
+                    f"{where}.volumes: {name} mounts Secret {secret}, a name of the Secrets the operator issues "
+                    f"(peer CA, agent certificates, engine token), which only the operator places"
+                )
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise SpecError(f"{where}.volumes: volume names must be unique")
+    for mount in pod.volume_mounts:
+        path, name = str(mount.get("mountPath") or ""), str(mount.get("name") or "")
+        if name not in names:
+            raise SpecError(f"{where}.volumeMounts: {name or 'a mount'} names no volume of {where}.volumes")
+        reserved = _reserved_path(path) if path else None
+        if not path.startswith("/") or reserved is not None:
+            raise SpecError(
+                f"{where}.volumeMounts: {name} at {path!r} must be an absolute path clear of "
+                f"{', '.join(RESERVED_PATHS)} (the agent's files)"
+            )
+    for var in pod.env:
+        name = str(var.get("name") or "")
+        if not name:
+            raise SpecError(f"{where}.env: every variable needs a name")
+        if name.startswith("PDFABRIC_") or name in reserved_env or name in FORBIDDEN_ENGINE_ENV:
+            raise SpecError(f"{where}.env: {name} is set by the operator (or is the device plugin's)")
+    for tol in pod.tolerations:
+        effects = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+        if tol.get("operator", "Equal") not in ("Exists", "Equal") or tol.get("effect", "") not in effects:
+            raise SpecError(
+                f"{where}.tolerations: operator must be Exists or Equal, effect a taint effect: {dict(tol)}"
+            )
+    for ref in pod.image_pull_secrets:
+        if not ref.get("name"):
+            raise SpecError(f"{where}.imagePullSecrets: every entry needs a name")
 
 
 def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:

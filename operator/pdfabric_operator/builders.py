@@ -21,7 +21,7 @@ from pdfabric_core.engines import EngineGroup, bootstrap_port, serving_port, sgl
 from pdfabric_core.policy.transports import transport_traits
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap
-from pdfabric_core.spec import ENGINE_PORT_SPAN, PDClusterSpec
+from pdfabric_core.spec import ENGINE_PORT_SPAN, PDClusterSpec, PodOverrides
 from pdfabric_operator import constants as c
 from pdfabric_operator import engines as e
 from pdfabric_operator import pki
@@ -362,14 +362,19 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
     }
     if router.node_selector:
         pod_spec["nodeSelector"] = dict(router.node_selector)
+    apply_pod_overrides(pod_spec, container, router.pod)
+    if router.pod.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in router.pod.tolerations]
+    if router.pod.affinity:
+        pod_spec["affinity"] = dict(router.pod.affinity)
+    template_meta = pod_metadata({**labels, c.LABEL_APP: c.APP_NAME, c.LABEL_MANAGED_BY: c.MANAGED_BY}, {}, router.pod)
+    if not template_meta["annotations"]:
+        del template_meta["annotations"]
     deployment_spec = {
         "replicas": router.replicas,
         "selector": {"matchLabels": labels},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-        "template": {
-            "metadata": {"labels": {**labels, c.LABEL_APP: c.APP_NAME, c.LABEL_MANAGED_BY: c.MANAGED_BY}},
-            "spec": pod_spec,
-        },
+        "template": {"metadata": template_meta, "spec": pod_spec},
     }
     meta = _meta(ref, name, **{c.LABEL_COMPONENT: c.COMPONENT_ROUTER})
     meta["annotations"] = {c.ANN_ROUTER_HASH: _short_hash(json.dumps(deployment_spec, sort_keys=True), 16)}
@@ -505,6 +510,32 @@ def pod_security_context(user: int) -> dict[str, Any]:
     return ctx
 
 
+def apply_pod_overrides(pod_spec: dict[str, Any], container: dict[str, Any], pod: PodOverrides) -> None:
+    """Add the user's pod overrides to a pod spec and its one container the builders made (in
+    place): appended after the operator's entries, so the operator's stay first and whole; the
+    spec's validation (pdfabric_core.spec) refused every name the operator's own entries use.
+    Tolerations and affinity are the callers' (the node pods merge them with the placement's)."""
+    if pod.env:
+        container["env"] = [*container.get("env", []), *(dict(v) for v in pod.env)]
+    if pod.volume_mounts:
+        container["volumeMounts"] = [*container.get("volumeMounts", []), *(dict(m) for m in pod.volume_mounts)]
+    if pod.volumes:
+        pod_spec["volumes"] = [*pod_spec.get("volumes", []), *(dict(v) for v in pod.volumes)]
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": str(x["name"])} for x in pod.image_pull_secrets]
+    if pod.priority_class_name:
+        pod_spec["priorityClassName"] = pod.priority_class_name
+    if pod.service_account_name:
+        # Its token stays unmounted (automountServiceAccountToken False): neither the agent nor
+        # the router calls the API; a projected token volume is the user's to add.
+        pod_spec["serviceAccountName"] = pod.service_account_name
+
+
+def pod_metadata(labels: Mapping[str, str], annotations: Mapping[str, str], pod: PodOverrides) -> dict[str, Any]:
+    """Labels and annotations of a pod: the user's, then the operator's over them."""
+    return {"labels": {**pod.labels, **labels}, "annotations": {**pod.annotations, **annotations}}
+
+
 def build_agent_pod(
     ref: ClusterRef,
     spec: PDClusterSpec,
@@ -577,7 +608,9 @@ def build_agent_pod(
     pod_spec: dict[str, Any] = {
         # The scheduler binds it (taints, cordons, fit, priority and quotas apply); the affinity
         # allows only the node the planner chose, so placement stays the planner's.
-        "affinity": sched.node_affinity(agent.node, sched.placement_labels(spec, agent.domain)),
+        "affinity": sched.node_affinity(
+            agent.node, sched.placement_labels(spec, agent.domain), spec.agent.pod.affinity
+        ),
         "hostname": name,
         "subdomain": service_name(ref.name),
         "restartPolicy": "Always",
@@ -608,6 +641,7 @@ def build_agent_pod(
     if spec.engine is not None:
         # Engines load models for minutes and drain requests on SIGTERM: give them longer.
         pod_spec["terminationGracePeriodSeconds"] = e.TERMINATION_GRACE_S
+    apply_pod_overrides(pod_spec, container, spec.agent.pod)
     roles = {g.role for g in e.groups(agent)} if spec.engine is not None else set()
     role_labels = {c.LABEL_SERVES[r.value]: "true" for r in sorted(roles)}
     meta = _meta(
@@ -616,6 +650,7 @@ def build_agent_pod(
         **{c.LABEL_COMPONENT: c.COMPONENT_AGENT, c.LABEL_NODE: _dns_label(agent.node, 63)},
         **role_labels,
     )
+    meta["labels"] = pod_metadata(meta["labels"], {}, spec.agent.pod)["labels"]
     ranks = encode_ranks(agent.ranks)
     config = agent_config_hash(spec, placement)
     # The hash covers everything the pod was built from, including the settings the agent reads
@@ -624,15 +659,21 @@ def build_agent_pod(
     # The affinity is left out: it only pins the pod to its node (its name says which) and the
     # labels it was chosen for, and is read only when the pod is scheduled; a nodeSelector edit
     # that leaves the ranks where they are must not restart the agents.
+    # The user's part of it (spec.agent.pod.affinity) is in, with the user's annotations.
     hashed = {k: v for k, v in pod_spec.items() if k != "affinity"}
-    pod_hash = _short_hash(json.dumps([hashed, meta["labels"], ranks, config], sort_keys=True), 16)
-    meta["annotations"] = {
-        c.ANN_RANKS: ranks,
-        c.ANN_POD_HASH: pod_hash,
-        c.ANN_CONFIG_HASH: config,
-        # The node the planner chose, readable before the scheduler binds the pod (spec.nodeName).
-        c.ANN_NODE: agent.node,
-    }
+    user = [spec.agent.pod.affinity, spec.agent.pod.annotations]
+    pod_hash = _short_hash(json.dumps([hashed, meta["labels"], ranks, config, *user], sort_keys=True), 16)
+    meta["annotations"] = pod_metadata(
+        {},
+        {
+            c.ANN_RANKS: ranks,
+            c.ANN_POD_HASH: pod_hash,
+            c.ANN_CONFIG_HASH: config,
+            # The node the planner chose, readable before the scheduler binds the pod (spec.nodeName).
+            c.ANN_NODE: agent.node,
+        },
+        spec.agent.pod,
+    )["annotations"]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -4,10 +4,11 @@ plan_placement(spec, nodes, placed pods, previous placement) returns a Placement
 PlacementFailure whose reason and message say exactly what is missing. The algorithm:
 
 1. Eligible nodes: Ready, schedulable (not cordoned), not being deleted, without a NoSchedule or
-   NoExecute taint the node pods do not tolerate (the scheduler's own filter, scheduling.py),
-   matching spec.placement.nodeSelector, with allocatable GPUs of spec.placement.gpuResource (and
-   of the RDMA resource for rdma). The kube-scheduler binds the pods (scheduling.py says how they
-   are pinned); this filter keeps the planner from choosing a node it would refuse.
+   NoExecute taint the node pods do not tolerate, admitted by the required node affinity of
+   spec.agent.pod (the scheduler's own filters, scheduling.py), matching
+   spec.placement.nodeSelector, with allocatable GPUs of spec.placement.gpuResource (and of the
+   RDMA resource for rdma). The kube-scheduler binds the pods (scheduling.py says how they are
+   pinned); these filters keep the planner from choosing a node it would refuse.
 2. Free GPUs per node = allocatable - requests of every pod already on it that is not ours
    (all PDClusters and anything else requesting the resource). Our own pods are ignored so a
    re-plan may reuse their GPUs.
@@ -34,7 +35,7 @@ from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, Locality, tcp_fa
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import Rank, replica_ranks
 from pdfabric_core.spec import PDClusterSpec
-from pdfabric_operator.scheduling import Taint, node_pod_tolerations, untolerated
+from pdfabric_operator.scheduling import Taint, affinity_allows, node_pod_tolerations, untolerated
 
 
 class PlacementReason(enum.StrEnum):
@@ -103,9 +104,18 @@ class PlacementFailure:
 
 
 def usable_nodes(spec: PDClusterSpec, nodes: Iterable[GpuNode]) -> set[str]:
-    """Nodes a node pod of `spec` may run on now: Ready, not cordoned, no taint it does not tolerate."""
+    """Nodes a node pod of `spec` may run on now: Ready, not cordoned, no taint it does not
+    tolerate, admitted by the user's required node affinity (spec.agent.pod.affinity)."""
     tolerations = node_pod_tolerations(spec)
-    return {n.name for n in nodes if n.ready and n.schedulable and not untolerated(n.taints, tolerations)}
+    affinity = spec.agent.pod.affinity
+    return {
+        n.name
+        for n in nodes
+        if n.ready
+        and n.schedulable
+        and not untolerated(n.taints, tolerations)
+        and affinity_allows(n.name, n.labels, affinity)
+    }
 
 
 # --- units -------------------------------------------------------------------------------------
@@ -323,12 +333,15 @@ def _plan(
     pl = spec.placement
     gpu = pl.gpu_resource
     ready = [n for n in nodes if n.ready and n.schedulable]
-    matching = [n for n in ready if _matches(n, pl.node_selector)]
+    affinity = spec.agent.pod.affinity
+    matching = [n for n in ready if _matches(n, pl.node_selector) and affinity_allows(n.name, n.labels, affinity)]
     tolerations = node_pod_tolerations(spec)
     tainted = {n.name: untolerated(n.taints, tolerations) for n in matching}
     selected = [n for n in matching if not tainted[n.name]]
     eligible = [n for n in selected if n.allocatable.get(gpu, 0) > 0]
     where = f"ready nodes matching nodeSelector {dict(pl.node_selector)}" if pl.node_selector else "ready nodes"
+    if affinity.get("nodeAffinity"):
+        where += " and agent.pod.affinity"
     left_out = len(matching) - len(selected)
     if left_out:  # every message below then says which nodes the taints kept out
         where += f" (leaving out {left_out} with a taint the node pods do not tolerate{_taint_list(tainted)})"

@@ -16,6 +16,7 @@ taints the pod does not tolerate; PreferNoSchedule only scores). The tolerations
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +48,10 @@ def operator_tolerations(spec: PDClusterSpec) -> list[dict[str, Any]]:
     return [{"key": spec.placement.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
 
 
-def node_pod_tolerations(spec: PDClusterSpec, extra: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
-    """The node pod's tolerations: the operator's, then the user's (`extra`), each once."""
+def node_pod_tolerations(spec: PDClusterSpec) -> list[dict[str, Any]]:
+    """The node pod's tolerations: the operator's, then the user's (spec.agent.pod), each once."""
     out: list[dict[str, Any]] = []
-    for t in [*operator_tolerations(spec), *extra]:
+    for t in [*operator_tolerations(spec), *spec.agent.pod.tolerations]:
         if dict(t) not in out:
             out.append(dict(t))
     return out
@@ -78,14 +79,88 @@ def untolerated(taints: Iterable[Taint], tolerations: Sequence[Mapping[str, Any]
     return [t for t in taints if t.effect in FILTERED_EFFECTS and not any(tolerates(tol, t) for tol in tolerations)]
 
 
-def node_affinity(node: str, labels: Mapping[str, str]) -> dict[str, Any]:
-    """Required node affinity pinning a pod to `node` (by name: matchFields, which node labels
+def pin_term(node: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """The node selector term pinning a pod to `node` (by name: matchFields, which node labels
     cannot spoof) and to the `labels` the placement chose it for (its nodeSelector, its NVLink
     domain): should they change before the pod is bound, the scheduler refuses it and says why."""
     term: dict[str, Any] = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
     if labels:
         term["matchExpressions"] = [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(labels.items())]
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+    return term
+
+
+def _required_terms(affinity: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if not required:
+        return None
+    return list(required.get("nodeSelectorTerms") or [])
+
+
+def node_affinity(node: str, labels: Mapping[str, str], user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The pod's affinity: the user's (pod affinity, anti-affinity, preferred node affinity as
+    written) with every required node selector term ANDed with the pin to `node` (terms are ORed,
+    so the pin joins each of them; none: the pin alone)."""
+    pin = pin_term(node, labels)
+    user = copy.deepcopy(dict(user or {}))
+    terms = _required_terms(user)
+    merged = [
+        {
+            **term,
+            "matchExpressions": [*(term.get("matchExpressions") or []), *pin.get("matchExpressions", [])],
+            "matchFields": [*(term.get("matchFields") or []), *pin["matchFields"]],
+        }
+        for term in terms or []
+        if term.get("matchExpressions") or term.get("matchFields")  # an empty term matches no node
+    ]
+    for term in merged:
+        if not term["matchExpressions"]:
+            del term["matchExpressions"]
+    node_aff = dict(user.get("nodeAffinity") or {})
+    if terms is None:
+        merged = [pin]
+    elif not merged:  # the user's terms admit no node: neither may the merge (the planner places none)
+        merged = [dict(t) for t in terms]
+    node_aff["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": merged}
+    user["nodeAffinity"] = node_aff
+    return user
+
+
+def _requirement_holds(req: Mapping[str, Any], value: str | None) -> bool:
+    """One NodeSelectorRequirement against a node's label (or field) value, None when absent."""
+    op, values = req.get("operator"), [str(v) for v in req.get("values") or []]
+    if op == "In":
+        return value is not None and value in values
+    if op == "NotIn":
+        return value is None or value not in values
+    if op == "Exists":
+        return value is not None
+    if op == "DoesNotExist":
+        return value is None
+    if op in ("Gt", "Lt") and value is not None and len(values) == 1:
+        try:
+            have, bound = int(value), int(values[0])
+        except ValueError:
+            return False
+        return have > bound if op == "Gt" else have < bound
+    return False
+
+
+def affinity_allows(node: str, labels: Mapping[str, str], affinity: Mapping[str, Any]) -> bool:
+    """Whether the required node affinity `affinity` admits the node (the scheduler's NodeAffinity
+    filter): no required terms admit every node; terms are ORed, the requirements of a term ANDed,
+    and an empty term admits none."""
+    terms = _required_terms(affinity)
+    if terms is None:
+        return True
+    for term in terms:
+        exprs, fields_ = term.get("matchExpressions") or [], term.get("matchFields") or []
+        if not exprs and not fields_:
+            continue
+        if all(_requirement_holds(r, labels.get(str(r.get("key")))) for r in exprs) and all(
+            _requirement_holds(r, node if r.get("key") == "metadata.name" else None) for r in fields_
+        ):
+            return True
+    return False
 
 
 def placement_labels(spec: PDClusterSpec, domain: str | None) -> dict[str, str]:

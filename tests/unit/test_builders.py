@@ -617,3 +617,100 @@ def test_nvlink_pods_are_pinned_to_their_node_its_domain_and_the_selector() -> N
             {"key": "pool", "operator": "In", "values": ["pd"]},
         ]
     assert sorted(p["metadata"]["annotations"]["pdfabric.dev/node"] for p in pods) == ["x1", "x2"]
+
+
+WEIGHTS = {"name": "weights", "persistentVolumeClaim": {"claimName": "llama-weights", "readOnly": True}}
+OVERRIDES = {
+    "labels": {"team": "inference"},
+    "annotations": {"example.com/owner": "ml"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}],
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+    "priorityClassName": "inference-high",
+    "serviceAccountName": "weights-reader",
+    "imagePullSecrets": [{"name": "registry"}],
+    "volumes": [WEIGHTS],
+    "volumeMounts": [{"name": "weights", "mountPath": "/models", "readOnly": True}],
+    "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+}
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_node_pod_carries_the_users_overrides_after_the_operators(engine: bool) -> None:
+    base = pdcluster().engine() if engine else pdcluster()
+    builder = (pdcluster().engine() if engine else pdcluster()).agent(pod=OVERRIDES)
+    nodes = [gpu_node("n1", 8)]
+    (plain,) = b.build_agent_pods(REF, base.spec(), _placed(base, nodes))
+    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
+    spec, (container,) = pod["spec"], pod["spec"]["containers"]
+    (plain_container,) = plain["spec"]["containers"]
+    assert spec["volumes"] == [*plain["spec"]["volumes"], WEIGHTS]
+    assert container["volumeMounts"] == [*plain_container["volumeMounts"], OVERRIDES["volumeMounts"][0]]
+    assert container["env"] == [*plain_container["env"], {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    assert spec["tolerations"] == [*plain["spec"]["tolerations"], OVERRIDES["tolerations"][0]]
+    assert (spec["priorityClassName"], spec["serviceAccountName"]) == ("inference-high", "weights-reader")
+    assert spec["imagePullSecrets"] == [{"name": "registry"}]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["affinity"]["podAntiAffinity"] == OVERRIDES["affinity"]["podAntiAffinity"]
+    assert spec["affinity"]["nodeAffinity"] == plain["spec"]["affinity"]["nodeAffinity"]
+    assert pod["metadata"]["labels"] == {**plain["metadata"]["labels"], "team": "inference"}
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["example.com/owner"] == "ml"
+    assert annotations["pdfabric.dev/ranks"] == plain["metadata"]["annotations"]["pdfabric.dev/ranks"]
+    # The contract is untouched: ports, security contexts, the operator's volumes and Secrets.
+    for key in ("ports", "securityContext", "resources", "readinessProbe", "livenessProbe", "command"):
+        assert container[key] == plain_container[key]
+    assert spec["securityContext"] == plain["spec"]["securityContext"]
+    assert annotations["pdfabric.dev/pod-hash"] != plain["metadata"]["annotations"]["pdfabric.dev/pod-hash"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"annotations": {"a": "b"}},
+        {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}},
+        {"labels": {"a": "b"}},
+        {"priorityClassName": "p"},
+    ],
+    ids=["annotations", "affinity", "labels", "priority-class"],
+)
+def test_an_override_change_replaces_the_pod_keeping_its_ranks(change: dict) -> None:
+    nodes = [gpu_node("n1", 8)]
+    before = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]["metadata"]["annotations"]
+    changed = pdcluster().agent(pod=change)
+    after = b.build_agent_pods(REF, changed.spec(), _placed(changed, nodes))[0]["metadata"]["annotations"]
+    assert before["pdfabric.dev/pod-hash"] != after["pdfabric.dev/pod-hash"]
+    assert before["pdfabric.dev/ranks"] == after["pdfabric.dev/ranks"]
+
+
+def test_router_pods_carry_the_users_overrides() -> None:
+    builder = pdcluster().engine().router(pod=OVERRIDES)
+    plain_builder = pdcluster().engine().router()
+    placement = _placed(builder, [gpu_node("n1", 8)])
+    dep = b.build_router_deployment(REF, builder.spec(), placement)
+    plain = b.build_router_deployment(REF, plain_builder.spec(), placement)
+    assert dep is not None and plain is not None
+    template, plain_template = dep["spec"]["template"], plain["spec"]["template"]
+    spec, (container,) = template["spec"], template["spec"]["containers"]
+    assert spec["volumes"] == [WEIGHTS] and container["volumeMounts"] == OVERRIDES["volumeMounts"]
+    assert container["env"] == OVERRIDES["env"]
+    assert spec["tolerations"] == OVERRIDES["tolerations"] and spec["affinity"] == OVERRIDES["affinity"]
+    assert (spec["priorityClassName"], spec["serviceAccountName"]) == ("inference-high", "weights-reader")
+    assert spec["imagePullSecrets"] == [{"name": "registry"}]
+    assert template["metadata"]["labels"] == {**plain_template["metadata"]["labels"], "team": "inference"}
+    assert template["metadata"]["annotations"] == {"example.com/owner": "ml"}
+    assert dep["spec"]["selector"] == plain["spec"]["selector"]
+    assert container["securityContext"] == plain_template["spec"]["containers"][0]["securityContext"]
+    assert dep["metadata"]["annotations"] != plain["metadata"]["annotations"], "the Deployment rolls"
+
+
+def test_every_label_and_annotation_the_operator_writes_is_reserved_from_the_user() -> None:
+    from pdfabric_core.spec import RESERVED_KEY_PREFIX, RESERVED_LABELS, RESERVED_VOLUMES
+    from pdfabric_operator import constants as c
+
+    builder = pdcluster().engine()
+    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    for key in pod["metadata"]["labels"]:
+        assert key in RESERVED_LABELS or key.startswith(RESERVED_KEY_PREFIX), key
+    assert all(key.startswith(RESERVED_KEY_PREFIX) for key in pod["metadata"]["annotations"])
+    assert {v["name"] for v in pod["spec"]["volumes"]} <= set(RESERVED_VOLUMES)
+    assert c.FINALIZER.startswith(RESERVED_KEY_PREFIX)

@@ -122,6 +122,32 @@ PLACED_CASES = [
         {"b": 2},
     ),
     (
+        "users-toleration-lets-a-tainted-node-in",
+        pdcluster().agent(pod={"tolerations": [{"key": "dedicated", "operator": "Exists"}]}),
+        [gpu_node("a", 4, taints=(Taint("dedicated", "inference", "NoSchedule"),)), gpu_node("b", 8)],
+        [],
+        {"a": 2},
+    ),
+    (
+        "users-required-node-affinity-honoured",
+        pdcluster().agent(
+            pod={
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}
+                            ]
+                        }
+                    }
+                }
+            }
+        ),
+        [gpu_node("a", 4, labels={"zone": "a"}), gpu_node("b", 8, labels={"zone": "b"})],
+        [],
+        {"b": 2},
+    ),
+    (
         "own-pods-do-not-block-replan",
         pdcluster().prefill(tp=4).decode(tp=4),
         [gpu_node("a", 8)],

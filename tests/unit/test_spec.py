@@ -315,3 +315,71 @@ def test_router_crd_fields_and_defaults_are_the_router_specs() -> None:
         parse_spec({"router": {"image": "r"}})
     with pytest.raises(SpecError, match=r"router\.image is required"):
         parse_spec({"engine": engine, "router": {}})
+
+
+# (id, agent.pod, fragment of the SpecError) — the rules CEL cannot see (fields of volumes).
+POD_REFUSALS = [
+    (
+        "secret-volume-of-a-peer-ca",
+        {"volumes": [{"name": "ca", "secret": {"secretName": "other-peer-ca"}}]},
+        "mounts Secret other-peer-ca",
+    ),
+    (
+        "projected-agent-certificate",
+        {"volumes": [{"name": "p", "projected": {"sources": [{"secret": {"name": "pd-x-peer-tls"}}]}}]},
+        "mounts Secret pd-x-peer-tls",
+    ),
+    ("engine-token", {"volumes": [{"name": "t", "secret": {"secretName": "pd-engine-token"}}]}, "pd-engine-token"),
+    ("duplicate-volumes", {"volumes": [{"name": "w", "emptyDir": {}}, {"name": "w", "emptyDir": {}}]}, "unique"),
+    ("mount-of-no-volume", {"volumeMounts": [{"name": "w", "mountPath": "/models"}]}, "names no volume"),
+    (
+        "mount-at-root",
+        {"volumes": [{"name": "w", "emptyDir": {}}], "volumeMounts": [{"name": "w", "mountPath": "/"}]},
+        "clear of",
+    ),
+    ("pull-secret-without-name", {"imagePullSecrets": [{}]}, "needs a name"),
+]
+
+
+@pytest.mark.parametrize(("pod", "fragment"), [c[1:] for c in POD_REFUSALS], ids=[c[0] for c in POD_REFUSALS])
+def test_pod_overrides_that_would_break_the_contract_are_refused(pod: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(SpecError, match=fragment):
+        parse_spec({"agent": {"pod": pod}})
+
+
+def test_pod_overrides_parse_as_written() -> None:
+    pod = {
+        "labels": {"team": "a"},
+        "tolerations": [{"key": "k", "operator": "Exists"}],
+        "volumes": [{"name": "w", "persistentVolumeClaim": {"claimName": "w"}}],
+        "volumeMounts": [{"name": "w", "mountPath": "/models/llama"}],
+        "secretVolumeOfItsOwn": None,
+    }
+    parsed = parse_spec({"agent": {"pod": pod}}).agent.pod
+    assert parsed.labels == {"team": "a"} and parsed.tolerations == ({"key": "k", "operator": "Exists"},)
+    assert parsed.volume_mounts == ({"name": "w", "mountPath": "/models/llama"},)
+    assert parse_spec({}).agent.pod == parse_spec({"agent": {"pod": {}}}).agent.pod
+
+
+@pytest.mark.parametrize("section", ["agent", "router"])
+def test_pod_override_cel_rules_name_what_parse_spec_reserves(section: str) -> None:
+    from pdfabric_core.spec import (
+        FORBIDDEN_ENGINE_ENV,
+        RESERVED_KEY_PREFIX,
+        RESERVED_LABELS,
+        RESERVED_NODE_ENV,
+        RESERVED_PATHS,
+        RESERVED_VOLUMES,
+    )
+
+    pod = _spec_schema()["properties"][section]["properties"]["pod"]["properties"]
+
+    def rule(node: dict[str, Any]) -> str:
+        (only,) = node["x-kubernetes-validations"]
+        return str(only["rule"])
+
+    assert all(f"'{k}'" in rule(pod["labels"]) for k in RESERVED_LABELS)
+    assert f"'{RESERVED_KEY_PREFIX}'" in rule(pod["labels"]) and f"'{RESERVED_KEY_PREFIX}'" in rule(pod["annotations"])
+    assert all(f"'{v}'" in rule(pod["volumes"]["items"]) for v in RESERVED_VOLUMES)
+    assert all(f"'{p}'" in rule(pod["volumeMounts"]["items"]) for p in RESERVED_PATHS)
+    assert all(f"'{n}'" in rule(pod["env"]["items"]) for n in (*RESERVED_NODE_ENV, *FORBIDDEN_ENGINE_ENV))
