@@ -31,7 +31,14 @@ from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, error_type, load_configuration
 from pdfabric_operator.metrics import CLUSTERS, ERRORS, RECONCILE_DURATION, RECONCILES, ReconcileResult
 from pdfabric_operator.planner import GpuNode, PlacedPod
-from pdfabric_operator.reconcile import LEDGER, ClusterMemory, OwnPod, Snapshot, reconcile_once
+from pdfabric_operator.reconcile import (
+    LEDGER,
+    ClusterMemory,
+    OwnPod,
+    Snapshot,
+    delete_owned_children,
+    reconcile_once,
+)
 from pdfabric_operator.scheduling import taints_from, unschedulable_message
 
 
@@ -396,9 +403,8 @@ async def cleanup(name: str, namespace: str | None, uid: str, logger: kopf.Logge
     def _delete() -> None:
         for p in pods:
             kube.delete("Pod", p.namespace, p.name, uid=p.uid)
-            kube.delete("Secret", p.namespace, b.peer_tls_secret_name(p.name))
-        for kind, child in b.shared_children(name):
-            kube.delete(kind, ref.namespace, child)
+        # Ours only: a user's object that happens to carry a child's name stays.
+        delete_owned_children(kube, ref, [p.name for p in pods])
 
     await asyncio.to_thread(_delete)
     with LEDGER.lock:  # reconciles of other clusters may be planning in worker threads

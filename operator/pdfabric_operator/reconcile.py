@@ -231,12 +231,8 @@ def reconcile_once(
         for p in own:
             if not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
-            if kube.delete("Secret", p.namespace, b.peer_tls_secret_name(p.name)):
-                out.actions.append(f"delete secret {b.peer_tls_secret_name(p.name)}")
         if not memory.children_absent:
-            for kind, name in b.shared_children(ref.name):
-                if kube.delete(kind, ref.namespace, name):
-                    out.actions.append(f"delete {kind} {name}")
+            out.actions += delete_owned_children(kube, ref, [p.name for p in own])
             memory.children_absent = True
             memory.children_checked_at = 0.0
     else:
@@ -275,8 +271,8 @@ def reconcile_once(
                 rolling.append(p)
             elif kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
-            if want is None and kube.delete("Secret", p.namespace, b.peer_tls_secret_name(p.name)):
-                out.actions.append(f"delete secret {b.peer_tls_secret_name(p.name)}")  # the agent is gone
+            if want is None:  # the agent is gone: its certificate goes too (ours only)
+                out.actions += delete_owned_children(kube, ref, [p.name], shared=False)
         settled = all(existing.get(n) is not None and existing[n].ready and not existing[n].deleting for n in desired)
         if rolling and settled:
             p = min(rolling, key=lambda x: x.name)
@@ -473,6 +469,24 @@ def _ensure_engine_services(
 
 def _owned(obj: Mapping[str, Any], uid: str) -> bool:
     return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
+
+
+def delete_owned_children(kube: Kube, ref: b.ClusterRef, agents: Sequence[str], *, shared: bool = True) -> list[str]:
+    """Delete the peer-certificate Secrets of `agents` and (with `shared`) every shared child of
+    the cluster, each only if this PDCluster owns it: the names are deterministic, so a user's own
+    object may carry one, and it is not ours to delete. The uid precondition keeps a namesake
+    created between the read and the delete. Returns what was deleted, as actions."""
+    children = [("Secret", b.peer_tls_secret_name(a)) for a in agents]
+    if shared:
+        children += b.shared_children(ref.name)
+    actions = []
+    for kind, name in children:
+        have = kube.get(kind, ref.namespace, name)
+        if have is None or not _owned(have, ref.uid):
+            continue
+        if kube.delete(kind, ref.namespace, name, uid=have["metadata"].get("uid")):
+            actions.append(f"delete {kind} {name}")
+    return actions
 
 
 def _ensure_router(

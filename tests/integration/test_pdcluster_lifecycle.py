@@ -189,6 +189,35 @@ def test_deletion_leaves_no_orphans(cluster: Any, namespace: str, gpu_nodes: Any
     assert labels == {new["metadata"]["uid"]}
 
 
+def test_deletion_keeps_a_users_objects_that_carry_a_childs_name(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any
+) -> None:
+    gpu_nodes("n", 1)
+    # Names of children a fabric-only cluster never makes (engine Services, the router's), the
+    # user's own: neither the unplaceable path nor the finalizer's cleanup may delete them.
+    for name in ("pd-prefill", "pd-router"):
+        cluster.kubectl("create", "service", "clusterip", name, "--tcp=80:80", "-n", namespace)
+    cluster.kubectl("create", "configmap", "pd-router", "--from-literal=a=b", "-n", namespace)
+    too_big = pdcluster().prefill(tp=8).decode(tp=8).placement(nodeSelector=selector(namespace))
+    apply_pdc(cluster, too_big.manifest(), namespace)
+    wait_until(
+        lambda: (condition(pdc(cluster, namespace, "pd"), "Placed") or {}).get("reason") == "InsufficientGPUs",
+        timeout=30,
+        what="pd unplaced",
+    )
+    apply_pdc(cluster, pdcluster().placement(nodeSelector=selector(namespace)).manifest(), namespace)
+    wait_ready(cluster, namespace, "pd")
+    cluster.kubectl("delete", "pdcluster", "pd", "-n", namespace)
+    wait_until(
+        lambda: not cluster.get_json("secrets", "-n", namespace, "-l", "pdfabric.dev/cluster=pd")["items"],
+        timeout=30,
+        what="the cluster's own children gone",
+    )
+    kept = {s["metadata"]["name"] for s in cluster.get_json("services", "-n", namespace)["items"]}
+    assert {"pd-prefill", "pd-router"} <= kept
+    assert cluster.get_json("configmap", "pd-router", "-n", namespace)["data"] == {"a": "b"}
+
+
 def test_status_not_rewritten_when_steady(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
     gpu_nodes("n", 1)
     apply_pdc(cluster, pdcluster().placement(nodeSelector=selector(namespace)).manifest(), namespace)

@@ -534,3 +534,24 @@ def test_an_agent_pod_the_scheduler_does_not_bind_is_reported() -> None:
     _run(kube, ref, smaller, Snapshot(nodes, [], []), memory, ledger)  # the pod gone: created anew
     bound = _run(kube, ref, smaller, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     assert bound.problem is None and bound.result is ReconcileResult.READY
+
+
+def test_unplaceable_deletes_only_the_children_it_owns() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
+    # A user's own objects that carry names of this cluster's children (never created here: no
+    # spec.engine, no spec.router), and one of another cluster's.
+    mine = {"kind": "Service", "metadata": {"name": "pd-prefill", "namespace": "ns"}}
+    theirs = {
+        "kind": "Deployment",
+        "metadata": {"name": "pd-router", "namespace": "ns", "ownerReferences": [{"uid": "u2"}]},
+    }
+    for obj in (mine, theirs):
+        kube.objects[(obj["kind"], "ns", obj["metadata"]["name"])] = obj
+    too_big = pdcluster().prefill(tp=8).decode(tp=8)
+    res = _run(kube, ref, too_big, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert res.result is ReconcileResult.UNPLACED
+    assert set(kube.objects) == {("Service", "ns", "pd-prefill"), ("Deployment", "ns", "pd-router")}
+    assert not [c for c in kube.calls if c[0] == "delete" and c[2] in ("pd-prefill", "pd-router")]
