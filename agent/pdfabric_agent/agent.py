@@ -154,6 +154,14 @@ class Agent:
             aux_device=metadata_buffer_device(self.spec.transfer.mem_pool),
         )
         engine = EngineMemory.map(msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu)
+        for other in self.ranks.values():
+            shared = other.engine.overlap(engine) if other is not local and other.engine is not None else None
+            if shared is not None:
+                engine.close()
+                raise conflict(
+                    f"bytes {shared.start}..{shared.end} of {shared.path} are {other.rank.rank_id}'s engine memory: "
+                    f"each rank registers its own buffers"
+                )
         try:
             for region in engine.regions():
                 local.backend.register(region)

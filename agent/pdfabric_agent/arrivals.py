@@ -110,7 +110,7 @@ class DecodeArrivals:
             owed=owed,
         )
         # Last check before the room exists: nothing is claimed or created when it refuses.
-        room.claim = self.claims.claim(msg.rank, local.layout, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
+        room.claim = self.claims.claim(msg.rank, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
         ctx.rooms.add(Role.DECODE, room)
         info = RoomInfo(
             room=msg.room,

@@ -22,17 +22,84 @@ import numpy as np
 import numpy.typing as npt
 
 from pdfabric_agent.errors import conflict
-from pdfabric_agent.pools import PoolLayout
 
 FREE = -1
+CHUNK_BITS = 12  # owner tables are allocated 4096 entries (32 KiB) at a time
+
+
+class Owners:
+    """The open room (its claim slot) owning each index of one kind of destination, FREE where
+    none. Allocated in chunks as claims touch them and freed when a chunk holds no claim again, so
+    memory follows the claims in flight, not the registered pool (a 64 GiB registration of small
+    pages would otherwise cost an 8-byte entry per page up front), and any registered size fits."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, npt.NDArray[np.int64]] = {}
+        self.held: dict[int, int] = {}  # chunk -> entries not FREE
+
+    @staticmethod
+    def _groups(idx: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.int64]]]:
+        """(chunk, offsets in it) for the distinct indices in `idx`."""
+        idx = np.unique(idx)
+        hi = idx >> CHUNK_BITS
+        cuts = np.flatnonzero(np.diff(hi)) + 1
+        lows = idx & ((1 << CHUNK_BITS) - 1)
+        return [(int(h[0]), lo) for h, lo in zip(np.split(hi, cuts), np.split(lows, cuts), strict=True) if len(h)]
+
+    def owners(self, idx: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(the distinct indices of `idx` that are owned, their owners), in index order."""
+        found_idx: list[npt.NDArray[np.int64]] = []
+        found_owner: list[npt.NDArray[np.int64]] = []
+        for chunk, lows in self._groups(idx) if self.chunks else ():
+            table = self.chunks.get(chunk)
+            if table is None:
+                continue
+            owner = table[lows]
+            taken = owner != FREE
+            found_idx.append((chunk << CHUNK_BITS) + lows[taken])
+            found_owner.append(owner[taken])
+        if not found_idx:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty
+        return np.concatenate(found_idx), np.concatenate(found_owner)
+
+    def set(self, idx: npt.NDArray[np.int64], slot: int) -> None:
+        """Owned by `slot` (every index in `idx` FREE before)."""
+        for chunk, lows in self._groups(idx):
+            table = self.chunks.get(chunk)
+            if table is None:
+                table = self.chunks[chunk] = np.full(1 << CHUNK_BITS, FREE, dtype=np.int64)
+            table[lows] = slot
+            self.held[chunk] = self.held.get(chunk, 0) + len(lows)
+
+    def clear(self, idx: npt.NDArray[np.int64]) -> None:
+        for chunk, lows in self._groups(idx):
+            table = self.chunks.get(chunk)
+            if table is None:
+                continue
+            freed = int(np.count_nonzero(table[lows] != FREE))
+            table[lows] = FREE
+            left = self.held.get(chunk, 0) - freed
+            if left <= 0:
+                del self.chunks[chunk]
+                self.held.pop(chunk, None)
+            else:
+                self.held[chunk] = left
+
+    def owner(self, index: int) -> int:
+        table = self.chunks.get(index >> CHUNK_BITS)
+        return FREE if table is None else int(table[index & ((1 << CHUNK_BITS) - 1)])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.chunks.values())
 
 
 @dataclass
 class _RankClaims:
-    # Owner slot per destination (FREE when no open room holds it); a slot maps to a room id.
-    pages: npt.NDArray[np.int64]
-    state: npt.NDArray[np.int64]
-    aux: npt.NDArray[np.int64]
+    pages: Owners = field(default_factory=Owners)
+    state: Owners = field(default_factory=Owners)
+    aux: Owners = field(default_factory=Owners)
     rooms: dict[int, int] = field(default_factory=dict)  # slot -> room id
     held: dict[int, float] = field(default_factory=dict)  # slot -> when a failed room's hold ends
     claimed: dict[int, tuple[npt.NDArray[np.int64], ...]] = field(default_factory=dict)  # slot -> indices
@@ -45,34 +112,28 @@ class DestinationClaims:
         self._slots = itertools.count()
         self._held: collections.deque[tuple[float, str, int]] = collections.deque()  # (due, rank, slot)
 
-    def _rank(self, rank_id: str, layout: PoolLayout) -> _RankClaims:
+    def nbytes(self) -> int:
+        """Memory of the owner tables (bounded by the claims in flight)."""
+        return sum(t.nbytes for rc in self._ranks.values() for t in (rc.pages, rc.state, rc.aux))
+
+    def claim(self, rank_id: str, room: int, pages: list[int], state: list[int], aux: int | None) -> int:
+        """Claim every destination of `room` (indices the receive already checked against the
+        rank's memory), or refuse (409) and claim nothing; returns the claim's handle for
+        ``release`` / ``hold``."""
         rc = self._ranks.get(rank_id)
         if rc is None:
-            rc = self._ranks[rank_id] = _RankClaims(
-                np.full(layout.kv_pages, FREE, dtype=np.int64),
-                np.full(layout.state_slots, FREE, dtype=np.int64),
-                np.full(layout.aux_slots, FREE, dtype=np.int64),
-            )
-        return rc
-
-    def claim(
-        self, rank_id: str, layout: PoolLayout, room: int, pages: list[int], state: list[int], aux: int | None
-    ) -> int:
-        """Claim every destination of `room`, or refuse (409) and claim nothing; returns the claim's
-        handle for ``release`` / ``hold``."""
-        rc = self._rank(rank_id, layout)
+            rc = self._ranks[rank_id] = _RankClaims()
         checks = (
             ("KV pages", rc.pages, np.asarray(pages, dtype=np.int64)),
             ("state slots", rc.state, np.asarray(state, dtype=np.int64)),
             ("aux row", rc.aux, np.asarray([] if aux is None else [aux], dtype=np.int64)),
         )
         for what, owners, wanted in checks:
-            held = owners[wanted]
-            taken = held != FREE
-            if taken.any():
-                slot = int(held[taken][0])
+            taken, held = owners.owners(wanted)
+            if len(taken):
+                slot = int(held[0])
                 holder = rc.rooms[slot]
-                shared = sorted({int(x) for x in wanted[taken][:5]})
+                shared = sorted(int(x) for x in taken[:5])
                 until = rc.held.get(slot)
                 if until is None:
                     raise conflict(
@@ -88,7 +149,7 @@ class DestinationClaims:
         rc.rooms[slot] = room
         rc.claimed[slot] = tuple(wanted for _, _, wanted in checks)
         for _, owners, wanted in checks:
-            owners[wanted] = slot
+            owners.set(wanted, slot)
         return slot
 
     def release(self, rank_id: str, slot: int) -> None:
@@ -98,7 +159,9 @@ class DestinationClaims:
         del rc.rooms[slot]
         rc.held.pop(slot, None)
         for owners, wanted in zip((rc.pages, rc.state, rc.aux), rc.claimed.pop(slot), strict=True):
-            owners[wanted] = FREE
+            owners.clear(wanted)
+        if not rc.claimed:
+            del self._ranks[rank_id]
 
     def hold(self, rank_id: str, slot: int, until: float) -> None:
         """Release at `until` (``sweep``), or earlier by ``release``; not now."""
@@ -110,11 +173,12 @@ class DestinationClaims:
 
     def sweep(self, now: float) -> None:
         while self._held and self._held[0][0] <= now:
-            _, rank_id, slot = self._held.popleft()
-            self.release(rank_id, slot)
+            due, rank_id, slot = self._held.popleft()
+            rc = self._ranks.get(rank_id)
+            if rc is not None and rc.held.get(slot) == due:  # a later hold of the slot: its own entry
+                self.release(rank_id, slot)
 
     def holder(self, rank_id: str, page: int) -> int | None:
         rc = self._ranks.get(rank_id)
-        if rc is None or rc.pages[page] == FREE:
-            return None
-        return rc.rooms[int(rc.pages[page])]
+        slot = FREE if rc is None else rc.pages.owner(page)
+        return None if rc is None or slot == FREE else rc.rooms[slot]

@@ -18,6 +18,7 @@ import mmap
 import os
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pdfabric_agent.errors import layout_mismatch
@@ -125,11 +126,13 @@ class EngineMemory:
             kv=tuple(p.addr for p in kv), state=tuple(p.addr for p in state), aux=tuple(p.addr for p in aux)
         )
         self._regions = (*kv, *state, *aux)
+        self.file_ranges: tuple[FileRange, ...] = ()  # the shared-memory ranges mapped (``map``)
 
     @classmethod
     def map(cls, reg: MemoryRegistration, layout: PoolLayout, *, shm_dir: str, gpu: int) -> EngineMemory:
-        """Map every buffer; refuses (422) a file outside ``shm_dir`` or a range past its end."""
-        mapper = _Mapper(shm_dir, gpu, reg.rank)
+        """Map every buffer; refuses (422) a file outside ``shm_dir``, a range past its end or one
+        that cannot be mapped. Of each file only the range its buffers span is mapped."""
+        mapper = _Mapper(shm_dir, gpu, reg.rank, _spans(reg))
         try:
             kv = [
                 mapper.map(share, f"{kind}{layer}")
@@ -141,7 +144,17 @@ class EngineMemory:
         except BaseException:
             mapper.close()
             raise
-        return cls(layout, kv, state, aux, mapper)
+        memory = cls(layout, kv, state, aux, mapper)
+        memory.file_ranges = tuple(mapper.ranges)
+        return memory
+
+    def overlap(self, other: EngineMemory) -> FileRange | None:
+        """A file range of this memory that `other` maps too (the same file, by device and inode)."""
+        for mine in self.file_ranges:
+            for theirs in other.file_ranges:
+                if mine.file == theirs.file and mine.start < theirs.end and theirs.start < mine.end:
+                    return mine
+        return None
 
     def regions(self) -> tuple[Pool, ...]:
         return self._regions
@@ -155,52 +168,80 @@ class EngineMemory:
         self._keep.close()
 
 
-class _Mapper:
-    """Maps shares once per file and once per CUDA allocation (buffers often share both)."""
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes [start, end) of one shared-memory file, named by device and inode (``file``)."""
 
-    def __init__(self, shm_dir: str, gpu: int, rank_id: str) -> None:
+    file: tuple[int, int]
+    start: int
+    end: int
+    path: str
+
+
+def _spans(reg: MemoryRegistration) -> dict[str, tuple[int, int]]:
+    """Per shared-memory path: the range its buffers span."""
+    spans: dict[str, tuple[int, int]] = {}
+    for share in (*reg.k, *reg.v, *reg.state, *reg.aux):
+        if share.kind is ShareKind.SHM:
+            lo, hi = spans.get(share.path, (share.offset, share.offset + share.nbytes))
+            spans[share.path] = (min(lo, share.offset), max(hi, share.offset + share.nbytes))
+    return spans
+
+
+class _Mapper:
+    """Maps each file's span once (buffers often share one file) and each CUDA allocation once."""
+
+    def __init__(self, shm_dir: str, gpu: int, rank_id: str, spans: dict[str, tuple[int, int]]) -> None:
         self.shm_dir = os.path.realpath(shm_dir)
         self.gpu = gpu
         self.rank_id = rank_id
-        self._files: dict[str, mmap.mmap] = {}
+        self.spans = spans
+        self.ranges: list[FileRange] = []
+        self._files: dict[str, tuple[mmap.mmap, int]] = {}  # path as given -> (mapping, file offset of its start)
         self._ipc: Any = None  # fastpath.ipc.PeerMappings, opened on the first GPU buffer
 
     def map(self, share: BufferShare, name: str) -> Pool:
         label = f"engine:{self.rank_id}:{name}"
         if share.kind is ShareKind.SHM:
-            mem = self._file(share)
-            if share.offset + share.nbytes > len(mem):
-                raise layout_mismatch(
-                    f"{name}: {share.nbytes} bytes at offset {share.offset} run past the end of {share.path} "
-                    f"({len(mem)} bytes)"
-                )
-            view = memoryview(mem)[share.offset : share.offset + share.nbytes]
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(mem)) + share.offset
+            mem, base = self._file(share)
+            at = share.offset - base
+            view = memoryview(mem)[at : at + share.nbytes]
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(mem)) + at
             return Pool(label, share.nbytes, Device.CPU, addr, share.path, view)
         return self._cuda(share, label)
 
-    def _file(self, share: BufferShare) -> mmap.mmap:
+    def _file(self, share: BufferShare) -> tuple[mmap.mmap, int]:
+        found = self._files.get(share.path)
+        if found is not None:
+            return found
         path = os.path.realpath(share.path)
         if os.path.dirname(path) != self.shm_dir:
             raise layout_mismatch(
                 f"{share.path} is not in the agent's shared-memory directory {self.shm_dir}: "
                 "allocate CPU buffers there (PDFABRIC_SHM_DIR) so the agent may map them"
             )
-        mem = self._files.get(path)
-        if mem is None:
+        try:
+            # O_NOFOLLOW: a symlink swapped in after realpath is refused, never followed outside.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            raise layout_mismatch(f"cannot open {share.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+                raise layout_mismatch(f"{share.path} is not a non-empty regular file")
+            lo, hi = self.spans[share.path]
+            if hi > st.st_size:
+                raise layout_mismatch(f"buffers up to byte {hi} of {share.path} run past its end ({st.st_size} bytes)")
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
             try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            except OSError as exc:
-                raise layout_mismatch(f"cannot open {share.path}: {exc.strerror}") from None
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-                    raise layout_mismatch(f"{share.path} is not a non-empty regular file")
-                mem = mmap.mmap(fd, st.st_size)
-            finally:
-                os.close(fd)
-            self._files[path] = mem
-        return mem
+                mem = mmap.mmap(fd, hi - base, offset=base)
+            except (OSError, OverflowError, ValueError) as exc:
+                raise layout_mismatch(f"cannot map bytes {lo}..{hi} of {share.path}: {exc}") from None
+        finally:
+            os.close(fd)
+        self._files[share.path] = (mem, base)
+        self.ranges.append(FileRange((st.st_dev, st.st_ino), lo, hi, share.path))
+        return mem, base
 
     def _cuda(self, share: BufferShare, label: str) -> Pool:
         import torch
@@ -223,7 +264,7 @@ class _Mapper:
         return Pool(label, share.nbytes, Device.CUDA, ptr, json.dumps(dict(share.export)), tensor, self.gpu)
 
     def close(self) -> None:
-        for mem in self._files.values():
+        for mem, _ in self._files.values():
             with contextlib.suppress(BufferError):  # a view still exported: the OS unmaps at exit
                 mem.close()
         self._files.clear()
