@@ -230,6 +230,7 @@ def agent_pods(
             failed=status.get("phase") in ("Failed", "Succeeded"),
             ip=status.get("podIP") or "",
             unschedulable="" if bound else unschedulable_message(status.get("conditions")),
+            config_hash=annotations.get(c.ANN_CONFIG_HASH, ""),
         )
     }
 

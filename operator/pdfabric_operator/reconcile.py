@@ -61,6 +61,7 @@ class OwnPod:
     ip: str = ""  # status.podIP: where the operator reads the agent's /readyz (agentstate)
     # Not bound yet and the scheduler said why (its PodScheduled=False message); "" otherwise.
     unschedulable: str = ""
+    config_hash: str = ""  # the agent settings it was built with (builders.agent_config_hash)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,15 @@ def _is_current(pod: OwnPod, want: Mapping[str, Any] | None) -> bool:
         and not pod.failed
         and want["metadata"]["annotations"][c.ANN_POD_HASH] == pod.pod_hash
     )
+
+
+def _serves_meanwhile(pod: OwnPod, want: Mapping[str, Any] | None) -> bool:
+    """Not current, but it keeps serving until a rolling update replaces it: the same ranks and
+    agent settings (only the image, resources or pod overrides changed), not failed or leaving."""
+    if want is None or pod.deleting or pod.failed or pod.unschedulable:
+        return False
+    ann = want["metadata"]["annotations"]
+    return bool(ann[c.ANN_RANKS] == pod.ranks and ann[c.ANN_CONFIG_HASH] == pod.config_hash)
 
 
 def reconcile_once(
@@ -311,6 +321,7 @@ def reconcile_once(
                     requested,
                     transport,
                     dict(report.engines or {}) if report is not None else {},
+                    serving=_serves_meanwhile(p, desired.get(p.name)),
                 )
             )
         out.events += _engine_restarts(memory, spec, own, snap.reports)

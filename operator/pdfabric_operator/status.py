@@ -58,6 +58,9 @@ class AgentView:
     # With spec.engine: engine name -> its state as the agent's /readyz said it this reconcile
     # (empty: not read; its engines count as not ready). `ready` is then the agent's own word.
     engines: Mapping[str, EngineState] = field(default_factory=dict)
+    # Not current, but built for the same ranks and the same agent settings (only the image,
+    # resources or pod overrides differ): it serves until the rolling update replaces it.
+    serving: bool = False
 
 
 UNKNOWN_PHASE = "Unknown"  # an engine whose agent said nothing of it (not answering, not listed)
@@ -160,7 +163,10 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
 
     placement = outcome
     wanted = {agent_name(cluster, a.node): a.node for a in placement.agents}
-    ready_nodes = {v.node for v in obs.agents if v.ready and v.current and wanted.get(v.name) == v.node}
+    # An agent awaiting its turn in a rolling update still serves its ranks: Ready stays True
+    # while old pods serve, and drops only for the node being replaced.
+    ready_nodes = {v.node for v in obs.agents if v.ready and (v.current or v.serving) and wanted.get(v.name) == v.node}
+    updated = sum(1 for v in obs.agents if v.current and wanted.get(v.name) == v.node)
     ready_agents = len(ready_nodes & set(wanted.values()))
     p_ready = _ready_replicas(Role.PREFILL, p_desired, placement, ready_nodes)
     d_ready = _ready_replicas(Role.DECODE, d_desired, placement, ready_nodes)
@@ -224,10 +230,11 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
             degraded = _condition(
                 c.COND_DEGRADED, False, "AsRequested", f"running {placement.transport.value} as requested"
             )
+    rolling = f"; rolling update: {updated}/{len(wanted)} agents updated" if updated < len(wanted) else ""
     ready = (
-        _condition(c.COND_READY, True, "AgentsReady", agents_msg)
+        _condition(c.COND_READY, True, "RollingUpdate" if rolling else "AgentsReady", agents_msg + rolling)
         if all_ready
-        else _condition(c.COND_READY, False, "AgentsNotReady", agents_msg)
+        else _condition(c.COND_READY, False, "AgentsNotReady", agents_msg + rolling)
     )
     if spec.engine is None:
         status.update(_no_engines())
@@ -248,11 +255,16 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
     router_ok = router is None or router["readyReplicas"] > 0
     router_msg = "" if router is None else f"; router {router['ready']} ready"
     if all_ready and not engines_ok:
-        ready = _condition(c.COND_READY, False, "EnginesNotReady", f"{agents_msg}; {engines_msg}{router_msg}")
+        ready = _condition(c.COND_READY, False, "EnginesNotReady", f"{agents_msg}; {engines_msg}{router_msg}{rolling}")
     elif all_ready and not router_ok:
-        ready = _condition(c.COND_READY, False, "RouterNotReady", f"{agents_msg}; {engines_msg}{router_msg}")
+        ready = _condition(c.COND_READY, False, "RouterNotReady", f"{agents_msg}; {engines_msg}{router_msg}{rolling}")
     elif all_ready:
-        ready = _condition(c.COND_READY, True, "AgentsReady", f"{agents_msg}; {engines_msg}{router_msg}")
+        ready = _condition(
+            c.COND_READY,
+            True,
+            "RollingUpdate" if rolling else "AgentsReady",
+            f"{agents_msg}; {engines_msg}{router_msg}{rolling}",
+        )
     status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready]
     return status
 
@@ -299,7 +311,7 @@ def _engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[st
     headless Service), prefill's bootstrap address, the per-role Services."""
     spec = obs.spec
     assert spec.engine is not None
-    views = {v.name: v for v in obs.agents if v.current}
+    views = {v.name: v for v in obs.agents if v.current or v.serving}
     endpoints = engine_endpoints(cluster, obs.namespace, spec, placement)
     for entries in endpoints.values():
         for entry in entries:

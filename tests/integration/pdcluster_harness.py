@@ -198,10 +198,15 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 
 def is_ready(cluster: Any, namespace: str, name: str) -> bool:
+    """Ready and converged: the current generation seen, no rolling update under way (Ready is also
+    True, reason RollingUpdate, while old pods serve)."""
     obj = pdc(cluster, namespace, name)
     cond = condition(obj, "Ready")
     return bool(
-        cond and cond["status"] == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        cond
+        and cond["status"] == "True"
+        and cond["reason"] != "RollingUpdate"
+        and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import subprocess
 import time
 from typing import Any
 
@@ -237,14 +238,41 @@ def test_agent_image_change_rolls_out(cluster: Any, namespace: str, gpu_nodes: A
     apply_pdc(cluster, builder.manifest(), namespace)
     wait_ready(cluster, namespace, "pd")
     nodes_before = _gpus_by_node(cluster, namespace)
-    apply_pdc(cluster, builder.agent(image="pdfabric/agent:v2").manifest(), namespace)
+    # Every Ready the operator writes during the roll, from a watch (fake pods turn Ready at once,
+    # so the steps are too quick to sample).
+    ready_path = '{.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}'
+    watch = subprocess.Popen(
+        [
+            str(cluster.bin_dir / "kubectl"),
+            "get",
+            "pdc",
+            "pd",
+            "-n",
+            namespace,
+            "-w",
+            "-o",
+            f'jsonpath={ready_path}{{"\\n"}}',
+        ],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        apply_pdc(cluster, builder.agent(image="pdfabric/agent:v2").manifest(), namespace)
 
-    def rolled() -> bool:
-        pods = agent_pods(cluster, namespace, "pd")
-        return len(pods) == 3 and all(p["spec"]["containers"][0]["image"] == "pdfabric/agent:v2" for p in pods)
+        def rolled() -> bool:
+            pods = agent_pods(cluster, namespace, "pd")
+            return len(pods) == 3 and all(p["spec"]["containers"][0]["image"] == "pdfabric/agent:v2" for p in pods)
 
-    wait_until(rolled, timeout=60, what="every agent on the new image")
-    wait_ready(cluster, namespace, "pd")
+        wait_until(rolled, timeout=60, what="every agent on the new image")
+        obj = wait_ready(cluster, namespace, "pd")
+    finally:
+        watch.terminate()
+    seen = (watch.communicate(timeout=10)[0] or "").split()
+    assert condition(obj, "Ready")["reason"] == "AgentsReady"  # type: ignore[index]
+    # Old pods serve while they wait for their turn: Ready is True between replacements (False
+    # only while a replaced node's agent is gone).
+    assert seen.count("True/RollingUpdate") >= 2, seen
     assert _gpus_by_node(cluster, namespace) == nodes_before, "an image change moves no ranks"
     assert (
         '"image": "pdfabric/agent:v2"'

@@ -257,3 +257,13 @@ def test_an_unbound_pod_is_reported_with_the_schedulers_word() -> None:
             message,
         )
     assert conds["Degraded"]["reason"] == "AsRequested"
+
+
+def test_agents_awaiting_their_turn_in_a_roll_still_serve() -> None:
+    placement = _placement(BUILDER)
+    old = [AgentView(agent_name("pd", a.node), a.node, True, False, serving=True) for a in placement.agents]
+    status = compute_status(Observed(1, BUILDER.spec(), placement, old), "pd")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "RollingUpdate")
+    assert ready["message"].endswith("rolling update: 0/2 agents updated")
+    assert (status["prefillReady"], status["decodeReady"]) == ("2/2", "2/2")

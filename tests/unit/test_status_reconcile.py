@@ -66,6 +66,7 @@ class FakeKube:
                 False,
                 o["metadata"]["annotations"]["pdfabric.dev/pod-hash"],
                 o["metadata"]["annotations"]["pdfabric.dev/ranks"],
+                config_hash=o["metadata"]["annotations"]["pdfabric.dev/config-hash"],
             )
             for (kind, _, _), o in self.objects.items()
             if kind == "Pod" and o["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == uid
@@ -256,6 +257,45 @@ def test_image_change_rolls_one_agent_at_a_time() -> None:
     res = _run(kube, ref, new, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     (second,) = [a for a in res.actions if a.endswith("(rolling)")]
     assert second.split()[2] != first
+
+
+def _ready(kube: FakeKube) -> tuple[str, str, str]:
+    (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
+    return ready["status"], ready["reason"], ready["message"]
+
+
+def test_ready_stays_true_while_old_pods_serve_a_rolling_update() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node(n, 8) for n in "ab"]
+    old = pdcluster().prefill(tp=8).decode(tp=8)
+    _run(kube, ref, old, Snapshot(nodes, [], []), memory, ledger)
+    pods = kube.pods("u1")
+    _run(kube, ref, old, Snapshot(nodes, [], pods), memory, ledger)
+    assert _ready(kube)[:2] == ("True", "AgentsReady")
+    new = pdcluster().prefill(tp=8).decode(tp=8).agent(image="pdfabric/agent:v2")
+    res = _run(kube, ref, new, Snapshot(nodes, [], pods), memory, ledger)
+    assert _ready(kube) == ("True", "RollingUpdate", "2/2 agents ready on tcp; rolling update: 0/2 agents updated")
+    first = next(a for a in res.actions if a.endswith("(rolling)")).split()[2]
+    # The one being replaced does not serve: Ready is False until its successor is.
+    gone = [p for p in pods if p.name != first]
+    _run(kube, ref, new, Snapshot(nodes, [], gone), memory, ledger)
+    assert _ready(kube)[:2] == ("False", "AgentsNotReady")
+    _run(kube, ref, new, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert _ready(kube) == ("True", "RollingUpdate", "2/2 agents ready on tcp; rolling update: 1/2 agents updated")
+
+
+def test_agents_on_other_settings_do_not_count_as_serving() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node(n, 8) for n in "ab"]
+    old = pdcluster().prefill(tp=8).decode(tp=8)
+    _run(kube, ref, old, Snapshot(nodes, [], []), memory, ledger)
+    pods = kube.pods("u1")
+    # Another model geometry: old and new agents would not agree on a page, so they do not serve.
+    new = pdcluster().prefill(tp=8).decode(tp=8).model(layers=61)
+    _run(kube, ref, new, Snapshot(nodes, [], pods), memory, ledger)
+    assert _ready(kube)[:2] == ("False", "AgentsNotReady")
 
 
 def _cert_serial(kube: FakeKube, agent: str) -> str:
