@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from pdfabric_agent import metrics, probe, tls
+from pdfabric_agent import metrics, probe, sandbox, tls
 from pdfabric_agent.agent import Agent
 from pdfabric_agent.backends import make_backend
 from pdfabric_agent.config import AgentConfig, ConfigError, load_config, require_peer_tls
@@ -308,6 +308,12 @@ def main() -> None:
     logging.basicConfig(
         level=os.environ.get("PDFABRIC_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Before any secret is read: engines and other processes of this user cannot read this one's
+    # memory, environment or descriptors (sandbox.py says what holds where).
+    if not sandbox.keep_private():
+        logging.getLogger("pdfabric.agent").warning(
+            "could not make the agent non-dumpable: its /proc files stay readable"
+        )
     try:
         cfg = load_config()
         require_peer_tls(cfg)

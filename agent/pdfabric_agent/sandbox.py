@@ -13,7 +13,13 @@ launcher, which gives up
   readable, including what is created later inside those entries (/tmp, the venv, /dev, /proc).
   What is created later directly in a directory on the way (a new file in / or /etc) is not;
 - ptrace of processes outside the sandbox (Landlock's own rule): an engine cannot read the
-  agent's memory or its /proc/<pid>/mem, environ or fds.
+  agent's memory or its /proc/<pid>/mem, environ, maps or fds.
+
+The agent also makes itself non-dumpable at start (``keep_private``): its /proc/<pid> files then
+belong to root, so the same holds for an engine that is not sandboxed (Disabled, or BestEffort
+where the kernel has no Landlock) and for any other process of the agent's user. Both rules give
+way to CAP_SYS_PTRACE (a root shell that keeps its capabilities reads everything): the node pods
+drop every capability (the "restricted" Pod Security level).
 
 and then execs the engine. Listing a hidden directory's names stays possible (only file reads
 are handled), and so does everything the engine contract needs (the engine token, the pools,
@@ -49,6 +55,18 @@ _PR_SET_NO_NEW_PRIVS = 38
 _ARCHES = {"x86_64", "aarch64", "arm64"}
 
 EXIT_UNAVAILABLE = 126  # the launcher's exit status when a required sandbox cannot be set up
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def keep_private() -> bool:
+    """Make this process non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``): processes of its user
+    without CAP_SYS_PTRACE can no longer read its /proc/<pid>/environ, maps, mem or fd, nor
+    ptrace it. Children get their own flag back when they exec. False where it did not take."""
+    if sys.platform != "linux":
+        return False
+    return int(_libc().prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)) == 0
 
 
 class SandboxError(Exception):

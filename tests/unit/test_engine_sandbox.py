@@ -107,7 +107,7 @@ def test_a_sandboxed_process_cannot_read_its_parents_memory_or_environment(tree:
         f"""
         import os, subprocess, sys
         me = os.getpid()
-        child = "import sys\\nfor what in ('environ', 'mem', 'fd/0'):\\n    try:\\n        open(f'/proc/{{}}/' + what, 'rb').read(1)\\n        print(what, 'read')\\n    except OSError as exc:\\n        print(what, type(exc).__name__)".format(me)
+        child = "import sys\\nfor what in ('environ', 'mem', 'maps', 'fd/0'):\\n    try:\\n        open(f'/proc/{{}}/' + what, 'rb').read(1)\\n        print(what, 'read')\\n    except OSError as exc:\\n        print(what, type(exc).__name__)".format(me)
         out = subprocess.run({LAUNCHER!r} + ["--hide", {str(tree / "pod" / "secret")!r}, "--required", "--",
                              sys.executable, "-c", child], capture_output=True, text=True)
         print(out.stdout + out.stderr)
@@ -121,7 +121,41 @@ def test_a_sandboxed_process_cannot_read_its_parents_memory_or_environment(tree:
         check=True,
     )
     assert "environ PermissionError" in out.stdout and "mem PermissionError" in out.stdout, out.stdout
-    assert "fd/0 PermissionError" in out.stdout, out.stdout
+    assert "fd/0 PermissionError" in out.stdout and "maps PermissionError" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop capabilities")
+@pytest.mark.parametrize("private", [True, False], ids=["non-dumpable", "dumpable"])
+def test_a_non_dumpable_agent_keeps_its_proc_files_from_unsandboxed_children(private: bool) -> None:
+    """Without Landlock (Disabled, or BestEffort on a kernel without it) an engine of the agent's
+    user reads the agent's environ and maps, unless the agent made itself non-dumpable (as its
+    main does). Without CAP_SYS_PTRACE, as in a pod that drops all capabilities."""
+    sandbox_py = str(Path(sandbox.__file__))
+    parent = textwrap.dedent(
+        f"""
+        import importlib.util, os, subprocess, sys
+        spec = importlib.util.spec_from_file_location("sandbox", {sandbox_py!r})
+        sandbox = importlib.util.module_from_spec(spec); spec.loader.exec_module(sandbox)
+        if {private!r}:
+            assert sandbox.keep_private()
+        me = os.getpid()
+        child = "for what in ('environ', 'mem', 'maps', 'fd/0'):\\n    try:\\n        open(f'/proc/{{}}/' + what, 'rb').read(1)\\n        print(what, 'read')\\n    except OSError as exc:\\n        print(what, type(exc).__name__)".format(me)
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+        print(out.stdout + out.stderr)
+        """
+    )
+    out = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, "-c", parent],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seen = dict(line.split(" ", 1) for line in out.stdout.split("\n") if " " in line)
+    if private:
+        assert set(seen.values()) == {"PermissionError"} and len(seen) == 4, out.stdout
+    else:
+        assert seen["environ"] == "read" and seen["maps"] == "read", out.stdout
 
 
 def test_the_check_fails_closed_when_a_hidden_file_is_readable(tree: Path) -> None:
