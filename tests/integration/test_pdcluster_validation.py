@@ -10,6 +10,7 @@ import pytest
 from pdfabric_core.spec import PDClusterSpec, parse_spec
 from tests.builders import ENGINE, ENGINE_INVALID_SPECS, INVALID_SPECS, merge, pdcluster
 from tests.integration import pdcluster_harness as h
+from tests.integration.pdcluster_harness import wait_until
 
 operator_kubeconfig = h.operator_kubeconfig
 
@@ -136,3 +137,18 @@ def test_adding_and_removing_engine_on_a_live_cluster(cluster: Any, namespace: s
     cluster.kubectl("patch", "pdcluster", "live", "-n", namespace, "--type=merge", "-p", json.dumps(off))
     assert "engine" not in cluster.get_json("pdcluster", "live", "-n", namespace)["spec"]
     cluster.kubectl("delete", "pdcluster", "live", "-n", namespace)
+
+
+def test_kubectl_explain_describes_spec_and_status_fields(cluster: Any, crds: None) -> None:
+    def explain(path: str) -> str:
+        # The API server publishes the CRD's schema to OpenAPI a moment after it is established.
+        out = wait_until(
+            lambda: (p := cluster.kubectl("explain", path, check=False)).returncode == 0 and p.stdout,
+            timeout=30,
+            what=f"kubectl explain {path}",
+        )
+        return str(out)
+
+    assert "The node the scheduler binds the agent pod to" in explain("pdclusters.status.placement.node")
+    assert "KV heads of the model before TP sharding" in explain("pdclusters.spec.model.kvHeads")
+    assert "Tolerations added to the operator's" in explain("pdclusters.spec.agent.pod.tolerations")
