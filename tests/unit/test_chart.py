@@ -263,3 +263,43 @@ def test_values_schema_rejects_bad_alert_thresholds(bad: str) -> None:
     proc = _run("template", "pdfabric", str(CHART), "--set", "metrics.prometheusRule.enabled=true", "--set", bad)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
+
+
+# (id, --set values, expected PodDisruptionBudget spec or None)
+PDB_CASES: list[tuple[str, tuple[str, ...], dict[str, Any] | None]] = [
+    ("default-max-unavailable-1", (), {"maxUnavailable": 1}),
+    ("min-available-instead", ("podDisruptionBudget.minAvailable=1",), {"minAvailable": 1}),
+    ("percentage", ("podDisruptionBudget.maxUnavailable=50%",), {"maxUnavailable": "50%"}),
+    ("off", ("podDisruptionBudget.enabled=false",), None),
+]
+
+
+@pytest.mark.parametrize(("sets", "expected"), [c[1:] for c in PDB_CASES], ids=[c[0] for c in PDB_CASES])
+def test_pod_disruption_budget_selects_the_operator_pods(
+    sets: tuple[str, ...], expected: dict[str, Any] | None
+) -> None:
+    args = [a for s in sets for a in ("--set", s)]
+    docs = _render(*args)
+    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    if expected is None:
+        assert pdbs == []
+        return
+    (pdb,) = pdbs
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert pdb["apiVersion"] == "policy/v1"
+    assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == expected
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("bad", ["podDisruptionBudget.maxUnavailable=-1", "podDisruptionBudget.minAvailable=half"])
+def test_values_schema_rejects_bad_budgets(bad: str) -> None:
+    proc = _run("template", "pdfabric", str(CHART), "--set", bad)
+    assert proc.returncode != 0 and "values don't meet the specifications of the schema" in proc.stderr
+
+
+def test_notes_say_how_to_check_start_and_upgrade() -> None:
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    assert (
+        "kubectl apply -f examples/pdcluster-tcp.yaml" in notes and (ROOT / "examples" / "pdcluster-tcp.yaml").exists()
+    )
+    assert "helm show crds" in notes and "docs/upgrade.md" in notes and (ROOT / "docs" / "upgrade.md").exists()
