@@ -29,7 +29,15 @@ from pdfabric_operator import constants as c
 from pdfabric_operator.agentstate import AgentAddress, AgentReport, AgentTransport, read_reports, read_transports
 from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, error_type, load_configuration
-from pdfabric_operator.metrics import CLUSTERS, ERRORS, RECONCILE_DURATION, RECONCILES, ReconcileResult
+from pdfabric_operator.metrics import (
+    CLUSTERS,
+    ERRORS,
+    PDCLUSTER_PLACED,
+    PDCLUSTER_READY,
+    RECONCILE_DURATION,
+    RECONCILES,
+    ReconcileResult,
+)
 from pdfabric_operator.planner import GpuNode, PlacedPod
 from pdfabric_operator.reconcile import (
     LEDGER,
@@ -363,6 +371,8 @@ async def reconcile_daemon(
                     cert_valid_for=STATE.config.peer_cert_validity,
                 )
                 RECONCILES.labels(res.result.value).inc()
+                PDCLUSTER_READY.labels(ref.namespace, ref.name).set(res.ready)
+                PDCLUSTER_PLACED.labels(ref.namespace, ref.name).set(res.placed)
                 if res.actions:
                     logger.info(f"reconciled ({res.result.value}): {'; '.join(res.actions)}")
                 # One Event per new problem (kubectl describe shows it), not one per reconcile.
@@ -391,6 +401,9 @@ async def reconcile_daemon(
         STATE.wakers.pop(uid, None)
         STATE.transports.pop(uid, None)
         CLUSTERS.set(len(STATE.wakers))
+        for gauge in (PDCLUSTER_READY, PDCLUSTER_PLACED):  # gone, or reconciled by another replica now
+            with contextlib.suppress(KeyError):
+                gauge.remove(ref.namespace, ref.name)
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, id="cleanup")

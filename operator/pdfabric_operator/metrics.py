@@ -1,7 +1,10 @@
 """Every operator metric, declared once. Names: pdfabric_operator_<noun>_<verb>_<unit suffix>.
 
 Label values come from Enums and are pre-created, so each series exists at zero before the first
-event (a dashboard can tell "no failures" from "no data").
+event (a dashboard can tell "no failures" from "no data"). The per-PDCluster gauges are the
+exception: a series exists while the operator reconciles that PDCluster. Their labels are
+pdcluster_namespace and pdcluster, not namespace and cluster: a scrape of the operator sets
+namespace to the operator's own, and cluster is the multi-cluster label of many Prometheus setups.
 """
 
 from __future__ import annotations
@@ -47,6 +50,16 @@ API_REQUESTS = Counter(
     ["verb"],
 )
 CLUSTERS = Gauge("pdfabric_operator_clusters", "PDClusters this operator reconciles now.")
+PDCLUSTER_READY = Gauge(
+    "pdfabric_operator_pdcluster_ready",
+    "1 while the PDCluster's Ready condition is True (a rolling update included), else 0.",
+    ["pdcluster_namespace", "pdcluster"],
+)
+PDCLUSTER_PLACED = Gauge(
+    "pdfabric_operator_pdcluster_placed",
+    "1 while the PDCluster's Placed condition is True (the declared TCP fallback included), else 0.",
+    ["pdcluster_namespace", "pdcluster"],
+)
 
 for _r in ReconcileResult:
     RECONCILES.labels(_r.value)

@@ -153,6 +153,9 @@ class Result:
     events: list[tuple[str, str]] = field(default_factory=list)
     # Normal Events to emit once each (reason, message): peer certificates renewed.
     notices: list[tuple[str, str]] = field(default_factory=list)
+    # The Ready and Placed conditions as written (the per-PDCluster gauges the alerts read).
+    ready: bool = False
+    placed: bool = False
 
 
 def _now() -> str:
@@ -343,6 +346,8 @@ def reconcile_once(
         out.problem = ("AgentTransportFallback", fell_back)
     if isinstance(outcome, Placement) and ready_condition(status)["status"] == "True":
         out.result = ReconcileResult.READY
+    out.ready = ready_condition(status)["status"] == "True"
+    out.placed = any(x["type"] == c.COND_PLACED and x["status"] == "True" for x in status["conditions"])
     out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
     return out
 

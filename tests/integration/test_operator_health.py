@@ -61,5 +61,19 @@ def test_liveness_and_metrics(cluster: Any, namespace: str, gpu_nodes: Any, oper
             assert _metric(text, "pdfabric_operator_reconcile_duration_seconds_count") >= 2
             # Pre-created series: zero, not missing, before the first failure of that kind.
             assert _metric(text, 'pdfabric_operator_errors_total{type="api_server"}') == 0
+            # The per-PDCluster gauges the operator alerts read (docs/alerts.md).
+            pd = f'{{pdcluster="pd",pdcluster_namespace="{namespace}"}}'
+            big = f'{{pdcluster="toobig",pdcluster_namespace="{namespace}"}}'
+            assert (
+                _metric(text, f"pdfabric_operator_pdcluster_ready{pd}"),
+                _metric(text, f"pdfabric_operator_pdcluster_placed{pd}"),
+            ) == (1, 1)
+            assert (
+                _metric(text, f"pdfabric_operator_pdcluster_ready{big}"),
+                _metric(text, f"pdfabric_operator_pdcluster_placed{big}"),
+            ) == (0, 0)
         finally:
             delete_all_pdclusters(cluster, namespace)
+        # A deleted PDCluster's series go with it.
+        _, text = _get(f"http://127.0.0.1:{metrics}/metrics")
+        assert f'pdcluster_namespace="{namespace}"' not in text

@@ -33,7 +33,9 @@ def _promtool() -> str:
 
 
 def _rule_spec(*args: str) -> dict[str, Any]:
-    docs = [d for d in _render("--set", "metrics.prometheusRule.enabled=true", *args) if d["kind"] == "PrometheusRule"]
+    # With the operator's ServiceMonitor, which PDFabricOperatorDown needs (it is rendered only with it).
+    sets = ("--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
+    docs = [d for d in _render(*sets, *args) if d["kind"] == "PrometheusRule"]
     (rule,) = docs
     spec: dict[str, Any] = rule["spec"]
     return spec
@@ -131,3 +133,11 @@ def test_cp_dedup_lookback_is_optional(promtool: str, tmp_path: Path) -> None:
         [promtool, "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_operator_down_needs_the_operator_scraped() -> None:
+    docs = _render("--set", "metrics.prometheusRule.enabled=true")
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "PDFabricOperatorDown" not in names and "PDFabricPlacementFailing" in names
+    assert "PDFabricOperatorDown" in _alerts(_rule_spec())

@@ -595,3 +595,15 @@ def test_unplaceable_deletes_only_the_children_it_owns() -> None:
     assert res.result is ReconcileResult.UNPLACED
     assert set(kube.objects) == {("Service", "ns", "pd-prefill"), ("Deployment", "ns", "pd-router")}
     assert not [c for c in kube.calls if c[0] == "delete" and c[2] in ("pd-prefill", "pd-router")]
+
+
+def test_result_carries_ready_and_placed_for_the_gauges() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node("a", 8)]
+    first = _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
+    assert (first.ready, first.placed) == (False, True)
+    second = _run(kube, ref, pdcluster(), Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert (second.ready, second.placed) == (True, True)
+    unplaced = _run(kube, ref, pdcluster().prefill(tp=8).decode(tp=8), Snapshot(nodes, [], []), memory, ledger)
+    assert (unplaced.ready, unplaced.placed) == (False, False)
