@@ -192,8 +192,12 @@ def gpu_nodes(name: str, labels: Any, spec: Any, status: Any, meta: Any, **_: An
 
 
 @kopf.index("pods")
-def gpu_pods(spec: Any, status: Any, labels: Any, **_: Any) -> dict[str, PlacedPod] | None:
+def gpu_pods(spec: Any, status: Any, labels: Any, annotations: Any, **_: Any) -> dict[str, PlacedPod] | None:
     node = spec.get("nodeName")
+    if not node and labels.get(c.LABEL_MANAGED_BY) == c.MANAGED_BY:
+        # Our agent pod before the scheduler binds it holds its planned node's GPUs already: after
+        # a restart (an empty ledger) another PDCluster must not be planned onto them.
+        node = annotations.get(c.ANN_NODE)
     if not node or status.get("phase") in ("Succeeded", "Failed"):
         return None
     requests: dict[str, int] = {}

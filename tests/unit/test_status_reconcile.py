@@ -607,3 +607,17 @@ def test_result_carries_ready_and_placed_for_the_gauges() -> None:
     assert (second.ready, second.placed) == (True, True)
     unplaced = _run(kube, ref, pdcluster().prefill(tp=8).decode(tp=8), Snapshot(nodes, [], []), memory, ledger)
     assert (unplaced.ready, unplaced.placed) == (False, False)
+
+
+def test_an_unbound_agent_pod_holds_its_planned_nodes_gpus_in_the_index() -> None:
+    from pdfabric_operator import main
+
+    planned = {"pdfabric.dev/node": "a"}
+    ours = {"app.kubernetes.io/managed-by": "pdfabric-operator", "pdfabric.dev/cluster-uid": "u1"}
+    spec = {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "4"}}}]}
+    held = main.gpu_pods(spec=spec, status={"phase": "Pending"}, labels=ours, annotations=planned)
+    assert held == {"a": PlacedPod("a", {"nvidia.com/gpu": 4}, "u1")}
+    # Someone else's unbound pod holds nothing yet (the scheduler decides where it goes).
+    assert main.gpu_pods(spec=spec, status={"phase": "Pending"}, labels={}, annotations=planned) is None
+    bound = main.gpu_pods(spec={**spec, "nodeName": "b"}, status={"phase": "Running"}, labels={}, annotations={})
+    assert bound == {"b": PlacedPod("b", {"nvidia.com/gpu": 4}, None)}
