@@ -527,6 +527,16 @@ def _secret_names(volume: Mapping[str, Any]) -> list[str]:
     return [n for n in names if n]
 
 
+def _check_env_secret(var: Mapping[str, Any], where: str) -> None:
+    """A variable may not read a Secret the operator issues (valueFrom.secretKeyRef)."""
+    secret = str(((var.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name") or "")
+    if secret.endswith(RESERVED_SECRET_SUFFIXES):
+        raise SpecError(
+            f"{where}.env: {var.get('name')} reads Secret {secret}, a name of the Secrets the operator issues "
+            f"(peer CA, agent certificates, engine token), which only the operator places"
+        )
+
+
 def _validate_pod(pod: PodOverrides, where: str, reserved_env: tuple[str, ...]) -> None:
     """The pod overrides' rules (mirrored by the CRD's CEL where CEL can see them): nothing that
     would break the contract of the pods the operator builds."""
@@ -566,6 +576,7 @@ def _validate_pod(pod: PodOverrides, where: str, reserved_env: tuple[str, ...]) 
             raise SpecError(f"{where}.env: every variable needs a name")
         if name.startswith("PDFABRIC_") or name in reserved_env or name in FORBIDDEN_ENGINE_ENV:
             raise SpecError(f"{where}.env: {name} is set by the operator (or is the device plugin's)")
+        _check_env_secret(var, where)
     for tol in pod.tolerations:
         effects = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
         if tol.get("operator", "Equal") not in ("Exists", "Equal") or tol.get("effect", "") not in effects:
@@ -598,6 +609,7 @@ def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
                 raise SpecError(
                     f"{where}.env: the device plugin's allocation is the only GPU grant; {name} may not be set"
                 )
+            _check_env_secret(var, where)
         for kind in ("requests", "limits"):
             if spec.placement.gpu_resource in (r.resources.get(kind) or {}):
                 raise SpecError(

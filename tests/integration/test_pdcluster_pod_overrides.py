@@ -175,3 +175,27 @@ def test_a_missing_priority_class_is_reported_by_the_api_servers_word(
     ready = wait_until(refused, timeout=60, what="Ready=False/PodRejected")
     assert "no-such-class" in ready["message"], ready
     assert not agent_pods(cluster, namespace, "pd")
+
+
+def test_a_volume_or_variable_reading_the_operators_secrets_is_refused_by_the_operator(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any
+) -> None:
+    gpu_nodes("s", 1, gpus=8)
+    sel = selector(namespace)
+    # CEL cannot see a volume's source: the API server accepts these, the operator refuses them.
+    cases = {
+        "vol": {"volumes": [{"name": "ca", "secret": {"secretName": "vol-peer-ca"}}]},
+        "env": {"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "env-peer-ca", "key": "tls.key"}}}]},
+    }
+    for name, pod in cases.items():
+        apply_pdc(cluster, pdcluster(name).placement(nodeSelector=sel).agent(pod=pod).manifest(), namespace)
+    for name in cases:
+        ready = wait_until(
+            lambda n=name: (lambda c: c if c and c["reason"] == "InvalidSpec" else None)(
+                condition(pdc(cluster, namespace, n), "Ready")
+            ),
+            timeout=30,
+            what=f"{name}: Ready=False/InvalidSpec",
+        )
+        assert f"{name}-peer-ca" in ready["message"], ready
+        assert agent_pods(cluster, namespace, name) == []

@@ -338,7 +338,21 @@ POD_REFUSALS = [
         "clear of",
     ),
     ("pull-secret-without-name", {"imagePullSecrets": [{}]}, "needs a name"),
+    (
+        "env-from-the-peer-ca",
+        {"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "pd-peer-ca", "key": "tls.key"}}}]},
+        "reads Secret pd-peer-ca",
+    ),
 ]
+
+
+def test_engine_env_may_not_read_the_operators_secrets() -> None:
+    env = [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "pd-engine-token", "key": "token"}}}]
+    engine = {"image": "e", "prefill": {"command": ["s"], "env": env}, "decode": {"command": ["s"]}}
+    with pytest.raises(SpecError, match="reads Secret pd-engine-token"):
+        parse_spec({"engine": engine})
+    ok = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    assert parse_spec({"engine": {**engine, "prefill": {"command": ["s"], "env": ok}}}).engine is not None
 
 
 @pytest.mark.parametrize(("pod", "fragment"), [c[1:] for c in POD_REFUSALS], ids=[c[0] for c in POD_REFUSALS])
