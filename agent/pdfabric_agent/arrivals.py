@@ -147,7 +147,7 @@ class DecodeArrivals:
         ctx = self.ctx
 
         async def push(prefill_rank: str, agent_name: str) -> None:
-            if ctx.peers.is_blacklisted(agent_name):
+            if not await ctx.peers.usable(agent_name):
                 raise RuntimeError(ctx.peers.why_blacklisted(agent_name))
             msg = dataclasses.replace(info, prefill_rank=prefill_rank)
             pushed = ctx.clock()

@@ -10,6 +10,7 @@ that cannot be reached raises what aiohttp raises (``PEER_UNREACHABLE``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from pdfabric_core.rankmap import RankMap
 log = logging.getLogger("pdfabric.agent")
 
 HEARTBEAT_MISSES = 2  # upstream: two missed heartbeats fail the rooms
+RECHECK_S = 1.0  # a peer blacklisted for silence is pinged again for a new room at most this often
 
 
 class PeerRefused(RuntimeError):
@@ -56,6 +58,8 @@ class PeerClient:
         self._http: aiohttp.ClientSession | None = None
         self._probing: set[str] = set()
         self._missed: dict[str, int] = {}  # agent -> consecutive missed heartbeats
+        self._rechecks: dict[str, asyncio.Task[bool]] = {}  # agent -> the ping a new room waits for
+        self._recheck_after: dict[str, float] = {}
 
     def peer_host(self, agent_name: str) -> str:
         """The host name agent ``agent_name`` is dialled by, and its certificate must carry."""
@@ -130,6 +134,32 @@ class PeerClient:
         self.health.fail(agent_name, reason, silent=silent)
         metrics.peers_blacklisted.labels(self.rankmap.cluster).set(len(self.health.blacklisted))
         return reason
+
+    async def usable(self, agent_name: str) -> bool:
+        """Whether a new room may use `agent_name`: not blacklisted, or blacklisted only for not
+        answering and answering a ping now (a stopped agent that resumed). One ping per peer at a
+        time, shared by the rooms that wait for it, and at most one a second: rooms to a peer that
+        is really gone still fail at once."""
+        if not self.health.is_blacklisted(agent_name):
+            return True
+        if not self.health.is_silent(agent_name):
+            return False
+        task = self._rechecks.get(agent_name)
+        if task is None:
+            now = self.clock()
+            if now < self._recheck_after.get(agent_name, float("-inf")):
+                return False
+            self._recheck_after[agent_name] = now + RECHECK_S
+            task = self._rechecks[agent_name] = asyncio.ensure_future(self._recheck(agent_name))
+        return await asyncio.shield(task)
+
+    async def _recheck(self, agent_name: str) -> bool:
+        try:
+            if await self.ping(agent_name, timeout_s=RECHECK_S):
+                self.heard_from(agent_name)
+            return not self.health.is_blacklisted(agent_name)
+        finally:
+            self._rechecks.pop(agent_name, None)
 
     def heard_from(self, agent_name: str) -> None:
         """`agent_name` called the peer door: alive, whatever its missed heartbeats said."""

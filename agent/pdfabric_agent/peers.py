@@ -42,6 +42,11 @@ class PeerHealth:
         elif not silent:
             entry.silent = False
 
+    def is_silent(self, peer: str) -> bool:
+        """Blacklisted only for not answering."""
+        entry = self._bad.get(peer)
+        return entry is not None and entry.silent
+
     def heard_from(self, peer: str) -> bool:
         """The peer called this agent (with its certificate): one blacklisted only for silence is
         re-admitted now. True when it was."""

@@ -9,13 +9,9 @@ on mutual TLS):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
-import selectors
 import signal
-import socket
-import threading
 import time
 
 import pytest
@@ -23,6 +19,7 @@ import pytest
 from pdfabric_devcluster.fabric import AgentProcess, LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
 from tests.builders import SMALL_MODEL
+from tests.e2e.attacks import HandshakeFlood
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,62 +42,6 @@ def hold_descriptors(agent: AgentProcess, soft: int) -> None:
 def open_descriptors(agent: AgentProcess) -> int:
     assert agent.proc is not None
     return len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
-
-
-class HandshakeFlood:
-    """`n` connections to a peer door from another loopback address (another pod, as the agent sees
-    it), each sending the first bytes of a ClientHello and nothing more; a connection the agent
-    closes is opened again at once, so the flood stays at `n` for as long as it runs."""
-
-    def __init__(self, address: str, n: int, source: str = "127.0.0.2") -> None:
-        host, port = address.rsplit(":", 1)
-        self.target = (host, int(port))
-        self.n, self.source = n, source
-        self.stop = threading.Event()
-        self.opened = 0
-        self.ended = 0
-        self.sel = selectors.DefaultSelector()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _open(self) -> None:
-        s = socket.socket()
-        s.setblocking(False)
-        s.bind((self.source, 0))
-        with contextlib.suppress(BlockingIOError):
-            s.connect(self.target)
-        with contextlib.suppress(OSError):  # not connected yet: a connection that sends nothing, as bad
-            s.send(b"\x16\x03\x01")
-        self.sel.register(s, selectors.EVENT_READ)
-        self.opened += 1
-
-    def _run(self) -> None:
-        for _ in range(self.n):
-            self._open()
-        while not self.stop.is_set():
-            for key, _ in self.sel.select(0.1):
-                s = key.fileobj
-                assert isinstance(s, socket.socket)
-                try:
-                    gone = s.recv(16) == b""
-                except BlockingIOError:
-                    gone = False
-                except OSError:
-                    gone = True
-                if gone:
-                    self.sel.unregister(s)
-                    s.close()
-                    self.ended += 1
-                    self._open()
-        for key in list(self.sel.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
-
-    def __enter__(self) -> HandshakeFlood:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(10)
 
 
 def test_rooms_stay_exact_under_a_handshake_flood_at_1024_descriptors() -> None:
@@ -162,6 +103,7 @@ def test_a_prefill_stopped_mid_write_blames_no_peer_and_the_next_room_succeeds(s
         print({rank: (v["state"], v.get("reason", "")) for rank, v in stopped.items()})
         result = transfer_room(lc, 2, pages=16)
         blacklisted = {name: lc.metric_sum("pdfabric_peers_blacklisted", [name]) for name in lc.agents}
-        assert result.errors == {D: []}, (result.decode, result.prefill)
+        reasons = {r: (v["state"], v.get("reason")) for r, v in {**result.decode, **result.prefill}.items()}
+        assert result.errors == {D: []}, reasons
         assert blacklisted == dict.fromkeys(lc.agents, 0.0)
         assert not any("blacklisted" in v.get("reason", "") for v in stopped.values()), stopped

@@ -1,8 +1,10 @@
 """Chaos through real agents: good rooms run while slow and malformed clients, forged and false
-peer messages, overlapping rooms, a frozen (SIGSTOP) decode agent and a killed (kill -9) and
-restarted prefill agent hit the fabric at once. At the end:
+peer messages, overlapping rooms, a flood of half-open TLS handshakes on both peer doors, a frozen
+(SIGSTOP) decode agent, a prefill agent stopped in the middle of its writes, and a killed (kill -9)
+and restarted prefill agent hit the fabric at once. At the end:
 - every room decode reported Success is byte-exact (the engine-side check of every page, state
   slot and aux row), and no Success came for bytes that did not arrive;
+- no agent blames the other: the stops, the flood and the kill blacklist nobody once they are over;
 - no answer was a 5xx; every refusal was a 4xx;
 - the agents that were never killed hold as many descriptors and threads as before, and their RSS
   did not grow without bound.
@@ -25,6 +27,7 @@ from pdfabric_agent.client import AgentRefused
 from pdfabric_devcluster.fabric import AgentProcess, LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
 from tests.builders import SMALL_MODEL
+from tests.e2e.attacks import HandshakeFlood
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,7 +39,7 @@ SPEC = {
 }
 ENV = {"PDFABRIC_BOOTSTRAP_TIMEOUT_S": "3", "PDFABRIC_PROBE_BACKOFF_S": "0.5", "PDFABRIC_PROBE_BACKOFF_MAX_S": "1"}
 P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
-CHAOS_S = 20.0
+CHAOS_S = 24.0
 
 
 def usage(agent: AgentProcess) -> tuple[int, int, int]:
@@ -164,11 +167,16 @@ def test_chaos_ends_with_exact_rooms_no_5xx_and_flat_resources() -> None:
 
         threads = [loop(stop, f) for f in (good_room, slow_headers, malformed, forged, overlapping)]
         started = time.monotonic()
-        time.sleep(4)
-        decode.signal(signal.SIGSTOP)  # a frozen decode agent ...
-        time.sleep(2)
-        decode.signal(signal.SIGCONT)  # ... that resumes
-        time.sleep(4)
+        with HandshakeFlood(decode.peer_address, 500), HandshakeFlood(prefill.peer_address, 500):
+            time.sleep(4)
+            decode.signal(signal.SIGSTOP)  # a frozen decode agent ...
+            time.sleep(2)
+            decode.signal(signal.SIGCONT)  # ... that resumes
+            time.sleep(2)
+            prefill.signal(signal.SIGSTOP)  # a prefill agent stopped among its writes, for longer
+            time.sleep(3)  # than a stall (2 s): what failed across it is its own doing
+            prefill.signal(signal.SIGCONT)
+            time.sleep(2)
         lc.kill(prefill.name)  # kill -9 of the prefill agent mid-traffic, then it comes back
         lc.start(prefill.name)
         time.sleep(max(0.0, CHAOS_S - (time.monotonic() - started)))
@@ -178,12 +186,14 @@ def test_chaos_ends_with_exact_rooms_no_5xx_and_flat_resources() -> None:
         time.sleep(5)  # slow connections cut off, failed rooms' destinations released
         assert transfer_room(lc, 99999, pages=4).errors == {D: []}  # the fabric still moves rooms
         after = usage(decode)
+        blacklisted = lc.metric_sum("pdfabric_peers_blacklisted")
 
     codes = {who: sorted(set(c)) for who, c in led.statuses.items()}
     print(
         f"chaos: {len(led.exact)} rooms exact, {len(led.failed)} failed, answers {codes}, before {before} after {after}"
     )
     assert not led.corrupt, f"Success for bytes that did not arrive: {led.corrupt[:3]}"
+    assert blacklisted == 0
     assert len(led.exact) >= 10, f"only {len(led.exact)} good rooms succeeded ({len(led.failed)} failed)"
     assert all(code < 500 for c in led.statuses.values() for code in c), codes
     assert set(codes["forged"]) <= {400, 403, 404}, codes

@@ -153,3 +153,32 @@ def test_a_peer_blacklisted_for_silence_that_calls_in_is_readmitted(tmp_path: Pa
     peers.blame("a2", "batch write returned -1", agent.clock())
     peers.heard_from("a2")
     assert peers.is_blacklisted("a2")
+
+
+def test_a_new_room_pings_a_peer_blacklisted_for_silence_once_a_second_at_most(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    peers = agent.peers
+    pings: list[str] = []
+    answers = {"a2": False}
+
+    async def ping(agent_name: str, timeout_s: float = 2.0) -> bool:
+        pings.append(agent_name)
+        await asyncio.sleep(0.01)
+        return answers[agent_name]
+
+    peers.ping = ping  # type: ignore[method-assign]
+
+    async def go() -> list[bool]:
+        peers.blame("a2", "missed 2 heartbeats", agent.clock(), silent=True)
+        silent_dead = await asyncio.gather(peers.usable("a2"), peers.usable("a2"))  # one ping, shared
+        again = await peers.usable("a2")  # within the second: no ping, refused at once
+        peers._recheck_after["a2"] = 0.0  # a second later
+        answers["a2"] = True
+        resumed = await peers.usable("a2")
+        peers.blame("a2", "batch write returned -1", agent.clock())  # a failed transfer: no ping
+        failed = await peers.usable("a2")
+        await agent.close()
+        return [*silent_dead, again, resumed, failed]
+
+    assert asyncio.run(go()) == [False, False, False, True, False]
+    assert pings == ["a2", "a2"]
