@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool, kind nvidia-h200-x2), from the repo root, with the
-# Mooncake CUDA engine carried in .gpu-deps (fetched there with the gpu-deps tool: `gpu-deps fetch .gpu-deps`):
+# Mooncake CUDA engine carried in .gpu-deps (fetched there with the gpu-deps tool: `gpu-deps fetch .gpu-deps`),
+# and the pure-Python wheels the GPU machine's Python lacks in .gpu-deps/wheels (the test harness's
+# certificates need cryptography: `pip download cryptography cffi pycparser --python-version 3.12
+# --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-deps/wheels`):
 #   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent]      (default: all three)
 # Output goes to stdout and, when the device tool sets $OUT, into files there.
 set -uo pipefail
@@ -8,6 +11,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-$(mktemp -d)}
 export OUT
 eval "$(.gpu-deps/gpu-deps load .gpu-deps)"
+if compgen -G ".gpu-deps/wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --break-system-packages --root-user-action=ignore .gpu-deps/wheels/*.whl
+fi
 steps=${*:-tests fastpath agent}
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 nvidia-smi topo -m | head -4
