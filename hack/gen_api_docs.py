@@ -121,12 +121,17 @@ def render() -> str:
         "",
         "## status (written by the operator)",
         "",
-        "Conditions: `Ready` (placed and every agent Ready), `Placed` (reason names what is missing when False: "
+        "Conditions: `Ready` (placed and every agent Ready; `RollingUpdate`, still True, while pods of the "
+        "same ranks wait for their turn in a rolling update and serve; False with `PodRejected` when the API "
+        "server refuses an agent pod, `PodUnschedulable` when the kube-scheduler does not bind one, "
+        "`InvalidSpec`), `Placed` (reason names what is missing when False: "
         "`NoGPUNodes`, `InsufficientGPUs`, `NoRDMANodes`, `NoNVLinkDomain`, `NVLinkDomainTooSmall`, "
-        "`NoNodeForIntraNodeGroup`; `FallbackTCP` when the declared fallback was used), `TransportReady` "
+        "`NoNodeForIntraNodeGroup`, `PodUnschedulable` with the scheduler's message; `FallbackTCP` when the "
+        "declared fallback was used), `TransportReady` "
         "(agents ready on the requested transport; `AgentFallback` when an agent's own /readyz says it carries "
         "KV over another transport than the rank map asked for), `Degraded` (`TransportFallback`, "
-        "`AgentTransportFallback`, `NodeLost`). A new fallback or placement problem is also a Warning Event "
+        "`AgentTransportFallback`, `NodeLost`: ranks leaving a node that is gone, NotReady, cordoned or "
+        "tainted against the pods). A new fallback or placement problem is also a Warning Event "
         "on the PDCluster.",
         "",
         "| Field | Type | Default | Constraints | Description |",

@@ -222,6 +222,7 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
                 c.COND_DEGRADED,
                 True,
                 "NodeLost",
+                # Lost: gone, NotReady, cordoned, or tainted against the pods (planner.usable_nodes).
                 f"re-placing ranks from lost nodes: {', '.join(sorted(obs.lost_nodes))}",
             )
         elif fell_back:
