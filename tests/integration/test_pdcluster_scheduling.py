@@ -122,3 +122,39 @@ def test_a_pod_the_scheduler_cannot_bind_is_reported_with_its_reason(
     assert condition(obj, "Placed")["reason"] == "Placed"
     (pod,) = agent_pods(cluster, namespace, "pd")
     _scheduled_by_the_scheduler(pod, node)
+
+
+def test_the_users_required_node_affinity_joins_the_pin(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any
+) -> None:
+    (first,) = gpu_nodes("a", 1, labels={"pdfabric.dev/test-zone": "a"})
+    (second,) = gpu_nodes("b", 1, labels={"pdfabric.dev/test-zone": "b"})
+    zone_b = {"key": "pdfabric.dev/test-zone", "operator": "In", "values": ["b"]}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [zone_b]}]}
+        },
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 10,
+                    "podAffinityTerm": {
+                        "topologyKey": "kubernetes.io/hostname",
+                        "labelSelector": {"matchLabels": {"team": "x"}},
+                    },
+                }
+            ]
+        },
+    }
+    # Best fit alone would take the first node (by name); the user's affinity admits only the second.
+    builder = pdcluster().placement(nodeSelector=selector(namespace)).agent(pod={"affinity": affinity})
+    apply_pdc(cluster, builder.manifest(), namespace)
+    wait_ready(cluster, namespace, "pd")
+    (pod,) = agent_pods(cluster, namespace, "pd")
+    _scheduled_by_the_scheduler(pod, second)
+    (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert zone_b in term["matchExpressions"]
+    assert pod["spec"]["affinity"]["podAntiAffinity"] == affinity["podAntiAffinity"]
+    assert first != second
