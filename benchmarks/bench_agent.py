@@ -30,9 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "hack")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
-from pdfabric_agent import metrics  # noqa: E402
-from pdfabric_agent.plan import Bases, decode_targets, plan_transfer, sender_duties  # noqa: E402
-from pdfabric_agent.pools import PoolLayout  # noqa: E402
+from pdfabric_agent.memory.plan import Bases, decode_targets, plan_transfer, sender_duties  # noqa: E402
+from pdfabric_agent.memory.pools import PoolLayout  # noqa: E402
+from pdfabric_agent.runtime import metrics  # noqa: E402
 from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 

@@ -109,7 +109,7 @@ PEER_PANELS = (
     ),
 )
 
-# The serving engines the agents run (spec.engine; agent supervisor.py): no series, so no data, for
+# The serving engines the agents run (spec.engine; the agent's engines/supervisor.py): no series, so no data, for
 # a fabric-only PDCluster whose engines are deployed by something else.
 ENGINE_PANELS = (
     row("Serving engines"),

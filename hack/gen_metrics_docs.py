@@ -1,6 +1,6 @@
 """Generate docs/metrics.md from the metric registries, so a declared metric cannot miss the docs.
 
-The agent's metrics are every collector on ``pdfabric_agent.metrics.REGISTRY``; the operator's are
+The agent's metrics are every collector on ``pdfabric_agent.runtime.metrics.REGISTRY``; the operator's are
 every metric its module registers on prometheus_client's default registry (the operator's
 /metrics serves that registry). Closed label values are read back from the series each side
 pre-creates at zero: the agent's ``precreate`` (called here with placeholder identity labels), the
@@ -29,7 +29,7 @@ from prometheus_client.process_collector import ProcessCollector  # noqa: E402
 from prometheus_client.registry import CollectorRegistry  # noqa: E402
 
 from generated import write_or_check  # noqa: E402
-from pdfabric_agent import metrics as agent_metrics  # noqa: E402
+from pdfabric_agent.runtime import metrics as agent_metrics  # noqa: E402
 from pdfabric_operator import metrics as operator_metrics  # noqa: E402
 
 # prometheus_client's own collectors on the default registry (process_*, python_*): not ours.
@@ -98,7 +98,7 @@ def render() -> str:
         "",
         "## Agent",
         "",
-        f"Declared in `agent/pdfabric_agent/metrics.py`. {(agent_metrics.__doc__ or '').strip()}",
+        f"Declared in `agent/pdfabric_agent/runtime/metrics.py`. {(agent_metrics.__doc__ or '').strip()}",
         "",
         *table(agent_metrics.REGISTRY),
         "",

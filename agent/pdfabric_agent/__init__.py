@@ -1,6 +1,7 @@
-"""pdfabric node agent: owns the transfer engines and registered pools of the ranks on its node.
+"""pdfabric node agent: owns the transfer engines and registered memory of the ranks on its node.
 
-Layers, top to bottom: ``main`` (process wiring) -> ``server`` (HTTP API, auth) -> ``agent``
-(rooms, request state machine, peers) -> ``plan`` (pure: requests -> blocks, using
-``pdfabric_core.policy``) -> ``backend`` (the TransferBackend protocol; Mooncake, MORI).
+One package per concern; their layers, top to bottom, are written once, as the import contract
+``agent-layers`` in ``.importlinter`` (``make lint`` enforces it): ``process`` > ``engines`` |
+``node`` | ``http`` | ``client`` > ``rooms`` > ``peers`` | ``ranks`` > ``transfer`` | ``runtime`` >
+``protocol`` > ``memory``. docs/agent.md's code map lists every module.
 """

@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "hack")]
 
-from pdfabric_agent.client import AgentRefused  # noqa: E402
+from pdfabric_agent.client.api import AgentRefused  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS, TOKENS = 80, 4, 128, 16, 32768

@@ -75,12 +75,12 @@ def worker(rank: int, qs, barrier, results, args) -> None:
 def run_worker(rank: int, qs, barrier, out: dict, args) -> None:
     import torch
 
-    from pdfabric_agent.fastpath import cuda as fc
-    from pdfabric_agent.fastpath.channel import FastPathSender
-    from pdfabric_agent.fastpath.ipc import CompletionBoard, export_pool
-    from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig
-    from pdfabric_agent.fastpath.layout import plan_launch
-    from pdfabric_agent.fastpath.table import BufferPair, CopyGroup
+    from pdfabric_agent.memory import cuda as fc
+    from pdfabric_agent.memory.ipc import CompletionBoard, export_pool
+    from pdfabric_agent.transfer.fastpath.channel import FastPathSender
+    from pdfabric_agent.transfer.fastpath.kernel import GatherScatterKernel, KernelConfig
+    from pdfabric_agent.transfer.fastpath.layout import plan_launch
+    from pdfabric_agent.transfer.fastpath.table import BufferPair, CopyGroup
 
     dev, peer = rank, 1 - rank
     torch.cuda.set_device(dev)

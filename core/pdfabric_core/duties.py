@@ -12,7 +12,7 @@ A prefill rank (tp p, cp c, pp stage s) sending a request to decode rank d owes:
   shifted to that stage's layer numbering.
 Which (p, c, s) a decode rank waits for is ``expected_sources``; both sides use the same rules.
 
-The agent plans its blocks from these duties (``pdfabric_agent.plan``) and the operator's status
+The agent plans its blocks from these duties (``pdfabric_agent.memory.plan``) and the operator's status
 predicts its bytes from them (``pdfabric_core.traffic``), so the two cannot disagree.
 """
 

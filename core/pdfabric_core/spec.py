@@ -219,7 +219,7 @@ class DecodeEngineSpec(EngineRoleSpec):
 
 class EngineSandbox(enum.StrEnum):
     """spec.engine.sandbox: whether the agent starts its engines in a Landlock sandbox that hides
-    the peer credentials from them (pdfabric_agent.sandbox)."""
+    the peer credentials from them (pdfabric_agent.engines.sandbox)."""
 
     REQUIRED = "Required"  # no Landlock in the node's kernel: the engines are not started
     BEST_EFFORT = "BestEffort"  # no Landlock: started without it, and reported

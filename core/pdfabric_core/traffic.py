@@ -7,7 +7,7 @@ agents' measured bytes with the prediction and see what the dedup saves.
 The prediction sums the very duties the agents plan their blocks from (`duties.replica_duties`:
 each prefill rank's `sender_duties` for each of its decode targets), so it cannot drift from them;
 nothing is re-derived here but the byte size of each duty (tests/unit/test_traffic_sweep.py proves
-it equal to what `pdfabric_agent.plan.plan_transfer` plans, over every layout). Per (prefill rank
+it equal to what `pdfabric_agent.memory.plan.plan_transfer` plans, over every layout). Per (prefill rank
 -> decode rank) pair:
 - KV: the pages of its CP shard, K and V, for every layer of its PP stage, the route's heads (a
   whole page, or its head slice under a TP mismatch).

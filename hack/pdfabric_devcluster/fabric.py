@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdfabric_agent import tls
-from pdfabric_agent.client import AgentClient
-from pdfabric_agent.config import SETTINGS
+from pdfabric_agent.client.api import AgentClient
+from pdfabric_agent.protocol import tls
+from pdfabric_agent.runtime.config import SETTINGS
 from pdfabric_core.engines import ENGINES_ENV, EngineState, engine_launches
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap, replica_ranks
@@ -523,7 +523,7 @@ class LocalFabric:
     def close(self) -> None:
         self.stop()  # first: nothing below may leave agents running
         try:
-            from pdfabric_agent.main import remove_stale_pools
+            from pdfabric_agent.process.main import remove_stale_pools
 
             # Agents killed with SIGKILL could not unlink their pool files; nobody restarts them now.
             remove_stale_pools(self.shm_dir, self.uid)

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdfabric_agent.client import MappedPools
+from pdfabric_agent.client.api import MappedPools
 from pdfabric_core.policy.rank_mapping import global_heads
 from pdfabric_core.spec import PDClusterSpec
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric_agent.plan import receives_request_rows
+from pdfabric_agent.memory.plan import receives_request_rows
 from pdfabric_core.policy.rank_mapping import cp_page_shard, pp_layer_range
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import replica_ranks

@@ -230,7 +230,7 @@ class DirectRank:
     def __init__(self, role: str, ka: Any, gpu: int | None) -> None:
         from pdfabric_sglang.kvargs import FabricConfig, rank_id_for, registration
 
-        from pdfabric_agent.client import AgentClient
+        from pdfabric_agent.client.api import AgentClient
         from pdfabric_core.policy.types import Role
 
         cfg = FabricConfig()
@@ -254,7 +254,7 @@ class _DirectRoom:
         self.view: dict[str, Any] = {}
 
     def _room_code(self) -> int:
-        from pdfabric_agent.client import AgentRefused
+        from pdfabric_agent.client.api import AgentRefused
 
         try:
             self.view = self.mgr.client.poll(self.mgr.rank_id, self.room)

@@ -39,7 +39,7 @@ ANN_NODE = f"{GROUP}/node"  # the node the planner chose for an agent pod (bound
 ANN_CERT_SERIAL = f"{GROUP}/cert-serial"
 LABEL_AGENT = f"{GROUP}/agent"
 
-# Paths and env inside the agent pod: the contract with pdfabric_agent.main.
+# Paths and env inside the agent pod: the contract with pdfabric_agent.process.main.
 AGENT_COMMAND = "pdfabric-agent"
 RANKMAP_DIR = "/etc/pdfabric"
 RANKMAP_PATH = f"{RANKMAP_DIR}/rankmap.json"
@@ -48,7 +48,7 @@ ENGINE_TOKEN_DIR = f"{RANKMAP_DIR}/engine-token"
 ENGINE_TOKEN_PATH = f"{ENGINE_TOKEN_DIR}/{TOKEN_KEY}"
 PEER_TLS_DIR = f"{RANKMAP_DIR}/peer-tls"
 HOME_DIR = "/var/lib/pdfabric/home"  # HOME of the node pods: an emptyDir (caches of the engines)
-# kubernetes.io/tls Secret keys; the agent's tls.py reads the same names.
+# kubernetes.io/tls Secret keys; the agent's protocol/tls.py reads the same names.
 TLS_CERT_KEY = "tls.crt"
 TLS_KEY_KEY = "tls.key"
 TLS_CA_KEY = "ca.crt"

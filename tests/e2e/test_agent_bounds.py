@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdfabric_agent import main as agent_main
+from pdfabric_agent.process import main as agent_main
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pdfabric_agent.client import AgentRefused
+from pdfabric_agent.client.api import AgentRefused
 from pdfabric_devcluster.fabric import AgentProcess, LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
 from tests.builders import SMALL_MODEL

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.completion import BOARD_BYTES
+from pdfabric_agent.memory.completion import BOARD_BYTES
 from pdfabric_devcluster.fabric import LocalFabric
 from tests.e2e.test_agent_faults import SMALL, wait_until
 

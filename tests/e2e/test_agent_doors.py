@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from cryptography import x509
 
-from pdfabric_agent import tls
-from pdfabric_agent.client import AgentRefused
+from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol import tls
 from pdfabric_devcluster.fabric import LocalFabric, peer_request
 from pdfabric_operator import pki
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.client import AgentRefused
+from pdfabric_agent.client.api import AgentRefused
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
 

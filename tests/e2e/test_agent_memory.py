@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pdfabric_agent.client import AgentClient, AgentRefused
+from pdfabric_agent.client.api import AgentClient, AgentRefused
 from pdfabric_devcluster.fabric import LocalFabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdfabric_agent.client import AgentRefused
+from pdfabric_agent.client.api import AgentRefused
 from pdfabric_devcluster.fabric import LocalFabric
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.metrics import peer_pairs
+from pdfabric_agent.runtime.metrics import peer_pairs
 from pdfabric_devcluster.fabric import LocalFabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -144,7 +144,7 @@ def test_configuration_errors_exit_2_with_the_variable_named(drop: str, message:
     try:
         env = {k: v for k, v in lc.agents[lc.agent_of("decode-0-tp0")].env.items() if k != drop}
         proc = subprocess.run(
-            [sys.executable, "-m", "pdfabric_agent.main"],
+            [sys.executable, "-m", "pdfabric_agent.process.main"],
             env=env,
             capture_output=True,
             text=True,
@@ -162,7 +162,7 @@ def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
     try:
         env = {**lc.agents[lc.agent_of("decode-0-tp0")].env, "NODE_NAME": "node-elsewhere"}
         proc = subprocess.run(
-            [sys.executable, "-m", "pdfabric_agent.main"],
+            [sys.executable, "-m", "pdfabric_agent.process.main"],
             env=env,
             capture_output=True,
             text=True,

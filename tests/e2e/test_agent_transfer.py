@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.client import AgentRefused
+from pdfabric_agent.client.api import AgentRefused
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import replica_ranks
 from pdfabric_core.traffic import pair_traffic

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from pdfabric_agent.hardware import detect_rdma
-from pdfabric_agent.metrics import peer_pairs, peer_ranks
+from pdfabric_agent.node.hardware import detect_rdma
+from pdfabric_agent.runtime.metrics import peer_pairs, peer_ranks
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.prometheus import Prometheus

@@ -20,7 +20,7 @@ from kopf.testing import KopfRunner
 from pdfabric_refengine.router import Answer, PrefillEndpoint, generate
 from pdfabric_refengine.server import detokenize
 
-from pdfabric_agent.sandbox import landlock_abi
+from pdfabric_agent.engines.sandbox import landlock_abi
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import LocalEngine, PodRunner
 from tests.builders import pdcluster

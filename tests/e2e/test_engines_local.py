@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pdfabric_refengine.router import PrefillEndpoint, generate
 
-from pdfabric_agent.sandbox import landlock_abi
+from pdfabric_agent.engines.sandbox import landlock_abi
 from pdfabric_devcluster.fabric import LocalFabric
 from tests.e2e.test_sglang_pd import REF_MODEL
 

@@ -17,7 +17,7 @@ SIZES = {"kv": 3 << 20, "state": 8192, "aux": 4096 + 64}
 
 
 def _owner(q_out, q_in) -> None:
-    from pdfabric_agent.pools import Pool, PoolLayout, RankPools
+    from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
     from pdfabric_core.policy.types import Device
 
     torch.cuda.set_device(0)
@@ -36,7 +36,7 @@ def _owner(q_out, q_in) -> None:
 
 
 def test_gpu_pools_map_into_another_process() -> None:
-    from pdfabric_agent.client import GpuPool, map_rank_pools
+    from pdfabric_agent.client.api import GpuPool, map_rank_pools
 
     ctx = mp.get_context("spawn")
     q_out, q_in = ctx.Queue(), ctx.Queue()

@@ -30,11 +30,11 @@ def _worker(rank: int, shm: str, qs, barrier, results) -> None:
 
 def _run(rank: int, shm: str, qs, barrier) -> dict:
     sys.path[:0] = [os.path.join(ROOT, "agent"), os.path.join(ROOT, "core")]
-    from pdfabric_agent.fastpath import backend as fp_backend
-    from pdfabric_agent.fastpath.backend import FastPathBackend
-    from pdfabric_agent.fastpath.ledger import OverlapError
-    from pdfabric_agent.plan import Block
-    from pdfabric_agent.pools import Pool
+    from pdfabric_agent.memory.plan import Block
+    from pdfabric_agent.memory.pools import Pool
+    from pdfabric_agent.transfer.fastpath import backend as fp_backend
+    from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
+    from pdfabric_agent.transfer.fastpath.ledger import OverlapError
     from pdfabric_core.policy.types import Device
 
     torch.cuda.set_device(rank)
@@ -123,9 +123,9 @@ def test_same_process_peer_and_a_republished_peer() -> None:
     publishes new pools under the same endpoint (an agent restart) is remapped, not written
     through the stale mapping."""
     sys.path[:0] = [os.path.join(ROOT, "agent"), os.path.join(ROOT, "core")]
-    from pdfabric_agent.fastpath.backend import FastPathBackend
-    from pdfabric_agent.plan import Block
-    from pdfabric_agent.pools import Pool
+    from pdfabric_agent.memory.plan import Block
+    from pdfabric_agent.memory.pools import Pool
+    from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
     from pdfabric_core.policy.types import Device
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:

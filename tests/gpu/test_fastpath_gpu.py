@@ -35,10 +35,10 @@ def _worker(rank: int, qs, barrier, results) -> None:
 
 def _run(rank: int, qs, barrier) -> dict:
     sys.path[:0] = [os.path.join(ROOT, "agent"), os.path.join(ROOT, "core")]
-    from pdfabric_agent.fastpath.channel import FastPathSender
-    from pdfabric_agent.fastpath.ipc import CompletionBoard, export_pool
-    from pdfabric_agent.fastpath.ledger import OverlapError
-    from pdfabric_agent.fastpath.table import BufferPair, CopyGroup
+    from pdfabric_agent.memory.ipc import CompletionBoard, export_pool
+    from pdfabric_agent.transfer.fastpath.channel import FastPathSender
+    from pdfabric_agent.transfer.fastpath.ledger import OverlapError
+    from pdfabric_agent.transfer.fastpath.table import BufferPair, CopyGroup
 
     dev, peer = rank, 1 - rank
     torch.cuda.set_device(dev)
@@ -174,7 +174,7 @@ def test_one_visible_gpu_under_intra_node_nvlink_fails_at_start_up() -> None:
     code = (
         "import os, sys, torch\n"
         f"sys.path[:0] = [{os.path.join(ROOT, 'agent')!r}, {os.path.join(ROOT, 'core')!r}]\n"
-        "from pdfabric_agent.fastpath.select import check_intra_node_nvlink_startup\n"
+        "from pdfabric_agent.transfer.fastpath.select import check_intra_node_nvlink_startup\n"
         "check_intra_node_nvlink_startup('INTRA_NODE_NVLINK', torch.cuda.device_count(),"
         " cuda_visible_devices=os.environ.get('CUDA_VISIBLE_DEVICES'))\n"
     )

@@ -57,7 +57,7 @@ def _spec(decode_tp: int) -> Any:
 
 
 def _layout(decode_tp: int, tp: int) -> Any:
-    from pdfabric_agent.pools import PoolLayout
+    from pdfabric_agent.memory.pools import PoolLayout
 
     return PoolLayout.from_geometry(_spec(decode_tp).model, tp, kv_pages=KV_PAGES, state_slots=1, aux_slots=1)
 
@@ -79,9 +79,9 @@ def _receiver(shm: str, cmds: Any, replies: Any) -> None:
 
 def _serve(shm: str, cmds: Any, replies: Any) -> None:
     _paths()
-    from pdfabric_agent.completion import CompletionMark, CompletionWatcher
-    from pdfabric_agent.fastpath.backend import FastPathBackend
-    from pdfabric_agent.pools import Pool
+    from pdfabric_agent.memory.completion import CompletionMark, CompletionWatcher
+    from pdfabric_agent.memory.pools import Pool
+    from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
     from pdfabric_core.policy.types import Device
 
     torch.cuda.set_device(0)
@@ -173,10 +173,10 @@ class Pair:
             raise
 
     def _start(self, shm: str) -> None:
-        from pdfabric_agent.fastpath.backend import FastPathBackend
-        from pdfabric_agent.fastpath.peers import PeerDirectory
-        from pdfabric_agent.plan import Block
-        from pdfabric_agent.pools import Pool
+        from pdfabric_agent.memory.plan import Block
+        from pdfabric_agent.memory.pools import Pool
+        from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
+        from pdfabric_agent.transfer.fastpath.peers import PeerDirectory
         from pdfabric_core.policy.types import Device
 
         torch.cuda.set_device(0)
@@ -289,7 +289,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, written: torch.Tensor, what: s
 def _blocks(gen: torch.Generator, n: int, slot: int, src_pool: Any, dst: tuple[int, int]) -> list:
     """n blocks with disjoint destinations (one per random slot of `slot` bytes), random lengths
     and offsets; every other block 16-byte aligned (vector path), the rest byte-granular."""
-    from pdfabric_agent.plan import Block
+    from pdfabric_agent.memory.plan import Block
 
     dst_addr, dst_size = dst
     slots = torch.randperm(dst_size // slot, generator=gen)[:n]
@@ -320,7 +320,7 @@ def _apply_blocks(
 
 def _kv_pages(pair: Pair, decode_tp: int, src_pages: list[int], dst_pages: list[int]) -> tuple[Any, Any]:
     """The route's KvPages exactly as the agent's sender plans them (plan_transfer, kv_blocks=False)."""
-    from pdfabric_agent.plan import Bases, decode_targets, plan_transfer, sender_duties
+    from pdfabric_agent.memory.plan import Bases, decode_targets, plan_transfer, sender_duties
 
     spec = _spec(decode_tp)
     route = next(r for r in decode_targets(spec, 0) if r.decode_tp_rank == decode_tp - 1)
@@ -375,8 +375,8 @@ def _random_pages(gen: torch.Generator, n: int) -> tuple[list[int], list[int]]:
 def test_agent_code_takes_a_peer_on_its_own_gpu(pair: Pair) -> None:
     """A same-GPU peer is mapped and its batch goes through the kernel, not the engine; and the
     start-up choice takes the kernels on a one-GPU node."""
-    from pdfabric_agent.fastpath.backend import maybe_fast_path
-    from pdfabric_agent.fastpath.select import TransferPath, choose_path
+    from pdfabric_agent.transfer.fastpath.backend import maybe_fast_path
+    from pdfabric_agent.transfer.fastpath.select import TransferPath, choose_path
     from pdfabric_core.policy.types import MemPool, Transport
 
     r = pair.refusal
@@ -397,7 +397,7 @@ def test_agent_code_takes_a_peer_on_its_own_gpu(pair: Pair) -> None:
 @pytest.mark.parametrize("api", ["submit_wait", "write_batch"])
 @pytest.mark.parametrize(("n", "slot"), [(200, 64 << 10), (3000, 4 << 10)], ids=["small", "large"])
 def test_block_batches_into_another_process(pair: Pair, api: str, n: int, slot: int) -> None:
-    from pdfabric_agent.fastpath import backend as fp_backend
+    from pdfabric_agent.transfer.fastpath import backend as fp_backend
 
     gen, seed = pair.seed(f"blocks {api} n={n}")
     src = pair.fill_src("blocks", gen)
@@ -422,7 +422,7 @@ def test_block_batches_into_another_process(pair: Pair, api: str, n: int, slot: 
     ("decode_tp", "n"), [(1, 37), (1, 160), (2, 100)], ids=["whole-37", "whole-160-pipelined", "heads-100-pipelined"]
 )
 def test_route_pages_into_another_process(pair: Pair, decode_tp: int, n: int) -> None:
-    from pdfabric_agent.fastpath.backend import PIPELINE_MIN_PAGES
+    from pdfabric_agent.transfer.fastpath.backend import PIPELINE_MIN_PAGES
 
     gen, seed = pair.seed(f"pages tp{decode_tp} n={n}")
     src = pair.fill_src("kv", gen)
@@ -466,8 +466,8 @@ def test_receiver_learns_completion_from_the_board(pair: Pair) -> None:
 
 
 def test_overlapping_block_batches_are_refused(pair: Pair) -> None:
-    from pdfabric_agent.fastpath.ledger import OverlapError
-    from pdfabric_agent.plan import Block
+    from pdfabric_agent.memory.plan import Block
+    from pdfabric_agent.transfer.fastpath.ledger import OverlapError
 
     gen, seed = pair.seed("overlap blocks")
     src = pair.fill_src("blocks", gen)
@@ -505,7 +505,7 @@ def test_overlapping_block_batches_are_refused(pair: Pair) -> None:
 
 
 def test_overlapping_page_launches_are_refused(pair: Pair) -> None:
-    from pdfabric_agent.fastpath.ledger import OverlapError
+    from pdfabric_agent.transfer.fastpath.ledger import OverlapError
 
     gen, seed = pair.seed("overlap pages")
     src = pair.fill_src("kv", gen)

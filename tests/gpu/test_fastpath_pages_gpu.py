@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("decode_tp", [1, 2])
 def test_route_pages_in_one_launch(decode_tp: int) -> None:
     sys.path[:0] = [os.path.join(ROOT, "agent"), os.path.join(ROOT, "core")]
-    from pdfabric_agent.fastpath.backend import FastPathBackend
-    from pdfabric_agent.plan import Bases, decode_targets, plan_transfer, sender_duties
-    from pdfabric_agent.pools import Pool, PoolLayout
+    from pdfabric_agent.memory.plan import Bases, decode_targets, plan_transfer, sender_duties
+    from pdfabric_agent.memory.pools import Pool, PoolLayout
+    from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
     from pdfabric_core.policy.types import Device
     from pdfabric_core.spec import parse_spec
 

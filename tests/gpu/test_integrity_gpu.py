@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdfabric_agent import integrity
-from pdfabric_agent.pools import Pool, PoolLayout, RankPools
+from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
+from pdfabric_agent.rooms import integrity
 from pdfabric_core.policy.types import Device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdfabric_agent.fastpath import cuda
-from pdfabric_agent.pools import Pool
+from pdfabric_agent.memory import cuda
+from pdfabric_agent.memory.pools import Pool
 from pdfabric_core.policy.types import Device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

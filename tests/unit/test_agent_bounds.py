@@ -20,12 +20,13 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdfabric_agent import metrics, server
-from pdfabric_agent.agent import Agent
-from pdfabric_agent.config import AgentConfig
-from pdfabric_agent.guard import LIMITS, GuardedTCPSite, Limits
-from pdfabric_agent.jsonbody import BODY_FLOOR, MAX_DEPTH, body_cap, check_shape, decode_json
-from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.http import server
+from pdfabric_agent.http.guard import LIMITS, GuardedTCPSite, Limits
+from pdfabric_agent.http.jsonbody import BODY_FLOOR, MAX_DEPTH, body_cap, check_shape, decode_json
+from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec

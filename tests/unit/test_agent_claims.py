@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdfabric_agent.claims import DestinationClaims
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.rooms.claims import DestinationClaims
 
 LAYOUT = PoolLayout(
     layers=1, local_heads=1, head_bytes=8, kv_pages=16, state_layers=1, state_layer_bytes=8, state_slots=4,

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdfabric_agent.client import AgentClient, AgentRefused
+from pdfabric_agent.client.api import AgentClient, AgentRefused
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -125,7 +125,7 @@ def test_wait_backs_off_while_polls_answer_at_once_without_an_outcome(monkeypatc
     ready) is answered at once: `wait` sleeps, doubling up to its maximum, instead of spinning."""
     import time as time_mod
 
-    from pdfabric_agent import client as client_mod
+    from pdfabric_agent.client import api as client_mod
 
     client = client_mod.AgentClient("127.0.0.1:1", "t", "uid")
     calls: list[float] = []

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.completion import BOARD_BYTES, BOARD_SLOTS, BoardReader, CompletionMark, CompletionWatcher
+from pdfabric_agent.memory.completion import BOARD_BYTES, BOARD_SLOTS, BoardReader, CompletionMark, CompletionWatcher
 
 
 class Board:

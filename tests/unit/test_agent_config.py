@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric_agent import config
-from pdfabric_agent.config import SETTINGS, ConfigError, load_config, require_peer_tls, settings_markdown
+from pdfabric_agent.runtime import config
+from pdfabric_agent.runtime.config import SETTINGS, ConfigError, load_config, require_peer_tls, settings_markdown
 from pdfabric_devcluster.fabric import write_tls_dir
 from pdfabric_operator import pki
 

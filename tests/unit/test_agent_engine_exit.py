@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.agent import Agent
-from pdfabric_agent.config import load_config
-from pdfabric_agent.pools import Pool
-from pdfabric_agent.rooms import DecodeRoom, PrefillRoom, RoomState, Target
-from pdfabric_agent.wire import DoneReport
+from pdfabric_agent.memory.pools import Pool
+from pdfabric_agent.protocol.peer_wire import DoneReport
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, RoomState, Target
+from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec

@@ -21,19 +21,12 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.agent import Agent
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.peer_client import PeerRefused
-from pdfabric_agent.rooms import RoomState
-from pdfabric_agent.wire import (
-    AbortRequest,
-    DoneReport,
-    LaunchNotice,
-    ReceiveRequest,
-    RoomCancel,
-    RoomInfo,
-    SendRequest,
-)
+from pdfabric_agent.peers.client import PeerRefused
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.wire import AbortRequest, ReceiveRequest, SendRequest
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.rooms.registry import RoomState
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from tests.unit.test_agent_kernel_path import Backend

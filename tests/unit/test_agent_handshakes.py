@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdfabric_agent import metrics, tls
-from pdfabric_agent.guard import GuardedTCPSite, Limits
+from pdfabric_agent.http.guard import GuardedTCPSite, Limits
+from pdfabric_agent.protocol import tls
+from pdfabric_agent.runtime import metrics
 from pdfabric_devcluster.fabric import write_tls_dir
 from pdfabric_operator import pki
 

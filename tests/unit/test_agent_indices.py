@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.fields import PACKED_INDICES, field_indices, pack_indices
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.fields import PACKED_INDICES, field_indices, pack_indices
 
 
 def check(value: object, limit: int = 100, unique: bool = True) -> list[int]:

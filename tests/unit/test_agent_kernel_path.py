@@ -12,20 +12,21 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.agent import Agent
-from pdfabric_agent.backend import KernelPath, TransferBackend
-from pdfabric_agent.completion import CompletionMark
-from pdfabric_agent.config import load_config
-from pdfabric_agent.hardware import Hardware
-from pdfabric_agent.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
-from pdfabric_agent.peer_client import PeerRefused
-from pdfabric_agent.plan import Bases, MemoryMap
-from pdfabric_agent.pools import PoolLayout, RankPools
-from pdfabric_agent.ranks import LocalRank
-from pdfabric_agent.rooms import PrefillRoom, Target
-from pdfabric_agent.sender import DecodeFailed
-from pdfabric_agent.transport import TransportChoice, TransportError
-from pdfabric_agent.wire import PeerMessage, RoomInfo, SendRequest
+from pdfabric_agent.memory.completion import CompletionMark
+from pdfabric_agent.memory.plan import Bases, MemoryMap
+from pdfabric_agent.memory.pools import PoolLayout, RankPools
+from pdfabric_agent.node.hardware import Hardware
+from pdfabric_agent.node.transport import TransportChoice, TransportError
+from pdfabric_agent.peers.client import PeerRefused
+from pdfabric_agent.process.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
+from pdfabric_agent.protocol.peer_wire import PeerMessage, RoomInfo
+from pdfabric_agent.protocol.wire import SendRequest
+from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.targets import DecodeFailed
+from pdfabric_agent.runtime.config import load_config
+from pdfabric_agent.transfer.base import KernelPath, TransferBackend
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec
@@ -193,7 +194,7 @@ def run_room(
 
     async def go() -> None:
         try:
-            await agent.sender._send_target(room, local, target)
+            await agent.sender.targets.send_target(room, local, target)
         finally:
             await agent.close()
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 import gen_metrics_docs
-from pdfabric_agent import metrics
+from pdfabric_agent.runtime import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "metrics.md"

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdfabric_agent.backend import TransferBackend
-from pdfabric_agent.backends.mooncake import MooncakeBackend
-from pdfabric_agent.plan import Block
-from pdfabric_agent.pools import Pool
-from pdfabric_agent.transport import mooncake_env
+from pdfabric_agent.memory.plan import Block
+from pdfabric_agent.memory.pools import Pool
+from pdfabric_agent.node.transport import mooncake_env
+from pdfabric_agent.transfer.base import TransferBackend
+from pdfabric_agent.transfer.mooncake import MooncakeBackend
 from pdfabric_core.policy.types import Device, Transport
 
 SIZE = 1 << 20

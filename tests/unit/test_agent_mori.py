@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.backend import TransferBackend, TransferError
-from pdfabric_agent.plan import Block
-from pdfabric_agent.pools import Pool
+from pdfabric_agent.memory.plan import Block
+from pdfabric_agent.memory.pools import Pool
+from pdfabric_agent.transfer.base import TransferBackend, TransferError
 from pdfabric_core.policy.types import Device, Transport
 
 
@@ -102,7 +102,7 @@ def pool(addr: int, size: int) -> Pool:
 
 
 def pair() -> tuple[Any, Any]:
-    from pdfabric_agent.backends.mori import MoriBackend
+    from pdfabric_agent.transfer.mori import MoriBackend
 
     a = MoriBackend(Transport.RDMA, host="10.0.0.1", max_batch_entries=4)
     b = MoriBackend(Transport.RDMA, host="10.0.0.2", max_batch_entries=4)

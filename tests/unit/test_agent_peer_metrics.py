@@ -12,10 +12,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdfabric_agent import metrics
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.sender import DecodeFailed
-from pdfabric_agent.wire import DoneReport, ReceiveRequest, SendRequest
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.peer_wire import DoneReport
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
+from pdfabric_agent.rooms.targets import DecodeFailed
+from pdfabric_agent.runtime import metrics
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap, replica_ranks
 from pdfabric_core.spec import parse_spec

@@ -12,14 +12,15 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.agent import Agent
-from pdfabric_agent.backends import path_labels
-from pdfabric_agent.config import load_config
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.plan import Bases
-from pdfabric_agent.pools import PoolLayout, RankPools
-from pdfabric_agent.ranks import LocalRank
-from pdfabric_agent.wire import DoneReport, ReceiveRequest, RoomInfo, SendRequest
+from pdfabric_agent.memory.plan import Bases
+from pdfabric_agent.memory.pools import PoolLayout, RankPools
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.peer_wire import DoneReport, RoomInfo
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
+from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.runtime.config import load_config
+from pdfabric_agent.transfer.registry import path_labels
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric_agent.peers import PeerHealth
+from pdfabric_agent.peers.health import PeerHealth
 
 
 class Clock:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.plan import Bases, Block, decode_targets, expected_sources, plan_transfer, sender_duties
-from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.memory.plan import Bases, Block, decode_targets, expected_sources, plan_transfer, sender_duties
+from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_core.policy.aux_path import AuxPath
 from pdfabric_core.spec import PDClusterSpec, parse_spec
 
@@ -201,7 +201,7 @@ def test_source_page_count_must_match_the_shard() -> None:
 def test_duties_are_core_s_the_ones_the_traffic_prediction_sums() -> None:
     """The agent plans from the duties in pdfabric_core.duties (the status prediction's source);
     the old names stay importable from here."""
-    from pdfabric_agent import plan as agent_plan
+    from pdfabric_agent.memory import plan as agent_plan
     from pdfabric_core import duties
 
     for name in ("Duties", "decode_targets", "sender_duties", "expected_sources", "receives_request_rows"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric_agent.pools import Pool, PoolLayout
+from pdfabric_agent.memory.pools import Pool, PoolLayout
 from pdfabric_core.policy.types import Device
 from pdfabric_core.spec import ModelGeometry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric_agent.probe import PROBE_BYTES, LinkCheck, Region, Result, parse_regions
+from pdfabric_agent.node.probe import PROBE_BYTES, LinkCheck, Region, Result, parse_regions
 
 
 def test_a_peers_region_is_clamped_and_checked() -> None:

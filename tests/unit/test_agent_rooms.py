@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.agent import Agent
-from pdfabric_agent.config import load_config
-from pdfabric_agent.plan import Bases
-from pdfabric_agent.pools import PoolLayout
-from pdfabric_agent.rooms import DecodeRoom, PrefillRoom, RoomState, Target
-from pdfabric_agent.wire import RoomInfo
+from pdfabric_agent.memory.plan import Bases
+from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.peer_wire import RoomInfo
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, RoomState, Target
+from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec

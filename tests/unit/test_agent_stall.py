@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.backend import TransferError
-from pdfabric_agent.plan import Bases
-from pdfabric_agent.pools import PoolLayout, RankPools
-from pdfabric_agent.ranks import LocalRank
-from pdfabric_agent.rooms import PrefillRoom, Target
-from pdfabric_agent.tasks import Liveness
-from pdfabric_agent.wire import RoomInfo
+from pdfabric_agent.memory.plan import Bases
+from pdfabric_agent.memory.pools import PoolLayout, RankPools
+from pdfabric_agent.protocol.peer_wire import RoomInfo
+from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.runtime.tasks import Liveness
+from pdfabric_agent.transfer.base import TransferError
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from tests.unit.test_agent_kernel_path import Backend, make_agent, record_posts

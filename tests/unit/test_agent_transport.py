@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric_agent.hardware import Hardware
-from pdfabric_agent.transport import TransportError, choose_transport, mooncake_env
+from pdfabric_agent.node.hardware import Hardware
+from pdfabric_agent.node.transport import TransportError, choose_transport, mooncake_env
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.spec import PDClusterSpec, PlacementSpec
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestServer
 
-from pdfabric_agent.server import Readiness, build_metrics_app
+from pdfabric_agent.http.server import Readiness, build_metrics_app
 from pdfabric_core.engines import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator.agentstate import (

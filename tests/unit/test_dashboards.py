@@ -10,7 +10,7 @@ import prometheus_client
 import pytest
 
 import gen_dashboards
-from pdfabric_agent import metrics as agent_metrics
+from pdfabric_agent.runtime import metrics as agent_metrics
 from pdfabric_operator import metrics as operator_metrics  # noqa: F401 - registers the operator metrics
 
 SERIES_SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")

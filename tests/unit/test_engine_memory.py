@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.memory import EngineMemory, engine_layout
-from pdfabric_agent.plan import MemoryMap, decode_targets, plan_transfer, sender_duties
-from pdfabric_agent.pools import PageOrder
-from pdfabric_agent.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.memory.plan import MemoryMap, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.memory.pools import PageOrder
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.ranks.engine_memory import EngineMemory, engine_layout
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import parse_spec

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric_agent import metrics, sandbox
-from pdfabric_agent.supervisor import EngineSupervisor, Timings, sandboxed_argv
+from pdfabric_agent.engines import sandbox
+from pdfabric_agent.engines.launch import Timings, sandboxed_argv
+from pdfabric_agent.engines.supervisor import EngineSupervisor
+from pdfabric_agent.runtime import metrics
 from pdfabric_core.engines import EngineLaunch
 from pdfabric_core.policy.types import Role
 from pdfabric_core.spec import EngineSandbox

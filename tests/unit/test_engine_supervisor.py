@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric_agent import metrics
-from pdfabric_agent.server import Readiness
-from pdfabric_agent.supervisor import EngineSupervisor, LaunchError, Timings, engine_argv, engine_env, visible_devices
+from pdfabric_agent.engines.launch import LaunchError, Timings, engine_argv, engine_env, visible_devices
+from pdfabric_agent.engines.supervisor import EngineSupervisor
+from pdfabric_agent.http.server import Readiness
+from pdfabric_agent.runtime import metrics
 from pdfabric_core.engines import EngineLaunch, EngineState, EnvEntry, hoisted_name
 from pdfabric_core.policy.types import Role
 from pdfabric_devcluster.procs import free_port

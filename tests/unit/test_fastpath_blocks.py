@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.plan import plan_blocks, plan_blocks_list
-from pdfabric_agent.fastpath.table import PlanError, reference_copies
+from pdfabric_agent.transfer.fastpath.ledger import OverlapError, ReceiverLedger
+from pdfabric_agent.transfer.fastpath.plan import plan_blocks, plan_blocks_list
+from pdfabric_agent.transfer.fastpath.table import PlanError, reference_copies
 from pdfabric_core.policy.types import Transport
 
 
@@ -61,7 +61,7 @@ def test_byte_ranges_overlap_is_refused_exactly() -> None:
 
 
 def test_backend_choice_keeps_the_engine_without_a_gpu() -> None:
-    from pdfabric_agent.fastpath.backend import maybe_fast_path
+    from pdfabric_agent.transfer.fastpath.backend import maybe_fast_path
 
     class Engine:
         name, path, transport, max_batch_entries = "mooncake", "mooncake", Transport.NVLINK_INTRA, 1024

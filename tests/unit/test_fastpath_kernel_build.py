@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdfabric_agent.fastpath import cuda
-from pdfabric_agent.fastpath.kernel import GatherScatterKernel, KernelConfig, compile_kernel
+from pdfabric_agent.memory import cuda
+from pdfabric_agent.transfer.fastpath.kernel import GatherScatterKernel, KernelConfig, compile_kernel
 
 
 @pytest.mark.parametrize(

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 import torch
 
-from pdfabric_agent.fastpath.backend import FastPathBackend
-from pdfabric_agent.fastpath.kernel import KernelConfig
-from pdfabric_agent.fastpath.layout import page_layout
-from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.peers import PeerMap
-from pdfabric_agent.fastpath.plan import plan_pages
-from pdfabric_agent.fastpath.table import LaunchPlan, PlanError, reference_copies
-from pdfabric_agent.plan import Bases, KvPages, decode_targets, plan_transfer, sender_duties
-from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.memory.plan import Bases, KvPages, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
+from pdfabric_agent.transfer.fastpath.kernel import KernelConfig
+from pdfabric_agent.transfer.fastpath.layout import page_layout
+from pdfabric_agent.transfer.fastpath.ledger import OverlapError, ReceiverLedger
+from pdfabric_agent.transfer.fastpath.peers import PeerMap
+from pdfabric_agent.transfer.fastpath.plan import plan_pages
+from pdfabric_agent.transfer.fastpath.table import LaunchPlan, PlanError, reference_copies
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.spec import parse_spec
 
@@ -168,7 +168,7 @@ def test_list_fast_table_equals_the_generic_one() -> None:
 
 
 def test_runs_are_computed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdfabric_agent.plan as plan_mod
+    import pdfabric_agent.memory.plan as plan_mod
 
     calls = []
     real = plan_mod.coalesce_pages

@@ -9,14 +9,8 @@ import random
 import pytest
 import torch
 
-from pdfabric_agent.fastpath.layout import plan_launch
-from pdfabric_agent.fastpath.table import (
-    SMALL_TABLE_WORDS,
-    BufferPair,
-    CopyGroup,
-    PlanError,
-    reference_copies,
-)
+from pdfabric_agent.transfer.fastpath.layout import plan_launch
+from pdfabric_agent.transfer.fastpath.table import SMALL_TABLE_WORDS, BufferPair, CopyGroup, PlanError, reference_copies
 
 SRC_BASE = 1 << 40
 DST_BASE = 1 << 41
@@ -134,7 +128,7 @@ def test_whole_request_is_one_launch_table() -> None:
 
 
 def test_one_page_per_pool_shortcut_builds_the_general_table() -> None:
-    from pdfabric_agent.fastpath.layout import Layout
+    from pdfabric_agent.transfer.fastpath.layout import Layout
 
     aux = [
         BufferPair(SRC_BASE + 64 * i, DST_BASE + 64 * i, size, 8 * size, 8 * size)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric_agent.fastpath import cuda
-from pdfabric_agent.fastpath.ledger import OverlapError, ReceiverLedger
-from pdfabric_agent.fastpath.select import (
+from pdfabric_agent.memory import cuda
+from pdfabric_agent.transfer.fastpath.ledger import OverlapError, ReceiverLedger
+from pdfabric_agent.transfer.fastpath.select import (
     IntraNodeNvlinkError,
     TransferPath,
     check_intra_node_nvlink_startup,

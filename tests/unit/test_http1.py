@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pdfabric_agent import http1
-from pdfabric_agent.http1 import Connection, ProtocolError, StaleConnection
+from pdfabric_agent.client import http1
+from pdfabric_agent.client.http1 import Connection, ProtocolError, StaleConnection
 
 Answer = bytes | tuple[bytes, str] | None
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent import integrity
-from pdfabric_agent.agent import Agent
-from pdfabric_agent.config import load_config
-from pdfabric_agent.plan import Bases, TransferPlan, decode_targets, plan_transfer, sender_duties
-from pdfabric_agent.pools import Pool, PoolLayout, RankPools
-from pdfabric_agent.ranks import LocalRank
-from pdfabric_agent.wire import DoneReport, ReceiveRequest
+from pdfabric_agent.memory.plan import Bases, TransferPlan, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
+from pdfabric_agent.protocol.peer_wire import DoneReport
+from pdfabric_agent.protocol.wire import ReceiveRequest
+from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms import integrity
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, parse_spec

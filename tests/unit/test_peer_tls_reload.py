@@ -11,7 +11,7 @@ import os
 import ssl
 from pathlib import Path
 
-from pdfabric_agent import tls
+from pdfabric_agent.protocol import tls
 from pdfabric_operator import pki
 
 NS, CLUSTER = "ns", "pd"

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pdfabric_agent.client import AgentRefused
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.labels import Refusal
-from pdfabric_agent.wire import ReceiveRequest, SendRequest
+from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from tests.unit.test_agent_peer_trust import D, P, make_agent
@@ -146,7 +146,7 @@ def test_cpu_allocations_land_in_shared_memory_files(tmp_path: Path) -> None:
     from pdfabric_sglang.cpu_pools import shared_cpu_allocations
     from pdfabric_sglang.shares import process_mappings, share_of
 
-    from pdfabric_agent.wire import ShareKind
+    from pdfabric_agent.protocol.wire import ShareKind
 
     with shared_cpu_allocations(str(tmp_path)):
         kv = torch.zeros((8, 2, 16), dtype=torch.bfloat16, device="cpu")
@@ -365,10 +365,10 @@ def test_deferred_release_waits_for_the_agents_quiet_sources() -> None:
 def prefill_agent(tmp_path: Path, raw: dict[str, Any], ranks: list[Rank]) -> Any:
     """The agent serving ``ranks`` of a spec ``raw`` (the engine path, in process): the prefill
     ranks are on one agent, the decode ranks on another."""
-    from pdfabric_agent.agent import Agent
-    from pdfabric_agent.config import load_config
-    from pdfabric_agent.pools import PoolLayout, RankPools
-    from pdfabric_agent.ranks import LocalRank
+    from pdfabric_agent.memory.pools import PoolLayout, RankPools
+    from pdfabric_agent.ranks.local import LocalRank
+    from pdfabric_agent.rooms.agent import Agent
+    from pdfabric_agent.runtime.config import load_config
     from pdfabric_core.rankmap import AgentEntry, RankMap
     from pdfabric_core.spec import parse_spec
     from tests.unit.test_agent_kernel_path import Backend

@@ -19,8 +19,15 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.plan import Bases, TransferPlan, decode_targets, plan_transfer, receives_request_rows, sender_duties
-from pdfabric_agent.pools import PoolLayout
+from pdfabric_agent.memory.plan import (
+    Bases,
+    TransferPlan,
+    decode_targets,
+    plan_transfer,
+    receives_request_rows,
+    sender_duties,
+)
+from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec, validate_spec
 from pdfabric_core.traffic import PairBytes, estimate_traffic, pair_traffic
@@ -111,7 +118,7 @@ def planned(
     spec: PDClusterSpec, pages: int, state_slots: int = 1, *, kv_blocks: bool = False, coalesce: bool = True
 ) -> dict[Pair, tuple[int, int, int, int]]:
     """(kv, state, state skipped, aux) ``plan_transfer`` plans per pair, the way the sender plans
-    a room (sender._plan_target) and the harness hands out slots (aux to the row-receiving stage)."""
+    a room (sender.targets.plan_target) and the harness hands out slots (aux to the row-receiving stage)."""
     p, d, geo = spec.prefill, spec.decode, spec.model
     out: dict[Pair, tuple[int, int, int, int]] = {}
     dst_pages = [3 * i + 1 for i in range(pages)]  # scattered: coalescing must not change the bytes

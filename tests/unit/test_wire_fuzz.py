@@ -12,13 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdfabric_agent import fields
-from pdfabric_agent.completion import CompletionMark
-from pdfabric_agent.errors import ApiError
-from pdfabric_agent.fields import MAX_INDICES, check_indices, field_index_list, pack_indices
-from pdfabric_agent.plan import Bases
-from pdfabric_agent.pools import PoolLayout
-from pdfabric_agent.wire import DoneReport, LaunchNotice, ReceiveRequest, RoomCancel, RoomInfo, SendRequest
+from pdfabric_agent.memory.completion import CompletionMark
+from pdfabric_agent.memory.plan import Bases
+from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol import fields
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.fields import MAX_INDICES, check_indices, field_index_list, pack_indices
+from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 
 LAYOUT = PoolLayout(2, 2, 64, 64, 1, 64, 8, (8, 8), 8)
 VALID: dict[type[Any], dict[str, Any]] = {

@@ -11,7 +11,7 @@ from typing import Any
 
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
-from pdfabric_agent.client import AgentClient
+from pdfabric_agent.client.api import AgentClient
 from pdfabric_sglang.kvargs import FabricConfig
 from pdfabric_sglang.peers import REPLICA_PATH
 

@@ -48,9 +48,9 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
-from pdfabric_agent.client import AgentClient, AgentRefused
-from pdfabric_agent.labels import Refusal
-from pdfabric_agent.wire import ReceiveRequest, SendRequest
+from pdfabric_agent.client.api import AgentClient, AgentRefused
+from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_sglang.bootstrap import PdfabricKVBootstrapServer
 from pdfabric_sglang.kvargs import (

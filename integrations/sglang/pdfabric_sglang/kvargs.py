@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from pdfabric_agent.pools import PageOrder
-from pdfabric_agent.wire import MemoryRegistration
+from pdfabric_agent.memory.pools import PageOrder
+from pdfabric_agent.protocol.wire import MemoryRegistration
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdfabric_agent.wire import BufferShare, ShareKind
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 
 
 class UnshareableBuffer(ValueError):
@@ -53,7 +53,7 @@ def share_of(ptr: int, nbytes: int, gpu: int | None, mappings: list[Mapping_]) -
             f"buffer at {ptr:#x} ({nbytes} bytes) is private memory of this process: the agent can only "
             "reach CPU buffers in a shared-memory file (for example under /dev/shm)"
         )
-    from pdfabric_agent.fastpath import cuda, ipc
+    from pdfabric_agent.memory import cuda, ipc
 
     try:
         export = ipc.export_pool(ptr, nbytes, gpu)

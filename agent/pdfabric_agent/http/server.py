@@ -1,0 +1,268 @@
+"""HTTP surfaces of the agent.
+
+- Two doors into the transfer API, one app each (``Door``), every body naming the cluster uid;
+  anything else is refused before it can change state. A refusal answers ``{"error", "reason"}``.
+  - Engine door (apiPort, 127.0.0.1 only): the serving engines on the node (in the agent pod's
+    network namespace) with ``Authorization: Bearer <engine token>``: /v1/info, /v1/send,
+    /v1/receive, /v1/rooms/...
+  - Peer door (peerPort, the pod address, mutual TLS): other agents, each by its certificate from
+    the cluster CA; the name in it must be an agent of the rank map and is handed to the handlers
+    as ``sender_agent``: /v1/peer/dst, /v1/peer/done, /v1/peer/launched, /v1/peer/cancel,
+    /v1/peer/ping, /v1/peer/probe (the link check's probe regions, probe.py).
+  A route of one door is not served on the other (404).
+- Metrics port: /metrics, /healthz (liveness: the process serves), /readyz (ready: transport
+  validated, engines up; otherwise 503 with the reason the operator surfaces). With serving
+  engines supervised by the agent (spec.engine) the body lists them (``engines``,
+  ``enginesReady``) and the answer is 200 only when they all serve too: the pod's readiness.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Self, TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdfabric_agent.http.guard import CLUSTER, LIMITS, Limits
+from pdfabric_agent.http.jsonbody import BODY_CAP, body_cap, read_json
+from pdfabric_agent.protocol import tls
+from pdfabric_agent.protocol.errors import ApiError, malformed
+from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.runtime import metrics
+from pdfabric_core.engines import EngineState
+
+log = logging.getLogger("pdfabric.server")
+
+MAX_WAIT_S = 30.0  # long polls end well inside common proxy and client timeouts
+MAX_BODY = 16 * 1024 * 1024  # a room of 1M pages still fits; anything bigger is not a PD request
+
+
+@dataclass
+class Readiness:
+    ready: bool = False
+    reason: str = "Starting"
+    message: str = "the agent is starting"
+    transport: str = ""  # the transport in use, once chosen; the operator reads it (a fallback: != requested)
+    requested: str = ""  # the rank map's transport
+    # The serving engines the agent supervises (supervisor.EngineSupervisor.states); None: none.
+    engines: Callable[[], Sequence[EngineState]] | None = None
+
+    def body(self) -> tuple[dict[str, Any], bool]:
+        """/readyz: the agent's own readiness (``ready``, which the operator reads) and, with
+        supervised engines, theirs; the pod is ready (200) only when the agent and every engine are."""
+        body: dict[str, Any] = {"ready": self.ready, "reason": self.reason, "message": self.message}
+        if self.transport:
+            body |= {"transport": self.transport, "requested": self.requested}
+        if self.engines is None:
+            return body, self.ready
+        states = list(self.engines())
+        engines_ready = all(e.ready for e in states)
+        body |= {"engines": [e.to_json() for e in states], "enginesReady": engines_ready}
+        return body, self.ready and engines_ready
+
+
+def _refuse(agent_cluster: str, exc: ApiError) -> web.Response:
+    metrics.api_refusals.labels(agent_cluster, exc.reason.value).inc()
+    return web.json_response({"error": exc.message, "reason": exc.reason.value}, status=exc.status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    """Bounded (jsonbody): the app's body cap and body deadline, strict UTF-8, bounded JSON."""
+    app = request.app
+    return await read_json(request, app[BODY_CAP], app[LIMITS].body_timeout_s)
+
+
+def _authorization(request: web.Request) -> str | None:
+    """The Authorization header; one that is not ASCII is no token (refused as unauthorized)."""
+    value = request.headers.get("Authorization")
+    return value if value is None or value.isascii() else ""
+
+
+def _unexpected(cluster: str, request: web.Request, exc: Exception) -> web.Response:
+    """An error no check anticipated: logged, counted, JSON 500 (bad input is always a 4xx)."""
+    log.exception("unexpected error on %s %s", request.method, request.path, exc_info=exc)
+    metrics.api_refusals.labels(cluster, Refusal.INTERNAL.value).inc()
+    body = {"error": f"internal error ({type(exc).__name__}), logged by the agent", "reason": Refusal.INTERNAL.value}
+    return web.json_response(body, status=500)
+
+
+def _http_refusal(exc: web.HTTPException) -> ApiError:
+    if exc.status == 413:
+        return ApiError(413, Refusal.TOO_LARGE, exc.reason)
+    return ApiError(exc.status if 400 <= exc.status < 500 else 400, Refusal.MALFORMED, exc.reason)
+
+
+class _Message(Protocol):
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Self: ...
+
+
+M = TypeVar("M", bound=_Message)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Door(enum.Enum):
+    ENGINE = "engine"  # 127.0.0.1:apiPort, the engine token
+    PEER = "peer"  # pod address:peerPort, mutual TLS from the cluster CA
+
+
+PEER_AGENT = web.RequestKey("peer_agent", str)  # the authenticated caller on the peer door
+
+
+def peer_identity(agent: Agent, request: web.Request) -> str:
+    """The calling agent, from its verified client certificate (the TLS handshake already refused
+    a missing one or one from another CA): its name must be an agent of this cluster's rank map."""
+    name = tls.peer_agent(request.transport.get_extra_info("peercert") if request.transport else None)
+    if name is None:
+        raise ApiError(401, Refusal.UNAUTHORIZED, "the peer door needs a client certificate from the cluster CA")
+    if name not in {a.name for a in agent.rankmap.agents}:
+        raise ApiError(
+            403, Refusal.UNAUTHORIZED, f"certificate of {name!r}, which is no agent of this cluster's rank map"
+        )
+    return name
+
+
+def build_api_app(agent: Agent, door: Door) -> web.Application:
+    cluster = agent.cluster
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if door is Door.ENGINE:
+                agent.check_token(_authorization(request))
+            else:
+                request[PEER_AGENT] = caller = peer_identity(agent, request)
+                agent.peers.heard_from(caller)  # alive, whatever its missed heartbeats said
+            return await handler(request)
+        except ApiError as exc:
+            return _refuse(cluster, exc)
+        except web.HTTPException as exc:  # aiohttp's own (413 past client_max_size): JSON, counted
+            return _refuse(cluster, _http_refusal(exc))
+        except Exception as exc:
+            return _unexpected(cluster, request, exc)
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "cluster": {"namespace": agent.rankmap.namespace, "name": cluster, "uid": agent.rankmap.cluster_uid},
+                "agent": agent.entry.name,
+                "transport": agent.transport,
+                "backend": agent.backend_name,
+                "ranks": {
+                    rank_id: {
+                        "role": lr.rank.role,
+                        "endpoint": lr.backend.endpoint(),
+                        "path": lr.backend.path,
+                        **lr.pools.describe(),
+                        # The engine's own buffers once registered; the pools stay for the synthetic engine.
+                        "engine_memory": lr.engine.describe() if lr.engine is not None else None,
+                    }
+                    for rank_id, lr in agent.ranks.items()
+                },
+            }
+        )
+
+    async def parsed(request: web.Request, message: type[M]) -> M:
+        """The boundary: a JSON object for this cluster, parsed into its typed message."""
+        body = await _body(request)
+        agent.check_cluster(body)
+        return message.parse(body)
+
+    async def send(request: web.Request) -> web.Response:
+        return web.json_response(agent.submit_send(await parsed(request, SendRequest)))
+
+    async def receive(request: web.Request) -> web.Response:
+        return web.json_response(agent.submit_receive(await parsed(request, ReceiveRequest)))
+
+    async def memory(request: web.Request) -> web.Response:
+        # On the loop, not in a worker: no room may be submitted between the check and the swap.
+        return web.json_response(agent.register_memory(await parsed(request, MemoryRegistration)))
+
+    async def abort(request: web.Request) -> web.Response:
+        return web.json_response(await agent.abort(await parsed(request, AbortRequest)))
+
+    async def poll(request: web.Request) -> web.Response:
+        try:
+            raw_room = request.match_info["room"]
+            if len(raw_room) > 20:  # no int() of a 5000-digit path segment
+                raise ValueError(raw_room)
+            room = int(raw_room)
+            wait_s = float(request.query.get("wait_s", "0"))
+        except ValueError:
+            raise malformed("room must be an integer and wait_s a number of seconds") from None
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise malformed(f"wait_s must be within 0..{MAX_WAIT_S:g} seconds")
+        return web.json_response(await agent.poll(request.match_info["rank"], room, wait_s))
+
+    async def peer_dst(request: web.Request) -> web.Response:
+        return web.json_response(agent.accept_dst(await parsed(request, RoomInfo), sender_agent=request[PEER_AGENT]))
+
+    async def peer_done(request: web.Request) -> web.Response:
+        msg = await parsed(request, DoneReport)
+        return web.json_response(await agent.accept_done(msg, sender_agent=request[PEER_AGENT]))
+
+    async def peer_launched(request: web.Request) -> web.Response:
+        msg = await parsed(request, LaunchNotice)
+        return web.json_response(agent.accept_launched(msg, sender_agent=request[PEER_AGENT]))
+
+    async def peer_cancel(request: web.Request) -> web.Response:
+        msg = await parsed(request, RoomCancel)
+        return web.json_response(agent.accept_cancel(msg, sender_agent=request[PEER_AGENT]))
+
+    async def ping(request: web.Request) -> web.Response:
+        return web.json_response({"agent": agent.entry.name})
+
+    async def probe_regions(request: web.Request) -> web.Response:
+        return web.json_response(agent.probe_regions)  # only describes: the prober does the work
+
+    async def not_found(request: web.Request) -> web.Response:
+        raise ApiError(404, Refusal.MALFORMED, f"no such endpoint {request.method} {request.path}")
+
+    # Bounds (docs/agent.md, "Limits"): the largest legal request of these pools, the listener's limits.
+    limits = Limits.from_env()
+    cap = min(MAX_BODY, body_cap(lr.layout for lr in agent.ranks.values()))
+    app = web.Application(middlewares=[guard], client_max_size=cap, handler_args=limits.handler_args())
+    app[LIMITS], app[CLUSTER], app[BODY_CAP] = limits, cluster, cap
+    if door is Door.ENGINE:
+        app.router.add_get("/v1/info", info)
+        app.router.add_post("/v1/send", send)
+        app.router.add_post("/v1/receive", receive)
+        app.router.add_post(MemoryRegistration.PATH, memory)
+        app.router.add_post(AbortRequest.PATH, abort)
+        app.router.add_get("/v1/rooms/{rank}/{room}", poll)
+    else:
+        app.router.add_post("/v1/peer/dst", peer_dst)
+        app.router.add_post("/v1/peer/done", peer_done)
+        app.router.add_post("/v1/peer/launched", peer_launched)
+        app.router.add_post(RoomCancel.PATH, peer_cancel)
+        app.router.add_get("/v1/peer/ping", ping)
+        app.router.add_get("/v1/peer/probe", probe_regions)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+def build_metrics_app(readiness: Readiness) -> web.Application:
+    async def metrics_view(request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(metrics.REGISTRY))
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"alive": True})
+
+    async def readyz(request: web.Request) -> web.Response:
+        body, ready = readiness.body()
+        return web.json_response(body, status=200 if ready else 503)
+
+    app = web.Application(handler_args=Limits.from_env().handler_args())
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

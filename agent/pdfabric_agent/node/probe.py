@@ -1,0 +1,219 @@
+"""The pre-flight link check: before an agent reports Ready, each of its sending ranks writes a
+few MiB through its real transfer engine into the probe region of every peer rank it will send
+to, and the agent exports GB/s and latency per (rank, peer agent). With
+``spec.transfer.minProbeGBps`` above 0 the agent stays not Ready (reason ProbeBelowThreshold,
+naming the slow peer) and probes again until every peer is fast enough.
+
+Why peers cannot abuse it:
+- every rank registers a probe region of its own (``PROBE_BYTES``), apart from its KV, state and
+  aux memory: a probe write, or a peer writing garbage there, touches no KV; nothing reads it;
+- its address is served on the peer door only (``GET /v1/peer/probe``: mutual TLS, an agent of the
+  rank map), and the call makes the answering agent do nothing but describe its regions;
+- the prober's own work is fixed here, not by anything a peer sends: a handful of writes of at
+  most the region's size, at start (and while below the threshold, once per ``RETRY_S``), with the
+  peer's size clamped to ``PROBE_BYTES``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from pdfabric_agent.memory.plan import Block
+from pdfabric_agent.memory.pools import Pool
+from pdfabric_agent.runtime import metrics
+from pdfabric_agent.transfer.base import TransferBackend
+from pdfabric_core.policy.types import Device, Role
+from pdfabric_core.rankmap import RankMap
+from pdfabric_core.spec import PDClusterSpec
+
+PROBE_BYTES = 4 * 1024 * 1024  # per rank; the bandwidth write fills a peer's region once per round
+BLOCK_BYTES = 1024 * 1024  # the bandwidth write's blocks (4 in one batch: under any maxBatchEntries)
+LATENCY_BYTES = 4096
+LATENCY_ROUNDS = 5
+BANDWIDTH_ROUNDS = 2
+DISCOVER_S = 30.0  # how long the first probe waits for a peer's door to answer
+RETRY_S = 10.0  # below the threshold: probe the slow pairs again this often
+REASON_SLOW = "ProbeBelowThreshold"
+PROBE_PATH = "/v1/peer/probe"
+
+
+@dataclass(frozen=True)
+class Region:
+    """A peer rank's probe region, as its agent describes it."""
+
+    endpoint: str  # the peer rank's engine session
+    addr: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Result:
+    rank: str
+    peer: str  # the peer agent
+    gbps: float  # 0: failed
+    latency_s: float | None
+    error: str = ""
+
+
+def allocate(
+    rankmap: RankMap, backends: Mapping[str, TransferBackend], device: Device, shm_dir: str, gpus: Mapping[str, int]
+) -> dict[str, Pool]:
+    """One probe region per rank, registered with the rank's engine (named like the rank's pools,
+    so stale-pool cleanup removes it after a crash)."""
+    tag = f"pdfabric-{rankmap.cluster_uid[:8]}-{os.getpid()}"
+    regions: dict[str, Pool] = {}
+    for rank_id, backend in backends.items():
+        pool = Pool.allocate(f"{tag}-{rank_id}-probe", PROBE_BYTES, device, shm_dir=shm_dir, gpu=gpus[rank_id])
+        backend.register(pool)
+        regions[rank_id] = pool
+    return regions
+
+
+def describe(regions: Mapping[str, Pool], backends: Mapping[str, TransferBackend]) -> dict[str, Any]:
+    """The body of GET /v1/peer/probe."""
+    return {
+        "ranks": {
+            rank_id: {"endpoint": backends[rank_id].endpoint(), "addr": pool.addr, "size": pool.size}
+            for rank_id, pool in regions.items()
+        }
+    }
+
+
+def parse_regions(body: Mapping[str, Any]) -> dict[str, Region]:
+    out: dict[str, Region] = {}
+    ranks = body.get("ranks")
+    if not isinstance(ranks, dict):
+        raise ValueError("no ranks in the probe description")
+    for rank_id, r in ranks.items():
+        if not isinstance(r, dict):
+            raise ValueError(f"probe region of {rank_id!r} is not an object")
+        endpoint, addr, size = r.get("endpoint"), r.get("addr"), r.get("size")
+        if not isinstance(endpoint, str) or not isinstance(addr, int) or not isinstance(size, int):
+            raise ValueError(f"probe region of {rank_id!r} needs endpoint, addr and size")
+        out[str(rank_id)] = Region(endpoint, addr, min(size, PROBE_BYTES))
+    return out
+
+
+def measure(
+    backend: TransferBackend, src: Pool, region: Region, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
+    """(GB/s, median latency in seconds) of writes from ``src`` into ``region``; raises what the
+    engine raises. Runs in a worker thread (engine calls block)."""
+    size = min(region.size, src.size)
+    small = min(LATENCY_BYTES, size)
+    backend.write_batch(region.endpoint, [Block(src.addr, region.addr, small)])  # opens the session
+    latencies = []
+    for _ in range(LATENCY_ROUNDS):
+        t0 = clock()
+        backend.write_batch(region.endpoint, [Block(src.addr, region.addr, small)])
+        latencies.append(clock() - t0)
+    step = min(BLOCK_BYTES, size)
+    blocks = [Block(src.addr + off, region.addr + off, min(step, size - off)) for off in range(0, size, step)]
+    per_batch = max(1, backend.max_batch_entries)
+    t0 = clock()
+    for _ in range(BANDWIDTH_ROUNDS):
+        for i in range(0, len(blocks), per_batch):
+            backend.write_batch(region.endpoint, blocks[i : i + per_batch])
+    elapsed = max(clock() - t0, 1e-9)
+    return BANDWIDTH_ROUNDS * size / elapsed / 1e9, statistics.median(latencies)
+
+
+Fetch = Callable[[str], Any]  # peer agent -> awaitable of its /v1/peer/probe body
+
+
+class LinkCheck:
+    """The probes of one agent: which (rank, peer rank) pairs, and their last results."""
+
+    def __init__(
+        self,
+        rankmap: RankMap,
+        spec: PDClusterSpec,
+        agent_name: str,
+        backends: Mapping[str, TransferBackend],
+        regions: Mapping[str, Pool],
+    ) -> None:
+        self.cluster = rankmap.cluster
+        self.threshold = spec.transfer.min_probe_g_bps
+        self.backends = backends
+        self.regions = regions
+        # Only the ranks that send probe: a decode rank receives, its prefill peers probe it.
+        self.targets = sorted(
+            (rank, peer, peer_rank)
+            for rank, peer, peer_rank, role in metrics.peer_ranks(rankmap, spec, agent_name)
+            if role is Role.PREFILL
+        )
+        self.results: dict[tuple[str, str], Result] = {}
+
+    async def run(self, fetch: Fetch, executor: Executor, *, discover_s: float = DISCOVER_S) -> list[Result]:
+        """Probe every pair once (peers whose door does not answer yet are asked again until
+        ``discover_s``); every (rank, peer agent) pair's worst peer rank is its result."""
+        peers = sorted({peer for _, peer, _ in self.targets})
+        described: dict[str, dict[str, Region]] = {}
+        errors: dict[str, str] = {}
+        deadline = time.monotonic() + discover_s
+        while True:
+            for peer in peers:
+                if peer in described:
+                    continue
+                try:
+                    described[peer] = parse_regions(await fetch(peer))
+                    errors.pop(peer, None)
+                except Exception as exc:  # unreachable, refused, malformed: asked again
+                    errors[peer] = f"{type(exc).__name__}: {exc}"[:300]
+            if len(described) == len(peers) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.5)
+        loop = asyncio.get_running_loop()
+        by_pair: dict[tuple[str, str], Result] = {}
+        for rank, peer, peer_rank in self.targets:
+            region = described.get(peer, {}).get(peer_rank)
+            if region is None:
+                why = errors.get(peer) or f"{peer} describes no probe region for {peer_rank}"
+                result = Result(rank, peer, 0.0, None, why)
+            else:
+                try:
+                    gbps, latency = await loop.run_in_executor(
+                        executor, measure, self.backends[rank], self.regions[rank], region
+                    )
+                    result = Result(rank, peer, gbps, latency)
+                except Exception as exc:
+                    result = Result(rank, peer, 0.0, None, f"{type(exc).__name__}: {exc}"[:300])
+            prev = by_pair.get((rank, peer))
+            if prev is None or result.gbps < prev.gbps:
+                by_pair[(rank, peer)] = result
+        for (rank, peer), result in by_pair.items():
+            self.results[(rank, peer)] = result
+            labels = (self.cluster, rank, peer, Role.PREFILL.value)
+            metrics.peer_probe_bandwidth.labels(*labels).set(result.gbps)
+            if result.latency_s is not None:
+                metrics.peer_probe_latency.labels(*labels).set(result.latency_s)
+        return list(by_pair.values())
+
+    def slow(self) -> list[Result]:
+        """Pairs below the threshold (none without one), slowest first."""
+        if self.threshold <= 0:
+            return []
+        return sorted((r for r in self.results.values() if r.gbps < self.threshold), key=lambda r: r.gbps)
+
+    def verdict(self) -> str:
+        """The readiness message while slow pairs remain: the slowest named first."""
+        slow = self.slow()
+        parts = [
+            f"rank {r.rank} -> peer {r.peer}: " + (f"probe failed ({r.error})" if r.error else f"{r.gbps:.3g} GB/s")
+            for r in slow[:4]
+        ]
+        more = f" and {len(slow) - 4} more" if len(slow) > 4 else ""
+        return f"link check below transfer.minProbeGBps {self.threshold:g}: {'; '.join(parts)}{more}"
+
+    def summary(self) -> str:
+        if not self.results:
+            return "no peers to probe"
+        worst = min(self.results.values(), key=lambda r: r.gbps)
+        return f"link check: {len(self.results)} pairs, slowest {worst.rank} -> {worst.peer} {worst.gbps:.3g} GB/s"

@@ -1,0 +1,3 @@
+"""Talking to peer agents: the mutual-TLS session with typed messages, and each peer's health
+(blacklist, probes, heartbeats, blame).
+"""

@@ -1,0 +1,206 @@
+"""The agent's side of talking to peer agents: one HTTPS session, typed messages, probes and the
+peers' health (blacklist on failure, re-probe with backoff, heartbeat misses).
+
+Peers are reached on their peer door (spec.agent.peerPort) over mutual TLS: this agent presents
+its own certificate, and a peer's must chain to the cluster CA and carry the host name the rank
+map's agent is dialled by (``peer_host``), even when ``PDFABRIC_PEERS`` gives another address.
+
+A peer that answers with an error status raises ``PeerRefused`` (status, reason, message); a peer
+that cannot be reached raises what aiohttp raises (``PEER_UNREACHABLE``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from pdfabric_agent.peers.health import PeerHealth
+from pdfabric_agent.protocol import tls
+from pdfabric_agent.protocol.peer_wire import PeerMessage
+from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.config import AgentConfig
+from pdfabric_agent.runtime.tasks import Liveness
+from pdfabric_core.rankmap import RankMap
+
+log = logging.getLogger("pdfabric.agent")
+
+HEARTBEAT_MISSES = 2  # upstream: two missed heartbeats fail the rooms
+RECHECK_S = 1.0  # a peer blacklisted for silence is pinged again for a new room at most this often
+
+
+class PeerRefused(RuntimeError):
+    """A peer agent answered a request with an error status."""
+
+    def __init__(self, agent: str, path: str, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{agent} refused {path}: HTTP {status} {message}")
+        self.agent = agent
+        self.path = path
+        self.status = status
+        self.reason = reason
+
+
+# What a failed peer call raises: refused, unreachable, or too slow.
+PEER_ERRORS = (PeerRefused, aiohttp.ClientError, TimeoutError, OSError)
+
+
+class PeerClient:
+    def __init__(
+        self, cfg: AgentConfig, rankmap: RankMap, peer_port: int, clock: Callable[[], float], liveness: Liveness
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.liveness = liveness
+        self.rankmap = rankmap
+        self.peer_port = peer_port  # every agent's peer door listens on the spec's peerPort
+        self.health = PeerHealth(cfg.probe_backoff_s, cfg.probe_backoff_max_s, clock)
+        self._http: aiohttp.ClientSession | None = None
+        self._probing: set[str] = set()
+        self._missed: dict[str, int] = {}  # agent -> consecutive missed heartbeats
+        self._rechecks: dict[str, asyncio.Task[bool]] = {}  # agent -> the ping a new room waits for
+        self._recheck_after: dict[str, float] = {}
+
+    def peer_host(self, agent_name: str) -> str:
+        """The host name agent ``agent_name`` is dialled by, and its certificate must carry."""
+        rm = self.rankmap
+        return self.cfg.peer_host_template.format(name=agent_name, cluster=rm.cluster, namespace=rm.namespace)
+
+    def address(self, agent_name: str) -> str:
+        if agent_name in self.cfg.peers:
+            return self.cfg.peers[agent_name]
+        return f"{self.peer_host(agent_name)}:{self.peer_port}"
+
+    async def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            connector = aiohttp.TCPConnector(ssl=tls.PeerTls.of(self.cfg.peer_tls_dir).client)
+            self._http = aiohttp.ClientSession(connector=connector)
+        return self._http
+
+    async def post(self, agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
+        session = await self._session()
+        url = f"https://{self.address(agent_name)}{msg.PATH}"
+        body = {**msg.to_json(), "cluster": self.rankmap.cluster_uid}
+        async with session.post(
+            url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
+        ) as resp:
+            data = await resp.json(content_type=None)
+            if not isinstance(data, dict):
+                data = {}
+            if resp.status != 200:
+                raise PeerRefused(agent_name, msg.PATH, resp.status, str(data.get("reason", "")), data.get("error", ""))
+            return data
+
+    async def get_json(self, agent_name: str, path: str, timeout_s: float = 2.0) -> dict[str, Any]:
+        """GET ``path`` on the peer's door; raises ``PEER_ERRORS`` (the link check's probe regions)."""
+        session = await self._session()
+        url = f"https://{self.address(agent_name)}{path}"
+        async with session.get(
+            url, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
+        ) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status != 200 or not isinstance(data, dict):
+                body = data if isinstance(data, dict) else {}
+                raise PeerRefused(agent_name, path, resp.status, str(body.get("reason", "")), body.get("error", ""))
+            return data
+
+    async def ping(self, agent_name: str, timeout_s: float = 2.0) -> bool:
+        session = await self._session()
+        try:
+            url = f"https://{self.address(agent_name)}/v1/peer/ping"
+            async with session.get(
+                url, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    # ------------------------------------------------------------ health
+    def is_blacklisted(self, agent_name: str) -> bool:
+        return self.health.is_blacklisted(agent_name)
+
+    def why_blacklisted(self, agent_name: str) -> str:
+        return f"peer agent {agent_name} is blacklisted: {self.health.reason(agent_name)}"
+
+    def blame(self, agent_name: str, reason: str, since: float, *, silent: bool = False) -> str:
+        """A call to `agent_name` that started at `since` failed: blacklist it, unless this agent
+        itself stalled after `since` (stopped, frozen), which explains the failure as well. Returns
+        the reason to report, saying so when the peer was not blamed. `silent`: it did not answer
+        (``heard_from`` re-admits it), rather than failing a transfer."""
+        stalled = self.liveness.stalled_since(since, self.clock())
+        if stalled:
+            log.info("not blaming %s for %s: this agent was stalled for %.1f s", agent_name, reason, stalled)
+            return f"{reason}; this agent was stalled for {stalled:.1f} s, so {agent_name} is not blamed"
+        self.health.fail(agent_name, reason, silent=silent)
+        metrics.peers_blacklisted.labels(self.rankmap.cluster).set(len(self.health.blacklisted))
+        return reason
+
+    async def usable(self, agent_name: str) -> bool:
+        """Whether a new room may use `agent_name`: not blacklisted, or blacklisted only for not
+        answering and answering a ping now (a stopped agent that resumed). One ping per peer at a
+        time, shared by the rooms that wait for it, and at most one a second: rooms to a peer that
+        is really gone still fail at once."""
+        if not self.health.is_blacklisted(agent_name):
+            return True
+        if not self.health.is_silent(agent_name):
+            return False
+        task = self._rechecks.get(agent_name)
+        if task is None:
+            now = self.clock()
+            if now < self._recheck_after.get(agent_name, float("-inf")):
+                return False
+            self._recheck_after[agent_name] = now + RECHECK_S
+            task = self._rechecks[agent_name] = asyncio.ensure_future(self._recheck(agent_name))
+        return await asyncio.shield(task)
+
+    async def _recheck(self, agent_name: str) -> bool:
+        try:
+            if await self.ping(agent_name, timeout_s=RECHECK_S):
+                self.heard_from(agent_name)
+            return not self.health.is_blacklisted(agent_name)
+        finally:
+            self._rechecks.pop(agent_name, None)
+
+    def heard_from(self, agent_name: str) -> None:
+        """`agent_name` called the peer door: alive, whatever its missed heartbeats said."""
+        if self.health.heard_from(agent_name):
+            cluster = self.rankmap.cluster
+            metrics.session_recoveries.labels(cluster).inc()
+            metrics.peers_blacklisted.labels(cluster).set(len(self.health.blacklisted))
+            log.info("peer agent %s called in; re-admitted", agent_name)
+
+    def heartbeat_result(self, agent_name: str, ok: bool, sent: float) -> bool:
+        """Record one heartbeat sent at `sent`; True when the agent has now missed
+        ``HEARTBEAT_MISSES`` in a row (it is blacklisted then and its count starts again). A miss
+        while this agent itself stalled is not counted."""
+        if not ok and self.liveness.stalled_since(sent, self.clock()):
+            return False
+        self._missed[agent_name] = 0 if ok else self._missed.get(agent_name, 0) + 1
+        if self._missed[agent_name] < HEARTBEAT_MISSES:
+            return False
+        self._missed[agent_name] = 0
+        self.blame(agent_name, f"missed {HEARTBEAT_MISSES} heartbeats", sent, silent=True)
+        return True
+
+    def due_probes(self) -> list[str]:
+        """Blacklisted agents whose re-probe is due and not already running (marked running now)."""
+        due = [name for name in self.health.due() if name not in self._probing]
+        self._probing.update(due)
+        return due
+
+    async def reprobe(self, agent_name: str) -> None:
+        cluster = self.rankmap.cluster
+        try:
+            ok = await self.ping(agent_name)
+            metrics.peer_probes.labels(cluster, "ok" if ok else "failed").inc()
+            if self.health.probe_result(agent_name, ok):
+                metrics.session_recoveries.labels(cluster).inc()
+                log.info("peer agent %s answers again; re-admitted", agent_name)
+            metrics.peers_blacklisted.labels(cluster).set(len(self.health.blacklisted))
+        finally:
+            self._probing.discard(agent_name)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()

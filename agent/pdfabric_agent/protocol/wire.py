@@ -1,0 +1,297 @@
+"""The wire format of the engine door: one typed message per request a serving engine sends its
+node's agent, parsed and checked here: ``SendRequest``, ``ReceiveRequest``, ``AbortRequest``,
+``MemoryRegistration`` (/v1/memory: the engine's own buffers of a rank). The peer door's messages
+are ``peer_wire``'s; the byte counts both carry (``KindBytes``, ``BytesByPath``) are here.
+
+``parse`` checks what the message alone can say (types, closed sets, self-consistent bounds) and
+raises ``ApiError`` (400) with the field to fix; what needs the agent's state (the rank's layout,
+the rank map, the room) is checked by the handler right after. ``to_json`` is the inverse, used by
+the client and by peers, so both sides of a message are written in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from pdfabric_agent.memory.pools import PageOrder, PoolLayout
+from pdfabric_agent.protocol.errors import malformed, out_of_range
+from pdfabric_agent.protocol.fields import (
+    MAX_AUX_ROW_BYTES,
+    MAX_BUFFERS,
+    MAX_REASON,
+    MAX_STR,
+    check_index,
+    check_indices,
+    check_object,
+    check_str,
+    field_flag,
+    field_index_list,
+    field_int,
+    field_opt_int,
+    field_str,
+    indices_json,
+    too_large,
+)
+from pdfabric_agent.protocol.labels import Kind
+
+CHECKSUM = re.compile(r"[0-9a-f]{1,16}:[0-9a-f]{16}")  # integrity.checksum's form
+# Bytes per kind ("kv", "state", "aux") and, per `path` label, the bytes that path moved.
+KindBytes = dict[str, int]
+BytesByPath = dict[str, KindBytes]
+
+
+def zero_bytes() -> KindBytes:
+    return {kind.value: 0 for kind in Kind}
+
+
+# ---------------------------------------------------------------- client messages
+@dataclass(frozen=True)
+class RoomSubmit:
+    """What `send` and `receive` share: a room on one local rank, its pages, state slots and aux row,
+    and the replica of the other role it pairs with."""
+
+    PATH: ClassVar[str]
+    PEER_ROLE: ClassVar[str]  # the role of `peer_replica`
+    UNIQUE: ClassVar[bool]  # destinations must be distinct (two sources writing one page corrupt it)
+
+    rank: str
+    room: int
+    kv_pages: list[int]
+    state_indices: list[int]
+    aux_index: int | None
+    peer_replica: int
+    # The pages are in the engine's own registered memory (POST /v1/memory), never the agent's pools:
+    # an agent that restarted and lost the registration refuses the room instead of moving its pools.
+    engine_memory: bool = False
+
+    @classmethod
+    def peer_field(cls) -> str:
+        return f"{cls.PEER_ROLE}_replica"
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        return cls(
+            rank=field_str(body, "rank"),
+            room=field_int(body, "room"),
+            kv_pages=field_index_list(body, "kv_pages"),
+            state_indices=field_index_list(body, "state_indices"),
+            aux_index=field_opt_int(body, "aux_index"),
+            peer_replica=field_int(body, cls.peer_field()),
+            engine_memory=field_flag(body, "engine_memory"),
+        )
+
+    def check_bounds(self, layout: PoolLayout, peer_replicas: int) -> None:
+        """Against the local rank's pools and the spec's replica count."""
+        check_indices(self.kv_pages, layout.kv_pages, name="kv_pages", what="KV pages", unique=self.UNIQUE)
+        check_indices(
+            self.state_indices, layout.state_slots, name="state_indices", what="state slots", unique=self.UNIQUE
+        )
+        check_index(self.aux_index, layout.aux_slots, name="aux_index")
+        if self.peer_replica >= peer_replicas:
+            raise out_of_range(f"{self.peer_field()} {self.peer_replica} outside 0..{peer_replicas - 1}")
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "rank": self.rank,
+            "room": self.room,
+            "kv_pages": indices_json(self.kv_pages),
+            "state_indices": list(self.state_indices),
+            self.peer_field(): self.peer_replica,
+        }
+        if self.aux_index is not None:
+            body["aux_index"] = self.aux_index
+        if self.engine_memory:
+            body["engine_memory"] = True
+        return body
+
+
+@dataclass(frozen=True)
+class SendRequest(RoomSubmit):
+    """Prefill engine -> agent: send room `room` from these source pages to decode `peer_replica`."""
+
+    PATH = "/v1/send"
+    PEER_ROLE = "decode"
+    UNIQUE = False
+
+
+@dataclass(frozen=True)
+class ReceiveRequest(RoomSubmit):
+    """Decode engine -> agent: room `room` from prefill `peer_replica` lands in these pages."""
+
+    PATH = "/v1/receive"
+    PEER_ROLE = "prefill"
+    UNIQUE = True
+
+    # Prompt tokens decode already holds (SGLang's decode radix cache: ``decode_prefix_len``): the
+    # pages here are those after them, and the prefill sends from that token on.
+    prefix_tokens: int = 0
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        msg = super().parse(body)
+        if not msg.kv_pages:
+            raise malformed("kv_pages is empty: a room moves at least one page")
+        prefix = field_opt_int(body, "prefix_tokens")
+        return dataclasses.replace(msg, prefix_tokens=prefix) if prefix else msg
+
+    def to_json(self) -> dict[str, Any]:
+        body = super().to_json()
+        if self.prefix_tokens:
+            body["prefix_tokens"] = self.prefix_tokens
+        return body
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Engine -> agent: the engine gave up room `room` on `rank` (SGLang's ``abort``): it fails now,
+    and its peers are told."""
+
+    PATH: ClassVar[str] = "/v1/abort"
+
+    rank: str
+    room: int
+    reason: str = "aborted by the engine"
+    # A decode rank's room it has not submitted yet: the prefill replica it was to come from, whose
+    # agents are told (else the prefill side learns only at its bootstrap deadline).
+    peer_replica: int | None = None
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        reason = body.get("reason", cls.reason)
+        if not isinstance(reason, str) or len(reason) > MAX_REASON:
+            raise malformed(f"field 'reason' must be a string of at most {MAX_REASON} characters")
+        return cls(field_str(body, "rank"), field_int(body, "room"), reason, field_opt_int(body, "peer_replica"))
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"rank": self.rank, "room": self.room, "reason": self.reason}
+        if self.peer_replica is not None:
+            body["peer_replica"] = self.peer_replica
+        return body
+
+
+# ---------------------------------------------------------------- engine memory
+class ShareKind(enum.StrEnum):
+    SHM = "shm"  # a CPU buffer in a shared-memory file the engine owns: path, offset
+    CUDA_IPC = "cuda-ipc"  # a GPU buffer: its allocation's CUDA IPC handle and the buffer's offset
+
+
+@dataclass(frozen=True)
+class BufferShare:
+    """How the agent reaches one engine buffer: ``nbytes`` at ``offset`` of a shared-memory file
+    (``path``), or of a CUDA allocation (``export``: fastpath.ipc's ExportDoc)."""
+
+    kind: ShareKind
+    nbytes: int
+    offset: int
+    path: str = ""
+    export: Mapping[str, Any] | None = None
+
+    @classmethod
+    def parse(cls, value: Any, name: str) -> Self:
+        d = check_object(value, name)
+        try:
+            kind = ShareKind(str(d.get("kind")))
+        except ValueError:
+            raise malformed(f"{name}.kind must be one of {[k.value for k in ShareKind]}") from None
+        nbytes = field_int(d, "nbytes", minimum=1)
+        offset = field_int(d, "offset")
+        if kind is ShareKind.SHM:
+            path = check_str(d.get("path"), f"{name}.path", limit=MAX_STR)
+            if not path.startswith("/"):
+                raise malformed(f"{name}.path must be an absolute path of a shared-memory file")
+            return cls(kind, nbytes, offset, path=path)
+        export = check_object(d.get("export"), f"{name}.export")
+        handle = export.get("handle")
+        if not (isinstance(handle, str) and 0 < len(handle) <= 256 and all(c in "0123456789abcdef" for c in handle)):
+            raise malformed(f"{name}.export.handle must be the CUDA IPC handle in lowercase hex")
+        for key in ("offset", "nbytes", "device", "owner_pid"):
+            field_int(export, key)
+        return cls(kind, nbytes, offset, export=dict(export))
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"kind": self.kind.value, "nbytes": self.nbytes, "offset": self.offset}
+        if self.kind is ShareKind.SHM:
+            body["path"] = self.path
+        else:
+            body["export"] = dict(self.export or {})
+        return body
+
+
+def _shares(body: Mapping[str, Any], name: str) -> list[BufferShare]:
+    value = body.get(name, [])
+    if not isinstance(value, list):
+        raise malformed(f"field {name!r} must be a list of buffers")
+    if len(value) > MAX_BUFFERS:
+        raise too_large(f"field {name!r} has {len(value)} buffers; at most {MAX_BUFFERS}")
+    return [BufferShare.parse(v, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+@dataclass(frozen=True)
+class MemoryRegistration:
+    """Engine -> its node's agent: rank `rank`'s KV, state and aux live in the engine's own buffers
+    (SGLang's KVArgs): per layer a K and a V buffer of ``kv_page_bytes`` per page, pages of
+    ``page_tokens`` tokens in ``page_order``; per state layer a buffer of ``state_slot_bytes`` per
+    slot; per aux item a buffer of ``aux_row_bytes[i]`` per row. The agent checks them against the
+    PDCluster's model (``memory.engine_layout``) before it maps or registers anything."""
+
+    PATH: ClassVar[str] = "/v1/memory"
+
+    rank: str
+    page_order: PageOrder
+    page_tokens: int
+    kv_page_bytes: int
+    k: list[BufferShare]
+    v: list[BufferShare]
+    state_slot_bytes: int
+    state: list[BufferShare]
+    aux_row_bytes: list[int]
+    aux: list[BufferShare]
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        rank = field_str(body, "rank")
+        try:
+            order = PageOrder(str(body.get("page_order")))
+        except ValueError:
+            raise malformed(f"field 'page_order' must be one of {[o.value for o in PageOrder]}") from None
+        aux = _shares(body, "aux")
+        rows = body.get("aux_row_bytes", [])
+        if not isinstance(rows, list) or len(rows) != len(aux):
+            raise malformed("field 'aux_row_bytes' must give the row bytes of every aux buffer")
+        return cls(
+            rank=rank,
+            page_order=order,
+            page_tokens=field_int(body, "page_tokens", minimum=1),
+            kv_page_bytes=field_int(body, "kv_page_bytes", minimum=1),
+            k=_shares(body, "k"),
+            v=_shares(body, "v"),
+            state_slot_bytes=field_int(body, "state_slot_bytes"),
+            state=_shares(body, "state"),
+            aux_row_bytes=[_int_item(r, "aux_row_bytes") for r in rows],
+            aux=aux,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "page_order": self.page_order.value,
+            "page_tokens": self.page_tokens,
+            "kv_page_bytes": self.kv_page_bytes,
+            "k": [b.to_json() for b in self.k],
+            "v": [b.to_json() for b in self.v],
+            "state_slot_bytes": self.state_slot_bytes,
+            "state": [b.to_json() for b in self.state],
+            "aux_row_bytes": list(self.aux_row_bytes),
+            "aux": [b.to_json() for b in self.aux],
+        }
+
+
+def _int_item(value: Any, name: str) -> int:
+    if type(value) is not int or not 1 <= value <= MAX_AUX_ROW_BYTES:
+        raise malformed(f"every entry of {name!r} must be an integer within 1..{MAX_AUX_ROW_BYTES}")
+    return value

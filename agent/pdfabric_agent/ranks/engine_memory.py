@@ -1,0 +1,273 @@
+"""An engine's own memory for one rank: the buffers SGLang's KVArgs describe, registered here.
+
+The engine (``pdfabric_sglang``'s manager) sends a ``MemoryRegistration``: for every buffer, how
+this process reaches it. ``engine_layout`` checks it against the PDCluster's model and the
+devices the upstream policies name before anything is mapped, and refuses (422) with the
+mismatch named. ``EngineMemory.map`` then maps each buffer, a shared-memory file at its offset or
+a CUDA allocation through IPC, as a ``Pool`` that the rank's transfer engine registers like the
+agent's own pools; every rule (rank mapping, CP shards, state dedup, aux path, coalescing,
+chunking) then plans over its ``MemoryMap`` exactly as over the pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdfabric_agent.memory.plan import MemoryMap
+from pdfabric_agent.memory.pools import DeviceBuffer, Pool, PoolLayout
+from pdfabric_agent.protocol.errors import layout_mismatch
+from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
+from pdfabric_core.policy.types import Device, Role
+from pdfabric_core.rankmap import Rank
+from pdfabric_core.spec import PDClusterSpec
+
+_SHARE_DEVICE = {ShareKind.SHM: Device.CPU, ShareKind.CUDA_IPC: Device.CUDA}
+
+
+def engine_layout(
+    reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, *, kv_device: Device, aux_device: Device
+) -> PoolLayout:
+    """The layout the registration gives this rank, or ``layout_mismatch`` naming what does not fit
+    the PDCluster's model (spec.model) or the devices its transport needs."""
+    geo = spec.model
+    group = spec.prefill if rank.role is Role.PREFILL else spec.decode
+    layers = pp_layer_range(geo.layers, group.pp, rank.pp_rank)
+    heads = local_heads(group.tp, geo.kv_heads)
+    where = f"{rank.rank_id} (TP {group.tp}, PP stage {rank.pp_rank} of {group.pp})"
+    if len(reg.k) != len(layers) or len(reg.v) != len(layers):
+        raise layout_mismatch(
+            f"{len(reg.k)} K and {len(reg.v)} V buffers registered, but {where} holds layers "
+            f"{layers.start}..{layers.stop - 1} of the model's {geo.layers}: one K and one V buffer per layer "
+            "(MLA's single buffer per layer is not supported yet)"
+        )
+    if reg.page_tokens != geo.page_size_tokens:
+        raise layout_mismatch(
+            f"pages of {reg.page_tokens} tokens registered; the PDCluster's model has pageSizeTokens {geo.page_size_tokens}"
+        )
+    want_page = geo.kv_page_bytes(group.tp)
+    if reg.kv_page_bytes != want_page:
+        raise layout_mismatch(
+            f"{reg.kv_page_bytes} KV bytes per page registered; {where} has {want_page} "
+            f"({geo.page_size_tokens} tokens x {heads} KV heads x {geo.head_dim} head dim x {geo.dtype_bytes} bytes "
+            f"of {geo.dtype}): check spec.model against the engine's model, TP size and KV dtype"
+        )
+    kv_pages = _slots(reg.k + reg.v, reg.kv_page_bytes, "KV", "pages")
+    # As the agent's own pools (PoolLayout.from_geometry): the model's state layers, of 0 bytes
+    # when the model has no state, and then no state buffers.
+    slot_bytes = geo.state_bytes_per_request // geo.state_layers
+    want_buffers = geo.state_layers if slot_bytes else 0
+    if len(reg.state) != want_buffers or (slot_bytes and reg.state_slot_bytes != slot_bytes):
+        raise layout_mismatch(
+            f"{len(reg.state)} state buffers of {reg.state_slot_bytes} bytes per slot registered; the PDCluster's "
+            f"model has {want_buffers} state layers of {slot_bytes} bytes "
+            f"(stateBytesPerRequest {geo.state_bytes_per_request} over stateLayers {geo.state_layers})"
+        )
+    state_slots = _slots(reg.state, slot_bytes, "state", "slots") if slot_bytes else 0
+    if tuple(reg.aux_row_bytes) != tuple(geo.aux_row_bytes):
+        raise layout_mismatch(
+            f"aux rows of {list(reg.aux_row_bytes)} bytes registered; the PDCluster's model has auxRowBytes "
+            f"{list(geo.aux_row_bytes)} (one entry per metadata buffer, bytes per row)"
+        )
+    aux_slots = min((b.nbytes // size for b, size in zip(reg.aux, reg.aux_row_bytes, strict=True)), default=0)
+    for kind, shares, device in (
+        ("KV", reg.k + reg.v, kv_device),
+        ("state", reg.state, kv_device),
+        ("aux", reg.aux, aux_device),
+    ):
+        for share in shares:
+            if _SHARE_DEVICE[share.kind] is not device:
+                raise layout_mismatch(
+                    f"{kind} buffers must be {device.value} memory for this PDCluster's transport "
+                    f"({spec.transfer.effective_transport.value}, memPool {spec.transfer.mem_pool.value}); "
+                    f"one is shared as {share.kind.value}"
+                )
+    return PoolLayout(
+        layers=len(layers),
+        local_heads=heads,
+        head_bytes=geo.page_size_tokens * geo.head_dim * geo.dtype_bytes,
+        kv_pages=kv_pages,
+        state_layers=geo.state_layers,
+        state_layer_bytes=slot_bytes,
+        state_slots=state_slots,
+        aux_items=tuple(reg.aux_row_bytes),
+        aux_slots=aux_slots,
+        page_tokens=reg.page_tokens,
+        page_order=reg.page_order,
+    )
+
+
+def _slots(shares: Sequence[BufferShare], unit: int, kind: str, what: str) -> int:
+    """Units every buffer of a kind holds (the fewest, when the engine's buffers differ)."""
+    bad = [b.nbytes for b in shares if b.nbytes % unit]
+    if bad:
+        raise layout_mismatch(f"a {kind} buffer of {bad[0]} bytes is not a whole number of {unit}-byte {what}")
+    return min((b.nbytes // unit for b in shares), default=0)
+
+
+class EngineMemory:
+    """One rank's engine buffers, mapped into this process: ``kv`` in (layer, K/V) order, ``state``
+    per state layer, ``aux`` per item. Closing unmaps them; the engine keeps owning the memory."""
+
+    def __init__(self, layout: PoolLayout, kv: list[Pool], state: list[Pool], aux: list[Pool], keep: Any) -> None:
+        self.layout = layout
+        self.kv, self.state, self.aux = kv, state, aux
+        self._keep = keep  # the open mappings (mmaps, IPC mappings) the pools point into
+        # Fixed once mapped, and read per room.
+        self.memory_map = MemoryMap(
+            kv=tuple(p.addr for p in kv), state=tuple(p.addr for p in state), aux=tuple(p.addr for p in aux)
+        )
+        self._regions = (*kv, *state, *aux)
+        self.file_ranges: tuple[FileRange, ...] = ()  # the shared-memory ranges mapped (``map``)
+
+    @classmethod
+    def map(cls, reg: MemoryRegistration, layout: PoolLayout, *, shm_dir: str, gpu: int) -> EngineMemory:
+        """Map every buffer; refuses (422) a file outside ``shm_dir``, a range past its end or one
+        that cannot be mapped. Of each file only the range its buffers span is mapped."""
+        mapper = _Mapper(shm_dir, gpu, reg.rank, _spans(reg))
+        try:
+            kv = [
+                mapper.map(share, f"{kind}{layer}")
+                for layer in range(layout.layers)
+                for kind, share in (("k", reg.k[layer]), ("v", reg.v[layer]))
+            ]
+            state = [mapper.map(share, f"state{i}") for i, share in enumerate(reg.state)]
+            aux = [mapper.map(share, f"aux{i}") for i, share in enumerate(reg.aux)]
+        except BaseException:
+            mapper.close()
+            raise
+        memory = cls(layout, kv, state, aux, mapper)
+        memory.file_ranges = tuple(mapper.ranges)
+        return memory
+
+    def overlap(self, other: EngineMemory) -> FileRange | None:
+        """A file range of this memory that `other` maps too (the same file, by device and inode)."""
+        for mine in self.file_ranges:
+            for theirs in other.file_ranges:
+                if mine.file == theirs.file and mine.start < theirs.end and theirs.start < mine.end:
+                    return mine
+        return None
+
+    def regions(self) -> tuple[Pool, ...]:
+        return self._regions
+
+    def describe(self) -> dict[str, Any]:
+        devices = sorted({p.device.value for p in self.regions()})
+        return {"layout": self.layout.to_dict(), "buffers": len(self.regions()), "devices": devices}
+
+    def close(self) -> None:
+        self.kv, self.state, self.aux, self._regions = [], [], [], ()
+        self._keep.close()
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes [start, end) of one shared-memory file, named by device and inode (``file``)."""
+
+    file: tuple[int, int]
+    start: int
+    end: int
+    path: str
+
+
+def _spans(reg: MemoryRegistration) -> dict[str, tuple[int, int]]:
+    """Per shared-memory path: the range its buffers span."""
+    spans: dict[str, tuple[int, int]] = {}
+    for share in (*reg.k, *reg.v, *reg.state, *reg.aux):
+        if share.kind is ShareKind.SHM:
+            lo, hi = spans.get(share.path, (share.offset, share.offset + share.nbytes))
+            spans[share.path] = (min(lo, share.offset), max(hi, share.offset + share.nbytes))
+    return spans
+
+
+class _Mapper:
+    """Maps each file's span once (buffers often share one file) and each CUDA allocation once."""
+
+    def __init__(self, shm_dir: str, gpu: int, rank_id: str, spans: dict[str, tuple[int, int]]) -> None:
+        self.shm_dir = os.path.realpath(shm_dir)
+        self.gpu = gpu
+        self.rank_id = rank_id
+        self.spans = spans
+        self.ranges: list[FileRange] = []
+        self._files: dict[str, tuple[mmap.mmap, int]] = {}  # path as given -> (mapping, file offset of its start)
+        self._ipc: Any = None  # fastpath.ipc.PeerMappings, opened on the first GPU buffer
+
+    def map(self, share: BufferShare, name: str) -> Pool:
+        label = f"engine:{self.rank_id}:{name}"
+        if share.kind is ShareKind.SHM:
+            mem, base = self._file(share)
+            at = share.offset - base
+            view = memoryview(mem)[at : at + share.nbytes]
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(mem)) + at
+            return Pool(label, share.nbytes, Device.CPU, addr, share.path, view)
+        return self._cuda(share, label)
+
+    def _file(self, share: BufferShare) -> tuple[mmap.mmap, int]:
+        found = self._files.get(share.path)
+        if found is not None:
+            return found
+        path = os.path.realpath(share.path)
+        if os.path.dirname(path) != self.shm_dir:
+            raise layout_mismatch(
+                f"{share.path} is not in the agent's shared-memory directory {self.shm_dir}: "
+                "allocate CPU buffers there (PDFABRIC_SHM_DIR) so the agent may map them"
+            )
+        try:
+            # O_NOFOLLOW: a symlink swapped in after realpath is refused, never followed outside.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            raise layout_mismatch(f"cannot open {share.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+                raise layout_mismatch(f"{share.path} is not a non-empty regular file")
+            lo, hi = self.spans[share.path]
+            if hi > st.st_size:
+                raise layout_mismatch(f"buffers up to byte {hi} of {share.path} run past its end ({st.st_size} bytes)")
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
+            try:
+                mem = mmap.mmap(fd, hi - base, offset=base)
+            except (OSError, OverflowError, ValueError) as exc:
+                raise layout_mismatch(f"cannot map bytes {lo}..{hi} of {share.path}: {exc}") from None
+        finally:
+            os.close(fd)
+        self._files[share.path] = (mem, base)
+        self.ranges.append(FileRange((st.st_dev, st.st_ino), lo, hi, share.path))
+        return mem, base
+
+    def _cuda(self, share: BufferShare, label: str) -> Pool:
+        import torch
+
+        from pdfabric_agent.memory import cuda, ipc
+
+        assert share.export is not None  # BufferShare.parse requires it for cuda-ipc
+        export = ipc.PoolExport.from_json(share.export)
+        if export.nbytes < share.nbytes:
+            raise layout_mismatch(f"{label}: the CUDA export covers {export.nbytes} bytes, not {share.nbytes}")
+        if self._ipc is None:
+            self._ipc = ipc.PeerMappings(self.gpu)
+        try:
+            ptr = self._ipc.map(export)
+        except (cuda.CudaError, ValueError) as exc:
+            raise layout_mismatch(
+                f"{label}: cannot open the engine's CUDA IPC handle on GPU {self.gpu}: {exc}"
+            ) from None
+        tensor = torch.as_tensor(DeviceBuffer(ptr, share.nbytes), device=f"cuda:{self.gpu}")
+        return Pool(label, share.nbytes, Device.CUDA, ptr, json.dumps(dict(share.export)), tensor, self.gpu)
+
+    def close(self) -> None:
+        for mem, _ in self._files.values():
+            with contextlib.suppress(BufferError):  # a view still exported: the OS unmaps at exit
+                mem.close()
+        self._files.clear()
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None

@@ -1,0 +1,104 @@
+"""The ranks this agent serves (engine backend and pools each) and where the rank map puts the
+others."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pdfabric_agent.memory.plan import Bases, MemoryMap
+from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools, region_of
+from pdfabric_agent.protocol.errors import malformed, unknown_rank, wrong_peer
+from pdfabric_agent.ranks.engine_memory import EngineMemory
+from pdfabric_agent.transfer.base import TransferBackend
+from pdfabric_core.policy.rank_mapping import decode_pp_stage
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank, RankMap
+from pdfabric_core.spec import PDClusterSpec
+
+
+@dataclass
+class LocalRank:
+    """One rank of this node: its transfer engine and its memory, the agent's own pools (the
+    synthetic engine, benchmarks) until a serving engine registers its buffers (``engine``)."""
+
+    rank: Rank
+    backend: TransferBackend
+    pools: RankPools
+    engine: EngineMemory | None = None
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.engine.layout if self.engine is not None else self.pools.layout
+
+    @property
+    def bases(self) -> MemoryMap:
+        return self.engine.memory_map if self.engine is not None else self._pools_map
+
+    @functools.cached_property
+    def _pools_map(self) -> MemoryMap:
+        """The agent's own pools never move: their map is made once (it is read per room)."""
+        p = self.pools
+        return MemoryMap.of_pools(p.layout, Bases(p.kv.addr, p.state.addr, p.aux.addr))
+
+    def regions(self) -> tuple[Pool, ...]:
+        """Every registered region of the rank's memory (integrity sums and side-channel rows)."""
+        return self.engine.regions() if self.engine is not None else self.pools.all()
+
+    def read(self, addr: int, length: int) -> bytes:
+        pool = region_of(self.regions(), addr, length)
+        return pool.read(addr - pool.addr, length)
+
+    def write(self, addr: int, data: bytes) -> None:
+        pool = region_of(self.regions(), addr, len(data))
+        pool.write(addr - pool.addr, data)
+
+
+class NodeRanks:
+    """Local ranks by id, and lookups in the rank map that refuse with 404 what it lacks."""
+
+    def __init__(self, rankmap: RankMap, spec: PDClusterSpec, agent_name: str, ranks: Mapping[str, LocalRank]) -> None:
+        self.rankmap = rankmap
+        self.spec = spec
+        self.agent_name = agent_name
+        self.by_id = dict(ranks)
+
+    def served(self, rank_id: str) -> LocalRank:
+        local = self.by_id.get(rank_id)
+        if local is None:
+            raise unknown_rank(f"rank {rank_id!r} is not served by agent {self.agent_name}")
+        return local
+
+    def local(self, rank_id: str, role: Role) -> LocalRank:
+        local = self.served(rank_id)
+        if local.rank.role != role:
+            raise malformed(f"rank {rank_id!r} is a {local.rank.role} rank, not {role}")
+        return local
+
+    def agent_for(self, rank_id: str) -> str:
+        try:
+            return self.rankmap.agent_for_rank(rank_id).name
+        except LookupError as exc:
+            raise unknown_rank(str(exc)) from None
+
+    def check_speaker(self, rank_id: str, sender_agent: str | None) -> None:
+        """A peer message about `rank_id` must come from the agent the rank map gives that rank
+        (`sender_agent`: the name in the peer's client certificate; None off the peer door)."""
+        if sender_agent is None:
+            return
+        owner = self.agent_for(rank_id)
+        if owner != sender_agent:
+            raise wrong_peer(f"agent {sender_agent} spoke for {rank_id}, which the rank map gives agent {owner}")
+
+    def rank(self, rank_id: str) -> Rank:
+        """Any rank of the cluster by id (404 for one the rank map lacks)."""
+        try:
+            entry = self.rankmap.agent_for_rank(rank_id)
+        except LookupError as exc:
+            raise unknown_rank(str(exc)) from None
+        return next(r for r in entry.ranks if r.rank_id == rank_id)
+
+    def decode_stage(self, local: LocalRank) -> int:
+        """The decode PP stage a prefill rank's layers land on."""
+        return decode_pp_stage(local.rank.pp_rank, self.spec.prefill.pp, self.spec.decode.pp)

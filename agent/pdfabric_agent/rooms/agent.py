@@ -1,0 +1,308 @@
+"""The agent: the rooms of its ranks and the protocol between agents, behind the HTTP API.
+
+Protocol between agents (every message a typed class in ``wire``):
+1. decode client -> decode agent ``receive``: the room's destination pages/state slots/aux row.
+   The decode agent pushes a ``RoomInfo`` (engine endpoint, pool bases and layout, indices) to the
+   agent of every prefill (tp, cp, pp) rank it expects: POST /v1/peer/dst (``arrivals``).
+2. prefill client -> prefill agent ``send``: source pages/state/aux. When the room info of every
+   target decode rank is there (else Bootstrapping until the bootstrap deadline), the agent plans
+   the targets, writes them through the rank's backend, then reports a ``DoneReport`` (bytes that
+   landed, aux rows when they travel over the TCP side channel): POST /v1/peer/done (``sender``).
+3. The decode room turns Success when every expected source reported; the prefill room turns
+   Success when every report was acknowledged. That acknowledgement is "confirmed completion".
+4. A room that fails on the decode side is cancelled at its sources (``RoomCancel``: POST
+   /v1/peer/cancel); each answers whether its writes are over, and the room's destinations are
+   free for the next room once all are (``claims``).
+Either order of 1 and 2 works: early room info waits in the room registry.
+
+Kernel path (a backend whose ``kernel`` is set, see fastpath/): when all of a target's data went
+into kernel launches, the prefill agent posts a ``LaunchNotice`` with the launches' completion
+marks while the kernels run: POST /v1/peer/launched; the decode agent watches the marks in shared
+memory (``completion.CompletionWatcher``) and takes the source as arrived the moment the last word
+is there. No done report follows; a failure after the notice still sends one (``ok: false``).
+
+Modules: ``rooms`` (state machine, registry), ``sender`` (prefill pipeline), ``writer`` (bytes
+through the backend), ``arrivals`` (decode side), ``peer_client`` (sessions, probes, health),
+``wire`` (messages), ``ranks`` (local ranks, rank-map lookups). This class only wires them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pdfabric_agent.memory.completion import CompletionWatcher
+from pdfabric_agent.peers.client import PeerClient
+from pdfabric_agent.protocol.errors import ApiError, conflict, layout_mismatch, memory_not_registered, unknown_room
+from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.ranks.engine_memory import EngineMemory, engine_layout
+from pdfabric_agent.ranks.local import LocalRank, NodeRanks
+from pdfabric_agent.rooms.context import AgentContext
+from pdfabric_agent.rooms.decode import DecodeArrivals
+from pdfabric_agent.rooms.prefill import PrefillSender
+from pdfabric_agent.rooms.registry import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
+from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.config import AgentConfig
+from pdfabric_agent.runtime.tasks import Liveness, TaskSet
+from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
+from pdfabric_core.policy.types import Device, Role, Transport
+from pdfabric_core.rankmap import RankMap
+from pdfabric_core.spec import PDClusterSpec
+
+log = logging.getLogger("pdfabric.agent")
+
+FORGET_EVERY_S = 1.0  # finished rooms are forgotten in sweeps, not on every tick
+
+
+class Agent:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        rankmap: RankMap,
+        spec: PDClusterSpec,
+        ranks: Mapping[str, LocalRank],
+        transport: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.rankmap = rankmap
+        self.spec = spec
+        self.transport = transport
+        self.cluster = rankmap.cluster
+        self.backend_name = spec.backend
+        self.entry = rankmap.agent_for_node(cfg.node_name)
+        self.clock = clock
+        labels = MetricLabels(rankmap.cluster, spec.backend, transport)
+        liveness = Liveness(clock())
+        self.ctx = AgentContext(
+            cfg=cfg,
+            spec=spec,
+            rankmap=rankmap,
+            ranks=NodeRanks(rankmap, spec, self.entry.name, ranks),
+            rooms=RoomRegistry(labels, clock),
+            peers=PeerClient(cfg, rankmap, spec.agent.peer_port, clock, liveness),
+            tasks=TaskSet(),
+            workers=ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine"),
+            clock=clock,
+            labels=labels,
+            liveness=liveness,
+        )
+        self.rooms = self.ctx.rooms
+        self.peers = self.ctx.peers
+        metrics.precreate_peers(rankmap, spec, self.entry.name)  # every (rank, peer agent) pair at zero
+        self.sender = PrefillSender(self.ctx)
+        self.arrivals = DecodeArrivals(self.ctx, CompletionWatcher(cfg.shm_dir))
+        self._forget_due = 0.0
+        self._heartbeat_due = clock() + cfg.heartbeat_s
+        self._heartbeat_running = False
+        self.probe_regions: dict[str, Any] = {}  # GET /v1/peer/probe: the ranks' link-check regions (probe.py)
+
+    @property
+    def ranks(self) -> dict[str, LocalRank]:
+        return self.ctx.ranks.by_id
+
+    # ---------------------------------------------------------------- identity
+    def check_token(self, header: str | None) -> None:
+        expected = f"Bearer {self.cfg.token}"
+        if header is None or not hmac.compare_digest(header.encode(), expected.encode()):
+            raise ApiError(401, Refusal.UNAUTHORIZED, "missing or wrong engine token")
+
+    def check_cluster(self, body: Mapping[str, Any]) -> None:
+        cluster = body.get("cluster")
+        if cluster != self.rankmap.cluster_uid:
+            rm = self.rankmap
+            raise ApiError(
+                403,
+                Refusal.WRONG_CLUSTER,
+                f"request is for cluster {cluster!r}; this agent serves {rm.namespace}/{rm.cluster} "
+                f"(uid {rm.cluster_uid})",
+            )
+
+    # ---------------------------------------------------------------- the API
+    def register_memory(self, msg: MemoryRegistration) -> dict[str, Any]:
+        """An engine's own buffers become the rank's memory (``memory``): checked against the
+        model, mapped, registered with the rank's transfer engine; the previous engine's (an
+        engine restart) are released. Refused while the rank has open rooms: their plans point
+        into the memory they were submitted with."""
+        local = self.ctx.ranks.served(msg.rank)
+        busy = sum(1 for _, room in self.rooms.open_rooms() if room.rank == msg.rank)
+        if busy:
+            raise conflict(f"{msg.rank} has {busy} open rooms: register its memory before traffic or once they end")
+        transport = Transport(self.transport)
+        layout = engine_layout(
+            msg,
+            self.spec,
+            local.rank,
+            kv_device=kv_buffer_device(transport),
+            aux_device=metadata_buffer_device(self.spec.transfer.mem_pool),
+        )
+        engine = EngineMemory.map(msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu)
+        for other in self.ranks.values():
+            shared = other.engine.overlap(engine) if other is not local and other.engine is not None else None
+            if shared is not None:
+                engine.close()
+                raise conflict(
+                    f"bytes {shared.start}..{shared.end} of {shared.path} are {other.rank.rank_id}'s engine memory: "
+                    f"each rank registers its own buffers"
+                )
+        try:
+            for region in engine.regions():
+                local.backend.register(region)
+        except Exception as exc:
+            engine.close()
+            raise layout_mismatch(f"the transfer engine refused the buffers of {msg.rank}: {exc}") from None
+        previous, local.engine = local.engine, engine
+        if previous is not None:
+            for region in previous.regions():
+                local.backend.unregister(region)
+            previous.close()
+        for kind, regions in (("kv", engine.kv), ("state", engine.state), ("aux", engine.aux)):
+            device = regions[0].device.value if regions else "cpu"
+            metrics.pool_bytes.labels(self.cluster, msg.rank, kind, device).set(sum(r.size for r in regions))
+        return {"rank": msg.rank, "memory": engine.describe()}
+
+    async def abort(self, msg: AbortRequest) -> dict[str, Any]:
+        """The engine gave the room up: it fails now (its peers are told: a decode room answers
+        once its sources said whether they stopped writing); a finished room stays as it ended. A
+        prefill room not sent yet is given up too: decode sides that announced it are told at once,
+        and later ones are refused (``PrefillSender.give_up_unsent``); so is a decode room not
+        submitted yet whose prefill replica the engine names (``DecodeArrivals.give_up_unannounced``).
+        404 for another decode room the agent does not hold."""
+        local = self.ctx.ranks.served(msg.rank)
+        if local.rank.role is Role.PREFILL and self.rooms.get(Role.PREFILL, msg.rank, msg.room) is None:
+            self.sender.give_up_unsent(msg.rank, msg.room, msg.reason)
+            view = self.sender.early_view(msg.rank, msg.room)  # Failed, with the reason
+            if view is None:
+                raise unknown_room(msg.room, msg.rank)
+            return view
+        decode_unannounced = local.rank.role is Role.DECODE and self.rooms.get(Role.DECODE, msg.rank, msg.room) is None
+        if decode_unannounced and msg.peer_replica is not None:
+            told = self.arrivals.give_up_unannounced(local, msg.room, msg.peer_replica, msg.reason)
+            return {"rank": msg.rank, "room": msg.room, "state": "Failed", "reason": msg.reason, "told": told}
+        room = self.rooms.lookup(local.rank.role, msg.rank, msg.room)
+        if isinstance(room, DecodeRoom):
+            await self.arrivals.abort(room, msg.reason)
+        elif isinstance(room, PrefillRoom):
+            self.sender.abort(room, msg.reason)
+        return room.view()
+
+    def engine_exited(self, rank_ids: Sequence[str], reason: str) -> int:
+        """The serving engine of these ranks exited (the supervisor says so before restarting
+        it): every open room of theirs fails now with ``reason``, peers told as for ``abort``, so a
+        decode engine waiting on a dead prefill engine's KV is Failed without waiting out the
+        bootstrap deadline. Then the shared-memory files of the ranks' engine registrations are
+        unlinked (only files in the shm directory): a crash loop cannot fill /dev/shm. This
+        process's mappings stay valid until the restarted engine registers again, which
+        ``register_memory`` takes once the rank has no open rooms. Room info that waited for a
+        prefill rank's sends is dropped and its decode sides told, fenced
+        (``PrefillSender.forget_room_info``). Returns the rooms failed or told."""
+        ranks = set(rank_ids)
+        failed = 0
+        for _, room in self.rooms.open_rooms():
+            if room.rank not in ranks or room.state.finished:
+                continue
+            if isinstance(room, DecodeRoom):
+                self.arrivals.give_up(room, reason)
+            elif isinstance(room, PrefillRoom):
+                self.sender.abort(room, reason)
+            failed += 1
+        failed += self.sender.forget_room_info(ranks, reason)
+        shm_dir = os.path.realpath(self.cfg.shm_dir)
+        for rank_id in sorted(ranks):
+            local = self.ranks.get(rank_id)
+            if local is None or local.engine is None:
+                continue
+            paths = {r.handle for r in local.engine.regions() if r.device is Device.CPU and r.handle}
+            for path in sorted(paths):
+                if os.path.dirname(os.path.realpath(path)) != shm_dir:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    log.info("unlinked %s of the exited engine of %s", path, rank_id)
+        if failed:
+            log.warning("%s: %d open rooms failed (%s)", ", ".join(sorted(ranks)), failed, reason)
+        return failed
+
+    def submit_send(self, msg: SendRequest) -> dict[str, Any]:
+        self._check_engine_memory(msg)
+        return self.sender.submit_send(msg)
+
+    def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
+        self._check_engine_memory(msg)
+        return self.arrivals.submit_receive(msg)
+
+    def _check_engine_memory(self, msg: SendRequest | ReceiveRequest) -> None:
+        if msg.engine_memory and self.ctx.ranks.served(msg.rank).engine is None:
+            raise memory_not_registered(msg.rank)
+
+    # Peer messages: `sender_agent` is the agent the peer door authenticated (its certificate).
+    def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
+        return self.sender.accept_dst(msg, sender_agent)
+
+    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
+        return await self.arrivals.accept_done(msg, sender_agent)
+
+    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
+        return self.arrivals.accept_launched(msg, sender_agent)
+
+    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> dict[str, Any]:
+        return self.sender.accept_cancel(msg, sender_agent)
+
+    async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:
+        """The room's view; with wait_s > 0, answer as soon as it is final or wait_s passed (a
+        long poll: a serving engine learns completion without polling the agent's CPU away)."""
+        early = self.sender.early_view(rank_id, room_id)
+        if early is not None:
+            return early
+        local = self.ctx.ranks.served(rank_id)
+        room = self.rooms.lookup(local.rank.role, rank_id, room_id)
+        if wait_s > 0 and not room.state.finished:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await room.finished_event.wait()
+        return room.view()
+
+    # ---------------------------------------------------------------- upkeep
+    async def tick(self) -> None:
+        """Deadlines, heartbeats, probes of blacklisted peers, forgetting old rooms; called
+        periodically."""
+        now = self.clock()
+        self.ctx.liveness.tick(now)
+        if now >= self._heartbeat_due and not self._heartbeat_running:
+            self._heartbeat_due = now + self.cfg.heartbeat_s
+            self._heartbeat_running = True
+            self.ctx.tasks.spawn(self._heartbeat())
+        for _, room in self.rooms.open_rooms():
+            if now < room.deadline or room.state.finished:
+                continue
+            if isinstance(room, PrefillRoom):
+                self.sender.expire(room)
+            elif isinstance(room, DecodeRoom):
+                self.arrivals.expire(room)
+        for agent_name in self.peers.due_probes():  # probes run beside the tick, never inside it
+            self.ctx.tasks.spawn(self.peers.reprobe(agent_name))
+        self.arrivals.claims.sweep(now)
+        if now >= self._forget_due:
+            self._forget_due = now + FORGET_EVERY_S
+            self.rooms.forget(now, self.cfg.room_ttl_s, self.cfg.bootstrap_timeout_s)
+
+    async def _heartbeat(self) -> None:
+        try:
+            await self.arrivals.heartbeat(min(2.0, self.cfg.heartbeat_s))
+        finally:
+            self._heartbeat_running = False
+
+    async def close(self) -> None:
+        self.ctx.tasks.cancel_all()
+        await self.peers.close()
+        self.arrivals.completions.close()
+        self.ctx.workers.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,36 @@
+"""What every part of the agent shares: settings, the spec and rank map, the local ranks, the room
+registry, the peer client, background tasks and the engine worker threads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from pdfabric_agent.peers.client import PeerClient
+from pdfabric_agent.ranks.local import NodeRanks
+from pdfabric_agent.rooms.registry import MetricLabels, RoomRegistry
+from pdfabric_agent.runtime.config import AgentConfig
+from pdfabric_agent.runtime.tasks import Liveness, TaskSet
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import RankMap
+from pdfabric_core.spec import PDClusterSpec
+
+
+@dataclass
+class AgentContext:
+    cfg: AgentConfig
+    spec: PDClusterSpec
+    rankmap: RankMap
+    ranks: NodeRanks
+    rooms: RoomRegistry
+    peers: PeerClient
+    tasks: TaskSet
+    workers: ThreadPoolExecutor  # blocking engine calls and large plans
+    clock: Callable[[], float]
+    labels: MetricLabels
+    liveness: Liveness
+
+    def traffic_labels(self, role: Role, path: str) -> tuple[str, str, str, str, str]:
+        lab = self.labels
+        return (lab.cluster, role, lab.backend, lab.transport, path)

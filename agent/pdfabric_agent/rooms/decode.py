@@ -1,0 +1,378 @@
+"""The decode side: a `receive` opens a room, its room info goes to every prefill rank that sends
+to it, and each source's arrival is learned from its done report or from its kernels' completion
+marks; the room is Success once every expected source arrived.
+
+1. ``submit_receive``: checks the request, opens the room expecting the prefill (tp, cp, pp) ranks
+   the rank mapping names, and pushes a ``RoomInfo`` to each of their agents (``_bootstrap``); an
+   unreachable agent fails the room and is blacklisted.
+2. ``accept_done``: a source's ``DoneReport``; its side-channel aux rows are written after checking
+   that each is one item of this room's own aux row.
+3. ``accept_launched``: a source's ``LaunchNotice``; the completion watcher reads the marks on the
+   sender's board and the source has arrived once every mark is reached.
+4. ``heartbeat``: the prefill agents that waiting rooms still expect are pinged; two misses fail
+   those rooms now instead of at their deadline.
+5. ``_fail``: a room that fails here sends a ``RoomCancel`` to each source whose writes are not
+   known to be over; its answer says whether they are (``fenced``). The room's destinations go
+   back to the pool once every source is quiet (``claims``), else after the transfer timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pdfabric_agent.memory.completion import CompletionWatcher
+from pdfabric_agent.memory.plan import expected_sources, pair_duties
+from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
+from pdfabric_agent.protocol.errors import malformed, out_of_range
+from pdfabric_agent.protocol.labels import Completion, Integrity, Kind, Outcome
+from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo, SourceReport
+from pdfabric_agent.protocol.wire import BytesByPath, KindBytes, ReceiveRequest, zero_bytes
+from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms import integrity
+from pdfabric_agent.rooms.claims import DestinationClaims
+from pdfabric_agent.rooms.context import AgentContext
+from pdfabric_agent.rooms.landing import checked_aux_rows, count_arrival, landing_plan
+from pdfabric_agent.rooms.registry import AnyRoom, DecodeRoom, RoomState
+from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
+from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.tasks import later
+from pdfabric_agent.transfer.registry import path_labels
+from pdfabric_core.duties import PairDuties
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank
+from pdfabric_core.traffic import duty_bytes
+
+log = logging.getLogger("pdfabric.agent")
+
+CANCEL_TIMEOUT_S = 2.0  # a source that does not answer a cancel in time keeps the room's hold
+ABORT_WAIT_S = 0.5  # how long an engine's abort waits for those answers
+
+
+class DecodeArrivals:
+    def __init__(self, ctx: AgentContext, completions: CompletionWatcher) -> None:
+        self.ctx = ctx
+        self.completions = completions  # kernel senders' completion words
+        self.claims = DestinationClaims(ctx.clock)
+        ctx.rooms.on_retire.append(self._retired)
+        # Path names a byte report may carry: they become metric labels, so a closed set.
+        self.paths = path_labels() | {TCP_SIDE_CHANNEL}
+
+    def _retired(self, role: Role, room: AnyRoom) -> None:
+        if not isinstance(room, DecodeRoom) or room.claim is None:
+            return
+        if room.state is RoomState.SUCCESS or room.sources_quiet:
+            self.claims.release(room.rank, room.claim)
+        else:  # a source may still be writing until its own deadline (or until it says it stopped)
+            self.claims.hold(room.rank, room.claim, self.ctx.clock() + self.ctx.spec.transfer.timeout_seconds)
+
+    def _quiet(self, room: DecodeRoom, prefill_rank: str) -> None:
+        """This source writes nothing more into the room: a failed room whose sources are all
+        quiet gives its destinations back now."""
+        room.quiet.add(prefill_rank)
+        if room.state.finished and room.sources_quiet and room.claim is not None:
+            self.claims.release(room.rank, room.claim)
+
+    # ------------------------------------------------------------ client API
+    def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
+        ctx = self.ctx
+        local = ctx.ranks.local(msg.rank, Role.DECODE)
+        msg.check_bounds(local.layout, ctx.spec.prefill.replicas)
+        ctx.rooms.refuse_reuse(Role.DECODE, msg.rank, msg.room)
+        expected, owed = {}, {}
+        for p, c, s in expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank):
+            prefill_rank = Rank(Role.PREFILL, msg.peer_replica, p, c, s).rank_id
+            expected[prefill_rank] = ctx.ranks.agent_for(prefill_rank)
+            owed[prefill_rank] = self._owed(local, (p, c, s), msg)
+        now = ctx.clock()
+        room = DecodeRoom(
+            rank=msg.rank,
+            room=msg.room,
+            submitted=now,
+            deadline=now + ctx.cfg.bootstrap_timeout_s,
+            dst_pages=msg.kv_pages,
+            dst_state=msg.state_indices,
+            dst_aux=msg.aux_index,
+            expected=expected,
+            owed=owed,
+        )
+        # Last check before the room exists: nothing is claimed or created when it refuses.
+        room.claim = self.claims.claim(msg.rank, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
+        ctx.rooms.add(Role.DECODE, room)
+        info = RoomInfo(
+            room=msg.room,
+            decode_rank=msg.rank,
+            prefill_rank="",  # one per source, set when pushed
+            endpoint=local.backend.endpoint(),
+            layout=local.layout,
+            bases=local.bases,
+            kv_pages=msg.kv_pages,
+            state_indices=msg.state_indices,
+            aux_index=msg.aux_index,
+            prefix_tokens=msg.prefix_tokens,
+        )
+        ctx.tasks.spawn(self._bootstrap(room, info))
+        return room.view()
+
+    def _owed(self, local: LocalRank, source: tuple[int, int, int], msg: ReceiveRequest) -> KindBytes:
+        """What one source must deliver into this room: the bytes its own agent plans from the same
+        duties (``core.duties``, ``core.traffic.duty_bytes``), so a report can be held to them."""
+        spec = self.ctx.spec
+        p, c, s = source
+        d, ds = local.rank.tp_rank, local.rank.pp_rank
+        duties = pair_duties(spec, p, c, s, d, len(msg.kv_pages))
+        if duties is None:  # expected_sources names only sources that send
+            return zero_bytes()
+        owed = duty_bytes(spec, PairDuties(p, c, s, d, ds, duties), state_slots=len(msg.state_indices))
+        return {
+            Kind.KV.value: owed.kv,
+            Kind.STATE.value: owed.state if msg.state_indices else 0,
+            Kind.AUX.value: owed.aux if msg.aux_index is not None else 0,
+        }
+
+    async def _bootstrap(self, room: DecodeRoom, info: RoomInfo) -> None:
+        ctx = self.ctx
+
+        async def push(prefill_rank: str, agent_name: str) -> None:
+            if not await ctx.peers.usable(agent_name):
+                raise RuntimeError(ctx.peers.why_blacklisted(agent_name))
+            msg = dataclasses.replace(info, prefill_rank=prefill_rank)
+            pushed = ctx.clock()
+            try:
+                await ctx.peers.post(agent_name, msg, 5.0)
+            except PeerRefused:
+                raise
+            except PEER_ERRORS as exc:
+                why = ctx.peers.blame(agent_name, f"room info push failed: {exc}", pushed, silent=True)
+                raise RuntimeError(f"prefill agent {agent_name} unreachable: {why}") from None
+
+        try:
+            await asyncio.gather(*(push(r, a) for r, a in room.expected.items()))
+        except Exception as exc:
+            self._fail(room, str(exc))
+            return
+        if room.state is RoomState.BOOTSTRAPPING:
+            room.state = RoomState.WAITING_FOR_INPUT
+
+    def expire(self, room: DecodeRoom) -> None:
+        missing = sorted(set(room.expected) - room.arrived)
+        reason = f"no data from {', '.join(missing)} in time"
+        self._fail(room, reason, Outcome.TIMEOUT)
+
+    # ------------------------------------------------------------ peer API
+    def _source(self, msg: SourceReport, sender_agent: str | None) -> tuple[DecodeRoom, LocalRank]:
+        """The decode room a report speaks of, and a check that the speaker is one of its sources
+        and the agent the rank map gives that source."""
+        local = self.ctx.ranks.local(msg.decode_rank, Role.DECODE)
+        room = self.ctx.rooms.lookup(Role.DECODE, msg.decode_rank, msg.room)
+        assert isinstance(room, DecodeRoom)
+        if msg.prefill_rank not in room.expected:
+            raise malformed(f"{msg.prefill_rank} is not a source of room {msg.room} on {msg.decode_rank}")
+        self.ctx.ranks.check_speaker(msg.prefill_rank, sender_agent)
+        unknown = sorted(set(msg.bytes_by_path) - self.paths)
+        if unknown:
+            raise malformed(f"bytes_by_path names paths {unknown[:3]}; known paths are {sorted(self.paths)}")
+        return room, local
+
+    @staticmethod
+    def _check_owed(room: DecodeRoom, prefill_rank: str, by_path: BytesByPath) -> None:
+        """A source's report must say it delivered exactly what this room planned from it: a report
+        of other bytes (a faulty or forged peer) is refused, and the room waits for the right one."""
+        said = zero_bytes()
+        for per_kind in by_path.values():
+            for kind, n in per_kind.items():
+                said[kind] += n
+        owed = room.owed.get(prefill_rank)
+        if owed is not None and said != owed:
+            raise out_of_range(f"{prefill_rank} reports {said} for room {room.room}, which expects {owed} from it")
+
+    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
+        room, local = self._source(msg, sender_agent)
+        if msg.ok:  # a false report is refused even when it is late
+            self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
+        if msg.writes_over:
+            self._quiet(room, msg.prefill_rank)
+        if room.state.finished or msg.prefill_rank in room.arrived:
+            # Late or repeated reports change nothing (and count no bytes twice); the answer is
+            # the room's outcome, which the source takes as its own.
+            return {"state": room.state.title, "reason": room.reason}
+        if not msg.ok:
+            self._fail(room, f"{msg.prefill_rank} failed: {msg.reason}")
+            return {"state": room.state.title}
+        rows = checked_aux_rows(msg.aux_rows, local, room)
+        if self.ctx.spec.transfer.verify:
+            if msg.checksum is None:
+                raise malformed("this cluster verifies transfers (spec.transfer.verify): the report needs a checksum")
+            for dst_addr, raw in rows:  # side-channel rows are part of what is checked
+                local.write(dst_addr, raw)
+            rows = []
+            if not await self._verified(room, local, msg.prefill_rank, msg.checksum):
+                return {"state": room.state.title, "reason": room.reason}
+        self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
+        return {"state": room.state.title}
+
+    async def _verified(self, room: DecodeRoom, local: LocalRank, prefill_rank: str, theirs: str) -> bool:
+        """Checksum what landed from this source (in a worker: it reads every byte) and compare; a
+        mismatch fails the room, so no engine reads bytes that are not what was sent."""
+        ctx = self.ctx
+        plan = landing_plan(self.ctx, room, local, prefill_rank)
+        regions = integrity.dest_regions(plan)
+        started = time.perf_counter()
+        ours = await asyncio.get_running_loop().run_in_executor(
+            ctx.workers, integrity.checksum, local.regions(), regions
+        )
+        metrics.integrity_seconds.labels(ctx.labels.cluster, Role.DECODE.value).observe(time.perf_counter() - started)
+        result = Integrity.MATCH if ours == theirs else Integrity.MISMATCH
+        metrics.integrity_checks.labels(ctx.labels.cluster, result.value).inc()
+        if result is Integrity.MISMATCH:
+            reason = f"checksum of what arrived from {prefill_rank} ({ours}) is not the sender's ({theirs})"
+            self._fail(room, reason)
+            return False
+        return not room.state.finished  # the room may have ended (its deadline) while the sum ran
+
+    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
+        """A source's kernels are on their way: watch their completion marks; the source has arrived
+        (its bytes counted, the room Success when it was the last) once every mark is reached."""
+        room, local = self._source(msg, sender_agent)
+        source = msg.prefill_rank
+        self._check_owed(room, source, msg.bytes_by_path)
+        if room.state.finished or source in room.arrived:
+            return {"state": room.state.title}
+        if self.ctx.spec.transfer.verify:
+            raise malformed(
+                "this cluster verifies transfers (spec.transfer.verify): completion comes with the done report"
+            )
+        try:
+            self.completions.watch(
+                list(msg.marks),
+                lambda: self._arrived(room, local, source, msg.bytes_by_path, [], Completion.COMPLETION_BOARD),
+                cancelled=lambda: room.state.finished or source in room.arrived,
+            )
+        except ValueError as exc:
+            raise malformed(f"cannot watch the completion of room {room.room}: {exc}") from None
+        if room.state is not RoomState.FAILED:
+            room.state = RoomState.TRANSFERRING
+        room.marks[f"notified:{source}"] = self.ctx.clock()
+        return {"state": room.state.title, "watching": len(msg.marks)}
+
+    def _arrived(
+        self,
+        room: DecodeRoom,
+        local: LocalRank,
+        prefill_rank: str,
+        by_path: BytesByPath,
+        rows: Sequence[tuple[int, bytes]],
+        how: Completion,
+    ) -> None:
+        if room.state.finished or prefill_rank in room.arrived:
+            return  # a done report and a completion mark of one source: counted once
+        room.marks[f"arrived:{prefill_rank}"] = self.ctx.clock()
+        for dst_addr, raw in rows:
+            local.write(dst_addr, raw)
+        sent = zero_bytes()
+        for per_kind in by_path.values():
+            for kind in Kind:
+                n = per_kind.get(kind.value, 0)
+                room.moved[kind.value] += n
+                sent[kind.value] += n
+        room.senders[prefill_rank] = sent
+        room.arrived.add(prefill_rank)
+        room.quiet.add(prefill_rank)
+        if room.state is not RoomState.FAILED:
+            room.state = RoomState.TRANSFERRING
+        if room.arrived == set(room.expected):
+            self.ctx.rooms.finish(room, Role.DECODE, RoomState.SUCCESS)
+        duration = room.marks[f"arrived:{prefill_rank}"] - room.submitted
+        part = (room.rank, room.expected[prefill_rank], sum(sent.values()), duration)
+        later(lambda: count_arrival(self.ctx, by_path, how, *part))
+
+    def give_up(self, room: DecodeRoom, reason: str) -> None:
+        """Fail the room now (its engine exited); the sources are told in the background."""
+        self._fail(room, reason)
+
+    async def abort(self, room: DecodeRoom, reason: str) -> None:
+        """The engine gave the room up: Failed now; a source's late report is answered Failed.
+        Answers once the sources answered the cancel (``RoomCancel``), so the engine, which frees
+        the room's pages when this returns, finds them free for its next room; at most
+        ``ABORT_WAIT_S``, since the engine's scheduler waits on this call (the cancels go on)."""
+        cancels = self._fail(room, reason)
+        if cancels is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(cancels), ABORT_WAIT_S)
+
+    def _fail(self, room: DecodeRoom, reason: str, outcome: Outcome = Outcome.FAILED) -> asyncio.Task[None] | None:
+        """The room fails: each source that had not arrived counts its part with that outcome, and
+        each whose writes are not known to be over is told (the task returned)."""
+        if room.state.finished:
+            return None
+        for prefill_rank, agent_name in sorted(room.expected.items()):
+            if prefill_rank not in room.arrived:
+                metrics.count_peer_part(self.ctx.labels.cluster, room.rank, agent_name, Role.DECODE, outcome)
+        self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason, outcome=outcome)
+        if room.sources_quiet:
+            return None
+        return self.ctx.tasks.spawn(self._cancel_sources(room, reason))
+
+    def give_up_unannounced(self, local: LocalRank, room_id: int, peer_replica: int, reason: str) -> int:
+        """The engine gave up a room before submitting it (SGLang aborted the request while it
+        waited for its prefill side): each prefill rank it was to come from is told, so its engine's
+        request fails now instead of at its bootstrap deadline. Nothing was announced or written,
+        so nothing waits for the answers. Returns the prefill ranks told."""
+        ctx = self.ctx
+        if not 0 <= peer_replica < ctx.spec.prefill.replicas:
+            raise out_of_range(f"peer_replica {peer_replica} is outside 0..{ctx.spec.prefill.replicas - 1}")
+        sources = expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank)
+        for p, c, s in sources:
+            prefill_rank = Rank(Role.PREFILL, peer_replica, p, c, s).rank_id
+            msg = RoomCancel(room_id, local.rank.rank_id, prefill_rank, reason)
+            ctx.tasks.spawn(self._post_cancel(ctx.ranks.agent_for(prefill_rank), msg))
+        return len(sources)
+
+    async def _post_cancel(self, agent_name: str, msg: RoomCancel) -> dict[str, Any] | None:
+        """Send one cancel: the source's answer, or None when it did not take it (a room it may
+        still write into stays held; an unannounced room's engine learns at its deadline)."""
+        try:
+            return await self.ctx.peers.post(agent_name, msg, CANCEL_TIMEOUT_S)
+        except PEER_ERRORS as exc:
+            log.info("room %s: %s did not take the cancel (%s)", msg.room, agent_name, exc)
+            return None
+
+    async def _cancel_sources(self, room: DecodeRoom, reason: str) -> None:
+        ctx = self.ctx
+
+        async def cancel(prefill_rank: str, agent_name: str) -> None:
+            answer = await self._post_cancel(agent_name, RoomCancel(room.room, room.rank, prefill_rank, reason))
+            if answer is not None and answer.get("fenced") is True:
+                self._quiet(room, prefill_rank)
+
+        await asyncio.gather(
+            *(
+                cancel(r, a)
+                for r, a in sorted(room.expected.items())
+                if r not in room.quiet and not ctx.peers.is_blacklisted(a)
+            )
+        )
+
+    # ------------------------------------------------------------ upkeep
+    async def heartbeat(self, timeout_s: float) -> None:
+        """Ping the prefill agents that waiting rooms still expect data from; an agent that misses
+        twice fails those rooms now instead of at the waiting deadline."""
+        ctx = self.ctx
+        waiting: dict[str, list[DecodeRoom]] = {}
+        for _, room in ctx.rooms.open_rooms():
+            if isinstance(room, DecodeRoom) and not room.state.finished:
+                for prefill_rank, agent_name in room.expected.items():
+                    if prefill_rank not in room.arrived:
+                        waiting.setdefault(agent_name, []).append(room)
+        names = sorted(waiting)
+        sent = ctx.clock()
+        results = await asyncio.gather(*(ctx.peers.ping(n, timeout_s=timeout_s) for n in names))
+        for name, ok in zip(names, results, strict=True):
+            if ctx.peers.heartbeat_result(name, ok, sent):
+                for room in waiting[name]:
+                    self._fail(room, f"prefill agent {name} stopped answering")

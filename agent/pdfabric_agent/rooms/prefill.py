@@ -1,0 +1,316 @@
+"""The prefill side: a `send` opens a room per local rank, the decode agents' room info makes it
+ready, the targets are planned and written, and the decode side confirms.
+
+1. ``submit_send``: checks the request, opens the room with one ``Target`` per decode rank that
+   the rank mapping sends to; a CP rank that sends nothing for this spec ends Success at once.
+2. ``accept_dst``: a decode agent's ``RoomInfo``; early info (the decode side was first) waits in
+   the registry. When every target's info is there the room is Transferring: a backend with a
+   kernel path launches inside this very call, so the GPU starts before it answers.
+3. ``_run``: every target is written (``RoomWriter``) within the transfer deadline, then reported
+   (``DoneReport``) unless the decode agent took completion marks; the room is Success once every
+   target was acknowledged. A timeout blacklists the silent peers; any failure tells the decode
+   side (``ok: false``) so it fails now instead of at its deadline, and whether this rank's writes
+   there are over (``fenced``), so the decode side can reuse the destinations.
+4. ``accept_cancel``: the decode side gave a room up: its room info is dropped (a later send of
+   that room fails at once) or the room fails; the answer says whether writes are over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from pdfabric_agent.memory.plan import decode_targets
+from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.errors import conflict, malformed, out_of_range
+from pdfabric_agent.protocol.labels import Outcome
+from pdfabric_agent.protocol.peer_wire import DoneReport, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.wire import SendRequest
+from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms.context import AgentContext
+from pdfabric_agent.rooms.registry import PrefillRoom, RoomState, Target
+from pdfabric_agent.rooms.targets import TargetSender
+from pdfabric_agent.rooms.writer import Launch
+from pdfabric_core.duties import prefill_rank_sends
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank
+
+
+class PrefillSender:
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+        self.targets = TargetSender(ctx)
+
+    # ------------------------------------------------------------ client API
+    def submit_send(self, msg: SendRequest) -> dict[str, Any]:
+        """Validate everything first; only a request that passes creates a room."""
+        ctx = self.ctx
+        local = ctx.ranks.local(msg.rank, Role.PREFILL)
+        msg.check_bounds(local.layout, ctx.spec.decode.replicas)
+        sends = self._sends_anything(local)
+        replica = msg.peer_replica
+        feeds = ctx.rankmap.feeds.get(local.rank.replica)
+        if sends and feeds is not None and replica not in feeds:
+            raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
+        ctx.rooms.refuse_reuse(Role.PREFILL, msg.rank, msg.room)
+        targets: dict[str, Target] = {}
+        for route in decode_targets(ctx.spec, local.rank.tp_rank) if sends else []:
+            decode_rank = Rank(Role.DECODE, replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, ctx.ranks.agent_for(decode_rank))
+        now = ctx.clock()
+        room = PrefillRoom(
+            rank=msg.rank,
+            room=msg.room,
+            submitted=now,
+            deadline=now + ctx.cfg.bootstrap_timeout_s,
+            src_pages=msg.kv_pages,
+            src_state=msg.state_indices,
+            src_aux=msg.aux_index,
+            targets=targets,
+        )
+        ctx.rooms.add(Role.PREFILL, room)
+        cancelled = ctx.rooms.cancelled.pop((msg.rank, msg.room), None)
+        if cancelled is not None:
+            self.targets.count_unstarted(room, Outcome.FAILED)
+            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, cancelled[1])
+            return room.view()
+        if not sends:
+            # A CP rank that does not send (only CP rank 0 without all-CP-ranks transfer), or a TP
+            # rank whose replicated heads another rank sends: no work, and SGLang waits for it.
+            room.state = RoomState.SUCCESS
+            room.reason = self._why_nothing(local)
+            ctx.rooms.retire(Role.PREFILL, room)
+            return room.view()
+        for agent_name in {t.agent for t in targets.values()}:
+            if ctx.peers.is_blacklisted(agent_name):
+                self.targets.count_unstarted(room, Outcome.FAILED)
+                ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
+                return room.view()
+        for decode_rank, (_, info) in ctx.rooms.early.pop((msg.rank, msg.room), {}).items():
+            if decode_rank in targets:
+                targets[decode_rank].dst = info
+        self._maybe_start(room)
+        return room.view()
+
+    def early_view(self, rank_id: str, room_id: int) -> dict[str, Any] | None:
+        """A prefill room not sent yet whose decode side already announced itself: upstream's
+        Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
+        ctx = self.ctx
+        if (rank_id, room_id) in ctx.rooms.prefill:
+            return None
+        cancelled = ctx.rooms.cancelled.get((rank_id, room_id))
+        if cancelled is not None:
+            ctx.ranks.served(rank_id)
+            failed = RoomState.FAILED
+            return {"rank": rank_id, "room": room_id, "state": failed.title, "code": int(failed),
+                    "reason": cancelled[1], "decode_ranks_ready": []}  # fmt: skip
+        local = ctx.ranks.served(rank_id)
+        if local.rank.role is not Role.PREFILL:
+            return None  # a decode rank's rooms are its own (the poll looks them up)
+        if not self._sends_anything(local):
+            # No decode rank announces a room to a rank it does not read from: ready at once.
+            ready = RoomState.WAITING_FOR_INPUT
+            return {"rank": rank_id, "room": room_id, "state": ready.title, "code": int(ready),
+                    "reason": self._why_nothing(local), "decode_ranks_ready": [], "sends": False}  # fmt: skip
+        infos = ctx.rooms.early.get((rank_id, room_id))
+        if not infos:
+            return None
+        needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
+        state = RoomState.WAITING_FOR_INPUT if len(infos) >= needed else RoomState.BOOTSTRAPPING
+        return {
+            "rank": rank_id,
+            "room": room_id,
+            "state": state.title,
+            "code": int(state),
+            "reason": "",
+            "decode_ranks_ready": sorted(infos),
+            # What decode holds already (one request: every decode rank says the same).
+            "decode_prefix_tokens": max(info.prefix_tokens for _, info in infos.values()),
+        }
+
+    def _sends_anything(self, local: LocalRank) -> bool:
+        return prefill_rank_sends(self.ctx.spec, local.rank.tp_rank, local.rank.cp_rank)
+
+    def _why_nothing(self, local: LocalRank) -> str:
+        if decode_targets(self.ctx.spec, local.rank.tp_rank):
+            return f"CP rank {local.rank.cp_rank} sends nothing for this spec"
+        return f"TP rank {local.rank.tp_rank}'s KV heads are replicated: another prefill rank sends them"
+
+    # ------------------------------------------------------------ peer API
+    def accept_dst(self, info: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
+        """A decode agent's room info, from the agent of that decode rank, in the layout that rank
+        has: its destinations are what this rank writes, so nothing in it is taken on trust."""
+        ctx = self.ctx
+        self._check_peer(info.prefill_rank, info.decode_rank, sender_agent)
+        self._check_dst_layout(info)
+        key = (info.prefill_rank, info.room)
+        room = ctx.rooms.prefill.get(key)
+        if key in ctx.rooms.cancelled and room is None:
+            raise conflict(f"room {info.room} on {info.prefill_rank} was given up: {ctx.rooms.cancelled[key][1]}")
+        if room is None:
+            # The decode side was first: keep it for the send.
+            ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
+            return {"accepted": "early"}
+        target = room.targets.get(info.decode_rank)
+        if target is None:
+            raise malformed(f"room {info.room} on {info.prefill_rank} does not send to {info.decode_rank}")
+        if room.state is not RoomState.BOOTSTRAPPING or target.dst is not None:
+            # Room info arrives once per target; a second copy must not redirect a room in flight.
+            raise conflict(f"room {info.room} on {info.prefill_rank} already has room info of {info.decode_rank}")
+        target.dst = info
+        self._maybe_start(room)
+        return {"accepted": "room"}
+
+    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> dict[str, Any]:
+        """The decode side gave the room up: nothing more of this rank lands there. Room info not
+        used yet is dropped (a send of the room then fails at once); an open room fails, its
+        batches not yet sent are never sent. ``fenced``: no write of this rank into that decode
+        room is in flight."""
+        ctx = self.ctx
+        self._check_peer(msg.prefill_rank, msg.decode_rank, sender_agent)
+        key = (msg.prefill_rank, msg.room)
+        reason = f"{msg.decode_rank} gave the room up: {msg.reason}"
+        room = ctx.rooms.prefill.get(key)
+        if room is None:
+            infos = ctx.rooms.early.get(key, {})
+            infos.pop(msg.decode_rank, None)
+            if not infos:
+                ctx.rooms.early.pop(key, None)
+            ctx.rooms.cancelled.setdefault(key, (ctx.clock(), reason))
+            return {"fenced": True}
+        target = room.targets.get(msg.decode_rank)
+        if target is None:
+            raise malformed(f"room {msg.room} on {msg.prefill_rank} does not send to {msg.decode_rank}")
+        self.abort(room, reason)
+        return {"fenced": not target.writing, "state": room.state.title}
+
+    def forget_room_info(self, rank_ids: set[str], reason: str) -> int:
+        """The engine of these ranks exited: every room it had not sent is given up
+        (``give_up_unsent``). Returns the decode ranks told."""
+        keys = [key for key in self.ctx.rooms.early if key[0] in rank_ids]
+        return sum(self.give_up_unsent(rank_id, room_id, reason) for rank_id, room_id in keys)
+
+    def give_up_unsent(self, rank_id: str, room_id: int, reason: str) -> int:
+        """The engine gave up a room it has not sent (it aborted the request, or exited): the room
+        info that waited for its send is dropped and each decode side that announced itself is told
+        at once, fenced (nothing was written), instead of waiting out its deadline with the room's
+        pages; room info still to come is refused and a late send fails (the room is remembered as
+        given up). Returns the decode ranks told."""
+        ctx = self.ctx
+        key = (rank_id, room_id)
+        ctx.rooms.cancelled[key] = (ctx.clock(), reason)
+        told = 0
+        for decode_rank in sorted(ctx.rooms.early.pop(key, {})):
+            report = DoneReport.failure(room_id, decode_rank, rank_id, reason, fenced=True)
+            ctx.tasks.spawn(self.targets.post_failure(ctx.ranks.agent_for(decode_rank), report))
+            told += 1
+        return told
+
+    def _check_peer(self, prefill_rank: str, decode_rank: str, sender_agent: str | None) -> None:
+        """A decode rank this local prefill rank feeds, spoken for by the agent that holds it."""
+        ctx = self.ctx
+        local = ctx.ranks.local(prefill_rank, Role.PREFILL)
+        valid = {
+            Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            for r in range(ctx.spec.decode.replicas)
+            for route in decode_targets(ctx.spec, local.rank.tp_rank)
+        }
+        if decode_rank not in valid:
+            raise malformed(f"{decode_rank} is not fed by {prefill_rank}")
+        ctx.ranks.check_speaker(decode_rank, sender_agent)
+
+    def _check_dst_layout(self, info: RoomInfo) -> None:
+        """The destination layout must be the one the spec gives that decode rank (only pool sizes
+        and the page order of its memory, which the decode side chooses, may differ: a page order
+        unlike this side's is refused when planned): else the planned offsets would be wrong."""
+        spec = self.ctx.spec
+        rank = self.ctx.ranks.rank(info.decode_rank)
+        got = info.layout
+        want = PoolLayout.from_geometry(
+            spec.model,
+            spec.decode.tp,
+            kv_pages=got.kv_pages,
+            state_slots=got.state_slots,
+            aux_slots=got.aux_slots,
+            pp=spec.decode.pp,
+            pp_stage=rank.pp_rank,
+        )
+        want = dataclasses.replace(want, page_order=got.page_order)
+        if got != want:
+            mine = vars(got)
+            diff = ", ".join(f"{k} {mine[k]} (expected {v})" for k, v in vars(want).items() if mine[k] != v)
+            raise malformed(f"room info of {info.decode_rank} has a layout the spec does not give it: {diff}")
+
+    # ------------------------------------------------------------ the send pipeline
+    def _maybe_start(self, room: PrefillRoom) -> None:
+        if room.state is not RoomState.BOOTSTRAPPING or any(t.dst is None for t in room.targets.values()):
+            return
+        ctx = self.ctx
+        room.state = RoomState.TRANSFERRING
+        room.marks["transferring"] = ctx.clock()
+        room.deadline = ctx.clock() + ctx.spec.transfer.timeout_seconds
+        local = ctx.ranks.by_id[room.rank]
+        started: dict[str, Launch | Exception] = {}
+        if local.backend.kernel is not None:
+            # A kernel backend launches here, inside the API call that made the room ready, so the
+            # GPU starts before that call answers; the task below only waits.
+            for t in room.targets.values():
+                try:
+                    started[t.decode_rank] = self.targets.launch(room, local, t)
+                except Exception as exc:  # raised where the task would have raised it
+                    started[t.decode_rank] = exc
+        ctx.tasks.spawn(self._run(room, started))
+
+    def expire(self, room: PrefillRoom) -> None:
+        """The tick found the room past its deadline (Transferring has its own deadline task)."""
+        if room.state is RoomState.BOOTSTRAPPING:
+            missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
+            reason = f"no room info from {', '.join(missing)} in time"
+            self.targets.count_unstarted(room, Outcome.TIMEOUT)
+            self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+
+    async def _run(self, room: PrefillRoom, started: Mapping[str, Launch | Exception]) -> None:
+        ctx = self.ctx
+        local = ctx.ranks.by_id[room.rank]
+        try:
+            remaining = max(0.0, room.deadline - ctx.clock())
+            sends = [
+                self.targets.send_target(room, local, t, started.get(t.decode_rank)) for t in room.targets.values()
+            ]
+            await asyncio.wait_for(sends[0] if len(sends) == 1 else asyncio.gather(*sends), timeout=remaining)
+        except TimeoutError:
+            agents = sorted({t.agent for t in room.targets.values() if not t.done})
+            reason = (
+                f"transfer did not complete within {ctx.spec.transfer.timeout_seconds:g} s (peers {', '.join(agents)})"
+            )
+            stalled = ctx.liveness.stalled_since(room.submitted, ctx.clock())
+            if stalled:
+                # This agent was not running (stopped, frozen): the deadline says nothing of the peers.
+                reason += f"; this agent was stalled for {stalled:.1f} s, so the peers are not blamed"
+            else:
+                for agent_name in agents:
+                    ctx.peers.blame(agent_name, f"room {room.room} timed out", room.submitted, silent=True)
+            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+            ctx.tasks.spawn(self._notify_failure(room, "transfer timed out"))
+            return
+        except Exception as exc:
+            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, str(exc))
+            ctx.tasks.spawn(self._notify_failure(room, str(exc)))
+            return
+        ctx.rooms.finish(room, Role.PREFILL, RoomState.SUCCESS)
+
+    def abort(self, room: PrefillRoom, reason: str) -> None:
+        """The engine gave the room up (its pages may be reused): Failed now, decode told."""
+        if room.state.finished:
+            return
+        self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason)
+        self.ctx.tasks.spawn(self._notify_failure(room, reason))
+
+    async def _notify_failure(self, room: PrefillRoom, reason: str) -> None:
+        for t in room.targets.values():
+            if t.done:
+                continue
+            report = DoneReport.failure(room.room, t.decode_rank, room.rank, reason, fenced=not t.writing)
+            await self.targets.post_failure(t.agent, report)

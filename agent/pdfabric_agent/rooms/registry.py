@@ -1,0 +1,248 @@
+"""Rooms: one request's transfer on one local rank, its state machine, and the registry of rooms.
+
+A room is Bootstrapping until both sides are known, then Transferring, then Success or Failed
+(SGLang's KVPoll values). The registry holds the rooms of every local rank: open ones are scanned
+by the tick for deadlines; finished ones are kept for their TTL in finish order (so a late poll
+still sees the outcome) and then forgotten, without the tick walking that history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdfabric_agent.protocol.errors import conflict, unknown_room
+from pdfabric_agent.protocol.labels import Outcome
+from pdfabric_agent.protocol.peer_wire import RoomInfo
+from pdfabric_agent.protocol.wire import KindBytes, zero_bytes
+from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.tasks import later
+from pdfabric_core.policy.types import Role
+
+log = logging.getLogger("pdfabric.agent")
+
+RoomKey = tuple[str, int]  # (local rank id, room id)
+
+
+class RoomState(enum.IntEnum):
+    """SGLang's KVPoll values, so a serving engine can use them unchanged."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+    @property
+    def title(self) -> str:
+        return {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}[self.value]
+
+    @property
+    def finished(self) -> bool:
+        return self in (RoomState.FAILED, RoomState.SUCCESS)
+
+
+@dataclass
+class Target:
+    """One decode rank a prefill room sends to."""
+
+    decode_rank: str
+    decode_tp: int
+    agent: str
+    dst: RoomInfo | None = None  # the decode side's room info, once it arrived
+    done: bool = False
+    # A write into this target may be in flight: from just before it is submitted until its call
+    # returns. A cancelled wait leaves it set, since the worker or the kernel may still be writing.
+    writing: bool = False
+
+
+@dataclass(kw_only=True)
+class Room:
+    """What a prefill and a decode room share: identity, deadline, state and the bytes moved."""
+
+    rank: str
+    room: int
+    submitted: float
+    deadline: float  # bootstrap deadline, then the transfer deadline
+    state: RoomState = RoomState.BOOTSTRAPPING
+    reason: str = ""
+    finished_at: float = 0.0
+    moved: KindBytes = field(default_factory=zero_bytes)
+    finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "room": self.room,
+            "state": self.state.title,
+            "code": int(self.state),
+            "reason": self.reason,
+            "bytes": dict(self.moved),
+            # The agent's monotonic clock (node-wide): phases of rooms on one node line up.
+            "submitted_at": round(self.submitted, 6),
+            "phases_s": {k: round(v - self.submitted, 6) for k, v in self.marks.items()},
+        }
+
+
+@dataclass(kw_only=True)
+class PrefillRoom(Room):
+    src_pages: list[int]
+    src_state: list[int]
+    src_aux: int | None
+    targets: dict[str, Target]
+    skipped_state: int = 0
+
+    def view(self) -> dict[str, Any]:
+        return {**super().view(), "state_bytes_skipped": self.skipped_state}
+
+
+@dataclass(kw_only=True)
+class DecodeRoom(Room):
+    dst_pages: list[int]
+    dst_state: list[int]
+    dst_aux: int | None
+    expected: dict[str, str]  # prefill rank id -> agent name
+    claim: int | None = None  # its destinations' claim (claims.DestinationClaims)
+    owed: dict[str, KindBytes] = field(default_factory=dict)  # prefill rank id -> bytes it must deliver
+    arrived: set[str] = field(default_factory=set)
+    # Sources whose writes into this room are over (arrived, reported after writing, or fenced):
+    # once all are, a failed room's destinations may go to the next room.
+    quiet: set[str] = field(default_factory=set)
+    senders: dict[str, KindBytes] = field(default_factory=dict)
+
+    @property
+    def sources_quiet(self) -> bool:
+        return self.quiet >= self.expected.keys()
+
+    def view(self) -> dict[str, Any]:
+        return {
+            **super().view(),
+            "senders": {k: dict(v) for k, v in sorted(self.senders.items())},
+            # Every source's writes into the room are over: a failed room's pages may be reused.
+            "sources_quiet": self.sources_quiet,
+        }
+
+
+AnyRoom = PrefillRoom | DecodeRoom
+
+
+@dataclass(frozen=True)
+class MetricLabels:
+    """The labels every room outcome is counted under."""
+
+    cluster: str
+    backend: str
+    transport: str
+
+
+class RoomRegistry:
+    """The rooms of this agent's ranks, by role, and the decode room info that came before its
+    prefill room (``early``)."""
+
+    def __init__(self, labels: MetricLabels, clock: Callable[[], float]) -> None:
+        self.labels = labels
+        self.clock = clock
+        self.prefill: dict[RoomKey, PrefillRoom] = {}
+        self.decode: dict[RoomKey, DecodeRoom] = {}
+        # (prefill rank, room) -> decode rank -> (arrival time, room info): the decode side was
+        # first, or the previous use of this room id finished.
+        self.early: dict[RoomKey, dict[str, tuple[float, RoomInfo]]] = {}
+        # (prefill rank, room) -> (when, why): a decode side gave the room up before it was sent;
+        # a send of it fails at once instead of waiting for room info that will not come.
+        self.cancelled: dict[RoomKey, tuple[float, str]] = {}
+        self._open: dict[tuple[Role, str, int], AnyRoom] = {}
+        self._finished: collections.deque[tuple[float, Role, RoomKey, AnyRoom]] = collections.deque()
+        self.on_retire: list[Callable[[Role, AnyRoom], None]] = []  # called once per room, when final
+
+    def _rooms(self, role: Role) -> dict[RoomKey, Any]:
+        return self.prefill if role == Role.PREFILL else self.decode
+
+    def get(self, role: Role, rank_id: str, room_id: int) -> AnyRoom | None:
+        room: AnyRoom | None = self._rooms(role).get((rank_id, room_id))
+        return room
+
+    def lookup(self, role: Role, rank_id: str, room_id: int) -> AnyRoom:
+        room = self.get(role, rank_id, room_id)
+        if room is None:
+            raise unknown_room(room_id, rank_id)
+        return room
+
+    def refuse_reuse(self, role: Role, rank_id: str, room_id: int) -> None:
+        """A room id names one request (SGLang draws bootstrap rooms at random): while the room is
+        open, or finished and still remembered, a second use is a conflict, never a silent reopen."""
+        old = self.get(role, rank_id, room_id)
+        if old is None:
+            return
+        if not old.state.finished:
+            raise conflict(f"room {room_id} is already {old.state.title} on {rank_id}")
+        raise conflict(
+            f"room {room_id} on {rank_id} already ended {old.state.title}; a room id names one request "
+            f"(ids are remembered for PDFABRIC_ROOM_TTL_S after they end)"
+        )
+
+    def add(self, role: Role, room: AnyRoom) -> None:
+        self._rooms(role)[(room.rank, room.room)] = room
+        self._open[(role, room.rank, room.room)] = room
+
+    def open_rooms(self) -> Iterator[tuple[Role, AnyRoom]]:
+        for (role, _, _), room in list(self._open.items()):
+            yield role, room
+
+    def finish(
+        self, room: AnyRoom, role: Role, state: RoomState, reason: str = "", *, outcome: Outcome | None = None
+    ) -> None:
+        """The room's one outcome: later calls change nothing."""
+        if room.state.finished:
+            return
+        room.state = state
+        room.reason = reason
+        self.retire(role, room)
+        lab = self.labels
+        if state is RoomState.SUCCESS:
+            duration = room.finished_at - room.submitted
+
+            def count() -> None:
+                metrics.requests.labels(lab.cluster, role, Outcome.SUCCESS.value).inc()
+                metrics.request_duration.labels(lab.cluster, role, lab.backend, lab.transport).observe(duration)
+
+            later(count)
+        else:
+            metrics.requests.labels(lab.cluster, role, (outcome or Outcome.FAILED).value).inc()
+            log.warning("%s room %s on %s failed: %s", role, room.room, room.rank, reason)
+
+    def retire(self, role: Role, room: AnyRoom) -> None:
+        """The room is final: wake long polls, stop scanning it, queue it for forgetting."""
+        room.finished_at = self.clock()
+        room.finished_event.set()
+        if self._open.get((role, room.rank, room.room)) is room:
+            del self._open[(role, room.rank, room.room)]
+        self._finished.append((room.finished_at, role, (room.rank, room.room), room))
+        for hook in self.on_retire:
+            hook(role, room)
+
+    def forget(self, now: float, ttl_s: float, early_ttl_s: float) -> None:
+        """Drop finished rooms after their TTL and room info nobody claimed in time."""
+        while self._finished and now - self._finished[0][0] > ttl_s:
+            _, role, key, room = self._finished.popleft()
+            rooms = self._rooms(role)
+            if rooms.get(key) is room:  # a newer use of the same room id stays
+                del rooms[key]
+        for key, infos in list(self.early.items()):
+            for decode_rank, (at, _) in list(infos.items()):
+                if now - at > early_ttl_s:
+                    del infos[decode_rank]
+            if not infos:
+                del self.early[key]
+        for key, (at, _) in list(self.cancelled.items()):
+            if now - at > early_ttl_s:
+                del self.cancelled[key]
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)

@@ -1,0 +1,219 @@
+"""Moving one planned target's bytes through the rank's backend, and counting what moved.
+
+Two ways, chosen by what the backend declares:
+- engine only: KV, then state, then aux, each as block batches chunked to the engine's limit, one
+  worker call per chunk (``write_engine``);
+- with a kernel path (``backend.kernel``): the KV as whole page lists and the small state and aux
+  batches launched back to back on the sender's stream without waiting (``launch``, from the API
+  call that made the room ready), then waited for in one worker call (``land``). What the kernel
+  does not take goes the engine way. When the kernels took everything, the decode agent is told
+  their completion marks while they run (a ``LaunchNotice``) and learns completion itself.
+
+Bytes are counted per confirmed batch under the `path` that really moved them, so a room that fails
+later still shows what moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdfabric_agent.memory.completion import CompletionMark
+from pdfabric_agent.memory.plan import Block, TransferPlan
+from pdfabric_agent.peers.client import PEER_ERRORS
+from pdfabric_agent.protocol.labels import Kind
+from pdfabric_agent.protocol.peer_wire import LaunchNotice
+from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
+from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms.context import AgentContext
+from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.runtime import metrics
+from pdfabric_agent.transfer.base import KernelPath, TransferError
+from pdfabric_core.policy.chunking import chunk_batch
+from pdfabric_core.policy.types import Role
+
+log = logging.getLogger("pdfabric.agent")
+
+TCP_SIDE_CHANNEL = "tcp-side-channel"  # `path` label of aux rows sent in the done report
+# Block lists up to this size are launched from the event loop (a table built in microseconds);
+# larger ones are planned in a worker thread.
+LOOP_SUBMIT_BLOCKS = 256
+
+
+@dataclass
+class Launched:
+    """One kernel launch of a target: its handle and what it carries."""
+
+    handle: object
+    kind: Kind
+    nbytes: int
+    units: int
+
+
+@dataclass
+class Launch:
+    """One target's kernel batches, launched without waiting (``RoomWriter.launch``)."""
+
+    plan: TransferPlan
+    peer: str
+    kernel: KernelPath
+    by_path: BytesByPath = field(default_factory=dict)
+    launched: list[Launched] = field(default_factory=list)
+    later: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # what the kernel did not take
+    notice: asyncio.Future[dict[str, Any]] | None = None  # the completion marks on their way to decode
+    error: Exception | None = None  # a launch failed after others went: raised once they landed
+
+
+class RoomWriter:
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+
+    def count(self, room: PrefillRoom, by_path: BytesByPath, path: str, kind: Kind, moved: int, blocks: int) -> None:
+        """Count one confirmed batch under the path that really moved it."""
+        labels = self.ctx.traffic_labels(Role.PREFILL, path)
+        metrics.transfer_bytes.labels(*labels, kind.value).inc(moved)
+        metrics.transfer_blocks.labels(*labels).inc(blocks)
+        metrics.transfer_batches.labels(*labels).inc()
+        room.moved[kind.value] += moved
+        by_path.setdefault(path, zero_bytes())[kind.value] += moved
+
+    # ------------------------------------------------------------ engine (and kernel, one call each)
+    async def write(
+        self, local: LocalRank, peer: str, blocks: Sequence[Block], kind: Kind, room: PrefillRoom, by_path: BytesByPath
+    ) -> None:
+        if not blocks:
+            return
+        loop = asyncio.get_running_loop()
+        backend, kernel = local.backend, local.backend.kernel
+        if kernel is not None:
+            # A kernel path takes any number of blocks in one launch; None: it moved nothing.
+            used = await loop.run_in_executor(self.ctx.workers, kernel.try_write_blocks, peer, blocks)
+            if used is not None:
+                self.count(room, by_path, used, kind, sum(b.length for b in blocks), len(blocks))
+                return
+        # The engine's batch limit (the tcp engine fails oversized batches) applies from here on.
+        for chunk in chunk_batch(blocks, min(backend.max_batch_entries, self.ctx.spec.transfer.max_batch_entries)):
+            if room.state.finished:  # aborted or cancelled meanwhile: what is not sent yet never lands
+                raise TransferError(f"room {room.room} ended ({room.reason}); its remaining batches are not sent")
+            used = await loop.run_in_executor(self.ctx.workers, backend.write_batch, peer, chunk)
+            # A backend with several paths (GPU kernel with engine fallback) names the one it used.
+            self.count(room, by_path, used or backend.path, kind, sum(b.length for b in chunk), len(chunk))
+
+    async def write_kv(
+        self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: BytesByPath
+    ) -> None:
+        kvp = plan.kv_pages
+        if kvp is None or not kvp.num_pages:
+            await self.write(local, peer, plan.kv, Kind.KV, room, by_path)
+            return
+        loop = asyncio.get_running_loop()
+        kernel = local.backend.kernel
+        if kernel is not None:
+            # The route's page lists as they are: every layer and K/V in one kernel launch.
+            used = await loop.run_in_executor(self.ctx.workers, kernel.try_write_pages, peer, kvp)
+            if used is not None:
+                self.count(room, by_path, used, Kind.KV, kvp.nbytes, kvp.units)
+                return
+        blocks = plan.kv or await loop.run_in_executor(self.ctx.workers, kvp.blocks, self.ctx.cfg.coalesce)
+        await self.write(local, peer, blocks, Kind.KV, room, by_path)
+
+    async def write_engine(
+        self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: BytesByPath
+    ) -> None:
+        await self.write_kv(local, peer, plan, room, by_path)
+        await self.write(local, peer, plan.state, Kind.STATE, room, by_path)
+        # Aux rows go as one batch of their own through the engine (upstream send_aux).
+        await self.write(local, peer, plan.aux, Kind.AUX, room, by_path)
+
+    # ------------------------------------------------------------ kernel path: launch now, land later
+    def launch(
+        self, room: PrefillRoom, local: LocalRank, target: Target, plan: TransferPlan, peer: str, kernel: KernelPath
+    ) -> Launch:
+        """Launch what the kernel takes, without waiting. A launch that fails is kept in ``error``:
+        whatever went before it is waited for first (``land``)."""
+        launch = Launch(plan, peer, kernel)
+        by_path = launch.by_path
+        try:
+            kvp = plan.kv_pages
+            if kvp is not None and kvp.num_pages:
+                h = kernel.submit_pages(peer, kvp) if kvp.whole_page else None
+                if h is not None:
+                    launch.launched.append(Launched(h, Kind.KV, kvp.nbytes, kvp.units))
+                else:
+                    launch.later.append(lambda: self.write_kv(local, peer, plan, room, by_path))
+            elif plan.kv:
+                launch.later.append(lambda: self.write(local, peer, plan.kv, Kind.KV, room, by_path))
+            for kind, blocks in ((Kind.STATE, plan.state), (Kind.AUX, plan.aux)):
+                if not blocks:
+                    continue
+                h = kernel.submit_blocks(peer, blocks) if len(blocks) <= LOOP_SUBMIT_BLOCKS else None
+                if h is not None:
+                    launch.launched.append(Launched(h, kind, sum(b.length for b in blocks), len(blocks)))
+                else:
+                    launch.later.append(functools.partial(self.write, local, peer, blocks, kind, room, by_path))
+            room.marks[f"launched:{target.decode_rank}"] = self.ctx.clock()
+            # Not under spec.transfer.verify: there decode is Success only on the checksummed report.
+            if launch.launched and not launch.later and not plan.aux_tcp and not self.ctx.spec.transfer.verify:
+                marks = [kernel.completion_mark(x.handle) for x in launch.launched]
+                if all(m is not None for m in marks):
+                    # While the kernels run: the decode agent watches the marks instead of awaiting a report.
+                    launch.notice = asyncio.ensure_future(
+                        self._notify_launched(
+                            room, target, [m for m in marks if m is not None], local.backend.path, launch
+                        )
+                    )
+        except Exception as exc:  # raised by `land` once what did go has landed
+            launch.error = exc
+        return launch
+
+    async def land(self, local: LocalRank, room: PrefillRoom, target: Target, launch: Launch) -> None:
+        """Wait for a target's launches (one worker call), count them, run what the kernel did not
+        take, and let the launch notice finish (the done report follows in any case: its answer is
+        decode's outcome)."""
+        notice = launch.notice
+        try:
+            # Launched batches are always waited for (their receiver reservations are released on
+            # completion) and counted, also when a later launch was refused.
+            if launch.launched:
+                loop = asyncio.get_running_loop()
+                kernel = launch.kernel
+                paths = await loop.run_in_executor(
+                    self.ctx.workers, lambda: [kernel.wait(x.handle) for x in launch.launched]
+                )
+                for path, x in zip(paths, launch.launched, strict=True):
+                    self.count(room, launch.by_path, path, x.kind, x.nbytes, x.units)
+            if launch.error is not None:
+                raise launch.error
+        except BaseException:
+            if notice is not None:
+                notice.cancel()
+            raise
+        for write in launch.later:
+            await write()
+        if notice is None:
+            return
+        try:
+            await notice
+        except PEER_ERRORS as exc:
+            log.info(
+                "room %s: %s did not take the completion marks (%s); the done report carries the bytes",
+                room.room,
+                target.agent,
+                exc,
+            )
+            return
+        room.marks[f"notified:{target.decode_rank}"] = self.ctx.clock()
+
+    async def _notify_launched(
+        self, room: PrefillRoom, target: Target, marks: list[CompletionMark], path: str, launch: Launch
+    ) -> dict[str, Any]:
+        sent = zero_bytes()
+        for x in launch.launched:
+            sent[x.kind.value] += x.nbytes
+        notice = LaunchNotice(room.room, target.decode_rank, room.rank, {path: sent}, tuple(marks))
+        timeout_s = max(0.1, min(5.0, room.deadline - self.ctx.clock()))
+        return await self.ctx.peers.post(target.agent, notice, timeout_s)

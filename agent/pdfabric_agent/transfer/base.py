@@ -1,0 +1,111 @@
+"""The transfer backend interface: the one seam between PD policy and a byte-moving engine.
+
+A backend owns one rank's engine. The agent registers the rank's pools, then hands it batches of
+absolute (src, dst, length) blocks for a peer session; batches are already coalesced and chunked
+under ``max_batch_entries`` by the agent, so a backend never sees an oversized batch.
+
+Optional capabilities are declared, never probed: ``kernel`` is None unless the backend can also
+launch gather/scatter kernels into a peer's mapped pools (``KernelPath``, the intra-node NVLink
+fast path); ``paths`` lists every `path` metric label the backend can report, so the agent
+pre-creates their series. This is how SGLang's disaggregation base classes give optional methods
+defaults: a caller asks the capability, it does not look for attribute names.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdfabric_agent.memory.completion import CompletionMark
+from pdfabric_agent.memory.plan import Block, KvPages
+from pdfabric_agent.memory.pools import Pool
+from pdfabric_core.policy.types import Transport
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What a backend's factory (``registry``) is made with."""
+
+    host: str  # the address the engine advertises to peers
+    gpu: int  # the rank's GPU (local index)
+    max_batch_entries: int  # the spec's transfer.maxBatchEntries
+
+
+class TransferError(RuntimeError):
+    """The engine reported failure for a batch; the peer session is suspect from now on."""
+
+
+class KernelPath(Protocol):
+    """Launch-now, wait-later kernels into a peer's mapped pools. Each call returns None, having
+    moved nothing, when the kernel cannot take the data (peer on another node, a block outside the
+    GPU pools, too many blocks); the caller then uses the engine. A launch handle is opaque: pass it
+    to ``wait`` (always: the receiver's reservations are released there) and ``completion_mark``."""
+
+    def submit_pages(self, peer: str, kvp: KvPages) -> object | None:
+        """A route's whole KV from its page lists (every layer, K and V), launched, not waited for."""
+        ...
+
+    def submit_blocks(self, peer: str, blocks: Sequence[Block]) -> object | None:
+        """Any number of blocks in one launch, not waited for."""
+        ...
+
+    def try_write_pages(self, peer: str, kvp: KvPages) -> str | None:
+        """``submit_pages`` and ``wait``: the `path` label once landed."""
+        ...
+
+    def try_write_blocks(self, peer: str, blocks: Sequence[Block]) -> str | None:
+        """``submit_blocks`` and ``wait``: the `path` label once landed."""
+        ...
+
+    def wait(self, handle: object) -> str:
+        """Until every byte of the launch landed at the receiver; the `path` label."""
+        ...
+
+    def completion_mark(self, handle: object) -> CompletionMark | None:
+        """Where the receiving agent can watch the launch complete itself; None: it cannot."""
+        ...
+
+
+class TransferBackend(abc.ABC):
+    name: str  # "mooncake" | "mori" | ...: the `backend` metric label
+    path: str  # the code path that moves bytes: the `path` metric label
+    transport: Transport
+    max_batch_entries: int  # the most blocks one write_batch may carry
+
+    @property
+    def kernel(self) -> KernelPath | None:
+        """The kernel path this backend offers besides ``write_batch``; None for engines alone."""
+        return None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every `path` label ``write_batch`` and the kernel path can report."""
+        return (self.path,)
+
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Session id peers write to (Mooncake: "host:rpc_port")."""
+
+    @abc.abstractmethod
+    def register(self, pool: Pool) -> None:
+        """Make pool.addr .. pool.addr + pool.size a valid source and destination."""
+
+    def unregister(self, pool: Pool) -> None:
+        """Forget a registered region (an engine's buffers, replaced when the engine restarts)."""
+        raise NotImplementedError(f"the {self.name} backend cannot release registered memory")
+
+    @abc.abstractmethod
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
+        """Write every block to the peer session and return once all landed; raise TransferError.
+
+        Returns the `path` label of the route the batch took when a backend has more than one
+        (e.g. a GPU kernel with the engine as fallback); None means ``self.path``."""
+
+    @abc.abstractmethod
+    def probe(self, peer: str) -> bool:
+        """Cheap liveness check of a peer session (no data moved)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,93 @@
+"""Mooncake transfer engine backend: one TransferEngine per rank, P2PHANDSHAKE (no metadata
+server), transport chosen by the MC_* environment the agent sets before the first engine starts
+(see transport.mooncake_env)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Sequence
+
+from pdfabric_agent.memory.plan import Block
+from pdfabric_agent.memory.pools import Pool
+from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
+from pdfabric_core.policy.transports import TRANSPORTS
+from pdfabric_core.policy.types import Transport
+
+
+class MooncakeBackend(TransferBackend):
+    name = "mooncake"
+    path = "mooncake"
+
+    def __init__(self, transport: Transport, *, host: str, gpu: int = 0, max_batch_entries: int = 1024) -> None:
+        from mooncake.engine import TransferEngine  # import here: needs libibverbs even for tcp
+
+        self.transport = transport
+        self.max_batch_entries = max_batch_entries
+        self._engine = TransferEngine()
+        self._host = host
+        # Empty device name: Mooncake discovers HCAs itself (rdma) and needs none for tcp/nvlink.
+        # The protocol string alone does not pick tcp or nvlink_intra: the MC_* environment does
+        # (transport.mooncake_env, from the same traits row).
+        protocol = TRANSPORTS[transport].mooncake_protocol
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) returned {rc}")
+        self._registered: list[tuple[int, int]] = []
+
+    def endpoint(self) -> str:
+        return f"{self._host}:{self._engine.get_rpc_port()}"
+
+    def register(self, pool: Pool) -> None:
+        rc = self._engine.register_memory(pool.addr, pool.size)
+        if rc != 0:
+            raise TransferError(f"Mooncake register_memory({pool.name}, {pool.size} bytes) returned {rc}")
+        self._registered.append((pool.addr, pool.size))
+
+    def unregister(self, pool: Pool) -> None:
+        if (pool.addr, pool.size) in self._registered:
+            self._engine.unregister_memory(pool.addr)
+            self._registered.remove((pool.addr, pool.size))
+
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
+        if len(blocks) > self.max_batch_entries:
+            # Guard the session: an oversized tcp batch poisons it for every later transfer.
+            raise ValueError(f"{len(blocks)} blocks exceed max_batch_entries {self.max_batch_entries}")
+        if not blocks:
+            return None
+        rc = self._engine.batch_transfer_sync_write(
+            peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
+        )
+        if rc != 0:
+            raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
+        return None
+
+    def probe(self, peer: str, timeout_s: float = 1.0) -> bool:
+        """True when the peer engine's handshake listener accepts a connection. This Mooncake
+        build has no data-less probe call, and a write needs a destination, so this checks the
+        listener that every new session starts with."""
+        host, _, port = peer.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        for addr, _size in self._registered:
+            # Closing must not mask the error that made us close.
+            with contextlib.suppress(Exception):
+                self._engine.unregister_memory(addr)
+        self._registered.clear()
+
+
+def create(transport: Transport, opts: BackendOptions) -> TransferBackend:
+    """The registry's factory: on a transport the GPU kernels can carry (intra-node NVLink), the
+    gather/scatter kernels for GPU pools of agents on this node, with the engine as fallback
+    (``maybe_fast_path``)."""
+    backend = MooncakeBackend(transport, host=opts.host, gpu=opts.gpu, max_batch_entries=opts.max_batch_entries)
+    if TRANSPORTS[transport].kernel_path:
+        from pdfabric_agent.transfer.fastpath.backend import maybe_fast_path
+
+        return maybe_fast_path(backend, gpu=opts.gpu)
+    return backend
