@@ -16,7 +16,8 @@ import pytest
 
 from pdfabric_agent.memory.completion import BOARD_BYTES
 from pdfabric_devcluster.fabric import LocalFabric
-from tests.e2e.test_agent_faults import SMALL, wait_until
+from tests.deadlines import wait_until
+from tests.e2e.specs import SMALL
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +76,7 @@ def open_room(lc: LocalFabric, room: int) -> None:
     # Destinations of their own per room: rooms left open (or failed, held) keep theirs claimed.
     n = room % 100
     lc.client(D).receive(D, room, [2 * n, 2 * n + 1], aux_index=n % 7 + 1)
-    wait_until(lambda: lc.client(D).poll(D, room)["state"] == "WaitingForInput", 5, "room info delivered")
+    wait_until(lambda: lc.client(D).poll(D, room)["state"] == "WaitingForInput", timeout=5, what="room info delivered")
 
 
 def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, board: Board) -> None:

@@ -16,37 +16,11 @@ import pytest
 from pdfabric_agent.client.api import AgentRefused
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
+from tests.deadlines import wait_until
+from tests.e2e.specs import BIG, FAST_RECOVERY, SMALL
 
 # Real agent processes over the real engine; tests that start a cluster of their own are `slow`.
 pytestmark = pytest.mark.e2e
-
-SMALL = {
-    "prefill": {"tp": 1},
-    "decode": {"tp": 1},
-    "transfer": {"transport": "tcp", "timeoutSeconds": 3},
-    "model": {"layers": 2, "kvHeads": 2, "headDim": 16, "pageSizeTokens": 4, "auxRowBytes": [8, 8]},
-}
-# 32 KiB pages, 128 pages x 4 layers x K/V: a 32 MiB room, far more than loopback socket buffers
-# hold, so a frozen receiver really stalls the engine mid-transfer.
-BIG = {
-    **SMALL,
-    "model": {"layers": 4, "kvHeads": 8, "headDim": 128, "pageSizeTokens": 16, "auxRowBytes": [8, 8]},
-}
-FAST_RECOVERY = {
-    "PDFABRIC_PROBE_BACKOFF_S": "0.5",
-    "PDFABRIC_PROBE_BACKOFF_MAX_S": "1",
-    "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "3",
-}
-
-
-def wait_until(predicate: Any, timeout_s: float, what: str) -> float:
-    """Poll predicate until true; returns seconds taken; fails the test at the deadline."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.05)
-    pytest.fail(f"{what} did not happen within {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +148,19 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
         pages = list(range(128))
         lc.client(decode).receive(decode, 1, pages)
         # The decode agent's room info must be at the prefill agent before it freezes.
-        wait_until(lambda: lc.client(decode).poll(decode, 1)["state"] == "WaitingForInput", 5, "room info delivered")
+        wait_until(
+            lambda: lc.client(decode).poll(decode, 1)["state"] == "WaitingForInput",
+            timeout=5,
+            what="room info delivered",
+        )
         lc.kill(lc.agent_of(decode), signal.SIGSTOP)
         sent_at = time.monotonic()
         lc.client(prefill).send(prefill, 1, pages)
-        wait_until(lambda: lc.client(prefill).poll(prefill, 1)["state"] == "Failed", 3 + 2, "frozen peer fails room")
+        wait_until(
+            lambda: lc.client(prefill).poll(prefill, 1)["state"] == "Failed",
+            timeout=3 + 2,
+            what="frozen peer fails room",
+        )
         failed_after = time.monotonic() - sent_at
         view = lc.client(prefill).poll(prefill, 1)
         assert "did not complete within 3 s" in view["reason"]
@@ -193,7 +175,9 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
 
         lc.kill(lc.agent_of(decode))  # SIGKILL the frozen process, then bring the peer back
         lc.start(lc.agent_of(decode))
-        wait_until(lambda: lc.metric_sum("pdfabric_session_recoveries_total") >= 1, 10, "probe re-admits the peer")
+        wait_until(
+            lambda: lc.metric_sum("pdfabric_session_recoveries_total") >= 1, timeout=10, what="probe re-admits the peer"
+        )
         assert lc.metric_sum("pdfabric_peers_blacklisted") == 0
         result = transfer_room(lc, 3, pages=16)
         assert result.errors == {decode: []}
@@ -205,14 +189,20 @@ def test_killed_decode_fails_fast_and_is_counted() -> None:
     with LocalFabric(SMALL, env=FAST_RECOVERY) as lc:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
         lc.client(decode).receive(decode, 5, [0, 1, 2])
-        wait_until(lambda: lc.client(decode).poll(decode, 5)["state"] == "WaitingForInput", 5, "room info delivered")
+        wait_until(
+            lambda: lc.client(decode).poll(decode, 5)["state"] == "WaitingForInput",
+            timeout=5,
+            what="room info delivered",
+        )
         lc.kill(lc.agent_of(decode))
         lc.client(prefill).send(prefill, 5, [3, 4, 5])
         view = lc.client(prefill).wait(prefill, 5, 3 + 2)
         assert view["state"] == "Failed"
         assert prefill_outcome(lc, "failed") + prefill_outcome(lc, "timeout") == 1
         lc.start(lc.agent_of(decode))
-        wait_until(lambda: lc.metric_sum("pdfabric_session_recoveries_total") >= 1, 10, "probe re-admits the peer")
+        wait_until(
+            lambda: lc.metric_sum("pdfabric_session_recoveries_total") >= 1, timeout=10, what="probe re-admits the peer"
+        )
         assert transfer_room(lc, 6, pages=3).errors == {decode: []}
 
 
@@ -221,7 +211,11 @@ def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
     with LocalFabric(SMALL, env=FAST_RECOVERY) as lc:
         decode = "decode-0-tp0"
         lc.client(decode).receive(decode, 7, [0, 1])
-        wait_until(lambda: lc.client(decode).poll(decode, 7)["state"] == "WaitingForInput", 5, "room info delivered")
+        wait_until(
+            lambda: lc.client(decode).poll(decode, 7)["state"] == "WaitingForInput",
+            timeout=5,
+            what="room info delivered",
+        )
         lc.kill(lc.agent_of("prefill-0-tp0-cp0"))
         view = lc.client(decode).wait(decode, 7, 3 + 2)
         assert view["state"] == "Failed"
@@ -241,7 +235,7 @@ def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalFabric
         except AgentRefused:  # the decode agent's announcement is still on its way
             return ""
 
-    wait_until(lambda: prefill_state() == "WaitingForInput", 5, "prefill sees decode ready")
+    wait_until(lambda: prefill_state() == "WaitingForInput", timeout=5, what="prefill sees decode ready")
     assert lc.client(p).poll(p, 906)["decode_ranks_ready"] == [d]
     lc.client(p).send(p, 906, [41])
     assert lc.client(p).wait(p, 906, 10)["state"] == "Success"
@@ -287,7 +281,11 @@ def test_missed_heartbeats_fail_decode_rooms_long_before_the_deadline() -> None:
     with LocalFabric(SMALL, env=env) as lc:
         decode = "decode-0-tp0"
         lc.client(decode).receive(decode, 8, [0, 1])
-        wait_until(lambda: lc.client(decode).poll(decode, 8)["state"] == "WaitingForInput", 5, "room info delivered")
+        wait_until(
+            lambda: lc.client(decode).poll(decode, 8)["state"] == "WaitingForInput",
+            timeout=5,
+            what="room info delivered",
+        )
         lc.kill(lc.agent_of("prefill-0-tp0-cp0"))
         start = time.monotonic()
         view = lc.client(decode).wait(decode, 8, 10)
@@ -317,7 +315,7 @@ def test_done_report_cannot_write_outside_the_rooms_aux_row(small: LocalFabric) 
 
     lc, d = small, "decode-0-tp0"
     lc.client(d).receive(d, 908, [50], aux_index=2)
-    wait_until(lambda: lc.client(d).poll(d, 908)["state"] == "WaitingForInput", 5, "room info delivered")
+    wait_until(lambda: lc.client(d).poll(d, 908)["state"] == "WaitingForInput", timeout=5, what="room info delivered")
     pools = lc.client(d).map_pools(d)
     try:
         before = bytes(pools.aux[:])

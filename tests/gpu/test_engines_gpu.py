@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.e2e.test_engines_local import run_supervised  # noqa: E402
+from tests.e2e.supervised_runs import run_supervised  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),

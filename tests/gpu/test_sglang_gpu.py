@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
-from tests.e2e.test_sglang_pd import PROMPTS, REF_MODEL, colocated, run_pd  # noqa: E402
+from tests.e2e.pd_runs import PROMPTS, REF_MODEL, colocated, run_pd  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),

@@ -23,27 +23,12 @@ import yaml
 from kopf.testing import KopfRunner
 
 from pdfabric_devcluster.nodes import GpuNodeShape
+from tests.deadlines import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NAMESPACE = "pdfabric-system"
 RELEASE = "pdfabric"  # the chart names the ServiceAccount and ClusterRole after it
 TEST_LABEL = "pdfabric.dev/test"
-
-
-def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.25) -> Any:
-    """Poll `predicate` until truthy; fail the test naming `what` (and the last value) at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as exc:  # the object may not exist yet
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 def render_chart(cluster: Any, *args: str) -> list[dict[str, Any]]:

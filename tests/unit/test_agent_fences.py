@@ -29,8 +29,7 @@ from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.registry import RoomState
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
-from tests.unit.test_agent_kernel_path import Backend
-from tests.unit.test_agent_peer_trust import D, P, make_agent
+from tests.unit.agents import Backend, D, P, make_agent
 
 
 class GatedBackend(Backend):

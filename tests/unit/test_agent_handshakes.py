@@ -23,6 +23,7 @@ from pdfabric_agent.protocol import tls
 from pdfabric_agent.runtime import metrics
 from pdfabric_devcluster.fabric import write_tls_dir
 from pdfabric_operator import pki
+from tests.deadlines import wait_until
 
 CLUSTER = "handshakes"
 HOST = "agent-0.test"
@@ -126,16 +127,9 @@ def refusals(reason: str) -> float:
     return metrics.api_refusals.labels(CLUSTER, reason)._value.get()
 
 
-def wait_until(cond: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_a_peer_with_its_certificate_is_served(served: TlsServed, tls_dirs: tuple[str, str]) -> None:
     assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
-    wait_until(lambda: served.handshaking == 0, 2)
+    wait_until(lambda: served.handshaking == 0, timeout=2, what="served.handshaking == 0")
 
 
 def test_a_client_without_a_certificate_is_refused_in_the_handshake_and_counted(served: TlsServed) -> None:
@@ -150,7 +144,7 @@ def test_a_client_without_a_certificate_is_refused_in_the_handshake_and_counted(
         except (ssl.SSLError, OSError):
             answer = b""
     assert answer == b""  # no HTTP answer: the connection ended in the handshake
-    wait_until(lambda: refusals("tls_handshake") == before + 1, 2)
+    wait_until(lambda: refusals("tls_handshake") == before + 1, timeout=2, what="tls_handshake refusals counted")
     assert served.connections == 0 and served.handshaking == 0
 
 
@@ -170,7 +164,11 @@ def test_half_open_handshakes_are_bounded_and_a_peer_still_gets_through(
 ) -> None:
     socks = half_open(served.port, 40)
     try:
-        wait_until(lambda: served.handshaking == LIMITS.max_handshakes, 2)
+        wait_until(
+            lambda: served.handshaking == LIMITS.max_handshakes,
+            timeout=2,
+            what="served.handshaking == LIMITS.max_handshakes",
+        )
         time.sleep(LIMITS.slow_handshake_s)  # the held ones are now slow: a new connection evicts one
         assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
         assert served.handshaking <= LIMITS.max_handshakes
@@ -187,7 +185,11 @@ def test_at_the_bound_a_new_connection_is_reset_while_every_handshake_is_young(t
     before = refusals("too_many_connections")
     socks = half_open(served.port, patient.max_handshakes)
     try:
-        wait_until(lambda: served.handshaking == patient.max_handshakes, 2)
+        wait_until(
+            lambda: served.handshaking == patient.max_handshakes,
+            timeout=2,
+            what="served.handshaking == patient.max_handshakes",
+        )
         with socket.create_connection(("127.0.0.1", served.port), timeout=5) as extra:
             extra.sendall(b"\x16\x03\x01")
             assert ended_by_peer(extra)
@@ -207,7 +209,11 @@ def test_a_flood_from_one_address_cannot_keep_a_peer_at_another_out(tls_dirs: tu
     served = TlsServed(tls_dirs[0], patient)
     flood = half_open(served.port, patient.max_handshakes, source="127.0.0.2")
     try:
-        wait_until(lambda: served.handshaking == patient.max_handshakes, 2)
+        wait_until(
+            lambda: served.handshaking == patient.max_handshakes,
+            timeout=2,
+            what="served.handshaking == patient.max_handshakes",
+        )
         assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
         assert ended_by_peer(flood[0], 1.0)  # the oldest of the flood made room
         refill, more = half_open(served.port, 2, source="127.0.0.2")  # the free slot, then one too many
@@ -227,7 +233,7 @@ def test_a_handshake_that_never_finishes_is_reset_at_the_head_timeout(served: Tl
         assert ended_by_peer(s, LIMITS.header_timeout_s + 3)
         took = time.monotonic() - started
     assert LIMITS.header_timeout_s - 0.3 <= took <= LIMITS.header_timeout_s + 2
-    wait_until(lambda: served.handshaking == 0, 2)
+    wait_until(lambda: served.handshaking == 0, timeout=2, what="served.handshaking == 0")
     assert refusals("tls_handshake") == before + 1
 
 
@@ -246,11 +252,15 @@ def test_a_closed_tls_connection_releases_its_descriptor_within_the_shutdown_bou
     for _ in range(10):
         raw = socket.create_connection(("127.0.0.1", served.port), timeout=5)
         clients.append(ctx.wrap_socket(raw, server_hostname=HOST))
-    wait_until(lambda: served.connections == 10, 3)
+    wait_until(lambda: served.connections == 10, timeout=3, what="served.connections == 10")
     assert open_fds() == before + 20  # each connection: the client's socket and the agent's
     try:
         # idle timeout, then the shutdown bound, with margin for the 0.25 s sweep
-        wait_until(lambda: open_fds() == before + 10, LIMITS.idle_timeout_s + LIMITS.tls_shutdown_s + 2)
+        wait_until(
+            lambda: open_fds() == before + 10,
+            timeout=LIMITS.idle_timeout_s + LIMITS.tls_shutdown_s + 2,
+            what="open_fds() == before + 10",
+        )
         assert served.connections == 0
     finally:
         for c in clients:

@@ -12,195 +12,19 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.memory.completion import CompletionMark
-from pdfabric_agent.memory.plan import Bases, MemoryMap
 from pdfabric_agent.memory.pools import PoolLayout, RankPools
 from pdfabric_agent.node.hardware import Hardware
 from pdfabric_agent.node.transport import TransportChoice, TransportError
-from pdfabric_agent.peers.client import PeerRefused
 from pdfabric_agent.process.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
-from pdfabric_agent.protocol.peer_wire import PeerMessage, RoomInfo
+from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.rooms.registry import PrefillRoom, Target
 from pdfabric_agent.rooms.targets import DecodeFailed
-from pdfabric_agent.runtime.config import load_config
-from pdfabric_agent.transfer.base import KernelPath, TransferBackend
 from pdfabric_core.policy.types import Transport
-from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
+from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import parse_spec
-
-RAW: dict[str, Any] = {
-    "prefill": {"tp": 1},
-    "decode": {"tp": 1},
-    "transfer": {"maxBatchEntries": 16},
-    "model": {
-        "layers": 4,
-        "kvHeads": 2,
-        "headDim": 8,
-        "pageSizeTokens": 2,
-        "dtype": "float32",
-        "stateBytesPerRequest": 64,
-        "stateLayers": 2,
-        "auxRowBytes": [8, 16],
-    },
-}
-
-
-class Kernel(KernelPath):
-    """The kernel-only calls; `takes` says whether the kernel accepts, `launch` whether it launches
-    without waiting (else only the try_write_* calls take data), `marks` whether launches name
-    where the receiver sees them complete (the real FastPathBackend does all three)."""
-
-    def __init__(self, calls: list[tuple[str, int]], takes: bool, launch: bool, refuse_aux: bool, marks: bool) -> None:
-        self.calls, self.takes, self.launch, self.refuse_aux, self.marks = calls, takes, launch, refuse_aux, marks
-
-    def submit_pages(self, peer: str, kvp: Any) -> Any:
-        if not self.launch:
-            return None
-        self.calls.append(("submit_pages", kvp.units))
-        return ("h", kvp.units) if self.takes else None
-
-    def submit_blocks(self, peer: str, blocks: Any) -> Any:
-        if not self.launch:
-            return None
-        if self.refuse_aux and len(blocks) == 2 and blocks[0].length == 8:
-            raise RuntimeError("receiver pages in flight for another request")
-        self.calls.append(("submit_blocks", len(blocks)))
-        return ("h", len(blocks)) if self.takes else None
-
-    def completion_mark(self, handle: Any) -> CompletionMark | None:
-        if not self.marks:
-            return None
-        self.calls.append(("mark", handle[1]))
-        return CompletionMark("pdfabric-board-00000000abcd", 3, 100 + handle[1])
-
-    def wait(self, handle: Any) -> str:
-        self.calls.append(("wait", handle[1]))
-        return "nvlink-kernel"
-
-    def try_write_pages(self, peer: str, kvp: Any) -> str | None:
-        self.calls.append(("pages", kvp.units))
-        return "nvlink-kernel" if self.takes else None
-
-    def try_write_blocks(self, peer: str, blocks: Any) -> str | None:
-        self.calls.append(("blocks", len(blocks)))
-        return "nvlink-kernel" if self.takes else None
-
-
-class Backend(TransferBackend):
-    """Engine plus, when `kernel`, a kernel path (``Kernel``)."""
-
-    name = "mooncake"
-    transport = Transport.NVLINK_INTRA
-    max_batch_entries = 1024
-
-    def __init__(
-        self, kernel: bool, takes: bool, launch: bool = False, refuse_aux: bool = False, marks: bool = False
-    ) -> None:
-        self.path = "nvlink-kernel" if kernel else "mooncake"
-        self.calls: list[tuple[str, int]] = []
-        self._kernel = Kernel(self.calls, takes, launch, refuse_aux, marks) if kernel else None
-
-    @property
-    def kernel(self) -> KernelPath | None:
-        return self._kernel
-
-    def endpoint(self) -> str:
-        return "127.0.0.1:1"
-
-    def register(self, pool: Any) -> None:
-        pass
-
-    def write_batch(self, peer: str, blocks: Any) -> str | None:
-        self.calls.append(("engine", len(blocks)))
-        return "mooncake" if self.path == "nvlink-kernel" else None
-
-    def probe(self, peer: str) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-def record_posts(
-    agent: Agent, posts: list[tuple[str, dict[str, Any]]], refuse: str = "", answer: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Replace the agent's peer posts by a recorder; posts to path `refuse` are refused, others
-    answered with `answer` (decode's answer to a done report: the room's state)."""
-    sent: dict[str, Any] = {}
-
-    async def post(agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
-        body = msg.to_json()
-        posts.append((msg.PATH, body))
-        if refuse == msg.PATH:
-            raise PeerRefused(agent_name, msg.PATH, 400, "malformed", "cannot watch")
-        sent.update(body)
-        return dict(answer or {"state": "Success"})
-
-    agent.peers.post = post  # type: ignore[method-assign]
-    return sent
-
-
-def make_agent(tmp_path: Path) -> Agent:
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    env = {"NODE_NAME": "n1", "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
-    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
-    entries = (
-        AgentEntry("a1", "n1", (Rank("prefill", 0, 0),)),
-        AgentEntry("a2", "n2", (Rank("decode", 0, 0),)),
-    )
-    spec = parse_spec(RAW)
-    rankmap = RankMap("ns", "c", "uid-1", "nvlink-intra", RAW, entries)
-    return Agent(load_config(env), rankmap, spec, {}, "nvlink-intra")
-
-
-def dst_map(layout: PoolLayout) -> dict[str, list[int]]:
-    """The decode side's buffers on the wire: the pools of a rank at these bases."""
-    m = MemoryMap.of_pools(layout, Bases(0x4000_0000, 0x5000_0000, 0x6000_0000))
-    return {"kv": list(m.kv), "state": list(m.state), "aux": list(m.aux)}
-
-
-def run_room(
-    tmp_path: Path,
-    backend: Backend,
-    pages: list[int],
-    posts: list[tuple[str, dict[str, Any]]] | None = None,
-    refuse: str = "",
-    answer: dict[str, Any] | None = None,
-    seen: list[Agent] | None = None,
-) -> tuple[dict[str, Any], PrefillRoom]:
-    """One room through `_send_target`; peer posts are recorded in `posts` (path `refuse` fails)."""
-    agent = make_agent(tmp_path)
-    if seen is not None:
-        seen.append(agent)
-    layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
-    pool = SimpleNamespace(addr=0x1000_0000)
-    local = LocalRank(Rank("prefill", 0, 0), backend, RankPools(layout, pool, pool, pool))  # type: ignore[arg-type]
-    dst = RoomInfo(
-        room=1, decode_rank="decode-0-tp0", prefill_rank="prefill-0-tp0-cp0", endpoint="peer:1", layout=layout,
-        bases=Bases(0x4000_0000, 0x5000_0000, 0x6000_0000), kv_pages=list(range(len(pages))), state_indices=[1],
-        aux_index=1,
-    )  # fmt: skip
-    target = Target("decode-0-tp0", 0, "a2")
-    target.dst = dst
-    room = PrefillRoom(
-        rank="prefill-0-tp0-cp0", room=1, submitted=0.0, deadline=1e9, src_pages=pages, src_state=[0],
-        src_aux=0, targets={"decode-0-tp0": target},
-    )  # fmt: skip
-    sent = record_posts(agent, posts if posts is not None else [], refuse, answer)
-
-    async def go() -> None:
-        try:
-            await agent.sender.targets.send_target(room, local, target)
-        finally:
-            await agent.close()
-
-    asyncio.run(go())
-    return sent, room
-
+from tests.unit.agents import Backend, dst_map, kernel_agent, record_posts, run_room
 
 KV_BYTES = 40 * 4 * 2 * 128  # pages x layers x K,V x page bytes (2 heads x 2 tokens x 8 x 4 B)
 
@@ -358,7 +182,7 @@ def test_intra_node_nvlink_with_one_gpu_falls_back_when_the_spec_says_so() -> No
 def test_ready_room_is_launched_inside_the_call_that_made_it_ready(tmp_path: Path) -> None:
     """Decode's room info first, then `send`: the kernels are launched before `send` answers (the
     GPU starts at once); the task after it only waits, and the room ends Success."""
-    agent = make_agent(tmp_path)
+    agent = kernel_agent(tmp_path)
     layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=64, state_slots=2, aux_slots=2)
     pool = SimpleNamespace(addr=0x1000_0000)
     backend = Backend(kernel=True, takes=True, launch=True, marks=True)

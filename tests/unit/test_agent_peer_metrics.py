@@ -20,8 +20,7 @@ from pdfabric_agent.runtime import metrics
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap, replica_ranks
 from pdfabric_core.spec import parse_spec
-from tests.unit.test_agent_kernel_path import Backend, run_room
-from tests.unit.test_agent_peer_trust import D, P, make_agent
+from tests.unit.agents import Backend, D, P, make_agent, run_room
 
 PEER_METRICS = ("pdfabric_peer_transfer_bytes_total", "pdfabric_peer_requests_total")
 

@@ -7,55 +7,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from pdfabric_agent.memory.plan import Bases
-from pdfabric_agent.memory.pools import PoolLayout, RankPools
 from pdfabric_agent.protocol.errors import ApiError
-from pdfabric_agent.protocol.peer_wire import DoneReport, RoomInfo
+from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
-from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.runtime.config import load_config
 from pdfabric_agent.transfer.registry import path_labels
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
-from pdfabric_core.spec import parse_spec
-from tests.unit.test_agent_kernel_path import Backend
-
-RAW: dict[str, Any] = {
-    "prefill": {"tp": 1},
-    "decode": {"tp": 1},
-    "transfer": {"transport": "tcp"},
-    "model": {"layers": 2, "kvHeads": 2, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32",
-              "stateBytesPerRequest": 64, "stateLayers": 2, "auxRowBytes": [8, 16]},
-}  # fmt: skip
-P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
-
-
-def make_agent(tmp_path: Path, node: str, local: list[Rank]) -> Agent:
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    env = {"NODE_NAME": node, "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
-    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
-    entries = (AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),)), AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)))
-    spec = parse_spec(RAW)
-    agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", RAW, entries), spec, {}, "tcp")
-    layout = PoolLayout.from_geometry(spec.model, 1, kv_pages=16, state_slots=4, aux_slots=4)
-    pool = SimpleNamespace(addr=0x1000_0000)
-    for rank in local:
-        pools = RankPools(layout, pool, pool, pool)  # type: ignore[arg-type]
-        agent.ranks[rank.rank_id] = LocalRank(rank, Backend(kernel=False, takes=False), pools)
-    return agent
-
-
-def room_info(room: int, **changes: Any) -> RoomInfo:
-    layout = PoolLayout.from_geometry(parse_spec(RAW).model, 1, kv_pages=16, state_slots=4, aux_slots=4)
-    info = RoomInfo(room, D, P, "peer:1", layout, Bases(1 << 30, 2 << 30, 3 << 30), [0, 1], [0], 0)
-    return dataclasses.replace(info, **changes)
+from pdfabric_core.rankmap import Rank
+from tests.unit.agents import D, P, make_agent, room_info
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ from pdfabric_agent.runtime.tasks import Liveness
 from pdfabric_agent.transfer.base import TransferError
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
-from tests.unit.test_agent_kernel_path import Backend, make_agent, record_posts
+from tests.unit.agents import Backend, record_posts
+from tests.unit.agents import kernel_agent as make_agent
 
 
 def test_liveness_sees_a_gap_in_the_ticks() -> None:

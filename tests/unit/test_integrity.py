@@ -23,7 +23,7 @@ from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from tests.unit.test_agent_kernel_path import Backend
+from tests.unit.agents import Backend
 
 MODEL = {"layers": 2, "kvHeads": 4, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32",
          "stateBytesPerRequest": 96, "stateLayers": 2, "auxRowBytes": [8, 20]}  # fmt: skip

@@ -33,7 +33,7 @@ from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
-from tests.unit.test_agent_peer_trust import D, P, make_agent
+from tests.unit.agents import D, P, make_agent
 
 # ---------------------------------------------------------------- the agent: engine memory
 
@@ -330,7 +330,7 @@ def test_a_decode_radix_prefix_reaches_the_prefill_sender() -> None:
 
 
 def test_the_prefix_travels_decode_agent_to_prefill_agent() -> None:
-    from tests.unit.test_agent_peer_trust import room_info
+    from tests.unit.agents import room_info
 
     msg = ReceiveRequest(D, 9, [1, 2], [], 0, 0, engine_memory=True, prefix_tokens=32)
     assert ReceiveRequest.parse(msg.to_json()) == msg
@@ -371,7 +371,7 @@ def prefill_agent(tmp_path: Path, raw: dict[str, Any], ranks: list[Rank]) -> Any
     from pdfabric_agent.runtime.config import load_config
     from pdfabric_core.rankmap import AgentEntry, RankMap
     from pdfabric_core.spec import parse_spec
-    from tests.unit.test_agent_kernel_path import Backend
+    from tests.unit.agents import Backend
 
     token = tmp_path / "token"
     token.write_text("t" * 32)
