@@ -14,6 +14,7 @@ The k-th engine of a role in the pod serves on ``port + k`` (prefill's bootstrap
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,29 @@ if TYPE_CHECKING:
     from pdfabric_core.spec import EngineSpec, PDClusterSpec
 
 ENGINES_ENV = "PDFABRIC_ENGINES"  # the container variable holding the node's EngineLaunch list
+
+
+class EngineEnv(enum.StrEnum):
+    """The variables every engine the agent starts gets (``EngineLaunch.contract_env``), by their
+    one spelling: the SGLang plugin and the reference engine read them by these names."""
+
+    TOKEN_FILE = "PDFABRIC_ENGINE_TOKEN_FILE"  # the engine door's token, in a file
+    AGENT_ADDRESS = "PDFABRIC_AGENT_ADDRESS"  # the node agent's engine door, host:port
+    REPLICA = "PDFABRIC_REPLICA"  # this engine's replica of its role
+    SHM_DIR = "PDFABRIC_SHM_DIR"  # where CPU buffers the agent may map are files
+    ROLE = "PDFABRIC_ROLE"
+    ENGINE_NAME = "PDFABRIC_ENGINE_NAME"
+    PORT = "PDFABRIC_PORT"  # the engine's HTTP port
+    GPUS = "PDFABRIC_GPUS"  # how many GPUs it sees
+    TP = "PDFABRIC_TP"
+    PP = "PDFABRIC_PP"
+    CP = "PDFABRIC_CP"  # prefill
+    BOOTSTRAP_PORT = "PDFABRIC_BOOTSTRAP_PORT"  # prefill
+    CP_RANK = "PDFABRIC_CP_RANK"  # prefill, when every rank of the engine has the same CP rank
+    RANK = "PDFABRIC_RANK"  # the rank id outright, for an engine of one rank
+    BOOTSTRAP_TIMEOUT_S = "PDFABRIC_BOOTSTRAP_TIMEOUT_S"  # read by the plugin when set
+
+
 # Variables of the user's env that come from the API (valueFrom: a Secret, a ConfigMap) are
 # resolved by the kubelet into the container under a prefixed name, one per role, and handed to
 # that role's engines under their own name; plain values travel in the launch message.
@@ -143,26 +167,26 @@ class EngineLaunch:
         """The variables every engine gets (docs/engines.md, docs/sglang.md): the door, the token,
         who it is, what it serves on and with. The user's env may not name PDFABRIC_*."""
         env = {
-            "PDFABRIC_ENGINE_TOKEN_FILE": token_file,
-            "PDFABRIC_AGENT_ADDRESS": agent_address,
-            "PDFABRIC_REPLICA": str(self.replica),
-            "PDFABRIC_SHM_DIR": shm_dir,
-            "PDFABRIC_ROLE": self.role.value,
-            "PDFABRIC_ENGINE_NAME": self.name,
-            "PDFABRIC_PORT": str(self.port),
-            "PDFABRIC_GPUS": str(len(self.gpus)),
-            "PDFABRIC_TP": str(self.tp),
-            "PDFABRIC_PP": str(self.pp),
+            EngineEnv.TOKEN_FILE: token_file,
+            EngineEnv.AGENT_ADDRESS: agent_address,
+            EngineEnv.REPLICA: str(self.replica),
+            EngineEnv.SHM_DIR: shm_dir,
+            EngineEnv.ROLE: self.role.value,
+            EngineEnv.ENGINE_NAME: self.name,
+            EngineEnv.PORT: str(self.port),
+            EngineEnv.GPUS: str(len(self.gpus)),
+            EngineEnv.TP: str(self.tp),
+            EngineEnv.PP: str(self.pp),
         }
         if self.bootstrap_port is not None:
-            env["PDFABRIC_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
-            env["PDFABRIC_CP"] = str(self.cp)
+            env[EngineEnv.BOOTSTRAP_PORT] = str(self.bootstrap_port)
+            env[EngineEnv.CP] = str(self.cp)
         if self.cp_rank is not None:
             # A CP > 1 server's scheduler processes each know their own CP rank; one variable cannot.
-            env["PDFABRIC_CP_RANK"] = str(self.cp_rank)
+            env[EngineEnv.CP_RANK] = str(self.cp_rank)
         if len(self.rank_ids) == 1:
-            env["PDFABRIC_RANK"] = self.rank_ids[0]
-        return env
+            env[EngineEnv.RANK] = self.rank_ids[0]
+        return {str(k): v for k, v in env.items()}
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {

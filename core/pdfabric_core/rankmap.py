@@ -44,6 +44,20 @@ class Rank:
             base += f"-cp{self.cp_rank}"
         return base + (f"-pp{self.pp_rank}" if self.pp_rank else "")
 
+    @classmethod
+    def from_id(cls, rank_id: str, gpu: int = 0) -> Rank:
+        """The rank a ``rank_id`` names (its inverse); ValueError naming the id when it names none."""
+        parts = rank_id.split("-")
+        try:
+            role, replica = Role(parts[0]), int(parts[1])
+            fields = {p[:2]: int(p[2:]) for p in parts[2:]}
+        except (IndexError, ValueError):
+            raise ValueError(f"not a pdfabric rank id: {rank_id!r}") from None
+        rank = cls(role, replica, fields.get("tp", 0), fields.get("cp", 0), fields.get("pp", 0), gpu)
+        if set(fields) - {"tp", "cp", "pp"} or rank.rank_id != rank_id:
+            raise ValueError(f"not a pdfabric rank id: {rank_id!r}")
+        return rank
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "role": self.role.value,

@@ -29,6 +29,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdfabric_core.engines import EngineEnv
+from pdfabric_core.rankmap import Rank
 from pdfabric_refengine.engine import decode, pages_for, prefill_cp
 from pdfabric_refengine.kvpool import KVPool, kv_args
 from pdfabric_refengine.model import build_model, model_shape
@@ -149,18 +151,16 @@ def open_engine(
         ]
         for _ in range(cps)
     ]  # fmt: skip
-    from pdfabric_core.rankmap import Rank
-
     agents = agents or {}
     managers = []
     try:
         for c in range(cps):
             for r in range(tp):
                 # What a launcher sets in each rank's own process.
-                os.environ["PDFABRIC_CP_RANK"] = str(c)
+                os.environ[EngineEnv.CP_RANK] = str(c)
                 rank_id = Rank(role, 0, r, c).rank_id
                 if rank_id in agents:
-                    os.environ["PDFABRIC_AGENT_ADDRESS"] = agents[rank_id]
+                    os.environ[EngineEnv.AGENT_ADDRESS] = agents[rank_id]
                 gpu = int(device.split(":")[1]) if device.startswith("cuda:") else 0
                 ka = kv_args(pools[c][r], engine_rank=r, page_size=shape.page_size, gpu_id=gpu,
                              kv_head_num=pools[c][r].local_heads, total_kv_head_num=shape.kv_heads,
@@ -296,7 +296,7 @@ class DirectSender(_DirectRoom):
             return self.code
         code = self._room_code()
         if not self.submitted_at and self.view.get("decode_ranks_ready"):
-            self.decode_replica = int(self.view["decode_ranks_ready"][0].split("-")[1])
+            self.decode_replica = Rank.from_id(self.view["decode_ranks_ready"][0]).replica
         return code
 
     def init(self, num_pages: int, aux_index: int | None) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdfabric_core.engines import EngineEnv
 from pdfabric_refengine.pd import Engine, open_engine
 
 log = logging.getLogger("pdfabric_refengine.server")
@@ -147,15 +148,15 @@ class Server:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=["prefill", "decode"], default=os.environ.get("PDFABRIC_ROLE"))
+    ap.add_argument("--role", choices=["prefill", "decode"], default=os.environ.get(EngineEnv.ROLE))
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=_env_int("PDFABRIC_PORT", 30000))
-    ap.add_argument("--bootstrap-port", type=int, default=_env_int("PDFABRIC_BOOTSTRAP_PORT", 8998))
-    ap.add_argument("--tp", type=int, default=_env_int("PDFABRIC_TP", 1))
-    ap.add_argument("--cp", type=int, default=_env_int("PDFABRIC_CP", 1))
+    ap.add_argument("--port", type=int, default=_env_int(EngineEnv.PORT, 30000))
+    ap.add_argument("--bootstrap-port", type=int, default=_env_int(EngineEnv.BOOTSTRAP_PORT, 8998))
+    ap.add_argument("--tp", type=int, default=_env_int(EngineEnv.TP, 1))
+    ap.add_argument("--cp", type=int, default=_env_int(EngineEnv.CP, 1))
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--shm-dir", default=os.environ.get("PDFABRIC_SHM_DIR") or "/dev/shm")
+    ap.add_argument("--shm-dir", default=os.environ.get(EngineEnv.SHM_DIR) or "/dev/shm")
     ap.add_argument("--backend", choices=["sglang", "direct"], default="sglang")
     ap.add_argument("--timeout-s", type=float, default=30.0)  # a request's wait for its peer and transfer
     # cuda:0 keeps the KV pools on the engine's first GPU (its CUDA_VISIBLE_DEVICES, set by the agent).

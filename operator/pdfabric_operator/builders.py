@@ -152,10 +152,7 @@ def decode_ranks(text: str) -> tuple[Rank, ...]:
     ranks = []
     for item in filter(None, text.split(",")):
         rank_id, _, gpu = item.partition("@")
-        parts = rank_id.split("-")
-        role, replica = Role(parts[0]), int(parts[1])
-        fields = {p[:2]: int(p[2:]) for p in parts[2:]}
-        ranks.append(Rank(role, replica, fields.get("tp", 0), fields.get("cp", 0), fields.get("pp", 0), int(gpu or 0)))
+        ranks.append(Rank.from_id(rank_id, int(gpu or 0)))
     return tuple(ranks)
 
 

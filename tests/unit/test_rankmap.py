@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank, replica_ranks
@@ -47,3 +49,24 @@ def test_rank_role_is_the_enum_and_equals_its_string() -> None:
 def test_unknown_role_is_refused() -> None:
     with pytest.raises(ValueError, match="rank role must be prefill or decode"):
         Rank.from_dict({"role": "encode", "replica": 0, "tpRank": 0})
+
+
+@given(
+    st.sampled_from(["prefill", "decode"]),
+    st.integers(0, 99),
+    st.integers(0, 63),
+    st.integers(0, 15),
+    st.integers(0, 7),
+)
+def test_a_rank_id_names_its_rank_back(role: str, replica: int, tp: int, cp: int, pp: int) -> None:
+    rank = Rank(role, replica, tp, cp if role == "prefill" else 0, pp)
+    assert Rank.from_id(rank.rank_id) == rank
+    assert Rank.from_id(rank.rank_id, gpu=3).gpu == 3
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "prefill", "prefill-x-tp0-cp0", "router-0-tp0", "decode-0-tp0-cp0", "decode-0-tp0-zz1", "decode-0-tp01"]
+)
+def test_what_names_no_rank_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a pdfabric rank id"):
+        Rank.from_id(bad)

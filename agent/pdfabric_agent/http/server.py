@@ -232,15 +232,15 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
     app[LIMITS], app[CLUSTER], app[BODY_CAP] = limits, cluster, cap
     if door is Door.ENGINE:
         app.router.add_get("/v1/info", info)
-        app.router.add_post("/v1/send", send)
-        app.router.add_post("/v1/receive", receive)
+        app.router.add_post(SendRequest.PATH, send)
+        app.router.add_post(ReceiveRequest.PATH, receive)
         app.router.add_post(MemoryRegistration.PATH, memory)
         app.router.add_post(AbortRequest.PATH, abort)
         app.router.add_get("/v1/rooms/{rank}/{room}", poll)
     else:
-        app.router.add_post("/v1/peer/dst", peer_dst)
-        app.router.add_post("/v1/peer/done", peer_done)
-        app.router.add_post("/v1/peer/launched", peer_launched)
+        app.router.add_post(RoomInfo.PATH, peer_dst)
+        app.router.add_post(DoneReport.PATH, peer_done)
+        app.router.add_post(LaunchNotice.PATH, peer_launched)
         app.router.add_post(RoomCancel.PATH, peer_cancel)
         app.router.add_get("/v1/peer/ping", ping)
         app.router.add_get("/v1/peer/probe", probe_regions)

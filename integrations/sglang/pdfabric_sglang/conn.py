@@ -52,6 +52,7 @@ from pdfabric_agent.client.api import AgentClient, AgentRefused
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.bootstrap import PdfabricKVBootstrapServer
 from pdfabric_sglang.kvargs import (
     ENV_CP_RANK,
@@ -454,10 +455,7 @@ def attention_ranks() -> AttentionRanks | None:
 
 def replica_of(rank_id: str) -> int:
     """The replica in a rank id (``decode-<replica>-tp<n>``)."""
-    try:
-        return int(rank_id.split("-")[1])
-    except (IndexError, ValueError):
-        raise ValueError(f"not a pdfabric rank id: {rank_id!r}") from None
+    return Rank.from_id(rank_id).replica
 
 
 class PdfabricKVReceiver(_RoomClient, BaseKVReceiver):

@@ -21,7 +21,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-ENV_SHM_DIR = "PDFABRIC_SHM_DIR"
+from pdfabric_core.engines import EngineEnv
+
+ENV_SHM_DIR = EngineEnv.SHM_DIR.value
 PREFIX = "pdfabric-sglang-"
 
 _lock = threading.Lock()

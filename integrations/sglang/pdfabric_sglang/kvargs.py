@@ -10,18 +10,20 @@ from typing import Any, NamedTuple
 
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.wire import MemoryRegistration
+from pdfabric_core.engines import EngineEnv
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
 
 KVArgs = Any  # SGLang's KVArgs, or any object with its attributes
 
-ENV_AGENT = "PDFABRIC_AGENT_ADDRESS"  # the node agent's engine door, host:port
-ENV_TOKEN_FILE = "PDFABRIC_ENGINE_TOKEN_FILE"
-ENV_REPLICA = "PDFABRIC_REPLICA"  # this engine's replica of its role in the PDCluster
-ENV_CP_RANK = "PDFABRIC_CP_RANK"  # prefill: this engine rank's context-parallel rank
-ENV_RANK = "PDFABRIC_RANK"  # the rank id outright, when the above do not describe it
-ENV_BOOTSTRAP_TIMEOUT = "PDFABRIC_BOOTSTRAP_TIMEOUT_S"
+# The variables the agent gives its engines, by their one spelling (pdfabric_core.engines.EngineEnv).
+ENV_AGENT = EngineEnv.AGENT_ADDRESS.value
+ENV_TOKEN_FILE = EngineEnv.TOKEN_FILE.value
+ENV_REPLICA = EngineEnv.REPLICA.value
+ENV_CP_RANK = EngineEnv.CP_RANK.value
+ENV_RANK = EngineEnv.RANK.value
+ENV_BOOTSTRAP_TIMEOUT = EngineEnv.BOOTSTRAP_TIMEOUT_S.value
 
 
 class FabricConfig:
