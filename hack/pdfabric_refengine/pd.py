@@ -29,6 +29,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_core.engines import EngineEnv
 from pdfabric_core.rankmap import Rank
 from pdfabric_refengine.engine import decode, pages_for, prefill_cp
@@ -36,7 +37,7 @@ from pdfabric_refengine.kvpool import KVPool, kv_args
 from pdfabric_refengine.model import build_model, model_shape
 
 POLL_S = 0.005
-FINAL = {0, 4}  # KVPoll Failed, Success
+FINAL = {RoomState.FAILED, RoomState.SUCCESS}
 
 
 def load_backend() -> dict[str, Any]:
@@ -423,7 +424,7 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
             return {
                 "room": req["room"],
                 "first_token": first,
-                "state": "Success" if set(final.values()) == {4} else "Failed",
+                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
                 "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] != 4},
                 "metrics": {str(k): _metric(s) for k, s in senders.items()},
             }
@@ -467,7 +468,10 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
                 r.send_metadata(np.asarray(pages, dtype=np.int32), aux, None)
         final = _wait_all(engine, receivers, FINAL, req["room"], "the transfer did not finish")
         with lock:
-            out: dict[str, Any] = {"room": req["room"], "state": "Success" if set(final.values()) == {4} else "Failed"}
+            out: dict[str, Any] = {
+                "room": req["room"],
+                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
+            }
             out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] != 4}
             out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
             if out["state"] == "Success":

@@ -15,8 +15,9 @@ import pytest
 
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.protocol.peer_wire import DoneReport
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, RoomState, Target
+from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, Target
 from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap

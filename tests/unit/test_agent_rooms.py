@@ -12,8 +12,9 @@ import pytest
 from pdfabric_agent.memory.plan import Bases
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.peer_wire import RoomInfo
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, RoomState, Target
+from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, Target
 from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap

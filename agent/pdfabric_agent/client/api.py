@@ -25,9 +25,10 @@ from typing import Any
 
 from pdfabric_agent.client.http1 import Connection, StaleConnection
 from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.views import FINAL_TITLES
 from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, RoomSubmit, SendRequest
 
-FINAL = ("Success", "Failed")
+FINAL = FINAL_TITLES
 WAIT_BACKOFF_MIN_S = 0.01  # `wait`: pause after a poll answered at once, doubling up to the max
 WAIT_BACKOFF_MAX_S = 0.5
 

@@ -70,13 +70,13 @@ class Agent:
         rankmap: RankMap,
         spec: PDClusterSpec,
         ranks: Mapping[str, LocalRank],
-        transport: str,
+        transport: Transport | str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.rankmap = rankmap
         self.spec = spec
-        self.transport = transport
+        self.transport = Transport(transport)
         self.cluster = rankmap.cluster
         self.backend_name = spec.backend
         self.entry = rankmap.agent_for_node(cfg.node_name)
@@ -137,7 +137,7 @@ class Agent:
         busy = sum(1 for _, room in self.rooms.open_rooms() if room.rank == msg.rank)
         if busy:
             raise conflict(f"{msg.rank} has {busy} open rooms: register its memory before traffic or once they end")
-        transport = Transport(self.transport)
+        transport = self.transport
         layout = engine_layout(
             msg,
             self.spec,

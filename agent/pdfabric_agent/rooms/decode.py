@@ -32,13 +32,14 @@ from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.protocol.errors import malformed, out_of_range
 from pdfabric_agent.protocol.labels import Completion, Integrity, Kind, Outcome
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo, SourceReport
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import BytesByPath, KindBytes, ReceiveRequest, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
 from pdfabric_agent.rooms.claims import DestinationClaims
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.landing import checked_aux_rows, count_arrival, landing_plan
-from pdfabric_agent.rooms.registry import AnyRoom, DecodeRoom, RoomState
+from pdfabric_agent.rooms.registry import AnyRoom, DecodeRoom
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.tasks import later

@@ -27,10 +27,11 @@ from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.errors import conflict, malformed, out_of_range
 from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_wire import DoneReport, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import PrefillRoom, RoomState, Target
+from pdfabric_agent.rooms.registry import PrefillRoom, Target
 from pdfabric_agent.rooms.targets import TargetSender
 from pdfabric_agent.rooms.writer import Launch
 from pdfabric_core.duties import prefill_rank_sends

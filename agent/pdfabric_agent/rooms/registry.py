@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 from pdfabric_agent.protocol.errors import conflict, unknown_room
 from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_wire import RoomInfo
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import KindBytes, zero_bytes
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.tasks import later
@@ -27,24 +27,6 @@ from pdfabric_core.policy.types import Role
 log = logging.getLogger("pdfabric.agent")
 
 RoomKey = tuple[str, int]  # (local rank id, room id)
-
-
-class RoomState(enum.IntEnum):
-    """SGLang's KVPoll values, so a serving engine can use them unchanged."""
-
-    FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING_FOR_INPUT = 2
-    TRANSFERRING = 3
-    SUCCESS = 4
-
-    @property
-    def title(self) -> str:
-        return {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}[self.value]
-
-    @property
-    def finished(self) -> bool:
-        return self in (RoomState.FAILED, RoomState.SUCCESS)
 
 
 @dataclass

@@ -12,11 +12,12 @@ from pdfabric_agent.memory.plan import TransferPlan, pair_duties, plan_transfer
 from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.protocol.labels import Kind, Outcome
 from pdfabric_agent.protocol.peer_wire import DoneReport
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import PrefillRoom, RoomState, Target
+from pdfabric_agent.rooms.registry import PrefillRoom, Target
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.transfer.base import TransferError

@@ -50,6 +50,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
@@ -374,7 +375,7 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
             if view.get("decode_ranks_ready"):
                 self.decode_replica = replica_of(view["decode_ranks_ready"][0])
                 self.decode_prefix_len = int(view.get("decode_prefix_tokens", 0))
-                if view["state"] == "WaitingForInput":
+                if view["state"] == RoomState.WAITING_FOR_INPUT.title:
                     return WAITING_FOR_INPUT
         if time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
             return self._conclude(FAILED, f"decode did not announce the room within {self.mgr.bootstrap_timeout_s:g} s")
