@@ -27,10 +27,10 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "hack")]
+sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "operator", "agent", "hack")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
-from pdfabric_agent.memory.plan import Bases, decode_targets, plan_transfer, sender_duties  # noqa: E402
+from pdfabric_agent.memory.plan import Bases, TransferSide, decode_targets, plan_transfer, sender_duties  # noqa: E402
 from pdfabric_agent.memory.pools import PoolLayout  # noqa: E402
 from pdfabric_agent.runtime import metrics  # noqa: E402
 from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
@@ -90,11 +90,7 @@ def raw_blocks(
     assert duties is not None
 
     def blocks(dst_base: int) -> list[Any]:
-        plan = plan_transfer(
-            duties, src_layout=layout, dst_layout=PoolLayout.from_dict(dinfo["layout"]), src=Bases(sa, 0, 0),
-            dst=Bases(dst_base, 0, 0), src_pages=src, dst_pages=dst, src_state=[], dst_state=[], src_aux=None,
-            dst_aux=None, coalesce=coalesce,
-        )  # fmt: skip
+        plan = plan_transfer(duties, TransferSide(layout, Bases(sa, 0, 0), src, [], None), TransferSide(PoolLayout.from_dict(dinfo["layout"]), Bases(dst_base, 0, 0), dst, [], None), coalesce=coalesce)  # fmt: skip
         return plan.kv
 
     # Receiver in this process (b, the decode pool file mapped here) and receiver in the decode

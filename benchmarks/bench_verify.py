@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "hack")]
+sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "operator", "agent", "hack")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402

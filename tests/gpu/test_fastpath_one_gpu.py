@@ -320,7 +320,7 @@ def _apply_blocks(
 
 def _kv_pages(pair: Pair, decode_tp: int, src_pages: list[int], dst_pages: list[int]) -> tuple[Any, Any]:
     """The route's KvPages exactly as the agent's sender plans them (plan_transfer, kv_blocks=False)."""
-    from pdfabric_agent.memory.plan import Bases, decode_targets, plan_transfer, sender_duties
+    from pdfabric_agent.memory.plan import Bases, TransferSide, decode_targets, plan_transfer, sender_duties
 
     spec = _spec(decode_tp)
     route = next(r for r in decode_targets(spec, 0) if r.decode_tp_rank == decode_tp - 1)
@@ -328,16 +328,8 @@ def _kv_pages(pair: Pair, decode_tp: int, src_pages: list[int], dst_pages: list[
     assert duties is not None
     plan = plan_transfer(
         duties,
-        src_layout=_layout(decode_tp, 1),
-        dst_layout=_layout(decode_tp, decode_tp),
-        src=Bases(pair.src["kv"].addr, 1, 1),
-        dst=Bases(pair.dst[f"kv{decode_tp}"][0], 1, 1),
-        src_pages=src_pages,
-        dst_pages=dst_pages,
-        src_state=[],
-        dst_state=[],
-        src_aux=None,
-        dst_aux=None,
+        TransferSide(_layout(decode_tp, 1), Bases(pair.src["kv"].addr, 1, 1), src_pages, [], None),
+        TransferSide(_layout(decode_tp, decode_tp), Bases(pair.dst[f"kv{decode_tp}"][0], 1, 1), dst_pages, [], None),
         kv_blocks=False,
     )
     assert plan.kv_pages is not None and plan.kv_pages.whole_page is (decode_tp == 1)

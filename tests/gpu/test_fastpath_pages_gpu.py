@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("decode_tp", [1, 2])
 def test_route_pages_in_one_launch(decode_tp: int) -> None:
     sys.path[:0] = [os.path.join(ROOT, "agent"), os.path.join(ROOT, "core")]
-    from pdfabric_agent.memory.plan import Bases, decode_targets, plan_transfer, sender_duties
+    from pdfabric_agent.memory.plan import Bases, TransferSide, decode_targets, plan_transfer, sender_duties
     from pdfabric_agent.memory.pools import Pool, PoolLayout
     from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
     from pdfabric_core.policy.types import Device
@@ -57,16 +57,8 @@ def test_route_pages_in_one_launch(decode_tp: int) -> None:
             assert duties is not None
             plan = plan_transfer(
                 duties,
-                src_layout=src_l,
-                dst_layout=dst_l,
-                src=Bases(src.addr, 1, 1),
-                dst=Bases(dst.addr, 1, 1),
-                src_pages=src_pages,
-                dst_pages=dst_pages,
-                src_state=[],
-                dst_state=[],
-                src_aux=None,
-                dst_aux=None,
+                TransferSide(src_l, Bases(src.addr, 1, 1), src_pages, [], None),
+                TransferSide(dst_l, Bases(dst.addr, 1, 1), dst_pages, [], None),
                 kv_blocks=False,
             )
             kvp = plan.kv_pages

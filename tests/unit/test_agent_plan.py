@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.memory.plan import Bases, Block, decode_targets, expected_sources, plan_transfer, sender_duties
+from pdfabric_agent.memory.plan import (
+    Bases,
+    Block,
+    TransferSide,
+    decode_targets,
+    expected_sources,
+    plan_transfer,
+    sender_duties,
+)
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_core.policy.aux_path import AuxPath
 from pdfabric_core.spec import PDClusterSpec, parse_spec
@@ -42,12 +50,8 @@ def plan(spec: PDClusterSpec, p: int, cp: int, d: int, src_pages: list[int], dst
     args: dict[str, Any] = {"src_state": [0], "dst_state": [2], "src_aux": 1, "dst_aux": 3, "coalesce": True, **kw}
     return duties, plan_transfer(
         duties,
-        src_layout=layout(spec, spec.prefill.tp),
-        dst_layout=layout(spec, spec.decode.tp),
-        src=SRC,
-        dst=DST,
-        src_pages=src_pages,
-        dst_pages=dst_pages,
+        TransferSide(layout(spec, spec.prefill.tp), SRC, src_pages, args.pop("src_state"), args.pop("src_aux")),
+        TransferSide(layout(spec, spec.decode.tp), DST, dst_pages, args.pop("dst_state"), args.pop("dst_aux")),
         **args,
     )
 
@@ -181,10 +185,7 @@ def test_pp_stage_writes_into_its_decode_layers() -> None:
     duties = sender_duties(spec, decode_targets(spec, 0)[0], 0, 1, 1)
     assert duties is not None
     src_layout = PoolLayout.from_geometry(spec.model, 1, kv_pages=16, state_slots=4, aux_slots=4, pp=2, pp_stage=1)
-    p = plan_transfer(
-        duties, src_layout=src_layout, dst_layout=layout(spec, 1), src=SRC, dst=DST, src_pages=[0], dst_pages=[5],
-        src_state=[0], dst_state=[2], src_aux=1, dst_aux=3,
-    )  # fmt: skip
+    p = plan_transfer(duties, TransferSide(src_layout, SRC, [0], [0], 1), TransferSide(layout(spec, 1), DST, [5], [2], 3))  # fmt: skip
     # The stage holds one layer (its local layer 0 = global layer 1): K and V land in decode layer 1.
     assert p.kv == [
         Block(SRC.kv, DST.kv + (2 * 16 + 5) * PAGE, PAGE),

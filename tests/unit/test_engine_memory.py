@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric_agent.memory.plan import MemoryMap, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.memory.plan import MemoryMap, TransferSide, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
@@ -139,8 +139,7 @@ def test_token_major_head_slices_move_each_tokens_heads(tmp_path: Path) -> None:
     target = decode_targets(s, 0)[1]
     duties = sender_duties(s, target, 0, 2)
     assert duties is not None
-    plan = plan_transfer(duties, src_layout=src, dst_layout=dst, src=src_map, dst=dst_map, src_pages=[3, 1],
-                         dst_pages=[0, 2], src_state=[], dst_state=[], src_aux=None, dst_aux=None)  # fmt: skip
+    plan = plan_transfer(duties, TransferSide(src, src_map, [3, 1], [], None), TransferSide(dst, dst_map, [0, 2], [], None))  # fmt: skip
     for b in plan.kv:
         ctypes.memmove(b.dst, b.src, b.length)
     for buf in range(4):
@@ -152,6 +151,4 @@ def test_token_major_head_slices_move_each_tokens_heads(tmp_path: Path) -> None:
     assert sum(b.length for b in plan.kv) == 4 * 2 * tokens * 2 * row  # buffers x pages x tokens x slice
     # A head-major peer cannot take token-major pages: refused when planned, naming both orders.
     with pytest.raises(ValueError, match="page layouts differ"):
-        plan_transfer(duties, src_layout=src, dst_layout=type(dst)(**{**vars(dst), "page_order": PageOrder.HEAD_MAJOR}),
-                      src=src_map, dst=dst_map, src_pages=[3, 1], dst_pages=[0, 2], src_state=[], dst_state=[],
-                      src_aux=None, dst_aux=None)  # fmt: skip
+        plan_transfer(duties, TransferSide(src, src_map, [3, 1], [], None), TransferSide(type(dst)(**{**vars(dst), "page_order": PageOrder.HEAD_MAJOR}), dst_map, [0, 2], [], None))  # fmt: skip

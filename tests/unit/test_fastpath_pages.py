@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdfabric_agent.memory.plan import Bases, KvPages, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.memory.plan import Bases, KvPages, TransferSide, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.transfer.fastpath.backend import FastPathBackend
 from pdfabric_agent.transfer.fastpath.kernel import KernelConfig
@@ -75,16 +75,8 @@ def kv_pages(
     assert duties is not None
     plan = plan_transfer(
         duties,
-        src_layout=src_l,
-        dst_layout=dst_l,
-        src=Bases(SRC_BASE, 1, 1),
-        dst=Bases(DST_BASE, 1, 1),
-        src_pages=src_pages,
-        dst_pages=dst_pages,
-        src_state=[],
-        dst_state=[],
-        src_aux=None,
-        dst_aux=None,
+        TransferSide(src_l, Bases(SRC_BASE, 1, 1), src_pages, [], None),
+        TransferSide(dst_l, Bases(DST_BASE, 1, 1), dst_pages, [], None),
     )
     assert plan.kv_pages is not None
     return plan.kv_pages, plan, (src_l, dst_l)

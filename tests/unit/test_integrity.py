@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_agent.memory.plan import Bases, TransferPlan, decode_targets, plan_transfer, sender_duties
+from pdfabric_agent.memory.plan import Bases, TransferPlan, TransferSide, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.wire import ReceiveRequest
@@ -74,11 +74,7 @@ def test_sender_and_receiver_sum_the_same_stream(
     assert duties is not None
     src, dst = pools(tmp_path, "src", src_l, 1), pools(tmp_path, "dst", dst_l, 2)
     rng = random.Random(7)
-    plan = plan_transfer(
-        duties, src_layout=src_l, dst_layout=dst_l, src=bases(src), dst=bases(dst),
-        src_pages=rng.sample(range(32), 9), dst_pages=rng.sample(range(32), 9), src_state=[1], dst_state=[3],
-        src_aux=2, dst_aux=0, coalesce=coalesce, kv_blocks=False,
-    )  # fmt: skip
+    plan = plan_transfer(duties, TransferSide(src_l, bases(src), rng.sample(range(32), 9), [1], 2), TransferSide(dst_l, bases(dst), rng.sample(range(32), 9), [3], 0), coalesce=coalesce, kv_blocks=False)  # fmt: skip
     sent = integrity.checksum(src.all(), integrity.source_regions(plan))
     assert integrity.checksum(dst.all(), integrity.dest_regions(plan)) != sent  # not copied yet
     copy(plan, src, dst, coalesce)
@@ -139,11 +135,7 @@ def test_decode_is_success_only_when_what_arrived_matches(tmp_path: Path) -> Non
         agent.submit_receive(ReceiveRequest(d, n, dst_pages, [1], 1, 0))
         duties = sender_duties(spec, decode_targets(spec, 0)[0], 0, len(dst_pages))
         assert duties is not None
-        plan = plan_transfer(
-            duties, src_layout=layout, dst_layout=layout, src=bases(src), dst=bases(dst),
-            src_pages=list(range(len(dst_pages))), dst_pages=dst_pages, src_state=[0], dst_state=[1], src_aux=0,
-            dst_aux=1, kv_blocks=False,
-        )  # fmt: skip
+        plan = plan_transfer(duties, TransferSide(layout, bases(src), list(range(len(dst_pages))), [0], 0), TransferSide(layout, bases(dst), dst_pages, [1], 1), kv_blocks=False)  # fmt: skip
         copy(plan, src, dst, True)
         if corrupt:
             dst.kv.view()[dst_pages[-1] * layout.page_bytes] ^= 1

@@ -22,6 +22,7 @@ import pytest
 from pdfabric_agent.memory.plan import (
     Bases,
     TransferPlan,
+    TransferSide,
     decode_targets,
     plan_transfer,
     receives_request_rows,
@@ -135,17 +136,21 @@ def planned(
                 with_state = bool(duties.state_layers or duties.state_skipped)
                 plan = plan_transfer(
                     duties,
-                    src_layout=src_layout,
-                    dst_layout=dst_layout,
-                    src=SRC,
-                    dst=DST,
-                    src_pages=list(range(2, 2 + len(duties.pages))),
-                    dst_pages=dst_pages,
-                    src_state=list(range(state_slots)) if with_state else [],
-                    dst_state=list(range(state_slots, 2 * state_slots)) if with_state else [],
-                    src_aux=1,
-                    dst_aux=2 if receives_request_rows(spec, dstage) else None,
-                    kv_blocks=kv_blocks,  # the sender plans page lists and counts KvPages.nbytes
+                    TransferSide(
+                        src_layout,
+                        SRC,
+                        list(range(2, 2 + len(duties.pages))),
+                        list(range(state_slots)) if with_state else [],
+                        1,
+                    ),
+                    TransferSide(
+                        dst_layout,
+                        DST,
+                        dst_pages,
+                        list(range(state_slots, 2 * state_slots)) if with_state else [],
+                        2 if receives_request_rows(spec, dstage) else None,
+                    ),
+                    kv_blocks=kv_blocks,
                     coalesce=coalesce,
                 )
                 out[((tp_rank, cp_rank, stage), (route.decode_tp_rank, dstage))] = _plan_bytes(plan)

@@ -188,19 +188,23 @@ def token_rows(pages: Sequence[int], tokens: int) -> list[int]:
     return [p * tokens + t for p in pages for t in range(tokens)]
 
 
+@dataclass(frozen=True)
+class TransferSide:
+    """One side of a transfer: a rank's layout, where its buffers are, and the room's pages, state
+    slots and aux row on it."""
+
+    layout: PoolLayout
+    memory: Bases | MemoryMap
+    pages: Sequence[int]
+    state: Sequence[int]
+    aux: int | None
+
+
 def plan_transfer(
     duties: Duties,
+    src: TransferSide,
+    dst: TransferSide,
     *,
-    src_layout: PoolLayout,
-    dst_layout: PoolLayout,
-    src: Bases | MemoryMap,
-    dst: Bases | MemoryMap,
-    src_pages: Sequence[int],
-    dst_pages: Sequence[int],
-    src_state: Sequence[int],
-    dst_state: Sequence[int],
-    src_aux: int | None,
-    dst_aux: int | None,
     coalesce: bool = True,
     kv_blocks: bool = True,
 ) -> TransferPlan:
@@ -209,10 +213,15 @@ def plan_transfer(
     always in ``plan.kv_pages``; with ``kv_blocks=False`` its engine blocks are left to the
     caller (``plan.kv_pages.blocks``), who may not need them at all (a kernel backend).
 
+    ``src`` is the sending rank's side (its pages for its CP shard), ``dst`` the receiving rank's.
     Both sides must order their pages alike (a whole page copied between orders would scramble
     it); a head slice of token-major pages is planned as token rows (``token_rows``): one row of
     heads per token, so every consumer of ``KvPages`` (engine blocks, kernels, checksums) takes it
     unchanged."""
+    src_layout, dst_layout = src.layout, dst.layout
+    src_pages, dst_pages = src.pages, dst.pages
+    src_state, dst_state = src.state, dst.state
+    src_aux, dst_aux = src.aux, dst.aux
     if src_layout.page_order is not dst_layout.page_order:
         raise ValueError(
             f"page layouts differ: this side's pages are {src_layout.page_order}, the peer's {dst_layout.page_order}"
@@ -222,7 +231,7 @@ def plan_transfer(
             f"aux rows {list(src_layout.aux_items)} and state {src_layout.state_layer_bytes} bytes per layer here, "
             f"aux rows {list(dst_layout.aux_items)} and state {dst_layout.state_layer_bytes} at the peer"
         )
-    src_map, dst_map = memory_map(src_layout, src), memory_map(dst_layout, dst)
+    src_map, dst_map = memory_map(src_layout, src.memory), memory_map(dst_layout, dst.memory)
     src_map.check(src_layout)
     dst_map.check(dst_layout)
     if len(src_pages) != len(duties.pages):

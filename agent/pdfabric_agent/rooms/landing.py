@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from pdfabric_agent.memory.plan import TransferPlan, pair_duties, plan_transfer
+from pdfabric_agent.memory.plan import TransferPlan, TransferSide, pair_duties, plan_transfer
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.errors import out_of_range
 from pdfabric_agent.protocol.labels import Completion, Kind, Outcome
@@ -39,16 +39,14 @@ def landing_plan(ctx: AgentContext, room: DecodeRoom, local: LocalRank, prefill_
     with_state = bool(duties.state_layers or duties.state_skipped)
     return plan_transfer(
         duties,
-        src_layout=src_layout,
-        dst_layout=local.layout,
-        src=local.bases,  # the source side of this plan is never read
-        dst=local.bases,
-        src_pages=list(range(len(duties.pages))),
-        dst_pages=room.dst_pages,
-        src_state=list(range(n_state)) if with_state else [],
-        dst_state=room.dst_state if with_state else [],
-        src_aux=0 if room.dst_aux is not None else None,
-        dst_aux=room.dst_aux,
+        TransferSide(
+            src_layout,
+            local.bases,
+            list(range(len(duties.pages))),
+            list(range(n_state)) if with_state else [],
+            0 if room.dst_aux is not None else None,
+        ),
+        TransferSide(local.layout, local.bases, room.dst_pages, room.dst_state if with_state else [], room.dst_aux),
         coalesce=ctx.cfg.coalesce,
         kv_blocks=False,
     )

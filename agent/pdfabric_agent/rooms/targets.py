@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 
-from pdfabric_agent.memory.plan import TransferPlan, pair_duties, plan_transfer
+from pdfabric_agent.memory.plan import TransferPlan, TransferSide, pair_duties, plan_transfer
 from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.protocol.labels import Kind, Outcome
 from pdfabric_agent.protocol.peer_wire import DoneReport
@@ -60,18 +60,10 @@ class TargetSender:
         with_state = bool(duties.state_layers or duties.state_skipped)
         plan = plan_transfer(
             duties,
-            src_layout=local.layout,
-            dst_layout=dst.layout,
-            src=local.bases,
-            dst=dst.bases,
-            src_pages=room.src_pages,
-            dst_pages=dst.kv_pages,
-            src_state=room.src_state if with_state else [],
-            dst_state=dst.state_indices if with_state else [],
-            src_aux=room.src_aux,
-            dst_aux=dst.aux_index,
+            TransferSide(local.layout, local.bases, room.src_pages, room.src_state if with_state else [], room.src_aux),
+            TransferSide(dst.layout, dst.bases, dst.kv_pages, dst.state_indices if with_state else [], dst.aux_index),
             coalesce=self.ctx.cfg.coalesce,
-            kv_blocks=False,  # page runs once per request, blocks only if the engine moves the KV
+            kv_blocks=False,
         )
         return plan, dst.endpoint
 
