@@ -143,3 +143,14 @@ def test_no_import_cycle_in_the_repository() -> None:
 )
 def test_the_cycle_finder_finds_cycles(graph: dict[str, set[str]], expected: list[list[str]]) -> None:
     assert cycles(graph) == expected
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers live in helper modules (tests/unit/agents.py, tests/deadlines.py, tests/e2e/...)."""
+    found = []
+    for path in (REPO / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(REPO)}: {n}" for n in names if re.search(r"(^|\.)test_\w+$", n)]
+    assert found == []

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.test_chart import ROOT, _render
+from tests.unit.charts import ROOT, render
 
 TESTS = ROOT / "tests" / "alerts"
 RUNBOOK = ROOT / "docs" / "alerts.md"
@@ -35,7 +35,7 @@ def _promtool() -> str:
 def _rule_spec(*args: str) -> dict[str, Any]:
     # With the operator's ServiceMonitor, which PDFabricOperatorDown needs (it is rendered only with it).
     sets = ("--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
-    docs = [d for d in _render(*sets, *args) if d["kind"] == "PrometheusRule"]
+    docs = [d for d in render(*sets, *args) if d["kind"] == "PrometheusRule"]
     (rule,) = docs
     spec: dict[str, Any] = rule["spec"]
     return spec
@@ -136,7 +136,7 @@ def test_cp_dedup_lookback_is_optional(promtool: str, tmp_path: Path) -> None:
 
 
 def test_operator_down_needs_the_operator_scraped() -> None:
-    docs = _render("--set", "metrics.prometheusRule.enabled=true")
+    docs = render("--set", "metrics.prometheusRule.enabled=true")
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert "PDFabricOperatorDown" not in names and "PDFabricPlacementFailing" in names

@@ -2,46 +2,21 @@
 
 from __future__ import annotations
 
-import glob
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "pdfabric"
-
-
-def _helm() -> str:
-    candidates = [os.path.join(os.environ.get("PDFABRIC_BIN_DIR", ""), "helm")]
-    cache = os.environ.get("PDFABRIC_CACHE", os.path.expanduser("~/.cache/pdfabric"))
-    candidates += sorted(glob.glob(os.path.join(cache, "controlplane-*", "bin", "helm")))
-    for path in candidates:
-        if os.access(path, os.X_OK):
-            return path
-    pytest.skip("helm is not built yet (make binaries)")
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_helm(), *args], capture_output=True, text=True, timeout=60, check=False)
-
-
-def _render(*args: str) -> list[dict[str, Any]]:
-    proc = _run("template", "pdfabric", str(CHART), "-n", "pdfabric-system", *args)
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+from tests.unit.charts import CHART, ROOT, render, run_helm
 
 
 def test_helm_lint() -> None:
-    proc = _run("lint", "--strict", str(CHART))
+    proc = run_helm("lint", "--strict", str(CHART))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_template_renders_the_operator() -> None:
-    kinds = {d["kind"] for d in _render()}
+    kinds = {d["kind"] for d in render()}
     assert {
         "ClusterKopfPeering",
         "ClusterRole",
@@ -54,7 +29,7 @@ def test_template_renders_the_operator() -> None:
 
 
 def test_deployment_shape() -> None:
-    (dep,) = [d for d in _render() if d["kind"] == "Deployment"]
+    (dep,) = [d for d in render() if d["kind"] == "Deployment"]
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert dep["spec"]["replicas"] == 2
@@ -67,7 +42,7 @@ def test_deployment_shape() -> None:
 
 
 def test_rbac_is_least_privilege() -> None:
-    (role,) = [d for d in _render() if d["kind"] == "ClusterRole"]
+    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
     grants: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
         for group in rule["apiGroups"]:
@@ -105,7 +80,7 @@ def test_chart_crds_keep_on_uninstall() -> None:
     ids=["negative-replicas", "bad-pull-policy", "zero-interval", "port-out-of-range", "unknown-key", "cert-too-short"],
 )
 def test_values_schema_rejects(bad: str) -> None:
-    proc = _run("template", "pdfabric", str(CHART), "--set", bad)
+    proc = run_helm("template", "pdfabric", str(CHART), "--set", bad)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
 
@@ -113,16 +88,14 @@ def test_values_schema_rejects(bad: str) -> None:
 def test_chart_env_is_valid_operator_config() -> None:
     from pdfabric_operator.config import OperatorConfig
 
-    (dep,) = [d for d in _render("--set", "operator.reconcileInterval=7") if d["kind"] == "Deployment"]
+    (dep,) = [d for d in render("--set", "operator.reconcileInterval=7") if d["kind"] == "Deployment"]
     env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
     cfg = OperatorConfig.from_env(env)
     assert (cfg.reconcile_interval, cfg.peering, cfg.metrics_port, cfg.watch_timeout) == (7.0, "pdfabric", 8080, 300)
     assert 1 <= cfg.priority <= 2**30, "replicas draw a random peering priority"
     assert (cfg.network_policy, cfg.monitoring_namespace) == (True, "")
     assert cfg.peer_cert_validity.total_seconds() == 365 * 86400
-    (short,) = [
-        d for d in _render("--set", "operator.peerCertificateValiditySeconds=3600") if d["kind"] == "Deployment"
-    ]
+    (short,) = [d for d in render("--set", "operator.peerCertificateValiditySeconds=3600") if d["kind"] == "Deployment"]
     short_env = {
         e["name"]: e["value"] for e in short["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e
     }
@@ -136,11 +109,11 @@ def test_agent_network_policy_values_reach_the_operator() -> None:
     from pdfabric_operator.config import OperatorConfig
 
     args = ("--set", "agentNetworkPolicy.enabled=false", "--set", "agentNetworkPolicy.monitoringNamespace=monitoring")
-    (dep,) = [d for d in _render(*args) if d["kind"] == "Deployment"]
+    (dep,) = [d for d in render(*args) if d["kind"] == "Deployment"]
     env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
     cfg = OperatorConfig.from_env(env)
     assert (cfg.network_policy, cfg.monitoring_namespace) == (False, "monitoring")
-    proc = _run("template", "pdfabric", str(CHART), "--set", "agentNetworkPolicy.monitoringNamespace=Not_A_Name")
+    proc = run_helm("template", "pdfabric", str(CHART), "--set", "agentNetworkPolicy.monitoringNamespace=Not_A_Name")
     assert proc.returncode != 0
 
 
@@ -186,7 +159,7 @@ MONITORING = ("PrometheusRule", "PodMonitor")
     ids=["default-off", "rule-only", "podmonitor-only", "both"],
 )
 def test_monitoring_objects_are_switched(args: tuple[str, ...], expected: set[str]) -> None:
-    docs = _render(*args)
+    docs = render(*args)
     assert {d["kind"] for d in docs} & set(MONITORING) == expected
     for d in docs:
         if d["kind"] in MONITORING:
@@ -200,7 +173,7 @@ def test_helm_lint_with_monitoring_on() -> None:
         "metrics.podMonitor.enabled=true",
         "metrics.serviceMonitor.enabled=true",
     ]
-    proc = _run("lint", "--strict", str(CHART), *(a for s in sets for a in ("--set", s)))
+    proc = run_helm("lint", "--strict", str(CHART), *(a for s in sets for a in ("--set", s)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -219,7 +192,7 @@ def test_podmonitor_selects_the_agent_pods_the_operator_builds() -> None:
     router_pod = router["spec"]["template"]
     (pm,) = [
         d
-        for d in _render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.labels.release=kps")
+        for d in render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.labels.release=kps")
         if d["kind"] == "PodMonitor"
     ]
 
@@ -243,7 +216,7 @@ def test_podmonitor_selects_the_agent_pods_the_operator_builds() -> None:
 
     (scoped,) = [
         d
-        for d in _render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.namespaces={team-a}")
+        for d in render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.namespaces={team-a}")
         if d["kind"] == "PodMonitor"
     ]
     assert scoped["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
@@ -260,7 +233,7 @@ def test_podmonitor_selects_the_agent_pods_the_operator_builds() -> None:
     ids=["ratio-over-one", "bad-duration", "unknown-severity", "unknown-alert"],
 )
 def test_values_schema_rejects_bad_alert_thresholds(bad: str) -> None:
-    proc = _run("template", "pdfabric", str(CHART), "--set", "metrics.prometheusRule.enabled=true", "--set", bad)
+    proc = run_helm("template", "pdfabric", str(CHART), "--set", "metrics.prometheusRule.enabled=true", "--set", bad)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
 
@@ -279,7 +252,7 @@ def test_pod_disruption_budget_selects_the_operator_pods(
     sets: tuple[str, ...], expected: dict[str, Any] | None
 ) -> None:
     args = [a for s in sets for a in ("--set", s)]
-    docs = _render(*args)
+    docs = render(*args)
     pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
     if expected is None:
         assert pdbs == []
@@ -293,7 +266,7 @@ def test_pod_disruption_budget_selects_the_operator_pods(
 
 @pytest.mark.parametrize("bad", ["podDisruptionBudget.maxUnavailable=-1", "podDisruptionBudget.minAvailable=half"])
 def test_values_schema_rejects_bad_budgets(bad: str) -> None:
-    proc = _run("template", "pdfabric", str(CHART), "--set", bad)
+    proc = run_helm("template", "pdfabric", str(CHART), "--set", bad)
     assert proc.returncode != 0 and "values don't meet the specifications of the schema" in proc.stderr
 
 
