@@ -152,5 +152,5 @@ def test_no_test_module_imports_another() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            found += [f"{path.relative_to(REPO)}: {n}" for n in names if re.search(r"(^|\.)test_\w+$", n)]
+            found += [f"{path.relative_to(REPO)}: {n}" for n in names if re.fullmatch(r"tests(\.\w+)*\.test_\w+", n)]
     assert found == []
