@@ -15,8 +15,10 @@ one-rank server's answers token for token (the KV of every layer and head arrive
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +30,7 @@ from pdfabric_devcluster.procs import free_port, post_json
 from pdfabric_sglangserver.model import DEFAULT, Variant, write_model_dir
 from pdfabric_sglangserver.pd import PD, Shape, behind_router, pair_started_here, tokens
 from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy, server_argv, server_env, start_server
+from tests.deadlines import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -145,6 +148,13 @@ def test_shaped_pd_moves_each_rank_share_once(shaped: tuple[Shape, PD]) -> None:
     assert pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") - before == want
 
 
+def decode_running(pd: PD) -> bool:
+    """Decode's scheduler runs a request (SGLang's /v1/loads)."""
+    with urllib.request.urlopen(pd.decode.url + "/v1/loads?include=core", timeout=10) as resp:
+        loads = json.loads(resp.read())["loads"]
+    return any(load.get("num_running_reqs", 0) >= 1 for load in loads)
+
+
 def test_a_retracted_request_is_received_again_and_answers_equal(
     shaped: tuple[Shape, PD], reference: SGLangServer
 ) -> None:
@@ -160,7 +170,10 @@ def test_a_retracted_request_is_received_again_and_answers_equal(
     for _ in range(3):  # the pause must find the request decoding
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(pd.generate_direct, greedy(prompt, new), 300)
-            time.sleep(4.0)  # prefill, transfer and the first tokens: decoding for ~20 s after
+            # Pause once decode runs the request (after prefill and the transfer: a fixed wait missed
+            # it on a loaded machine), a little into its ~20 s of decoding.
+            wait_until(lambda a=answer: decode_running(pd) or a.done(), timeout=120, what="decode running the request")
+            time.sleep(1.0)
             assert post_json(pd.decode.url + "/pause_generation", {"mode": "retract"}, 30)[0] == 200
             time.sleep(1.0)
             assert post_json(pd.decode.url + "/continue_generation", {}, 30)[0] == 200
