@@ -5,11 +5,9 @@ JSON 4xx, and nothing is created by a refusal."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdfabric_agent.http import server
-from pdfabric_agent.http.guard import LIMITS, GuardedTCPSite, Limits
+from pdfabric_agent.http.guard import Limits
 from pdfabric_agent.http.jsonbody import BODY_FLOOR, MAX_DEPTH, body_cap, check_shape, decode_json
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.rooms.agent import Agent
@@ -30,6 +28,8 @@ from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec
+from tests.deadlines import wait_until
+from tests.unit.served import Served
 
 TOKEN = "t" * 32
 UID = "uid-bounds"
@@ -56,46 +56,6 @@ def engine_app(agent: Agent) -> web.Application:
     return build(agent)  # type: ignore[no-any-return]
 
 
-class Served:
-    """The app on a loopback port, its event loop in a thread."""
-
-    def __init__(self, app: web.Application, limits: Limits) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        app[LIMITS] = limits
-        self.runner = web.AppRunner(app, access_log=None, **limits.handler_args())
-        self.site: GuardedTCPSite | None = None
-        self.call(self._start(limits))
-
-    async def _start(self, limits: Limits) -> None:
-        await self.runner.setup()
-        self.site = GuardedTCPSite(self.runner, "127.0.0.1", 0, limits=limits, cluster=CLUSTER)
-        await self.site.start()
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    @property
-    def port(self) -> int:
-        assert self.site is not None
-        return self.site.port
-
-    @property
-    def open_connections(self) -> int:
-        assert self.site is not None and self.site.guard is not None
-        return len(self.site.guard.conns)
-
-    def connect(self) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.port), timeout=5)
-
-    def close(self) -> None:
-        self.call(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-
 FAST = Limits(header_timeout_s=0.4, body_timeout_s=0.4, idle_timeout_s=1.0, max_connections=8, lingering_s=0.2)
 
 
@@ -106,7 +66,7 @@ def agent(tmp_path: Path) -> Agent:
 
 @pytest.fixture
 def served(agent: Agent) -> Iterator[Served]:
-    s = Served(engine_app(agent), FAST)
+    s = Served(engine_app(agent), FAST, CLUSTER)
     yield s
     s.close()
 
@@ -193,7 +153,7 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(serv
         status, doc, _ = read_answer(sock)
         assert (status, doc["reason"]) == (408, "timeout")
         assert closed_soon(sock)
-    wait_for(lambda: served.open_connections == 0)
+    wait_until(lambda: served.open_connections == 0, timeout=3, what="connections closed")
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(served: Served) -> None:
@@ -267,7 +227,7 @@ def test_without_the_token_a_body_is_not_waited_for(agent: Agent) -> None:
     # A body timeout far above the bound: waiting for the (never ending) body would show as an
     # answer after it, however loaded the machine (the FAST 0.4 s left no room for a busy CI).
     patient = Limits(header_timeout_s=10, body_timeout_s=10, idle_timeout_s=30, max_connections=8, lingering_s=0.2)
-    s = Served(engine_app(agent), patient)
+    s = Served(engine_app(agent), patient, CLUSTER)
     try:
         with s.connect() as sock:
             head = "POST /v1/send HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n \r\n"
@@ -281,18 +241,11 @@ def test_without_the_token_a_body_is_not_waited_for(agent: Agent) -> None:
         s.close()
 
 
-def wait_for(predicate: Any, timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
-
-
 def test_the_connection_bound_refuses_at_once_and_spares_established_clients(agent: Agent) -> None:
     limits = Limits(
         header_timeout_s=5, body_timeout_s=5, idle_timeout_s=30, max_connections=8, lingering_s=0.2, slow_head_s=1.0
     )
-    s = Served(engine_app(agent), limits)
+    s = Served(engine_app(agent), limits, CLUSTER)
     try:
         good = s.connect()
         good.sendall(request("GET", "/v1/info"))
@@ -301,7 +254,7 @@ def test_the_connection_bound_refuses_at_once_and_spares_established_clients(age
         slow = [s.connect() for _ in range(7)]
         for sock in slow:
             sock.sendall(b"GET /v1/info HT")
-        wait_for(lambda: s.open_connections == 8)
+        wait_until(lambda: s.open_connections == 8, timeout=3, what="8 connections held")
         before = refusals("too_many_connections")
         with s.connect() as extra:
             status, doc, _ = read_answer(extra)

@@ -6,24 +6,22 @@ shutdown bound."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from aiohttp import web
 
-from pdfabric_agent.http.guard import GuardedTCPSite, Limits
+from pdfabric_agent.http.guard import Limits
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.runtime import metrics
 from pdfabric_devcluster.fabric import write_tls_dir
 from pdfabric_operator import pki
 from tests.deadlines import wait_until
+from tests.unit.served import Served
 
 CLUSTER = "handshakes"
 HOST = "agent-0.test"
@@ -39,62 +37,24 @@ def tls_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(write_tls_dir(base / "server", server, ca)), str(write_tls_dir(base / "client", client, ca))
 
 
-class TlsServed:
-    """A one-route app behind a guarded TLS listener, its event loop in a thread."""
+def tls_served(server_tls: str, limits: Limits) -> Served:
+    """A one-route app (GET /ping answers the caller's agent name) behind a guarded TLS listener."""
 
-    def __init__(self, server_tls: str, limits: Limits) -> None:
-        async def ping(request: web.Request) -> web.Response:
-            peer = tls.peer_agent(request.transport.get_extra_info("peercert") if request.transport else None)
-            return web.json_response({"peer": peer})
+    async def ping(request: web.Request) -> web.Response:
+        peer = tls.peer_agent(request.transport.get_extra_info("peercert") if request.transport else None)
+        return web.json_response({"peer": peer})
 
-        app = web.Application(handler_args=limits.handler_args())
-        app.router.add_get("/ping", ping)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.runner = web.AppRunner(app, access_log=None)
-        self.site: GuardedTCPSite | None = None
-        self.context = tls.server_context(server_tls)
-        self.call(self._start(limits))
-
-    async def _start(self, limits: Limits) -> None:
-        await self.runner.setup()
-        self.site = GuardedTCPSite(
-            self.runner, "127.0.0.1", 0, limits=limits, cluster=CLUSTER, ssl_context=self.context
-        )
-        await self.site.start()
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    @property
-    def port(self) -> int:
-        assert self.site is not None
-        return self.site.port
-
-    @property
-    def handshaking(self) -> int:
-        assert self.site is not None and self.site._handshakes is not None
-        return len(self.site._handshakes.pending)
-
-    @property
-    def connections(self) -> int:
-        assert self.site is not None and self.site.guard is not None
-        return len(self.site.guard.conns)
-
-    def close(self) -> None:
-        self.call(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
+    app = web.Application()
+    app.router.add_get("/ping", ping)
+    return Served(app, limits, CLUSTER, tls.server_context(server_tls))
 
 
 LIMITS = Limits(header_timeout_s=1.5, idle_timeout_s=1.0, max_handshakes=8, slow_handshake_s=0.2, tls_shutdown_s=0.5)
 
 
 @pytest.fixture
-def served(tls_dirs: tuple[str, str]) -> Iterator[TlsServed]:
-    s = TlsServed(tls_dirs[0], LIMITS)
+def served(tls_dirs: tuple[str, str]) -> Iterator[Served]:
+    s = tls_served(tls_dirs[0], LIMITS)
     yield s
     s.close()
 
@@ -127,12 +87,12 @@ def refusals(reason: str) -> float:
     return metrics.api_refusals.labels(CLUSTER, reason)._value.get()
 
 
-def test_a_peer_with_its_certificate_is_served(served: TlsServed, tls_dirs: tuple[str, str]) -> None:
+def test_a_peer_with_its_certificate_is_served(served: Served, tls_dirs: tuple[str, str]) -> None:
     assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
     wait_until(lambda: served.handshaking == 0, timeout=2, what="served.handshaking == 0")
 
 
-def test_a_client_without_a_certificate_is_refused_in_the_handshake_and_counted(served: TlsServed) -> None:
+def test_a_client_without_a_certificate_is_refused_in_the_handshake_and_counted(served: Served) -> None:
     before = refusals("tls_handshake")
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
@@ -145,7 +105,7 @@ def test_a_client_without_a_certificate_is_refused_in_the_handshake_and_counted(
             answer = b""
     assert answer == b""  # no HTTP answer: the connection ended in the handshake
     wait_until(lambda: refusals("tls_handshake") == before + 1, timeout=2, what="tls_handshake refusals counted")
-    assert served.connections == 0 and served.handshaking == 0
+    assert served.open_connections == 0 and served.handshaking == 0
 
 
 def ended_by_peer(s: socket.socket, timeout_s: float = 2.0) -> bool:
@@ -160,7 +120,7 @@ def ended_by_peer(s: socket.socket, timeout_s: float = 2.0) -> bool:
 
 
 def test_half_open_handshakes_are_bounded_and_a_peer_still_gets_through(
-    served: TlsServed, tls_dirs: tuple[str, str]
+    served: Served, tls_dirs: tuple[str, str]
 ) -> None:
     socks = half_open(served.port, 40)
     try:
@@ -181,7 +141,7 @@ def test_half_open_handshakes_are_bounded_and_a_peer_still_gets_through(
 
 def test_at_the_bound_a_new_connection_is_reset_while_every_handshake_is_young(tls_dirs: tuple[str, str]) -> None:
     patient = Limits(header_timeout_s=10, max_handshakes=4, slow_handshake_s=5)
-    served = TlsServed(tls_dirs[0], patient)
+    served = tls_served(tls_dirs[0], patient)
     before = refusals("too_many_connections")
     socks = half_open(served.port, patient.max_handshakes)
     try:
@@ -206,7 +166,7 @@ def test_a_flood_from_one_address_cannot_keep_a_peer_at_another_out(tls_dirs: tu
     """Every handshake slot young and held by 127.0.0.2: a peer at 127.0.0.1 takes the place of
     the flood's oldest, and the flood cannot take it back (its own connections are reset)."""
     patient = Limits(header_timeout_s=10, max_handshakes=4, slow_handshake_s=5)
-    served = TlsServed(tls_dirs[0], patient)
+    served = tls_served(tls_dirs[0], patient)
     flood = half_open(served.port, patient.max_handshakes, source="127.0.0.2")
     try:
         wait_until(
@@ -225,7 +185,7 @@ def test_a_flood_from_one_address_cannot_keep_a_peer_at_another_out(tls_dirs: tu
         served.close()
 
 
-def test_a_handshake_that_never_finishes_is_reset_at_the_head_timeout(served: TlsServed) -> None:
+def test_a_handshake_that_never_finishes_is_reset_at_the_head_timeout(served: Served) -> None:
     before = refusals("tls_handshake")
     (s,) = half_open(served.port, 1)
     with s:
@@ -242,7 +202,7 @@ def open_fds() -> int:
 
 
 def test_a_closed_tls_connection_releases_its_descriptor_within_the_shutdown_bound(
-    served: TlsServed, tls_dirs: tuple[str, str]
+    served: Served, tls_dirs: tuple[str, str]
 ) -> None:
     """Idle TLS connections the agent closes, from clients that never answer its close_notify (they
     do not read): the agent's side is released after tls_shutdown_s, not asyncio's 30 s."""
@@ -252,7 +212,7 @@ def test_a_closed_tls_connection_releases_its_descriptor_within_the_shutdown_bou
     for _ in range(10):
         raw = socket.create_connection(("127.0.0.1", served.port), timeout=5)
         clients.append(ctx.wrap_socket(raw, server_hostname=HOST))
-    wait_until(lambda: served.connections == 10, timeout=3, what="served.connections == 10")
+    wait_until(lambda: served.open_connections == 10, timeout=3, what="served.open_connections == 10")
     assert open_fds() == before + 20  # each connection: the client's socket and the agent's
     try:
         # idle timeout, then the shutdown bound, with margin for the 0.25 s sweep
@@ -261,7 +221,7 @@ def test_a_closed_tls_connection_releases_its_descriptor_within_the_shutdown_bou
             timeout=LIMITS.idle_timeout_s + LIMITS.tls_shutdown_s + 2,
             what="open_fds() == before + 10",
         )
-        assert served.connections == 0
+        assert served.open_connections == 0
     finally:
         for c in clients:
             c.close()
