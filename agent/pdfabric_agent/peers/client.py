@@ -123,15 +123,21 @@ class PeerClient:
     def why_blacklisted(self, agent_name: str) -> str:
         return f"peer agent {agent_name} is blacklisted: {self.health.reason(agent_name)}"
 
+    def stall(self, since: float) -> str:
+        """Why no peer is blamed for what failed after `since`: this agent itself stalled (stopped,
+        frozen) meanwhile; "" when it ran throughout."""
+        stalled = self.liveness.stalled_since(since, self.clock())
+        return f"this agent was stalled for {stalled:.1f} s" if stalled else ""
+
     def blame(self, agent_name: str, reason: str, since: float, *, silent: bool = False) -> str:
         """A call to `agent_name` that started at `since` failed: blacklist it, unless this agent
-        itself stalled after `since` (stopped, frozen), which explains the failure as well. Returns
-        the reason to report, saying so when the peer was not blamed. `silent`: it did not answer
+        itself stalled after `since` (``stall``), which explains the failure as well. Returns the
+        reason to report, saying so when the peer was not blamed. `silent`: it did not answer
         (``heard_from`` re-admits it), rather than failing a transfer."""
-        stalled = self.liveness.stalled_since(since, self.clock())
-        if stalled:
-            log.info("not blaming %s for %s: this agent was stalled for %.1f s", agent_name, reason, stalled)
-            return f"{reason}; this agent was stalled for {stalled:.1f} s, so {agent_name} is not blamed"
+        stall = self.stall(since)
+        if stall:
+            log.info("not blaming %s for %s: %s", agent_name, reason, stall)
+            return f"{reason}; {stall}, so {agent_name} is not blamed"
         self.health.fail(agent_name, reason, silent=silent)
         metrics.peers_blacklisted.labels(self.rankmap.cluster).set(len(self.health.blacklisted))
         return reason
@@ -174,7 +180,7 @@ class PeerClient:
         """Record one heartbeat sent at `sent`; True when the agent has now missed
         ``HEARTBEAT_MISSES`` in a row (it is blacklisted then and its count starts again). A miss
         while this agent itself stalled is not counted."""
-        if not ok and self.liveness.stalled_since(sent, self.clock()):
+        if not ok and self.stall(sent):
             return False
         self._missed[agent_name] = 0 if ok else self._missed.get(agent_name, 0) + 1
         if self._missed[agent_name] < HEARTBEAT_MISSES:

@@ -286,10 +286,10 @@ class PrefillSender:
             reason = (
                 f"transfer did not complete within {ctx.spec.transfer.timeout_seconds:g} s (peers {', '.join(agents)})"
             )
-            stalled = ctx.liveness.stalled_since(room.submitted, ctx.clock())
-            if stalled:
+            stall = ctx.peers.stall(room.submitted)
+            if stall:
                 # This agent was not running (stopped, frozen): the deadline says nothing of the peers.
-                reason += f"; this agent was stalled for {stalled:.1f} s, so the peers are not blamed"
+                reason += f"; {stall}, so the peers are not blamed"
             else:
                 for agent_name in agents:
                     ctx.peers.blame(agent_name, f"room {room.room} timed out", room.submitted, silent=True)
