@@ -117,7 +117,15 @@ class EngineMemory:
     """One rank's engine buffers, mapped into this process: ``kv`` in (layer, K/V) order, ``state``
     per state layer, ``aux`` per item. Closing unmaps them; the engine keeps owning the memory."""
 
-    def __init__(self, layout: PoolLayout, kv: list[Pool], state: list[Pool], aux: list[Pool], keep: Any) -> None:
+    def __init__(
+        self,
+        layout: PoolLayout,
+        kv: list[Pool],
+        state: list[Pool],
+        aux: list[Pool],
+        keep: Any,
+        file_ranges: tuple[FileRange, ...] = (),  # the shared-memory ranges mapped
+    ) -> None:
         self.layout = layout
         self.kv, self.state, self.aux = kv, state, aux
         self._keep = keep  # the open mappings (mmaps, IPC mappings) the pools point into
@@ -126,7 +134,7 @@ class EngineMemory:
             kv=tuple(p.addr for p in kv), state=tuple(p.addr for p in state), aux=tuple(p.addr for p in aux)
         )
         self._regions = (*kv, *state, *aux)
-        self.file_ranges: tuple[FileRange, ...] = ()  # the shared-memory ranges mapped (``map``)
+        self.file_ranges = file_ranges
 
     @classmethod
     def map(cls, reg: MemoryRegistration, layout: PoolLayout, *, shm_dir: str, gpu: int) -> EngineMemory:
@@ -144,9 +152,7 @@ class EngineMemory:
         except BaseException:
             mapper.close()
             raise
-        memory = cls(layout, kv, state, aux, mapper)
-        memory.file_ranges = tuple(mapper.ranges)
-        return memory
+        return cls(layout, kv, state, aux, mapper, tuple(mapper.ranges))
 
     def overlap(self, other: EngineMemory) -> FileRange | None:
         """A file range of this memory that `other` maps too (the same file, by device and inode)."""
