@@ -101,17 +101,29 @@ def test_the_launcher_hides_the_secret_and_keeps_the_rest_readable(tree: Path) -
     assert seen["token"] and seen["later"] and seen["stdlib"], seen
 
 
-@needs_landlock
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop capabilities")
-def test_a_sandboxed_process_cannot_read_its_parents_memory_or_environment(tree: Path) -> None:
-    # Without CAP_SYS_PTRACE, as in a pod that drops all capabilities (a root shell here keeps it).
-    parent = textwrap.dedent(
+PROC_FILES = ("environ", "mem", "maps", "fd/0")
+
+
+def child_sees_parent(setup: str, launcher: list[str]) -> dict[str, str]:
+    """What a child sees of its parent's /proc files ('read', or the error's name), the parent
+    running without CAP_SYS_PTRACE, as in a pod that drops all capabilities (a root shell here keeps
+    it): it runs `setup`, then starts the child through `launcher` (the argv before the child's)."""
+    child = textwrap.dedent(
+        f"""
+        import sys
+        for what in {PROC_FILES!r}:
+            try:
+                open(f"/proc/{{sys.argv[1]}}/" + what, "rb").read(1)
+                print(what, "read")
+            except OSError as exc:
+                print(what, type(exc).__name__)
+        """
+    )
+    parent = textwrap.dedent(setup) + textwrap.dedent(
         f"""
         import os, subprocess, sys
-        me = os.getpid()
-        child = "import sys\\nfor what in ('environ', 'mem', 'maps', 'fd/0'):\\n    try:\\n        open(f'/proc/{{}}/' + what, 'rb').read(1)\\n        print(what, 'read')\\n    except OSError as exc:\\n        print(what, type(exc).__name__)".format(me)
-        out = subprocess.run({LAUNCHER!r} + ["--hide", {str(tree / "pod" / "secret")!r}, "--required", "--",
-                             sys.executable, "-c", child], capture_output=True, text=True)
+        out = subprocess.run({launcher!r} + [sys.executable, "-c", {child!r}, str(os.getpid())],
+                             capture_output=True, text=True)
         print(out.stdout + out.stderr)
         """
     )
@@ -122,8 +134,15 @@ def test_a_sandboxed_process_cannot_read_its_parents_memory_or_environment(tree:
         timeout=60,
         check=True,
     )
-    assert "environ PermissionError" in out.stdout and "mem PermissionError" in out.stdout, out.stdout
-    assert "fd/0 PermissionError" in out.stdout and "maps PermissionError" in out.stdout, out.stdout
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+
+
+@needs_landlock
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop capabilities")
+def test_a_sandboxed_process_cannot_read_its_parents_memory_or_environment(tree: Path) -> None:
+    launcher = [*LAUNCHER, "--hide", str(tree / "pod" / "secret"), "--required", "--"]
+    seen = child_sees_parent("", launcher)
+    assert seen == dict.fromkeys(PROC_FILES, "PermissionError"), seen
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop capabilities")
@@ -131,33 +150,18 @@ def test_a_sandboxed_process_cannot_read_its_parents_memory_or_environment(tree:
 def test_a_non_dumpable_agent_keeps_its_proc_files_from_unsandboxed_children(private: bool) -> None:
     """Without Landlock (Disabled, or BestEffort on a kernel without it) an engine of the agent's
     user reads the agent's environ and maps, unless the agent made itself non-dumpable (as its
-    main does). Without CAP_SYS_PTRACE, as in a pod that drops all capabilities."""
-    sandbox_py = str(Path(sandbox.__file__))
-    parent = textwrap.dedent(
-        f"""
-        import importlib.util, os, subprocess, sys
-        spec = importlib.util.spec_from_file_location("sandbox", {sandbox_py!r})
+    main does)."""
+    setup = f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("sandbox", {str(Path(sandbox.__file__))!r})
         sandbox = importlib.util.module_from_spec(spec); spec.loader.exec_module(sandbox)
-        if {private!r}:
-            assert sandbox.keep_private()
-        me = os.getpid()
-        child = "for what in ('environ', 'mem', 'maps', 'fd/0'):\\n    try:\\n        open(f'/proc/{{}}/' + what, 'rb').read(1)\\n        print(what, 'read')\\n    except OSError as exc:\\n        print(what, type(exc).__name__)".format(me)
-        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
-        print(out.stdout + out.stderr)
+        assert sandbox.keep_private() if {private!r} else True
         """
-    )
-    out = subprocess.run(
-        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, "-c", parent],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    seen = dict(line.split(" ", 1) for line in out.stdout.split("\n") if " " in line)
+    seen = child_sees_parent(setup, [])
     if private:
-        assert set(seen.values()) == {"PermissionError"} and len(seen) == 4, out.stdout
+        assert seen == dict.fromkeys(PROC_FILES, "PermissionError"), seen
     else:
-        assert seen["environ"] == "read" and seen["maps"] == "read", out.stdout
+        assert seen["environ"] == "read" and seen["maps"] == "read", seen
 
 
 def test_the_check_fails_closed_when_a_hidden_file_is_readable(tree: Path) -> None:
