@@ -7,6 +7,7 @@ normalised spec. Version it: agents refuse a map newer than they understand.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -130,11 +131,33 @@ class RankMap:
     feeds: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     version: int = RANKMAP_VERSION
 
-    def agent_for_node(self, node: str) -> AgentEntry:
+    def agent_named(self, name: str) -> AgentEntry:
         for agent in self.agents:
-            if agent.node == node:
+            if agent.name == name:
                 return agent
-        raise LookupError(f"rank map of {self.namespace}/{self.cluster} has no agent on node {node!r}")
+        raise LookupError(f"rank map of {self.namespace}/{self.cluster} has no agent {name!r}")
+
+    def own_entry(self, pod_name: str, node: str) -> AgentEntry:
+        """The entry of the agent in pod `pod_name` on `node`: by pod name (a node may carry several
+        pods of one cluster, a pod per placement unit); by node only for an agent run without a
+        pod name, where the node must then hold exactly one."""
+        if pod_name:
+            entry = self.agent_named(pod_name)
+            if entry.node != node:
+                raise LookupError(f"rank map puts agent {pod_name!r} on node {entry.node!r}, not {node!r}")
+            return entry
+        on_node = [a for a in self.agents if a.node == node]
+        if len(on_node) != 1:
+            raise LookupError(
+                f"rank map of {self.namespace}/{self.cluster} has {len(on_node)} agents on node {node!r}; "
+                f"set POD_NAME to say which one this is"
+            )
+        return on_node[0]
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the map's content: which map an agent runs, as it and the operator say."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def agent_for_rank(self, rank_id: str) -> AgentEntry:
         for agent in self.agents:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import types
 from collections.abc import Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, replace
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
@@ -282,6 +282,17 @@ class PDClusterSpec:
     def intra_node_group_gpus(self) -> int:
         """GPUs one prefill replica and the decode replicas it feeds take on one node."""
         return self.prefill.ranks_per_replica + self.decode_per_prefill * self.decode.ranks_per_replica
+
+    def agent_setup(self) -> dict[str, Any]:
+        """What a running agent set itself up from (engine, pools, ports): a change replaces its
+        pod (the operator's config hash), while anything else, replica counts above all, a running
+        agent takes from a newer rank map (live membership)."""
+        return {
+            "backend": self.backend.value,
+            "transfer": asdict(self.transfer),
+            "model": asdict(self.model),
+            "ports": [self.agent.api_port, self.agent.peer_port, self.agent.metrics_port],
+        }
 
 
 def crd_key(name: str) -> str:

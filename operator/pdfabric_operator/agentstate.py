@@ -77,6 +77,10 @@ class AgentReport:
     ready: bool | None = None
     transport: AgentTransport | None = None
     engines: Mapping[str, EngineState] | None = None
+    rankmap: str = ""  # the digest of the rank map it runs on ("": it does not say)
+    rankmap_refused: str = ""  # why it did not take the newest map it read
+    reason: str = ""  # its readiness reason and message, as it says them
+    message: str = ""
 
 
 def parse_engines(body: object) -> dict[str, EngineState] | None:
@@ -97,7 +101,20 @@ def parse_report(body: object) -> AgentReport | None:
     if not isinstance(body, dict):
         return None
     ready = body.get("ready")
-    return AgentReport(ready if isinstance(ready, bool) else None, parse_readyz(body), parse_engines(body))
+
+    def text(key: str, cap: int) -> str:
+        value = body.get(key)
+        return value[:cap] if isinstance(value, str) else ""
+
+    return AgentReport(
+        ready if isinstance(ready, bool) else None,
+        parse_readyz(body),
+        parse_engines(body),
+        rankmap=text("rankmap", 64),
+        rankmap_refused=text("rankmapRefused", 512),
+        reason=text("reason", 64),
+        message=text("message", 512),
+    )
 
 
 def overrides(path: str) -> dict[str, str]:

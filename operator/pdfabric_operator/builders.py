@@ -9,7 +9,6 @@ instead of duplicating.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import hashlib
 import json
 import re
@@ -57,12 +56,15 @@ def _dns_label(text: str, limit: int) -> str:
     return text.strip("-") or "x"
 
 
-def agent_name(cluster: str, node: str) -> str:
-    """Pod name and hostname of the agent of `cluster` on `node`: a DNS label (<= 63), unique per node.
+def agent_name(cluster: str, unit: str, node: str) -> str:
+    """Pod name and hostname of the agent of placement unit `unit` (prefill-0, decode-2, group-1)
+    of `cluster` on `node`: a DNS label (<= 63), unique per (unit, node), which a replica spread
+    over several nodes needs.
 
-    The hash keeps names distinct when truncation or the '.' -> '-' rewrite would make two nodes collide.
+    The hash keeps names distinct when truncation would make two units collide, and gives a unit
+    moved to another node a new name (its old pod may still be terminating).
     """
-    return f"{_dns_label(f'{cluster}-{node}', 55)}-{_short_hash(node)}"
+    return f"{_dns_label(f'{cluster}-{unit}', 55)}-{_short_hash(f'{unit}@{node}')}"
 
 
 def rankmap_name(cluster: str) -> str:
@@ -157,7 +159,9 @@ def decode_ranks(text: str) -> tuple[Rank, ...]:
 
 
 def build_rankmap(ref: ClusterRef, raw_spec: Mapping[str, Any], placement: Placement) -> RankMap:
-    agents = tuple(AgentEntry(agent_name(ref.name, a.node), a.node, a.ranks, a.domain) for a in placement.agents)
+    agents = tuple(
+        AgentEntry(agent_name(ref.name, a.unit, a.node), a.node, a.ranks, a.domain) for a in placement.agents
+    )
     return RankMap(
         namespace=ref.namespace,
         cluster=ref.name,
@@ -170,10 +174,9 @@ def build_rankmap(ref: ClusterRef, raw_spec: Mapping[str, Any], placement: Place
 
 
 def build_rankmap_configmap(ref: ClusterRef, rankmap: RankMap) -> dict[str, Any]:
-    text = rankmap.to_json()
     meta = _meta(ref, rankmap_name(ref.name))
-    meta["annotations"] = {c.ANN_RANKMAP_HASH: _short_hash(text, 16)}
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {RANKMAP_KEY: text}}
+    meta["annotations"] = {c.ANN_RANKMAP_HASH: rankmap.digest}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {RANKMAP_KEY: rankmap.to_json()}}
 
 
 def build_engine_token_secret(ref: ClusterRef, token: str) -> dict[str, Any]:
@@ -285,7 +288,7 @@ def engine_endpoints(
     assert spec.engine is not None
     endpoints: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
     for a, g in e.groups_of(placement.agents):
-        pod = agent_name(cluster, a.node)
+        pod = agent_name(cluster, a.unit, a.node)
         host = f"{pod}.{service_name(cluster)}.{namespace}.svc"
         entry: dict[str, Any] = {
             "replica": g.replica,
@@ -472,18 +475,13 @@ def _resources(spec: PDClusterSpec, agent: AgentPlacement, transport: Transport)
 
 
 def agent_config_hash(spec: PDClusterSpec, placement: Placement) -> str:
-    """What an agent sets itself up from at start (engine, pools, transport): a change restarts it.
+    """What an agent sets itself up from at start (spec.agent_setup, and the transport): a change
+    restarts it.
 
     Placement settings and replica counts are not in it: they move ranks, which the ranks
-    annotation already tracks.
+    annotation already tracks, or only tell running agents of their peers (the rank map).
     """
-    config = {
-        "backend": spec.backend,
-        "transfer": dataclasses.asdict(spec.transfer),
-        "model": dataclasses.asdict(spec.model),
-        "transport": placement.transport.value,
-        "ports": [spec.agent.api_port, spec.agent.peer_port, spec.agent.metrics_port],
-    }
+    config = {**spec.agent_setup(), "transport": placement.transport.value}
     return _short_hash(json.dumps(config, sort_keys=True, default=str), 16)
 
 
@@ -541,7 +539,7 @@ def build_agent_pod(
 ) -> dict[str, Any]:
     """The agent of one node, with its ranks' GPUs: pinned to the planner's node by required node
     affinity (scheduling.py), bound there by the kube-scheduler, never by spec.nodeName."""
-    name = agent_name(ref.name, agent.node)
+    name = agent_name(ref.name, agent.unit, agent.node)
     container: dict[str, Any] = {
         "name": "agent",
         "image": spec.agent.image,

@@ -60,4 +60,6 @@ COND_READY = "Ready"
 COND_PLACED = "Placed"
 COND_TRANSPORT_READY = "TransportReady"
 COND_DEGRADED = "Degraded"
+# Every serving agent runs the rank map the operator wrote last (live membership); False names those behind.
+COND_RANKMAP_CURRENT = "RankMapCurrent"
 COND_ENGINES_READY = "EnginesReady"  # with spec.engine only: every engine of both roles Ready

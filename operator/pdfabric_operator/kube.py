@@ -165,6 +165,18 @@ class Kube:
             raise
         return True
 
+    def annotate(self, kind: str, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> bool:
+        """Merge `annotations` into the object; False when it is gone or a namesake took its name
+        (the uid in the patch is a precondition)."""
+        patch = {"metadata": {"uid": uid, "annotations": annotations}}
+        try:
+            self.request("patch", self.path(kind, namespace, name), patch, content_type="application/merge-patch+json")
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         """Merge-patch .status; returns the object as written (its resourceVersion matters)."""
         path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}/status"

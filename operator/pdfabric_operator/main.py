@@ -26,7 +26,7 @@ from prometheus_client import start_http_server
 from pdfabric_core.spec import SpecError, parse_spec
 from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
-from pdfabric_operator.agentstate import AgentAddress, AgentReport, AgentTransport, read_reports, read_transports
+from pdfabric_operator.agentstate import AgentAddress, AgentReport, AgentTransport, read_reports
 from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, error_type, load_configuration
 from pdfabric_operator.metrics import (
@@ -60,6 +60,7 @@ class _State:
         self.memory: dict[str, ClusterMemory] = {}
         self.generations: dict[str, int] = {}
         self.transports: dict[str, dict[str, AgentTransport]] = {}  # cluster uid -> pod uid -> the agent's word
+        self.reports: dict[str, dict[str, AgentReport]] = {}  # cluster uid -> pod uid -> its /readyz, last read
         self.node_prints: dict[str, tuple[Any, ...]] = {}
         self.metrics_started = False
         self.last_reconcile = 0.0
@@ -243,6 +244,7 @@ def agent_pods(
             ip=status.get("podIP") or "",
             unschedulable="" if bound else unschedulable_message(status.get("conditions")),
             config_hash=annotations.get(c.ANN_CONFIG_HASH, ""),
+            rankmap_hash=annotations.get(c.ANN_RANKMAP_HASH, ""),
         )
     }
 
@@ -305,8 +307,11 @@ async def _with_agents(snap: Snapshot, body: kopf.Body, uid: str) -> Snapshot:
     once per pod); with spec.engine every pod's whole word (its readiness, its engines), read
     for every reconcile (engines restart and turn healthy or not while the pod stays)."""
     known = STATE.transports.setdefault(uid, {})
+    said = STATE.reports.setdefault(uid, {})
     for gone in set(known) - {p.uid for p in snap.own}:
         del known[gone]
+    for gone in set(said) - {p.uid for p in snap.own}:
+        del said[gone]
     try:
         spec = parse_spec(dict(body.get("spec") or {}))
     except SpecError:
@@ -319,13 +324,27 @@ async def _with_agents(snap: Snapshot, body: kopf.Body, uid: str) -> Snapshot:
             reports = await read_reports(live, port, STATE.config.agent_addresses)
             known.update({k: r.transport for k, r in reports.items() if r.transport is not None})
         else:
-            live = [AgentAddress(p.uid, p.name, p.ip) for p in snap.own if p.ready and not p.deleting]
-            known.update(await read_transports(live, port, known, STATE.config.agent_addresses))
+            # Fabric-only: read an agent again only while its word may change: not Ready (its
+            # reason), or not yet on the rank map last written (live membership).
+            current = STATE.memory[uid].last_rankmap_hash if uid in STATE.memory else None
+            unsettled = [
+                AgentAddress(p.uid, p.name, p.ip)
+                for p in snap.own
+                if not p.deleting
+                and not p.failed
+                and (p.uid not in said or not p.ready or said[p.uid].rankmap != current)
+            ]
+            said.update(await read_reports(unsettled, port, STATE.config.agent_addresses))
+            known.update({k: r.transport for k, r in said.items() if r.transport is not None})
+            reports = dict(said)
     except Exception as exc:  # never in the way of the reconcile: read again next time
         logging.getLogger("pdfabric.operator").warning("reading the agents' /readyz failed: %r", exc)
     return dataclasses.replace(
         snap, transports={k: (t.requested, t.transport) for k, t in known.items()}, reports=reports
     )
+
+
+UNSETTLED_RECHECK_S = 2.0  # how soon to read the agents again while they move to a new rank map
 
 
 @kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, id="reconcile", cancellation_timeout=10.0)
@@ -399,11 +418,16 @@ async def reconcile_daemon(
                 STATE.last_reconcile = time.monotonic()
             # Coalesce bursts of events (a pod creation emits several) into one reconcile.
             await asyncio.sleep(0.05)
+            # While agents move to a new rank map, look again soon: their word is the status'.
+            interval = STATE.config.reconcile_interval
+            if not memory.membership_settled:
+                interval = min(interval, UNSETTLED_RECHECK_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=STATE.config.reconcile_interval)
+                await asyncio.wait_for(wake.wait(), timeout=interval)
     finally:
         STATE.wakers.pop(uid, None)
         STATE.transports.pop(uid, None)
+        STATE.reports.pop(uid, None)
         CLUSTERS.set(len(STATE.wakers))
         for gauge in (PDCLUSTER_READY, PDCLUSTER_PLACED):  # gone, or reconciled by another replica now
             with contextlib.suppress(KeyError):

@@ -22,6 +22,8 @@ PlacementFailure whose reason and message say exactly what is missing. The algor
    the clusters that need them), then by name. nvlink tries each NVLink domain (current one first,
    then the largest) and needs every unit inside that one domain.
 6. No fit: a PlacementFailure, or with placement.fallback TCP a tcp placement flagged as fallback.
+7. Pods: one per (node, unit), its ranks' GPUs numbered from 0 within the pod. A scale step adds
+   or removes whole units, so it adds or removes pods and leaves the others as they were.
 """
 
 from __future__ import annotations
@@ -70,9 +72,14 @@ class PlacedPod:
 
 @dataclass(frozen=True)
 class AgentPlacement:
+    """One node pod: the ranks of one placement unit (a replica, or an intra-node NVLink group)
+    on one node. A pod per unit, not per node, so that scaling a role adds and removes pods and
+    leaves every other pod, its engines and its rooms alone (a pod cannot gain GPUs in place)."""
+
     node: str
-    ranks: tuple[Rank, ...]  # sorted; rank.gpu is the device index on the node
+    ranks: tuple[Rank, ...]  # sorted; rank.gpu is the device index among the pod's own GPUs
     domain: str | None = None
+    unit: str = ""  # the placement unit: prefill-<r>, decode-<r> or group-<p>
 
     @property
     def gpus(self) -> int:
@@ -83,7 +90,7 @@ class AgentPlacement:
 class Placement:
     transport: Transport  # what the agents run
     requested_transport: Transport
-    agents: tuple[AgentPlacement, ...]  # sorted by node name
+    agents: tuple[AgentPlacement, ...]  # sorted by node name, then unit
     feeds: Mapping[int, tuple[int, ...]]
     domain: str | None = None
     fallback_reason: str | None = None  # why the requested transport was not placed
@@ -93,7 +100,11 @@ class Placement:
         return self.transport != self.requested_transport
 
     def ranks_by_node(self) -> dict[str, tuple[Rank, ...]]:
-        return {a.node: a.ranks for a in self.agents}
+        """Every rank on each node, whichever pod holds it (what stickiness compares)."""
+        by_node: dict[str, tuple[Rank, ...]] = {}
+        for a in self.agents:
+            by_node[a.node] = by_node.get(a.node, ()) + a.ranks
+        return by_node
 
 
 @dataclass(frozen=True)
@@ -199,8 +210,9 @@ def _pack(
     *,
     what: str,
     scarcity: Mapping[str, int] | None = None,
-) -> dict[str, list[Rank]]:
-    """Assign units to nodes (sticky, then best-fit); raises _NoFit naming the first unit left over.
+) -> dict[str, dict[str, list[Rank]]]:
+    """Assign units to nodes (sticky, then best-fit): node -> unit key -> its ranks there; raises
+    _NoFit naming the first unit left over.
 
     Among equally good fits, nodes with fewer scarce features (RDMA devices, an NVLink domain) go
     first, so a tcp cluster does not take the nodes an rdma or nvlink cluster will need.
@@ -211,7 +223,7 @@ def _pack(
     for node, ranks in previous.items():
         for r in ranks:
             where_before[_key(r)] = node
-    out: dict[str, list[Rank]] = {}
+    out: dict[str, dict[str, list[Rank]]] = {}
     pending: list[_Unit] = []
     for unit in units:
         nodes_before = [where_before.get(_key(r)) for r in unit.ranks]
@@ -220,7 +232,7 @@ def _pack(
         if sticky and all(free.get(n, 0) >= c for n, c in before.items()):
             for r in unit.ranks:
                 node = where_before[_key(r)]
-                out.setdefault(node, []).append(r)
+                out.setdefault(node, {}).setdefault(unit.key, []).append(r)
                 free[node] -= 1
         else:
             pending.append(unit)
@@ -230,7 +242,7 @@ def _pack(
         fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need)
         if fits:
             node = fits[0][2]
-            out.setdefault(node, []).extend(unit.ranks)
+            out.setdefault(node, {}).setdefault(unit.key, []).extend(unit.ranks)
             free[node] -= need
             continue
         total = sum(max(0, f) for f in free.values())
@@ -238,7 +250,7 @@ def _pack(
             rest = list(unit.ranks)
             for f, n in sorted(((f, n) for n, f in free.items() if f > 0), key=lambda t: (-t[0], t[1])):
                 take, rest = rest[:f], rest[f:]
-                out.setdefault(n, []).extend(take)
+                out.setdefault(n, {}).setdefault(unit.key, []).extend(take)
                 free[n] -= len(take)
                 if not rest:
                     break
@@ -271,13 +283,26 @@ def _key(rank: Rank) -> Rank:
     return Rank(rank.role, rank.replica, rank.tp_rank, rank.cp_rank, rank.pp_rank)
 
 
-def _agents(assigned: Mapping[str, list[Rank]], domain_of: Mapping[str, str | None]) -> tuple[AgentPlacement, ...]:
+def _agents(
+    assigned: Mapping[str, Mapping[str, list[Rank]]], domain_of: Mapping[str, str | None]
+) -> tuple[AgentPlacement, ...]:
+    """One pod per (node, unit); its ranks number their GPUs from 0 in rank order, as the
+    container sees the GPUs the device plugin gives it: another pod coming or going on the node
+    never renumbers them."""
     agents = []
     for node in sorted(assigned):
-        ranks = sorted(assigned[node], key=_rank_order)
-        with_gpu = tuple(Rank(r.role, r.replica, r.tp_rank, r.cp_rank, r.pp_rank, gpu) for gpu, r in enumerate(ranks))
-        agents.append(AgentPlacement(node, with_gpu, domain_of.get(node)))
+        for unit in sorted(assigned[node], key=_unit_order):
+            ranks = sorted(assigned[node][unit], key=_rank_order)
+            with_gpu = tuple(
+                Rank(r.role, r.replica, r.tp_rank, r.cp_rank, r.pp_rank, gpu) for gpu, r in enumerate(ranks)
+            )
+            agents.append(AgentPlacement(node, with_gpu, domain_of.get(node), unit))
     return tuple(agents)
+
+
+def _unit_order(key: str) -> tuple[str, int]:
+    kind, _, number = key.rpartition("-")
+    return (kind, int(number))
 
 
 def _rank_order(r: Rank) -> tuple[int, int, int, int, int]:

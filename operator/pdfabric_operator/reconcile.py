@@ -20,7 +20,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -62,6 +62,7 @@ class OwnPod:
     # Not bound yet and the scheduler said why (its PodScheduled=False message); "" otherwise.
     unschedulable: str = ""
     config_hash: str = ""  # the agent settings it was built with (builders.agent_config_hash)
+    rankmap_hash: str = ""  # the rank map the operator last told it of (ANN_RANKMAP_HASH)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class ClusterMemory:
     children_checked_at: float = 0.0
     children_absent: bool = False
     last_rankmap_hash: str | None = None
+    # Every serving agent said it runs the rank map last written (status RankMapCurrent True).
+    membership_settled: bool = True
     last_plan: dict[str, tuple[Rank, ...]] | None = None  # node -> ranks of the last placement
     engine_services_hash: str | None = None  # the rank map the engines' Services were last checked for
     # Engine restarts last seen, pod uid -> engine -> count (an EngineRestarted Event when it grows);
@@ -163,7 +166,13 @@ def _now() -> str:
 
 
 def _usage(spec: PDClusterSpec, placement: Placement) -> dict[str, dict[str, int]]:
-    return {a.node: b.agent_device_requests(spec, a, placement.transport) for a in placement.agents}
+    """Extended resources per node, summed over the node's pods."""
+    usage: dict[str, dict[str, int]] = {}
+    for a in placement.agents:
+        node = usage.setdefault(a.node, {})
+        for resource, count in b.agent_device_requests(spec, a, placement.transport).items():
+            node[resource] = node.get(resource, 0) + count
+    return usage
 
 
 def _is_current(pod: OwnPod, want: Mapping[str, Any] | None) -> bool:
@@ -296,6 +305,7 @@ def reconcile_once(
                 # Every new pod gets a new key and certificate (rotation: a replaced agent's old
                 # key no longer matches what its name's Secret holds).
                 memory.cert_renew_at[name] = _issue_peer_tls(kube, ref, name, cert_valid_for, now())
+                pod["metadata"]["annotations"][c.ANN_RANKMAP_HASH] = rankmap.digest
                 try:
                     if kube.create(pod):
                         out.actions.append(f"create pod {name}")
@@ -303,6 +313,7 @@ def reconcile_once(
                     refused[name] = exc.message
         _renew_peer_tls(kube, ref, [p for p in own if p.name in desired and not p.deleting], memory, cert_valid_for,
                         now(), out)  # fmt: skip
+        out.actions += _tell_pods_of_rankmap(kube, [p for p in own if p.name in desired], rankmap.digest)
         for gone in set(memory.cert_renew_at) - set(desired):
             del memory.cert_renew_at[gone]
         unschedulable = {
@@ -312,7 +323,8 @@ def reconcile_once(
         }
         for p in own:
             requested, transport = snap.transports.get(p.uid, ("", ""))
-            report = snap.reports.get(p.uid) if spec.engine is not None else None
+            said = snap.reports.get(p.uid)
+            report = said if spec.engine is not None else None
             # With engines in the pod, pod Ready is also theirs: the agent's /readyz says its own.
             agent_ready = report.ready if report is not None and report.ready is not None else p.ready
             views.append(
@@ -325,6 +337,10 @@ def reconcile_once(
                     transport,
                     dict(report.engines or {}) if report is not None else {},
                     serving=_serves_meanwhile(p, desired.get(p.name)),
+                    rankmap=said.rankmap if said is not None else "",
+                    rankmap_refused=said.rankmap_refused if said is not None else "",
+                    reason=said.reason if said is not None else "",
+                    message=said.message if said is not None else "",
                 )
             )
         out.events += _engine_restarts(memory, spec, own, snap.reports)
@@ -334,6 +350,7 @@ def reconcile_once(
         Observed(
             generation, spec, outcome, views, lost_nodes=lost, namespace=ref.namespace, router=router,
             refused_pods=refused, unschedulable_pods=unschedulable,
+            rankmap=memory.last_rankmap_hash or "" if isinstance(outcome, Placement) else "",
         ),
         ref.name,
     )  # fmt: skip
@@ -348,6 +365,10 @@ def reconcile_once(
         out.result = ReconcileResult.READY
     out.ready = ready_condition(status)["status"] == "True"
     out.placed = any(x["type"] == c.COND_PLACED and x["status"] == "True" for x in status["conditions"])
+    members = [x for x in status["conditions"] if x["type"] == c.COND_RANKMAP_CURRENT]
+    memory.membership_settled = all(x["status"] == "True" for x in members) and all(
+        v.rankmap for v in views if v.current and v.ready
+    )
     out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
     return out
 
@@ -391,6 +412,18 @@ def _engine_restarts(
     return events
 
 
+def _tell_pods_of_rankmap(kube: Kube, pods: Sequence[OwnPod], digest: str) -> list[str]:
+    """Annotate the pods with the rank map just written: an update of the pod makes its kubelet
+    sync it now, which rewrites the mounted map (else only its next periodic sync does, up to
+    a minute or more), and the agent adopts it within a second of that (live membership)."""
+    actions = []
+    for p in pods:
+        told = not p.deleting and p.rankmap_hash != digest
+        if told and kube.annotate("Pod", p.namespace, p.name, p.uid, {c.ANN_RANKMAP_HASH: digest}):
+            actions.append(f"annotate pod {p.name} with rank map {digest}")
+    return actions
+
+
 def _plan_on_record(kube: Kube, ref: b.ClusterRef, own: Sequence[OwnPod]) -> dict[str, tuple[Rank, ...]]:
     """The last placement: the rank map if it is this cluster's, else the live agent pods' ranks."""
     cm = kube.get("ConfigMap", ref.namespace, b.rankmap_name(ref.name))
@@ -400,8 +433,16 @@ def _plan_on_record(kube: Kube, ref: b.ClusterRef, own: Sequence[OwnPod]) -> dic
         except (KeyError, ValueError):
             rankmap = None
         if rankmap is not None and rankmap.cluster_uid == ref.uid:
-            return {a.node: a.ranks for a in rankmap.agents}
-    return {p.node: b.decode_ranks(p.ranks) for p in own if not p.deleting}
+            return _by_node((a.node, a.ranks) for a in rankmap.agents)
+    return _by_node((p.node, b.decode_ranks(p.ranks)) for p in own if not p.deleting)
+
+
+def _by_node(pods: Iterable[tuple[str, tuple[Rank, ...]]]) -> dict[str, tuple[Rank, ...]]:
+    """Every rank on each node, from its pods."""
+    out: dict[str, tuple[Rank, ...]] = {}
+    for node, ranks in pods:
+        out[node] = out.get(node, ()) + ranks
+    return out
 
 
 def _ensure_shared_children(

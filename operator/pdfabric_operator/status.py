@@ -18,7 +18,7 @@ from pdfabric_core.spec import PDClusterSpec
 from pdfabric_core.traffic import estimate_traffic
 from pdfabric_operator import constants as c
 from pdfabric_operator.builders import agent_name, engine_endpoints, engine_service_name, router_name
-from pdfabric_operator.planner import Placement, PlacementFailure
+from pdfabric_operator.planner import AgentPlacement, Placement, PlacementFailure
 
 # Keys of .status this writer owns; anything else there (kopf's own bookkeeping) is left alone.
 OWNED_KEYS = (
@@ -61,6 +61,12 @@ class AgentView:
     # Not current, but built for the same ranks and the same agent settings (only the image,
     # resources or pod overrides differ): it serves until the rolling update replaces it.
     serving: bool = False
+    # Its /readyz: the digest of the rank map it runs on and why it did not take a newer one
+    # ("": not read, or nothing refused); its readiness reason and message.
+    rankmap: str = ""
+    rankmap_refused: str = ""
+    reason: str = ""
+    message: str = ""
 
 
 UNKNOWN_PHASE = "Unknown"  # an engine whose agent said nothing of it (not answering, not listed)
@@ -92,20 +98,49 @@ class Observed:
     # Agent pods the kube-scheduler has not bound, by name, with the node the planner chose and
     # the scheduler's reason: Ready and Placed are False with reason PodUnschedulable meanwhile.
     unschedulable_pods: Mapping[str, str] = field(default_factory=dict)
+    rankmap: str = ""  # the digest of the rank map the operator wrote last
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def _ready_replicas(role: Role, replicas: int, placement: Placement, ready_nodes: set[str]) -> int:
-    """Replicas of `role` whose every rank sits on a node whose agent is Ready."""
-    nodes_of: dict[int, set[str]] = {}
-    for a in placement.agents:
+def rankmap_condition(agents: Sequence[AgentView], rankmap: str) -> dict[str, str]:
+    """RankMapCurrent: whether every agent that serves runs the rank map the operator wrote last
+    (live membership: running agents adopt a newer map in seconds), naming those behind and what
+    they said when they refused it. An agent not read yet is not counted either way."""
+    serving = [v for v in agents if v.current or v.serving]
+    read = [v for v in serving if v.rankmap]
+    behind = sorted((v for v in read if v.rankmap != rankmap), key=lambda v: v.name)
+    if not behind:
+        return _condition(c.COND_RANKMAP_CURRENT, True, "AgentsCurrent", f"{len(read)} agents run rank map {rankmap}")
+    named = [f"{v.name} ({v.rankmap_refused})" if v.rankmap_refused else v.name for v in behind[:3]]
+    more = f" and {len(behind) - 3} more" if len(behind) > 3 else ""
+    return _condition(
+        c.COND_RANKMAP_CURRENT,
+        False,
+        "AgentsBehind",
+        f"{len(behind)} of {len(read)} agents still run an older rank map than {rankmap}: {', '.join(named)}{more}",
+    )
+
+
+def _not_ready_words(agents: Sequence[AgentView], wanted: Mapping[str, str]) -> str:
+    """What agents that are not Ready say of themselves (their /readyz reason and message)."""
+    words = sorted(
+        (v.name, v.reason, v.message) for v in agents if v.name in wanted and not v.ready and v.current and v.reason
+    )
+    said = "; ".join(f"{n}: {r}: {m[:300]}" for n, r, m in words[:2])
+    return f"; not ready: {said}" + (f" (and {len(words) - 2} more)" if len(words) > 2 else "") if said else ""
+
+
+def _ready_replicas(role: Role, replicas: int, pods: Mapping[str, AgentPlacement], ready: set[str]) -> int:
+    """Replicas of `role` whose every rank sits in a pod whose agent is Ready (`pods`: by name)."""
+    pods_of: dict[int, set[str]] = {}
+    for name, a in pods.items():
         for r in a.ranks:
             if r.role == role:
-                nodes_of.setdefault(r.replica, set()).add(a.node)
-    return sum(1 for rep in range(replicas) if rep in nodes_of and nodes_of[rep] <= ready_nodes)
+                pods_of.setdefault(r.replica, set()).add(name)
+    return sum(1 for rep in range(replicas) if rep in pods_of and pods_of[rep] <= ready)
 
 
 def _rank_ids(ranks: Sequence[Rank]) -> list[str]:
@@ -162,14 +197,15 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
         return status
 
     placement = outcome
-    wanted = {agent_name(cluster, a.node): a.node for a in placement.agents}
+    pods = {agent_name(cluster, a.unit, a.node): a for a in placement.agents}
+    wanted = {name: a.node for name, a in pods.items()}
     # An agent awaiting its turn in a rolling update still serves its ranks: Ready stays True
-    # while old pods serve, and drops only for the node being replaced.
-    ready_nodes = {v.node for v in obs.agents if v.ready and (v.current or v.serving) and wanted.get(v.name) == v.node}
+    # while old pods serve, and drops only for the pod being replaced.
+    ready_names = {v.name for v in obs.agents if v.ready and (v.current or v.serving) and wanted.get(v.name) == v.node}
     updated = sum(1 for v in obs.agents if v.current and wanted.get(v.name) == v.node)
-    ready_agents = len(ready_nodes & set(wanted.values()))
-    p_ready = _ready_replicas(Role.PREFILL, p_desired, placement, ready_nodes)
-    d_ready = _ready_replicas(Role.DECODE, d_desired, placement, ready_nodes)
+    ready_agents = len(ready_names)
+    p_ready = _ready_replicas(Role.PREFILL, p_desired, pods, ready_names)
+    d_ready = _ready_replicas(Role.DECODE, d_desired, pods, ready_names)
     all_ready = ready_agents == len(wanted) and p_ready == p_desired and d_ready == d_desired
     status.update(
         {
@@ -182,17 +218,19 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
             "placement": [
                 {
                     "node": a.node,
-                    "agent": agent_name(cluster, a.node),
+                    "agent": name,
                     "gpus": a.gpus,
                     "ranks": _rank_ids(a.ranks),
                     **({"domain": a.domain} if a.domain else {}),
                 }
-                for a in placement.agents
+                for name, a in pods.items()
             ],
             "nvlinkDomain": placement.domain,
         }
     )
     agents_msg = f"{ready_agents}/{len(wanted)} agents ready on {placement.transport.value}"
+    if not all_ready:
+        agents_msg += _not_ready_words(obs.agents, wanted)
     if placement.is_fallback:
         placed = _condition(
             c.COND_PLACED, True, "FallbackTCP", f"placed on tcp by the declared fallback; {placement.fallback_reason}"
@@ -206,7 +244,10 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
         degraded = _condition(c.COND_DEGRADED, True, "TransportFallback", placement.fallback_reason or "fallback")
     else:
         placed = _condition(
-            c.COND_PLACED, True, "Placed", f"{sum(a.gpus for a in placement.agents)} ranks on {len(wanted)} nodes"
+            c.COND_PLACED,
+            True,
+            "Placed",
+            f"{sum(a.gpus for a in placement.agents)} ranks in {len(wanted)} pods on {len(set(wanted.values()))} nodes",
         )
         transport_ready = (
             _condition(c.COND_TRANSPORT_READY, True, "AgentsReady", agents_msg)
@@ -237,9 +278,10 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
         if all_ready
         else _condition(c.COND_READY, False, "AgentsNotReady", agents_msg + rolling)
     )
+    members = [rankmap_condition(obs.agents, obs.rankmap)] if obs.rankmap else []
     if spec.engine is None:
         status.update(_no_engines())
-        status["conditions"] = [ready, placed, transport_ready, degraded]
+        status["conditions"] = [ready, placed, transport_ready, degraded, *members]
         return status
     engines = _engine_status(obs, cluster, placement)
     status.update(engines)
@@ -266,7 +308,7 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
             "RollingUpdate" if rolling else "AgentsReady",
             f"{agents_msg}; {engines_msg}{router_msg}{rolling}",
         )
-    status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready]
+    status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready, *members]
     return status
 
 

@@ -23,23 +23,26 @@ def _placed(builder, nodes) -> Placement:
     return result
 
 
-# (id, cluster, node, expected name)
+# (id, cluster, unit, node, expected name)
 NAME_CASES = [
-    ("short", "pd", "gpu-1", "pd-gpu-1-" + b._short_hash("gpu-1")),
-    ("dots-become-dashes", "pd", "node.rack.a", "pd-node-rack-a-" + b._short_hash("node.rack.a")),
-    ("long-truncated", "c" * 40, "n" * 40, ("c" * 40 + "-" + "n" * 14) + "-" + b._short_hash("n" * 40)),
+    ("short", "pd", "decode-0", "gpu-1", "pd-decode-0-" + b._short_hash("decode-0@gpu-1")),
+    ("dots-become-dashes", "pd.x", "group-1", "node.rack.a", "pd-x-group-1-" + b._short_hash("group-1@node.rack.a")),
+    ("long-truncated", "c" * 50, "prefill-12", "n1", ("c" * 50 + "-pref") + "-" + b._short_hash("prefill-12@n1")),
 ]
 
 
-@pytest.mark.parametrize(("cluster", "node", "expected"), [c[1:] for c in NAME_CASES], ids=[c[0] for c in NAME_CASES])
-def test_agent_name(cluster: str, node: str, expected: str) -> None:
-    name = b.agent_name(cluster, node)
+@pytest.mark.parametrize(
+    ("cluster", "unit", "node", "expected"), [c[1:] for c in NAME_CASES], ids=[c[0] for c in NAME_CASES]
+)
+def test_agent_name(cluster: str, unit: str, node: str, expected: str) -> None:
+    name = b.agent_name(cluster, unit, node)
     assert name == expected
     assert len(name) <= 63
 
 
-def test_agent_names_distinct_when_truncation_collides() -> None:
-    assert b.agent_name("pd", "x" * 80 + "a") != b.agent_name("pd", "x" * 80 + "b")
+def test_agent_names_distinct_per_unit_and_node_when_truncation_collides() -> None:
+    names = {b.agent_name("c" * 60, u, n) for u in ("prefill-1", "prefill-2") for n in ("a", "b")}
+    assert len(names) == 4
 
 
 def test_rank_annotation_round_trips() -> None:
@@ -50,7 +53,9 @@ def test_rank_annotation_round_trips() -> None:
 def test_agent_pod_contract() -> None:
     builder = pdcluster().transport("rdma").prefill(tp=2).decode(tp=2).agent(resources={"limits": {"memory": "1Gi"}})
     placement = _placed(builder, [gpu_node("n1", 8, rdma=2)])
-    (pod,) = b.build_agent_pods(REF, builder.spec(), placement)
+    pods = b.build_agent_pods(REF, builder.spec(), placement)
+    assert [p["metadata"]["name"] for p in pods] == [b.agent_name("pd", u, "n1") for u in ("decode-0", "prefill-0")]
+    pod = pods[0]
     spec = pod["spec"]
     (container,) = spec["containers"]
     # The scheduler binds it, pinned to the planner's node; it never names the node itself.
@@ -76,8 +81,8 @@ def test_agent_pod_contract() -> None:
     assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [("peer", 7401), ("metrics", 9400)]
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PDFABRIC_PEER_HOST_TEMPLATE"]["value"] == "{name}.pd-agents.{namespace}.svc"
-    assert container["resources"]["limits"] == {"memory": "1Gi", "nvidia.com/gpu": "4", "rdma/hca": "1"}
-    assert container["resources"]["requests"] == {"nvidia.com/gpu": "4", "rdma/hca": "1"}
+    assert container["resources"]["limits"] == {"memory": "1Gi", "nvidia.com/gpu": "2", "rdma/hca": "1"}
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": "2", "rdma/hca": "1"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -104,7 +109,7 @@ def test_node_pods_run_unprivileged_as_the_restricted_standard_asks(transport: s
     if engine:
         builder = builder.engine()
     placement = _placed(builder, [gpu_node("n1", 8, rdma=2)])
-    (pod,) = b.build_agent_pods(REF, builder.spec(), placement)
+    pod, *_ = b.build_agent_pods(REF, builder.spec(), placement)
     spec, (container,) = pod["spec"], pod["spec"]["containers"]
     assert spec["securityContext"] == {
         "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532, "runAsNonRoot": True,
@@ -120,11 +125,11 @@ def test_node_pods_run_unprivileged_as_the_restricted_standard_asks(transport: s
 
 def test_a_root_user_is_allowed_and_then_not_claimed_non_root() -> None:
     builder = pdcluster().agent(runAsUser=0).engine()
-    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    pod, *_ = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
     ctx = pod["spec"]["securityContext"]
     assert (ctx["runAsUser"], ctx["fsGroup"]) == (0, 0) and "runAsNonRoot" not in ctx
     other = pdcluster().agent(runAsUser=1000)
-    (pod,) = b.build_agent_pods(REF, other.spec(), _placed(other, [gpu_node("n1", 8)]))
+    pod, *_ = b.build_agent_pods(REF, other.spec(), _placed(other, [gpu_node("n1", 8)]))
     assert pod["spec"]["securityContext"]["runAsUser"] == 1000
     assert (
         pod["metadata"]["annotations"]["pdfabric.dev/pod-hash"]
@@ -136,16 +141,16 @@ def test_a_root_user_is_allowed_and_then_not_claimed_non_root() -> None:
 
 def test_tcp_pod_requests_no_rdma() -> None:
     builder = pdcluster()
-    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8, rdma=2)]))
-    assert "rdma/hca" not in pod["spec"]["containers"][0]["resources"]["limits"]
+    for pod in b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8, rdma=2)])):
+        assert "rdma/hca" not in pod["spec"]["containers"][0]["resources"]["limits"]
 
 
 def test_pod_hash_changes_with_ranks_only() -> None:
     nodes = [gpu_node("n1", 8)]
     one = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
     same = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
-    more = pdcluster().prefill(tp=2)
-    other = b.build_agent_pods(REF, more.spec(), _placed(more, nodes))[0]
+    more = pdcluster().decode(tp=2)
+    other = b.build_agent_pods(REF, more.spec(), _placed(more, nodes))[0]  # decode-0: more ranks
     key = "pdfabric.dev/pod-hash"
     assert one["metadata"]["annotations"][key] == same["metadata"]["annotations"][key]
     assert one["metadata"]["annotations"][key] != other["metadata"]["annotations"][key]
@@ -162,7 +167,7 @@ def test_rankmap_configmap_round_trips() -> None:
     assert back == rankmap
     assert back.transport == "nvlink"
     assert {a.domain for a in back.agents} == {"x"}
-    assert [a.name for a in back.agents] == [b.agent_name("pd", a.node) for a in placement.agents]
+    assert [a.name for a in back.agents] == [b.agent_name("pd", a.unit, a.node) for a in placement.agents]
     assert cm["metadata"]["annotations"]["pdfabric.dev/rankmap-hash"]
 
 
@@ -205,8 +210,8 @@ def test_pod_hash_tracks_agent_config(change, replaced: bool) -> None:
 
 # (id, transport, node, expected extended requests of the one agent)
 DEVICE_CASES = [
-    ("tcp-gpus-only", "tcp", gpu_node("n1", 8, rdma=2), {"nvidia.com/gpu": 2}),
-    ("rdma-one-device", "rdma", gpu_node("n1", 8, rdma=2), {"nvidia.com/gpu": 2, "rdma/hca": 1}),
+    ("tcp-gpus-only", "tcp", gpu_node("n1", 8, rdma=2), {"nvidia.com/gpu": 1}),
+    ("rdma-one-device", "rdma", gpu_node("n1", 8, rdma=2), {"nvidia.com/gpu": 1, "rdma/hca": 1}),
     ("intra-node-gpus-only", "nvlink-intra", gpu_node("n1", 8), {"nvidia.com/gpu": 2}),
 ]
 
@@ -217,8 +222,8 @@ DEVICE_CASES = [
 def test_agent_device_requests_follow_the_transport_traits(transport: str, node, expected: dict[str, int]) -> None:
     builder = pdcluster().transport(transport)
     placement = _placed(builder, [node])
-    (agent,) = placement.agents
-    assert b.agent_device_requests(builder.spec(), agent, placement.transport) == expected
+    for agent in placement.agents:  # prefill-0 and decode-0, a pod each
+        assert b.agent_device_requests(builder.spec(), agent, placement.transport) == expected
 
 
 def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> None:
@@ -242,7 +247,7 @@ def test_headless_service_carries_the_peer_door_not_the_engine_door() -> None:
 
 def test_secrets_are_owned_and_the_ca_key_is_only_in_the_ca_secret() -> None:
     ca = pki.new_ca("ns", "pd", "uid-1")
-    agent = b.agent_name("pd", "n1")
+    agent = b.agent_name("pd", "decode-0", "n1")
     leaf = pki.issue_agent(ca, namespace="ns", cluster="pd", agent=agent, dns_name=b.peer_dns_name(REF, agent))
     ca_secret = b.build_ca_secret(REF, ca)
     tls = b.build_peer_tls_secret(REF, agent, leaf, ca)
@@ -266,7 +271,7 @@ def test_certificates_for_the_longest_names_the_api_allows() -> None:
     # A 63-character namespace and cluster, and a 63-character agent name (the DNS label bound).
     ns, cluster = "n" * 63, "c" * 63
     ref = b.ClusterRef(ns, cluster, "0f5b3c2e-2a47-4e39-9c1e-3d7b2f8a9c10")
-    agent = b.agent_name(cluster, "node-" + "x" * 60)
+    agent = b.agent_name(cluster, "prefill-9999", "node-" + "x" * 60)
     ca = pki.new_ca(ns, cluster, ref.uid)
     leaf = pki.issue_agent(ca, namespace=ns, cluster=cluster, agent=agent, dns_name=b.peer_dns_name(ref, agent))
     x509.load_pem_x509_certificate(leaf.cert_pem).verify_directly_issued_by(ca.cert)
@@ -326,11 +331,13 @@ def _env(container) -> dict[str, str]:
 
 def test_without_engine_the_pod_is_fabric_only() -> None:
     builder = pdcluster().prefill(tp=2).decode(tp=2)
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    assert list(_containers(pod)) == ["agent"]
-    assert _containers(pod)["agent"]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
-    assert all(v["name"] != "dshm" for v in pod["spec"]["volumes"])
-    assert not any(k.startswith("pdfabric.dev/serves-") for k in pod["metadata"]["labels"])
+    _, pods = _engine_pod(builder, [gpu_node("n1", 8)])
+    assert len(pods) == 2
+    for pod in pods:
+        assert list(_containers(pod)) == ["agent"]
+        assert _containers(pod)["agent"]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+        assert all(v["name"] != "dshm" for v in pod["spec"]["volumes"])
+        assert not any(k.startswith("pdfabric.dev/serves-") for k in pod["metadata"]["labels"])
 
 
 def _launches(container) -> list[dict]:
@@ -339,9 +346,9 @@ def _launches(container) -> list[dict]:
     return json.loads(value.replace("$$", "$"))
 
 
-def test_engine_pod_is_one_container_holding_every_gpu_of_the_node() -> None:
-    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine(image="sglang:pd")
-    placement, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+def test_engine_pod_is_one_container_holding_every_gpu_of_its_ranks() -> None:
+    builder = pdcluster().transport("nvlink-intra").prefill(tp=2).decode(replicas=3, tp=2).engine(image="sglang:pd")
+    placement, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])  # one intra-node group: one pod
     (agent,) = pod["spec"]["containers"]
     assert agent["name"] == "agent" and agent["image"] == "sglang:pd"
     assert agent["command"] == ["pdfabric-agent"]  # the engine image's agent is the entrypoint
@@ -359,45 +366,47 @@ def test_engine_pod_is_one_container_holding_every_gpu_of_the_node() -> None:
     assert labels["pdfabric.dev/serves-prefill"] == labels["pdfabric.dev/serves-decode"] == "true"
 
 
-def test_engine_launches_are_the_nodes_groups_with_their_gpus() -> None:
-    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine()
-    placement, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    launches = _launches(pod["spec"]["containers"][0])
-    assert [(x["name"], x["ranks"], x["gpus"]) for x in launches] == [
-        ("prefill-0", ["prefill-0-tp0-cp0", "prefill-0-tp1-cp0"], [0, 1]),
-        ("prefill-1", ["prefill-1-tp0-cp0", "prefill-1-tp1-cp0"], [2, 3]),
-        ("decode-0", [f"decode-0-tp{i}" for i in range(4)], [4, 5, 6, 7]),
-    ]
-    gpus = {r.rank_id: r.gpu for r in placement.agents[0].ranks}
-    assert all(x["gpus"] == [gpus[r] for r in x["ranks"]] for x in launches)
-    p1 = launches[1]
-    assert p1["argv"] == ["python3", "-m", "sglang.launch_server", "--disaggregation-mode", "prefill"]
-    assert (p1["port"], p1["bootstrapPort"], p1["tp"], p1["replica"]) == (30001, 8999, 2, 1)
-    assert "bootstrapPort" not in launches[2] and launches[2]["port"] == 31000
-    # The same message core decodes (the agent's reading of it).
+def test_engine_launches_are_the_pods_groups_with_their_gpus() -> None:
     from pdfabric_core.engines import decode_launches, encode_launches, engine_launches
 
-    (value,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_ENGINES"]
-    assert value == encode_launches(engine_launches(builder.spec(), placement.agents[0].ranks))
-    assert [x.name for x in decode_launches(value.replace("$$", "$"))] == ["prefill-0", "prefill-1", "decode-0"]
+    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine()
+    placement, pods = _engine_pod(builder, [gpu_node("n1", 8)])
+    by_pod = [_launches(pod["spec"]["containers"][0]) for pod in pods]  # a pod per replica
+    assert [[(x["name"], x["ranks"], x["gpus"]) for x in launches] for launches in by_pod] == [
+        [("decode-0", [f"decode-0-tp{i}" for i in range(4)], [0, 1, 2, 3])],
+        [("prefill-0", ["prefill-0-tp0-cp0", "prefill-0-tp1-cp0"], [0, 1])],
+        [("prefill-1", ["prefill-1-tp0-cp0", "prefill-1-tp1-cp0"], [0, 1])],
+    ]
+    for pod, agent, launches in zip(pods, placement.agents, by_pod, strict=True):
+        gpus = {r.rank_id: r.gpu for r in agent.ranks}
+        assert all(x["gpus"] == [gpus[r] for r in x["ranks"]] for x in launches)
+        # The same message core decodes (the agent's reading of it).
+        (value,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_ENGINES"]
+        assert value == encode_launches(engine_launches(builder.spec(), agent.ranks))
+        assert [x.name for x in decode_launches(value.replace("$$", "$"))] == [x["name"] for x in launches]
+    (p1,) = by_pod[2]
+    assert p1["argv"] == ["python3", "-m", "sglang.launch_server", "--disaggregation-mode", "prefill"]
+    # Each pod has its own network: every replica serves on its role's first ports.
+    assert (p1["port"], p1["bootstrapPort"], p1["tp"], p1["replica"]) == (30000, 8998, 2, 1)
+    assert "bootstrapPort" not in by_pod[0][0] and by_pod[0][0]["port"] == 31000
 
 
 def test_engine_pod_has_memory_backed_shm_and_the_token() -> None:
     builder = pdcluster().engine(sharedMemory="8Gi")
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    _, (pod, _) = _engine_pod(builder, [gpu_node("n1", 8)])
     (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     (c,) = pod["spec"]["containers"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["dshm"] == "/dev/shm"
     assert mounts["engine-token"] == "/etc/pdfabric/engine-token"
-    _, (unlimited,) = _engine_pod(pdcluster().engine(), [gpu_node("n1", 8)])
+    _, (unlimited, _) = _engine_pod(pdcluster().engine(), [gpu_node("n1", 8)])
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in unlimited["spec"]["volumes"]
 
 
 def test_engine_args_keep_their_vars_and_dollars_for_the_agent() -> None:
     builder = pdcluster().engine(prefill={"args": ["--port", "$(PDFABRIC_PORT)", "--price", "$$5"]})
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    _, (_, pod) = _engine_pod(builder, [gpu_node("n1", 8)])  # prefill-0
     (value,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_ENGINES"]
     assert "$$(PDFABRIC_PORT)" in value  # escaped: the kubelet must not expand it in the agent's env
     assert _launches(pod["spec"]["containers"][0])[0]["argv"][-4:] == ["--port", "$(PDFABRIC_PORT)", "--price", "$$5"]
@@ -409,15 +418,17 @@ def test_engine_env_plain_in_the_launch_value_from_hoisted_for_the_kubelet() -> 
         prefill={"env": [{"name": "HF_HOME", "value": "/cache"}, {"name": "HF_TOKEN", "valueFrom": secret}]},
         decode={"env": [{"name": "HF_TOKEN", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]},
     )
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    (c,) = pod["spec"]["containers"]
-    hoisted = {e["name"]: e.get("valueFrom") for e in c["env"] if e["name"].startswith("PDFABRIC_ENV_")}
-    assert hoisted == {
-        "PDFABRIC_ENV_PREFILL_HF_TOKEN": secret,
-        "PDFABRIC_ENV_DECODE_HF_TOKEN": {"configMapKeyRef": {"name": "c", "key": "k"}},
-    }
-    assert "HF_HOME" not in _env(c) and "HF_TOKEN" not in _env(c)  # the engine's, not the agent's
-    p0, d0 = _launches(c)
+    _, (decode_pod, prefill_pod) = _engine_pod(builder, [gpu_node("n1", 8)])
+    for pod in (decode_pod, prefill_pod):
+        (c,) = pod["spec"]["containers"]
+        hoisted = {e["name"]: e.get("valueFrom") for e in c["env"] if e["name"].startswith("PDFABRIC_ENV_")}
+        assert hoisted == {
+            "PDFABRIC_ENV_PREFILL_HF_TOKEN": secret,
+            "PDFABRIC_ENV_DECODE_HF_TOKEN": {"configMapKeyRef": {"name": "c", "key": "k"}},
+        }
+        assert "HF_HOME" not in _env(c) and "HF_TOKEN" not in _env(c)  # the engine's, not the agent's
+    (p0,) = _launches(prefill_pod["spec"]["containers"][0])
+    (d0,) = _launches(decode_pod["spec"]["containers"][0])
     assert p0["env"] == [
         {"name": "HF_HOME", "value": "/cache"},
         {"name": "HF_TOKEN", "fromContainer": "PDFABRIC_ENV_PREFILL_HF_TOKEN"},
@@ -426,17 +437,21 @@ def test_engine_env_plain_in_the_launch_value_from_hoisted_for_the_kubelet() -> 
 
 
 def test_engine_ports_and_the_agents_probes() -> None:
-    builder = pdcluster().prefill(replicas=2).engine(prefill={"healthPath": "/ready", "startupSeconds": 95})
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
+    builder = (
+        pdcluster()
+        .transport("nvlink-intra")
+        .decode(replicas=2)
+        .engine(prefill={"healthPath": "/ready", "startupSeconds": 95})
+    )
+    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])  # an intra-node group: one pod, three engines
     (c,) = pod["spec"]["containers"]
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [
         ("peer", 7401),
         ("metrics", 9400),
         ("p-http-0", 30000),
         ("p-boot-0", 8998),
-        ("p-http-1", 30001),
-        ("p-boot-1", 8999),
         ("d-http-0", 31000),
+        ("d-http-1", 31001),
     ]
     names = [p["name"] for p in c["ports"]]
     assert len(names) == len(set(names)) and all(len(n) <= 15 for n in names)
@@ -445,8 +460,8 @@ def test_engine_ports_and_the_agents_probes() -> None:
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert "startupProbe" not in c
-    p1 = _launches(c)[1]
-    assert (p1["healthPath"], p1["startupSeconds"]) == ("/ready", 95)
+    p0 = _launches(c)[0]
+    assert (p0["healthPath"], p0["startupSeconds"]) == ("/ready", 95)
 
 
 def test_engine_resources_add_up_with_the_agents() -> None:
@@ -460,17 +475,17 @@ def test_engine_resources_add_up_with_the_agents() -> None:
             decode={"resources": {"requests": {"cpu": 2, "memory": "512Mi"}, "limits": {"example.com/x": "1"}}},
         )
     )
-    _, (pod,) = _engine_pod(builder, [gpu_node("n1", 8)])
-    res = pod["spec"]["containers"][0]["resources"]
-    # cpu: 0.5 + 4 + 4 + 2; memory requests: 1Gi + 64Gi + 64Gi (a limit stands for its request) + 512Mi;
-    # memory limits: 2Gi + 64Gi + 64Gi + 512Mi (decode's request stands for its missing limit).
-    assert res["requests"] == {
-        "cpu": "10500m",
-        "memory": "132608Mi",
-        "example.com/x": "1",
-        "nvidia.com/gpu": "4",
-    }
-    assert res["limits"] == {"memory": "133632Mi", "example.com/x": "1", "nvidia.com/gpu": "4"}
+    _, (decode, prefill_0, prefill_1) = _engine_pod(builder, [gpu_node("n1", 8)])
+    # The agent's and its pod's engines': prefill cpu 0.5 + 4; memory requests 1Gi + 64Gi (a
+    # limit stands for its request); memory limits 2Gi + 64Gi.
+    for prefill in (prefill_0, prefill_1):
+        res = prefill["spec"]["containers"][0]["resources"]
+        assert res["requests"] == {"cpu": "4500m", "memory": "65Gi", "nvidia.com/gpu": "1"}
+        assert res["limits"] == {"memory": "66Gi", "nvidia.com/gpu": "1"}
+    # decode: cpu 0.5 + 2, memory 1Gi + 512Mi; limits 2Gi + 512Mi (its request stands for its missing limit).
+    res = decode["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"cpu": "2500m", "memory": "1536Mi", "example.com/x": "1", "nvidia.com/gpu": "2"}
+    assert res["limits"] == {"memory": "2560Mi", "example.com/x": "1", "nvidia.com/gpu": "2"}
 
 
 def test_sum_resources_refuses_what_is_no_quantity() -> None:
@@ -494,9 +509,9 @@ def test_engine_spec_change_replaces_the_pod_keeping_its_ranks() -> None:
         pdcluster().engine(decode={"port": 32000}),
         pdcluster().engine(sharedMemory="1Gi"),
     ]
-    pods = [_engine_pod(v, nodes)[1][0] for v in variants]
-    assert len({p["metadata"]["annotations"][ann] for p in pods}) == len(variants)
-    assert len({p["metadata"]["annotations"]["pdfabric.dev/ranks"] for p in pods}) == 1
+    pairs = [_engine_pod(v, nodes)[1] for v in variants]  # (decode-0's pod, prefill-0's)
+    assert len({tuple(p["metadata"]["annotations"][ann] for p in pods) for pods in pairs}) == len(variants)
+    assert len({tuple(p["metadata"]["annotations"]["pdfabric.dev/ranks"] for p in pods) for pods in pairs}) == 1
 
 
 def test_engine_groups_follow_the_nodes_ranks() -> None:
@@ -526,7 +541,8 @@ def test_engine_replicas_are_never_split_across_nodes() -> None:
 def test_engine_services_one_headless_per_role_with_a_port_per_kth_engine() -> None:
     from pdfabric_core.policy.types import Role
 
-    builder = pdcluster().prefill(replicas=2).decode(replicas=1).engine()
+    # An intra-node group's pod runs a prefill engine and the two decode engines it feeds.
+    builder = pdcluster().transport("nvlink-intra").decode(replicas=2).engine()
     placement = _placed(builder, [gpu_node("n1", 8)])
     assert b.build_engine_service(REF, pdcluster().spec(), placement, Role.PREFILL) is None
     pre = b.build_engine_service(REF, builder.spec(), placement, Role.PREFILL)
@@ -537,10 +553,11 @@ def test_engine_services_one_headless_per_role_with_a_port_per_kth_engine() -> N
     assert [(p["name"], p["port"], p["targetPort"]) for p in pre["spec"]["ports"]] == [
         ("http-0", 30000, "p-http-0"),
         ("boot-0", 8998, "p-boot-0"),
-        ("http-1", 30001, "p-http-1"),
-        ("boot-1", 8999, "p-boot-1"),
     ]
-    assert [(p["name"], p["port"], p["targetPort"]) for p in dec["spec"]["ports"]] == [("http-0", 31000, "d-http-0")]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in dec["spec"]["ports"]] == [
+        ("http-0", 31000, "d-http-0"),
+        ("http-1", 31001, "d-http-1"),
+    ]
     assert pre["metadata"]["ownerReferences"] == [REF.owner_reference()]
 
 
@@ -565,13 +582,16 @@ def test_router_deployment_names_every_engine_as_its_worker() -> None:
     assert dep["metadata"]["ownerReferences"] == [REF.owner_reference()]
     pod = dep["spec"]["template"]
     (c,) = pod["spec"]["containers"]
-    host = f"{b.agent_name('pd', 'n1')}.pd-agents.{REF.namespace}.svc"
+
+    def host(unit: str) -> str:
+        return f"{b.agent_name('pd', unit, 'n1')}.pd-agents.{REF.namespace}.svc"
+
     assert c["command"] == ["python3", "-m", "sglang_router.launch_router"]
     assert c["args"] == [
         "--pd-disaggregation",
-        "--prefill", f"http://{host}:30000", "8998",
-        "--prefill", f"http://{host}:30001", "8999",
-        "--decode", f"http://{host}:31000",
+        "--prefill", f"http://{host('prefill-0')}:30000", "8998",
+        "--prefill", f"http://{host('prefill-1')}:30000", "8998",
+        "--decode", f"http://{host('decode-0')}:31000",
         "--host", "0.0.0.0", "--port", "8000",
         "--prometheus-host", "0.0.0.0", "--prometheus-port", "29000",
         "--policy", "cache_aware",
@@ -639,8 +659,8 @@ def test_node_pod_carries_the_users_overrides_after_the_operators(engine: bool) 
     base = pdcluster().engine() if engine else pdcluster()
     builder = (pdcluster().engine() if engine else pdcluster()).agent(pod=OVERRIDES)
     nodes = [gpu_node("n1", 8)]
-    (plain,) = b.build_agent_pods(REF, base.spec(), _placed(base, nodes))
-    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
+    plain, *_ = b.build_agent_pods(REF, base.spec(), _placed(base, nodes))
+    pod, *_ = b.build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
     spec, (container,) = pod["spec"], pod["spec"]["containers"]
     (plain_container,) = plain["spec"]["containers"]
     assert spec["volumes"] == [*plain["spec"]["volumes"], WEIGHTS]
@@ -708,7 +728,7 @@ def test_every_label_and_annotation_the_operator_writes_is_reserved_from_the_use
     from pdfabric_operator import constants as c
 
     builder = pdcluster().engine()
-    (pod,) = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    pod, *_ = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
     for key in pod["metadata"]["labels"]:
         assert key in RESERVED_LABELS or key.startswith(RESERVED_KEY_PREFIX), key
     assert all(key.startswith(RESERVED_KEY_PREFIX) for key in pod["metadata"]["annotations"])

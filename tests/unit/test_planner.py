@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_operator.planner import (
+    AgentPlacement,
     PlacedPod,
     Placement,
     PlacementFailure,
@@ -25,7 +28,11 @@ def _layout(result: Placement) -> dict[str, list[str]]:
 
 
 def _gpus(result: Placement) -> dict[str, int]:
-    return {a.node: a.gpus for a in result.agents}
+    """GPUs placed per node, over the node's pods."""
+    out: dict[str, int] = {}
+    for a in result.agents:
+        out[a.node] = out.get(a.node, 0) + a.gpus
+    return out
 
 
 # (id, builder, nodes, placed pods, expected node -> GPUs)
@@ -301,11 +308,31 @@ def test_intra_node_feeds_stay_with_their_prefill() -> None:
     }
 
 
-def test_gpu_indices_are_dense_per_node() -> None:
+def test_a_pod_per_unit_and_node_with_gpu_indices_dense_per_pod() -> None:
     spec = pdcluster().prefill(tp=2, cp=2).decode(tp=4).spec()
     result = plan_placement(spec, [gpu_node("a", 8)], [], cluster_uid=UID)
     assert isinstance(result, Placement)
-    assert [r.gpu for r in result.agents[0].ranks] == list(range(8))
+    assert [(a.node, a.unit) for a in result.agents] == [("a", "decode-0"), ("a", "prefill-0")]
+    assert [[r.gpu for r in a.ranks] for a in result.agents] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("shape", ["one-node", "node-per-replica"])
+def test_scaling_a_role_adds_and_removes_pods_and_leaves_the_others_exactly_as_they_were(shape: str) -> None:
+    """decode 1 -> 3, prefill 1 -> 2, decode 3 -> 1: every pod of a unit that stays keeps its node,
+    its ranks and their GPU indices (the pod the builders make from it is the same)."""
+    nodes = [gpu_node("a", 16)] if shape == "one-node" else [gpu_node(n, 2) for n in "abcdef"]
+    steps = [(1, 1), (1, 3), (2, 3), (2, 1)]
+    previous: dict[str, Any] = {}
+    before: dict[str, AgentPlacement] = {}
+    for prefill, decode in steps:
+        spec = pdcluster().transport("tcp").prefill(replicas=prefill, tp=2).decode(replicas=decode, tp=2).spec()
+        result = plan_placement(spec, nodes, [], cluster_uid=UID, previous=previous)
+        assert isinstance(result, Placement), result
+        pods = {a.unit: a for a in result.agents}
+        assert sorted(pods) == sorted([f"prefill-{r}" for r in range(prefill)] + [f"decode-{r}" for r in range(decode)])
+        for unit in set(pods) & set(before):
+            assert pods[unit] == before[unit], unit
+        before, previous = pods, result.ranks_by_node()
 
 
 def test_lost_node_moves_only_its_ranks() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdfabric_core.engines import EngineState
@@ -25,7 +27,7 @@ def _placement(builder) -> Placement:
 
 
 def _views(placement: Placement, ready: set[str], current: bool = True) -> list[AgentView]:
-    return [AgentView(agent_name("pd", a.node), a.node, a.node in ready, current) for a in placement.agents]
+    return [AgentView(agent_name("pd", a.unit, a.node), a.node, a.node in ready, current) for a in placement.agents]
 
 
 BUILDER = pdcluster().prefill(replicas=2, tp=4).decode(replicas=2, tp=4)
@@ -59,7 +61,7 @@ def test_one_ready_node_counts_its_whole_replicas() -> None:
     placement = _placement(BUILDER)
     node = placement.agents[0].node
     status = compute_status(Observed(1, BUILDER.spec(), placement, _views(placement, {node})), "pd")
-    on_node = {(r.role, r.replica) for r in placement.agents[0].ranks}
+    on_node = {(r.role, r.replica) for a in placement.agents if a.node == node for r in a.ranks}
     prefill = sum(1 for role, _ in on_node if role == "prefill")
     assert status["prefill"]["ready"] == prefill
     assert status["decode"]["ready"] == len(on_node) - prefill
@@ -144,15 +146,12 @@ def test_an_agents_own_fallback_is_degraded_and_named() -> None:
     conds = {c["type"]: c for c in status["conditions"]}
     assert (conds["Ready"]["status"], conds["TransportReady"]["reason"]) == ("True", "AgentFallback")
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "AgentTransportFallback")
-    assert (
-        conds["Degraded"]["message"]
-        == f"agent {agent_name('pd', 'a')} carries KV over tcp instead of the requested nvlink"
+    assert conds["Degraded"]["message"] == "; ".join(
+        f"agent {v.name} carries KV over tcp instead of the requested nvlink" for v in views if v.node == "a"
     )
     assert agent_fallbacks(views) == conds["Degraded"]["message"]
     # Agents that say nothing yet, or a stale pod, say nothing about the cluster now.
-    quiet = [
-        AgentView(v.name, v.node, v.ready, v.name != agent_name("pd", "a"), v.requested, v.transport) for v in views
-    ]
+    quiet = [AgentView(v.name, v.node, v.ready, v.node != "a", v.requested, v.transport) for v in views]
     assert _conds(compute_status(Observed(1, builder.spec(), placement, quiet), "pd"))["Degraded"][0] == "False"
 
 
@@ -166,19 +165,19 @@ def _state(name: str, ready: bool = True, **kw) -> EngineState:
 
 
 def _engine_status(states: dict[str, EngineState | None], agent_ready: bool = True):
-    """One node with prefill-0, prefill-1, decode-0; `states` overrides the agent's word per engine
-    (None: not listed)."""
+    """One node with the pods of prefill-0, prefill-1 and decode-0, an engine each; `states`
+    overrides the agents' word per engine (None: not listed)."""
     builder = pdcluster().prefill(replicas=2).decode(replicas=1).engine()
     spec = builder.spec()
     placement = plan_placement(spec, [gpu_node("n1", 8)], [], cluster_uid="u")
     assert isinstance(placement, Placement)
-    (a,) = placement.agents
-    name = agent_name("pd", a.node)
-    engines = {n: _state(n) for n in ("prefill-0", "prefill-1", "decode-0")}
+    engines: dict[str, EngineState | None] = {n: _state(n) for n in ("prefill-0", "prefill-1", "decode-0")}
     engines.update(states)
-    listed = {n: x for n, x in engines.items() if x is not None}
-    view = AgentView(name, a.node, agent_ready, True, engines=listed)
-    return compute_status(Observed(1, spec, placement, [view], namespace="ns"), "pd")
+    views = []
+    for a in placement.agents:
+        listed = {n: x for n, x in engines.items() if x is not None and n == a.unit}
+        views.append(AgentView(agent_name("pd", a.unit, a.node), a.node, agent_ready, True, engines=listed))
+    return compute_status(Observed(1, spec, placement, views, namespace="ns"), "pd")
 
 
 def _cond(status, type_):
@@ -203,21 +202,24 @@ def test_engines_ready_per_role_and_ready_waits_for_them() -> None:
     assert (status["prefillEnginesReady"], status["decodeEnginesReady"]) == ("1/2", "1/1")
     assert _cond(status, "EnginesReady")["status"] == "False"
     assert (_cond(status, "Ready")["status"], _cond(status, "Ready")["reason"]) == ("False", "EnginesNotReady")
-    assert status["agents"] == {"desired": 1, "ready": 1}  # the agent itself is Ready
+    assert status["agents"] == {"desired": 3, "ready": 3}  # the agents themselves are Ready
     ok = _engine_status({})
     assert _cond(ok, "EnginesReady")["status"] == _cond(ok, "Ready")["status"] == "True"
 
 
 def test_endpoints_are_what_a_pd_router_needs() -> None:
     status = _engine_status({"decode-0": _state("decode-0", False, restarts=2, last_exit="exit code 1")})
-    host = f"{agent_name('pd', 'n1')}.pd-agents.ns.svc"
+
+    def host(unit: str) -> str:
+        return f"{agent_name('pd', unit, 'n1')}.pd-agents.ns.svc"
+
     pre, dec = status["endpoints"]["prefill"], status["endpoints"]["decode"]
     assert [(x["replica"], x["url"], x["bootstrap"], x["ready"]) for x in pre] == [
-        (0, f"http://{host}:30000", f"{host}:8998", True),
-        (1, f"http://{host}:30001", f"{host}:8999", True),
+        (0, f"http://{host('prefill-0')}:30000", f"{host('prefill-0')}:8998", True),
+        (1, f"http://{host('prefill-1')}:30000", f"{host('prefill-1')}:8998", True),
     ]
     assert [(x["replica"], x["url"], x["ready"], x["engine"]) for x in dec] == [
-        (0, f"http://{host}:31000", False, "decode-0")
+        (0, f"http://{host('decode-0')}:31000", False, "decode-0")
     ]
     assert (dec[0]["phase"], dec[0]["restarts"], dec[0]["lastExit"]) == ("Starting", 2, "exit code 1")
     assert (pre[0]["phase"], pre[0]["restarts"], pre[0]["lastExit"]) == ("Running", 0, "")
@@ -236,14 +238,14 @@ def test_an_engine_the_agent_does_not_list_is_not_ready() -> None:
 
 def test_an_agent_not_ready_itself_is_not_ready_though_its_engines_are() -> None:
     status = _engine_status({}, agent_ready=False)
-    assert status["agents"] == {"desired": 1, "ready": 0}
+    assert status["agents"] == {"desired": 3, "ready": 0}
     assert (_cond(status, "Ready")["status"], _cond(status, "Ready")["reason"]) == ("False", "AgentsNotReady")
     assert _cond(status, "EnginesReady")["status"] == "True"
 
 
 def test_an_unbound_pod_is_reported_with_the_schedulers_word() -> None:
     placement = _placement(BUILDER)
-    pod = agent_name("pd", placement.agents[0].node)
+    pod = agent_name("pd", placement.agents[0].unit, placement.agents[0].node)
     word = "node a: 0/3 nodes are available: 1 node(s) had untolerated taint {dedicated: x}"
     status = compute_status(
         Observed(1, BUILDER.spec(), placement, _views(placement, set()), unschedulable_pods={pod: word}), "pd"
@@ -261,9 +263,47 @@ def test_an_unbound_pod_is_reported_with_the_schedulers_word() -> None:
 
 def test_agents_awaiting_their_turn_in_a_roll_still_serve() -> None:
     placement = _placement(BUILDER)
-    old = [AgentView(agent_name("pd", a.node), a.node, True, False, serving=True) for a in placement.agents]
+    old = [AgentView(agent_name("pd", a.unit, a.node), a.node, True, False, serving=True) for a in placement.agents]
     status = compute_status(Observed(1, BUILDER.spec(), placement, old), "pd")
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "RollingUpdate")
-    assert ready["message"].endswith("rolling update: 0/2 agents updated")
+    assert ready["message"].endswith("rolling update: 0/4 agents updated")
     assert (status["prefillReady"], status["decodeReady"]) == ("2/2", "2/2")
+
+
+def test_rankmap_current_names_the_agents_behind_and_what_they_said() -> None:
+    placement = _placement(BUILDER)
+    views = _views(placement, {"a", "b"})
+    names = [v.name for v in views]
+    on = [dataclasses.replace(v, rankmap="new") for v in views]
+    status = compute_status(Observed(1, BUILDER.spec(), placement, on, rankmap="new"), "pd")
+    assert _conds(status)["RankMapCurrent"] == ("True", "AgentsCurrent")
+    behind = [dataclasses.replace(v, rankmap="old") if v.name == names[1] else v for v in on]
+    refused = "rank map new: the rank map moved its ranks (its pod is being replaced)"
+    behind[2] = dataclasses.replace(behind[2], rankmap="old", rankmap_refused=refused)
+    status = compute_status(Observed(1, BUILDER.spec(), placement, behind, rankmap="new"), "pd")
+    cond = next(c for c in status["conditions"] if c["type"] == "RankMapCurrent")
+    assert (cond["status"], cond["reason"]) == ("False", "AgentsBehind")
+    first, second = sorted([names[1], names[2]])
+    said = {names[1]: first, names[2]: f"{names[2]} ({refused})"}
+    assert cond["message"] == (f"2 of 4 agents still run an older rank map than new: {said[first]}, {said[second]}")
+    # Agents not read yet count neither way; a PDCluster not placed has no such condition.
+    quiet = compute_status(Observed(1, BUILDER.spec(), placement, views, rankmap="new"), "pd")
+    assert _conds(quiet)["RankMapCurrent"] == ("True", "AgentsCurrent")
+    assert "RankMapCurrent" not in _conds(compute_status(Observed(1, BUILDER.spec(), placement, views), "pd"))
+
+
+def test_agents_not_ready_say_why_in_the_ready_condition() -> None:
+    placement = _placement(BUILDER)
+    views = _views(placement, {"a"})
+    slow = [
+        dataclasses.replace(v, reason="Probing", message="2 of 4 peer ranks refused the link check: 403")
+        if not v.ready
+        else v
+        for v in views
+    ]
+    status = compute_status(Observed(1, BUILDER.spec(), placement, slow), "pd")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    not_ready = sorted(v.name for v in slow if not v.ready)
+    assert ready["status"] == "False"
+    assert f"not ready: {not_ready[0]}: Probing: 2 of 4 peer ranks refused the link check: 403" in ready["message"]

@@ -49,6 +49,14 @@ class FakeKube:
         self.calls.append(("delete", kind, name))
         return self.objects.pop((kind, namespace, name), None) is not None
 
+    def annotate(self, kind: str, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> bool:
+        self.calls.append(("annotate", kind, name))
+        obj = self.objects.get((kind, namespace, name))
+        if obj is None:
+            return False
+        obj["metadata"]["annotations"] = {**obj["metadata"].get("annotations", {}), **annotations}
+        return True
+
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("patch", "status", name))
         self.status.update(patch)
@@ -67,6 +75,7 @@ class FakeKube:
                 o["metadata"]["annotations"]["pdfabric.dev/pod-hash"],
                 o["metadata"]["annotations"]["pdfabric.dev/ranks"],
                 config_hash=o["metadata"]["annotations"]["pdfabric.dev/config-hash"],
+                rankmap_hash=o["metadata"]["annotations"].get("pdfabric.dev/rankmap-hash", ""),
             )
             for (kind, _, _), o in self.objects.items()
             if kind == "Pod" and o["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == uid
@@ -91,6 +100,12 @@ def _run(
     )
 
 
+# The tests of one pod's life: an intra-node NVLink group (a prefill replica and the decode
+# replicas it feeds) is one pod; other transports give each replica a pod of its own.
+def one_pod() -> Any:
+    return pdcluster().transport("nvlink-intra")
+
+
 def test_converges_then_steady_state_makes_no_writes() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
@@ -104,6 +119,7 @@ def test_converges_then_steady_state_makes_no_writes() -> None:
         "networkpolicy",
         "peer",
         "pod",
+        "pod",  # prefill-0's and decode-0's
         "service",
     ]
     # Agents report Ready: one status write, then nothing at all.
@@ -122,10 +138,12 @@ def test_ledger_prevents_double_booking_before_the_cache_catches_up() -> None:
     # Neither cluster's pods are in the (empty) watch cache yet.
     for uid in ("u1", "u2"):
         _run(kube, b.ClusterRef("ns", f"pd-{uid}", uid), builder, Snapshot(nodes, [], []), ClusterMemory(), ledger)
-    used = [
-        o["metadata"]["annotations"]["pdfabric.dev/node"] for (kind, _, _), o in kube.objects.items() if kind == "Pod"
-    ]
-    assert sorted(used) == ["a", "b"], "two 8-GPU clusters must not share one 8-GPU node"
+    used = {
+        (o["metadata"]["labels"]["pdfabric.dev/cluster-uid"], o["metadata"]["annotations"]["pdfabric.dev/node"])
+        for (kind, _, _), o in kube.objects.items()
+        if kind == "Pod"
+    }
+    assert sorted(used) == [("u1", "a"), ("u2", "b")], "two 8-GPU clusters must not share one 8-GPU node"
 
 
 def test_foreign_pods_count_until_ledger_knows_the_owner() -> None:
@@ -140,8 +158,8 @@ def test_foreign_pods_count_until_ledger_knows_the_owner() -> None:
         ClusterMemory(),
         ledger,
     )
-    (pod,) = [o for (kind, _, _), o in kube.objects.items() if kind == "Pod"]
-    assert pod["metadata"]["annotations"]["pdfabric.dev/node"] == "b"
+    pods = [o for (kind, _, _), o in kube.objects.items() if kind == "Pod"]
+    assert [pod["metadata"]["annotations"]["pdfabric.dev/node"] for pod in pods] == ["b", "b"]
 
 
 def test_stale_pod_is_replaced_and_unplaceable_removes_children() -> None:
@@ -149,12 +167,14 @@ def test_stale_pod_is_replaced_and_unplaceable_removes_children() -> None:
     ref = b.ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
-    (old,) = kube.pods("u1")
+    decode, old = kube.pods("u1")  # decode-0's pod, prefill-0's
     grown = pdcluster().prefill(tp=2)
-    res = _run(kube, ref, grown, Snapshot(nodes, [], [old]), memory, ledger)
-    assert f"delete pod {old.name}" in res.actions  # same name, new hash: recreated next round
-    res = _run(kube, ref, grown, Snapshot(nodes, [], []), memory, ledger)
-    assert f"create pod {old.name}" in res.actions
+    res = _run(kube, ref, grown, Snapshot(nodes, [], [decode, old]), memory, ledger)
+    # prefill-0's ranks moved: its pod goes (same name, new hash: recreated next round); decode-0's stays.
+    assert [a for a in res.actions if a.startswith(("delete pod", "create pod"))] == [f"delete pod {old.name}"]
+    assert f"annotate pod {decode.name} with rank map {memory.last_rankmap_hash}" in res.actions  # told at once
+    res = _run(kube, ref, grown, Snapshot(nodes, [], [decode]), memory, ledger)
+    assert [a for a in res.actions if a.startswith(("delete pod", "create pod"))] == [f"create pod {old.name}"]
     too_big = pdcluster().prefill(tp=8).decode(tp=8)
     res = _run(kube, ref, too_big, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     assert res.result is ReconcileResult.UNPLACED
@@ -203,10 +223,10 @@ def test_failed_agent_is_replaced() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node("a", 8)]
-    _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
+    _run(kube, ref, one_pod(), Snapshot(nodes, [], []), memory, ledger)
     (pod,) = kube.pods("u1")
     failed = OwnPod(pod.name, pod.namespace, pod.uid, pod.node, False, False, pod.pod_hash, pod.ranks, failed=True)
-    res = _run(kube, ref, pdcluster(), Snapshot(nodes, [], [failed]), memory, ledger)
+    res = _run(kube, ref, one_pod(), Snapshot(nodes, [], [failed]), memory, ledger)
     assert res.actions == [f"delete pod {pod.name}"]
     assert kube.status["agents"] == {"desired": 1, "ready": 0}
 
@@ -245,10 +265,11 @@ def test_image_change_rolls_one_agent_at_a_time() -> None:
     new = pdcluster().prefill(replicas=2, tp=8).decode(tp=8).agent(image="pdfabric/agent:v2")
     res = _run(kube, ref, new, Snapshot(nodes, [], pods), memory, ledger)
     rolled = [a for a in res.actions if a.endswith("(rolling)")]
-    assert len(rolled) == 1 and [a for a in res.actions if "pod" in a] == rolled  # the rank map is updated too
+    # The rank map (it holds the spec) is updated too, and the pods told of it.
+    assert len(rolled) == 1 and [a for a in res.actions if a.startswith(("delete pod", "create pod"))] == rolled
     first = rolled[0].split()[2]
     # While the replaced agent is gone or not Ready, nobody else is touched.
-    waiting = [p for p in pods if p.name != first]
+    waiting = [p for p in kube.pods("u1") if p.name != first]  # as the pod index holds them now
     res = _run(kube, ref, new, Snapshot(nodes, [], waiting), memory, ledger)
     assert res.actions == [f"create pod {first}"]
     not_ready = [p if p.name != first else dataclasses.replace(p, ready=False) for p in kube.pods("u1")]
@@ -306,7 +327,7 @@ def _cert_serial(kube: FakeKube, agent: str) -> str:
 def test_each_new_agent_pod_gets_a_new_certificate_and_a_gone_agent_leaves_none() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
-    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     (pod,) = kube.pods("u1")
@@ -383,7 +404,7 @@ def _report(ready: bool = True, **restarts: int) -> AgentReport:
 def test_engine_readiness_and_the_agents_own_come_from_readyz() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
-    builder = pdcluster().engine()
+    builder = one_pod().engine()
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     pods = kube.pods("u1")
@@ -406,7 +427,7 @@ def test_engine_readiness_and_the_agents_own_come_from_readyz() -> None:
 def test_engine_restarts_emit_one_event_per_growth() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
-    builder = pdcluster().engine()
+    builder = one_pod().engine()
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)  # no pods yet: any pod is new
     pods = kube.pods("u1")
@@ -437,7 +458,7 @@ def test_peer_certificates_are_renewed_in_place_two_thirds_through() -> None:
 
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
-    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     valid = datetime.timedelta(days=30)
     clock = [datetime.datetime.now(datetime.UTC)]
@@ -528,12 +549,12 @@ class RefusingKube(FakeKube):
 def test_a_refused_agent_pod_is_reported_and_tried_again() -> None:
     kube, ledger, memory = RefusingKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
-    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     res = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "PodRejected")
-    name = b.agent_name("pd", "a")
+    name = b.agent_name("pd", "group-0", "a")
     assert ready["message"] == f"the API server refused agent pod {name}: {RefusingKube.REFUSAL}"
     assert res.problem == ("PodRejected", ready["message"])  # the Event
     assert not any(a.startswith("create pod") for a in res.actions)
@@ -553,13 +574,13 @@ def test_a_refused_agent_pod_is_reported_and_tried_again() -> None:
 def test_an_agent_pod_the_scheduler_does_not_bind_is_reported() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
     ref = b.ClusterRef("ns", "pd", "u1")
-    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     word = "0/1 nodes are available: 1 Insufficient cpu."
     pending = [dataclasses.replace(p, ready=False, unschedulable=word) for p in kube.pods("u1")]
     res = _run(kube, ref, builder, Snapshot(nodes, [], pending), memory, ledger)
-    name = b.agent_name("pd", "a")
+    name = b.agent_name("pd", "group-0", "a")
     (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
     assert (ready["reason"], ready["message"]) == (
         "PodUnschedulable",
@@ -573,7 +594,7 @@ def test_an_agent_pod_the_scheduler_does_not_bind_is_reported() -> None:
     assert f"delete pod {name}" in fixed.actions
     _run(kube, ref, smaller, Snapshot(nodes, [], []), memory, ledger)  # the pod gone: created anew
     bound = _run(kube, ref, smaller, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
-    assert bound.problem is None and bound.result is ReconcileResult.READY
+    assert bound.problem is None and bound.result is ReconcileResult.READY, kube.status["conditions"]
 
 
 def test_unplaceable_deletes_only_the_children_it_owns() -> None:

@@ -53,6 +53,8 @@ class Readiness:
     requested: str = ""  # the rank map's transport
     # The serving engines the agent supervises (supervisor.EngineSupervisor.states); None: none.
     engines: Callable[[], Sequence[EngineState]] | None = None
+    rankmap: str = ""  # the digest of the rank map the agent runs on (the operator compares it)
+    rankmap_refused: str = ""  # why the agent did not adopt the newest rank map it read, if it did not
 
     def body(self) -> tuple[dict[str, Any], bool]:
         """/readyz: the agent's own readiness (``ready``, which the operator reads) and, with
@@ -60,6 +62,10 @@ class Readiness:
         body: dict[str, Any] = {"ready": self.ready, "reason": self.reason, "message": self.message}
         if self.transport:
             body |= {"transport": self.transport, "requested": self.requested}
+        if self.rankmap:
+            body["rankmap"] = self.rankmap
+        if self.rankmap_refused:
+            body["rankmapRefused"] = self.rankmap_refused
         if self.engines is None:
             return body, self.ready
         states = list(self.engines())
@@ -122,7 +128,7 @@ def peer_identity(agent: Agent, request: web.Request) -> str:
     name = tls.peer_agent(request.transport.get_extra_info("peercert") if request.transport else None)
     if name is None:
         raise ApiError(401, Refusal.UNAUTHORIZED, "the peer door needs a client certificate from the cluster CA")
-    if name not in {a.name for a in agent.rankmap.agents}:
+    if name not in agent.ctx.ranks.peer_agents():
         raise ApiError(
             403, Refusal.UNAUTHORIZED, f"certificate of {name!r}, which is no agent of this cluster's rank map"
         )

@@ -11,6 +11,7 @@ that cannot be reached raises what aiohttp raises (``PEER_UNREACHABLE``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,16 @@ class PeerRefused(RuntimeError):
 PEER_ERRORS = (PeerRefused, aiohttp.ClientError, TimeoutError, OSError)
 
 
+def _read_peers_file(path: str) -> dict[str, str]:
+    """{agent name: "host:port"} from a PDFABRIC_PEERS_FILE; {} while it is missing or half-written."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
 class PeerClient:
     def __init__(
         self, cfg: AgentConfig, rankmap: RankMap, peer_port: int, clock: Callable[[], float], liveness: Liveness
@@ -61,6 +72,7 @@ class PeerClient:
         self._missed: dict[str, int] = {}  # agent -> consecutive missed heartbeats
         self._rechecks: dict[str, asyncio.Task[bool]] = {}  # agent -> the ping a new room waits for
         self._recheck_after: dict[str, float] = {}
+        self._file_peers: dict[str, str] = {}  # PDFABRIC_PEERS_FILE, as last read
 
     def peer_host(self, agent_name: str) -> str:
         """The host name agent ``agent_name`` is dialled by, and its certificate must carry."""
@@ -70,6 +82,11 @@ class PeerClient:
     def address(self, agent_name: str) -> str:
         if agent_name in self.cfg.peers:
             return self.cfg.peers[agent_name]
+        if self.cfg.peers_file:
+            if agent_name not in self._file_peers:  # a peer that came up after this agent: read again
+                self._file_peers = _read_peers_file(self.cfg.peers_file)
+            if agent_name in self._file_peers:
+                return self._file_peers[agent_name]
         return f"{self.peer_host(agent_name)}:{self.peer_port}"
 
     async def _session(self) -> aiohttp.ClientSession:
@@ -167,6 +184,14 @@ class PeerClient:
             return not self.health.is_blacklisted(agent_name)
         finally:
             self._rechecks.pop(agent_name, None)
+
+    def forget(self, agent_name: str) -> None:
+        """`agent_name` left the rank map, or is new in it under a name that was there before: its
+        blacklisting, missed heartbeats and pending re-checks go."""
+        self.health.forget(agent_name)
+        self._missed.pop(agent_name, None)
+        self._recheck_after.pop(agent_name, None)
+        metrics.peers_blacklisted.labels(self.rankmap.cluster).set(len(self.health.blacklisted))
 
     def heard_from(self, agent_name: str) -> None:
         """`agent_name` called the peer door: alive, whatever its missed heartbeats said."""

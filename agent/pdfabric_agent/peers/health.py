@@ -59,6 +59,10 @@ class PeerHealth:
     def is_blacklisted(self, peer: str) -> bool:
         return peer in self._bad
 
+    def forget(self, peer: str) -> None:
+        """The peer left the cluster (or a new agent took its name): no record of it is kept."""
+        self._bad.pop(peer, None)
+
     def reason(self, peer: str) -> str:
         entry = self._bad.get(peer)
         return entry.reason if entry else ""

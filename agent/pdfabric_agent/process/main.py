@@ -28,9 +28,11 @@ from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
 from pdfabric_agent.node import probe
 from pdfabric_agent.node.hardware import Hardware, detect_hardware
 from pdfabric_agent.node.transport import TransportChoice, TransportError, choose_transport, mooncake_env
+from pdfabric_agent.process.rankmap_file import CHECK_EVERY_S, RankMapFile
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.rooms.membership import MembershipRefused
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig, ConfigError, load_config, require_peer_tls
@@ -156,6 +158,23 @@ def engine_exit_handler(agent: Agent) -> Callable[[EngineLaunch, str], None]:
     return exited
 
 
+def follow_rankmap(agent: Agent, source: RankMapFile, readiness: Readiness) -> None:
+    """Adopt the mounted rank map when the operator changed it (rooms/membership.py)."""
+    newer = source.newer()
+    if newer is None:
+        return
+    try:
+        adopted = agent.adopt(newer)
+    except MembershipRefused as exc:
+        readiness.rankmap_refused = f"rank map {newer.digest}: {exc}"
+        metrics.rankmap_reloads.labels(agent.cluster, "refused").inc()
+        log.warning("not adopting %s", readiness.rankmap_refused)
+        return
+    readiness.rankmap, readiness.rankmap_refused = adopted.digest, ""
+    metrics.rankmap_reloads.labels(agent.cluster, "adopted").inc()
+    log.info("adopted %s", adopted.summary())
+
+
 class _Stopping(Exception):
     """SIGTERM arrived before the agent was ready."""
 
@@ -182,10 +201,10 @@ async def link_check(readiness: Readiness, check: probe.LinkCheck, agent: Agent,
 async def serve(cfg: AgentConfig) -> int:
     readiness = Readiness()
     try:
-        with open(cfg.rankmap_path, encoding="utf-8") as fh:
-            rankmap = RankMap.from_json(fh.read())
+        rankmap_file = RankMapFile(cfg.rankmap_path)
+        rankmap = rankmap_file.rankmap
         spec = parse_spec(rankmap.spec)
-        entry = rankmap.agent_for_node(cfg.node_name)
+        entry = rankmap.own_entry(cfg.pod_name, cfg.node_name)
     except (OSError, ValueError, LookupError, KeyError, SpecError) as exc:
         log.error("cannot start: %s", exc)
         return 2
@@ -233,13 +252,10 @@ async def serve(cfg: AgentConfig) -> int:
         for role in roles:
             metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
         agent = Agent(cfg, rankmap, spec, ranks, choice.transport.value)
-        # Per pair: the kernel path to a peer on this node when the rank's backend has one, else the engine.
-        pair_paths = {
-            rid: (lr.backend.paths[0], lr.backend.paths[-1]) if lr.backend.kernel else (lr.backend.path,) * 2
-            for rid, lr in ranks.items()
-        }
-        metrics.set_peer_transport(rankmap, spec, entry.name, requested.value, choice.transport.value, pair_paths)
+        agent.requested = requested
+        agent.publish_peers()
         readiness.requested, readiness.transport = requested.value, choice.transport.value
+        readiness.rankmap = rankmap.digest
         backends = {rid: lr.backend for rid, lr in ranks.items()}
         gpu_of = {rid: lr.rank.gpu for rid, lr in ranks.items()}
         probe_pools.update(probe.allocate(rankmap, backends, kv_buffer_device(choice.transport), cfg.shm_dir, gpu_of))
@@ -251,6 +267,8 @@ async def serve(cfg: AgentConfig) -> int:
         peer_tls = tls.PeerTls.of(cfg.peer_tls_dir)
         for reload_outcome in ("loaded", "refused"):  # at 0 from the start: the first refusal is an increase
             metrics.peer_certificate_reloads.labels(cluster, reload_outcome)
+        for reload_outcome in ("adopted", "refused"):
+            metrics.rankmap_reloads.labels(cluster, reload_outcome)
         await GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=peer_tls.server).start()
         await link_check(readiness, probe.LinkCheck(rankmap, spec, entry.name, backends, probe_pools), agent, stop)
         if stop.is_set():
@@ -277,12 +295,15 @@ async def serve(cfg: AgentConfig) -> int:
         log.exception("agent start failed")
 
     try:
-        tls_checked = time.monotonic()
+        tls_checked = rankmap_checked = time.monotonic()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), TICK_S)
             if agent is not None:
                 await agent.tick()
+                if time.monotonic() - rankmap_checked >= CHECK_EVERY_S:
+                    rankmap_checked = time.monotonic()
+                    follow_rankmap(agent, rankmap_file, readiness)
             if peer_tls is not None and time.monotonic() - tls_checked >= tls.RELOAD_CHECK_S:
                 tls_checked = time.monotonic()
                 outcome = peer_tls.reload_if_changed()  # the operator renewed the certificate

@@ -14,7 +14,7 @@ from pdfabric_agent.ranks.engine_memory import EngineMemory
 from pdfabric_agent.transfer.base import TransferBackend
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import Rank, RankMap
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 
 
@@ -55,14 +55,58 @@ class LocalRank:
         pool.write(addr - pool.addr, data)
 
 
+@dataclass(frozen=True)
+class Leaving:
+    """An agent a newer rank map dropped (its replica was scaled away): still a peer until
+    ``until``, so the rooms it has open drain while its pod stops."""
+
+    entry: AgentEntry
+    until: float
+
+
 class NodeRanks:
-    """Local ranks by id, and lookups in the rank map that refuse with 404 what it lacks."""
+    """Local ranks by id, and where the rank map puts the others: the one holder of the rank map
+    and spec this agent runs on (``adopt`` moves to a newer map without a restart). Lookups refuse
+    with 404 what the map lacks; an agent the map dropped is still found while it is leaving."""
 
     def __init__(self, rankmap: RankMap, spec: PDClusterSpec, agent_name: str, ranks: Mapping[str, LocalRank]) -> None:
         self.rankmap = rankmap
         self.spec = spec
         self.agent_name = agent_name
         self.by_id = dict(ranks)
+        self.leaving: dict[str, Leaving] = {}
+
+    def adopt(self, rankmap: RankMap, spec: PDClusterSpec, leave_until: float) -> tuple[list[str], list[str]]:
+        """Run on `rankmap` from now on: returns (agents added, agents dropped). The dropped ones
+        stay peers until `leave_until`; one that comes back is a member again."""
+        before = {a.name: a for a in self.rankmap.agents}
+        after = {a.name for a in rankmap.agents}
+        added = sorted(after - set(before))
+        dropped = sorted(set(before) - after)
+        for name in dropped:
+            self.leaving[name] = Leaving(before[name], leave_until)
+        for name in after:
+            self.leaving.pop(name, None)
+        self.rankmap, self.spec = rankmap, spec
+        return added, dropped
+
+    def left(self, now: float) -> list[AgentEntry]:
+        """The leaving agents whose time is up, forgotten from now on."""
+        gone = [name for name, x in self.leaving.items() if now >= x.until]
+        return [self.leaving.pop(name).entry for name in gone]
+
+    def peer_agents(self) -> set[str]:
+        """Every agent the peer door admits: the map's, and those still leaving."""
+        return {a.name for a in self.rankmap.agents} | set(self.leaving)
+
+    def _entry_for_rank(self, rank_id: str) -> AgentEntry:
+        try:
+            return self.rankmap.agent_for_rank(rank_id)
+        except LookupError as exc:
+            for x in self.leaving.values():
+                if any(r.rank_id == rank_id for r in x.entry.ranks):
+                    return x.entry
+            raise unknown_rank(str(exc)) from None
 
     def served(self, rank_id: str) -> LocalRank:
         local = self.by_id.get(rank_id)
@@ -77,10 +121,7 @@ class NodeRanks:
         return local
 
     def agent_for(self, rank_id: str) -> str:
-        try:
-            return self.rankmap.agent_for_rank(rank_id).name
-        except LookupError as exc:
-            raise unknown_rank(str(exc)) from None
+        return self._entry_for_rank(rank_id).name
 
     def check_speaker(self, rank_id: str, sender_agent: str | None) -> None:
         """A peer message about `rank_id` must come from the agent the rank map gives that rank
@@ -93,10 +134,7 @@ class NodeRanks:
 
     def rank(self, rank_id: str) -> Rank:
         """Any rank of the cluster by id (404 for one the rank map lacks)."""
-        try:
-            entry = self.rankmap.agent_for_rank(rank_id)
-        except LookupError as exc:
-            raise unknown_rank(str(exc)) from None
+        entry = self._entry_for_rank(rank_id)
         return next(r for r in entry.ranks if r.rank_id == rank_id)
 
     def decode_stage(self, local: LocalRank) -> int:

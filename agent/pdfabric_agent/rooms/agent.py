@@ -48,6 +48,7 @@ from pdfabric_agent.ranks.engine_memory import EngineMemory, engine_layout
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.decode import DecodeArrivals
+from pdfabric_agent.rooms.membership import Adopted, check_adoptable
 from pdfabric_agent.rooms.prefill import PrefillSender
 from pdfabric_agent.rooms.registry import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
 from pdfabric_agent.runtime import metrics
@@ -74,19 +75,15 @@ class Agent:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
-        self.rankmap = rankmap
-        self.spec = spec
         self.transport = Transport(transport)
         self.cluster = rankmap.cluster
         self.backend_name = spec.backend
-        self.entry = rankmap.agent_for_node(cfg.node_name)
+        self.entry = rankmap.own_entry(cfg.pod_name, cfg.node_name)
         self.clock = clock
         labels = MetricLabels(rankmap.cluster, spec.backend, transport)
         liveness = Liveness(clock())
         self.ctx = AgentContext(
             cfg=cfg,
-            spec=spec,
-            rankmap=rankmap,
             ranks=NodeRanks(rankmap, spec, self.entry.name, ranks),
             rooms=RoomRegistry(labels, clock),
             peers=PeerClient(cfg, rankmap, spec.agent.peer_port, clock, liveness),
@@ -98,6 +95,7 @@ class Agent:
         )
         self.rooms = self.ctx.rooms
         self.peers = self.ctx.peers
+        self.requested = self.transport  # the transport the rank map asked for (main sets it after a fallback)
         metrics.precreate_peers(rankmap, spec, self.entry.name)  # every (rank, peer agent) pair at zero
         self.sender = PrefillSender(self.ctx)
         self.arrivals = DecodeArrivals(self.ctx, CompletionWatcher(cfg.shm_dir))
@@ -109,6 +107,69 @@ class Agent:
     @property
     def ranks(self) -> dict[str, LocalRank]:
         return self.ctx.ranks.by_id
+
+    @property
+    def rankmap(self) -> RankMap:
+        return self.ctx.rankmap
+
+    @property
+    def spec(self) -> PDClusterSpec:
+        return self.ctx.spec
+
+    # ---------------------------------------------------------------- membership
+    def pair_paths(self) -> dict[str, tuple[str, str]]:
+        """Per local rank: (path to a peer on this node, path to a peer on another node), the
+        kernel path when the rank's backend has one, else the engine's."""
+        return {
+            rid: (lr.backend.paths[0], lr.backend.paths[-1]) if lr.backend.kernel else (lr.backend.path,) * 2
+            for rid, lr in self.ranks.items()
+        }
+
+    def publish_peers(self) -> None:
+        """The per-peer series of every pair the rank map names, and how many agents it lists."""
+        rankmap, spec, me = self.rankmap, self.spec, self.entry.name
+        metrics.precreate_peers(rankmap, spec, me)
+        metrics.set_peer_transport(rankmap, spec, me, self.requested.value, self.transport.value, self.pair_paths())
+        metrics.rankmap_peers.labels(self.cluster, "current").set(len(rankmap.agents))
+        metrics.rankmap_peers.labels(self.cluster, "leaving").set(len(self.ctx.ranks.leaving))
+
+    @property
+    def leave_grace_s(self) -> float:
+        """How long an agent a newer rank map dropped stays a peer: the longest a room may take."""
+        return self.cfg.bootstrap_timeout_s + self.spec.transfer.timeout_seconds
+
+    def adopt(self, rankmap: RankMap) -> Adopted:
+        """Run on a newer rank map from now on (``membership``); MembershipRefused, and the map
+        in use unchanged, when this agent cannot."""
+        spec = check_adoptable(self.rankmap, self.spec, rankmap, self.entry.name)
+        added, dropped = self.ctx.ranks.adopt(rankmap, spec, self.clock() + self.leave_grace_s)
+        for name in added:  # a name seen before is a new pod now: no old record holds against it
+            self.peers.forget(name)
+        self.publish_peers()
+        return Adopted(rankmap.digest, tuple(added), tuple(dropped))
+
+    def _forget_left(self, now: float) -> None:
+        """Agents whose leave is over: rooms still waiting on them fail, saying so; they are forgotten."""
+        for entry in self.ctx.ranks.left(now):
+            reason = f"agent {entry.name} left the cluster's rank map (its replica was scaled away)"
+            failed = 0
+            for _, room in self.rooms.open_rooms():
+                if room.state.finished:
+                    continue
+                if isinstance(room, PrefillRoom) and any(
+                    t.agent == entry.name and not t.done for t in room.targets.values()
+                ):
+                    self.sender.abort(room, reason)
+                    failed += 1
+                elif isinstance(room, DecodeRoom) and any(
+                    agent == entry.name and rank not in room.arrived for rank, agent in room.expected.items()
+                ):
+                    self.arrivals.give_up(room, reason)
+                    failed += 1
+            self.peers.forget(entry.name)
+            metrics.forget_peer(entry.name)
+            metrics.rankmap_peers.labels(self.cluster, "leaving").set(len(self.ctx.ranks.leaving))
+            log.info("%s: forgotten%s", reason, f"; {failed} rooms still waiting on it failed" if failed else "")
 
     # ---------------------------------------------------------------- identity
     def check_token(self, header: str | None) -> None:
@@ -277,6 +338,8 @@ class Agent:
         periodically."""
         now = self.clock()
         self.ctx.liveness.tick(now)
+        if self.ctx.ranks.leaving:
+            self._forget_left(now)
         if now >= self._heartbeat_due and not self._heartbeat_running:
             self._heartbeat_due = now + self.cfg.heartbeat_s
             self._heartbeat_running = True

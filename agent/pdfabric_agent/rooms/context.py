@@ -20,9 +20,7 @@ from pdfabric_core.spec import PDClusterSpec
 @dataclass
 class AgentContext:
     cfg: AgentConfig
-    spec: PDClusterSpec
-    rankmap: RankMap
-    ranks: NodeRanks
+    ranks: NodeRanks  # holds the rank map and spec, which a newer rank map replaces (``spec``, ``rankmap``)
     rooms: RoomRegistry
     peers: PeerClient
     tasks: TaskSet
@@ -30,6 +28,14 @@ class AgentContext:
     clock: Callable[[], float]
     labels: MetricLabels
     liveness: Liveness
+
+    @property
+    def spec(self) -> PDClusterSpec:
+        return self.ranks.spec
+
+    @property
+    def rankmap(self) -> RankMap:
+        return self.ranks.rankmap
 
     def traffic_labels(self, role: Role, path: str) -> tuple[str, str, str, str, str]:
         lab = self.labels

@@ -54,6 +54,11 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
         'JSON {"agent-name": "host:port"} overriding peer door addresses (local runs); the peer '
         "certificate is still verified against the host name of the template below.",
     ),
+    "PDFABRIC_PEERS_FILE": (
+        "",
+        "A file of the same JSON, read again when a peer is not in it (local runs, where agents of "
+        "new replicas come up after this one started).",
+    ),
     "PDFABRIC_PEER_HOST_TEMPLATE": (
         "{name}.{cluster}-agents.{namespace}.svc",
         "Peer door host from the rank map's agent name (pod DNS name under the headless Service); "
@@ -127,6 +132,7 @@ class AgentConfig:
     metrics_port: int | None
     engine_host: str
     peers: Mapping[str, str] = field(default_factory=dict)
+    peers_file: str = ""  # PDFABRIC_PEERS_FILE
     peer_host_template: str = SETTINGS["PDFABRIC_PEER_HOST_TEMPLATE"][0] or ""
     kv_pages: int = 256
     state_slots: int = 64
@@ -241,6 +247,7 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
         metrics_port=_port(env, "PDFABRIC_METRICS_PORT"),
         engine_host=env.get("PDFABRIC_ENGINE_HOST") or pod_ip or "127.0.0.1",
         peers=peers,
+        peers_file=env.get("PDFABRIC_PEERS_FILE", ""),
         peer_host_template=env.get("PDFABRIC_PEER_HOST_TEMPLATE") or SETTINGS["PDFABRIC_PEER_HOST_TEMPLATE"][0] or "",
         kv_pages=_int(env, "PDFABRIC_KV_PAGES"),
         state_slots=_int(env, "PDFABRIC_STATE_SLOTS"),

@@ -214,6 +214,18 @@ serving_engine_restarts = Counter(
 
 # The peer certificate the operator renews in place (tls.PeerTls): each changed set the agent saw,
 # loaded, or refused (it does not load: a key that is not its certificate's) and tried again.
+rankmap_reloads = Counter(
+    "pdfabric_rankmap_reloads",
+    "Newer rank maps the agent read (a role was scaled): outcome adopted (it runs on it now), or refused (it cannot: its own pod is being replaced or deleted; /readyz says why).",
+    ["cluster", "outcome"],
+    registry=REGISTRY,
+)
+rankmap_peers = Gauge(
+    "pdfabric_rankmap_peers",
+    "Agents of the rank map this agent runs on, itself included (state current), and agents a newer map dropped that still drain their rooms (state leaving).",
+    ["cluster", "state"],
+    registry=REGISTRY,
+)
 peer_certificate_reloads = Counter(
     "pdfabric_peer_certificate_reloads",
     "Changed peer certificate files the agent saw (the operator renewed them in place): outcome loaded, or refused and tried again.",
@@ -310,6 +322,17 @@ def set_peer_transport(
         path = same_node if node.get(peer) == node.get(agent_name) else other_node
         peer_transport_info.labels(rankmap.cluster, rank_id, peer, role.value, requested, transport, path).set(1)
     return len(pairs)
+
+
+def forget_peer(peer: str) -> int:
+    """Remove every per-peer series of agent `peer` (it left the rank map); returns how many."""
+    removed = 0
+    for metric in (peer_bytes, peer_request_duration, peer_requests, peer_transport_info):
+        at = metric._labelnames.index("peer")
+        for values in [v for v in list(metric._metrics) if v[at] == peer]:
+            metric.remove(*values)
+            removed += 1
+    return removed
 
 
 def count_peer_part(
