@@ -19,7 +19,7 @@ from pdfabric_agent.rooms.membership import MembershipRefused
 from pdfabric_agent.runtime import metrics
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
-from tests.unit.agents import D, TCP_RAW, make_agent, record_posts
+from tests.unit.agents import TCP_RAW, D, make_agent, record_posts
 
 A1 = AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),))
 A2 = AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),))
