@@ -214,15 +214,15 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
     step("what Prometheus saw")
     time.sleep(2.5)  # two more scrapes
     queries = {
-        "KV bytes": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="prefill",kind="kv"})',
-        "state bytes": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="prefill",kind="state"})',
-        "aux bytes": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="prefill",kind="aux"})',
-        "state bytes saved by CP dedup": 'sum(pdfabric_state_dedup_skipped_bytes_total{cluster="demo"})',
-        "successful rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome="success"})',
-        "engine blocks / batches": 'sum(pdfabric_transfer_blocks_total{cluster="demo",role="prefill"}) / '
-        'sum(pdfabric_transfer_batches_total{cluster="demo",role="prefill"})',
+        "KV bytes": 'sum(pdfabric_transfer_bytes_total{pdcluster="demo",role="prefill",kind="kv"})',
+        "state bytes": 'sum(pdfabric_transfer_bytes_total{pdcluster="demo",role="prefill",kind="state"})',
+        "aux bytes": 'sum(pdfabric_transfer_bytes_total{pdcluster="demo",role="prefill",kind="aux"})',
+        "state bytes saved by CP dedup": 'sum(pdfabric_state_dedup_skipped_bytes_total{pdcluster="demo"})',
+        "successful rank-requests": 'sum(pdfabric_requests_total{pdcluster="demo",outcome="success"})',
+        "engine blocks / batches": 'sum(pdfabric_transfer_blocks_total{pdcluster="demo",role="prefill"}) / '
+        'sum(pdfabric_transfer_batches_total{pdcluster="demo",role="prefill"})',
         "p50 submit-to-completion (s)": "histogram_quantile(0.5, sum by (le) "
-        '(rate(pdfabric_request_duration_seconds_bucket{cluster="demo",role="prefill"}[1m])))',
+        '(rate(pdfabric_request_duration_seconds_bucket{pdcluster="demo",role="prefill"}[1m])))',
         "operator reconciles": "sum(pdfabric_operator_reconciles_total)",
     }
     print_queries(prometheus, queries)
@@ -232,7 +232,7 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
 
     step("the transfer dashboard's traffic panels, from this run's Prometheus data")
     time.sleep(5)  # the rates fall back to zero
-    drawn = render(http_range_query(prometheus.url), traffic_start, time.time(), cluster="demo", namespace=NAMESPACE)
+    drawn = render(http_range_query(prometheus.url), traffic_start, time.time(), pdcluster="demo", namespace=NAMESPACE)
     for name, series in drawn.items():
         print(f"  docs/img/{name}: {series} series")
 
@@ -325,10 +325,10 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
     step("what Prometheus saw for them")
     time.sleep(2.5)  # two more scrapes
     queries = {
-        "KV bytes into decode": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="decode",kind="kv"})',
-        "aux bytes into decode": 'sum(pdfabric_transfer_bytes_total{cluster="demo",role="decode",kind="aux"})',
-        "successful rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome="success"})',
-        "failed rank-requests": 'sum(pdfabric_requests_total{cluster="demo",outcome!="success"}) or vector(0)',
+        "KV bytes into decode": 'sum(pdfabric_transfer_bytes_total{pdcluster="demo",role="decode",kind="kv"})',
+        "aux bytes into decode": 'sum(pdfabric_transfer_bytes_total{pdcluster="demo",role="decode",kind="aux"})',
+        "successful rank-requests": 'sum(pdfabric_requests_total{pdcluster="demo",outcome="success"})',
+        "failed rank-requests": 'sum(pdfabric_requests_total{pdcluster="demo",outcome!="success"}) or vector(0)',
         "router /generate requests": f'sum(smg_http_requests_total{{namespace="{NAMESPACE}",path="/generate"}})',
     }
     print_queries(prometheus, queries)
@@ -415,9 +415,9 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
         print_queries(
             prometheus,
             {
-                "KV bytes into SGLang's decode server": 'sum(pdfabric_transfer_bytes_total{cluster="sglang",role="decode",kind="kv"})',
-                "metadata (aux) bytes": 'sum(pdfabric_transfer_bytes_total{cluster="sglang",role="decode",kind="aux"})',
-                "successful rank-requests": 'sum(pdfabric_requests_total{cluster="sglang",outcome="success"})',
+                "KV bytes into SGLang's decode server": 'sum(pdfabric_transfer_bytes_total{pdcluster="sglang",role="decode",kind="kv"})',
+                "metadata (aux) bytes": 'sum(pdfabric_transfer_bytes_total{pdcluster="sglang",role="decode",kind="aux"})',
+                "successful rank-requests": 'sum(pdfabric_requests_total{pdcluster="sglang",outcome="success"})',
             },
         )
     finally:

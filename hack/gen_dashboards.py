@@ -29,11 +29,11 @@ from grafana_foundation_sdk.models import prometheus as gprom_model
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "charts" / "pdfabric" / "dashboards"
 RATE = "$__rate_interval"
-SEL = 'namespace=~"$namespace", cluster=~"$cluster"'
+SEL = 'namespace=~"$namespace", pdcluster=~"$pdcluster"'
 PEER_SEL = f'{SEL}, peer=~"$peer"'
 DATASOURCE = gmodel.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # The variables a query may name, and what a concrete query (e2e, hack/render_panels.py) puts there.
-VARIABLES = ("namespace", "cluster", "peer")
+VARIABLES = ("namespace", "pdcluster", "peer")
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ PEER_PANELS = (
     ),
     Panel(
         "Slowest pairs (p99, top 10)",
-        ((f"sort_desc(topk(10, {peer_p99('le, cluster, rank, peer')}))", ""),),
+        ((f"sort_desc(topk(10, {peer_p99('le, pdcluster, rank, peer')}))", ""),),
         unit="s",
         kind="table",
         description="The slow pair is the first row: the prefill rank and the decode agent between which parts "
@@ -210,7 +210,7 @@ TRANSFER_PANELS = (
     ),
     Panel(
         "Peers blacklisted",
-        ((f"sum by (cluster) (pdfabric_peers_blacklisted{{{SEL}}})", "{{cluster}}"),),
+        ((f"sum by (pdcluster) (pdfabric_peers_blacklisted{{{SEL}}})", "{{pdcluster}}"),),
         description="Peers failed once and re-probed with backoff.",
     ),
     Panel(
@@ -297,16 +297,16 @@ def variables(fabric: bool) -> list[gdash.DatasourceVariable | gdash.QueryVariab
         gdash.DatasourceVariable("datasource").label("Data source").type("prometheus")
     ]
     if fabric:
-        # namespace comes from the scrape (the PodMonitor's target labels), cluster and peer from the agent.
+        # namespace comes from the scrape (the PodMonitor's target labels), pdcluster and peer from the agent.
         out += [
             query_variable("namespace", "Namespace", "label_values(pdfabric_agent_ready, namespace)"),
             query_variable(
-                "cluster", "PDCluster", 'label_values(pdfabric_agent_ready{namespace=~"$namespace"}, cluster)'
+                "pdcluster", "PDCluster", 'label_values(pdfabric_agent_ready{namespace=~"$namespace"}, pdcluster)'
             ),
             query_variable(
                 "peer",
                 "Peer agent",
-                'label_values(pdfabric_peer_transfer_bytes_total{namespace=~"$namespace", cluster=~"$cluster"}, peer)',
+                'label_values(pdfabric_peer_transfer_bytes_total{namespace=~"$namespace", pdcluster=~"$pdcluster"}, peer)',
             ),
         ]
     return out

@@ -5,7 +5,7 @@ variables set, run as range queries and plotted with matplotlib, one picture a p
 `make demo` (hack/demo.py) writes docs/img/ fresh from its run; by hand, against any Prometheus
 that scrapes agents:
 
-    python hack/render_panels.py http://127.0.0.1:9090 --cluster demo --namespace demo --last 300
+    python hack/render_panels.py http://127.0.0.1:9090 --pdcluster demo --namespace demo --last 300
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def render(
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("prometheus", help="Prometheus base URL")
-    parser.add_argument("--cluster", default=".*", help="the PDCluster variable (a regex; All by default)")
+    parser.add_argument("--pdcluster", default=".*", help="the PDCluster variable (a regex; All by default)")
     parser.add_argument("--namespace", default=".*", help="the namespace variable (a regex; All by default)")
     parser.add_argument("--last", type=float, default=600, help="seconds back from now")
     parser.add_argument("--rate", default="5s", help="what $__rate_interval becomes")
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
         args.out,
         rate=args.rate,
         step=max(1.0, args.last / 600),
-        cluster=args.cluster,
+        pdcluster=args.pdcluster,
         namespace=args.namespace,
     )
     for name, n in drawn.items():

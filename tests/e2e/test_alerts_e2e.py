@@ -143,7 +143,7 @@ def test_one_fault_fires_its_alert_and_only_it(
                 for key in ((agent_of[p], p, agent_of[d], "prefill"), (agent_of[d], d, agent_of[p], "decode")):
                     want_bytes[key] = want_bytes.get(key, 0.0) + n
 
-    sel = f'cluster="pd", namespace="{namespace}"'
+    sel = f'pdcluster="pd", namespace="{namespace}"'
     success = float(len(ROOMS) * (spec.prefill.tp * spec.prefill.cp + spec.decode.tp))
     h.wait_until(
         lambda: series(prometheus, f'sum(pdfabric_requests_total{{{sel}, outcome="success"}})') == {(): success},

@@ -39,7 +39,7 @@ def runner(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[PodRunner]:
 
 
 def dashboard_query(expr: str, cluster_name: str, namespace: str) -> str:
-    return gen_dashboards.concrete(expr, cluster=cluster_name, namespace=namespace)
+    return gen_dashboards.concrete(expr, pdcluster=cluster_name, namespace=namespace)
 
 
 @pytest.mark.slow
@@ -82,7 +82,9 @@ def test_apply_place_transfer_scrape(
 
     # Prometheus sees exactly the bytes that moved: 2 rooms of the synthetic engine's own count.
     def scraped(kind: str) -> float:
-        result = prometheus.query(f'sum(pdfabric_transfer_bytes_total{{cluster="pd", role="prefill", kind="{kind}"}})')
+        result = prometheus.query(
+            f'sum(pdfabric_transfer_bytes_total{{pdcluster="pd", role="prefill", kind="{kind}"}})'
+        )
         return float(result[0]["value"][1]) if result else -1.0
 
     want_by_kind = {"kv": 2 * want.kv, "state": 2 * want.state, "aux": 2 * want.aux}
@@ -92,13 +94,13 @@ def test_apply_place_transfer_scrape(
         what=f"Prometheus to scrape {want_by_kind}",
     )
     # CP2 with all-ranks transfer: CP rank 1's copy of the state was not sent, and counted as saved.
-    skipped = prometheus.query('sum(pdfabric_state_dedup_skipped_bytes_total{cluster="pd"})')
+    skipped = prometheus.query('sum(pdfabric_state_dedup_skipped_bytes_total{pdcluster="pd"})')
     assert float(skipped[0]["value"][1]) == 2 * want.state_skipped > 0
 
     # Each rank's request counts once it is confirmed; a prefill rank's confirmation can land a
     # scrape after the bytes did (the decode side saw Success first).
     def succeeded() -> float:
-        ok = prometheus.query('sum(pdfabric_requests_total{cluster="pd", outcome="success"})')
+        ok = prometheus.query('sum(pdfabric_requests_total{pdcluster="pd", outcome="success"})')
         return float(ok[0]["value"][1]) if ok else -1.0
 
     want_ok = 2 * (spec.prefill.tp * spec.prefill.cp + spec.decode.tp)

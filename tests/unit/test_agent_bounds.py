@@ -72,7 +72,7 @@ def served(agent: Agent) -> Iterator[Served]:
 
 
 def refusals(reason: str) -> float:
-    value = metrics.REGISTRY.get_sample_value("pdfabric_api_refusals_total", {"cluster": CLUSTER, "reason": reason})
+    value = metrics.REGISTRY.get_sample_value("pdfabric_api_refusals_total", {"pdcluster": CLUSTER, "reason": reason})
     return value or 0.0
 
 

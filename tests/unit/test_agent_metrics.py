@@ -57,16 +57,27 @@ def test_names_follow_the_rule(registry: CollectorRegistry, prefix: str) -> None
     assert len(names) == len(set(names))
 
 
+@pytest.mark.parametrize("registry", [metrics.REGISTRY, prometheus_client.REGISTRY], ids=["agent", "operator"])
+def test_no_metric_has_a_cluster_label(registry: CollectorRegistry) -> None:
+    # `cluster` is the Kubernetes cluster in multi-cluster Prometheus setups (external labels,
+    # relabelling): a PDCluster's name in it would collide. Ours is `pdcluster`.
+    for m in gen_metrics_docs.declared(registry):
+        assert "cluster" not in m._labelnames, m._name
+        assert "namespace" not in m._labelnames, f"{m._name}: namespace comes from the scrape"
+
+
 def test_precreate_exposes_every_outcome_kind_and_reason_at_zero() -> None:
     metrics.precreate("unit-cluster", "prefill", "mooncake", "tcp", ("mooncake", "tcp-side-channel"))
     text = generate_latest(metrics.REGISTRY).decode()
     for outcome in metrics.Outcome:
-        assert f'pdfabric_requests_total{{cluster="unit-cluster",outcome="{outcome.value}",role="prefill"}} 0.0' in text
+        assert (
+            f'pdfabric_requests_total{{outcome="{outcome.value}",pdcluster="unit-cluster",role="prefill"}} 0.0' in text
+        )
     for kind in metrics.Kind:
         line = (
-            f'pdfabric_transfer_bytes_total{{backend="mooncake",cluster="unit-cluster",kind="{kind.value}",'
-            f'path="tcp-side-channel",role="prefill",transport="tcp"}} 0.0'
+            f'pdfabric_transfer_bytes_total{{backend="mooncake",kind="{kind.value}",path="tcp-side-channel",'
+            f'pdcluster="unit-cluster",role="prefill",transport="tcp"}} 0.0'
         )
         assert line in text
     for reason in metrics.Refusal:
-        assert f'pdfabric_api_refusals_total{{cluster="unit-cluster",reason="{reason.value}"}} 0.0' in text
+        assert f'pdfabric_api_refusals_total{{pdcluster="unit-cluster",reason="{reason.value}"}} 0.0' in text

@@ -31,12 +31,12 @@ def samples(cluster: str) -> list[tuple[str, dict[str, str], float]]:
         (s.name, s.labels, s.value)
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name.startswith("pdfabric_peer_") and s.labels.get("cluster") == cluster
+        if s.name.startswith("pdfabric_peer_") and s.labels.get("pdcluster") == cluster
     ]
 
 
 def value(name: str, **labels: str) -> float:
-    return sum(v for n, lbl, v in samples(labels["cluster"]) if n == name and labels.items() <= lbl.items())
+    return sum(v for n, lbl, v in samples(labels["pdcluster"]) if n == name and labels.items() <= lbl.items())
 
 
 def test_decode_counts_a_source_under_the_rank_maps_agent_only(tmp_path: Path) -> None:
@@ -46,7 +46,7 @@ def test_decode_counts_a_source_under_the_rank_maps_agent_only(tmp_path: Path) -
     decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
     pre = {(lbl["rank"], lbl["peer"], lbl["role"]) for _, lbl, _ in samples("c")}
     assert (D, "a1", "decode") in pre  # pre-created at start, from the rank map
-    labels = {"cluster": "c", "rank": D, "peer": "a1", "role": "decode"}
+    labels = {"pdcluster": "c", "rank": D, "peer": "a1", "role": "decode"}
     before = {n: value(n, **labels) for n in PEER_METRICS}
 
     async def go() -> None:
@@ -71,7 +71,7 @@ def test_decode_counts_a_source_under_the_rank_maps_agent_only(tmp_path: Path) -
 
 def test_a_decode_room_that_times_out_counts_each_missing_source(tmp_path: Path) -> None:
     decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
-    labels = {"cluster": "c", "rank": D, "peer": "a1", "role": "decode", "outcome": "timeout"}
+    labels = {"pdcluster": "c", "rank": D, "peer": "a1", "role": "decode", "outcome": "timeout"}
     before = value("pdfabric_peer_requests_total", **labels)
 
     async def go() -> None:
@@ -85,7 +85,7 @@ def test_a_decode_room_that_times_out_counts_each_missing_source(tmp_path: Path)
 
 
 def test_prefill_counts_each_target_with_what_it_moved(tmp_path: Path) -> None:
-    labels = {"cluster": "c", "rank": P, "peer": "a2", "role": "prefill"}
+    labels = {"pdcluster": "c", "rank": P, "peer": "a2", "role": "prefill"}
     bytes_before = value("pdfabric_peer_transfer_bytes_total", **labels)
     ok_before = value("pdfabric_peer_requests_total", **labels, outcome="success")
     _, room = run_room(tmp_path, Backend(kernel=False, takes=False), list(range(40)))
@@ -105,7 +105,7 @@ def test_prefill_counts_each_target_with_what_it_moved(tmp_path: Path) -> None:
 
 def test_a_room_refused_for_a_blacklisted_peer_counts_its_targets_failed(tmp_path: Path) -> None:
     prefill = make_agent(tmp_path, "n1", [Rank(Role.PREFILL, 0, 0)])
-    labels = {"cluster": "c", "rank": P, "peer": "a2", "role": "prefill", "outcome": "failed"}
+    labels = {"pdcluster": "c", "rank": P, "peer": "a2", "role": "prefill", "outcome": "failed"}
     before = value("pdfabric_peer_requests_total", **labels)
 
     async def go() -> None:

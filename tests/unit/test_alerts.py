@@ -141,3 +141,14 @@ def test_operator_down_needs_the_operator_scraped() -> None:
     names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert "PDFabricOperatorDown" not in names and "PDFabricPlacementFailing" in names
     assert "PDFabricOperatorDown" in _alerts(_rule_spec())
+
+
+def test_no_alert_names_a_cluster_label() -> None:
+    # The PDCluster label is pdcluster: `cluster` is the Kubernetes cluster in multi-cluster setups.
+    label_use = re.compile(r"(?<![a-z_])cluster\b\s*(=|!=|=~|!~)|\$labels\.cluster\b")
+    for name, rule in _alerts(_rule_spec()).items():
+        assert not label_use.search(rule["expr"]), name
+        for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", rule["expr"]):
+            assert "cluster" not in re.split(r"\s*,\s*", group.strip()), name
+        for text in rule.get("annotations", {}).values():
+            assert not label_use.search(text), name

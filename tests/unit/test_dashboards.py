@@ -38,14 +38,22 @@ def test_every_panel_queries_declared_metrics(expr: str) -> None:
     assert not unknown, f"{expr} queries undeclared metrics {sorted(unknown)}"
 
 
-def test_panels_filter_by_the_namespace_and_cluster_variables() -> None:
+def test_panels_filter_by_the_namespace_and_pdcluster_variables() -> None:
     for uid, (_, panels, fabric) in gen_dashboards.DASHBOARDS.items():
         if not fabric:
             continue
         for panel in panels:
             for expr, _ in panel.exprs:
-                for var in ("namespace", "cluster"):
+                for var in ("namespace", "pdcluster"):
                     assert f'{var}=~"${var}"' in expr, f"{uid}/{panel.title} ignores the {var} selector"
+
+
+def test_no_query_names_a_cluster_label() -> None:
+    # The PDCluster label is pdcluster; `cluster` belongs to multi-cluster Prometheus setups.
+    for expr in gen_dashboards.all_exprs():
+        assert not re.search(r"(?<![a-z_])cluster\b\s*(=|!=|=~|!~)|\$cluster\b", expr), expr
+        for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
+            assert "cluster" not in re.split(r"\s*,\s*", group.strip()), expr
 
 
 def test_peer_panels_filter_by_the_peer_variable() -> None:
@@ -63,18 +71,18 @@ def dashboard(uid: str) -> dict[str, Any]:
 
 def test_fabric_dashboard_variables() -> None:
     variables = {v["name"]: v for v in dashboard("pdfabric-transfer")["templating"]["list"]}
-    assert list(variables) == ["datasource", "namespace", "cluster", "peer"]
+    assert list(variables) == ["datasource", "namespace", "pdcluster", "peer"]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("namespace", "cluster", "peer"):
+    for name in ("namespace", "pdcluster", "peer"):
         var = variables[name]
         assert var["type"] == "query"
         assert var["datasource"]["uid"] == "${datasource}"
         assert var["query"].startswith("label_values(")
         assert var["includeAll"] and var["multi"] and var["allValue"] == ".*"
     # each narrows by the ones before it
-    assert '$namespace"' in variables["cluster"]["query"]
-    assert '$cluster"' in variables["peer"]["query"]
+    assert '$namespace"' in variables["pdcluster"]["query"]
+    assert '$pdcluster"' in variables["peer"]["query"]
     assert [v["name"] for v in dashboard("pdfabric-operator")["templating"]["list"]] == ["datasource"]
 
 
@@ -95,4 +103,4 @@ def test_panels_tile_the_grid(uid: str) -> None:
 
 @pytest.mark.parametrize("expr", gen_dashboards.all_exprs())
 def test_concrete_queries_name_no_variable(expr: str) -> None:
-    assert "$" not in gen_dashboards.concrete(expr, cluster="pd", namespace="ns", peer="pd-decode-0")
+    assert "$" not in gen_dashboards.concrete(expr, pdcluster="pd", namespace="ns", peer="pd-decode-0")

@@ -239,7 +239,7 @@ def engine_supervisor(tree: Path, mode: EngineSandbox) -> tuple[EngineSupervisor
 
 
 def sandboxed_sample() -> float | None:
-    return metrics.REGISTRY.get_sample_value("pdfabric_serving_engine_sandboxed", {"cluster": "sbx"})
+    return metrics.REGISTRY.get_sample_value("pdfabric_serving_engine_sandboxed", {"pdcluster": "sbx"})
 
 
 async def serve_once(sup: EngineSupervisor) -> None:

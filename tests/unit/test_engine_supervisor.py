@@ -100,7 +100,7 @@ def run(coro: Awaitable[None]) -> None:
 
 
 def sample(name: str, engine: str = "prefill-0") -> float | None:
-    return metrics.REGISTRY.get_sample_value(name, {"cluster": "c", "engine": engine, "role": "prefill"})
+    return metrics.REGISTRY.get_sample_value(name, {"pdcluster": "c", "engine": engine, "role": "prefill"})
 
 
 @pytest.fixture

@@ -17,14 +17,14 @@ def test_traffic_panels_render_from_their_queries(tmp_path: Path) -> None:
         values = [[start + i, str(i * 1024.0)] for i in range(int((end - start) / step) + 1)]
         return [{"metric": {"kind": "kv", "rank": "pd-prefill-0/0", "peer": "pd-decode-0"}, "values": values}]
 
-    drawn = render_panels.render(query, 1000.0, 1030.0, tmp_path, cluster="pd", namespace="ns")
+    drawn = render_panels.render(query, 1000.0, 1030.0, tmp_path, pdcluster="pd", namespace="ns")
     assert set(drawn) == {f"panel-{render_panels.slug(t)}.png" for t in render_panels.TRAFFIC_PANELS}
     for name, series in drawn.items():
         assert series >= 1
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     panels = {p.title: p for p in gen_dashboards.TRANSFER_PANELS}
     want = [
-        gen_dashboards.concrete(e, rate="5s", cluster="pd", namespace="ns")
+        gen_dashboards.concrete(e, rate="5s", pdcluster="pd", namespace="ns")
         for t in render_panels.TRAFFIC_PANELS
         for e, _ in panels[t].exprs
     ]

@@ -11,6 +11,10 @@ Semantics that differ from upstream SGLang on purpose:
 - latency runs from submit (API call) to confirmed completion: every batch returned and the decode
   agent acknowledged (upstream #31993 measured from the last chunk's enqueue).
 
+Every series carries ``pdcluster``, the PDCluster's name (``namespace`` comes from the scrape), not
+``cluster``: kube-prometheus-stack setups add ``cluster`` (external labels, relabelling) for the
+Kubernetes cluster, and the two would collide (docs/upgrade.md has the PromQL change).
+
 docs/metrics.md is generated from ``REGISTRY`` by hack/gen_metrics_docs.py, closed label values
 read back from the series ``precreate`` makes: declaring a metric on the registry documents it.
 """
@@ -34,7 +38,7 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 
 # Labels identifying where bytes went; `path` is the code path that moved them (e.g. "mooncake",
 # "tcp-side-channel", a GPU kernel path later) so an alternative path shows beside the engine.
-TRAFFIC_LABELS = ("cluster", "role", "backend", "transport", "path")
+TRAFFIC_LABELS = ("pdcluster", "role", "backend", "transport", "path")
 
 
 transfer_bytes = Counter(
@@ -46,7 +50,7 @@ transfer_bytes = Counter(
 state_bytes_skipped = Counter(
     "pdfabric_state_dedup_skipped_bytes_total",
     "State bytes not sent because the CP-replicated state dedup rule said CP rank 0 sends them.",
-    ["cluster", "backend"],
+    ["pdcluster", "backend"],
     registry=REGISTRY,
 )
 transfer_blocks = Counter(
@@ -64,68 +68,68 @@ transfer_batches = Counter(
 requests = Counter(
     "pdfabric_requests_total",
     "Transfer requests (rooms) finished, by outcome.",
-    ["cluster", "role", "outcome"],
+    ["pdcluster", "role", "outcome"],
     registry=REGISTRY,
 )
 request_duration = Histogram(
     "pdfabric_request_duration_seconds",
     "Submit to confirmed completion of a successful room (all batches done and the peer acknowledged).",
-    ["cluster", "role", "backend", "transport"],
+    ["pdcluster", "role", "backend", "transport"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     registry=REGISTRY,
 )
 decode_completions = Counter(
     "pdfabric_decode_completions_total",
     "Sources of decode rooms seen complete, by how the decode agent learned it (completion board: no message after the data).",
-    ["cluster", "how"],
+    ["pdcluster", "how"],
     registry=REGISTRY,
 )
 api_refusals = Counter(
     "pdfabric_api_refusals_total",
     "API requests refused before they changed anything, by reason.",
-    ["cluster", "reason"],
+    ["pdcluster", "reason"],
     registry=REGISTRY,
 )
 engine_up = Gauge(
     "pdfabric_engine_up",
     "1 while the rank's transfer engine is initialised with its pools registered.",
-    ["cluster", "rank", "backend", "transport"],
+    ["pdcluster", "rank", "backend", "transport"],
     registry=REGISTRY,
 )
 agent_ready = Gauge(
     "pdfabric_agent_ready",
     "1 when the agent is ready (transport validated, engines up, API listening).",
-    ["cluster"],
+    ["pdcluster"],
     registry=REGISTRY,
 )
 transport_info = Gauge(
     "pdfabric_transport_info",
     "1 for the transport this agent carries KV over (transport) and the one the rank map asked for (requested); they differ after a declared fallback.",
-    ["cluster", "requested", "transport"],
+    ["pdcluster", "requested", "transport"],
     registry=REGISTRY,
 )
 pool_bytes = Gauge(
     "pdfabric_pool_bytes",
     "Registered pool size per rank and kind.",
-    ["cluster", "rank", "kind", "device"],
+    ["pdcluster", "rank", "kind", "device"],
     registry=REGISTRY,
 )
 peers_blacklisted = Gauge(
     "pdfabric_peers_blacklisted",
     "Peer agents currently blacklisted after a failed transfer (re-probed with backoff).",
-    ["cluster"],
+    ["pdcluster"],
     registry=REGISTRY,
 )
 session_recoveries = Counter(
     "pdfabric_session_recoveries_total",
     "Blacklisted peers that answered a probe and were admitted again.",
-    ["cluster"],
+    ["pdcluster"],
     registry=REGISTRY,
 )
 peer_probes = Counter(
     "pdfabric_peer_probes_total",
     "Probes of blacklisted peers, by result.",
-    ["cluster", "result"],
+    ["pdcluster", "result"],
     registry=REGISTRY,
 )
 
@@ -133,13 +137,13 @@ peer_probes = Counter(
 integrity_checks = Counter(
     "pdfabric_integrity_checks_total",
     "Sources of a room whose checksum the decode agent compared with the sender's (spec.transfer.verify), by result.",
-    ["cluster", "result"],
+    ["pdcluster", "result"],
     registry=REGISTRY,
 )
 integrity_seconds = Histogram(
     "pdfabric_integrity_seconds",
     "Time to checksum one source's bytes of one room (either side), spec.transfer.verify.",
-    ["cluster", "role"],
+    ["pdcluster", "role"],
     buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
     registry=REGISTRY,
 )
@@ -147,7 +151,7 @@ integrity_seconds = Histogram(
 # The per-peer view: `rank` is a local rank id, `peer` the agent the rank map gives the other side
 # (never a name a request or report carried), `role` this side's role. The series are pre-created
 # for every pair the rank map implies (``precreate_peers``): bounded by the cluster, not by traffic.
-PEER_LABELS = ("cluster", "rank", "peer", "role")
+PEER_LABELS = ("pdcluster", "rank", "peer", "role")
 PEER_BUCKETS = (0.005, 0.025, 0.1, 0.5, 2.5, 10.0)  # few buckets: series per pair stay small
 
 peer_bytes = Counter(
@@ -195,19 +199,19 @@ serving_engine_sandboxed = Gauge(
     "pdfabric_serving_engine_sandboxed",
     "1 when the agent starts its serving engines in the Landlock sandbox that hides the peer key from them "
     "(spec.engine.sandbox), 0 when they run without it (Disabled, or BestEffort on a kernel without Landlock).",
-    ["cluster"],
+    ["pdcluster"],
     registry=REGISTRY,
 )
 serving_engine_ready = Gauge(
     "pdfabric_serving_engine_ready",
     "1 while the serving engine the agent runs answers its health path (the pod is ready only when every one does).",
-    ["cluster", "engine", "role"],
+    ["pdcluster", "engine", "role"],
     registry=REGISTRY,
 )
 serving_engine_restarts = Counter(
     "pdfabric_serving_engine_restarts",
     "Runs of a serving engine that ended (an exit, a kill after failed health probes, a program not found), each followed by a restart.",
-    ["cluster", "engine", "role"],
+    ["pdcluster", "engine", "role"],
     registry=REGISTRY,
 )
 
@@ -217,19 +221,19 @@ serving_engine_restarts = Counter(
 rankmap_reloads = Counter(
     "pdfabric_rankmap_reloads",
     "Newer rank maps the agent read (a role was scaled): outcome adopted (it runs on it now), or refused (it cannot: its own pod is being replaced or deleted; /readyz says why).",
-    ["cluster", "outcome"],
+    ["pdcluster", "outcome"],
     registry=REGISTRY,
 )
 rankmap_peers = Gauge(
     "pdfabric_rankmap_peers",
     "Agents of the rank map this agent runs on, itself included (state current), and agents a newer map dropped that still drain their rooms (state leaving).",
-    ["cluster", "state"],
+    ["pdcluster", "state"],
     registry=REGISTRY,
 )
 peer_certificate_reloads = Counter(
     "pdfabric_peer_certificate_reloads",
     "Changed peer certificate files the agent saw (the operator renewed them in place): outcome loaded, or refused and tried again.",
-    ["cluster", "outcome"],
+    ["pdcluster", "outcome"],
     registry=REGISTRY,
 )
 
