@@ -104,11 +104,17 @@ def engines_env(
 
 
 def loopback_env(
-    peers: Mapping[str, int], api_port: int, peer_port: int, metrics_port: int, base: Mapping[str, str]
+    peers: Mapping[str, int],
+    api_port: int,
+    peer_port: int,
+    metrics_port: int,
+    base: Mapping[str, str],
+    peers_file: Path | None = None,
 ) -> dict[str, str]:
     """What a pod's network gives an agent, for a process on loopback: its own ports and address,
-    its peers' peer-door addresses (agent name -> port), the sources on PYTHONPATH."""
-    return {
+    its peers' peer-door addresses (agent name -> port; `peers_file`, kept current, names those
+    that come later), the sources on PYTHONPATH."""
+    env = {
         "PDFABRIC_BIND_ADDRESS": "127.0.0.1",
         "PDFABRIC_ENGINE_HOST": "127.0.0.1",
         "PDFABRIC_API_PORT": str(api_port),
@@ -118,6 +124,9 @@ def loopback_env(
         "PYTHONPATH": source_pythonpath(base),
         "PYTHONUNBUFFERED": "1",
     }
+    if peers_file is not None:
+        env["PDFABRIC_PEERS_FILE"] = str(peers_file)
+    return env
 
 
 @dataclass

@@ -8,7 +8,13 @@ this machine's /dev/shm), and starts the container's command on this machine as 
 with the loopback ports and peer addresses of fabric.loopback_env (the engine door, which has no
 containerPort, gets a port of its own too). LocalFabric.from_cluster drives them.
 ``addresses_file`` maps each pod to its agent's metrics address (the operator's
-PDFABRIC_AGENT_ADDRESSES, in place of pod IP and metrics port).
+PDFABRIC_AGENT_ADDRESSES, in place of pod IP and metrics port); ``peers_file`` maps each to its
+peer door (PDFABRIC_PEERS_FILE: the cluster DNS for agents of pods that come later).
+
+As the kubelet does, ``refresh_volumes`` rewrites a running pod's ConfigMap volumes when the
+ConfigMap changed (an atomic swap, so a reader sees the old file or the new one), and ``kubelet()``
+runs ``sync`` and ``refresh_volumes`` every second in the background: pods the operator adds
+start, pods it deletes stop, a new rank map reaches the running agents (live membership).
 
 With spec.engine the container's agent runs the engines itself (PDFABRIC_ENGINES). The image is
 this machine's environment then: ``python``/``python3`` on PATH is this interpreter, the
@@ -27,9 +33,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +68,10 @@ class PodRunner:
         # {pod name: "127.0.0.1:<metrics port>"}, rewritten by sync(): the operator's
         # PDFABRIC_AGENT_ADDRESSES, so it reads these processes' /readyz (agentstate.py).
         self.addresses_file = workdir / "agent-addresses.json"
+        self.peers_file = workdir / "agent-peers.json"  # {pod name: "127.0.0.1:<peer port>"}
+        # pod name -> (ConfigMap name, its items or None for every key, the volume's directory)
+        self._config_volumes: dict[str, list[tuple[str, list[dict[str, Any]] | None, Path]]] = {}
+        self._lock = threading.RLock()  # sync and refresh_volumes, from a test and from kubelet()
 
     def list_pods(self) -> list[dict[str, Any]]:
         out = self.cluster.get_json("pods", "-n", self.namespace, "-l", self.selector)
@@ -67,11 +79,16 @@ class PodRunner:
 
     def sync(self) -> dict[str, AgentProcess]:
         """Start processes for new pods, stop those whose pod is gone or was replaced."""
+        with self._lock:
+            return self._sync()
+
+    def _sync(self) -> dict[str, AgentProcess]:
         pods = {p["metadata"]["name"]: p for p in self.list_pods()}
         for name, local in list(self.pods.items()):
             if name not in pods or pods[name]["metadata"]["uid"] != local.uid:
                 local.stop()
                 del self.pods[name]
+                self._config_volumes.pop(name, None)
                 self.engines = {k: v for k, v in self.engines.items() if k[0] != name}
         for name, pod in pods.items():
             self._planned_ports.setdefault(name, {})
@@ -82,6 +99,7 @@ class PodRunner:
             # share one loopback, so each gets its own port.
             self._planned_ports[name].setdefault("api", free_port())
         peers = {name: ports["peer"] for name, ports in self._planned_ports.items() if "peer" in ports}
+        self._write_json(self.peers_file, {name: f"127.0.0.1:{port}" for name, port in peers.items()})
         for name, pod in pods.items():
             if name not in self.pods:
                 self.pods[name] = self._start(pod, peers)
@@ -89,11 +107,56 @@ class PodRunner:
         return self.pods
 
     def _write_addresses(self) -> None:
-        addresses = {name: f"127.0.0.1:{p.metrics_port}" for name, p in self.pods.items()}
+        self._write_json(self.addresses_file, {name: f"127.0.0.1:{p.metrics_port}" for name, p in self.pods.items()})
+
+    def _write_json(self, path: Path, data: dict[str, str]) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        tmp = self.addresses_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(addresses))
-        tmp.replace(self.addresses_file)  # the operator re-reads it: never a half-written file
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)  # read again by others: never a half-written file
+
+    def refresh_volumes(self) -> int:
+        """Rewrite the ConfigMap volumes of running pods whose ConfigMap changed, as the kubelet
+        does on its sync of the pod; returns the files rewritten."""
+        with self._lock:
+            wanted = {cm for mounts in self._config_volumes.values() for cm, _, _ in mounts}
+            data = {}
+            for cm in sorted(wanted):
+                obj = self.cluster.get_json("configmap", cm, "-n", self.namespace)
+                data[cm] = {k: v.encode() for k, v in obj.get("data", {}).items()}
+            written = 0
+            for mounts in self._config_volumes.values():
+                for cm, items, target in mounts:
+                    written += _write_items(target, data[cm], items, 0o444)
+            return written
+
+    @contextmanager
+    def kubelet(self, every_s: float = 1.0) -> Iterator[PodRunner]:
+        """``sync`` and ``refresh_volumes`` every `every_s` in a thread, until the block ends."""
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def loop() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.sync()
+                    self.refresh_volumes()
+                except ClusterError as exc:  # the API server busy for a moment: try again
+                    errors.append(exc)
+                except BaseException as exc:
+                    errors.append(exc)
+                    raise
+
+        thread = threading.Thread(target=loop, name="podrunner-kubelet", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+        fatal = [e for e in errors if not isinstance(e, ClusterError)]
+        if fatal:
+            raise RuntimeError(f"the kubelet loop failed: {fatal[0]!r}") from fatal[0]
 
     def stop(self) -> None:
         for router in self.routers.values():
@@ -179,7 +242,12 @@ class PodRunner:
         meta, spec = pod["metadata"], pod["spec"]
         (container,) = spec["containers"]  # agent pods have exactly one container
         root = self.workdir / meta["name"] / meta["uid"][:8]
-        mounts = self._materialise_volumes(spec.get("volumes", []), container.get("volumeMounts", []), root)
+        mounts = self._materialise_volumes(
+            spec.get("volumes", []),
+            container.get("volumeMounts", []),
+            root,
+            self._config_volumes.setdefault(meta["name"], []),
+        )
         ports = self._planned_ports[meta["name"]]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDFABRIC_")}
         defined: dict[str, str] = {}  # the kubelet expands $(VAR) against the container's own variables
@@ -192,7 +260,7 @@ class PodRunner:
             for mount_path, local_dir in mounts.items():
                 if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
                     env[key] = str(local_dir) + value[len(mount_path.rstrip("/")) :]
-        env.update(loopback_env(peers, ports["api"], ports["peer"], ports["metrics"], env))
+        env.update(loopback_env(peers, ports["api"], ports["peer"], ports["metrics"], env, self.peers_file))
         local_ports = {p["containerPort"]: ports[p["name"]] for p in container.get("ports", [])}
         self._container_ports[meta["name"]] = local_ports
         launches: list[dict[str, Any]] = []
@@ -262,7 +330,11 @@ class PodRunner:
         return values[field]
 
     def _materialise_volumes(
-        self, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]], root: Path
+        self,
+        volumes: list[dict[str, Any]],
+        mounts: list[dict[str, Any]],
+        root: Path,
+        config_volumes: list[tuple[str, list[dict[str, Any]] | None, Path]],
     ) -> dict[str, Path]:
         by_name = {v["name"]: v for v in volumes}
         out: dict[str, Path] = {}
@@ -277,18 +349,16 @@ class PodRunner:
                 cm = self.cluster.get_json("configmap", volume["configMap"]["name"], "-n", self.namespace)
                 data = {k: v.encode() for k, v in cm.get("data", {}).items()}
                 items = volume["configMap"].get("items")
+                config_volumes.append((volume["configMap"]["name"], items, target))
             elif "secret" in volume:
                 secret = self.cluster.get_json("secret", volume["secret"]["secretName"], "-n", self.namespace)
                 data = {k: base64.b64decode(v) for k, v in secret.get("data", {}).items()}
                 items = volume["secret"].get("items")
             else:
                 raise ClusterError(f"volume {mount['name']}: only configMap, secret and emptyDir volumes run locally")
-            for key, value in data.items():
-                paths = [i["path"] for i in items if i["key"] == key] if items else [key]
-                for rel in paths:
-                    path = target / rel
-                    path.write_bytes(value)
-                    path.chmod(volume["secret"].get("defaultMode", 0o644) if "secret" in volume else 0o444)
+            _write_items(
+                target, data, items, volume["secret"].get("defaultMode", 0o644) if "secret" in volume else 0o444
+            )
             out[mount["mountPath"]] = target
         return out
 
@@ -303,3 +373,20 @@ class PodRunner:
                 path.mkdir(parents=True, exist_ok=True)
             self._empty_dirs[key] = path
         return self._empty_dirs[key]
+
+
+def _write_items(target: Path, data: dict[str, bytes], items: list[dict[str, Any]] | None, mode: int) -> int:
+    """A ConfigMap's or Secret's keys as files under `target` (only `items`, at their paths, when
+    given), each replaced atomically and only when it differs; returns the files written."""
+    written = 0
+    for key, value in data.items():
+        for rel in [i["path"] for i in items if i["key"] == key] if items else [key]:
+            path = target / rel
+            if path.exists() and path.read_bytes() == value:
+                continue
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(value)
+            tmp.chmod(mode)
+            tmp.replace(path)
+            written += 1
+    return written

@@ -210,14 +210,26 @@ def _pack(
     *,
     what: str,
     scarcity: Mapping[str, int] | None = None,
+    pod_slots: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, list[Rank]]]:
     """Assign units to nodes (sticky, then best-fit): node -> unit key -> its ranks there; raises
     _NoFit naming the first unit left over.
 
     Among equally good fits, nodes with fewer scarce features (RDMA devices, an NVLink domain) go
     first, so a tcp cluster does not take the nodes an rdma or nvlink cluster will need.
+    `pod_slots`: how many more pods each node takes (its free RDMA devices, one per pod, for a
+    transport that needs one); None: no such bound.
     """
     free = dict(free)
+    slots = dict(pod_slots) if pod_slots is not None else None
+
+    def has_slot(node: str) -> bool:
+        return slots is None or slots.get(node, 0) >= 1
+
+    def take_slot(node: str) -> None:
+        if slots is not None:
+            slots[node] -= 1
+
     scarcity = scarcity or {}
     where_before: dict[Rank, str] = {}
     for node, ranks in previous.items():
@@ -229,7 +241,9 @@ def _pack(
         nodes_before = [where_before.get(_key(r)) for r in unit.ranks]
         before = Counter(n for n in nodes_before if n is not None)
         sticky = None not in nodes_before and (unit.splittable or len(before) == 1)
-        if sticky and all(free.get(n, 0) >= c for n, c in before.items()):
+        if sticky and all(free.get(n, 0) >= c and has_slot(n) for n, c in before.items()):
+            for node in before:
+                take_slot(node)
             for r in unit.ranks:
                 node = where_before[_key(r)]
                 out.setdefault(node, {}).setdefault(unit.key, []).append(r)
@@ -239,22 +253,31 @@ def _pack(
     # Largest units first: best-fit decreasing wastes the fewest GPUs.
     for unit in sorted(pending, key=lambda u: (-len(u.ranks), u.key)):
         need = len(unit.ranks)
-        fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need)
+        fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need and has_slot(n))
         if fits:
             node = fits[0][2]
             out.setdefault(node, {}).setdefault(unit.key, []).extend(unit.ranks)
             free[node] -= need
+            take_slot(node)
             continue
-        total = sum(max(0, f) for f in free.values())
+        total = sum(max(0, f) for n, f in free.items() if has_slot(n))
         if unit.splittable and total >= need:
             rest = list(unit.ranks)
-            for f, n in sorted(((f, n) for n, f in free.items() if f > 0), key=lambda t: (-t[0], t[1])):
+            open_nodes = ((f, n) for n, f in free.items() if f > 0 and has_slot(n))
+            for f, n in sorted(open_nodes, key=lambda t: (-t[0], t[1])):
                 take, rest = rest[:f], rest[f:]
                 out.setdefault(n, {}).setdefault(unit.key, []).extend(take)
                 free[n] -= len(take)
+                take_slot(n)
                 if not rest:
                     break
             continue
+        if slots is not None and not any(has_slot(n) for n, f in free.items() if f > 0):
+            raise _NoFit(
+                PlacementReason.NO_RDMA_NODES,
+                f"{unit.key} needs a node with a free RDMA device (each pod holds one) and {need} GPUs; every "
+                f"node of {what} with free GPUs has its RDMA devices taken; add RDMA devices or nodes",
+            )
         if unit.splittable:
             raise _NoFit(
                 PlacementReason.INSUFFICIENT_GPUS,
@@ -378,6 +401,7 @@ def _plan(
             f"or tolerate the taints",
         )
     traits = transport_traits(transport)
+    rdma_free: dict[str, int] = {}
     if traits.device_resource:
         rdma_free = _free(eligible, placed, pl.rdma_resource, uid)
         with_rdma = [n for n in eligible if n.allocatable.get(pl.rdma_resource, 0) > 0]
@@ -400,8 +424,10 @@ def _plan(
         n.name: int(n.allocatable.get(pl.rdma_resource, 0) > 0) + int(bool(n.labels.get(pl.nvlink_domain_key)))
         for n in eligible
     }
+    # A transport with a device per pod (rdma): a node takes as many pods as it has devices free.
+    pod_slots = rdma_free if traits.device_resource else None
     if traits.locality is not Locality.DOMAIN:
-        assigned = _pack(units, free, previous, what=where, scarcity=scarcity)
+        assigned = _pack(units, free, previous, what=where, scarcity=scarcity, pod_slots=pod_slots)
         return Placement(transport, requested, _agents(assigned, {}), plan_feeds(spec, transport))
 
     key = pl.nvlink_domain_key
@@ -429,6 +455,7 @@ def _plan(
                 {n: r for n, r in previous.items() if n in members},
                 what=f"nodes of NVLink domain {d}",
                 scarcity=scarcity,
+                pod_slots=pod_slots,
             )
         except _NoFit:
             continue

@@ -42,10 +42,10 @@ def test_the_operators_router_serves_prompts_through_pd(
         .router(args=["--policy", "round_robin"], nodeSelector=h.selector(namespace))
     )
     h.apply_pdc(cluster, builder.manifest(), namespace)
-    h.wait_until(lambda: len(h.agent_pods(cluster, namespace, "pd")) == 1, timeout=60, what="the node pod")
+    h.wait_until(lambda: len(h.agent_pods(cluster, namespace, "pd")) == 3, timeout=60, what="a node pod per replica")
     pods = runner.sync()
     assert sorted(name for _, name in runner.engines) == ["decode-0", "prefill-0", "prefill-1"]
-    h.wait_until(lambda: all(p.ready() for p in pods.values()), timeout=180, what="the agent and its engines ready")
+    h.wait_until(lambda: all(p.ready() for p in pods.values()), timeout=180, what="the agents and their engines ready")
     runner.wait_engines_healthy(timeout=30)
 
     def router_scheduled() -> list[Any]:

@@ -420,3 +420,18 @@ def test_usable_nodes_are_ready_uncordoned_and_tolerated() -> None:
         gpu_node("e", 8, taints=(Taint("nvidia.com/gpu", "", "NoSchedule"),)),
     ]
     assert usable_nodes(pdcluster().spec(), nodes) == {"a", "e"}
+
+
+def test_rdma_gives_each_pod_a_device_so_a_node_takes_as_many_pods_as_it_has_devices() -> None:
+    spec = pdcluster().transport("rdma").prefill(tp=2).decode(tp=2).spec()
+    one_each = plan_placement(spec, [gpu_node(n, 8, rdma=1) for n in "ab"], [], cluster_uid=UID)
+    assert isinstance(one_each, Placement)
+    assert sorted((a.unit, a.node) for a in one_each.agents) in (
+        [("decode-0", "a"), ("prefill-0", "b")],
+        [("decode-0", "b"), ("prefill-0", "a")],
+    )
+    shared = plan_placement(spec, [gpu_node("a", 8, rdma=2)], [], cluster_uid=UID)
+    assert isinstance(shared, Placement) and {a.node for a in shared.agents} == {"a"}
+    short = plan_placement(spec, [gpu_node("a", 8, rdma=1)], [], cluster_uid=UID)
+    assert isinstance(short, PlacementFailure) and short.reason == "NoRDMANodes"
+    assert "each pod holds one" in short.message
