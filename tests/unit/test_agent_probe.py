@@ -31,3 +31,31 @@ def test_verdict_names_the_slowest_peer_first() -> None:
     )
     check.threshold = 0.0
     assert check.slow() == []
+
+
+def test_peers_that_refuse_this_agents_certificate_are_named_until_they_admit_it() -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdfabric_agent.peers.client import PeerRefused
+
+    check = LinkCheck.__new__(LinkCheck)
+    check.cluster, check.threshold, check.backends, check.regions = "c", 0.0, {}, {}
+    check.targets = [("prefill-0-tp0-cp0", "d1", "decode-1-tp0")]
+    check.results, check.refused = {}, {}
+    told: list[str] = []
+    answers: list[Exception] = [PeerRefused("d1", "/v1/peer/probe", 403, "unauthorized", "not in the rank map")] * 3
+
+    async def fetch(peer: str) -> dict[str, object]:
+        raise answers.pop(0) if answers else ValueError("no ranks")
+
+    async def go() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            await check.run(fetch, pool, discover_s=0.8, waiting=told.append)
+            assert set(check.refused) == {"d1"} and "HTTP 403" in check.refused["d1"]
+            assert told and told[0].startswith("link check: 1 of 1 peer agents not answering yet; d1: PeerRefused")
+            assert check.refusals().startswith("1 peer agents refuse this agent (their rank map does not list it yet)")
+            await check.run(fetch, pool, discover_s=0, only={"d1"})  # it answers now (here: malformed)
+            assert check.refused == {}
+
+    asyncio.run(go())

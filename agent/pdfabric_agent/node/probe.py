@@ -27,6 +27,7 @@ from typing import Any
 
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
+from pdfabric_agent.peers.client import PeerRefused
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.transfer.base import TransferBackend
 from pdfabric_core.policy.types import Device, Role
@@ -41,6 +42,9 @@ BANDWIDTH_ROUNDS = 2
 DISCOVER_S = 30.0  # how long the first probe waits for a peer's door to answer
 RETRY_S = 10.0  # below the threshold: probe the slow pairs again this often
 REASON_SLOW = "ProbeBelowThreshold"
+# Peers that refuse this agent's certificate: their rank map does not list it yet. Not Ready until
+# they all admit it (live membership: they adopt the new map within seconds), whatever the threshold.
+REASON_PEERS_BEHIND = "PeersDoNotKnowThisAgent"
 PROBE_PATH = "/v1/peer/probe"
 
 
@@ -150,11 +154,22 @@ class LinkCheck:
             if role is Role.PREFILL
         )
         self.results: dict[tuple[str, str], Result] = {}
+        self.refused: dict[str, str] = {}  # peer agent -> its refusal of this agent's certificate
 
-    async def run(self, fetch: Fetch, executor: Executor, *, discover_s: float = DISCOVER_S) -> list[Result]:
-        """Probe every pair once (peers whose door does not answer yet are asked again until
-        ``discover_s``); every (rank, peer agent) pair's worst peer rank is its result."""
-        peers = sorted({peer for _, peer, _ in self.targets})
+    async def run(
+        self,
+        fetch: Fetch,
+        executor: Executor,
+        *,
+        discover_s: float = DISCOVER_S,
+        only: set[str] | None = None,
+        waiting: Callable[[str], None] | None = None,
+    ) -> list[Result]:
+        """Probe every pair (of the peer agents `only`, when given) once; peers whose door does
+        not answer yet are asked again until ``discover_s``, and `waiting` is told who and why
+        after each round that left some; every (rank, peer agent) pair's worst peer rank is its
+        result. Peers that refused this agent's certificate are in ``refused`` afterwards."""
+        peers = sorted({peer for _, peer, _ in self.targets if only is None or peer in only})
         described: dict[str, dict[str, Region]] = {}
         errors: dict[str, str] = {}
         deadline = time.monotonic() + discover_s
@@ -165,14 +180,29 @@ class LinkCheck:
                 try:
                     described[peer] = parse_regions(await fetch(peer))
                     errors.pop(peer, None)
-                except Exception as exc:  # unreachable, refused, malformed: asked again
+                    self.refused.pop(peer, None)
+                except PeerRefused as exc:
                     errors[peer] = f"{type(exc).__name__}: {exc}"[:300]
+                    if exc.status in (401, 403):
+                        self.refused[peer] = str(exc)[:300]
+                    else:
+                        self.refused.pop(peer, None)
+                except Exception as exc:  # unreachable, malformed: asked again
+                    errors[peer] = f"{type(exc).__name__}: {exc}"[:300]
+                    self.refused.pop(peer, None)
             if len(described) == len(peers) or time.monotonic() >= deadline:
                 break
+            if waiting is not None:
+                first = min(errors)
+                waiting(
+                    f"link check: {len(errors)} of {len(peers)} peer agents not answering yet; {first}: {errors[first]}"
+                )
             await asyncio.sleep(0.5)
         loop = asyncio.get_running_loop()
         by_pair: dict[tuple[str, str], Result] = {}
         for rank, peer, peer_rank in self.targets:
+            if peer not in peers:
+                continue
             region = described.get(peer, {}).get(peer_rank)
             if region is None:
                 why = errors.get(peer) or f"{peer} describes no probe region for {peer_rank}"
@@ -211,6 +241,12 @@ class LinkCheck:
         ]
         more = f" and {len(slow) - 4} more" if len(slow) > 4 else ""
         return f"link check below transfer.minProbeGBps {self.threshold:g}: {'; '.join(parts)}{more}"
+
+    def refusals(self) -> str:
+        """The readiness message while peers refuse this agent's certificate."""
+        named = "; ".join(f"{peer}: {why}" for peer, why in sorted(self.refused.items())[:3])
+        more = f" and {len(self.refused) - 3} more" if len(self.refused) > 3 else ""
+        return f"{len(self.refused)} peer agents refuse this agent (their rank map does not list it yet): {named}{more}"
 
     def summary(self) -> str:
         if not self.results:
