@@ -21,7 +21,12 @@ CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 128  # CUDA 12.3+ drivers; older ones refuse the attribute
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
+CU_MEM_HANDLE_TYPE_FABRIC = 0x8
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
 CU_MEMHOSTREGISTER_PORTABLE = 0x1
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
 
@@ -34,6 +39,31 @@ class CudaError(RuntimeError):
 
 class IpcMemHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemAllocationFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class MemAllocationProp(ctypes.Structure):
+    """CUmemAllocationProp (cuda.h), what cuMemCreate allocates."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", MemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", MemAllocationFlags),
+    ]
 
 
 _libcuda: ctypes.CDLL | None = None
@@ -116,6 +146,44 @@ def device_attribute(device: int, attr: int) -> int:
     v = ctypes.c_int()
     check(cu().cuDeviceGetAttribute(ctypes.byref(v), attr, device), "cuDeviceGetAttribute")
     return v.value
+
+
+def fabric_memory(device: int) -> tuple[bool, str]:
+    """(True, "") when `device` can allocate memory with a FABRIC handle (multi-node NVLink), else
+    (False, why). The attribute says the GPU and driver can; only an allocation says this process
+    may: without an IMEX channel in the container (nvidia-imex on the hosts, the channel device in
+    the pod) cuMemCreate refuses FABRIC handles though the attribute is 1 (H100 nodes without an
+    NVLink switch fabric report 1 too). So one granule is allocated and released at once."""
+    try:
+        supported = device_attribute(device, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)
+    except CudaError as exc:
+        return False, f"GPU {device}: {exc} (a driver older than CUDA 12.3 knows no fabric handles)"
+    if not supported:
+        return (
+            False,
+            f"GPU {device} has no fabric handle support (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0)",
+        )
+    prop = MemAllocationProp(
+        type=CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes=CU_MEM_HANDLE_TYPE_FABRIC,
+        location=MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device),
+    )
+    granule, handle = ctypes.c_size_t(), ctypes.c_ulonglong()
+    try:
+        primary_context(device)
+        lib = cu()
+        rc = lib.cuMemGetAllocationGranularity(
+            ctypes.byref(granule), ctypes.byref(prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        )
+        check(rc, "cuMemGetAllocationGranularity(FABRIC)")
+        check(
+            lib.cuMemCreate(ctypes.byref(handle), granule, ctypes.byref(prop), ctypes.c_ulonglong(0)),
+            "cuMemCreate(FABRIC)",
+        )
+        check(lib.cuMemRelease(handle), "cuMemRelease")
+    except CudaError as exc:
+        return False, f"GPU {device}: {exc} (no IMEX channel in the container?)"
+    return True, ""
 
 
 _contexts: dict[int, ctypes.c_void_p] = {}

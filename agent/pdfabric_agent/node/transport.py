@@ -10,13 +10,16 @@ unless the spec's placement.fallback is "TCP". What each transport needs is its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from pdfabric_agent.node.hardware import Hardware
+from pdfabric_agent.node.hardware import Hardware, detect_fabric_memory
 from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, Requirement, tcp_fallback_allowed, transport_traits
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.spec import PDClusterSpec
+
+# Measures fabric memory on the given GPUs: (supported, why not). hardware.detect_fabric_memory on a node.
+FabricProbe = Callable[[Sequence[int]], tuple[bool, str]]
 
 
 class TransportError(RuntimeError):
@@ -43,7 +46,8 @@ def _unmet(need: Requirement, transport: Transport, hw: Hardware, gpus: Sequence
         pairs = ", ".join(f"{a}->{b}" for a, b in missing[:8])
         return "NoNvlinkPeerAccess", f"transport {t} needs peer access between the agent's GPUs; missing {pairs}"
     if need is Requirement.FABRIC_MEMORY and not hw.fabric_memory:
-        return "NoFabricMemory", f"transport {t} (multi-node) needs fabric memory (cuMemCreate FABRIC handles)"
+        why = f": {hw.fabric_memory_note}" if hw.fabric_memory_note else ""
+        return "NoFabricMemory", f"transport {t} (multi-node) needs fabric memory (cuMemCreate FABRIC handles){why}"
     return None
 
 
@@ -55,12 +59,26 @@ def _problem(transport: Transport, hw: Hardware, gpus: Sequence[int]) -> tuple[s
     return None
 
 
-def choose_transport(spec: PDClusterSpec, rankmap_transport: str, hw: Hardware, gpus: Sequence[int]) -> TransportChoice:
+def measured(hw: Hardware, transport: Transport, gpus: Sequence[int], fabric_probe: FabricProbe) -> Hardware:
+    """`hw` with fabric memory measured when `transport` needs it and it is not yet (None)."""
+    if Requirement.FABRIC_MEMORY not in transport_traits(transport).requires or hw.fabric_memory is not None:
+        return hw
+    ok, why = fabric_probe([g for g in gpus if g < hw.gpus])
+    return replace(hw, fabric_memory=ok, fabric_memory_note="" if ok else why)
+
+
+def choose_transport(
+    spec: PDClusterSpec,
+    rankmap_transport: str,
+    hw: Hardware,
+    gpus: Sequence[int],
+    fabric_probe: FabricProbe = detect_fabric_memory,
+) -> TransportChoice:
     try:
         wanted = Transport(rankmap_transport)
     except ValueError:
         raise TransportError("UnknownTransport", f"rank map transport {rankmap_transport!r} is not known") from None
-    problem = _problem(wanted, hw, gpus)
+    problem = _problem(wanted, measured(hw, wanted, gpus, fabric_probe), gpus)
     if problem is None:
         return TransportChoice(wanted)
     reason, message = problem
