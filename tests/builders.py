@@ -43,8 +43,7 @@ class PDClusterBuilder:
             "backend": "mooncake",
             "prefill": {"replicas": 1, "tp": 1},
             "decode": {"replicas": 1, "tp": 1},
-            "agent": {"image": "pdfabric/agent:test"},
-        }
+        }  # no agent.image: the operator's default follows the transport (core images.py)
 
     def _section(self, key: str, **fields: Any) -> PDClusterBuilder:
         self._spec.setdefault(key, {}).update(fields)

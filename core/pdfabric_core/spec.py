@@ -14,6 +14,13 @@ from collections.abc import Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from pdfabric_core.images import (
+    AGENT_IMAGE_CUDA,
+    CUDA_SUFFIX,
+    default_agent_image,
+    names_cpu_agent_image,
+    needs_gpu_image,
+)
 from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
 from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, local_heads, validate_pp, validate_tp
 from pdfabric_core.policy.transports import Locality, implied_transport, mem_pool_traits, transport_traits
@@ -184,7 +191,8 @@ class PodOverrides:
 
 @dataclass(frozen=True)
 class AgentSpec:
-    image: str = "pdfabric/agent:0.1.0"  # what `make images` names the CPU agent image (docs/images.md)
+    # Left out (""): the image the transport needs, CPU or CUDA (PDClusterSpec.agent_image, images.py).
+    image: str = ""
     metrics_port: int = 9400
     api_port: int = 7400
     peer_port: int = 7401
@@ -272,6 +280,11 @@ class PDClusterSpec:
     engine: EngineSpec | None = field(default=None, metadata={_OWN_PARSER: True})
     # Optional, with spec.engine: SGLang's router in front of the engines.
     router: RouterSpec | None = field(default=None, metadata={_OWN_PARSER: True})
+
+    @property
+    def agent_image(self) -> str:
+        """The node pods' agent image: agent.image, or when left out the one the transport needs."""
+        return self.agent.image or default_agent_image(self.transfer.effective_transport)
 
     @property
     def decode_per_prefill(self) -> int:
@@ -471,6 +484,7 @@ def validate_spec(spec: PDClusterSpec) -> None:
             f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
         )
     _validate_transport(spec)
+    _validate_agent_image(spec)
     if spec.router is not None:
         if spec.engine is None:
             raise SpecError("router needs engine: it routes to the engines the node pods run (spec.engine)")
@@ -670,6 +684,20 @@ def _validate_quantities(resources: Mapping[str, Any], where: str) -> None:
         request = parsed.get("requests", {}).get(name)
         if request is not None and request > limit:
             raise SpecError(f"{where}.requests.{name} must not exceed limits.{name}")
+
+
+def _validate_agent_image(spec: PDClusterSpec) -> None:
+    """A transport with KV in GPU memory on the CPU agent image never becomes Ready (NoGpu): refuse
+    it here, with the fix. Not a CEL rule: it needs the transport memPool implies and the image's
+    name parsed. With spec.engine the engine image runs the agent and agent.image is not used."""
+    transport = spec.transfer.effective_transport
+    image = spec.agent.image
+    if spec.engine is None and needs_gpu_image(transport) and image and names_cpu_agent_image(image):
+        raise SpecError(
+            f"agent.image {image} is the CPU agent image, but transport {transport.value} keeps KV in GPU "
+            f"memory and needs the CUDA one: use {image}{CUDA_SUFFIX} (docs/images.md), or leave agent.image "
+            f"out for {AGENT_IMAGE_CUDA}"
+        )
 
 
 def _validate_transport(spec: PDClusterSpec) -> None:

@@ -542,7 +542,7 @@ def build_agent_pod(
     name = agent_name(ref.name, agent.unit, agent.node)
     container: dict[str, Any] = {
         "name": "agent",
-        "image": spec.agent.image,
+        "image": spec.agent_image,
         "command": [c.AGENT_COMMAND],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from pdfabric_core.spec import AgentSpec
+from pdfabric_core import images
+from pdfabric_core.spec import AgentSpec, PDClusterSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,10 @@ def test_defaults_are_the_names_make_images_produces() -> None:
     operator, agent, cuda = refs("operator", "agent", "agent-cuda13")
     assert chart["appVersion"] == version
     assert f"{values['image']['repository']}:{values['image']['tag'] or chart['appVersion']}" == operator
-    assert agent_schema["properties"]["image"]["default"] == AgentSpec().image == agent
+    # The agent image has no CRD default: the operator picks the CPU or the CUDA one by transport.
+    assert "default" not in agent_schema["properties"]["image"] and AgentSpec().image == ""
+    assert (agent, cuda) == (images.AGENT_IMAGE, images.AGENT_IMAGE_CUDA)
+    assert PDClusterSpec().agent_image == agent
     assert cuda == f"{agent}-cuda13"
     assert refs() == [operator, agent], "make images builds the operator and the CPU agent by default"
 

@@ -84,6 +84,11 @@ def test_crd_default_of_each_field_parses_to_the_dataclass_default(section: str 
     assert prop is not None, f"the CRD has no {_field_id(section, f)}"
     default = field_default(f)
     if "default" not in prop:
+        if (section, f.name) == ("agent", "image"):
+            # Left out on purpose: the operator picks the image the transport needs (images.py),
+            # which a server-side default would hide.
+            assert default == "" and prop["type"] == "string"
+            return
         assert default == {} and prop["type"] == "object", f"{_field_id(section, f)} has no CRD default"
         return
     raw = {crd_key(section): {crd_key(f.name): prop["default"]}} if section else {crd_key(f.name): prop["default"]}
