@@ -234,7 +234,7 @@ def run_operator_as_deployment(
             nodes = gpu_nodes("img", 2)
             builder = pdcluster("imaged").prefill(tp=2).decode(tp=2).transport("tcp")
             manifest = builder.placement(nodeSelector=h.selector(namespace)).manifest()
-            del manifest["spec"]["agent"]  # the CRD's default agent image: the one `make images` built
+            assert "agent" not in manifest["spec"]  # tcp's default agent image: the CPU one `make images` built
             h.apply_pdc(cluster, manifest, namespace)
             obj = h.wait_ready(cluster, namespace, "imaged", timeout=90)
             agents = h.agent_pods(cluster, namespace, "imaged")
