@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kopf.testing import KopfRunner
 
 from pdfabric_agent.node.hardware import detect_rdma
 from pdfabric_agent.runtime.metrics import peer_pairs, peer_ranks
@@ -34,11 +33,13 @@ from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.prometheus import Prometheus
 from pdfabric_devcluster.transfer import transfer_room
 from tests.builders import SMALL_MODEL, pdcluster
+from tests.e2e import node_pods
 from tests.integration import pdcluster_harness as h
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 operator_kubeconfig, gpu_nodes = h.operator_kubeconfig, h.gpu_nodes
+runner, operator = node_pods.runner, node_pods.operator
 
 EXPECTED = {"PDFabricTransportFallback"}
 # Series only agents running serving engines (spec.engine) export: this PDCluster is fabric-only,
@@ -61,20 +62,6 @@ def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
     prom = Prometheus(tmp_path / "prometheus").start()
     yield prom
     prom.stop()
-
-
-@pytest.fixture
-def runner(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[PodRunner]:
-    pods = PodRunner(cluster, namespace, "app.kubernetes.io/component=agent", tmp_path / "pods")
-    yield pods
-    pods.stop()
-
-
-@pytest.fixture
-def operator(cluster: Any, operator_kubeconfig: Path, namespace: str, runner: PodRunner) -> Iterator[KopfRunner]:
-    """The operator reading the agents' /readyz (PDFABRIC_AGENT_ADDRESSES)."""
-    with h.operator_reading_agents(cluster, operator_kubeconfig, namespace, runner.addresses_file) as op:
-        yield op
 
 
 def alert_rules(cluster: Any) -> dict[str, str]:

@@ -10,13 +10,10 @@ restarts the engine with backoff, the PDCluster's status reports the restart, an
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kopf.testing import KopfRunner
 from pdfabric_refengine.router import Answer, PrefillEndpoint, generate
 from pdfabric_refengine.server import detokenize
 
@@ -24,46 +21,17 @@ from pdfabric_agent.engines.sandbox import landlock_abi
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import LocalEngine, PodRunner
 from tests.builders import pdcluster
-from tests.e2e import test_sglang_pd as sg
+from tests.e2e import node_pods, pd_runs
 from tests.integration import pdcluster_harness as h
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 operator_kubeconfig, gpu_nodes = h.operator_kubeconfig, h.gpu_nodes
+runner, operator = node_pods.runner, node_pods.operator
 
-PROMPTS = sg.PROMPTS
-NEW_TOKENS = 16
-SERVER = ["python", "-m", "pdfabric_refengine.server"]
-# What the agents run as engines: the reference engine's serving front with SGLang's classes for
-# --disaggregation-transfer-backend pdfabric; its port, TP and shm dir from the container's env.
-ENGINE = {
-    "image": "pdfabric/refengine:local",
-    "prefill": {"command": SERVER, "args": ["--role", "prefill", "--tp", "$(PDFABRIC_TP)", "--timeout-s", "10"]},
-    "decode": {"command": SERVER, "args": ["--role", "decode", "--tp", "$(PDFABRIC_TP)", "--timeout-s", "10"]},
-}
-
-
-@pytest.fixture
-def runner(cluster: Any, namespace: str, tmp_path: Path, installed_site: Path) -> Iterator[PodRunner]:
-    pods = PodRunner(
-        cluster, namespace, "app.kubernetes.io/component=agent", tmp_path / "pods", pythonpath=[str(installed_site)]
-    )
-    yield pods
-    pods.stop()
-
-
-@pytest.fixture
-def operator(cluster: Any, operator_kubeconfig: Path, namespace: str, runner: PodRunner) -> Iterator[KopfRunner]:
-    """The operator reading the agents' /readyz (PDFABRIC_AGENT_ADDRESSES)."""
-    with h.operator_reading_agents(cluster, operator_kubeconfig, namespace, runner.addresses_file) as op:
-        yield op
-
-
-def colocated(prompts: list[list[int]]) -> list[list[int]]:
-    from pdfabric_refengine import build_model, colocated_generate
-
-    model = build_model(0)
-    return [colocated_generate(model, p, NEW_TOKENS) for p in prompts]
+PROMPTS = pd_runs.PROMPTS
+NEW_TOKENS = node_pods.NEW_TOKENS
+ENGINE, colocated = node_pods.ENGINE, node_pods.colocated
 
 
 def router_targets(obj: dict[str, Any], runner: PodRunner) -> tuple[PrefillEndpoint, str]:
@@ -130,7 +98,7 @@ def test_pdcluster_serves_prompts_through_pd_and_survives_an_engine_kill(
         .transport("tcp")
         .prefill(tp=2)
         .decode(tp=4)
-        .model(**sg.REF_MODEL)
+        .model(**pd_runs.REF_MODEL)
         .transfer(timeoutSeconds=8)
         .placement(nodeSelector=h.selector(namespace))
         .engine(**ENGINE)

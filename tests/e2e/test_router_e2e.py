@@ -16,8 +16,8 @@ from kopf.testing import KopfRunner
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.podrunner import PodRunner
 from tests.builders import pdcluster
-from tests.e2e import test_engines_e2e as eng
-from tests.e2e import test_sglang_pd as sg
+from tests.e2e import node_pods as eng
+from tests.e2e import pd_runs
 from tests.integration import pdcluster_harness as h
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -35,7 +35,7 @@ def test_the_operators_router_serves_prompts_through_pd(
         .transport("tcp")
         .prefill(replicas=2, tp=1)
         .decode(tp=1)
-        .model(**sg.REF_MODEL)
+        .model(**pd_runs.REF_MODEL)
         .transfer(timeoutSeconds=8)
         .placement(nodeSelector=h.selector(namespace))
         .engine(**eng.ENGINE)
@@ -58,7 +58,7 @@ def test_the_operators_router_serves_prompts_through_pd(
     obj = h.wait_ready(cluster, namespace, "pd", timeout=60)  # the engines and a router replica
     assert obj["status"]["router"]["ready"] == "1/1"
 
-    prompts = eng.PROMPTS * 2
+    prompts = pd_runs.PROMPTS * 2
     want = eng.colocated(prompts)
     body = {"sampling_params": {"max_new_tokens": eng.NEW_TOKENS, "temperature": 0}}
     answers = [router.generate({**body, "input_ids": p}) for p in prompts]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,14 @@ def rankmap(*agents: AgentEntry, prefill: int = 1, decode: int = 1, **changes: A
     raw = {**TCP_RAW, "prefill": {"tp": 1, "replicas": prefill}, "decode": {"tp": 1, "replicas": decode}}
     feeds = {p: tuple(range(decode)) for p in range(prefill)}
     return dataclasses.replace(RankMap("ns", "c", "uid-1", "tcp", raw, agents, feeds), **changes)
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_peers_these_tests_add() -> Iterator[None]:
+    """The metric registry is the process's: the series of agents added here go with the test."""
+    yield
+    for name in ("a3", "p1"):
+        metrics.forget_peer(name)
 
 
 class Clock:

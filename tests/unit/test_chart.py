@@ -54,7 +54,14 @@ def test_rbac_is_least_privilege() -> None:
     # reads the cluster's others in bulk.
     assert grants[("", "secrets")] == {"get", "create", "update", "delete"}
     assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "update", "delete"}
-    assert grants[("", "pods")] == {"get", "list", "watch", "create", "delete"}
+    assert grants[("", "pods")] == {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "delete",
+        "patch",
+    }  # patch: the rank-map annotation
     assert grants[("", "nodes")] == {"get", "list", "watch"}
     assert grants[("apps", "deployments")] == {"get", "create", "update", "delete"}  # spec.router's
     assert grants[("pdfabric.dev", "pdclusters/status")] == {"get", "patch"}
