@@ -10,6 +10,9 @@ VERSION = "v1alpha1"
 PLURAL = "pdclusters"
 KIND = "PDCluster"
 API_VERSION = f"{GROUP}/{VERSION}"
+# The per-role scaling adapter (roles.py): one per (PDCluster, role), behind the scale API.
+ROLE_PLURAL = "pdroles"
+ROLE_KIND = "PDRole"
 
 FINALIZER = f"{GROUP}/finalizer"
 
@@ -63,3 +66,9 @@ COND_DEGRADED = "Degraded"
 # Every serving agent runs the rank map the operator wrote last (live membership); False names those behind.
 COND_RANKMAP_CURRENT = "RankMapCurrent"
 COND_ENGINES_READY = "EnginesReady"  # with spec.engine only: every engine of both roles Ready
+
+# On PDRoles: the replicas the operator last saw equal in the PDRole and its PDCluster; a PDRole
+# whose spec.replicas differs from it was scaled (kubectl scale, an HPA, KEDA).
+ANN_SYNCED_REPLICAS = f"{GROUP}/synced-replicas"
+LABEL_ROLE = f"{GROUP}/role"
+COND_SYNCED = "Synced"  # the PDRole's one condition: the PDCluster has its replicas

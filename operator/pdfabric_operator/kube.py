@@ -24,9 +24,16 @@ _PLURALS = {
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
     "Deployment": "deployments",
+    "PDCluster": c.PLURAL,
+    "PDRole": c.ROLE_PLURAL,
 }
 # Kinds outside the core group: their API prefix.
-_GROUPS = {"NetworkPolicy": "/apis/networking.k8s.io/v1", "Deployment": "/apis/apps/v1"}
+_GROUPS = {
+    "NetworkPolicy": "/apis/networking.k8s.io/v1",
+    "Deployment": "/apis/apps/v1",
+    "PDCluster": f"/apis/{c.API_VERSION}",
+    "PDRole": f"/apis/{c.API_VERSION}",
+}
 
 
 def load_configuration() -> client.Configuration:

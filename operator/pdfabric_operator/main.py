@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from prometheus_client import start_http_server
@@ -47,6 +47,15 @@ from pdfabric_operator.reconcile import (
     delete_owned_children,
     reconcile_once,
 )
+from pdfabric_operator.roles import (
+    ROLES,
+    RolesMemory,
+    RoleView,
+    delete_owned_roles,
+    role_name,
+    role_view,
+    sync_roles,
+)
 from pdfabric_operator.scheduling import taints_from, unschedulable_message
 
 
@@ -62,6 +71,8 @@ class _State:
         self.transports: dict[str, dict[str, AgentTransport]] = {}  # cluster uid -> pod uid -> the agent's word
         self.reports: dict[str, dict[str, AgentReport]] = {}  # cluster uid -> pod uid -> its /readyz, last read
         self.node_prints: dict[str, tuple[Any, ...]] = {}
+        self.roles: dict[str, RolesMemory] = {}  # cluster uid -> its PDRoles' sync memory (roles.py)
+        self.role_generations: dict[str, int] = {}  # PDRole uid -> the generation last seen
         self.metrics_started = False
         self.last_reconcile = 0.0
 
@@ -95,6 +106,8 @@ def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) ->
     STATE.memory.clear()
     STATE.generations.clear()
     STATE.node_prints.clear()
+    STATE.roles.clear()
+    STATE.role_generations.clear()
     LEDGER.clear()
     # Our own prefix for kopf's finalizer and bookkeeping, in annotations, not in status.
     settings.persistence.finalizer = c.FINALIZER
@@ -249,6 +262,12 @@ def agent_pods(
     }
 
 
+@kopf.index(c.GROUP, c.VERSION, c.ROLE_PLURAL)
+def pd_roles(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], RoleView]:
+    # Every PDRole by name, ours or not: a namesake we do not own must be seen to be left alone.
+    return {(_namespaced(namespace), name): role_view(body)}
+
+
 # --- wake-ups ----------------------------------------------------------------------------------
 
 
@@ -257,6 +276,20 @@ def pdcluster_changed(uid: str, meta: Any, **_: Any) -> None:
     # Status writes also produce events; only a spec change (new generation) needs a reconcile now.
     if STATE.generations.get(uid) != meta.get("generation"):
         STATE.wake(uid)
+
+
+@kopf.on.event(c.GROUP, c.VERSION, c.ROLE_PLURAL)
+def pdrole_changed(type: str | None, uid: str, body: kopf.Body, **_: Any) -> None:
+    # kubectl scale, an HPA or KEDA changed spec.replicas (a new generation), or it was deleted:
+    # its PDCluster syncs now. Our own status writes change no generation and wake nothing.
+    view = role_view(body)
+    if type == "DELETED":
+        STATE.role_generations.pop(uid, None)
+    elif STATE.role_generations.get(uid) == view.generation:
+        return
+    else:
+        STATE.role_generations[uid] = view.generation
+    STATE.wake(view.owner_uid)
 
 
 @kopf.on.event("pods", labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY})
@@ -291,6 +324,7 @@ def node_changed(name: str, type: str | None, body: Any, **_: Any) -> None:
 NodeIndex = kopf.Index[str, GpuNode]
 GpuPodIndex = kopf.Index[str, PlacedPod]
 AgentPodIndex = kopf.Index[str, OwnPod]
+RoleIndex = kopf.Index[tuple[str, str], RoleView]
 
 
 def _snapshot(gpu_nodes: NodeIndex, gpu_pods: GpuPodIndex, agent_pods: AgentPodIndex, uid: str) -> Snapshot:
@@ -362,9 +396,11 @@ async def reconcile_daemon(
     gpu_nodes: NodeIndex = kwargs["gpu_nodes"]
     gpu_pods: GpuPodIndex = kwargs["gpu_pods"]
     agent_pods: AgentPodIndex = kwargs["agent_pods"]
+    pd_roles: RoleIndex = kwargs["pd_roles"]
     ref = b.ClusterRef(_namespaced(namespace), name, uid)
     wake = STATE.wakers.setdefault(uid, asyncio.Event())
     memory = STATE.memory.setdefault(uid, ClusterMemory())
+    roles_memory = STATE.roles.setdefault(uid, RolesMemory())
     CLUSTERS.set(len(STATE.wakers))
     last_problem: tuple[str, str] | None = None
     try:
@@ -374,6 +410,7 @@ async def reconcile_daemon(
                 return
             generation = body.get("metadata", {}).get("generation", 0)
             STATE.generations[uid] = generation
+            roles_again = await _sync_roles(body, ref, generation, pd_roles, roles_memory, logger)
             snap = await _with_agents(_snapshot(gpu_nodes, gpu_pods, agent_pods, uid), body, uid)
             started = time.monotonic()
             try:
@@ -422,16 +459,53 @@ async def reconcile_daemon(
             interval = STATE.config.reconcile_interval
             if not memory.membership_settled:
                 interval = min(interval, UNSETTLED_RECHECK_S)
+            if roles_again:  # a second's pause: a persistent failure must not spin the loop
+                await asyncio.sleep(1.0)
+                wake.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=interval)
     finally:
         STATE.wakers.pop(uid, None)
         STATE.transports.pop(uid, None)
         STATE.reports.pop(uid, None)
+        STATE.roles.pop(uid, None)
         CLUSTERS.set(len(STATE.wakers))
         for gauge in (PDCLUSTER_READY, PDCLUSTER_PLACED):  # gone, or reconciled by another replica now
             with contextlib.suppress(KeyError):
                 gauge.remove(ref.namespace, ref.name)
+
+
+async def _sync_roles(
+    body: kopf.Body, ref: b.ClusterRef, generation: int, pd_roles: RoleIndex, memory: RolesMemory, logger: kopf.Logger
+) -> bool:
+    """The PDCluster's PDRoles (roles.py) made and in agreement with it; never in the way of the
+    reconcile that follows. True when it should run again soon (a failure, a write conflict)."""
+    # Copied on the event loop, where the index is mutated (see _snapshot).
+    names = {role_name(ref.name, role) for role in ROLES}
+    views = {n: v for n in names for v in pd_roles.get((ref.namespace, n), [])}
+    try:
+        res = await asyncio.to_thread(
+            sync_roles,
+            STATE.get_kube(),
+            ref,
+            dict(body.get("spec") or {}),
+            dict(body.get("status") or {}),
+            generation,
+            views,
+            memory,
+        )
+    except Exception as exc:
+        ERRORS.labels(error_type(exc).value).inc()
+        logger.warning(f"syncing the PDRoles failed, retrying: {exc!r}")
+        return True
+    if res.actions:
+        logger.info(f"pdroles: {'; '.join(res.actions)}")
+    for target, reason, message in res.role_events:
+        # A PDRole as the event API references it (kind, name, namespace, uid).
+        kopf.warn(kopf.Body(cast(kopf.RawBody, target)), reason=reason, message=message)
+    for reason, message in res.cluster_events:
+        kopf.warn(body, reason=reason, message=message)
+    return res.again
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, id="cleanup")
@@ -447,6 +521,7 @@ async def cleanup(name: str, namespace: str | None, uid: str, logger: kopf.Logge
             kube.delete("Pod", p.namespace, p.name, uid=p.uid)
         # Ours only: a user's object that happens to carry a child's name stays.
         delete_owned_children(kube, ref, [p.name for p in pods])
+        delete_owned_roles(kube, ref)
 
     await asyncio.to_thread(_delete)
     with LEDGER.lock:  # reconciles of other clusters may be planning in worker threads

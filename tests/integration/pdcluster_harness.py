@@ -51,7 +51,7 @@ def cluster_helm(cluster: Any, *args: str) -> str:
 def operator_kubeconfig(cluster: Any) -> Path:
     """CRDs from crds/, the chart's ServiceAccount + RBAC, and a kubeconfig holding that SA's token."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.wait_crds_established(["pdclusters.pdfabric.dev", "clusterkopfpeerings.kopf.dev"])
+    cluster.wait_crds_established(["pdclusters.pdfabric.dev", "pdroles.pdfabric.dev", "clusterkopfpeerings.kopf.dev"])
     if cluster.kubectl("get", "namespace", OPERATOR_NAMESPACE, check=False).returncode != 0:
         cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
     wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
