@@ -21,7 +21,7 @@ from pdfabric_operator.roles import (
     role_view,
     status_patch,
 )
-from tests.unit.charts import render
+from tests.unit.charts import render, run_helm
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "pdrole.yaml"
@@ -229,3 +229,17 @@ def test_operator_rbac_on_pdroles_is_exactly_what_it_uses() -> None:
     assert grants[(c.GROUP, "pdroles/status")] == {"patch"}
     assert (c.GROUP, "pdroles/scale") not in grants, "the operator never scales through the scale API"
     assert "patch" in grants[(c.GROUP, "pdclusters")], "a scaled PDRole is carried into the PDCluster"
+
+
+def test_helm_show_crds_yields_every_crd_as_its_own_document() -> None:
+    # docs/upgrade.md pipes `helm show crds` into kubectl apply; helm joins the files without a
+    # separator, so a file without a leading `---` would merge into the one before it.
+    proc = run_helm("show", "crds", str(ROOT / "charts" / "pdfabric"))
+    assert proc.returncode == 0, proc.stderr
+    names = [d["metadata"]["name"] for d in yaml.safe_load_all(proc.stdout) if d]
+    assert sorted(names) == [
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+        "pdclusters.pdfabric.dev",
+        "pdroles.pdfabric.dev",
+    ]
