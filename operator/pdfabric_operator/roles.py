@@ -86,9 +86,9 @@ def decide(
 def role_selector(cluster_uid: str, role: str, engines: bool) -> str:
     """The node pods that serve `role`, as the label selector string of the scale subresource.
 
-    With spec.engine, the pods running engines of the role (builders.py labels them). Without it,
-    the agents carry KV for whatever ranks sit on their node, of either role, and carry no role
-    label: the truthful answer is every agent pod of the PDCluster.
+    With spec.engine, the pods running engines of the role (builders.py labels them). Without it
+    the node pods carry no role label (and an intra-node NVLink group's pod holds ranks of both
+    roles): the truthful answer is every agent pod of the PDCluster, a superset of the role's.
     """
     base = f"{c.LABEL_CLUSTER_UID}={cluster_uid}"
     if engines:

@@ -132,7 +132,7 @@ def _example_hpas(namespace: str, min_replicas: int) -> list[dict[str, Any]]:
         role = doc["spec"]["scaleTargetRef"]["name"].removeprefix("demo-")
         doc["metadata"] = {"name": f"pd-{role}", "namespace": namespace}
         doc["spec"]["scaleTargetRef"]["name"] = f"pd-{role}"
-        doc["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]["cluster"] = "pd"
+        doc["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]["pdcluster"] = "pd"
         doc["spec"]["minReplicas"] = min_replicas
     return docs
 
