@@ -32,8 +32,7 @@ from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.registry import PrefillRoom, Target
-from pdfabric_agent.rooms.targets import TargetSender
-from pdfabric_agent.rooms.writer import Launch
+from pdfabric_agent.rooms.targets import Delivery, TargetSender
 from pdfabric_core.duties import prefill_rank_sends
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
@@ -253,16 +252,10 @@ class PrefillSender:
         room.marks["transferring"] = ctx.clock()
         room.deadline = ctx.clock() + ctx.spec.transfer.timeout_seconds
         local = ctx.ranks.by_id[room.rank]
-        started: dict[str, Launch | Exception] = {}
-        if local.backend.kernel is not None:
-            # A kernel backend launches here, inside the API call that made the room ready, so the
-            # GPU starts before that call answers; the task below only waits.
-            for t in room.targets.values():
-                try:
-                    started[t.decode_rank] = self.targets.launch(room, local, t)
-                except Exception as exc:  # raised where the task would have raised it
-                    started[t.decode_rank] = exc
-        ctx.tasks.spawn(self._run(room, started))
+        # Each target's path is chosen here, once; a kernel path launches here too, inside the API
+        # call that made the room ready, so the GPU starts before that call answers.
+        deliveries = {t.decode_rank: self.targets.start(room, local, t) for t in room.targets.values()}
+        ctx.tasks.spawn(self._run(room, deliveries))
 
     def expire(self, room: PrefillRoom) -> None:
         """The tick found the room past its deadline (Transferring has its own deadline task)."""
@@ -272,13 +265,13 @@ class PrefillSender:
             self.targets.count_unstarted(room, Outcome.TIMEOUT)
             self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
 
-    async def _run(self, room: PrefillRoom, started: Mapping[str, Launch | Exception]) -> None:
+    async def _run(self, room: PrefillRoom, deliveries: Mapping[str, Delivery]) -> None:
         ctx = self.ctx
         local = ctx.ranks.by_id[room.rank]
         try:
             remaining = max(0.0, room.deadline - ctx.clock())
             sends = [
-                self.targets.send_target(room, local, t, started.get(t.decode_rank)) for t in room.targets.values()
+                self.targets.send_target(room, local, t, deliveries.get(t.decode_rank)) for t in room.targets.values()
             ]
             await asyncio.wait_for(sends[0] if len(sends) == 1 else asyncio.gather(*sends), timeout=remaining)
         except TimeoutError:

@@ -4,6 +4,7 @@ acknowledged; its part counted per peer however it ends (``PrefillSender`` runs 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import time
@@ -26,6 +27,56 @@ from pdfabric_core.policy.types import Role
 
 class DecodeFailed(RuntimeError):
     """The decode side answered that its room failed: this room fails too (one outcome)."""
+
+
+class Delivery(abc.ABC):
+    """How one target's bytes go, decided once, when its room turned ready (``TargetSender.start``):
+    the rank's kernel path or its transfer engine; the target's task then only ``write``s."""
+
+    plan: TransferPlan
+    by_path: BytesByPath  # what moved, by the path that moved it
+    # A write that failed may still run on (a launched kernel): the target then stays writing.
+    may_run_on = False
+
+    @abc.abstractmethod
+    async def write(self) -> None: ...
+
+
+class EngineDelivery(Delivery):
+    """Through the rank's transfer engine, batch by batch, when the room's task runs."""
+
+    def __init__(self, writer: RoomWriter, local: LocalRank, room: PrefillRoom, plan: TransferPlan, peer: str) -> None:
+        self.writer, self.local, self.room, self.plan, self.peer = writer, local, room, plan, peer
+        self.by_path = {}
+
+    async def write(self) -> None:
+        await self.writer.write_engine(self.local, self.peer, self.plan, self.room, self.by_path)
+
+
+class KernelDelivery(Delivery):
+    """Launched on the rank's kernel path in the API call that made the room ready (the GPU starts
+    before that call answers); the room's task waits for the launches to land."""
+
+    may_run_on = True
+
+    def __init__(self, writer: RoomWriter, local: LocalRank, room: PrefillRoom, target: Target, launch: Launch) -> None:
+        self.writer, self.local, self.room, self.target, self.launch = writer, local, room, target, launch
+        self.plan, self.by_path = launch.plan, launch.by_path
+
+    async def write(self) -> None:
+        await self.writer.land(self.local, self.room, self.target, self.launch)
+
+
+class Unstarted(Delivery):
+    """A target that could not start (its peer blacklisted, its room not plannable): its task
+    fails with ``error``, where its write would have."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.by_path = {}
+
+    async def write(self) -> None:
+        raise self.error
 
 
 class TargetSender:
@@ -67,12 +118,20 @@ class TargetSender:
         )
         return plan, dst.endpoint
 
-    def launch(self, room: PrefillRoom, local: LocalRank, target: Target) -> Launch:
-        kernel = local.backend.kernel
-        assert kernel is not None
-        plan, peer = self._prepare(room, local, target)
+    def start(self, room: PrefillRoom, local: LocalRank, target: Target) -> Delivery:
+        """The one choice of a target's path: launched on the rank's kernel path now, or written
+        through its engine by the room's task. From here the target may be written."""
+        try:
+            plan, peer = self._prepare(room, local, target)
+        except Exception as exc:  # raised in the target's task, where its write would have raised it
+            return Unstarted(exc)
         target.writing = True
-        return self.writer.launch(room, local, target, plan, peer, kernel)
+        kernel = local.backend.kernel
+        if kernel is None:
+            return EngineDelivery(self.writer, local, room, plan, peer)
+        return KernelDelivery(
+            self.writer, local, room, target, self.writer.launch(room, local, target, plan, peer, kernel)
+        )
 
     def count_unstarted(self, room: PrefillRoom, outcome: Outcome) -> None:
         """A room that ends before its targets were written: each target's part has its outcome."""
@@ -97,14 +156,14 @@ class TargetSender:
         )
 
     async def send_target(
-        self, room: PrefillRoom, local: LocalRank, target: Target, started: Launch | Exception | None = None
+        self, room: PrefillRoom, local: LocalRank, target: Target, delivery: Delivery | None = None
     ) -> None:
-        """Write, report and have one target acknowledge; its part is counted however it ends (a
-        cancel is the room's transfer deadline)."""
+        """Write (``delivery``, else ``start`` now), report and have one target acknowledge; its
+        part is counted however it ends (a cancel is the room's transfer deadline)."""
         moved: list[BytesByPath] = []
         outcome = Outcome.FAILED
         try:
-            await self._deliver(room, local, target, started, moved)
+            await self._deliver(room, local, target, delivery or self.start(room, local, target), moved)
             outcome = Outcome.SUCCESS
         except asyncio.CancelledError:
             outcome = Outcome.TIMEOUT
@@ -121,34 +180,19 @@ class TargetSender:
             self._count_target(room, target, outcome, moved)
 
     async def _deliver(
-        self,
-        room: PrefillRoom,
-        local: LocalRank,
-        target: Target,
-        started: Launch | Exception | None,
-        moved: list[BytesByPath],
+        self, room: PrefillRoom, local: LocalRank, target: Target, delivery: Delivery, moved: list[BytesByPath]
     ) -> None:
         ctx = self.ctx
-        if isinstance(started, Exception):
-            raise started
-        if started is None and local.backend.kernel is not None:
-            started = self.launch(room, local, target)
-        if started is None:
-            plan, peer = self._prepare(room, local, target)
-            by_path: BytesByPath = {}
-            target.writing = True
-        else:
-            plan, by_path = started.plan, started.by_path
+        if isinstance(delivery, Unstarted):  # nothing was written: the reason as it was raised
+            raise delivery.error
+        plan, by_path = delivery.plan, delivery.by_path
         moved.append(by_path)
         writing_since = ctx.clock()
         try:
-            if started is not None:
-                await self.writer.land(local, room, target, started)
-            else:
-                await self.writer.write_engine(local, peer, plan, room, by_path)
+            await delivery.write()
         except Exception as exc:
             # The engine's calls returned (a kernel that failed may still run: it stays writing).
-            target.writing = started is not None
+            target.writing = delivery.may_run_on
             if not isinstance(exc, TransferError | OSError):
                 raise
             why = str(exc)
