@@ -34,7 +34,7 @@ import time
 from pdfabric_refengine.geometry import SPEC_MODEL
 
 from pdfabric_devcluster.cluster import REPO_ROOT, ClusterError, LocalCluster, free_port, wait_for
-from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.fabric import Fabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.procs import console_argv
 from pdfabric_devcluster.prometheus import Prometheus
@@ -198,7 +198,7 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
     print(f"  {prometheus.url}")
 
     step(f"{ROOMS} requests: prefill TP2 x CP2 -> decode TP4 over Mooncake tcp, verified byte by byte")
-    fabric = LocalFabric.from_cluster(cluster, NAMESPACE, "demo", runner)
+    fabric = Fabric.from_cluster(cluster, NAMESPACE, "demo", runner)
     traffic_start = time.time() - 5
     for room in range(1, ROOMS + 1):
         time.sleep(ROOM_PAUSE_S)

@@ -5,8 +5,8 @@ agent pods the operator made, materialises what the kubelet would (downward-API,
 ConfigMap env, ``$(VAR)`` expansion of env values; ConfigMap and Secret volumes: the rank map, the
 engine token, the pod's own peer certificate; a memory-backed ``emptyDir`` as a directory under
 this machine's /dev/shm), and starts the container's command on this machine as an AgentProcess,
-with the loopback ports and peer addresses of fabric.loopback_env (the engine door, which has no
-containerPort, gets a port of its own too). LocalFabric.from_cluster drives them.
+with the loopback ports and peer addresses of agents.loopback_env (the engine door, which has no
+containerPort, gets a port of its own too). Fabric.from_cluster drives them.
 ``addresses_file`` maps each pod to its agent's metrics address (the operator's
 PDFABRIC_AGENT_ADDRESSES, in place of pod IP and metrics port); ``peers_file`` maps each to its
 peer door (PDFABRIC_PEERS_FILE: the cluster DNS for agents of pods that come later).
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from pdfabric_core.engines import ENGINES_ENV, expand
+from pdfabric_devcluster.agents import AgentProcess, LocalEngine, engine_image_env, loopback_env, stop_all
 from pdfabric_devcluster.cluster import ClusterError, LocalCluster
-from pdfabric_devcluster.fabric import AgentProcess, LocalEngine, engine_image_env, loopback_env, stop_all
 from pdfabric_devcluster.procs import console_argv, console_scripts, free_port
 from pdfabric_devcluster.sglang_router import SGLangRouter
 

@@ -1,7 +1,7 @@
 """Local processes run from this repository's sources: free loopback ports, the console scripts of
 pyproject.toml run without an install, the PYTHONPATH that finds the packages.
 
-No control-plane dependencies here: the agent harness (fabric.py) runs on GPU machines too.
+No control-plane dependencies here: the agent harness (agents.py, fabric.py) runs on GPU machines too.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from typing import Any
 
 from pdfabric_sglang.cpu_pools import remove_orphans
 
-from pdfabric_devcluster.fabric import LocalEngine, LocalFabric
+from pdfabric_devcluster.agents import LocalEngine
+from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import free_port, post_json
 from pdfabric_devcluster.sglang_router import SGLangRouter, sglang_router
 from pdfabric_sglangserver.model import DEFAULT, Variant, spec_model_for_servers

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from pdfabric_devcluster.fabric import AgentProcess, LocalFabric
+from pdfabric_devcluster.agents import AgentProcess
+from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
 from tests.builders import SMALL_MODEL
 from tests.e2e.attacks import HandshakeFlood

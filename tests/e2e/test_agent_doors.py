@@ -21,7 +21,8 @@ from cryptography import x509
 
 from pdfabric_agent.client.api import AgentRefused
 from pdfabric_agent.protocol import tls
-from pdfabric_devcluster.fabric import LocalFabric, peer_request
+from pdfabric_devcluster.agents import peer_request
+from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_operator import pki
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from pdfabric_devcluster.fabric import AgentProcess, LocalFabric
+from pdfabric_devcluster.agents import AgentProcess
+from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import REPO_ROOT
 
 # Real agent processes over the real engine; every test here starts at least one cluster.

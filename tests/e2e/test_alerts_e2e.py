@@ -28,7 +28,7 @@ import pytest
 
 from pdfabric_agent.node.hardware import detect_rdma
 from pdfabric_agent.runtime.metrics import peer_pairs, peer_ranks
-from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.fabric import Fabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.prometheus import Prometheus
 from pdfabric_devcluster.transfer import transfer_room
@@ -113,7 +113,7 @@ def test_one_fault_fires_its_alert_and_only_it(
     )
     prometheus.wait_targets_up(len(pods))
 
-    fabric = LocalFabric.from_cluster(cluster, namespace, "pd", runner)
+    fabric = Fabric.from_cluster(cluster, namespace, "pd", runner)
     rankmap, spec = fabric.rankmap, fabric.spec
     assert rankmap.transport == "rdma"
     agent_of = {r.rank_id: a.name for a in rankmap.agents for r in a.ranks}

@@ -18,7 +18,7 @@ from pdfabric_refengine.router import Answer, PrefillEndpoint, generate
 from pdfabric_refengine.server import detokenize
 
 from pdfabric_agent.engines.sandbox import landlock_abi
-from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.fabric import Fabric
 from pdfabric_devcluster.podrunner import LocalEngine, PodRunner
 from tests.builders import pdcluster
 from tests.e2e import node_pods, pd_runs
@@ -127,7 +127,7 @@ def test_pdcluster_serves_prompts_through_pd_and_survives_an_engine_kill(
     assert [a.tokens for a in answers] == want
     assert [a.text for a in answers] == [detokenize(t) for t in want]
     # The bytes moved are the agents' to count (SGLang's KVTransferMetric: the decode ranks').
-    fabric = LocalFabric.from_cluster(cluster, namespace, "pd", runner)
+    fabric = Fabric.from_cluster(cluster, namespace, "pd", runner)
     moved = sum(fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind=k) for k in ("kv", "aux"))
     reported = sum(m["bytes"] for a in answers for m in a.meta["kv_transfer"].values())
     assert reported == moved > 0

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import gen_dashboards
-from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.fabric import Fabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.prometheus import Prometheus
 from pdfabric_devcluster.synthetic import expected_bytes
@@ -72,7 +72,7 @@ def test_apply_place_transfer_scrape(
     )
     prometheus.wait_targets_up(len(pods))
 
-    fabric = LocalFabric.from_cluster(cluster, namespace, "pd", runner)
+    fabric = Fabric.from_cluster(cluster, namespace, "pd", runner)
     spec = fabric.spec
     want = expected_bytes(spec, pages=9, state_slots=2, aux=True)
     for room in (5, 6):

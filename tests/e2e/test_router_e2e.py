@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.fabric import Fabric
 from pdfabric_devcluster.podrunner import PodRunner
 from tests.builders import pdcluster
 from tests.e2e import node_pods as eng
@@ -64,7 +64,7 @@ def test_the_operators_router_serves_prompts_through_pd(
     answers = [router.generate({**body, "input_ids": p}) for p in prompts]
     assert [status for status, _ in answers] == [200] * len(prompts), [a for s, a in answers if s != 200][:2]
     assert [a["output_ids"] for _, a in answers] == want
-    fabric = LocalFabric.from_cluster(cluster, namespace, "pd", runner)
+    fabric = Fabric.from_cluster(cluster, namespace, "pd", runner)
     for rank in ("prefill-0-tp0-cp0", "prefill-1-tp0-cp0"):
         sent = fabric.metric_sum("pdfabric_peer_transfer_bytes_total", role="prefill", rank=rank)
         assert sent > 0, f"the router sent nothing through {rank}"

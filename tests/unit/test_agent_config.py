@@ -8,7 +8,7 @@ import pytest
 
 from pdfabric_agent.runtime import config
 from pdfabric_agent.runtime.config import SETTINGS, ConfigError, load_config, require_peer_tls, settings_markdown
-from pdfabric_devcluster.fabric import write_tls_dir
+from pdfabric_devcluster.agents import write_tls_dir
 from pdfabric_operator import pki
 
 

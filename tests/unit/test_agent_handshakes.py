@@ -18,7 +18,7 @@ from aiohttp import web
 from pdfabric_agent.http.guard import Limits
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.runtime import metrics
-from pdfabric_devcluster.fabric import write_tls_dir
+from pdfabric_devcluster.agents import write_tls_dir
 from pdfabric_operator import pki
 from tests.deadlines import wait_until
 from tests.unit.served import Served
