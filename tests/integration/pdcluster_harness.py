@@ -22,7 +22,9 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
+from pdfabric_core.rankmap import RankMap
 from pdfabric_devcluster.nodes import GpuNodeShape
+from pdfabric_operator.builders import agent_name
 from tests.deadlines import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,3 +231,78 @@ def children(cluster: Any, namespace: str, name: str) -> dict[str, list[str]]:
 
 def apply_pdc(cluster: Any, manifest: dict[str, Any], namespace: str) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+
+
+# --- the node pods: a pod per placement unit (a replica, or an NVLink group) on a node --------
+
+
+def pod_gpus(pod: dict[str, Any]) -> int:
+    """The GPUs one agent pod requests (its ranks')."""
+    return int(pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def pod_ranks(pod: dict[str, Any]) -> list[tuple[str, int]]:
+    """(rank id, GPU index in the pod) of every rank the pod holds, from its ranks annotation."""
+    out = []
+    for item in filter(None, pod["metadata"]["annotations"]["pdfabric.dev/ranks"].split(",")):
+        rank_id, _, gpu = item.partition("@")
+        out.append((rank_id, int(gpu or 0)))
+    return out
+
+
+def pod_unit(pod: dict[str, Any]) -> str:
+    """The placement unit a pod holds, from its ranks: a replica (prefill-0, decode-1), or with
+    nvlink-intra the group of a prefill replica and the decodes it feeds (group-<prefill replica>)."""
+    replicas = sorted({"-".join(rank_id.split("-")[:2]) for rank_id, _ in pod_ranks(pod)})
+    if len(replicas) == 1:
+        return replicas[0]
+    (prefill,) = [r for r in replicas if r.startswith("prefill-")]
+    return f"group-{prefill.split('-')[1]}"
+
+
+def pod_node(pod: dict[str, Any]) -> str:
+    """The node the planner chose for the pod (spec.nodeName once the scheduler bound it there)."""
+    return str(pod["metadata"]["annotations"]["pdfabric.dev/node"])
+
+
+def pods_by_unit(cluster: Any, namespace: str, name: str) -> dict[str, dict[str, Any]]:
+    """The cluster's agent pods by placement unit, each named for its unit and node; for units
+    that each sit on one node (a unit split over nodes has a pod on each)."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in agent_pods(cluster, namespace, name):
+        unit = pod_unit(p)
+        assert unit not in out, f"two pods of {unit}: {out[unit]['metadata']['name']}, {p['metadata']['name']}"
+        assert p["metadata"]["name"] == agent_name(name, unit, pod_node(p))
+        out[unit] = p
+    return out
+
+
+def gpus_by_node(cluster: Any, namespace: str, name: str) -> dict[str, int]:
+    """GPUs the cluster's agent pods request on each node, summed over the node's pods."""
+    out: dict[str, int] = {}
+    for p in agent_pods(cluster, namespace, name):
+        node = p["spec"].get("nodeName") or pod_node(p)
+        out[node] = out.get(node, 0) + pod_gpus(p)
+    return out
+
+
+def assert_no_duplicates(cluster: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    """No unit has two pods on a node, no rank is held twice (by the pods or in the rank map), the
+    rank map names exactly the live pods, and each pod holds its own GPUs 0..n-1 (one per rank)."""
+    pods = agent_pods(cluster, namespace, name)
+    names = [p["metadata"]["name"] for p in pods]
+    assert len(names) == len(set(names)), f"two agent pods of one name: {names}"
+    keys = [(pod_unit(p), pod_node(p)) for p in pods]
+    assert len(keys) == len(set(keys)), f"a unit with two pods on one node: {sorted(map(str, keys))}"
+    held = [rank_id for p in pods for rank_id, _ in pod_ranks(p)]
+    assert len(held) == len(set(held)), f"a rank held by two pods: {sorted(held)}"
+    for p in pods:
+        gpus = sorted(gpu for _, gpu in pod_ranks(p))
+        assert gpus == list(range(pod_gpus(p))), f"{p['metadata']['name']}: GPUs {gpus} of {pod_gpus(p)}"
+    cm = cluster.get_json("configmap", f"{name}-rankmap", "-n", namespace)
+    rankmap = RankMap.from_json(cm["data"]["rankmap.json"])
+    mapped = [r.rank_id for a in rankmap.agents for r in a.ranks]
+    assert len(mapped) == len(set(mapped)), f"a rank twice in the rank map: {sorted(mapped)}"
+    assert sorted(mapped) == sorted(held), "the rank map and the pods hold different ranks"
+    assert sorted(a.name for a in rankmap.agents) == sorted(names), "the rank map names other pods"
+    return pods

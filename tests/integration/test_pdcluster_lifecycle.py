@@ -33,18 +33,13 @@ def _rankmap(cluster: Any, namespace: str) -> RankMap:
 
 
 def _gpus_by_node(cluster: Any, namespace: str) -> dict[str, int]:
-    return {
-        p["spec"]["nodeName"]: int(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-        for p in agent_pods(cluster, namespace, "pd")
-    }
+    """GPUs of the cluster's agent pods on each node (a node may carry several of its pods)."""
+    return h.gpus_by_node(cluster, namespace, "pd")
 
 
 def _no_duplicates(cluster: Any, namespace: str) -> None:
-    pods = agent_pods(cluster, namespace, "pd")
-    nodes = [p["spec"]["nodeName"] for p in pods]
-    assert len(nodes) == len(set(nodes)), f"two agents of one cluster on a node: {nodes}"
-    ranks = [r.rank_id for a in _rankmap(cluster, namespace).agents for r in a.ranks]
-    assert len(ranks) == len(set(ranks))
+    """No unit with two pods on a node, no rank held twice (see the harness)."""
+    h.assert_no_duplicates(cluster, namespace, "pd")
 
 
 def test_scale_up_and_down(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
@@ -59,7 +54,9 @@ def test_scale_up_and_down(cluster: Any, namespace: str, gpu_nodes: Any, operato
     assert obj["status"]["prefillReady"] == "2/2" and obj["status"]["decodeReady"] == "2/2"
     wait_until(lambda: sum(_gpus_by_node(cluster, namespace).values()) == 16, timeout=30, what="16 GPUs of agents")
     _no_duplicates(cluster, namespace)
-    assert len(_rankmap(cluster, namespace).agents) == 2
+    # A pod per replica, packed onto two of the three nodes (best fit).
+    agents = _rankmap(cluster, namespace).agents
+    assert len(agents) == 4 and len({a.node for a in agents}) == 2, agents
 
     apply_pdc(cluster, builder.prefill(replicas=1).decode(replicas=1).manifest(), namespace)
     obj = wait_ready(cluster, namespace, "pd")
