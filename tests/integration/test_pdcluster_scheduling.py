@@ -13,6 +13,7 @@ from tests.integration.pdcluster_harness import (
     apply_pdc,
     condition,
     pdc,
+    pods_by_unit,
     selector,
     wait_ready,
     wait_until,
@@ -36,6 +37,16 @@ def _scheduled_by_the_scheduler(pod: dict[str, Any], node: str) -> None:
     assert '"f:nodeName"' not in owned
 
 
+def _each_bound_to(cluster: Any, namespace: str, name: str, node: str) -> list[dict[str, Any]]:
+    """The cluster's node pods, a pod per replica (prefill-0, decode-0), each bound to `node` by the
+    scheduler."""
+    pods = pods_by_unit(cluster, namespace, name)
+    assert sorted(pods) == ["decode-0", "prefill-0"], sorted(pods)
+    for pod in pods.values():
+        _scheduled_by_the_scheduler(pod, node)
+    return list(pods.values())
+
+
 def _unplaced(cluster: Any, namespace: str, name: str, reason: str) -> dict[str, Any] | None:
     obj = pdc(cluster, namespace, name)
     cond = condition(obj, "Placed")
@@ -52,8 +63,7 @@ def test_a_tainted_node_without_a_toleration_gets_no_pod(
     # 8 GPUs: either node fits it, and best fit would take the tainted one (first by name).
     apply_pdc(cluster, pdcluster().prefill(tp=4).decode(tp=4).placement(nodeSelector=sel).manifest(), namespace)
     wait_ready(cluster, namespace, "pd")
-    (pod,) = agent_pods(cluster, namespace, "pd")
-    _scheduled_by_the_scheduler(pod, plain)
+    _each_bound_to(cluster, namespace, "pd", plain)
     # A second cluster finds only the tainted node free: no pod, and the status names the taint.
     apply_pdc(cluster, pdcluster("pd2").prefill(tp=4).decode(tp=4).placement(nodeSelector=sel).manifest(), namespace)
     obj = wait_until(lambda: _unplaced(cluster, namespace, "pd2", "InsufficientGPUs"), timeout=30, what="pd2 unplaced")
@@ -65,8 +75,7 @@ def test_a_tainted_node_without_a_toleration_gets_no_pod(
     # The taint goes: the waiting cluster is placed there, by the scheduler.
     cluster.kubectl("taint", "node", tainted, "dedicated-")
     wait_ready(cluster, namespace, "pd2", timeout=60)
-    (pod,) = agent_pods(cluster, namespace, "pd2")
-    _scheduled_by_the_scheduler(pod, tainted)
+    _each_bound_to(cluster, namespace, "pd2", tainted)
 
 
 def test_a_cordoned_node_gets_no_new_pod(cluster: Any, namespace: str, gpu_nodes: Any, operator: Any) -> None:
@@ -76,15 +85,13 @@ def test_a_cordoned_node_gets_no_new_pod(cluster: Any, namespace: str, gpu_nodes
     sel = selector(namespace)
     apply_pdc(cluster, pdcluster().prefill(tp=4).decode(tp=4).placement(nodeSelector=sel).manifest(), namespace)
     wait_ready(cluster, namespace, "pd")
-    (pod,) = agent_pods(cluster, namespace, "pd")
-    _scheduled_by_the_scheduler(pod, plain)
+    _each_bound_to(cluster, namespace, "pd", plain)
     apply_pdc(cluster, pdcluster("pd2").prefill(tp=4).decode(tp=4).placement(nodeSelector=sel).manifest(), namespace)
     wait_until(lambda: _unplaced(cluster, namespace, "pd2", "InsufficientGPUs"), timeout=30, what="pd2 unplaced")
     assert agent_pods(cluster, namespace, "pd2") == []
     cluster.kubectl("uncordon", cordoned)
     wait_ready(cluster, namespace, "pd2", timeout=60)
-    (pod,) = agent_pods(cluster, namespace, "pd2")
-    _scheduled_by_the_scheduler(pod, cordoned)
+    _each_bound_to(cluster, namespace, "pd2", cordoned)
 
 
 def test_a_pod_the_scheduler_cannot_bind_is_reported_with_its_reason(
@@ -104,8 +111,10 @@ def test_a_pod_the_scheduler_cannot_bind_is_reported_with_its_reason(
     assert ready["status"] == "False" and "Insufficient cpu" in ready["message"], ready
     assert f"to its node {node}: 0/" in ready["message"]
     assert (placed["status"], placed["reason"], placed["message"]) == ("False", "PodUnschedulable", ready["message"])
-    (pod,) = agent_pods(cluster, namespace, "pd")
-    assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+    pods = pods_by_unit(cluster, namespace, "pd")
+    assert sorted(pods) == ["decode-0", "prefill-0"], sorted(pods)
+    for pod in pods.values():
+        assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
     events = wait_until(
         lambda: [
             e
@@ -120,8 +129,7 @@ def test_a_pod_the_scheduler_cannot_bind_is_reported_with_its_reason(
     apply_pdc(cluster, builder.agent(resources={"requests": {"cpu": "1"}}).manifest(), namespace)
     obj = wait_ready(cluster, namespace, "pd", timeout=60)
     assert condition(obj, "Placed")["reason"] == "Placed"
-    (pod,) = agent_pods(cluster, namespace, "pd")
-    _scheduled_by_the_scheduler(pod, node)
+    _each_bound_to(cluster, namespace, "pd", node)
 
 
 def test_the_users_required_node_affinity_joins_the_pin(
@@ -150,11 +158,10 @@ def test_the_users_required_node_affinity_joins_the_pin(
     builder = pdcluster().placement(nodeSelector=selector(namespace)).agent(pod={"affinity": affinity})
     apply_pdc(cluster, builder.manifest(), namespace)
     wait_ready(cluster, namespace, "pd")
-    (pod,) = agent_pods(cluster, namespace, "pd")
-    _scheduled_by_the_scheduler(pod, second)
-    (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"
-    ]
-    assert zone_b in term["matchExpressions"]
-    assert pod["spec"]["affinity"]["podAntiAffinity"] == affinity["podAntiAffinity"]
+    for pod in _each_bound_to(cluster, namespace, "pd", second):
+        (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert zone_b in term["matchExpressions"]
+        assert pod["spec"]["affinity"]["podAntiAffinity"] == affinity["podAntiAffinity"]
     assert first != second
