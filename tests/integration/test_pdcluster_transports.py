@@ -15,13 +15,17 @@ from tests.integration.pdcluster_harness import agent_pods, apply_pdc, children,
 # Fixtures live in the harness; binding them here makes pytest see them in this module.
 operator_kubeconfig, gpu_nodes, operator = h.operator_kubeconfig, h.gpu_nodes, h.operator
 
-# (id, node shapes: (prefix, count, options), builder, expected GPUs per agent pod, RDMA requested)
+# (id, node shapes: (prefix, count, options), builder, expected GPUs per agent pod (a pod per
+# placement unit), expected GPUs per node (summed over its pods), RDMA requested)
 CASES = [
-    ("tcp", [("plain", 2, {})], pdcluster().prefill(tp=4).decode(tp=4), [8], False),
+    # A pod per replica, both on one node (best fit).
+    ("tcp", [("plain", 2, {})], pdcluster().prefill(tp=4).decode(tp=4), [4, 4], [8], False),
     (
         "rdma",
-        [("plain", 2, {}), ("rdma", 2, {"rdma_resource": "rdma/hca"})],
+        # Each pod holds an RDMA device of its own: two per node let a node take two pods.
+        [("plain", 2, {}), ("rdma", 2, {"rdma_resource": "rdma/hca", "rdma_count": 2})],
         pdcluster().transport("rdma").prefill(replicas=2, tp=4).decode(replicas=1, tp=4),
+        [4, 4, 4],
         [4, 8],
         True,
     ),
@@ -31,21 +35,33 @@ CASES = [
         # 6-GPU groups (prefill TP4 + the decode TP2 it feeds): one per 8-GPU node
         pdcluster().transport("nvlink-intra").prefill(replicas=2, tp=4).decode(replicas=2, tp=2),
         [6, 6],
+        [6, 6],
         False,
     ),
     (
         "nvlink",
         [("cl", 2, {"clique": "domain-x"}), ("plain", 2, {})],
         pdcluster().transport("nvlink").prefill(replicas=1, tp=8).decode(replicas=2, tp=4),
+        [4, 4, 8],
         [8, 8],
         False,
     ),
 ]
 
 
-@pytest.mark.parametrize(("shapes", "builder", "gpus", "rdma"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("shapes", "builder", "gpus", "node_gpus", "rdma"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_transport_placed_and_ready(
-    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any, shapes: list, builder: Any, gpus: list[int], rdma: bool
+    cluster: Any,
+    namespace: str,
+    gpu_nodes: Any,
+    operator: Any,
+    shapes: list,
+    builder: Any,
+    gpus: list[int],
+    node_gpus: list[int],
+    rdma: bool,
 ) -> None:
     node_labels: dict[str, dict[str, str]] = {}
     for prefix, count, opts in shapes:
@@ -69,11 +85,18 @@ def test_transport_placed_and_ready(
 
     pods = agent_pods(cluster, namespace, "pd")
     assert all(p["status"]["phase"] == "Running" for p in pods)
-    per_pod = sorted(int(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for p in pods)
+    per_pod = sorted(h.pod_gpus(p) for p in pods)
     assert per_pod == gpus
+    assert sorted(h.gpus_by_node(cluster, namespace, "pd").values()) == node_gpus
+    assert len(h.pods_by_unit(cluster, namespace, "pd")) == len(gpus), "a pod per placement unit"
+    h.assert_no_duplicates(cluster, namespace, "pd")
+    rdma_on: dict[str, int] = {}
     for p in pods:
         limits = p["spec"]["containers"][0]["resources"]["limits"]
         assert ("rdma/hca" in limits) == rdma
+        if rdma:
+            assert limits["rdma/hca"] == "1", "one RDMA device per pod"
+            rdma_on[p["spec"]["nodeName"]] = rdma_on.get(p["spec"]["nodeName"], 0) + 1
         labels = node_labels[p["spec"]["nodeName"]]
         if transport == "rdma":
             assert p["spec"]["nodeName"].split("-")[-2] == "rdma"
@@ -83,6 +106,8 @@ def test_transport_placed_and_ready(
         env = {e["name"]: e for e in p["spec"]["containers"][0]["env"]}
         assert env["PDFABRIC_RANKMAP"]["value"] == "/etc/pdfabric/rankmap.json"
         assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    for node, taken in rdma_on.items():
+        assert taken <= int(cluster.get_json("node", node)["status"]["allocatable"]["rdma/hca"]), node
     if transport == "nvlink-intra":
         # each node holds one prefill replica and exactly the decode replica it feeds
         rankmap = RankMap.from_json(
