@@ -151,47 +151,60 @@ def test_engine_pod_services_status_and_events(
     (node,) = gpu_nodes("e", 1, gpus=8)
     apply_pdc(cluster, _builder(namespace).manifest(), namespace)
     obj = wait_ready(cluster, namespace, "pd")
-    (pod,) = agent_pods(cluster, namespace, "pd")
-    assert pod["metadata"]["name"] == agent_name("pd", node)
+    # A node pod per replica, each named for its replica and node.
+    pods = h.pods_by_unit(cluster, namespace, "pd")
+    assert sorted(pods) == ["decode-0", "prefill-0", "prefill-1"]
+    for unit, pod in pods.items():
+        assert pod["metadata"]["name"] == agent_name("pd", unit, node)
+        assert pod["spec"]["nodeName"] == node
 
-    # One container: the agent, from the engine image, with every GPU of the node's ranks.
-    (c,) = pod["spec"]["containers"]
-    assert (c["name"], c["image"], c["command"]) == ("agent", "pdfabric/refengine:test", ["pdfabric-agent"])
-    res = c["resources"]
-    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "4"
-    assert res["limits"]["memory"] == "2Gi"  # decode's, once (one decode engine on the node)
-    spec = pod["spec"]
-    assert not any(spec.get(k) for k in ("hostIPC", "hostPID", "hostNetwork"))
-    assert not (c.get("securityContext") or {}).get("privileged")
-    env = {e["name"]: e for e in c["env"]}
-    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(env)
-    assert env["PDFABRIC_ENV_PREFILL_HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
-    assert "HF_TOKEN" not in env and "HF_HOME" not in env
-    assert spec["terminationGracePeriodSeconds"] == 60
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
-    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["dshm"] == "/dev/shm"
-    probe = c["readinessProbe"]["httpGet"]
-    assert (probe["path"], probe["port"]) == ("/readyz", "metrics")  # 200 once the agent and its engines are
-    assert c["livenessProbe"]["httpGet"]["port"] == "metrics"
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert {k: v for k, v in ports.items() if k not in ("peer", "metrics")} == {
-        "p-http-0": 30000,
-        "p-boot-0": 8998,
-        "p-http-1": 30001,
-        "p-boot-1": 8999,
-        "d-http-0": 31000,
+    # One container per pod: the agent, from the engine image, with every GPU of the pod's ranks.
+    gpus = {"prefill-0": "1", "prefill-1": "1", "decode-0": "2"}
+    for unit, pod in pods.items():
+        (c,) = pod["spec"]["containers"]
+        assert (c["name"], c["image"], c["command"]) == ("agent", "pdfabric/refengine:test", ["pdfabric-agent"])
+        res = c["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == gpus[unit], unit
+        if unit == "decode-0":
+            assert res["limits"]["memory"] == "2Gi"  # decode's, once (one decode engine in the pod)
+        else:
+            assert "memory" not in res["limits"], unit  # a prefill pod runs no decode engine
+        spec = pod["spec"]
+        assert not any(spec.get(k) for k in ("hostIPC", "hostPID", "hostNetwork"))
+        assert not (c.get("securityContext") or {}).get("privileged")
+        env = {e["name"]: e for e in c["env"]}
+        assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(env)
+        assert "HF_TOKEN" not in env and "HF_HOME" not in env
+        assert spec["terminationGracePeriodSeconds"] == 60
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+        assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["dshm"] == "/dev/shm"
+        probe = c["readinessProbe"]["httpGet"]
+        assert (probe["path"], probe["port"]) == ("/readyz", "metrics")  # 200 once the agent and its engines are
+        assert c["livenessProbe"]["httpGet"]["port"] == "metrics"
+    assert h.gpus_by_node(cluster, namespace, "pd") == {node: 4}  # every GPU of the node's ranks, once
+    for unit in ("prefill-0", "prefill-1"):
+        env = {e["name"]: e for e in pods[unit]["spec"]["containers"][0]["env"]}
+        assert env["PDFABRIC_ENV_PREFILL_HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+
+    # Each pod has a network of its own: its engines' ports start at the role's first port.
+    def ports(unit: str) -> dict[str, int]:
+        (c,) = pods[unit]["spec"]["containers"]
+        return {p["name"]: p["containerPort"] for p in c["ports"] if p["name"] not in ("peer", "metrics")}
+
+    assert ports("prefill-0") == ports("prefill-1") == {"p-http-0": 30000, "p-boot-0": 8998}
+    assert ports("decode-0") == {"d-http-0": 31000}
+
+    # The engines each agent runs, as it will read them (the kubelet unescapes $$).
+    launches = {unit: decode_launches(_engines_env(pod)) for unit, pod in pods.items()}
+    assert {u: [(x.name, x.rank_ids, x.port, x.bootstrap_port) for x in ls] for u, ls in launches.items()} == {
+        "prefill-0": [("prefill-0", ("prefill-0-tp0-cp0",), 30000, 8998)],
+        "prefill-1": [("prefill-1", ("prefill-1-tp0-cp0",), 30000, 8998)],
+        "decode-0": [("decode-0", ("decode-0-tp0", "decode-0-tp1"), 31000, None)],
     }
-
-    # The engines the agent runs, as it will read them (the kubelet unescapes $$).
-    launches = decode_launches(_engines_env(pod))
-    assert [(x.name, x.rank_ids, x.port, x.bootstrap_port) for x in launches] == [
-        ("prefill-0", ("prefill-0-tp0-cp0",), 30000, 8998),
-        ("prefill-1", ("prefill-1-tp0-cp0",), 30001, 8999),
-        ("decode-0", ("decode-0-tp0", "decode-0-tp1"), 31000, None),
-    ]
-    assert sorted(g for x in launches for g in x.gpus) == [0, 1, 2, 3]  # each GPU of the pod, once
-    assert launches[1].argv == ("python3", "-m", "sglang.launch_server", "--port", "$(PDFABRIC_PORT)")
-    assert [(e.name, e.value, e.from_container) for e in launches[0].env] == [
+    for unit, ls in launches.items():  # each GPU of each pod, once, numbered from 0 in the pod
+        assert sorted(g for x in ls for g in x.gpus) == list(range(int(gpus[unit]))), unit
+    assert launches["prefill-1"][0].argv == ("python3", "-m", "sglang.launch_server", "--port", "$(PDFABRIC_PORT)")
+    assert [(e.name, e.value, e.from_container) for e in launches["prefill-0"][0].env] == [
         ("HF_HOME", "/cache", ""),
         ("HF_TOKEN", "", "PDFABRIC_ENV_PREFILL_HF_TOKEN"),
     ]
@@ -204,26 +217,29 @@ def test_engine_pod_services_status_and_events(
     }
     assert (st["prefillEnginesReady"], st["decodeEnginesReady"]) == ("2/2", "1/1")
     assert h.condition(obj, "EnginesReady")["status"] == "True"
-    host = f"{pod['metadata']['name']}.pd-agents.{namespace}.svc"
+    host = {unit: f"{pod['metadata']['name']}.pd-agents.{namespace}.svc" for unit, pod in pods.items()}
     assert [(e["engine"], e["url"], e["bootstrap"], e["phase"]) for e in st["endpoints"]["prefill"]] == [
-        ("prefill-0", f"http://{host}:30000", f"{host}:8998", "Running"),
-        ("prefill-1", f"http://{host}:30001", f"{host}:8999", "Running"),
+        ("prefill-0", f"http://{host['prefill-0']}:30000", f"{host['prefill-0']}:8998", "Running"),
+        ("prefill-1", f"http://{host['prefill-1']}:30000", f"{host['prefill-1']}:8998", "Running"),
     ]
-    assert [e["url"] for e in st["endpoints"]["decode"]] == [f"http://{host}:31000"]
+    assert [e["url"] for e in st["endpoints"]["decode"]] == [f"http://{host['decode-0']}:31000"]
     assert st["services"] == {"prefill": "pd-prefill", "decode": "pd-decode"}
     table = cluster.kubectl("get", "pdc", "pd", "-n", namespace).stdout
     assert "PREFILL-ENGINES" in table and "2/2" in table
 
-    # The per-role Services select this pod, ports named after the k-th engine.
+    # The per-role Services select the pods of the role, ports named after the k-th engine of a pod
+    # (a pod per replica: one engine of its role, k = 0).
     svc = cluster.get_json("service", "pd-prefill", "-n", namespace)
     assert svc["spec"]["clusterIP"] == "None"
     assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
         ("http-0", 30000, "p-http-0"),
         ("boot-0", 8998, "p-boot-0"),
-        ("http-1", 30001, "p-http-1"),
-        ("boot-1", 8999, "p-boot-1"),
     ]
-    assert pod["metadata"]["labels"]["pdfabric.dev/serves-prefill"] == "true"
+    for unit, pod in pods.items():
+        labels = pod["metadata"]["labels"]
+        role = unit.split("-")[0]
+        assert labels.get("pdfabric.dev/serves-prefill") == ("true" if role == "prefill" else None), unit
+        assert labels.get("pdfabric.dev/serves-decode") == ("true" if role == "decode" else None), unit
     dsvc = cluster.get_json("service", "pd-decode", "-n", namespace)
     assert [p["targetPort"] for p in dsvc["spec"]["ports"]] == ["d-http-0"]
 
@@ -243,7 +259,7 @@ def test_engine_pod_services_status_and_events(
         return [e for e in items if e["type"] == "Warning"]
 
     (ev,) = wait_until(event, timeout=30, what="the EngineRestarted Event")
-    assert "decode-0" in ev["message"] and pod["metadata"]["name"] in ev["message"]
+    assert "decode-0" in ev["message"] and pods["decode-0"]["metadata"]["name"] in ev["message"]
     assert "exit code 137" in ev["message"]
 
     # Back to fabric-only: the agent image, every GPU, the engines' Services and status gone.
@@ -253,9 +269,9 @@ def test_engine_pod_services_status_and_events(
 
     def fabric_only() -> bool:
         pods = agent_pods(cluster, namespace, "pd")
-        return len(pods) == 1 and not _has_engines(pods[0])
+        return len(pods) == 3 and not any(_has_engines(p) for p in pods)
 
-    wait_until(fabric_only, timeout=60, what="the pod without engines")
+    wait_until(fabric_only, timeout=60, what="the pods without engines")
     obj = wait_ready(cluster, namespace, "pd")
     assert "engines" not in obj["status"] and "endpoints" not in obj["status"]
     assert h.condition(obj, "EnginesReady") is None
@@ -264,10 +280,13 @@ def test_engine_pod_services_status_and_events(
         timeout=30,
         what="the prefill engines' Service to go",
     )
-    (pod,) = agent_pods(cluster, namespace, "pd")
-    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    assert pod["spec"]["containers"][0]["image"] != "pdfabric/refengine:test"
-    assert pod["spec"]["nodeName"] == node
+    pods = h.pods_by_unit(cluster, namespace, "pd")
+    assert sorted(pods) == ["decode-0", "prefill-0", "prefill-1"]
+    for unit, pod in pods.items():
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus[unit]
+        assert pod["spec"]["containers"][0]["image"] != "pdfabric/refengine:test"
+        assert pod["spec"]["nodeName"] == node
+    assert h.gpus_by_node(cluster, namespace, "pd") == {node: 4}
 
 
 def test_engines_not_reported_keep_the_cluster_not_ready(
@@ -285,7 +304,8 @@ def test_engines_not_reported_keep_the_cluster_not_ready(
         return obj if cond and cond["reason"] == "EnginesNotReady" else None
 
     obj = wait_until(not_ready, timeout=60, what="Ready False for the engines")
-    assert obj["status"]["agents"] == {"desired": 1, "ready": 1}  # the agent itself says it is ready
+    # A pod per replica; the agents themselves say they are ready.
+    assert obj["status"]["agents"] == {"desired": 2, "ready": 2}
     (p0,) = obj["status"]["endpoints"]["prefill"]
     assert (p0["ready"], p0["phase"]) == (False, "Unknown")
     assert h.condition(obj, "EnginesReady")["status"] == "False"
@@ -371,7 +391,8 @@ def test_spec_router_runs_sglangs_router_in_front_of_the_engines(
     svc = cluster.get_json("service", "pd-router", "-n", namespace)
     routers = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=router")["items"]
     assert len(routers) == 1 and svc["spec"]["selector"].items() <= routers[0]["metadata"]["labels"].items()
-    assert len(agent_pods(cluster, namespace, "pd")) == 1  # the router's pod is its Deployment's, not an agent
+    # The router's pod is its Deployment's, not an agent: the agents are a pod per replica.
+    assert sorted(h.pods_by_unit(cluster, namespace, "pd")) == ["decode-0", "prefill-0", "prefill-1"]
 
     apply_pdc(cluster, _builder(namespace).manifest(), namespace)
 
