@@ -136,17 +136,23 @@ def test_weights_pull_secret_toleration_and_priority_reach_the_pods_under_restri
     apply_pdc(cluster, fabric.manifest(), namespace)
     obj = wait_ready(cluster, namespace, "weights", timeout=60)
     assert condition(obj, "Ready")["reason"] == "AgentsReady"  # type: ignore[index]
-    (agent,) = agent_pods(cluster, namespace, "weights")
-    _carries(agent, priority_class, node)
+    agents = h.pods_by_unit(cluster, namespace, "weights")
+    assert sorted(agents) == ["decode-0", "prefill-0"], "a node pod per replica"
+    for agent in agents.values():
+        _carries(agent, priority_class, node)
 
     serving = pdcluster("serving").placement(nodeSelector=sel).agent(pod=pod).engine().router(nodeSelector=sel, pod=pod)
     apply_pdc(cluster, serving.manifest(), namespace)
-    (engine_pod,) = wait_until(
-        lambda: [p for p in agent_pods(cluster, namespace, "serving") if p["spec"].get("nodeName")],
+    engine_pods = wait_until(
+        lambda: (lambda b: b if len(b) == 2 else None)(
+            [p for p in agent_pods(cluster, namespace, "serving") if p["spec"].get("nodeName")]
+        ),
         timeout=60,
-        what="the engine node pod, bound",
+        what="the engine node pods (a pod per replica), bound",
     )
-    _carries(engine_pod, priority_class, node)
+    assert sorted(h.pod_unit(p) for p in engine_pods) == ["decode-0", "prefill-0"]
+    for engine_pod in engine_pods:
+        _carries(engine_pod, priority_class, node)
     router = wait_until(
         lambda: [
             p

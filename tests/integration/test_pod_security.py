@@ -39,9 +39,20 @@ def test_restricted_namespace_admits_the_node_pods_and_the_router(
         .router(nodeSelector=selector(namespace))
     )
     apply_pdc(cluster, serving.manifest(), namespace)
-    (pod,) = wait_until(lambda: agent_pods(cluster, namespace, "serving"), timeout=60, what="the engine node pod")
-    ctx = pod["spec"]["securityContext"]
-    assert (ctx["runAsNonRoot"], ctx["runAsUser"], ctx["seccompProfile"]["type"]) == (True, 65532, "RuntimeDefault")
+    # A node pod per replica, each admitted.
+    pods = wait_until(
+        lambda: (lambda p: p if len(p) == 2 else None)(agent_pods(cluster, namespace, "serving")),
+        timeout=60,
+        what="the engine node pods",
+    )
+    assert sorted(h.pod_unit(p) for p in pods) == ["decode-0", "prefill-0"]
+    for pod in pods:
+        ctx = pod["spec"]["securityContext"]
+        assert (ctx["runAsNonRoot"], ctx["runAsUser"], ctx["seccompProfile"]["type"]) == (
+            True,
+            65532,
+            "RuntimeDefault",
+        )
     router = wait_until(
         lambda: cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=router")["items"],
         timeout=60,
@@ -82,5 +93,8 @@ def test_a_refused_node_pod_is_reported_and_created_once_admitted(
     _enforce(cluster, namespace, "baseline")  # root is baseline
     obj = wait_ready(cluster, namespace, "root")
     assert condition(obj, "Ready")["reason"] == "AgentsReady"  # type: ignore[index]
-    (pod,) = agent_pods(cluster, namespace, "root")
-    assert pod["spec"]["securityContext"]["runAsUser"] == 0 and "runAsNonRoot" not in pod["spec"]["securityContext"]
+    pods = h.pods_by_unit(cluster, namespace, "root")
+    assert sorted(pods) == ["decode-0", "prefill-0"]
+    for pod in pods.values():
+        ctx = pod["spec"]["securityContext"]
+        assert ctx["runAsUser"] == 0 and "runAsNonRoot" not in ctx
