@@ -137,5 +137,7 @@ def test_two_replicas_only_one_acts_and_the_other_takes_over(
         apply_pdc(cluster, pdcluster("b").placement(nodeSelector=sel).manifest(), namespace)
         wait_ready(cluster, namespace, "b", timeout=60)
         assert caplog.text.count("Resuming operations after the pause") > resumed_before
-        assert len(agent_pods(cluster, namespace, "a")) == 1
+        # Cluster a kept exactly its pods (a pod per replica) through the takeover: none doubled.
+        assert sorted(h.pods_by_unit(cluster, namespace, "a")) == ["decode-0", "prefill-0"]
+        h.assert_no_duplicates(cluster, namespace, "a")
         delete_all_pdclusters(cluster, namespace)
