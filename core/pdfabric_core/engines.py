@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -325,13 +325,14 @@ def engine_launches(spec: PDClusterSpec, ranks: Sequence[Rank]) -> list[EngineLa
     return [engine_launch(spec, g) for g in engine_groups(ranks)]
 
 
-def hoisted_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
-    """The container variables the kubelet resolves for the engines (valueFrom: Secrets,
-    ConfigMaps, fields), one per role and name (so prefill and decode may differ)."""
+def hoisted_env(spec: PDClusterSpec, roles: Iterable[Role] = tuple(Role)) -> list[dict[str, Any]]:
+    """The container variables the kubelet resolves for the engines of `roles` (valueFrom:
+    Secrets, ConfigMaps, fields), one per role and name (so prefill and decode may differ). A pod
+    gets only its own engines' roles: a decode pod never holds what only prefill reads."""
     if spec.engine is None:
         return []
     out = []
-    for role in Role:
+    for role in sorted(set(roles), key=list(Role).index):
         for var in spec.engine.role(role.value).env:
             if "valueFrom" in var:
                 out.append({"name": hoisted_name(role, str(var["name"])), "valueFrom": dict(var["valueFrom"])})

@@ -48,7 +48,8 @@ def engine_env(spec: PDClusterSpec, agent: AgentPlacement) -> list[dict[str, Any
     """The container variables the engines need: the user's valueFrom variables (resolved by the
     kubelet under PDFABRIC_ENV_<ROLE>_<NAME>) and the node's engine launches."""
     launches = engine_launches(spec, agent.ranks)
-    return [*hoisted_env(spec), {"name": ENGINES_ENV, "value": encode_launches(launches)}]
+    roles = {g.role for g in groups(agent)}
+    return [*hoisted_env(spec, roles), {"name": ENGINES_ENV, "value": encode_launches(launches)}]
 
 
 def engine_ports(engine: EngineSpec, agent: AgentPlacement) -> list[dict[str, Any]]:

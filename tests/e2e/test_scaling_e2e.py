@@ -10,8 +10,9 @@ status lists as ready.
 
 After each step: every prompt of the stream answered token-equal to colocated generation; the
 pods of every unit that stayed kept their uid, their agent process and their engines' restart
-counts; every (prefill, decode) replica pair serves a prompt; every agent runs the rank map the
-operator wrote, and the status said whether they did while they moved."""
+counts; every (prefill, decode) replica pair serves a prompt, its rooms checksummed at both ends
+(spec.transfer.verify); every agent runs the rank map the operator wrote, and the status said
+whether they did while they moved."""
 
 from __future__ import annotations
 
@@ -188,7 +189,9 @@ def test_scaling_each_role_drops_no_prompt_and_restarts_no_pod_whose_ranks_staye
         .prefill(tp=1)
         .decode(tp=1)
         .model(**REF_MODEL)
-        .transfer(timeoutSeconds=8)
+        # Every room byte-exact: a source checksums what it wrote, the decode agent what landed,
+        # and the room is Success only when they match (rooms/integrity.py).
+        .transfer(timeoutSeconds=8, verify=True)
         .placement(nodeSelector=h.selector(namespace))
         .engine(**node_pods.ENGINE)
     )

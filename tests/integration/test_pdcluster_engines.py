@@ -185,6 +185,8 @@ def test_engine_pod_services_status_and_events(
     for unit in ("prefill-0", "prefill-1"):
         env = {e["name"]: e for e in pods[unit]["spec"]["containers"][0]["env"]}
         assert env["PDFABRIC_ENV_PREFILL_HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    decode_env = {e["name"] for e in pods["decode-0"]["spec"]["containers"][0]["env"]}
+    assert "PDFABRIC_ENV_PREFILL_HF_TOKEN" not in decode_env  # prefill's Secret only in prefill's pods
 
     # Each pod has a network of its own: its engines' ports start at the role's first port.
     def ports(unit: str) -> dict[str, int]:

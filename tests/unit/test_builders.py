@@ -419,13 +419,14 @@ def test_engine_env_plain_in_the_launch_value_from_hoisted_for_the_kubelet() -> 
         decode={"env": [{"name": "HF_TOKEN", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]},
     )
     _, (decode_pod, prefill_pod) = _engine_pod(builder, [gpu_node("n1", 8)])
-    for pod in (decode_pod, prefill_pod):
+    # Each pod holds only its own engines' variables: the decode pod never sees prefill's Secret.
+    for pod, want in (
+        (prefill_pod, {"PDFABRIC_ENV_PREFILL_HF_TOKEN": secret}),
+        (decode_pod, {"PDFABRIC_ENV_DECODE_HF_TOKEN": {"configMapKeyRef": {"name": "c", "key": "k"}}}),
+    ):
         (c,) = pod["spec"]["containers"]
         hoisted = {e["name"]: e.get("valueFrom") for e in c["env"] if e["name"].startswith("PDFABRIC_ENV_")}
-        assert hoisted == {
-            "PDFABRIC_ENV_PREFILL_HF_TOKEN": secret,
-            "PDFABRIC_ENV_DECODE_HF_TOKEN": {"configMapKeyRef": {"name": "c", "key": "k"}},
-        }
+        assert hoisted == want
         assert "HF_HOME" not in _env(c) and "HF_TOKEN" not in _env(c)  # the engine's, not the agent's
     (p0,) = _launches(prefill_pod["spec"]["containers"][0])
     (d0,) = _launches(decode_pod["spec"]["containers"][0])
