@@ -65,7 +65,7 @@ class Refused(Exception):
         self.message = message
 
 
-def _server_message(exc: ApiException) -> str:
+def server_message(exc: ApiException) -> str:
     """The Status object's message, or the HTTP reason when the body is not one."""
     try:
         body = json.loads(exc.body or "")
@@ -151,7 +151,7 @@ class Kube:
                 ERRORS.labels(ErrorType.API_CONFLICT.value).inc()
                 return False
             if exc.status in (400, 403, 422):
-                raise Refused(exc.status, _server_message(exc)) from exc
+                raise Refused(exc.status, server_message(exc)) from exc
             raise
         return True
 

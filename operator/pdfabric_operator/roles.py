@@ -16,7 +16,6 @@ and the next reconcile looks again.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
-from pdfabric_operator.kube import Kube, Refused
+from pdfabric_operator.kube import Kube, Refused, server_message
 
 ROLES = ("prefill", "decode")
 _MERGE = "application/merge-patch+json"
@@ -258,16 +257,6 @@ def _event_target(obj: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _server_message(exc: ApiException) -> str:
-    try:
-        body = json.loads(exc.body or "")
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return str(body["message"])
-    return str(exc.reason or exc.status)
-
-
 def sync_roles(
     kube: Kube,
     ref: b.ClusterRef,
@@ -378,7 +367,7 @@ def _write(
         except ApiException as exc:
             if exc.status not in (400, 403, 422):  # validation, admission: the server's no
                 raise
-            message = f"PDCluster {ref.name} refused {role} replicas {view.replicas}: {_server_message(exc)}"
+            message = f"PDCluster {ref.name} refused {role} replicas {view.replicas}: {server_message(exc)}"
             out.role_events.append((_event_target(role_obj), "ScaleRefused", message))
             out.actions.append(f"pdcluster {ref.name} refused {role} replicas {view.replicas}")
             refusal = {"replicas": view.replicas, "clusterGeneration": generation, "message": message}
