@@ -365,10 +365,10 @@ def reconcile_once(
         out.result = ReconcileResult.READY
     out.ready = ready_condition(status)["status"] == "True"
     out.placed = any(x["type"] == c.COND_PLACED and x["status"] == "True" for x in status["conditions"])
+    # Unsettled while an agent that answered is behind; one that never answered (not reachable, not
+    # started) is read again at the usual pace, not every UNSETTLED_RECHECK_S.
     members = [x for x in status["conditions"] if x["type"] == c.COND_RANKMAP_CURRENT]
-    memory.membership_settled = all(x["status"] == "True" for x in members) and all(
-        v.rankmap for v in views if v.current and v.ready
-    )
+    memory.membership_settled = all(x["status"] == "True" for x in members)
     out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
     return out
 

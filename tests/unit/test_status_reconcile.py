@@ -642,3 +642,25 @@ def test_an_unbound_agent_pod_holds_its_planned_nodes_gpus_in_the_index() -> Non
     assert main.gpu_pods(spec=spec, status={"phase": "Pending"}, labels={}, annotations=planned) is None
     bound = main.gpu_pods(spec={**spec, "nodeName": "b"}, status={"phase": "Running"}, labels={}, annotations={})
     assert bound == {"b": PlacedPod("b", {"nvidia.com/gpu": 4}, None)}
+
+
+def test_membership_is_unsettled_only_while_an_agent_that_answered_runs_an_older_rank_map() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = b.ClusterRef("ns", "pd", "u1")
+    builder = one_pod()
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    pods = kube.pods("u1")
+    current = memory.last_rankmap_hash
+    assert current
+
+    def settled(**report: Any) -> bool:
+        snap = Snapshot(nodes, [], pods, reports={"pod-uid": AgentReport(True, **report)} if report else {})
+        _run(kube, ref, builder, snap, memory, ledger)
+        return memory.membership_settled
+
+    assert settled()  # not read yet: counted neither way, read again at the usual pace
+    assert not settled(rankmap="0123456789abcdef")  # behind: the operator looks again soon
+    cond = next(x for x in kube.status["conditions"] if x["type"] == "RankMapCurrent")
+    assert (cond["status"], cond["reason"]) == ("False", "AgentsBehind")
+    assert settled(rankmap=current)
