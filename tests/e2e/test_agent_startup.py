@@ -158,10 +158,20 @@ def test_configuration_errors_exit_2_with_the_variable_named(drop: str, message:
         lc.close()
 
 
-def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
+@pytest.mark.parametrize(
+    ("pod_name", "message"),
+    [
+        (True, "puts agent 'agent-d0-0' on node 'node-d0-0', not 'node-elsewhere'"),
+        (False, "has 0 agents on node 'node-elsewhere'"),
+    ],
+    ids=["its-pod-on-another-node", "no-pod-name-and-no-agent-on-the-node"],
+)
+def test_agent_on_a_node_the_rank_map_does_not_give_it_exits_2(pod_name: bool, message: str) -> None:
     lc = LocalFabric(cluster_spec())
     try:
         env = {**lc.agents[lc.agent_of("decode-0-tp0")].env, "NODE_NAME": "node-elsewhere"}
+        if not pod_name:
+            env.pop("POD_NAME")
         proc = subprocess.run(
             [sys.executable, "-m", "pdfabric_agent.process.main"],
             env=env,
@@ -171,7 +181,7 @@ def test_agent_on_a_node_missing_from_the_rank_map_exits_2() -> None:
             cwd=REPO_ROOT,
         )
         assert proc.returncode == 2
-        assert "no agent on node 'node-elsewhere'" in proc.stderr
+        assert message in proc.stderr
     finally:
         lc.close()
 
