@@ -180,3 +180,12 @@ def test_own_entry_by_pod_name_where_a_node_holds_several_pods() -> None:
     with pytest.raises(LookupError, match="not 'n2'"):
         two.own_entry("a2", "n2")
     assert rankmap(A1, A2).own_entry("", "n2").name == "a2"  # one agent on the node: found by node
+
+
+def test_a_failed_call_to_a_leaving_agent_says_it_is_leaving(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path, "n1", [Rank(Role.PREFILL, 0, 0)])
+    agent.adopt(rankmap(A1, A2, A3, decode=2))
+    agent.adopt(rankmap(A1, A2))  # decode-1 scaled away: a3 leaving
+    why = agent.peers.blame("a3", "connection refused", agent.clock())
+    assert why == "connection refused; a3 is leaving the cluster (its replica was scaled away)"
+    assert agent.peers.blame("a2", "connection refused", agent.clock()) == "connection refused"

@@ -73,6 +73,8 @@ class PeerClient:
         self._rechecks: dict[str, asyncio.Task[bool]] = {}  # agent -> the ping a new room waits for
         self._recheck_after: dict[str, float] = {}
         self._file_peers: dict[str, str] = {}  # PDFABRIC_PEERS_FILE, as last read
+        # Whether a newer rank map dropped the agent (its replica scaled away; the agent wires it).
+        self.is_leaving: Callable[[str], bool] = lambda _agent: False
 
     def peer_host(self, agent_name: str) -> str:
         """The host name agent ``agent_name`` is dialled by, and its certificate must carry."""
@@ -151,6 +153,8 @@ class PeerClient:
         itself stalled after `since` (``stall``), which explains the failure as well. Returns the
         reason to report, saying so when the peer was not blamed. `silent`: it did not answer
         (``heard_from`` re-admits it), rather than failing a transfer."""
+        if self.is_leaving(agent_name):  # the likely why: its pod is stopping or gone
+            reason += f"; {agent_name} is leaving the cluster (its replica was scaled away)"
         stall = self.stall(since)
         if stall:
             log.info("not blaming %s for %s: %s", agent_name, reason, stall)

@@ -95,6 +95,7 @@ class Agent:
         )
         self.rooms = self.ctx.rooms
         self.peers = self.ctx.peers
+        self.peers.is_leaving = self.ctx.ranks.leaving.__contains__
         self.requested = self.transport  # the transport the rank map asked for (main sets it after a fallback)
         metrics.precreate_peers(rankmap, spec, self.entry.name)  # every (rank, peer agent) pair at zero
         self.sender = PrefillSender(self.ctx)
