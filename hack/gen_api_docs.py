@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "pdcluster.yaml"
 ROLE_CRD = ROOT / "crds" / "pdrole.yaml"
 OUT = ROOT / "docs" / "api.md"
+
+
+def _columns(command: str, version: Mapping[str, Any]) -> list[str]:
+    """The table of a CRD version's printer columns, under a heading naming `command`."""
+    lines = [f"## {command} columns", "", "| Column | JSONPath | Notes |", "|---|---|---|"]
+    for col in version.get("additionalPrinterColumns", []):
+        note = _cell(col.get("description", "")) + (" (with `-o wide`)" if col.get("priority") else "")
+        lines.append(f"| {col['name']} | `{col['jsonPath']}` | {note} |")
+    return lines
 
 
 def _type(node: dict[str, Any]) -> str:
@@ -96,14 +106,8 @@ def render() -> str:
         f"Namespaced; short name `{', '.join(names.get('shortNames', []))}`; status subresource. "
         "Defaults below are applied by the API server and equal `pdfabric_core.spec`'s.",
         "",
-        "## `kubectl get pdc` columns",
-        "",
-        "| Column | JSONPath | Notes |",
-        "|---|---|---|",
+        *_columns("`kubectl get pdc`", version),
     ]
-    for col in version.get("additionalPrinterColumns", []):
-        note = _cell(col.get("description", "")) + (" (with `-o wide`)" if col.get("priority") else "")
-        lines.append(f"| {col['name']} | `{col['jsonPath']}` | {note} |")
     lines += [
         "",
         "## spec",
@@ -161,14 +165,8 @@ def _role_section() -> list[str]:
         f"(spec replicas `{scale['specReplicasPath']}`, status replicas `{scale['statusReplicasPath']}`, "
         f"selector `{scale['labelSelectorPath']}`).",
         "",
-        f"## `kubectl get {names['singular']}` columns",
-        "",
-        "| Column | JSONPath | Notes |",
-        "|---|---|---|",
+        *_columns(f"`kubectl get {names['singular']}`", version),
     ]
-    for col in version.get("additionalPrinterColumns", []):
-        note = _cell(col.get("description", "")) + (" (with `-o wide`)" if col.get("priority") else "")
-        lines.append(f"| {col['name']} | `{col['jsonPath']}` | {note} |")
     lines += [
         "",
         "## PDRole fields",
