@@ -1,4 +1,5 @@
-"""The chart rendered as the unit tests read it: helm (built by make binaries) on charts/pdfabric."""
+"""The chart rendered as the unit tests read it: helm (built by make binaries) on charts/pdfabric;
+the operator's grants in it, and every node of a CRD schema."""
 
 from __future__ import annotations
 
@@ -33,3 +34,24 @@ def render(*args: str) -> list[dict[str, Any]]:
     proc = run_helm("template", "pdfabric", str(CHART), "-n", "pdfabric-system", *args)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def operator_grants() -> dict[tuple[str, str], set[str]]:
+    """The verbs the chart's operator ClusterRole grants, by (API group, resource)."""
+    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
+    grants: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                grants.setdefault((group, resource), set()).update(rule["verbs"])
+    return grants
+
+
+def schema_nodes(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every node of an OpenAPI schema with its path (.spec.prefill.tp, .spec.x[] for items)."""
+    out = [(path, schema)]
+    for key, sub in schema.get("properties", {}).items():
+        out += schema_nodes(sub, f"{path}.{key}")
+    if "items" in schema:
+        out += schema_nodes(schema["items"], f"{path}[]")
+    return out

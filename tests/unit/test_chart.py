@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.charts import CHART, ROOT, render, run_helm
+from tests.unit.charts import CHART, ROOT, operator_grants, render, run_helm
 
 
 def test_helm_lint() -> None:
@@ -42,12 +42,7 @@ def test_deployment_shape() -> None:
 
 
 def test_rbac_is_least_privilege() -> None:
-    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
-    grants: dict[tuple[str, str], set[str]] = {}
-    for rule in role["rules"]:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                grants.setdefault((group, resource), set()).update(rule["verbs"])
+    grants = operator_grants()
     for (group, resource), verbs in grants.items():
         assert "*" not in verbs and group != "*" and resource != "*", (group, resource)
     # Secrets: the operator makes, replaces (a new pod's certificate) and removes its own; it never

@@ -7,6 +7,8 @@ from typing import Any
 
 import yaml
 
+from tests.unit.charts import schema_nodes
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = ROOT / "crds"
 CHART_CRD_DIR = ROOT / "charts" / "pdfabric" / "crds"
@@ -14,15 +16,6 @@ CHART_CRD_DIR = ROOT / "charts" / "pdfabric" / "crds"
 
 def _crd() -> dict[str, Any]:
     return yaml.safe_load((CRD_DIR / "pdcluster.yaml").read_text())
-
-
-def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
-    out = [(path, schema)]
-    for key, sub in schema.get("properties", {}).items():
-        out += _walk(sub, f"{path}.{key}")
-    if "items" in schema:
-        out += _walk(schema["items"], f"{path}[]")
-    return out
 
 
 def test_names_scope_and_subresource() -> None:
@@ -56,7 +49,7 @@ def test_every_cel_rule_has_a_message() -> None:
     (version,) = _crd()["spec"]["versions"]
     rules = [
         (path, rule)
-        for path, node in _walk(version["schema"]["openAPIV3Schema"])
+        for path, node in schema_nodes(version["schema"]["openAPIV3Schema"])
         for rule in node.get("x-kubernetes-validations", [])
     ]
     assert len(rules) >= 10
@@ -66,7 +59,7 @@ def test_every_cel_rule_has_a_message() -> None:
 
 def test_structural_schema_has_types() -> None:
     (version,) = _crd()["spec"]["versions"]
-    for path, node in _walk(version["schema"]["openAPIV3Schema"]):
+    for path, node in schema_nodes(version["schema"]["openAPIV3Schema"]):
         assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
 
 
@@ -94,7 +87,7 @@ def test_every_field_has_a_description_for_kubectl_explain() -> None:
     (version,) = _crd()["spec"]["versions"]
     missing = [
         path
-        for path, node in _walk(version["schema"]["openAPIV3Schema"])
+        for path, node in schema_nodes(version["schema"]["openAPIV3Schema"])
         # .metadata: the API server allows nothing there but name and generateName (explain shows ObjectMeta's).
         if path not in ("", ".metadata") and not path.endswith("[]") and not str(node.get("description") or "").strip()
     ]
@@ -113,5 +106,5 @@ SCHEMA_KEYWORDS = {
 def test_every_schema_node_holds_only_schema_keywords() -> None:
     # An unquoted ", " in a flow-style description splits it into a stray key the API server refuses.
     (version,) = _crd()["spec"]["versions"]
-    for path, node in _walk(version["schema"]["openAPIV3Schema"]):
+    for path, node in schema_nodes(version["schema"]["openAPIV3Schema"]):
         assert set(node) <= SCHEMA_KEYWORDS, f"{path}: {sorted(set(node) - SCHEMA_KEYWORDS)}"

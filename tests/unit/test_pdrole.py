@@ -21,7 +21,7 @@ from pdfabric_operator.roles import (
     role_view,
     status_patch,
 )
-from tests.unit.charts import render, run_helm
+from tests.unit.charts import operator_grants, run_helm, schema_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "pdrole.yaml"
@@ -168,15 +168,6 @@ def _crd() -> dict[str, Any]:
     return yaml.safe_load(CRD.read_text())
 
 
-def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
-    out = [(path, schema)]
-    for key, sub in schema.get("properties", {}).items():
-        out += _walk(sub, f"{path}.{key}")
-    if "items" in schema:
-        out += _walk(schema["items"], f"{path}[]")
-    return out
-
-
 def test_crd_names_and_the_scale_subresource() -> None:
     crd = _crd()
     assert crd["metadata"]["name"] == f"{c.ROLE_PLURAL}.{c.GROUP}"
@@ -209,7 +200,7 @@ def test_crd_replicas_bounds_equal_the_pdclusters() -> None:
 
 def test_crd_every_field_is_described_and_every_rule_explained() -> None:
     (version,) = _crd()["spec"]["versions"]
-    nodes = _walk(version["schema"]["openAPIV3Schema"])
+    nodes = schema_nodes(version["schema"]["openAPIV3Schema"])
     missing = [p for p, n in nodes if p not in ("", ".metadata") and not str(n.get("description") or "").strip()]
     assert not missing, f"fields without a description (kubectl explain shows nothing): {missing}"
     for path, node in nodes:
@@ -219,12 +210,7 @@ def test_crd_every_field_is_described_and_every_rule_explained() -> None:
 
 
 def test_operator_rbac_on_pdroles_is_exactly_what_it_uses() -> None:
-    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
-    grants: dict[tuple[str, str], set[str]] = {}
-    for rule in role["rules"]:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                grants.setdefault((group, resource), set()).update(rule["verbs"])
+    grants = operator_grants()
     assert grants[(c.GROUP, "pdroles")] == {"get", "list", "watch", "create", "patch", "delete"}
     assert grants[(c.GROUP, "pdroles/status")] == {"patch"}
     assert (c.GROUP, "pdroles/scale") not in grants, "the operator never scales through the scale API"
