@@ -56,10 +56,10 @@ def agent_room(lc: LocalFabric, room: int, src: list[int], dst: list[int]) -> tu
     lc.client(p).send(p, room, src)
     view = lc.client(p).wait(p, room, 60)
     elapsed = time.perf_counter() - start
-    if view["state"] != "Success":
-        raise RuntimeError(f"room {room} failed: {view['reason']}")
+    if not view.succeeded:
+        raise RuntimeError(f"room {room} failed: {view.reason}")
     lc.client(d).wait(d, room, 10)
-    phases = view["phases_s"]
+    phases = view.phases_s
     return elapsed, phases["written:decode-0-tp0"] - phases["transferring"]
 
 

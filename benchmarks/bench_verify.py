@@ -44,8 +44,8 @@ def rooms(lc: LocalFabric, pages: int, repeat: int, first_room: int) -> list[flo
         start = time.perf_counter()
         lc.client(P).send(P, room, src)
         view = lc.client(D).wait(D, room, 60)
-        if view["state"] != "Success":
-            raise RuntimeError(f"room {room}: {view['state']} {view['reason']}")
+        if not view.succeeded:
+            raise RuntimeError(f"room {room}: {view.state.title} {view.reason}")
         if i:
             times.append(time.perf_counter() - start)
     return times

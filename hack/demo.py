@@ -203,7 +203,7 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
     for room in range(1, ROOMS + 1):
         time.sleep(ROOM_PAUSE_S)
         result = transfer_room(fabric, room, pages=PAGES, state_slots=1, aux=True)
-        states = {v["state"] for v in result.decode.values()}
+        states = {v.state.title for v in result.decode.values()}
         bad_bytes = sum(len(e) for e in result.errors.values())
         print(
             f"  room {room}: {'/'.join(sorted(states))} in {result.elapsed_s * 1000:.1f} ms, mismatched bytes: {bad_bytes}"

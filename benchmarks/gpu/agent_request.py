@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "hack")]
 
 from pdfabric_agent.client.api import AgentRefused  # noqa: E402
+from pdfabric_agent.protocol.views import RoomState  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS, TOKENS = 80, 4, 128, 16, 32768
@@ -85,7 +86,7 @@ def room(lc, k: int, src: list[int], dst: list[int]) -> dict[str, float]:
     deadline = time.monotonic() + 10
     while True:  # until decode's room info has reached the prefill agent
         try:
-            if lc.client(p).poll(p, k)["state"] == "WaitingForInput":
+            if lc.client(p).poll(p, k).state is RoomState.WAITING_FOR_INPUT:
                 break
         except AgentRefused:  # 404: nothing known about the room yet
             pass
@@ -99,14 +100,14 @@ def room(lc, k: int, src: list[int], dst: list[int]) -> dict[str, float]:
     view = lc.client(p).wait(p, k, 30)
     t_prefill = time.monotonic()
     for v in (dview, view):
-        if v["state"] != "Success":
-            raise RuntimeError(f"room {k}: {v['rank']} {v['state']} {v.get('reason')}")
-    if dview["bytes"] != view["bytes"]:
-        raise RuntimeError(f"room {k}: decode counted {dview['bytes']}, prefill sent {view['bytes']}")
-    ph, dph = view["phases_s"], dview["phases_s"]
+        if not v.succeeded:
+            raise RuntimeError(f"room {k}: {v.rank} {v.state.title} {v.reason}")
+    if dview.moved != view.moved:
+        raise RuntimeError(f"room {k}: decode counted {dview.moved}, prefill sent {view.moved}")
+    ph, dph = view.phases_s, dview.phases_s
     room.last_phases = {"prefill": ph, "decode": dph}  # type: ignore[attr-defined]
-    sub = view["submitted_at"]
-    arrived = dview["submitted_at"] + dph[f"arrived:{p}"]
+    sub, dsub = view.submitted_at or 0.0, dview.submitted_at or 0.0
+    arrived = dsub + dph[f"arrived:{p}"]
     launched = ph.get(f"launched:{d}", ph[f"planned:{d}"])  # the engine path has no launch of its own
     return {
         "decode": t_decode - t0,

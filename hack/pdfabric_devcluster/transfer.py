@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from pdfabric_agent.memory.plan import receives_request_rows
+from pdfabric_agent.protocol.views import RoomView
 from pdfabric_core.policy.rank_mapping import cp_page_shard, pp_layer_range
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import replica_ranks
@@ -18,8 +18,8 @@ from pdfabric_devcluster.synthetic import fill_prefill, verify_decode
 
 @dataclass
 class RoomResult:
-    prefill: dict[str, dict[str, Any]]  # rank id -> final view
-    decode: dict[str, dict[str, Any]]
+    prefill: dict[str, RoomView]  # rank id -> final view
+    decode: dict[str, RoomView]
     errors: dict[str, list[str]]  # decode rank id -> byte mismatches
     elapsed_s: float
 

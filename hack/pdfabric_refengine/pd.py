@@ -29,7 +29,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdfabric_agent.protocol.views import RoomState
+from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_core.engines import EngineEnv
 from pdfabric_core.rankmap import Rank
 from pdfabric_refengine.engine import decode, pages_for, prefill_cp
@@ -56,16 +56,16 @@ def load_backend() -> dict[str, Any]:
     } | {"_get": get_kv_class}
 
 
-def wait(obj: Any, until: set[int], timeout_s: float, lock: Any = None) -> int:
+def wait(obj: Any, until: set[RoomState], timeout_s: float, lock: Any = None) -> RoomState:
     """Poll ``obj`` until a state in ``until`` or Failed (under ``lock``, released between polls)."""
     deadline = time.monotonic() + timeout_s
     while True:
         with lock if lock is not None else contextlib.nullcontext():
-            state = int(obj.poll())
-        if state in until or state == 0:
+            state = RoomState(int(obj.poll()))  # SGLang's KVPoll code
+        if state in until or state is RoomState.FAILED:
             return state
         if time.monotonic() > deadline:
-            raise TimeoutError(f"still {state} after {timeout_s} s")
+            raise TimeoutError(f"still {state.title} after {timeout_s} s")
         time.sleep(POLL_S)
 
 
@@ -252,7 +252,7 @@ class _DirectRoom:
         self.submitted_at = self.finished_at = 0.0
         self.code: int | None = None
         self.bytes = 0
-        self.view: dict[str, Any] = {}
+        self.view: RoomView | None = None
 
     def _room_code(self) -> int:
         from pdfabric_agent.client.api import AgentRefused
@@ -261,17 +261,17 @@ class _DirectRoom:
             self.view = self.mgr.client.poll(self.mgr.rank_id, self.room)
         except AgentRefused as exc:
             if exc.status == 404:
-                return 1  # Bootstrapping: the other side has not announced the room yet
-            self.code, self.reason = 0, str(exc)
-            return 0
-        code = int(self.view["code"])
-        if code in FINAL and self.submitted_at:
-            self.code, self.finished_at, self.reason = code, time.monotonic(), self.view.get("reason", "")
-            self.bytes = sum(int(n) for n in self.view.get("bytes", {}).values())
-        return code
+                return int(RoomState.BOOTSTRAPPING)  # the other side has not announced the room yet
+            self.code, self.reason = int(RoomState.FAILED), str(exc)
+            return self.code
+        view = self.view
+        if view.finished and self.submitted_at:
+            self.code, self.finished_at, self.reason = int(view.state), time.monotonic(), view.reason
+            self.bytes = sum(view.moved.values())
+        return int(view.state)
 
     def get_transfer_metric(self) -> Any:
-        ok = self.code == 4
+        ok = self.code == RoomState.SUCCESS
         return types.SimpleNamespace(
             transfer_latency_s=self.finished_at - self.submitted_at if ok else None,
             transfer_total_bytes=self.bytes if ok else None,
@@ -296,8 +296,8 @@ class DirectSender(_DirectRoom):
         if self.code is not None:
             return self.code
         code = self._room_code()
-        if not self.submitted_at and self.view.get("decode_ranks_ready"):
-            self.decode_replica = Rank.from_id(self.view["decode_ranks_ready"][0]).replica
+        if not self.submitted_at and self.view is not None and self.view.decode_ranks_ready:
+            self.decode_replica = Rank.from_id(self.view.decode_ranks_ready[0]).replica
         return code
 
     def init(self, num_pages: int, aux_index: int | None) -> None:
@@ -368,8 +368,8 @@ class _GaveUp(Exception):
 
 
 def _wait_all(
-    engine: Engine, rooms: dict[Any, Any], until: set[int], room: int, what: str, *, failed_ends: bool = False
-) -> dict[Any, int]:
+    engine: Engine, rooms: dict[Any, Any], until: set[RoomState], room: int, what: str, *, failed_ends: bool = False
+) -> dict[Any, RoomState]:
     """Every room's state once each reached ``until`` (or Failed). A timeout, or with
     ``failed_ends`` a Failed room, aborts them all at their agents and raises _GaveUp."""
     try:
@@ -378,7 +378,7 @@ def _wait_all(
         with engine.lock:
             _abort(rooms)
         raise _GaveUp(_failed(room, rooms, f"{what}: {exc}")) from None
-    if failed_ends and any(v == 0 for v in states.values()):
+    if failed_ends and RoomState.FAILED in states.values():
         with engine.lock:
             _abort(rooms)
         raise _GaveUp(_failed(room, rooms))
@@ -407,7 +407,14 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
             aux = [[p.allocate_aux_slot() for p in row] for row in pools]
             senders = {key: classes["SENDER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
         # WaitingForInput: decode announced the room.
-        _wait_all(engine, senders, {2}, req["room"], "decode did not announce the room", failed_ends=True)
+        _wait_all(
+            engine,
+            senders,
+            {RoomState.WAITING_FOR_INPUT},
+            req["room"],
+            "decode did not announce the room",
+            failed_ends=True,
+        )
         with lock:
             for (c, r), s in senders.items():
                 s.init(len(shards[c]), aux[c][r])
@@ -425,7 +432,7 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
                 "room": req["room"],
                 "first_token": first,
                 "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
-                "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] != 4},
+                "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] is not RoomState.SUCCESS},
                 "metrics": {str(k): _metric(s) for k, s in senders.items()},
             }
     except _GaveUp as gave_up:
@@ -462,7 +469,7 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
             for r in receivers.values():
                 r.init(0)
         what = f"prefill's bootstrap {bootstrap} did not answer"
-        _wait_all(engine, receivers, {2}, req["room"], what, failed_ends=True)
+        _wait_all(engine, receivers, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
         with lock:
             for r in receivers.values():
                 r.send_metadata(np.asarray(pages, dtype=np.int32), aux, None)
@@ -472,7 +479,7 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
                 "room": req["room"],
                 "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
             }
-            out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] != 4}
+            out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] is not RoomState.SUCCESS}
             out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
             if out["state"] == "Success":
                 out["tokens"] = decode(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])

@@ -60,7 +60,7 @@ def test_rooms_stay_exact_under_a_handshake_flood_at_1024_descriptors() -> None:
             room = 100
             while time.monotonic() < ends:
                 result = transfer_room(lc, room, pages=1 + room % 8, state_slots=1, timeout_s=15)
-                rooms.append((room, result.decode[D]["state"], result.errors[D]))
+                rooms.append((room, result.decode[D].state.title, result.errors[D]))
                 room += 1
             churn = on_prefill.ended
         blacklisted = lc.metric_sum("pdfabric_peers_blacklisted")
@@ -90,21 +90,21 @@ def test_a_prefill_stopped_mid_write_blames_no_peer_and_the_next_room_succeeds(s
         # Decode's destinations above the next room's: a failed room holds its pages for a while.
         lc.client(D).receive(D, 1, [ROOM_PAGES + p for p in pages])
         deadline = time.monotonic() + 10
-        while lc.client(D).poll(D, 1)["state"] != "WaitingForInput":
+        while lc.client(D).poll(D, 1).state.title != "WaitingForInput":
             assert time.monotonic() < deadline, "room info not delivered"
             time.sleep(0.02)
         lc.client(P).send(P, 1, pages)
-        while lc.client(P).poll(P, 1)["state"] != "Transferring":
+        while lc.client(P).poll(P, 1).state.title != "Transferring":
             assert time.monotonic() < deadline, "the write did not start"
             time.sleep(0.005)
         prefill.signal(signal.SIGSTOP)
         time.sleep(stop_s)
         prefill.signal(signal.SIGCONT)
         stopped = {rank: lc.client(rank).wait(rank, 1, 30) for rank in (P, D)}
-        print({rank: (v["state"], v.get("reason", "")) for rank, v in stopped.items()})
+        print({rank: (v.state.title, v.reason) for rank, v in stopped.items()})
         result = transfer_room(lc, 2, pages=16)
         blacklisted = {name: lc.metric_sum("pdfabric_peers_blacklisted", [name]) for name in lc.agents}
-        reasons = {r: (v["state"], v.get("reason")) for r, v in {**result.decode, **result.prefill}.items()}
+        reasons = {r: (v.state.title, v.reason) for r, v in {**result.decode, **result.prefill}.items()}
         assert result.errors == {D: []}, reasons
         assert blacklisted == dict.fromkeys(lc.agents, 0.0)
-        assert not any("blacklisted" in v.get("reason", "") for v in stopped.values()), stopped
+        assert not any("blacklisted" in v.reason for v in stopped.values()), stopped

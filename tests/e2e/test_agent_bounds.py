@@ -105,8 +105,8 @@ def test_a_good_room_succeeds_while_slow_clients_flood_both_agents(lc: LocalFabr
         time.sleep(3)  # past the head and body timeouts: the flood is at its steady state
         for room in range(1, 4):
             result = transfer_room(lc, room, pages=8, state_slots=0, timeout_s=30)
-            assert {v["state"] for v in result.decode.values()} == {"Success"}, result
-            assert {v["state"] for v in result.prefill.values()} == {"Success"}, result
+            assert {v.state.title for v in result.decode.values()} == {"Success"}, result
+            assert {v.state.title for v in result.prefill.values()} == {"Success"}, result
             assert not any(result.errors.values())
             peak = {n: max(peak[n], fds(lc, n)) for n in names}
     finally:

@@ -116,7 +116,7 @@ def test_chaos_ends_with_exact_rooms_no_5xx_and_flat_resources() -> None:
                 with led.lock:
                     led.failed.append(room)
                 return
-            state = result.decode[D]["state"]
+            state = result.decode[D].state.title
             with led.lock:
                 if state == "Success" and result.errors[D]:
                     led.corrupt.append((room, result.errors[D]))

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.memory.completion import BOARD_BYTES
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_devcluster.fabric import LocalFabric
 from tests.deadlines import wait_until
 from tests.e2e.specs import SMALL
@@ -76,7 +77,9 @@ def open_room(lc: LocalFabric, room: int) -> None:
     # Destinations of their own per room: rooms left open (or failed, held) keep theirs claimed.
     n = room % 100
     lc.client(D).receive(D, room, [2 * n, 2 * n + 1], aux_index=n % 7 + 1)
-    wait_until(lambda: lc.client(D).poll(D, room)["state"] == "WaitingForInput", timeout=5, what="room info delivered")
+    wait_until(
+        lambda: lc.client(D).poll(D, room).state.title == "WaitingForInput", timeout=5, what="room info delivered"
+    )
 
 
 def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, board: Board) -> None:
@@ -90,12 +93,12 @@ def test_decode_room_completes_when_the_board_word_arrives(fabric: LocalFabric, 
     assert (code, doc["state"], doc["watching"]) == (200, "Transferring", 2)
     board.store(4, 7)  # the first launch landed, the second not yet
     view = lc.client(D).poll(D, 1001, wait_s=0.3)
-    assert view["state"] == "Transferring" and view["bytes"]["kv"] == 0
+    assert view.state is RoomState.TRANSFERRING and view.moved["kv"] == 0
     board.store(4, 8)
     view = lc.client(D).wait(D, 1001, 5)
-    assert view["state"] == "Success"
-    assert view["bytes"] == {"kv": KV, "state": 0, "aux": 16}
-    assert view["senders"] == {P: {"kv": KV, "state": 0, "aux": 16}}
+    assert view.state is RoomState.SUCCESS
+    assert view.moved == {"kv": KV, "state": 0, "aux": 16}
+    assert view.senders == {P: {"kv": KV, "state": 0, "aux": 16}}
     after = lc.metric_sum("pdfabric_transfer_bytes_total", role="decode", path="nvlink-kernel")
     assert after - before == KV + 16
     assert lc.metric_sum("pdfabric_decode_completions_total", how="completion-board") == seen + 1
@@ -117,9 +120,9 @@ def test_failure_report_after_the_notice_fails_the_room_and_the_word_changes_not
             "reason": "kernel timed out"}  # fmt: skip
     lc.peer_post(lc.agent_of(D), "/v1/peer/done", json.dumps(body).encode(), as_agent=lc.agent_of(P))
     view = lc.client(D).wait(D, 1002, 5)
-    assert view["state"] == "Failed" and "kernel timed out" in view["reason"]
+    assert view.state is RoomState.FAILED and "kernel timed out" in view.reason
     board.store(9, 1)
-    assert lc.client(D).poll(D, 1002, wait_s=0.2)["state"] == "Failed"
+    assert lc.client(D).poll(D, 1002, wait_s=0.2).state.title == "Failed"
 
 
 BAD_MARKS = [
@@ -140,7 +143,7 @@ def test_bad_notice_is_refused_and_the_room_waits_on(
     marks = [{**m, "board": board.name} if m["board"] == "BOARD" else m for m in marks]
     code, doc = notice(lc, room, marks)
     assert (code, doc["reason"]) == (400, "malformed") and message in doc["error"], doc
-    assert lc.client(D).poll(D, room)["state"] == "WaitingForInput"
+    assert lc.client(D).poll(D, room).state.title == "WaitingForInput"
 
 
 def test_notice_for_an_unknown_room_is_refused(fabric: LocalFabric, board: Board) -> None:

@@ -201,5 +201,5 @@ def test_a_running_agent_takes_its_renewed_certificate() -> None:
         assert loaded >= 1  # (a check between the file writes may also have counted a refusal)
         fabric.client(D).receive(D, 5, [0, 1])
         fabric.client(P).send(P, 5, [2, 3])
-        assert fabric.client(D).wait(D, 5, 10)["state"] == "Success"
-        assert fabric.client(P).wait(P, 5, 10)["state"] == "Success"
+        assert fabric.client(D).wait(D, 5, 10).state.title == "Success"
+        assert fabric.client(P).wait(P, 5, 10).state.title == "Success"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
 from tests.deadlines import wait_until
@@ -149,7 +150,7 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
         lc.client(decode).receive(decode, 1, pages)
         # The decode agent's room info must be at the prefill agent before it freezes.
         wait_until(
-            lambda: lc.client(decode).poll(decode, 1)["state"] == "WaitingForInput",
+            lambda: lc.client(decode).poll(decode, 1).state.title == "WaitingForInput",
             timeout=5,
             what="room info delivered",
         )
@@ -157,20 +158,20 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
         sent_at = time.monotonic()
         lc.client(prefill).send(prefill, 1, pages)
         wait_until(
-            lambda: lc.client(prefill).poll(prefill, 1)["state"] == "Failed",
+            lambda: lc.client(prefill).poll(prefill, 1).state.title == "Failed",
             timeout=3 + 2,
             what="frozen peer fails room",
         )
         failed_after = time.monotonic() - sent_at
         view = lc.client(prefill).poll(prefill, 1)
-        assert "did not complete within 3 s" in view["reason"]
+        assert "did not complete within 3 s" in view.reason
         assert failed_after <= 3 + 2
         assert prefill_outcome(lc, "timeout") == 1
         # Bytes counted are only confirmed batches: less than the room, never more.
-        assert view["bytes"]["kv"] < 128 * 4 * 2 * 32 * 1024
+        assert view.moved["kv"] < 128 * 4 * 2 * 32 * 1024
         # While blacklisted, new rooms to that peer fail at once instead of hanging.
         lc.client(prefill).send(prefill, 2, [0])
-        assert lc.client(prefill).wait(prefill, 2, 2)["reason"].startswith("peer agent")
+        assert lc.client(prefill).wait(prefill, 2, 2).reason.startswith("peer agent")
         assert prefill_outcome(lc, "failed") == 1
 
         lc.kill(lc.agent_of(decode))  # SIGKILL the frozen process, then bring the peer back
@@ -190,14 +191,14 @@ def test_killed_decode_fails_fast_and_is_counted() -> None:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
         lc.client(decode).receive(decode, 5, [0, 1, 2])
         wait_until(
-            lambda: lc.client(decode).poll(decode, 5)["state"] == "WaitingForInput",
+            lambda: lc.client(decode).poll(decode, 5).state.title == "WaitingForInput",
             timeout=5,
             what="room info delivered",
         )
         lc.kill(lc.agent_of(decode))
         lc.client(prefill).send(prefill, 5, [3, 4, 5])
         view = lc.client(prefill).wait(prefill, 5, 3 + 2)
-        assert view["state"] == "Failed"
+        assert view.state is RoomState.FAILED
         assert prefill_outcome(lc, "failed") + prefill_outcome(lc, "timeout") == 1
         lc.start(lc.agent_of(decode))
         wait_until(
@@ -212,14 +213,14 @@ def test_dead_prefill_fails_decode_room_at_its_deadline() -> None:
         decode = "decode-0-tp0"
         lc.client(decode).receive(decode, 7, [0, 1])
         wait_until(
-            lambda: lc.client(decode).poll(decode, 7)["state"] == "WaitingForInput",
+            lambda: lc.client(decode).poll(decode, 7).state.title == "WaitingForInput",
             timeout=5,
             what="room info delivered",
         )
         lc.kill(lc.agent_of("prefill-0-tp0-cp0"))
         view = lc.client(decode).wait(decode, 7, 3 + 2)
-        assert view["state"] == "Failed"
-        assert "no data from prefill-0-tp0-cp0" in view["reason"]
+        assert view.state is RoomState.FAILED
+        assert "no data from prefill-0-tp0-cp0" in view.reason
         assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="timeout") == 1
 
 
@@ -231,14 +232,14 @@ def test_prefill_sees_waiting_for_input_once_decode_announced(small: LocalFabric
 
     def prefill_state() -> str:
         try:
-            return lc.client(p).poll(p, 906)["state"]
+            return lc.client(p).poll(p, 906).state.title
         except AgentRefused:  # the decode agent's announcement is still on its way
             return ""
 
     wait_until(lambda: prefill_state() == "WaitingForInput", timeout=5, what="prefill sees decode ready")
-    assert lc.client(p).poll(p, 906)["decode_ranks_ready"] == [d]
+    assert lc.client(p).poll(p, 906).decode_ranks_ready == (d,)
     lc.client(p).send(p, 906, [41])
-    assert lc.client(p).wait(p, 906, 10)["state"] == "Success"
+    assert lc.client(p).wait(p, 906, 10).state.title == "Success"
 
 
 def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalFabric) -> None:
@@ -250,11 +251,11 @@ def test_send_before_receive_waits_in_bootstrapping_then_succeeds(small: LocalFa
         fill_prefill(pools, lc.spec, tp_rank=0, room=905, positions=range(3), pages=[7, 8, 20])
     finally:
         pools.close()
-    assert lc.client(p).send(p, 905, [7, 8, 20])["state"] == "Bootstrapping"
-    assert lc.client(p).poll(p, 905, wait_s=0.3)["state"] == "Bootstrapping"  # nothing to send to yet
+    assert lc.client(p).send(p, 905, [7, 8, 20]).state.title == "Bootstrapping"
+    assert lc.client(p).poll(p, 905, wait_s=0.3).state.title == "Bootstrapping"  # nothing to send to yet
     lc.client(d).receive(d, 905, [30, 31, 32])
-    assert lc.client(d).wait(d, 905, 10)["state"] == "Success"
-    assert lc.client(p).wait(p, 905, 10)["state"] == "Success"
+    assert lc.client(d).wait(d, 905, 10).state.title == "Success"
+    assert lc.client(p).wait(p, 905, 10).state.title == "Success"
     pools = lc.client(d).map_pools(d)
     try:
         assert verify_decode(pools, lc.spec, tp_rank=0, room=905, pages=[30, 31, 32]) == []
@@ -269,8 +270,8 @@ def test_prefill_room_without_decode_fails_at_the_bootstrap_deadline() -> None:
         start = time.monotonic()
         lc.client(p).send(p, 9, [0])
         view = lc.client(p).wait(p, 9, 3 + 2)
-        assert view["state"] == "Failed"
-        assert view["reason"] == "no room info from decode-0-tp0 in time"
+        assert view.state is RoomState.FAILED
+        assert view.reason == "no room info from decode-0-tp0 in time"
         assert time.monotonic() - start <= 3 + 2
         assert prefill_outcome(lc, "timeout") == 1
 
@@ -282,15 +283,15 @@ def test_missed_heartbeats_fail_decode_rooms_long_before_the_deadline() -> None:
         decode = "decode-0-tp0"
         lc.client(decode).receive(decode, 8, [0, 1])
         wait_until(
-            lambda: lc.client(decode).poll(decode, 8)["state"] == "WaitingForInput",
+            lambda: lc.client(decode).poll(decode, 8).state.title == "WaitingForInput",
             timeout=5,
             what="room info delivered",
         )
         lc.kill(lc.agent_of("prefill-0-tp0-cp0"))
         start = time.monotonic()
         view = lc.client(decode).wait(decode, 8, 10)
-        assert view["state"] == "Failed"
-        assert view["reason"] == f"prefill agent {lc.agent_of('prefill-0-tp0-cp0')} stopped answering"
+        assert view.state is RoomState.FAILED
+        assert view.reason == f"prefill agent {lc.agent_of('prefill-0-tp0-cp0')} stopped answering"
         # Two missed heartbeats 0.3 s apart (each ping may wait up to 0.3 s), far from the 60 s deadline.
         assert time.monotonic() - start < 3
         assert lc.metric_sum("pdfabric_requests_total", [lc.agent_of(decode)], role="decode", outcome="failed") == 1
@@ -304,7 +305,7 @@ def test_latency_runs_from_submit_to_the_decode_acknowledgement(small: LocalFabr
     view = transfer_room(lc, 907, pages=4).prefill[p]
     assert lc.metric_sum("pdfabric_request_duration_seconds_count", agent, role="prefill") == count + 1
     observed = lc.metric_sum("pdfabric_request_duration_seconds_sum", agent, role="prefill") - total
-    phases = view["phases_s"]
+    phases = view.phases_s
     # Not from the last chunk (upstream #31993): the observation covers the writes and the ack.
     assert phases["transferring"] <= phases["written:decode-0-tp0"] <= phases["acknowledged:decode-0-tp0"]
     assert observed >= phases["acknowledged:decode-0-tp0"]
@@ -315,7 +316,9 @@ def test_done_report_cannot_write_outside_the_rooms_aux_row(small: LocalFabric) 
 
     lc, d = small, "decode-0-tp0"
     lc.client(d).receive(d, 908, [50], aux_index=2)
-    wait_until(lambda: lc.client(d).poll(d, 908)["state"] == "WaitingForInput", timeout=5, what="room info delivered")
+    wait_until(
+        lambda: lc.client(d).poll(d, 908).state.title == "WaitingForInput", timeout=5, what="room info delivered"
+    )
     pools = lc.client(d).map_pools(d)
     try:
         before = bytes(pools.aux[:])
@@ -333,6 +336,6 @@ def test_done_report_cannot_write_outside_the_rooms_aux_row(small: LocalFabric) 
         )
         assert (code, doc["reason"]) == (400, "out_of_range")
         assert bytes(pools.aux[:]) == before
-        assert lc.client(d).poll(d, 908)["state"] == "WaitingForInput"
+        assert lc.client(d).poll(d, 908).state.title == "WaitingForInput"
     finally:
         pools.close()

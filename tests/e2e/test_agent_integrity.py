@@ -33,7 +33,7 @@ def test_verified_rooms_arrive_exact_and_every_source_matches(
         for room in (1, 2):
             result = transfer_room(lc, room, pages=6, state_slots=1)
             assert all(not errors for errors in result.errors.values()), result.errors
-        sources = sum(len(view["senders"]) for view in result.decode.values())
+        sources = sum(len(view.senders) for view in result.decode.values())
         assert lc.metric_sum("pdfabric_integrity_checks_total", result="match") == 2 * sources
         assert lc.metric_sum("pdfabric_integrity_checks_total", result="mismatch") == 0
         assert lc.metric_sum("pdfabric_integrity_seconds_count", role="prefill") == 2 * sources

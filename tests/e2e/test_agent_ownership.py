@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_devcluster.fabric import LocalFabric
 
 pytestmark = pytest.mark.e2e
@@ -53,11 +54,11 @@ def test_overlapping_room_is_refused_naming_the_holder(
     assert gone.value.status == 404  # the refused room was never created
     # The holder completes; then the same destinations are free for the next room.
     fabric.client(P).send(P, room, [0, 1, 2], state_indices=[0], aux_index=0)
-    assert dec.wait(D, room, 10)["state"] == "Success"
-    assert fabric.client(P).wait(P, room, 10)["state"] == "Success"
+    assert dec.wait(D, room, 10).state is RoomState.SUCCESS
+    assert fabric.client(P).wait(P, room, 10).state.title == "Success"
     dec.receive(D, room + 100, pages, state_indices=state, aux_index=aux)
     fabric.client(P).send(P, room + 100, list(range(len(pages))), state_indices=[1], aux_index=1)
-    assert dec.wait(D, room + 100, 10)["state"] == "Success"
+    assert dec.wait(D, room + 100, 10).state is RoomState.SUCCESS
 
 
 def test_an_aborted_rooms_destinations_are_free_when_the_abort_answers(fabric: LocalFabric) -> None:
@@ -69,7 +70,7 @@ def test_an_aborted_rooms_destinations_are_free_when_the_abort_answers(fabric: L
     deadline = time.monotonic() + 10
     while True:  # until the room info is at the prefill agent (an early room: not sent yet)
         try:
-            assert pre.poll(P, 80)["state"] == "WaitingForInput"
+            assert pre.poll(P, 80).state is RoomState.WAITING_FOR_INPUT
             break
         except AgentRefused:
             assert time.monotonic() < deadline
@@ -78,9 +79,9 @@ def test_an_aborted_rooms_destinations_are_free_when_the_abort_answers(fabric: L
     dec.abort(D, 80, "aborted by SGLang")
     dec.receive(D, 81, [30, 31], state_indices=[7], aux_index=6)  # not 409
     late = pre.send(P, 80, [0, 1], state_indices=[0], aux_index=0)
-    assert (late["state"], late["reason"]) == ("Failed", "decode-0-tp0 gave the room up: aborted by SGLang")
+    assert (late.state.title, late.reason) == ("Failed", "decode-0-tp0 gave the room up: aborted by SGLang")
     pre.send(P, 81, [2, 3], state_indices=[1], aux_index=1)
-    assert dec.wait(D, 81, 10)["state"] == "Success"
-    assert pre.wait(P, 81, 10)["state"] == "Success"
+    assert dec.wait(D, 81, 10).state is RoomState.SUCCESS
+    assert pre.wait(P, 81, 10).state is RoomState.SUCCESS
     moved = fabric.metric_sum("pdfabric_transfer_bytes_total", role="prefill") - before
-    assert moved == sum(dec.poll(D, 81)["bytes"].values())  # room 81's bytes only: nothing of room 80
+    assert moved == sum(dec.poll(D, 81).moved.values())  # room 81's bytes only: nothing of room 80

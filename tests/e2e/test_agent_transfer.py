@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol.views import RoomView
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import replica_ranks
 from pdfabric_core.traffic import pair_traffic
@@ -53,13 +54,13 @@ def peer_bytes(lc: LocalFabric) -> dict[tuple[str, str, str], float]:
     return out
 
 
-def check_peer_bytes(lc: LocalFabric, before: dict[tuple[str, str, str], float], decode: dict[str, Any]) -> None:
+def check_peer_bytes(lc: LocalFabric, before: dict[tuple[str, str, str], float], decode: dict[str, RoomView]) -> None:
     """Every (rank, peer agent) pair moved exactly what the room's per-sender counts say, on both
     sides, and a pair that moved nothing counted nothing."""
     want: dict[tuple[str, str, str], float] = {}
     agent_of = {r.rank_id: a.name for a in lc.rankmap.agents for r in a.ranks}
     for d, view in decode.items():
-        for p, sent in view["senders"].items():
+        for p, sent in (view.senders or {}).items():
             n = sum(sent.values())
             for key in (("prefill", p, agent_of[d]), ("decode", d, agent_of[p])):
                 want[key] = want.get(key, 0) + n
@@ -72,8 +73,8 @@ def check_room(lc: LocalFabric, room: int, pages: int = 7, state_slots: int = 2)
     before = {role: traffic(lc, role) for role in ("prefill", "decode")}
     peers_before = peer_bytes(lc)
     result = transfer_room(lc, room, pages=pages, state_slots=state_slots, aux=True)
-    assert {v["state"] for v in result.decode.values()} == {"Success"}, result.decode
-    assert {v["state"] for v in result.prefill.values()} == {"Success"}, result.prefill
+    assert {v.state.title for v in result.decode.values()} == {"Success"}, result.decode
+    assert {v.state.title for v in result.prefill.values()} == {"Success"}, result.prefill
     assert result.errors == {d: [] for d in result.decode}
     want = expected_bytes(lc.spec, pages=pages, state_slots=state_slots, aux=True)
     for role in ("prefill", "decode"):
@@ -84,7 +85,7 @@ def check_room(lc: LocalFabric, room: int, pages: int = 7, state_slots: int = 2)
     check_peer_bytes(lc, peers_before, result.decode)
 
 
-def check_prediction(lc: LocalFabric, decode: dict[str, dict[str, Any]], pages: int, state_slots: int) -> None:
+def check_prediction(lc: LocalFabric, decode: dict[str, RoomView], pages: int, state_slots: int) -> None:
     """The status prediction (pdfabric_core.traffic) per (prefill rank, decode rank) pair equals
     what each decode rank counted from each sender."""
     spec = lc.spec
@@ -93,7 +94,7 @@ def check_prediction(lc: LocalFabric, decode: dict[str, dict[str, Any]], pages: 
     predicted: dict[str, dict[str, dict[str, int]]] = {d: {} for d in decode_ids.values()}
     for (src, dst), b in pair_traffic(spec, pages, state_slots=state_slots).items():
         predicted[decode_ids[dst]][prefill_ids[src]] = {"kv": b.kv, "state": b.state, "aux": b.aux}
-    assert {d: v["senders"] for d, v in decode.items()} == predicted
+    assert {d: v.senders for d, v in decode.items()} == predicted
 
 
 @pytest.mark.parametrize(
@@ -143,7 +144,7 @@ def test_cp4_all_ranks_sends_state_once_from_cp_rank_0(cp4_all_ranks: LocalFabri
     result = transfer_room(lc, 21, pages=10, state_slots=2)
     assert result.errors == {"decode-0-tp0": []}
     check_prediction(lc, result.decode, 10, 2)
-    senders = result.decode["decode-0-tp0"]["senders"]
+    senders = result.decode["decode-0-tp0"].senders
     # Every CP rank sent its KV shard (10 pages over 4 ranks: 3, 3, 2, 2), only CP rank 0 the state.
     page = lc.spec.model.kv_page_bytes(1) * lc.spec.model.layers * 2
     assert {r: s["kv"] // page for r, s in senders.items()} == {
@@ -171,7 +172,7 @@ def test_cp4_layer_split_every_cp_rank_sends_its_own_state_layers() -> None:
         assert result.errors == {"decode-0-tp0": []}
         check_prediction(lc, result.decode, 8, 2)
         layer = lc.spec.model.state_bytes_per_request // lc.spec.model.state_layers
-        senders = result.decode["decode-0-tp0"]["senders"]
+        senders = result.decode["decode-0-tp0"].senders
         assert {r: s["state"] for r, s in senders.items()} == {f"prefill-0-tp0-cp{c}": 2 * layer for c in range(4)}
         assert lc.metric_sum("pdfabric_state_dedup_skipped_bytes_total") == 0
 
@@ -181,8 +182,8 @@ def test_cp4_without_all_ranks_transfer_only_cp_rank_0_sends() -> None:
         result = transfer_room(lc, 41, pages=6, state_slots=1)
         assert result.errors == {"decode-0-tp0": []}
         check_prediction(lc, result.decode, 6, 1)
-        assert list(result.decode["decode-0-tp0"]["senders"]) == ["prefill-0-tp0-cp0"]
-        assert {r: v["bytes"]["kv"] > 0 for r, v in result.prefill.items()} == {
+        assert list(result.decode["decode-0-tp0"].senders) == ["prefill-0-tp0-cp0"]
+        assert {r: v.moved["kv"] > 0 for r, v in result.prefill.items()} == {
             "prefill-0-tp0-cp0": True,
             "prefill-0-tp0-cp1": False,
             "prefill-0-tp0-cp2": False,
@@ -249,7 +250,7 @@ def test_many_rooms_in_flight_do_not_mix() -> None:
             for p in prefills:
                 lc.client(p).send(p, room, src, state_indices=[room % 8], aux_index=room % 8)
         for room in rooms:
-            assert {lc.client(d).wait(d, room, 30)["state"] for d in decodes} == {"Success"}
+            assert {lc.client(d).wait(d, room, 30).state.title for d in decodes} == {"Success"}
         for d_tp, d in enumerate(decodes):
             pools = lc.client(d).map_pools(d)
             for room, (_, dst) in rooms.items():

@@ -122,10 +122,10 @@ def test_one_fault_fires_its_alert_and_only_it(
     want_bytes: dict[tuple[str, str, str, str], float] = {}  # (pod, rank, peer, role) -> bytes
     for room in ROOMS:
         result = transfer_room(fabric, room, pages=PAGES, state_slots=2, aux=True)
-        assert {v["state"] for v in result.decode.values()} == {"Success"}, result.decode
+        assert {v.state.title for v in result.decode.values()} == {"Success"}, result.decode
         assert result.errors == {d: [] for d in result.decode}, "bytes differ on arrival"
         for d, view in result.decode.items():
-            for p, sent in view["senders"].items():
+            for p, sent in view.senders.items():
                 n = float(sum(sent.values()))
                 for key in ((agent_of[p], p, agent_of[d], "prefill"), (agent_of[d], d, agent_of[p], "decode")):
                     want_bytes[key] = want_bytes.get(key, 0.0) + n

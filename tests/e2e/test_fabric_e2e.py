@@ -77,7 +77,7 @@ def test_apply_place_transfer_scrape(
     want = expected_bytes(spec, pages=9, state_slots=2, aux=True)
     for room in (5, 6):
         result = transfer_room(fabric, room, pages=9, state_slots=2, aux=True)
-        assert {v["state"] for v in result.decode.values()} == {"Success"}, result.decode
+        assert {v.state.title for v in result.decode.values()} == {"Success"}, result.decode
         assert result.errors == {d: [] for d in result.decode}, "bytes differ on arrival"
 
     # Prometheus sees exactly the bytes that moved: 2 rooms of the synthetic engine's own count.

@@ -108,7 +108,7 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
                 with pytest.raises(KVTransferError, match="aborted by SGLang"):
                     receiver.failure_exception()
                 view = lc.client("decode-0-tp0").poll("decode-0-tp0", 77)
-                assert (view["state"], view["reason"]) == ("Failed", "aborted by SGLang")
+                assert (view.state.title, view.reason) == ("Failed", "aborted by SGLang")
                 # Once no room is open, the new registration replaces the old one.
                 PdfabricKVManager(again, DisaggregationMode.DECODE, None, False)
                 info = lc.client("decode-0-tp0").info()["ranks"]["decode-0-tp0"]["engine_memory"]

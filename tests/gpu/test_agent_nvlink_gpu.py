@@ -88,8 +88,8 @@ def test_rooms_land_exactly_and_touch_nothing_else(fabric: Any) -> None:
             lc.client(p).send(p, room, src_pages, state_indices=[s_state], aux_index=s_aux)
             for d in decode_ranks:
                 view = lc.client(d).wait(d, room, 30)
-                assert view["state"] == "Success", view
-            assert lc.client(p).wait(p, room, 30)["state"] == "Success"
+                assert view.succeeded, view
+            assert lc.client(p).wait(p, room, 30).succeeded
 
             s = kv_view(src_kv, sl)
             for i, d in enumerate(decode_ranks):

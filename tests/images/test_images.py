@@ -323,8 +323,8 @@ def test_two_agent_containers_move_a_room_byte_exact(images: dict[str, str]) -> 
         pages, state_slots = 7, 2
         before = {role: moved(fabric, role) for role in ("prefill", "decode")}
         result = transfer_room(fabric, 21, pages=pages, state_slots=state_slots, aux=True)
-        assert {v["state"] for v in result.decode.values()} == {"Success"}, result.decode
-        assert {v["state"] for v in result.prefill.values()} == {"Success"}, result.prefill
+        assert {v.state.title for v in result.decode.values()} == {"Success"}, result.decode
+        assert {v.state.title for v in result.prefill.values()} == {"Success"}, result.prefill
         assert result.errors == {d: [] for d in result.decode}, "bytes differ on arrival"
         want = expected_bytes(fabric.spec, pages=pages, state_slots=state_slots, aux=True)
         for role in ("prefill", "decode"):

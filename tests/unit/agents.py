@@ -15,7 +15,7 @@ from pdfabric_agent.memory.completion import CompletionMark
 from pdfabric_agent.memory.plan import Bases, MemoryMap
 from pdfabric_agent.memory.pools import PoolLayout, RankPools
 from pdfabric_agent.peers.client import PeerRefused
-from pdfabric_agent.protocol.peer_wire import PeerMessage, RoomInfo
+from pdfabric_agent.protocol.peer_wire import PeerMessage, RoomCancel, RoomInfo
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.registry import PrefillRoom, Target
@@ -127,6 +127,16 @@ class Backend(TransferBackend):
         pass
 
 
+# What a peer answers by default, as the JSON its door writes (the fakes read it like the real client).
+DEFAULT_ANSWERS: dict[str, dict[str, Any]] = {RoomInfo.PATH: {"accepted": "room"}, RoomCancel.PATH: {"fenced": True}}
+
+
+def peer_answer(msg: PeerMessage[Any], doc: dict[str, Any] | None = None) -> Any:
+    """The typed answer to ``msg`` read from ``doc`` (default: the peer took it; a done report or a
+    launch notice: the decode room is Success)."""
+    return msg.read_answer(doc if doc is not None else DEFAULT_ANSWERS.get(msg.PATH, {"state": "Success"}))
+
+
 def record_posts(
     agent: Agent, posts: list[tuple[str, dict[str, Any]]], refuse: str = "", answer: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -134,13 +144,13 @@ def record_posts(
     answered with `answer` (decode's answer to a done report: the room's state)."""
     sent: dict[str, Any] = {}
 
-    async def post(agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
+    async def post(agent_name: str, msg: PeerMessage[Any], timeout_s: float) -> Any:
         body = msg.to_json()
         posts.append((msg.PATH, body))
         if refuse == msg.PATH:
             raise PeerRefused(agent_name, msg.PATH, 400, "malformed", "cannot watch")
         sent.update(body)
-        return dict(answer or {"state": "Success"})
+        return peer_answer(msg, answer)
 
     agent.peers.post = post  # type: ignore[method-assign]
     return sent

@@ -22,6 +22,7 @@ from pdfabric_agent.http import server
 from pdfabric_agent.http.guard import Limits
 from pdfabric_agent.http.jsonbody import BODY_FLOOR, MAX_DEPTH, body_cap, check_shape, decode_json
 from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.views import RoomView
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
@@ -340,7 +341,7 @@ def test_bad_bodies_are_400_or_413_json_and_create_nothing(
 
 
 def test_an_unexpected_error_is_a_logged_counted_json_500(served: Served, agent: Agent) -> None:
-    def boom(msg: Any) -> dict[str, Any]:
+    def boom(msg: Any) -> RoomView:
         raise RuntimeError("a bug")
 
     agent.submit_send = boom  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
+from pdfabric_agent.protocol.views import RoomState, RoomView
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -36,8 +37,11 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.headers.get("Authorization") != "Bearer tok":
             self._answer(401, {"error": "missing or wrong cluster token", "reason": "unauthorized"})
+        elif self.path.startswith("/v1/rooms/bad/"):
+            self._answer(200, {"rank": "bad", "room": 7, "state": "Done"})  # no room state of SGLang's
         elif self.path.startswith("/v1/rooms/"):
-            self._answer(200, {"state": "Success", "path": self.path})
+            rank, room = self.path.split("?")[0].split("/")[3:5]
+            self._answer(200, {"rank": rank, "room": int(room), "state": "Success", "reason": self.path})
         else:
             self._answer(200, {"agent": "a1"})
         if self.server.drop_after_answer:  # type: ignore[attr-defined]
@@ -68,7 +72,7 @@ def test_calls_share_one_connection(server: ThreadingHTTPServer) -> None:
     c = client_for(server)
     for _ in range(5):
         assert c.info() == {"agent": "a1"}
-    assert c.poll("decode-0-tp0", 7, wait_s=0.5)["path"] == "/v1/rooms/decode-0-tp0/7?wait_s=0.5"
+    assert c.poll("decode-0-tp0", 7, wait_s=0.5).reason == "/v1/rooms/decode-0-tp0/7?wait_s=0.5"
     assert server.connections == 1  # type: ignore[attr-defined]
     c.close()
 
@@ -130,9 +134,9 @@ def test_wait_backs_off_while_polls_answer_at_once_without_an_outcome(monkeypatc
     client = client_mod.AgentClient("127.0.0.1:1", "t", "uid")
     calls: list[float] = []
 
-    def poll(rank: str, room: int, wait_s: float = 0.0) -> dict[str, object]:
+    def poll(rank: str, room: int, wait_s: float = 0.0) -> RoomView:
         calls.append(time_mod.monotonic())
-        return {"state": "WaitingForInput"}
+        return RoomView(rank=rank, room=room, state=RoomState.WAITING_FOR_INPUT)
 
     monkeypatch.setattr(client, "poll", poll)
     with pytest.raises(TimeoutError):
@@ -141,3 +145,20 @@ def test_wait_backs_off_while_polls_answer_at_once_without_an_outcome(monkeypatc
     assert 5 <= len(calls) <= 14, len(calls)
     gaps = [b - a for a, b in itertools.pairwise(calls)]
     assert max(gaps) <= client_mod.WAIT_BACKOFF_MAX_S + 0.2
+
+
+def test_an_answer_that_is_no_room_view_is_refused_as_malformed(server: ThreadingHTTPServer) -> None:
+    """The client reads a typed view or raises: a state outside SGLang's KVPoll names never
+    reaches the engine as a dictionary it has to second-guess."""
+    c = client_for(server)
+    with pytest.raises(AgentRefused) as err:
+        c.poll("bad", 7)
+    assert err.value.reason == "malformed" and "not a room state: 'Done'" in err.value.message
+    view = c.poll("decode-0-tp0", 7)
+    assert (view.rank, view.room, view.state, view.finished, view.succeeded) == (
+        "decode-0-tp0",
+        7,
+        RoomState.SUCCESS,
+        True,
+        True,
+    )

@@ -22,6 +22,7 @@ from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec
+from tests.unit.agents import peer_answer
 
 PREFILL, DECODE = "prefill-0-tp0-cp0", "decode-0-tp0"
 REASON = "engine prefill-0 exited (exit code 1)"
@@ -69,9 +70,9 @@ def decode_room(agent: Agent, room: int) -> DecodeRoom:
 def test_an_engine_exit_fails_its_ranks_open_rooms_and_tells_the_peers(agent: Agent) -> None:
     posted: list[tuple[str, Any]] = []
 
-    async def post(agent_name: str, msg: Any, timeout_s: float) -> dict[str, Any]:
+    async def post(agent_name: str, msg: Any, timeout_s: float) -> Any:
         posted.append((agent_name, msg))
-        return {}
+        return peer_answer(msg)
 
     agent.peers.post = post  # type: ignore[method-assign]
 

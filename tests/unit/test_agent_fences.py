@@ -50,21 +50,22 @@ def link(prefill: Agent, decode: Agent, *, cancels_answered: bool = True) -> lis
     """Each agent's peer posts go to the other's handler, as the peer door would hand them."""
     posts: list[Any] = []
 
-    async def deliver(handler: Any, msg: Any) -> dict[str, Any]:
+    async def deliver(handler: Any, msg: Any) -> Any:
         posts.append(msg)
         try:
             answer = handler(msg)
-            return dict(await answer if asyncio.iscoroutine(answer) else answer)
+            answer = await answer if asyncio.iscoroutine(answer) else answer
+            return msg.read_answer(answer.to_json())  # through JSON, as the peer door hands it over
         except ApiError as exc:
             raise PeerRefused("peer", msg.PATH, exc.status, exc.reason.value, exc.message) from None
 
-    async def to_decode(agent_name: str, msg: Any, timeout_s: float) -> dict[str, Any]:
+    async def to_decode(agent_name: str, msg: Any, timeout_s: float) -> Any:
         if isinstance(msg, DoneReport):
             return await deliver(lambda m: decode.accept_done(m, sender_agent="a1"), msg)
         assert isinstance(msg, LaunchNotice)
         return await deliver(lambda m: decode.accept_launched(m, sender_agent="a1"), msg)
 
-    async def to_prefill(agent_name: str, msg: Any, timeout_s: float) -> dict[str, Any]:
+    async def to_prefill(agent_name: str, msg: Any, timeout_s: float) -> Any:
         if isinstance(msg, RoomInfo):
             return await deliver(lambda m: prefill.accept_dst(m, sender_agent="a2"), msg)
         assert isinstance(msg, RoomCancel)
@@ -105,7 +106,7 @@ def test_an_aborted_room_whose_info_waits_at_the_source_frees_its_pages_at_once(
         decode.submit_receive(ReceiveRequest(D, 2, [3, 4], [1], 1, 0))
         # The prefill engine sends the given-up room late: it fails at once, nothing written.
         view = prefill.submit_send(SendRequest(P, 1, [0, 1], [0], 0, 0))
-        assert (view["state"], view["reason"]) == ("Failed", "decode-0-tp0 gave the room up: aborted by SGLang")
+        assert (view.state.title, view.reason) == ("Failed", "decode-0-tp0 gave the room up: aborted by SGLang")
         assert backend.calls == []
         await prefill.close()
         await decode.close()
@@ -127,7 +128,7 @@ def test_a_prefill_engine_exit_fails_waiting_decode_rooms_fenced(pair: tuple[Age
         assert room.quiet == {P}
         decode.submit_receive(ReceiveRequest(D, 6, [7, 8], [2], 2, 0))  # not 409: nothing was written
         # The restarted engine's poll of the dead one's room says Failed, not 404.
-        assert (await prefill.poll(P, 5))["state"] == "Failed"
+        assert (await prefill.poll(P, 5)).state.title == "Failed"
         await prefill.close()
         await decode.close()
 
@@ -145,15 +146,15 @@ def test_a_prefill_engine_abort_before_its_send_fails_the_decode_room_fenced(pai
         decode.submit_receive(ReceiveRequest(D, 11, [7, 8], [2], 2, 0))
         await settle()
         view = await prefill.abort(AbortRequest(P, 11, "aborted by SGLang"))
-        assert (view["state"], view["reason"]) == ("Failed", "aborted by SGLang")
+        assert (view.state.title, view.reason) == ("Failed", "aborted by SGLang")
         await settle()
         room = decode.rooms.decode[(D, 11)]
         assert room.state is RoomState.FAILED and "aborted by SGLang" in room.reason
         assert room.quiet == {P}
         decode.submit_receive(ReceiveRequest(D, 12, [7, 8], [2], 2, 0))  # the pages are free
-        assert (await prefill.poll(P, 11))["state"] == "Failed"
+        assert (await prefill.poll(P, 11)).state.title == "Failed"
         late = prefill.submit_send(SendRequest(P, 11, [0, 1], [0], 0, 0))
-        assert (late["state"], late["reason"]) == ("Failed", "aborted by SGLang")
+        assert (late.state.title, late.reason) == ("Failed", "aborted by SGLang")
         await prefill.close()
         await decode.close()
 
@@ -187,12 +188,12 @@ def test_a_decode_engine_abort_before_its_receive_fails_the_prefill_room(pair: t
 
     async def go() -> None:
         view = await decode.abort(AbortRequest(D, 14, "aborted by SGLang", peer_replica=0))
-        assert (view["state"], view["told"]) == ("Failed", 1)
+        assert (view.state.title, view.told) == ("Failed", 1)
         await settle()
         polled = await prefill.poll(P, 14)
-        assert polled["state"] == "Failed" and "aborted by SGLang" in polled["reason"], polled
+        assert polled.state is RoomState.FAILED and "aborted by SGLang" in polled.reason, polled
         late = prefill.submit_send(SendRequest(P, 14, [0, 1], [0], 0, 0))
-        assert late["state"] == "Failed"
+        assert late.state is RoomState.FAILED
         with pytest.raises(ApiError):  # naming no replica, an unknown decode room is still 404
             await decode.abort(AbortRequest(D, 15, "aborted by SGLang"))
         await prefill.close()

@@ -17,6 +17,7 @@ from pdfabric_agent.node.hardware import Hardware
 from pdfabric_agent.node.transport import TransportChoice, TransportError
 from pdfabric_agent.process.main import INTRA_NODE_NVLINK_ONE_GPU, check_mem_pool
 from pdfabric_agent.protocol.peer_wire import RoomInfo
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.agent import Agent
@@ -203,15 +204,15 @@ def test_ready_room_is_launched_inside_the_call_that_made_it_ready(tmp_path: Pat
                 {"cluster": "uid-1", "rank": "prefill-0-tp0-cp0", "room": 5, "kv_pages": pages,
                  "state_indices": [0], "aux_index": 0, "decode_replica": 0}
             ))  # fmt: skip
-            assert view["state"] == "Transferring"
+            assert view.state is RoomState.TRANSFERRING
             assert [what for what, _ in backend.calls] == ["submit_pages", "submit_blocks", "submit_blocks"] + [
                 "mark"
             ] * 3  # launched (and marked) before `send` answered; nothing waited for yet
             final = await agent.poll("prefill-0-tp0-cp0", 5, wait_s=5)
-            assert final["state"] == "Success", final
+            assert final.state is RoomState.SUCCESS, final
             assert [what for what, _ in backend.calls][-3:] == ["wait"] * 3
             assert [path for path, _ in recorded] == ["/v1/peer/launched", "/v1/peer/done"]
-            assert final["bytes"] == {"kv": KV_BYTES, "state": 64, "aux": 24}
+            assert final.moved == {"kv": KV_BYTES, "state": 64, "aux": 24}
         finally:
             await agent.close()
 

@@ -80,7 +80,7 @@ def test_an_added_prefill_replica_is_in_range_for_a_decode_engines_receive(tmp_p
             agent.submit_receive(ReceiveRequest(D, 1, [0], [], None, 1))  # prefill replica 1: not yet
         agent.adopt(rankmap(A1, A2, P1, prefill=2))
         view = agent.submit_receive(ReceiveRequest(D, 2, [0], [], None, 1))
-        assert view["state"] == RoomState.BOOTSTRAPPING.title
+        assert view.state.title == RoomState.BOOTSTRAPPING.title
         await agent.close()
 
     asyncio.run(go())
@@ -124,7 +124,7 @@ def test_a_dropped_agent_drains_then_its_waiting_rooms_fail_saying_it_left(tmp_p
         agent.adopt(rankmap(A1, A2, P1, prefill=2))
         waiting = agent.submit_receive(ReceiveRequest(D, 7, [0], [], None, 1))  # from p1
         other = agent.submit_receive(ReceiveRequest(D, 8, [1], [], None, 0))  # from a1
-        assert waiting["state"] == other["state"] == RoomState.BOOTSTRAPPING.title
+        assert waiting.state.title == other.state.title == RoomState.BOOTSTRAPPING.title
         adopted = agent.adopt(rankmap(A1, A2, prefill=1))  # prefill scaled back: p1 dropped
         assert adopted.dropped == ("p1",)
         # Still a peer while it drains: its certificate is admitted, its ranks are known.

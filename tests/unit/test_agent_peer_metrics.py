@@ -56,7 +56,7 @@ def test_decode_counts_a_source_under_the_rank_maps_agent_only(tmp_path: Path) -
             await decode.accept_done(report, sender_agent="intruder")
         with pytest.raises(ApiError):  # a source the room does not expect
             await decode.accept_done(DoneReport(81, D, "prefill-0-tp7-cp0", {"mooncake": {"kv": 1}}, ok=True))
-        assert (await decode.accept_done(report))["state"] == "Success"  # off the peer door: no certificate
+        assert (await decode.accept_done(report)).state.title == "Success"  # off the peer door: no certificate
         await asyncio.sleep(0)  # counted after the answer (``later``)
         await decode.close()
 
@@ -110,7 +110,7 @@ def test_a_room_refused_for_a_blacklisted_peer_counts_its_targets_failed(tmp_pat
 
     async def go() -> None:
         prefill.peers.blame("a2", "test", prefill.clock())
-        assert prefill.submit_send(SendRequest(P, 83, [0], [], None, 0))["state"] == "Failed"
+        assert prefill.submit_send(SendRequest(P, 83, [0], [], None, 0)).state.title == "Failed"
         await prefill.close()
 
     asyncio.run(go())

@@ -13,6 +13,7 @@ import pytest
 
 from pdfabric_agent.memory.plan import Bases
 from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.peer_answers import RoomInfoTaken
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_agent.rooms.agent import Agent
@@ -47,7 +48,7 @@ async def refused_async(coro: Any) -> ApiError:
 def test_room_info_from_an_agent_that_does_not_host_the_decode_rank_is_refused(prefill: Agent) -> None:
     err = refused(lambda: prefill.accept_dst(room_info(1), sender_agent="a1"))
     assert (err.status, err.reason) == (403, "wrong_peer") and "gives agent a2" in err.message
-    assert prefill.accept_dst(room_info(1), sender_agent="a2") == {"accepted": "early"}
+    assert prefill.accept_dst(room_info(1), sender_agent="a2") == RoomInfoTaken(early=True)
 
 
 def test_reports_from_an_agent_that_does_not_host_the_source_are_refused(decode: Agent) -> None:
@@ -130,7 +131,7 @@ def test_a_report_must_carry_exactly_what_the_room_planned_from_that_source(deco
             assert (err.status, err.reason) == (400, "out_of_range") and "expects" in err.message
             assert room.state.title == "Bootstrapping" and not room.arrived
         split = {"mooncake": {"kv": 1024, "state": 64}, "tcp-side-channel": {"aux": 24}}
-        assert (await decode.accept_done(DoneReport(7, D, P, split, ok=True)))["state"] == "Success"
+        assert (await decode.accept_done(DoneReport(7, D, P, split, ok=True))).state.title == "Success"
         assert room.moved == owed
         await decode.close()
 

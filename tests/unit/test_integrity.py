@@ -14,7 +14,9 @@ import pytest
 
 from pdfabric_agent.memory.plan import Bases, TransferPlan, TransferSide, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
+from pdfabric_agent.protocol.peer_answers import SourceAnswer
 from pdfabric_agent.protocol.peer_wire import DoneReport
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
@@ -23,7 +25,7 @@ from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from tests.unit.agents import Backend
+from tests.unit.agents import Backend, peer_answer
 
 MODEL = {"layers": 2, "kvHeads": 4, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32",
          "stateBytesPerRequest": 96, "stateLayers": 2, "auxRowBytes": [8, 20]}  # fmt: skip
@@ -115,8 +117,8 @@ def decode_agent(tmp_path: Path, spec_raw: dict[str, Any]) -> tuple[Agent, PDClu
     entries = (AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),)), AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)))
     agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", spec_raw, entries), spec, {}, "tcp")
 
-    async def delivered(agent_name: str, msg: Any, timeout_s: float) -> dict[str, Any]:
-        return {"accepted": "room"}  # the room info reaches the (absent) prefill agent
+    async def delivered(agent_name: str, msg: Any, timeout_s: float) -> Any:
+        return peer_answer(msg)  # the room info reaches the (absent) prefill agent
 
     agent.peers.post = delivered  # type: ignore[method-assign]
     return agent, spec
@@ -131,7 +133,7 @@ def test_decode_is_success_only_when_what_arrived_matches(tmp_path: Path) -> Non
     agent.ranks["decode-0-tp0"] = LocalRank(Rank(Role.DECODE, 0, 0), Backend(kernel=False, takes=False), dst)
     p, d = "prefill-0-tp0-cp0", "decode-0-tp0"
 
-    async def room(n: int, dst_pages: list[int], corrupt: bool) -> dict[str, Any]:
+    async def room(n: int, dst_pages: list[int], corrupt: bool) -> SourceAnswer:
         agent.submit_receive(ReceiveRequest(d, n, dst_pages, [1], 1, 0))
         duties = sender_duties(spec, decode_targets(spec, 0)[0], 0, len(dst_pages))
         assert duties is not None
@@ -144,9 +146,9 @@ def test_decode_is_success_only_when_what_arrived_matches(tmp_path: Path) -> Non
         return await agent.accept_done(DoneReport(n, d, p, {"mooncake": owed}, ok=True, checksum=checksum))
 
     async def go() -> None:
-        assert (await room(1, [3, 4, 9], corrupt=False))["state"] == "Success"
+        assert (await room(1, [3, 4, 9], corrupt=False)).state is RoomState.SUCCESS
         bad = await room(2, [10, 11], corrupt=True)
-        assert bad["state"] == "Failed" and "checksum of what arrived" in bad["reason"]
+        assert bad.room_failed and "checksum of what arrived" in bad.reason
         agent.submit_receive(ReceiveRequest(d, 3, [12], [], None, 0))
         no_sum = DoneReport(3, d, p, {"mooncake": agent.rooms.decode[(d, 3)].owed[p]}, ok=True)
         with pytest.raises(Exception, match="needs a checksum"):

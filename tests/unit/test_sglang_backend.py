@@ -30,6 +30,7 @@ import pytest
 from pdfabric_agent.client.api import AgentRefused
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
@@ -202,24 +203,25 @@ class FakeClient:
         self.told: list[int | None] = []  # the peer replica named with each abort
         self.submit_error: Exception | None = None
 
-    def poll(self, rank: str, room: int, wait_s: float = 0.0) -> dict[str, Any]:
+    def poll(self, rank: str, room: int, wait_s: float = 0.0) -> RoomView:
+        """The test's view of the room, in the agent's wire form, read as the real client reads it."""
         view = self.views.get(room)
         if isinstance(view, Exception):
             raise view
         if view is None:
             raise AgentRefused(404, "unknown_room", f"room {room} is unknown on {rank}")
-        return dict(view)
+        return RoomView.parse({"rank": rank, "room": room, **view})
 
-    def submit(self, msg: Any) -> dict[str, Any]:
+    def submit(self, msg: Any) -> RoomView:
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted.append(msg)
-        return {}
+        return RoomView(rank=msg.rank, room=msg.room, state=RoomState.BOOTSTRAPPING)
 
-    def abort(self, rank: str, room: int, reason: str = "", peer_replica: int | None = None) -> dict[str, Any]:
+    def abort(self, rank: str, room: int, reason: str = "", peer_replica: int | None = None) -> RoomView:
         self.aborted.append(room)
         self.told.append(peer_replica)
-        return {}
+        return RoomView(rank=rank, room=room, state=RoomState.FAILED, reason=reason)
 
 
 def manager(role: Role) -> Any:
@@ -409,10 +411,10 @@ def test_a_prefill_rank_whose_replicated_heads_another_rank_sends_is_ready_at_on
     assert quiet["prefill-0-tp0-cp0"] is None and quiet["prefill-0-tp2-cp0"] is None  # wait for decode
     for rank_id in ("prefill-0-tp1-cp0", "prefill-0-tp3-cp0"):
         view = quiet[rank_id]
-        assert view is not None and view["state"] == "WaitingForInput" and view["sends"] is False
-        assert "replicated" in view["reason"]
+        assert view is not None and view.state is RoomState.WAITING_FOR_INPUT and view.sends is False
+        assert "replicated" in view.reason
         done = agent.submit_send(SendRequest(rank_id, 11, [0, 1], [], 0, 0))
-        assert done["state"] == "Success" and sum(done["bytes"].values()) == 0
+        assert done.state is RoomState.SUCCESS and sum(done.moved.values()) == 0
         assert agent.sender.early_view(rank_id, 11) is None  # sent: the poll answers the room, Success
     # Decode rank 1 has the number of a prefill rank with no route, but it is no prefill rank: its
     # polls answer its own rooms (an early answer here left decode rooms WaitingForInput).

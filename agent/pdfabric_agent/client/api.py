@@ -19,16 +19,23 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pdfabric_agent.client.http1 import Connection, StaleConnection
 from pdfabric_agent.memory.pools import PoolLayout
-from pdfabric_agent.protocol.views import FINAL_TITLES
-from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, RoomSubmit, SendRequest
+from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
+from pdfabric_agent.protocol.wire import (
+    INFO_PATH,
+    AbortRequest,
+    MemoryRegistration,
+    ReceiveRequest,
+    RoomSubmit,
+    SendRequest,
+    room_path,
+)
 
-FINAL = FINAL_TITLES
 WAIT_BACKOFF_MIN_S = 0.01  # `wait`: pause after a poll answered at once, doubling up to the max
 WAIT_BACKOFF_MAX_S = 0.5
 
@@ -39,6 +46,17 @@ class AgentRefused(RuntimeError):
         self.status = status
         self.reason = reason
         self.message = message
+
+
+A = TypeVar("A")
+
+
+def _answer(parse: Callable[[Any], A], doc: dict[str, Any]) -> A:
+    """The typed answer, or ``AgentRefused`` (malformed) when the agent's is not one."""
+    try:
+        return parse(doc)
+    except ValueError as exc:
+        raise AgentRefused(200, "malformed", f"the agent's answer: {exc}") from None
 
 
 class GpuPool:
@@ -202,7 +220,7 @@ class AgentClient:
         return doc
 
     def info(self) -> dict[str, Any]:
-        return self._call("GET", "/v1/info")
+        return self._call("GET", INFO_PATH)
 
     def map_pools(self, rank_id: str, gpu: int | None = None) -> MappedPools:
         """Map a rank's pools here: CPU pools are shared-memory files; GPU pools are opened through
@@ -220,7 +238,7 @@ class AgentClient:
         decode_replica: int = 0,
         state_indices: list[int] | None = None,
         aux_index: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> RoomView:
         """Prefill side: send room `room` from these pages to decode replica `decode_replica`."""
         return self.submit(SendRequest(rank, room, kv_pages, state_indices or [], aux_index, decode_replica))
 
@@ -233,31 +251,33 @@ class AgentClient:
         prefill_replica: int = 0,
         state_indices: list[int] | None = None,
         aux_index: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> RoomView:
         """Decode side: announce where room `room` from prefill replica `prefill_replica` lands."""
         return self.submit(ReceiveRequest(rank, room, kv_pages, state_indices or [], aux_index, prefill_replica))
 
-    def register_memory(self, msg: MemoryRegistration) -> dict[str, Any]:
+    def register_memory(self, msg: MemoryRegistration) -> MemoryAnswer:
         """An engine's own buffers of one rank (``memory``): the agent maps and registers them and
         moves that rank's rooms in them from now on."""
-        return self._call("POST", msg.PATH, msg.to_json())
+        return _answer(MemoryAnswer.parse, self._call("POST", msg.PATH, msg.to_json()))
 
     def abort(
         self, rank: str, room: int, reason: str = "aborted by the engine", peer_replica: int | None = None
-    ) -> dict[str, Any]:
+    ) -> RoomView:
         """Give a room up: the agent fails it now and tells its peers (for a decode room not
         submitted yet, the agents of prefill replica ``peer_replica``)."""
-        return self._call("POST", AbortRequest.PATH, AbortRequest(rank, room, reason, peer_replica).to_json())
+        msg = AbortRequest(rank, room, reason, peer_replica)
+        return _answer(RoomView.parse, self._call("POST", AbortRequest.PATH, msg.to_json()))
 
-    def submit(self, msg: RoomSubmit) -> dict[str, Any]:
+    def submit(self, msg: RoomSubmit) -> RoomView:
         """A send or receive as its wire message (long page lists travel packed: base64 int32)."""
-        return self._call("POST", msg.PATH, msg.to_json())
+        return _answer(RoomView.parse, self._call("POST", msg.PATH, msg.to_json()))
 
-    def poll(self, rank: str, room: int, wait_s: float = 0.0) -> dict[str, Any]:
+    def poll(self, rank: str, room: int, wait_s: float = 0.0) -> RoomView:
         """The room's state; with wait_s > 0 the agent answers once it is final or wait_s passed."""
-        return self._call("GET", f"/v1/rooms/{rank}/{room}?wait_s={wait_s:g}", timeout_s=self.timeout_s + wait_s)
+        path = room_path(rank, room, wait_s)
+        return _answer(RoomView.parse, self._call("GET", path, timeout_s=self.timeout_s + wait_s))
 
-    def wait(self, rank: str, room: int, timeout_s: float = 30.0) -> dict[str, Any]:
+    def wait(self, rank: str, room: int, timeout_s: float = 30.0) -> RoomView:
         """Long-poll until the room is Success or Failed; raises TimeoutError at the deadline."""
         deadline = time.monotonic() + timeout_s
         pause = WAIT_BACKOFF_MIN_S
@@ -265,11 +285,11 @@ class AgentClient:
             asked = time.monotonic()
             left = deadline - asked
             view = self.poll(rank, room, wait_s=max(0.0, min(left, 10.0)))
-            if view["state"] in FINAL:
+            if view.finished:
                 return view
             now = time.monotonic()
             if now >= deadline:
-                raise TimeoutError(f"room {room} on {rank} still {view['state']} after {timeout_s} s")
+                raise TimeoutError(f"room {room} on {rank} still {view.state.title} after {timeout_s} s")
             if now - asked < WAIT_BACKOFF_MIN_S:
                 # Answered at once without an outcome (a state the agent does not hold the poll
                 # for): back off instead of asking again at full speed.

@@ -32,8 +32,15 @@ from pdfabric_agent.http.jsonbody import BODY_CAP, body_cap, read_json
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.errors import ApiError, malformed
 from pdfabric_agent.protocol.labels import Refusal
-from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
-from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.protocol.peer_wire import PING_PATH, PROBE_PATH, DoneReport, LaunchNotice, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.wire import (
+    INFO_PATH,
+    ROOM_ROUTE,
+    AbortRequest,
+    MemoryRegistration,
+    ReceiveRequest,
+    SendRequest,
+)
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.runtime import metrics
 from pdfabric_core.engines import EngineState
@@ -168,7 +175,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
                         "path": lr.backend.path,
                         **lr.pools.describe(),
                         # The engine's own buffers once registered; the pools stay for the synthetic engine.
-                        "engine_memory": lr.engine.describe() if lr.engine is not None else None,
+                        "engine_memory": lr.engine.answer(rank_id).memory_json() if lr.engine is not None else None,
                     }
                     for rank_id, lr in agent.ranks.items()
                 },
@@ -182,17 +189,17 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         return message.parse(body)
 
     async def send(request: web.Request) -> web.Response:
-        return web.json_response(agent.submit_send(await parsed(request, SendRequest)))
+        return web.json_response(agent.submit_send(await parsed(request, SendRequest)).to_json())
 
     async def receive(request: web.Request) -> web.Response:
-        return web.json_response(agent.submit_receive(await parsed(request, ReceiveRequest)))
+        return web.json_response(agent.submit_receive(await parsed(request, ReceiveRequest)).to_json())
 
     async def memory(request: web.Request) -> web.Response:
         # On the loop, not in a worker: no room may be submitted between the check and the swap.
-        return web.json_response(agent.register_memory(await parsed(request, MemoryRegistration)))
+        return web.json_response(agent.register_memory(await parsed(request, MemoryRegistration)).to_json())
 
     async def abort(request: web.Request) -> web.Response:
-        return web.json_response(await agent.abort(await parsed(request, AbortRequest)))
+        return web.json_response((await agent.abort(await parsed(request, AbortRequest))).to_json())
 
     async def poll(request: web.Request) -> web.Response:
         try:
@@ -205,22 +212,24 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
             raise malformed("room must be an integer and wait_s a number of seconds") from None
         if not 0 <= wait_s <= MAX_WAIT_S:
             raise malformed(f"wait_s must be within 0..{MAX_WAIT_S:g} seconds")
-        return web.json_response(await agent.poll(request.match_info["rank"], room, wait_s))
+        return web.json_response((await agent.poll(request.match_info["rank"], room, wait_s)).to_json())
 
     async def peer_dst(request: web.Request) -> web.Response:
-        return web.json_response(agent.accept_dst(await parsed(request, RoomInfo), sender_agent=request[PEER_AGENT]))
+        return web.json_response(
+            agent.accept_dst(await parsed(request, RoomInfo), sender_agent=request[PEER_AGENT]).to_json()
+        )
 
     async def peer_done(request: web.Request) -> web.Response:
         msg = await parsed(request, DoneReport)
-        return web.json_response(await agent.accept_done(msg, sender_agent=request[PEER_AGENT]))
+        return web.json_response((await agent.accept_done(msg, sender_agent=request[PEER_AGENT])).to_json())
 
     async def peer_launched(request: web.Request) -> web.Response:
         msg = await parsed(request, LaunchNotice)
-        return web.json_response(agent.accept_launched(msg, sender_agent=request[PEER_AGENT]))
+        return web.json_response(agent.accept_launched(msg, sender_agent=request[PEER_AGENT]).to_json())
 
     async def peer_cancel(request: web.Request) -> web.Response:
         msg = await parsed(request, RoomCancel)
-        return web.json_response(agent.accept_cancel(msg, sender_agent=request[PEER_AGENT]))
+        return web.json_response(agent.accept_cancel(msg, sender_agent=request[PEER_AGENT]).to_json())
 
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})
@@ -237,19 +246,19 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=cap, handler_args=limits.handler_args())
     app[LIMITS], app[CLUSTER], app[BODY_CAP] = limits, cluster, cap
     if door is Door.ENGINE:
-        app.router.add_get("/v1/info", info)
+        app.router.add_get(INFO_PATH, info)
         app.router.add_post(SendRequest.PATH, send)
         app.router.add_post(ReceiveRequest.PATH, receive)
         app.router.add_post(MemoryRegistration.PATH, memory)
         app.router.add_post(AbortRequest.PATH, abort)
-        app.router.add_get("/v1/rooms/{rank}/{room}", poll)
+        app.router.add_get(ROOM_ROUTE, poll)
     else:
         app.router.add_post(RoomInfo.PATH, peer_dst)
         app.router.add_post(DoneReport.PATH, peer_done)
         app.router.add_post(LaunchNotice.PATH, peer_launched)
         app.router.add_post(RoomCancel.PATH, peer_cancel)
-        app.router.add_get("/v1/peer/ping", ping)
-        app.router.add_get("/v1/peer/probe", probe_regions)
+        app.router.add_get(PING_PATH, ping)
+        app.router.add_get(PROBE_PATH, probe_regions)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 

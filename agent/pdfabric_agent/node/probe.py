@@ -45,7 +45,6 @@ REASON_SLOW = "ProbeBelowThreshold"
 # Peers that refuse this agent's certificate: their rank map does not list it yet. Not Ready until
 # they all admit it (live membership: they adopt the new map within seconds), whatever the threshold.
 REASON_PEERS_BEHIND = "PeersDoNotKnowThisAgent"
-PROBE_PATH = "/v1/peer/probe"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import aiohttp
 
 from pdfabric_agent.peers.health import PeerHealth
 from pdfabric_agent.protocol import tls
-from pdfabric_agent.protocol.peer_wire import PeerMessage
+from pdfabric_agent.protocol.peer_wire import PING_PATH, Answer, PeerMessage
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_agent.runtime.tasks import Liveness
@@ -97,7 +97,9 @@ class PeerClient:
             self._http = aiohttp.ClientSession(connector=connector)
         return self._http
 
-    async def post(self, agent_name: str, msg: PeerMessage, timeout_s: float) -> dict[str, Any]:
+    async def post(self, agent_name: str, msg: PeerMessage[Answer], timeout_s: float) -> Answer:
+        """Send ``msg`` to the agent's peer door and read its typed answer; raises ``PEER_ERRORS``
+        (an answer that is not the message's is refused like an error status)."""
         session = await self._session()
         url = f"https://{self.address(agent_name)}{msg.PATH}"
         body = {**msg.to_json(), "cluster": self.rankmap.cluster_uid}
@@ -109,7 +111,10 @@ class PeerClient:
                 data = {}
             if resp.status != 200:
                 raise PeerRefused(agent_name, msg.PATH, resp.status, str(data.get("reason", "")), data.get("error", ""))
-            return data
+            try:
+                return msg.read_answer(data)
+            except ValueError as exc:
+                raise PeerRefused(agent_name, msg.PATH, resp.status, "malformed", str(exc)) from None
 
     async def get_json(self, agent_name: str, path: str, timeout_s: float = 2.0) -> dict[str, Any]:
         """GET ``path`` on the peer's door; raises ``PEER_ERRORS`` (the link check's probe regions)."""
@@ -127,7 +132,7 @@ class PeerClient:
     async def ping(self, agent_name: str, timeout_s: float = 2.0) -> bool:
         session = await self._session()
         try:
-            url = f"https://{self.address(agent_name)}/v1/peer/ping"
+            url = f"https://{self.address(agent_name)}{PING_PATH}"
             async with session.get(
                 url, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
             ) as resp:

@@ -30,6 +30,7 @@ from pdfabric_agent.node.hardware import Hardware, detect_hardware
 from pdfabric_agent.node.transport import TransportChoice, TransportError, choose_transport, mooncake_env
 from pdfabric_agent.process.rankmap_file import CHECK_EVERY_S, RankMapFile
 from pdfabric_agent.protocol import tls
+from pdfabric_agent.protocol.peer_wire import PROBE_PATH
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.membership import MembershipRefused
@@ -184,7 +185,7 @@ async def link_check(readiness: Readiness, check: probe.LinkCheck, agent: Agent,
     Ready with the slow peer named, probing again every RETRY_S until fast enough or stopped."""
 
     async def fetch(peer: str) -> dict[str, object]:
-        return await agent.peers.get_json(peer, probe.PROBE_PATH)
+        return await agent.peers.get_json(peer, PROBE_PATH)
 
     said: list[str] = []
 

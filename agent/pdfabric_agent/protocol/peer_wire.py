@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from pdfabric_agent.memory.completion import CompletionMark
 from pdfabric_agent.memory.plan import Bases, MemoryMap
@@ -36,7 +36,12 @@ from pdfabric_agent.protocol.fields import (
     too_large,
 )
 from pdfabric_agent.protocol.labels import Kind
+from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
 from pdfabric_agent.protocol.wire import CHECKSUM, BytesByPath
+
+# The peer door's GET routes (its POSTs are the messages' own ``PATH``).
+PING_PATH = "/v1/peer/ping"
+PROBE_PATH = "/v1/peer/probe"  # the link check's probe regions (node.probe)
 
 
 def _layout(value: Any) -> PoolLayout:
@@ -115,6 +120,9 @@ class RoomInfo:
         prefix = field_opt_int(body, "prefix_tokens") or 0
         return cls(room, decode_rank, prefill_rank, endpoint, layout, bases, pages, state, aux, prefix)
 
+    def read_answer(self, doc: Any) -> RoomInfoTaken:
+        return RoomInfoTaken.parse(doc)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "room": self.room,
@@ -161,6 +169,9 @@ class SourceReport:
 
     def _head(self) -> dict[str, Any]:
         return {"room": self.room, "decode_rank": self.decode_rank, "prefill_rank": self.prefill_rank}
+
+    def read_answer(self, doc: Any) -> SourceAnswer:
+        return SourceAnswer.parse(doc)
 
 
 def _report_head(body: Mapping[str, Any]) -> tuple[int, str, str]:
@@ -303,9 +314,22 @@ class RoomCancel:
             raise malformed(f"field 'reason' must be a string of at most {MAX_REASON} characters")
         return cls(room, decode_rank, prefill_rank, reason or "cancelled by the decode side")
 
+    def read_answer(self, doc: Any) -> CancelAnswer:
+        return CancelAnswer.parse(doc)
+
     def to_json(self) -> dict[str, Any]:
         return {"room": self.room, "decode_rank": self.decode_rank, "prefill_rank": self.prefill_rank,
                 "reason": self.reason}  # fmt: skip
 
 
-PeerMessage = RoomInfo | DoneReport | LaunchNotice | RoomCancel
+Answer = TypeVar("Answer", covariant=True)  # the answer type of one message
+
+
+class PeerMessage(Protocol[Answer]):
+    """A message for the peer door: its route, its body, and how its answer is read."""
+
+    PATH: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]: ...
+
+    def read_answer(self, doc: Any) -> Answer: ...

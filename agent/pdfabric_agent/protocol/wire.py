@@ -49,6 +49,15 @@ def zero_bytes() -> KindBytes:
     return {kind.value: 0 for kind in Kind}
 
 
+# The engine door's GET routes (its POSTs are the messages' own ``PATH``).
+INFO_PATH = "/v1/info"
+ROOM_ROUTE = "/v1/rooms/{rank}/{room}"  # a room view; ``?wait_s=`` makes it a long poll
+
+
+def room_path(rank: str, room: int, wait_s: float) -> str:
+    return ROOM_ROUTE.format(rank=rank, room=room) + f"?wait_s={wait_s:g}"
+
+
 # ---------------------------------------------------------------- client messages
 @dataclass(frozen=True)
 class RoomSubmit:

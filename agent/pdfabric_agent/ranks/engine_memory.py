@@ -24,6 +24,7 @@ from typing import Any
 from pdfabric_agent.memory.plan import MemoryMap
 from pdfabric_agent.memory.pools import DeviceBuffer, Pool, PoolLayout
 from pdfabric_agent.protocol.errors import layout_mismatch
+from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
 from pdfabric_core.policy.types import Device, Role
@@ -165,9 +166,10 @@ class EngineMemory:
     def regions(self) -> tuple[Pool, ...]:
         return self._regions
 
-    def describe(self) -> dict[str, Any]:
-        devices = sorted({p.device.value for p in self.regions()})
-        return {"layout": self.layout.to_dict(), "buffers": len(self.regions()), "devices": devices}
+    def answer(self, rank_id: str) -> MemoryAnswer:
+        """What the agent answers the registration (and shows in /v1/info)."""
+        devices = tuple(sorted({p.device.value for p in self.regions()}))
+        return MemoryAnswer(rank_id, self.layout, len(self.regions()), devices)
 
     def close(self) -> None:
         self.kv, self.state, self.aux, self._regions = [], [], [], ()

@@ -42,7 +42,9 @@ from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.peers.client import PeerClient
 from pdfabric_agent.protocol.errors import ApiError, conflict, layout_mismatch, memory_not_registered, unknown_room
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.views import MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
 from pdfabric_agent.ranks.engine_memory import EngineMemory, engine_layout
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
@@ -190,7 +192,7 @@ class Agent:
             )
 
     # ---------------------------------------------------------------- the API
-    def register_memory(self, msg: MemoryRegistration) -> dict[str, Any]:
+    def register_memory(self, msg: MemoryRegistration) -> MemoryAnswer:
         """An engine's own buffers become the rank's memory (``memory``): checked against the
         model, mapped, registered with the rank's transfer engine; the previous engine's (an
         engine restart) are released. Refused while the rank has open rooms: their plans point
@@ -230,9 +232,9 @@ class Agent:
         for kind, regions in (("kv", engine.kv), ("state", engine.state), ("aux", engine.aux)):
             device = regions[0].device.value if regions else "cpu"
             metrics.pool_bytes.labels(self.cluster, msg.rank, kind, device).set(sum(r.size for r in regions))
-        return {"rank": msg.rank, "memory": engine.describe()}
+        return engine.answer(msg.rank)
 
-    async def abort(self, msg: AbortRequest) -> dict[str, Any]:
+    async def abort(self, msg: AbortRequest) -> RoomView:
         """The engine gave the room up: it fails now (its peers are told: a decode room answers
         once its sources said whether they stopped writing); a finished room stays as it ended. A
         prefill room not sent yet is given up too: decode sides that announced it are told at once,
@@ -249,7 +251,7 @@ class Agent:
         decode_unannounced = local.rank.role is Role.DECODE and self.rooms.get(Role.DECODE, msg.rank, msg.room) is None
         if decode_unannounced and msg.peer_replica is not None:
             told = self.arrivals.give_up_unannounced(local, msg.room, msg.peer_replica, msg.reason)
-            return {"rank": msg.rank, "room": msg.room, "state": "Failed", "reason": msg.reason, "told": told}
+            return RoomView(rank=msg.rank, room=msg.room, state=RoomState.FAILED, reason=msg.reason, told=told)
         room = self.rooms.lookup(local.rank.role, msg.rank, msg.room)
         if isinstance(room, DecodeRoom):
             await self.arrivals.abort(room, msg.reason)
@@ -294,11 +296,11 @@ class Agent:
             log.warning("%s: %d open rooms failed (%s)", ", ".join(sorted(ranks)), failed, reason)
         return failed
 
-    def submit_send(self, msg: SendRequest) -> dict[str, Any]:
+    def submit_send(self, msg: SendRequest) -> RoomView:
         self._check_engine_memory(msg)
         return self.sender.submit_send(msg)
 
-    def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
+    def submit_receive(self, msg: ReceiveRequest) -> RoomView:
         self._check_engine_memory(msg)
         return self.arrivals.submit_receive(msg)
 
@@ -307,19 +309,19 @@ class Agent:
             raise memory_not_registered(msg.rank)
 
     # Peer messages: `sender_agent` is the agent the peer door authenticated (its certificate).
-    def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
+    def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> RoomInfoTaken:
         return self.sender.accept_dst(msg, sender_agent)
 
-    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
+    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> SourceAnswer:
         return await self.arrivals.accept_done(msg, sender_agent)
 
-    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
+    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> SourceAnswer:
         return self.arrivals.accept_launched(msg, sender_agent)
 
-    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> dict[str, Any]:
+    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> CancelAnswer:
         return self.sender.accept_cancel(msg, sender_agent)
 
-    async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> dict[str, Any]:
+    async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> RoomView:
         """The room's view; with wait_s > 0, answer as soon as it is final or wait_s passed (a
         long poll: a serving engine learns completion without polling the agent's CPU away)."""
         early = self.sender.early_view(rank_id, room_id)

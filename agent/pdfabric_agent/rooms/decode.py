@@ -24,15 +24,15 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.memory.plan import expected_sources, pair_duties
 from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.protocol.errors import malformed, out_of_range
 from pdfabric_agent.protocol.labels import Completion, Integrity, Kind, Outcome
+from pdfabric_agent.protocol.peer_answers import CancelAnswer, SourceAnswer
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo, SourceReport
-from pdfabric_agent.protocol.views import RoomState
+from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import BytesByPath, KindBytes, ReceiveRequest, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
@@ -80,7 +80,7 @@ class DecodeArrivals:
             self.claims.release(room.rank, room.claim)
 
     # ------------------------------------------------------------ client API
-    def submit_receive(self, msg: ReceiveRequest) -> dict[str, Any]:
+    def submit_receive(self, msg: ReceiveRequest) -> RoomView:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.DECODE)
         msg.check_bounds(local.layout, ctx.spec.prefill.replicas)
@@ -192,7 +192,7 @@ class DecodeArrivals:
         if owed is not None and said != owed:
             raise out_of_range(f"{prefill_rank} reports {said} for room {room.room}, which expects {owed} from it")
 
-    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> dict[str, Any]:
+    async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> SourceAnswer:
         room, local = self._source(msg, sender_agent)
         if msg.ok:  # a false report is refused even when it is late
             self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
@@ -201,10 +201,10 @@ class DecodeArrivals:
         if room.state.finished or msg.prefill_rank in room.arrived:
             # Late or repeated reports change nothing (and count no bytes twice); the answer is
             # the room's outcome, which the source takes as its own.
-            return {"state": room.state.title, "reason": room.reason}
+            return SourceAnswer(room.state, room.reason)
         if not msg.ok:
             self._fail(room, f"{msg.prefill_rank} failed: {msg.reason}")
-            return {"state": room.state.title}
+            return SourceAnswer(room.state)
         rows = checked_aux_rows(msg.aux_rows, local, room)
         if self.ctx.spec.transfer.verify:
             if msg.checksum is None:
@@ -213,9 +213,9 @@ class DecodeArrivals:
                 local.write(dst_addr, raw)
             rows = []
             if not await self._verified(room, local, msg.prefill_rank, msg.checksum):
-                return {"state": room.state.title, "reason": room.reason}
+                return SourceAnswer(room.state, room.reason)
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
-        return {"state": room.state.title}
+        return SourceAnswer(room.state)
 
     async def _verified(self, room: DecodeRoom, local: LocalRank, prefill_rank: str, theirs: str) -> bool:
         """Checksum what landed from this source (in a worker: it reads every byte) and compare; a
@@ -236,14 +236,14 @@ class DecodeArrivals:
             return False
         return not room.state.finished  # the room may have ended (its deadline) while the sum ran
 
-    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> dict[str, Any]:
+    def accept_launched(self, msg: LaunchNotice, sender_agent: str | None = None) -> SourceAnswer:
         """A source's kernels are on their way: watch their completion marks; the source has arrived
         (its bytes counted, the room Success when it was the last) once every mark is reached."""
         room, local = self._source(msg, sender_agent)
         source = msg.prefill_rank
         self._check_owed(room, source, msg.bytes_by_path)
         if room.state.finished or source in room.arrived:
-            return {"state": room.state.title}
+            return SourceAnswer(room.state)
         if self.ctx.spec.transfer.verify:
             raise malformed(
                 "this cluster verifies transfers (spec.transfer.verify): completion comes with the done report"
@@ -259,7 +259,7 @@ class DecodeArrivals:
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING
         room.marks[f"notified:{source}"] = self.ctx.clock()
-        return {"state": room.state.title, "watching": len(msg.marks)}
+        return SourceAnswer(room.state, watching=len(msg.marks))
 
     def _arrived(
         self,
@@ -334,7 +334,7 @@ class DecodeArrivals:
             ctx.tasks.spawn(self._post_cancel(ctx.ranks.agent_for(prefill_rank), msg))
         return len(sources)
 
-    async def _post_cancel(self, agent_name: str, msg: RoomCancel) -> dict[str, Any] | None:
+    async def _post_cancel(self, agent_name: str, msg: RoomCancel) -> CancelAnswer | None:
         """Send one cancel: the source's answer, or None when it did not take it (a room it may
         still write into stays held; an unannounced room's engine learns at its deadline)."""
         try:
@@ -348,7 +348,7 @@ class DecodeArrivals:
 
         async def cancel(prefill_rank: str, agent_name: str) -> None:
             answer = await self._post_cancel(agent_name, RoomCancel(room.room, room.rank, prefill_rank, reason))
-            if answer is not None and answer.get("fenced") is True:
+            if answer is not None and answer.fenced:
                 self._quiet(room, prefill_rank)
 
         await asyncio.gather(

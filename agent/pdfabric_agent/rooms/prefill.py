@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from pdfabric_agent.memory.plan import decode_targets
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.errors import conflict, malformed, out_of_range
 from pdfabric_agent.protocol.labels import Outcome
+from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken
 from pdfabric_agent.protocol.peer_wire import DoneReport, RoomCancel, RoomInfo
-from pdfabric_agent.protocol.views import RoomState
+from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.context import AgentContext
@@ -44,7 +44,7 @@ class PrefillSender:
         self.targets = TargetSender(ctx)
 
     # ------------------------------------------------------------ client API
-    def submit_send(self, msg: SendRequest) -> dict[str, Any]:
+    def submit_send(self, msg: SendRequest) -> RoomView:
         """Validate everything first; only a request that passes creates a room."""
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
@@ -94,7 +94,7 @@ class PrefillSender:
         self._maybe_start(room)
         return room.view()
 
-    def early_view(self, rank_id: str, room_id: int) -> dict[str, Any] | None:
+    def early_view(self, rank_id: str, room_id: int) -> RoomView | None:
         """A prefill room not sent yet whose decode side already announced itself: upstream's
         Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
         ctx = self.ctx
@@ -103,32 +103,35 @@ class PrefillSender:
         cancelled = ctx.rooms.cancelled.get((rank_id, room_id))
         if cancelled is not None:
             ctx.ranks.served(rank_id)
-            failed = RoomState.FAILED
-            return {"rank": rank_id, "room": room_id, "state": failed.title, "code": int(failed),
-                    "reason": cancelled[1], "decode_ranks_ready": []}  # fmt: skip
+            return RoomView(
+                rank=rank_id, room=room_id, state=RoomState.FAILED, reason=cancelled[1], decode_ranks_ready=()
+            )
         local = ctx.ranks.served(rank_id)
         if local.rank.role is not Role.PREFILL:
             return None  # a decode rank's rooms are its own (the poll looks them up)
         if not self._sends_anything(local):
             # No decode rank announces a room to a rank it does not read from: ready at once.
-            ready = RoomState.WAITING_FOR_INPUT
-            return {"rank": rank_id, "room": room_id, "state": ready.title, "code": int(ready),
-                    "reason": self._why_nothing(local), "decode_ranks_ready": [], "sends": False}  # fmt: skip
+            return RoomView(
+                rank=rank_id,
+                room=room_id,
+                state=RoomState.WAITING_FOR_INPUT,
+                reason=self._why_nothing(local),
+                decode_ranks_ready=(),
+                sends=False,
+            )
         infos = ctx.rooms.early.get((rank_id, room_id))
         if not infos:
             return None
         needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
         state = RoomState.WAITING_FOR_INPUT if len(infos) >= needed else RoomState.BOOTSTRAPPING
-        return {
-            "rank": rank_id,
-            "room": room_id,
-            "state": state.title,
-            "code": int(state),
-            "reason": "",
-            "decode_ranks_ready": sorted(infos),
+        return RoomView(
+            rank=rank_id,
+            room=room_id,
+            state=state,
+            decode_ranks_ready=tuple(sorted(infos)),
             # What decode holds already (one request: every decode rank says the same).
-            "decode_prefix_tokens": max(info.prefix_tokens for _, info in infos.values()),
-        }
+            decode_prefix_tokens=max(info.prefix_tokens for _, info in infos.values()),
+        )
 
     def _sends_anything(self, local: LocalRank) -> bool:
         return prefill_rank_sends(self.ctx.spec, local.rank.tp_rank, local.rank.cp_rank)
@@ -139,7 +142,7 @@ class PrefillSender:
         return f"TP rank {local.rank.tp_rank}'s KV heads are replicated: another prefill rank sends them"
 
     # ------------------------------------------------------------ peer API
-    def accept_dst(self, info: RoomInfo, sender_agent: str | None = None) -> dict[str, Any]:
+    def accept_dst(self, info: RoomInfo, sender_agent: str | None = None) -> RoomInfoTaken:
         """A decode agent's room info, from the agent of that decode rank, in the layout that rank
         has: its destinations are what this rank writes, so nothing in it is taken on trust."""
         ctx = self.ctx
@@ -152,7 +155,7 @@ class PrefillSender:
         if room is None:
             # The decode side was first: keep it for the send.
             ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
-            return {"accepted": "early"}
+            return RoomInfoTaken(early=True)
         target = room.targets.get(info.decode_rank)
         if target is None:
             raise malformed(f"room {info.room} on {info.prefill_rank} does not send to {info.decode_rank}")
@@ -161,9 +164,9 @@ class PrefillSender:
             raise conflict(f"room {info.room} on {info.prefill_rank} already has room info of {info.decode_rank}")
         target.dst = info
         self._maybe_start(room)
-        return {"accepted": "room"}
+        return RoomInfoTaken(early=False)
 
-    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> dict[str, Any]:
+    def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> CancelAnswer:
         """The decode side gave the room up: nothing more of this rank lands there. Room info not
         used yet is dropped (a send of the room then fails at once); an open room fails, its
         batches not yet sent are never sent. ``fenced``: no write of this rank into that decode
@@ -179,12 +182,12 @@ class PrefillSender:
             if not infos:
                 ctx.rooms.early.pop(key, None)
             ctx.rooms.cancelled.setdefault(key, (ctx.clock(), reason))
-            return {"fenced": True}
+            return CancelAnswer(fenced=True)
         target = room.targets.get(msg.decode_rank)
         if target is None:
             raise malformed(f"room {msg.room} on {msg.prefill_rank} does not send to {msg.decode_rank}")
         self.abort(room, reason)
-        return {"fenced": not target.writing, "state": room.state.title}
+        return CancelAnswer(fenced=not target.writing, state=room.state)
 
     def forget_room_info(self, rank_ids: set[str], reason: str) -> int:
         """The engine of these ranks exited: every room it had not sent is given up

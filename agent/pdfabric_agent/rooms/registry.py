@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 from pdfabric_agent.protocol.errors import conflict, unknown_room
 from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_wire import RoomInfo
-from pdfabric_agent.protocol.views import RoomState
+from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import KindBytes, zero_bytes
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.tasks import later
@@ -58,18 +59,17 @@ class Room:
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
     marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
 
-    def view(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "room": self.room,
-            "state": self.state.title,
-            "code": int(self.state),
-            "reason": self.reason,
-            "bytes": dict(self.moved),
+    def view(self) -> RoomView:
+        return RoomView(
+            rank=self.rank,
+            room=self.room,
+            state=self.state,
+            reason=self.reason,
+            moved=dict(self.moved),
             # The agent's monotonic clock (node-wide): phases of rooms on one node line up.
-            "submitted_at": round(self.submitted, 6),
-            "phases_s": {k: round(v - self.submitted, 6) for k, v in self.marks.items()},
-        }
+            submitted_at=round(self.submitted, 6),
+            phases_s={k: round(v - self.submitted, 6) for k, v in self.marks.items()},
+        )
 
 
 @dataclass(kw_only=True)
@@ -80,8 +80,8 @@ class PrefillRoom(Room):
     targets: dict[str, Target]
     skipped_state: int = 0
 
-    def view(self) -> dict[str, Any]:
-        return {**super().view(), "state_bytes_skipped": self.skipped_state}
+    def view(self) -> RoomView:
+        return dataclasses.replace(super().view(), state_bytes_skipped=self.skipped_state)
 
 
 @dataclass(kw_only=True)
@@ -102,13 +102,10 @@ class DecodeRoom(Room):
     def sources_quiet(self) -> bool:
         return self.quiet >= self.expected.keys()
 
-    def view(self) -> dict[str, Any]:
-        return {
-            **super().view(),
-            "senders": {k: dict(v) for k, v in sorted(self.senders.items())},
-            # Every source's writes into the room are over: a failed room's pages may be reused.
-            "sources_quiet": self.sources_quiet,
-        }
+    def view(self) -> RoomView:
+        senders = {k: dict(v) for k, v in sorted(self.senders.items())}
+        # sources_quiet: every source's writes into the room are over, a failed room's pages may be reused.
+        return dataclasses.replace(super().view(), senders=senders, sources_quiet=self.sources_quiet)
 
 
 AnyRoom = PrefillRoom | DecodeRoom

@@ -13,7 +13,6 @@ from pdfabric_agent.memory.plan import TransferPlan, TransferSide, pair_duties, 
 from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.protocol.labels import Kind, Outcome
 from pdfabric_agent.protocol.peer_wire import DoneReport
-from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
@@ -247,9 +246,9 @@ class TargetSender:
                 target.agent, f"done report failed: {exc}", posted, silent=not isinstance(exc, PeerRefused)
             )
             raise TransferError(f"{target.agent} did not acknowledge room {room.room}: {why}") from None
-        if answer.get("state") == RoomState.FAILED.title:
+        if answer.room_failed:
             # Decode gave up on the room (its deadline, another source's failure): not a peer fault.
-            raise DecodeFailed(f"{target.decode_rank} reports room {room.room} Failed: {answer.get('reason', '')}")
+            raise DecodeFailed(f"{target.decode_rank} reports room {room.room} Failed: {answer.reason}")
         if aux_tcp_bytes:
             labels = ctx.traffic_labels(Role.PREFILL, TCP_SIDE_CHANNEL)
             metrics.transfer_bytes.labels(*labels, Kind.AUX.value).inc(aux_tcp_bytes)

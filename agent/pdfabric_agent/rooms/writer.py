@@ -20,12 +20,12 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdfabric_agent.memory.completion import CompletionMark
 from pdfabric_agent.memory.plan import Block, TransferPlan
 from pdfabric_agent.peers.client import PEER_ERRORS
 from pdfabric_agent.protocol.labels import Kind
+from pdfabric_agent.protocol.peer_answers import SourceAnswer
 from pdfabric_agent.protocol.peer_wire import LaunchNotice
 from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
@@ -64,7 +64,7 @@ class Launch:
     by_path: BytesByPath = field(default_factory=dict)
     launched: list[Launched] = field(default_factory=list)
     later: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # what the kernel did not take
-    notice: asyncio.Future[dict[str, Any]] | None = None  # the completion marks on their way to decode
+    notice: asyncio.Future[SourceAnswer] | None = None  # the completion marks on their way to decode
     error: Exception | None = None  # a launch failed after others went: raised once they landed
 
 
@@ -210,7 +210,7 @@ class RoomWriter:
 
     async def _notify_launched(
         self, room: PrefillRoom, target: Target, marks: list[CompletionMark], path: str, launch: Launch
-    ) -> dict[str, Any]:
+    ) -> SourceAnswer:
         sent = zero_bytes()
         for x in launch.launched:
             sent[x.kind.value] += x.nbytes

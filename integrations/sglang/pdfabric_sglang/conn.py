@@ -50,7 +50,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
 from pdfabric_agent.protocol.labels import Refusal
-from pdfabric_agent.protocol.views import RoomState
+from pdfabric_agent.protocol.views import MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
@@ -77,7 +77,6 @@ FAILED: int = int(KVPoll.Failed)
 BOOTSTRAPPING: int = int(KVPoll.Bootstrapping)
 WAITING_FOR_INPUT: int = int(KVPoll.WaitingForInput)
 SUCCESS: int = int(KVPoll.Success)
-FINAL = (SUCCESS, FAILED)
 # A poll, submit or abort on the scheduler thread waits at most this long for the agent (it answers
 # in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
 AGENT_CALL_TIMEOUT_S = 2.0
@@ -115,18 +114,16 @@ class PdfabricKVManager(BaseKVManager):
             answer = self.register()
         except (UnshareableBuffer, AgentRefused) as exc:
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
-        self.layout = answer["memory"]["layout"]
+        self.layout = answer.layout
         # Decode: prefill bootstrap address -> which prefill replica serves there (SGLang's decode
         # queue reads dp_size and follow_bootstrap_room from it for every request).
         self.peers = PrefillPeers(self.cluster_uid)
         self.prefill_info_table: dict[str, PrefillPeer] = self.peers.table
         self._room_openings: OrderedDict[int, int] = OrderedDict()  # bootstrap room -> openings - 1
         self._recompute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdfabric-recompute")
-        log.info(
-            "pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer["memory"]["buffers"], info["agent"]
-        )
+        log.info("pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer.buffers, info["agent"])
 
-    def register(self) -> dict[str, Any]:
+    def register(self) -> MemoryAnswer:
         """Register this rank's buffers with the agent. A restarted engine finds the rank still
         busy with its previous process's rooms (409) until they end (at most the PDCluster's
         transfer timeout): it waits for them, up to the bootstrap timeout."""
@@ -210,7 +207,7 @@ class PdfabricKVManager(BaseKVManager):
             return exc.status == 404  # the agent never took the room: nothing can write into it
         except (OSError, ValueError):
             return False  # unknown: SGLang releases at its deadline
-        return bool(view.get("sources_quiet", view.get("code") == SUCCESS))
+        return view.succeeded if view.sources_quiet is None else view.sources_quiet
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         """Nothing kept per room here: the agent's room holds the state."""
@@ -267,7 +264,7 @@ class _RoomClient:
         except AGENT_ERRORS as exc:
             log.warning("pdfabric: abort of room %d at the agent: %s", self.room, exc)
 
-    def _view(self) -> dict[str, Any] | None:
+    def _view(self) -> RoomView | None:
         """The agent's view of the room; None when it has none yet (404). Concludes Failed when the
         agent cannot be asked."""
         try:
@@ -287,12 +284,11 @@ class _RoomClient:
             return self.concluded
         if view is None:  # a submitted room the agent no longer knows: it restarted
             return self._conclude(FAILED, "the agent lost the room (restarted?)")
-        code = int(view["code"])
-        if code in FINAL:
-            if code == SUCCESS:
-                self.bytes_moved = sum(int(n) for n in view.get("bytes", {}).values())
-            return self._conclude(code, view.get("reason", ""))
-        return code
+        if view.finished:
+            if view.succeeded:
+                self.bytes_moved = sum(view.moved.values())
+            return self._conclude(int(view.state), view.reason)
+        return int(view.state)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         latency = None
@@ -367,15 +363,15 @@ class PdfabricKVSender(_RoomClient, BaseKVSender):
         if (done := self._final()) is not None:  # the agent could not be asked
             return done
         if view is not None:
-            if int(view.get("code", -1)) == FAILED:  # decode gave the room up before we sent
-                return self._conclude(FAILED, view.get("reason") or "the decode side failed the room")
-            if view.get("sends") is False:  # this rank moves nothing (replicated heads, a quiet CP rank)
+            if view.state is RoomState.FAILED:  # decode gave the room up before we sent
+                return self._conclude(FAILED, view.reason or "the decode side failed the room")
+            if view.sends is False:  # this rank moves nothing (replicated heads, a quiet CP rank)
                 self.decode_replica = 0  # any: the agent concludes the room at once, to no decode rank
                 return WAITING_FOR_INPUT
-            if view.get("decode_ranks_ready"):
-                self.decode_replica = replica_of(view["decode_ranks_ready"][0])
-                self.decode_prefix_len = int(view.get("decode_prefix_tokens", 0))
-                if view["state"] == RoomState.WAITING_FOR_INPUT.title:
+            if view.decode_ranks_ready:
+                self.decode_replica = replica_of(view.decode_ranks_ready[0])
+                self.decode_prefix_len = view.decode_prefix_tokens or 0
+                if view.state is RoomState.WAITING_FOR_INPUT:
                     return WAITING_FOR_INPUT
         if time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
             return self._conclude(FAILED, f"decode did not announce the room within {self.mgr.bootstrap_timeout_s:g} s")
