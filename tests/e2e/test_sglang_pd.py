@@ -34,8 +34,8 @@ def test_greedy_generation_through_pd_equals_colocated(
     with LocalFabric(spec) as lc:
         out = run_pd(lc, installed_site, tmp_path, prefill, decode)
         # SGLang's get_kv_class answered with the plugin's classes.
-        assert out["decode"]["classes"]["RECEIVER"] == "pdfabric_sglang.conn.PdfabricKVReceiver"
-        assert out["prefill"]["classes"]["SENDER"] == "pdfabric_sglang.conn.PdfabricKVSender"
+        assert out["decode"]["classes"]["RECEIVER"] == "pdfabric_sglang.receiver.PdfabricKVReceiver"
+        assert out["prefill"]["classes"]["SENDER"] == "pdfabric_sglang.sender.PdfabricKVSender"
         for side in ("prefill", "decode"):
             assert [r["state"] for r in out[side]["results"]] == ["Success"] * len(PROMPTS), out[side]
         assert [r["tokens"] for r in out["decode"]["results"]] == colocated()

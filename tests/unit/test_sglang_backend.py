@@ -474,7 +474,7 @@ def test_the_rank_id_follows_sglangs_attention_cp_rank(attention: tuple[int, int
 
 
 def test_attention_ranks_are_read_from_sglangs_parallel_state() -> None:
-    from pdfabric_sglang.conn import attention_ranks
+    from pdfabric_sglang.manager import attention_ranks
     from sglang.srt.runtime_context import get_parallel
 
     assert attention_ranks() is None  # nothing published in this process

@@ -1,0 +1,192 @@
+"""``PdfabricKVManager``: one per engine rank. It registers the rank's ``KVArgs`` buffers with the
+agent (``/v1/memory``), hands rooms to it, opens SGLang's bootstrap rooms as single-use agent rooms
+(``open_room``, the same on both sides after a rebootstrap), resolves prefill bootstrap addresses
+(``peers.PrefillPeers``) and answers SGLang's deferred decode KV release from the agent's view."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVManager,
+    KVArgs,
+)
+
+from pdfabric_agent.client.api import AgentClient, AgentRefused
+from pdfabric_agent.protocol.views import MemoryAnswer
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
+from pdfabric_core.policy.types import Role
+from pdfabric_sglang.kvargs import (
+    ENV_CP_RANK,
+    ENV_RANK,
+    ENV_REPLICA,
+    AttentionRanks,
+    FabricConfig,
+    gpu_of,
+    rank_id_for,
+    registration,
+)
+from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
+from pdfabric_sglang.room_client import (
+    AGENT_CALL_TIMEOUT_S,
+    MEMORY_NOT_REGISTERED,
+)
+from pdfabric_sglang.shares import UnshareableBuffer
+
+if TYPE_CHECKING:
+    from pdfabric_sglang.receiver import PdfabricKVReceiver
+
+log = logging.getLogger("pdfabric.sglang")
+
+REMEMBERED_ROOMS = 1 << 16  # bootstrap rooms whose openings a manager counts (rebootstrap comes soon after)
+_ROOM_STRIDE = 0x9E3779B97F4A7C15  # odd: successive openings of one room land far apart
+
+
+def reopened_room(bootstrap_room: int, opened: int) -> int:
+    """The agent room of the ``opened``-th reopening of a bootstrap room (0: the room itself)."""
+    return bootstrap_room if opened == 0 else (bootstrap_room + opened * _ROOM_STRIDE) % (1 << 63)
+
+
+def attention_ranks() -> AttentionRanks | None:
+    """This scheduler rank's attention TP and CP ranks from SGLang's parallel state; None where
+    SGLang has published none (an engine that is not SGLang's scheduler)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        return AttentionRanks(int(parallel.attn_tp_rank), int(parallel.attn_cp_rank), int(parallel.attn_cp_size))
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return None
+
+
+class PdfabricKVManager(BaseKVManager):
+    # Failed decode rooms keep their pages until the agent says every source's writes are over.
+    enable_deferred_decode_kv_release = True
+    supports_host_destination = False
+
+    def __init__(
+        self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
+    ) -> None:
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.role = Role(getattr(disaggregation_mode, "value", disaggregation_mode))
+        self.config = FabricConfig()
+        info_client = AgentClient(self.config.address, self.config.token, "")
+        info = info_client.info()
+        info_client.close()
+        self.cluster_uid = info["cluster"]["uid"]
+        self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
+        self.rank_id = rank_id_for(self.role, self.config, args, attention_ranks())
+        if self.rank_id not in info["ranks"]:
+            raise RuntimeError(
+                f"pdfabric: agent {info['agent']} does not serve rank {self.rank_id} "
+                f"(it serves {sorted(info['ranks'])}); check {ENV_REPLICA}/{ENV_CP_RANK} or set {ENV_RANK}"
+            )
+        self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
+        try:
+            self.registration = registration(self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args))
+            answer = self.register()
+        except (UnshareableBuffer, AgentRefused) as exc:
+            raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
+        self.layout = answer.layout
+        # Decode: prefill bootstrap address -> which prefill replica serves there (SGLang's decode
+        # queue reads dp_size and follow_bootstrap_room from it for every request).
+        self.peers = PrefillPeers(self.cluster_uid)
+        self.prefill_info_table: dict[str, PrefillPeer] = self.peers.table
+        self._room_openings: OrderedDict[int, int] = OrderedDict()  # bootstrap room -> openings - 1
+        self._recompute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdfabric-recompute")
+        log.info("pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer.buffers, info["agent"])
+
+    def register(self) -> MemoryAnswer:
+        """Register this rank's buffers with the agent. A restarted engine finds the rank still
+        busy with its previous process's rooms (409) until they end (at most the PDCluster's
+        transfer timeout): it waits for them, up to the bootstrap timeout."""
+        deadline = time.monotonic() + self.bootstrap_timeout_s
+        while True:
+            try:
+                return self.client.register_memory(self.registration)
+            except AgentRefused as exc:
+                if exc.status != 409 or time.monotonic() > deadline:
+                    raise
+                log.info("pdfabric: %s waits for its previous rooms to end: %s", self.rank_id, exc)
+                time.sleep(1.0)
+
+    def submit(self, msg: SendRequest | ReceiveRequest) -> None:
+        """Hand a room to the agent; an agent that restarted since this engine registered (it
+        lost the registration and says so) gets the buffers again, then the room."""
+        try:
+            self.client.submit(msg)
+        except AgentRefused as exc:
+            if exc.reason != MEMORY_NOT_REGISTERED:
+                raise
+            log.warning(
+                "pdfabric: agent %s lost %s's memory (restarted); registering again", self.config.address, self.rank_id
+            )
+            self.client.register_memory(self.registration)
+            self.client.submit(msg)
+
+    def register_to_bootstrap(self) -> None:
+        """Nothing to register: the PDCluster's rank map tells every agent where each rank is."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Whether the prefill behind ``bootstrap_addr`` is known; starts the lookup (off the
+        scheduler thread) when it is not. SGLang's decode queue calls it until True."""
+        return self.peers.ensure(bootstrap_addr)
+
+    def open_room(self, bootstrap_room: int) -> int:
+        """The agent's room id for a sender or receiver of SGLang's ``bootstrap_room``. The agent's
+        rooms are single-use; SGLang opens a room again when decode re-receives a retracted request
+        (rebootstrap: the same bootstrap room, its prefill recomputed). Each side counts the times
+        it opened the room, so the n-th opening is the same fresh agent room on both sides."""
+        opened = self._room_openings.pop(bootstrap_room, -1) + 1
+        self._room_openings[bootstrap_room] = opened
+        while len(self._room_openings) > REMEMBERED_ROOMS:
+            self._room_openings.popitem(last=False)
+        return reopened_room(bootstrap_room, opened)
+
+    def current_room(self, bootstrap_room: int) -> int:
+        """The agent room of the latest opening of ``bootstrap_room``."""
+        return reopened_room(bootstrap_room, self._room_openings.get(bootstrap_room, 0))
+
+    def submit_prefill_recompute(self, receiver: PdfabricKVReceiver, payload: dict[str, Any]) -> None:
+        """Rebootstrap: decode re-receives a retracted request, so its prefill must compute the
+        prefix again and send it to the receiver's fresh room (``open_room``). SGLang's decode ranks
+        all call this; one of them (attention TP 0, CP 0, PP stage 0) posts the request to the
+        prefill server's ``/generate`` (its port from the bootstrap server), off the scheduler's
+        thread. A post that fails fails the receiver with the reason."""
+        attention = attention_ranks()
+        if (attention is not None and (attention.tp_rank, attention.cp_rank) != (0, 0)) or int(
+            getattr(self.kv_args, "pp_rank", 0) or 0
+        ):
+            return
+        peer = self.peers.table.get(receiver.bootstrap_addr)
+        if peer is None or peer.http_port is None:
+            receiver.fail(f"rebootstrap: the prefill behind {receiver.bootstrap_addr} named no HTTP port")
+            return
+        host = receiver.bootstrap_addr.rsplit(":", 1)[0]
+        url = f"http://{host}:{peer.http_port}/generate"
+
+        def post() -> None:
+            status, answer = post_generate(url, payload, self.bootstrap_timeout_s)
+            if status != 200:
+                receiver.fail(f"rebootstrap: {url} answered {status or 'nothing'}: {answer[:200]}")
+
+        self._recompute.submit(post)
+
+    # Deferred decode KV release: the agent knows when a failed room's sources are quiet.
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        try:
+            view = self.client.poll(self.rank_id, self.current_room(int(bootstrap_room)))
+        except AgentRefused as exc:
+            return exc.status == 404  # the agent never took the room: nothing can write into it
+        except (OSError, ValueError):
+            return False  # unknown: SGLang releases at its deadline
+        return view.succeeded if view.sources_quiet is None else view.sources_quiet
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """Nothing kept per room here: the agent's room holds the state."""

@@ -1,0 +1,144 @@
+"""What a sender and a receiver share (``RoomClient``): one SGLang request's room at the node
+agent, its state read from the agent's typed room view and concluded once, the agent calls guarded
+so that an agent that refuses, is down or restarting fails the request with the reason, never the
+server. SGLang's ``KVPoll`` codes as typed ints, and the bounds on agent calls from the scheduler
+thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from sglang.srt.disaggregation.base.conn import (
+    KVPoll,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import KVTransferError
+
+from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.views import RoomView
+from pdfabric_core.rankmap import Rank
+
+if TYPE_CHECKING:
+    from pdfabric_sglang.manager import PdfabricKVManager
+
+log = logging.getLogger("pdfabric.sglang")
+
+# SGLang's KVPoll codes as typed ints (SGLang ships no type information).
+FAILED: int = int(KVPoll.Failed)
+BOOTSTRAPPING: int = int(KVPoll.Bootstrapping)
+WAITING_FOR_INPUT: int = int(KVPoll.WaitingForInput)
+SUCCESS: int = int(KVPoll.Success)
+# A poll, submit or abort on the scheduler thread waits at most this long for the agent (it answers
+# in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
+AGENT_CALL_TIMEOUT_S = 2.0
+AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting or timed out; garbled
+MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
+
+
+def replica_of(rank_id: str) -> int:
+    """The replica in a rank id (``decode-<replica>-tp<n>``)."""
+    return Rank.from_id(rank_id).replica
+
+
+class RoomClient:
+    """What sender and receiver share: a room of the manager's rank, its outcome and metric."""
+
+    def __init__(self, mgr: PdfabricKVManager, bootstrap_room: int | None) -> None:
+        self.kv_mgr = mgr  # SGLang's name: its queues read kv_mgr off senders and receivers
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.room = mgr.open_room(self.bootstrap_room)  # the agent's room: a fresh one if reopened
+        self.submitted_at: float | None = None
+        self.finished_at: float | None = None
+        self.concluded: int | None = None  # a KVPoll value once final
+        self.reason = ""
+        self.bytes_moved: int | None = None
+        self.created = time.monotonic()
+
+    @property
+    def mgr(self) -> PdfabricKVManager:
+        return self.kv_mgr
+
+    def _conclude(self, state: int, reason: str = "") -> int:
+        if self.concluded is None:
+            self.concluded, self.reason = state, reason
+            self.finished_at = time.monotonic()
+            if state == FAILED:
+                log.warning("pdfabric: room %d on %s failed: %s", self.room, self.mgr.rank_id, reason)
+        return self.concluded
+
+    def _final(self) -> int | None:
+        return self.concluded
+
+    def fail(self, reason: str) -> None:
+        """Conclude Failed and tell the agent (a room it took fails at once, its peers are told)."""
+        self._abort_at_agent(reason)
+        self._conclude(FAILED, reason)
+
+    def _agent_holds_room(self) -> bool:
+        """Whether the agent has something of this room to give up (senders and receivers say
+        more: an abort before the submit reaches the other side too)."""
+        return self.submitted_at is not None
+
+    def _peer_to_tell(self) -> int | None:
+        """For a room not submitted yet: the peer replica the agent tells of the abort."""
+        return None
+
+    def _abort_at_agent(self, reason: str) -> None:
+        if not self._agent_holds_room() or self.concluded is not None:
+            return
+        try:
+            self.mgr.client.abort(self.mgr.rank_id, self.room, reason, self._peer_to_tell())
+        except AGENT_ERRORS as exc:
+            log.warning("pdfabric: abort of room %d at the agent: %s", self.room, exc)
+
+    def _view(self) -> RoomView | None:
+        """The agent's view of the room; None when it has none yet (404). Concludes Failed when the
+        agent cannot be asked."""
+        try:
+            return self.mgr.client.poll(self.mgr.rank_id, self.room)
+        except AgentRefused as exc:
+            if exc.status == 404:
+                return None
+            self._conclude(FAILED, f"agent refused the poll: {exc}")
+        except (OSError, ValueError) as exc:
+            self._conclude(FAILED, f"agent {self.mgr.config.address} unreachable: {exc}")
+        return None
+
+    def _agent_state(self) -> int:
+        """The submitted room's state at the agent (its codes are SGLang's KVPoll values)."""
+        view = self._view()
+        if self.concluded is not None:
+            return self.concluded
+        if view is None:  # a submitted room the agent no longer knows: it restarted
+            return self._conclude(FAILED, "the agent lost the room (restarted?)")
+        if view.finished:
+            if view.succeeded:
+                self.bytes_moved = sum(view.moved.values())
+            return self._conclude(int(view.state), view.reason)
+        return int(view.state)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        latency = None
+        if self.submitted_at is not None and self.finished_at is not None and self.concluded == SUCCESS:
+            latency = self.finished_at - self.submitted_at
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes_moved)
+
+    def failure_exception(self) -> None:
+        if self.concluded != FAILED:
+            # SGLang's all-reduce took the MIN over its ranks: another rank failed this request.
+            self.fail("failed on another rank of this request")
+            raise KVTransferError(
+                self.bootstrap_room, f"pdfabric room {self.room} failed on another rank", is_from_another_rank=True
+            )
+        raise KVTransferError(
+            self.bootstrap_room, f"pdfabric room {self.room} on {self.mgr.rank_id} failed: {self.reason}"
+        )
+
+    def abort(self) -> None:
+        self.fail("aborted by SGLang")
+
+    def clear(self) -> None:
+        """SGLang is done with the request: nothing held here (the agent's room is final)."""
