@@ -725,7 +725,7 @@ def test_router_pods_carry_the_users_overrides() -> None:
 
 
 def test_every_label_and_annotation_the_operator_writes_is_reserved_from_the_user() -> None:
-    from pdfabric_core.spec import RESERVED_KEY_PREFIX, RESERVED_LABELS, RESERVED_VOLUMES
+    from pdfabric_core.spec.pod_overrides import RESERVED_KEY_PREFIX, RESERVED_LABELS, RESERVED_VOLUMES
     from pdfabric_operator import constants as c
 
     builder = pdcluster().engine()

@@ -21,10 +21,9 @@ from pdfabric_core.spec import (
     PDClusterSpec,
     PrefillEngineSpec,
     SpecError,
-    crd_key,
-    field_default,
     parse_spec,
 )
+from pdfabric_core.spec.parse import crd_key, field_default
 from tests.builders import ENGINE, INVALID_SPECS, merge, pdcluster
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "pdcluster.yaml"
@@ -382,8 +381,8 @@ def test_pod_overrides_parse_as_written() -> None:
 
 @pytest.mark.parametrize("section", ["agent", "router"])
 def test_pod_override_cel_rules_name_what_parse_spec_reserves(section: str) -> None:
-    from pdfabric_core.spec import (
-        FORBIDDEN_ENGINE_ENV,
+    from pdfabric_core.spec.model import FORBIDDEN_ENGINE_ENV
+    from pdfabric_core.spec.pod_overrides import (
         RESERVED_KEY_PREFIX,
         RESERVED_LABELS,
         RESERVED_NODE_ENV,

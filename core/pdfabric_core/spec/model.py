@@ -1,0 +1,263 @@
+"""The PDCluster spec's model: one frozen dataclass per CRD section, with the CRD's defaults.
+
+The CRD (crds/pdcluster.yaml) is the API's single source: the API server applies its defaults and
+rejects what its schema and CEL rules forbid. These dataclasses carry the same defaults, which a unit
+test checks, so an object read from an API server that skipped defaulting still means the same thing.
+parse.py turns a stored spec into them; validate.py holds the cross-field rules.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdfabric_core.images import default_agent_image
+from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
+from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, local_heads
+from pdfabric_core.policy.transports import implied_transport
+from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, MemPool, Transport
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+# Aux rows upstream MetadataBuffers hand from prefill to decode, in bytes per request row:
+# output ids, cached tokens, logprob values/indices, top-logprobs, hidden states (bf16, 8192
+# hidden), bootstrap room, checksum. Users override them per model.
+DEFAULT_AUX_ROW_BYTES = (16, 8, 8, 8, 128, 16384, 8, 8)
+
+# The k-th engine of a role in one pod serves on port + k (and prefill's bootstrap on
+# bootstrapPort + k): each of the three port bases owns this many ports (the CRD's most GPUs per node).
+ENGINE_PORT_SPAN = 64
+# The device plugin's allocation is the only GPU grant: engines may not widen or narrow it.
+FORBIDDEN_ENGINE_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+
+# Field metadata key: the stored value that means None (transfer.transport "auto").
+NONE_VALUE_KEY = "pdfabric.none_value"
+# Field metadata key: a section parse_spec parses itself (spec.engine, optional and without defaults).
+OWN_PARSER_KEY = "pdfabric.own_parser"
+
+
+class SpecError(ValueError):
+    """A spec the operator or agent cannot honour; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    replicas: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    all_cp_ranks_transfer: bool = False
+    dsa_cache_layer_split: bool = False
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    @property
+    def all_cp_ranks_send(self) -> bool:
+        """Every CP rank sends its own share, not only CP rank 0 (rank_mapping.all_cp_ranks_send)."""
+        return all_cp_ranks_send(
+            all_cp_ranks_transfer=self.all_cp_ranks_transfer, dsa_cache_layer_split=self.dsa_cache_layer_split
+        )
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    replicas: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    mem_pool: MemPool = MemPool.NONE
+    # None (stored as "auto"): the one the pool implies
+    transport: Transport | None = field(default=None, metadata={NONE_VALUE_KEY: AUTO_TRANSPORT})
+    aux_over_tcp: bool = False
+    max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
+    # End-to-end checksums: decode is Success only when what arrived matches what was sent.
+    verify: bool = False
+    timeout_seconds: float = 30.0
+    # Pre-flight link check: an agent stays not Ready while a peer it sends to probes below this
+    # many GB/s (agent probe.py); 0 probes and reports without a threshold.
+    min_probe_g_bps: float = 0.0  # CRD key minProbeGBps (crd_key)
+
+    @property
+    def effective_transport(self) -> Transport:
+        return implied_transport(self.mem_pool, self.transport)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    page_size_tokens: int = 16
+    state_bytes_per_request: int = 0
+    state_layers: int = 1
+    aux_row_bytes: tuple[int, ...] = DEFAULT_AUX_ROW_BYTES
+    # Prompt length the status uses to predict bytes per request; it sizes nothing.
+    expected_prompt_tokens: int = 4096
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def kv_page_bytes(self, tp: int) -> int:
+        """Bytes of one page of one layer's K (or V) on one rank of a TP group."""
+        return self.page_size_tokens * local_heads(tp, self.kv_heads) * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    nvlink_domain_key: str = "nvidia.com/gpu.clique"
+    rdma_resource: str = "rdma/hca"
+    gpu_resource: str = "nvidia.com/gpu"
+    fallback: FallbackPolicy = FallbackPolicy.FAIL
+    # GPUs one node offers at most; bounds what intra-node NVLink may ask of a single node.
+    max_gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class PodOverrides:
+    """What users add to the pods the operator builds (agent.pod: the node pods; router.pod: the
+    router's): Kubernetes objects as written, merged with the operator's (docs/pods.md)."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    priority_class_name: str = ""
+    service_account_name: str = ""
+    image_pull_secrets: tuple[Mapping[str, Any], ...] = ()
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    # Left out (""): the image the transport needs, CPU or CUDA (PDClusterSpec.agent_image, images.py).
+    image: str = ""
+    metrics_port: int = 9400
+    api_port: int = 7400
+    peer_port: int = 7401
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    run_as_user: int = 65532  # the node pods' user and group (0: root, for engine images that need it)
+    pod: PodOverrides = PodOverrides()  # parsed by parse_spec (a section inside a section)
+
+
+@dataclass(frozen=True)
+class EngineRoleSpec:
+    """The engines of one role: the process the agent runs per replica of the role on a node, with
+    its ranks' GPUs (docs/engines.md)."""
+
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()  # Kubernetes EnvVar objects, as written
+    resources: Mapping[str, Any] = field(default_factory=dict)  # extra (CPU, memory); GPUs are the operator's
+    port: int = 30000  # the first engine of the role in a pod; the k-th serves on port + k
+    health_path: str = "/health"
+    startup_seconds: int = 1800
+
+
+@dataclass(frozen=True)
+class PrefillEngineSpec(EngineRoleSpec):
+    bootstrap_port: int = 8998  # SGLang's --disaggregation-bootstrap-port default, + k for the k-th
+
+
+@dataclass(frozen=True)
+class DecodeEngineSpec(EngineRoleSpec):
+    port: int = 31000
+
+
+class EngineSandbox(enum.StrEnum):
+    """spec.engine.sandbox: whether the agent starts its engines in a Landlock sandbox that hides
+    the peer credentials from them (pdfabric_agent.engines.sandbox)."""
+
+    REQUIRED = "Required"  # no Landlock in the node's kernel: the engines are not started
+    BEST_EFFORT = "BestEffort"  # no Landlock: started without it, and reported
+    DISABLED = "Disabled"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """spec.engine: the serving engines the agents run in the node pods (None: fabric-only)."""
+
+    image: str
+    prefill: PrefillEngineSpec = PrefillEngineSpec()
+    decode: DecodeEngineSpec = DecodeEngineSpec()
+    shared_memory: str = ""  # sizeLimit of the pod's /dev/shm; "": unlimited
+    sandbox: EngineSandbox = EngineSandbox.BEST_EFFORT
+
+    def role(self, role: str) -> EngineRoleSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+
+ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """spec.router: SGLang's PD router, run by the operator as a Deployment in front of the
+    engines, its workers the engines' endpoints (pdfabric_core.engines.sglang_router_args)."""
+
+    image: str
+    command: tuple[str, ...] = ROUTER_COMMAND
+    args: tuple[str, ...] = ()  # after the workers and the listen address, e.g. --policy cache_aware
+    port: int = 8000
+    metrics_port: int = 29000  # sglang-router's --prometheus-port (its own default)
+    replicas: int = 1
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    pod: PodOverrides = PodOverrides()  # parsed by _parse_router
+
+
+@dataclass(frozen=True)
+class PDClusterSpec:
+    backend: Backend = Backend.MOONCAKE
+    transfer: TransferSpec = TransferSpec()
+    prefill: PrefillSpec = PrefillSpec()
+    decode: DecodeSpec = DecodeSpec()
+    model: ModelGeometry = ModelGeometry()
+    placement: PlacementSpec = PlacementSpec()
+    agent: AgentSpec = AgentSpec()
+    # Optional: without it the PDCluster is fabric-only (engines deployed by something else).
+    engine: EngineSpec | None = field(default=None, metadata={OWN_PARSER_KEY: True})
+    # Optional, with spec.engine: SGLang's router in front of the engines.
+    router: RouterSpec | None = field(default=None, metadata={OWN_PARSER_KEY: True})
+
+    @property
+    def agent_image(self) -> str:
+        """The node pods' agent image: agent.image, or when left out the one the transport needs."""
+        return self.agent.image or default_agent_image(self.transfer.effective_transport)
+
+    @property
+    def decode_per_prefill(self) -> int:
+        """Decode replicas each prefill replica feeds when the transport pins them to its node."""
+        return max(1, self.decode.replicas // max(1, self.prefill.replicas))
+
+    @property
+    def intra_node_group_gpus(self) -> int:
+        """GPUs one prefill replica and the decode replicas it feeds take on one node."""
+        return self.prefill.ranks_per_replica + self.decode_per_prefill * self.decode.ranks_per_replica
+
+    def agent_setup(self) -> dict[str, Any]:
+        """What a running agent set itself up from (engine, pools, ports): a change replaces its
+        pod (the operator's config hash), while anything else, replica counts above all, a running
+        agent takes from a newer rank map (live membership)."""
+        return {
+            "backend": self.backend.value,
+            "transfer": asdict(self.transfer),
+            "model": asdict(self.model),
+            "ports": [self.agent.api_port, self.agent.peer_port, self.agent.metrics_port],
+        }

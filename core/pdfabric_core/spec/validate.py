@@ -1,0 +1,228 @@
+"""The spec's cross-field rules, mirrored from the CRD's CEL so parsed specs are always sane; each
+refusal names the field and what to change."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pdfabric_core.images import AGENT_IMAGE_CUDA, CUDA_SUFFIX, names_cpu_agent_image, needs_gpu_image
+from pdfabric_core.policy.rank_mapping import validate_pp, validate_tp
+from pdfabric_core.policy.transports import Locality, mem_pool_traits, transport_traits
+from pdfabric_core.policy.types import Backend, FallbackPolicy, MemPool, Transport
+from pdfabric_core.quantity import QuantityError, parse_quantity
+from pdfabric_core.spec.model import (
+    DTYPE_BYTES,
+    ENGINE_PORT_SPAN,
+    FORBIDDEN_ENGINE_ENV,
+    EngineSpec,
+    PDClusterSpec,
+    SpecError,
+)
+from pdfabric_core.spec.pod_overrides import RESERVED_NODE_ENV, check_env_secret, validate_pod
+
+
+def validate_spec(spec: PDClusterSpec) -> None:
+    """The cross-field rules, mirrored from the CRD's CEL so parsed specs are always sane."""
+    if spec.backend not in tuple(Backend):
+        raise SpecError(f"backend must be one of {', '.join(Backend)}, got {spec.backend!r}")
+    if spec.model.dtype not in DTYPE_BYTES:
+        raise SpecError(f"model.dtype must be one of {sorted(DTYPE_BYTES)}, got {spec.model.dtype!r}")
+    for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
+        if r.replicas < 1 or r.tp < 1 or r.cp < 1 or r.pp < 1:
+            raise SpecError(f"{role}.replicas, tp, cp and pp must each be at least 1")
+    if spec.decode.cp != 1:
+        raise SpecError(f"decode.cp must be 1 (decode context parallelism is not supported), got {spec.decode.cp}")
+    if spec.transfer.max_batch_entries < 1:
+        raise SpecError("transfer.maxBatchEntries must be at least 1")
+    if spec.transfer.timeout_seconds <= 0:
+        raise SpecError("transfer.timeoutSeconds must be positive")
+    if not 0 <= spec.transfer.min_probe_g_bps <= 10000:
+        raise SpecError("transfer.minProbeGBps must be within 0..10000 (0: no threshold)")
+    try:
+        validate_tp(spec.prefill.tp, spec.model.kv_heads, role="prefill")
+        validate_tp(spec.decode.tp, spec.model.kv_heads, role="decode")
+        if spec.prefill.tp % spec.decode.tp and spec.decode.tp % spec.prefill.tp:
+            raise ValueError(f"prefill TP {spec.prefill.tp} and decode TP {spec.decode.tp} must divide each other")
+        validate_pp(spec.prefill.pp, spec.decode.pp)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from exc
+    if spec.model.state_bytes_per_request % spec.model.state_layers:
+        raise SpecError(
+            f"model.stateBytesPerRequest ({spec.model.state_bytes_per_request}) must be divisible by "
+            f"model.stateLayers ({spec.model.state_layers}): each state layer has the same size; "
+            f"change one of them"
+        )
+    if spec.prefill.dsa_cache_layer_split and spec.model.state_layers % spec.prefill.cp:
+        raise SpecError(
+            f"model.stateLayers ({spec.model.state_layers}) must be divisible by prefill.cp "
+            f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
+        )
+    _validate_transport(spec)
+    _validate_agent_image(spec)
+    if spec.router is not None:
+        if spec.engine is None:
+            raise SpecError("router needs engine: it routes to the engines the node pods run (spec.engine)")
+        if not 1 <= spec.router.port <= 65535 or spec.router.replicas < 1 or not spec.router.command:
+            raise SpecError("router.port must be within 1..65535, router.replicas at least 1, router.command not empty")
+        if spec.router.metrics_port == spec.router.port:
+            raise SpecError(
+                "router.metricsPort must differ from router.port: the router serves requests and metrics on two listeners"
+            )
+    if spec.placement.fallback not in tuple(FallbackPolicy):
+        raise SpecError(
+            f"placement.fallback must be one of {', '.join(FallbackPolicy)}, got {spec.placement.fallback!r}"
+        )
+    if spec.placement.max_gpus_per_node < 1:
+        raise SpecError("placement.maxGpusPerNode must be at least 1")
+    if spec.agent.metrics_port == spec.agent.api_port:
+        raise SpecError(f"agent.metricsPort and agent.apiPort must differ (both {spec.agent.api_port})")
+    if spec.agent.peer_port in (spec.agent.metrics_port, spec.agent.api_port):
+        raise SpecError(
+            f"agent.peerPort must differ from agent.apiPort and agent.metricsPort (it is {spec.agent.peer_port})"
+        )
+    m, a = spec.model, spec.agent
+    # The CRD's minimums, for specs that did not pass through an API server.
+    for name, value, low in (
+        ("model.layers", m.layers, 1),
+        ("model.headDim", m.head_dim, 1),
+        ("model.pageSizeTokens", m.page_size_tokens, 1),
+        ("model.stateBytesPerRequest", m.state_bytes_per_request, 0),
+        ("model.stateLayers", m.state_layers, 1),
+        ("model.expectedPromptTokens", m.expected_prompt_tokens, 1),
+        ("model.auxRowBytes", min(m.aux_row_bytes, default=0), 0),
+    ):
+        if value < low:
+            raise SpecError(f"{name} must be at least {low}, got {value}")
+    for name, port in (
+        ("agent.metricsPort", a.metrics_port),
+        ("agent.apiPort", a.api_port),
+        ("agent.peerPort", a.peer_port),
+    ):
+        if not 1 <= port <= 65535:
+            raise SpecError(f"{name} must be a port number (1-65535), got {port}")
+    # Quantities (the operator adds the agent's and the engines' into one container): each must be one.
+    _validate_quantities(spec.agent.resources, "agent.resources")
+    validate_pod(spec.agent.pod, "agent.pod", RESERVED_NODE_ENV)
+    if spec.router is not None:
+        validate_pod(spec.router.pod, "router.pod", RESERVED_NODE_ENV)
+    if spec.engine is not None:
+        _validate_engine(spec, spec.engine)
+
+
+def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
+    """spec.engine's rules, mirrored from the CRD (schema and CEL)."""
+    top = 65535 - ENGINE_PORT_SPAN
+    for role in ("prefill", "decode"):
+        r = engine.role(role)
+        where = f"engine.{role}"
+        if not r.command:
+            raise SpecError(
+                f"{where}.command is required: the engine's launch command (the container's entrypoint is "
+                f"the agent, which runs the engine)"
+            )
+        for var in r.env:
+            name = str(var.get("name") or "")
+            if not name:
+                raise SpecError(f"{where}.env: every variable needs a name")
+            if name.startswith("PDFABRIC_"):
+                raise SpecError(f"{where}.env: PDFABRIC_* variables are set by the operator ({name})")
+            if name in FORBIDDEN_ENGINE_ENV:
+                raise SpecError(
+                    f"{where}.env: the device plugin's allocation is the only GPU grant; {name} may not be set"
+                )
+            check_env_secret(var, where)
+        for kind in ("requests", "limits"):
+            if spec.placement.gpu_resource in (r.resources.get(kind) or {}):
+                raise SpecError(
+                    f"{where}.resources.{kind} may not name {spec.placement.gpu_resource}: "
+                    f"the operator requests each engine's GPUs"
+                )
+        _validate_quantities(r.resources, f"{where}.resources")
+        if not r.health_path.startswith("/"):
+            raise SpecError(f"{where}.healthPath must start with /, got {r.health_path!r}")
+        if r.startup_seconds < 10:
+            raise SpecError(f"{where}.startupSeconds must be at least 10, got {r.startup_seconds}")
+    if engine.shared_memory:
+        try:
+            parse_quantity(engine.shared_memory)
+        except QuantityError as exc:
+            raise SpecError(f"engine.sharedMemory: {exc}") from None
+    bases = {
+        "engine.prefill.port": engine.prefill.port,
+        "engine.prefill.bootstrapPort": engine.prefill.bootstrap_port,
+        "engine.decode.port": engine.decode.port,
+    }
+    for name, base in bases.items():
+        if not 1 <= base <= top:
+            raise SpecError(f"{name} must be between 1 and {top} (it starts a range of {ENGINE_PORT_SPAN}), got {base}")
+        for agent_port in (spec.agent.api_port, spec.agent.peer_port, spec.agent.metrics_port):
+            if base <= agent_port < base + ENGINE_PORT_SPAN:
+                raise SpecError(f"{name} ({base}) + {ENGINE_PORT_SPAN} ports hold the agent's port {agent_port}")
+    names = list(bases)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if abs(bases[a] - bases[b]) < ENGINE_PORT_SPAN:
+                raise SpecError(
+                    f"{a} ({bases[a]}) and {b} ({bases[b]}) must be at least {ENGINE_PORT_SPAN} apart "
+                    f"(the k-th engine of a role in a pod takes base + k)"
+                )
+
+
+def _validate_quantities(resources: Mapping[str, Any], where: str) -> None:
+    parsed: dict[str, dict[str, Any]] = {}
+    for kind in ("requests", "limits"):
+        for name, value in (resources.get(kind) or {}).items():
+            try:
+                parsed.setdefault(kind, {})[name] = parse_quantity(value)
+            except QuantityError as exc:
+                raise SpecError(f"{where}.{kind}.{name}: {exc}") from None
+    for name, limit in parsed.get("limits", {}).items():
+        request = parsed.get("requests", {}).get(name)
+        if request is not None and request > limit:
+            raise SpecError(f"{where}.requests.{name} must not exceed limits.{name}")
+
+
+def _validate_agent_image(spec: PDClusterSpec) -> None:
+    """A transport with KV in GPU memory on the CPU agent image never becomes Ready (NoGpu): refuse
+    it here, with the fix. Not a CEL rule: it needs the transport memPool implies and the image's
+    name parsed. With spec.engine the engine image runs the agent and agent.image is not used."""
+    transport = spec.transfer.effective_transport
+    image = spec.agent.image
+    if spec.engine is None and needs_gpu_image(transport) and image and names_cpu_agent_image(image):
+        raise SpecError(
+            f"agent.image {image} is the CPU agent image, but transport {transport.value} keeps KV in GPU "
+            f"memory and needs the CUDA one: use {image}{CUDA_SUFFIX} (docs/images.md), or leave agent.image "
+            f"out for {AGENT_IMAGE_CUDA}"
+        )
+
+
+def _validate_transport(spec: PDClusterSpec) -> None:
+    pool, explicit = spec.transfer.mem_pool, spec.transfer.transport
+    pool_traits = mem_pool_traits(pool)
+    if explicit is not None and explicit not in pool_traits.transports:
+        allowed = ", ".join(sorted(t.value for t in pool_traits.transports))
+        raise SpecError(
+            f"transfer.transport {explicit.value} cannot run on memPool {pool.value}; "
+            f"use auto or one of: {allowed}, or change memPool"
+        )
+    transport = spec.transfer.effective_transport
+    if spec.backend not in pool_traits.backends or spec.backend not in transport_traits(transport).backends:
+        pools = ", ".join(p.value for p in MemPool if spec.backend in mem_pool_traits(p).backends)
+        carried = " or ".join(t.value for t in Transport if spec.backend in transport_traits(t).backends)
+        raise SpecError(
+            f"backend {spec.backend} supports only memPool {pools} with transport {carried}; use backend mooncake"
+        )
+    if transport_traits(transport).locality is Locality.NODE:
+        p, d = spec.prefill.replicas, spec.decode.replicas
+        if d % p:
+            raise SpecError(
+                f"intra-node NVLink pins each prefill replica to the decode replicas it feeds: "
+                f"decode.replicas ({d}) must be a multiple of prefill.replicas ({p})"
+            )
+        if spec.intra_node_group_gpus > spec.placement.max_gpus_per_node:
+            raise SpecError(
+                f"intra-node NVLink needs one prefill replica and the decode replicas it feeds on one node: "
+                f"{spec.intra_node_group_gpus} GPUs exceed placement.maxGpusPerNode "
+                f"({spec.placement.max_gpus_per_node}); lower TP/CP/PP or replicas, or use transport nvlink or rdma"
+            )
