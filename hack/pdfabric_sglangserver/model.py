@@ -84,8 +84,8 @@ def spec_model(page_size: int, variant: Variant = DEFAULT) -> dict[str, object]:
 
 def metadata_row_bytes() -> list[int]:
     """Bytes per row of each of SGLang's ``MetadataBuffers`` as its scheduler builds them without
-    speculative decoding (hidden states padded to 16 float32, scheduler.py): what a PDCluster's
-    ``spec.model.auxRowBytes`` must say for SGLang's servers."""
+    speculative decoding (hidden states padded to 16 float32, scheduler.py): what the engines
+    register (a PDCluster's ``spec.model.auxRowBytes`` only predicts traffic with it)."""
     import torch
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
@@ -94,9 +94,10 @@ def metadata_row_bytes() -> list[int]:
 
 
 def spec_model_for_servers(page_size: int, variant: Variant = DEFAULT) -> dict[str, object]:
-    """``spec.model`` of a PDCluster serving this model with SGLang's servers: the geometry and the
-    metadata rows."""
-    return {**spec_model(page_size, variant), "auxRowBytes": metadata_row_bytes()}
+    """``spec.model`` of a PDCluster serving this model with SGLang's servers: the geometry alone.
+    The metadata rows are what SGLang's engines register (``auxRowBytes`` is left at its default,
+    which is not these servers' rows: the agents take the engines' and check them between roles)."""
+    return spec_model(page_size, variant)
 
 
 def write_model_dir(path: Path, variant: Variant = DEFAULT) -> Path:

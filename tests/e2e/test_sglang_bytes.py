@@ -73,6 +73,10 @@ class Side:
             args = kv_args(pool, engine_rank=rank.tp_rank, page_size=geo.page_size_tokens, kv_head_num=heads,
                            total_kv_head_num=geo.kv_heads, pp_rank=rank.pp_rank, prefill_start_layer=layers.start)  # fmt: skip
             self.managers[rank] = PdfabricKVManager(args, mode, None, False)
+            # As for SGLang's CPU MetadataBuffers: the aux rows travel with each room (aux_inline),
+            # the agent maps none of the engine's aux buffers; the decode checks below read them.
+            reg = self.managers[rank].registration
+            assert reg.aux_inline and not reg.aux and reg.aux_slots == pool.aux_slots
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -81,7 +81,8 @@ def test_byte_reports_name_only_known_paths(decode: Agent) -> None:
         ({"local_heads": 1}, "local_heads 1 (expected 2)"),
         ({"head_bytes": 32}, "head_bytes 32 (expected 64)"),
         ({"layers": 3}, "layers 3 (expected 2)"),
-        ({"aux_items": (8, 8)}, "aux_items (8, 8) (expected (8, 16))"),
+        # The aux rows are the engines' own: decode's must equal this prefill rank's.
+        ({"aux_items": (8, 8)}, "aux rows of decode-0-tp0 are [8, 8] bytes, prefill-0-tp0-cp0's [8, 16]"),
     ],
     ids=["heads", "head-bytes", "layers", "aux-items"],
 )

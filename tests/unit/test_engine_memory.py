@@ -5,6 +5,7 @@ plan exactly the bytes a per-token copy moves."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 from pathlib import Path
 
@@ -79,7 +80,6 @@ def test_a_fitting_registration_gives_the_engine_layout(tmp_path: Path) -> None:
     [
         ({"page_bytes": PAGE // 2}, "KV bytes per page"),
         ({"layers": 3}, "K and 3 V buffers"),
-        ({"aux": (64,)}, "auxRowBytes"),
     ],
 )
 def test_a_registration_that_does_not_fit_the_model_names_the_mismatch(
@@ -152,3 +152,55 @@ def test_token_major_head_slices_move_each_tokens_heads(tmp_path: Path) -> None:
     # A head-major peer cannot take token-major pages: refused when planned, naming both orders.
     with pytest.raises(ValueError, match="page layouts differ"):
         plan_transfer(duties, TransferSide(src, src_map, [3, 1], [], None), TransferSide(type(dst)(**{**vars(dst), "page_order": PageOrder.HEAD_MAJOR}), dst_map, [0, 2], [], None))  # fmt: skip
+
+
+def test_the_engines_aux_rows_are_taken_from_its_registration(tmp_path: Path) -> None:
+    """auxRowBytes is not typed by hand: the engine's rows are the rank's (prefill and decode are
+    held equal on each room's info), whatever the spec's prediction figure says."""
+    lay = layout_of(registration(tmp_path / "f", aux=(64, 512, 16)), spec())
+    assert (lay.aux_items, lay.aux_slots) == ((64, 512, 16), 8)
+
+
+def test_private_aux_rows_get_rows_of_the_agents_own(tmp_path: Path) -> None:
+    """An engine that keeps its aux buffers private (SGLang's CPU MetadataBuffers) registers their
+    row sizes and count; the agent makes rows of its own in its shared-memory directory, takes a
+    send's row into them and reads a landed row back out, and removes them with the memory."""
+    reg = registration(tmp_path / "f", aux=())
+    size = sum(b.nbytes for b in (*reg.k, *reg.v))
+    path = shm_file(tmp_path, size)
+    reg = dataclasses.replace(registration(path, aux=()), aux_row_bytes=[64, 32], aux_slots=5)
+    assert reg.aux_inline and MemoryRegistration.parse(reg.to_json()) == reg
+    lay = layout_of(reg, spec())
+    assert (lay.aux_items, lay.aux_slots) == ((64, 32), 5)
+    mem = EngineMemory.map(reg, lay, shm_dir=str(tmp_path), gpu=0)  # type: ignore[arg-type]
+    owned = [p.handle for p in mem.aux]
+    try:
+        assert mem.aux_inline and [p.size for p in mem.aux] == [5 * 64, 5 * 32]
+        assert all(Path(h).parent == tmp_path for h in owned) and mem.memory_map.aux == tuple(p.addr for p in mem.aux)
+        mem.put_aux_row(3, (b"a" * 64, b"b" * 32))
+        assert mem.aux_row(3) == (b"a" * 64, b"b" * 32) and mem.aux_row(2) == (bytes(64), bytes(32))
+        with pytest.raises(ValueError):
+            mem.put_aux_row(5, (b"a" * 64, b"b" * 32))  # past the registered rows
+    finally:
+        mem.close()
+    assert not any(Path(h).exists() for h in owned)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"aux_slots": 4, "aux": "shares"}, "not both"),
+        ({"aux_slots": 0, "aux_row_bytes": [64]}, "aux_slots"),
+        ({"aux_row_bytes": [64, 32]}, "row bytes of every aux buffer"),
+    ],
+)
+def test_a_registration_of_private_aux_rows_says_what_to_fix(
+    tmp_path: Path, body: dict[str, object], says: str
+) -> None:
+    reg = registration(tmp_path / "f")
+    doc = {**reg.to_json(), "aux": [], **body}
+    if body.get("aux") == "shares":
+        doc["aux"] = reg.to_json()["aux"]
+    with pytest.raises(ApiError) as err:
+        MemoryRegistration.parse(doc)
+    assert err.value.status == 400 and says in err.value.message

@@ -14,6 +14,7 @@ them under SGLang's real scheduler):
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import threading
 import time
@@ -238,6 +239,15 @@ def manager(role: Role) -> Any:
     mgr.peers.table["p:1"] = PrefillPeer(replica=0, cluster="uid-1")
     mgr.prefill_info_table = mgr.peers.table
     mgr._room_openings = OrderedDict()
+    # SGLang's CPU MetadataBuffers: private rows (two items of 64 and 32 bytes, 4 rows) that travel
+    # with the rooms, as the manager registers them (aux_inline).
+    mgr._aux_buffers = [np.zeros((4, 64), np.uint8), np.zeros((4, 32), np.uint8)]  # type: ignore[attr-defined]
+    mgr.kv_args = SimpleNamespace(
+        aux_data_ptrs=[b.ctypes.data for b in mgr._aux_buffers],  # type: ignore[attr-defined]
+        aux_data_lens=[b.nbytes for b in mgr._aux_buffers],  # type: ignore[attr-defined]
+        aux_item_lens=[b[0].nbytes for b in mgr._aux_buffers],  # type: ignore[attr-defined]
+    )
+    mgr.registration = SimpleNamespace(aux_inline=True)  # type: ignore[assignment]
     return mgr
 
 
@@ -513,3 +523,82 @@ def test_a_reopened_room_is_a_fresh_agent_room_the_same_on_both_sides() -> None:
     assert first == (2**62 + 5, 2**62 + 5)
     assert again[0] == again[1] != first[0] and 0 <= again[0] < 2**63
     assert dmgr.current_room(2**62 + 5) == again[1]
+
+
+def test_private_metadata_rows_travel_with_the_send_and_land_before_success() -> None:
+    """SGLang's CPU MetadataBuffers are private memory: the sender reads the room's row (SGLang
+    wrote it with set_buf before the last chunk) and hands it with the send; the receiver writes
+    the row the agent hands back into its own buffers before it says Success, so SGLang's decode
+    reads the first token where it always does."""
+    from pdfabric_sglang.conn import PdfabricKVReceiver, PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pre = manager(Role.PREFILL)
+    pre._aux_buffers[0][2] = np.arange(64, dtype=np.uint8)
+    pre._aux_buffers[1][2] = 7
+    tx = PdfabricKVSender(pre, "p:1", 21)
+    pre.client.views[21] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": [D]}
+    assert tx.poll() == KVPoll.WaitingForInput
+    tx.init(1, 2)
+    tx.send(np.array([3], np.int32))
+    (msg,) = pre.client.submitted
+    assert msg.aux_rows == (bytes(range(64)), bytes([7] * 32))
+    assert SendRequest.parse(msg.to_json()).aux_rows == msg.aux_rows  # base64 on the wire
+
+    dec = manager(Role.DECODE)
+    rx = PdfabricKVReceiver(dec, "p:1", 21)
+    rx.init(0)
+    rx.send_metadata(np.array([1], np.int32), 3, None)
+    dec.client.views[21] = {"state": "Transferring", "code": 3}
+    assert rx.poll() == KVPoll.Transferring and not dec._aux_buffers[0].any()
+    landed = RoomView(rank=D, room=21, state=RoomState.SUCCESS, aux_rows=msg.aux_rows).to_json()
+    dec.client.views[21] = {k: v for k, v in landed.items() if k not in ("rank", "room")}
+    assert rx.poll() == KVPoll.Success
+    assert bytes(dec._aux_buffers[0][3]) == bytes(range(64)) and bytes(dec._aux_buffers[1][3]) == bytes([7] * 32)
+    assert not dec._aux_buffers[0][2].any()  # only the room's own row
+
+
+def test_an_aux_row_that_does_not_fit_the_receivers_buffers_fails_the_room() -> None:
+    from pdfabric_sglang.conn import PdfabricKVReceiver
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    dec = manager(Role.DECODE)
+    rx = PdfabricKVReceiver(dec, "p:1", 22)
+    rx.init(0)
+    rx.send_metadata(np.array([1], np.int32), 0, None)
+    short = RoomView(rank=D, room=22, state=RoomState.SUCCESS, aux_rows=(b"x" * 64, b"y" * 16)).to_json()
+    dec.client.views[22] = {k: v for k, v in short.items() if k not in ("rank", "room")}
+    assert rx.poll() == KVPoll.Failed and "does not fit this engine's metadata buffers" in rx.reason
+    assert not dec._aux_buffers[1].any()
+
+
+def test_the_manager_registers_sglangs_metadata_rows_inline_unless_they_are_on_the_gpu(tmp_path: Path) -> None:
+    """SGLang's own rule: MetadataBuffers are on the GPU only with SGLANG_MOONCAKE_CUSTOM_MEM_POOL
+    = INTRA_NODE_NVLINK; otherwise private CPU memory, registered as rows that travel inline."""
+    from pdfabric_sglang.kvargs import metadata_on_gpu, registration
+
+    assert metadata_on_gpu({"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"})
+    assert not metadata_on_gpu({}) and not metadata_on_gpu({"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "NVLINK"})
+    bufs = manager(Role.PREFILL)._aux_buffers
+    kv = np.zeros((2, 4, 256), np.uint8)  # private too: refused as KV, which must be mapped
+    args = SimpleNamespace(
+        kv_data_ptrs=[], kv_data_lens=[], kv_item_lens=[], page_size=16, engine_rank=0,
+        aux_data_ptrs=[b.ctypes.data for b in bufs], aux_data_lens=[b.nbytes for b in bufs],
+        aux_item_lens=[b[0].nbytes for b in bufs],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="KV buffers"):
+        registration(P, args, is_mla=False, gpu=None, aux_inline=True)
+    args.kv_data_ptrs = [kv[0].ctypes.data, kv[1].ctypes.data]
+    args.kv_data_lens, args.kv_item_lens = [kv[0].nbytes] * 2, [256] * 2
+    with pytest.raises(ValueError, match="private memory"):  # KV is never inline
+        registration(P, args, is_mla=False, gpu=None, aux_inline=True)
+    pool = tmp_path / "kv"  # the KV pool in a shared-memory file, as cpu_pools allocates it
+    pool.write_bytes(bytes(2 * 4 * 256))
+    with open(pool, "r+b") as fh, mmap.mmap(fh.fileno(), 2 * 4 * 256) as mem:
+        shared = np.frombuffer(mem, np.uint8).reshape(2, 4, 256)
+        args.kv_data_ptrs = [shared[0].ctypes.data, shared[1].ctypes.data]
+        reg = registration(P, args, is_mla=False, gpu=None, aux_inline=True)
+        del shared
+    assert (reg.aux, reg.aux_slots, reg.aux_row_bytes, reg.aux_inline) == ([], 4, [64, 32], True)
+    assert [k.path for k in (*reg.k, *reg.v)] == [str(pool)] * 2
+    assert type(reg).parse(reg.to_json()) == reg

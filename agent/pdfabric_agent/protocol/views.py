@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from pdfabric_agent.memory.pools import PoolLayout
-from pdfabric_agent.protocol.wire import KindBytes, zero_bytes
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.wire import KindBytes, aux_rows_json, parse_aux_rows, zero_bytes
 
 
 class RoomState(enum.IntEnum):
@@ -91,7 +92,8 @@ class RoomView:
     """One room on one local rank, as the agent sees it now. The sections after ``phases_s`` are
     present where they apply (None elsewhere): a prefill room not sent yet (``decode_ranks_ready``,
     ``decode_prefix_tokens``, ``sends``), a prefill room (``state_bytes_skipped``), a decode room
-    (``senders``, ``sources_quiet``), an abort of a decode room not submitted yet (``told``)."""
+    (``senders``, ``sources_quiet``, and once Success the aux row of an engine whose aux buffers are
+    private: ``aux_rows``), an abort of a decode room not submitted yet (``told``)."""
 
     rank: str
     room: int
@@ -107,6 +109,7 @@ class RoomView:
     senders: Mapping[str, KindBytes] | None = None  # prefill rank -> bytes it delivered
     sources_quiet: bool | None = None  # every source's writes are over: a failed room's pages may be reused
     told: int | None = None  # prefill ranks told of an abort before the room was submitted
+    aux_rows: tuple[bytes, ...] | None = None  # the room's aux row per item, for the engine to write
 
     @property
     def finished(self) -> bool:
@@ -136,6 +139,8 @@ class RoomView:
             body["decode_ranks_ready"] = list(self.decode_ranks_ready)
         if self.senders is not None:
             body["senders"] = {k: dict(v) for k, v in sorted(self.senders.items())}
+        if self.aux_rows is not None:
+            body["aux_rows"] = aux_rows_json(self.aux_rows)
         return body
 
     @classmethod
@@ -149,6 +154,10 @@ class RoomView:
         if ready is not None and not (isinstance(ready, list) and all(isinstance(r, str) for r in ready)):
             raise ValueError(f"{what}: decode_ranks_ready must be a list of rank ids")
         senders = d.get("senders")
+        try:
+            aux_rows = None if d.get("aux_rows") is None else parse_aux_rows(d["aux_rows"], "aux_rows")
+        except ApiError as exc:
+            raise ValueError(f"{what}: {exc.message}") from None
         submitted = _optional(d, "submitted_at", (int, float), what)
         return cls(
             rank=_typed(d, "rank", str, what),
@@ -167,6 +176,7 @@ class RoomView:
             else {str(k): _kind_bytes(v, f"{what}'s senders") for k, v in answer_object(senders, what).items()},
             sources_quiet=_optional(d, "sources_quiet", bool, what),
             told=_optional(d, "told", int, what),
+            aux_rows=aux_rows,
         )
 
 

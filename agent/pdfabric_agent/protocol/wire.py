@@ -11,16 +11,18 @@ the client and by peers, so both sides of a message are written in one place.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from pdfabric_agent.memory.pools import PageOrder, PoolLayout
 from pdfabric_agent.protocol.errors import malformed, out_of_range
 from pdfabric_agent.protocol.fields import (
+    MAX_AUX_ITEMS,
     MAX_AUX_ROW_BYTES,
     MAX_BUFFERS,
     MAX_REASON,
@@ -127,6 +129,25 @@ class SendRequest(RoomSubmit):
     PEER_ROLE = "decode"
     UNIQUE = False
 
+    # The room's aux row, one bytes per aux item, from an engine that keeps its aux buffers private
+    # (registered with ``aux_slots``): the agent puts them in its own aux row ``aux_index`` first.
+    aux_rows: tuple[bytes, ...] = ()
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        msg = super().parse(body)
+        if "aux_rows" not in body:
+            return msg
+        if msg.aux_index is None:
+            raise malformed("aux_rows without aux_index: name the aux row they belong to")
+        return dataclasses.replace(msg, aux_rows=parse_aux_rows(body["aux_rows"], "aux_rows"))
+
+    def to_json(self) -> dict[str, Any]:
+        body = super().to_json()
+        if self.aux_rows:
+            body["aux_rows"] = aux_rows_json(self.aux_rows)
+        return body
+
 
 @dataclass(frozen=True)
 class ReceiveRequest(RoomSubmit):
@@ -153,6 +174,28 @@ class ReceiveRequest(RoomSubmit):
         if self.prefix_tokens:
             body["prefix_tokens"] = self.prefix_tokens
         return body
+
+
+def aux_rows_json(rows: Sequence[bytes]) -> list[str]:
+    """Aux rows on the wire: one base64 string per aux item."""
+    return [base64.b64encode(row).decode() for row in rows]
+
+
+def parse_aux_rows(value: Any, name: str) -> tuple[bytes, ...]:
+    """Aux rows from the wire (``aux_rows_json``), each at most ``MAX_AUX_ROW_BYTES``."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise malformed(f"field {name!r} must be a list of base64 strings, one per aux item")
+    if len(value) > MAX_AUX_ITEMS:
+        raise too_large(f"field {name!r} has {len(value)} rows; at most {MAX_AUX_ITEMS}")
+    rows = []
+    for v in value:
+        if len(v) > 4 * -(-MAX_AUX_ROW_BYTES // 3):  # before decoding
+            raise too_large(f"field {name!r}: a row of {len(v)} base64 characters; at most {MAX_AUX_ROW_BYTES} bytes")
+        try:
+            rows.append(base64.b64decode(v, validate=True))
+        except ValueError:  # binascii.Error, and non-ASCII characters
+            raise malformed(f"field {name!r} must be a list of base64 strings, one per aux item") from None
+    return tuple(rows)
 
 
 @dataclass(frozen=True)
@@ -246,7 +289,12 @@ class MemoryRegistration:
     (SGLang's KVArgs): per layer a K and a V buffer of ``kv_page_bytes`` per page, pages of
     ``page_tokens`` tokens in ``page_order``; per state layer a buffer of ``state_slot_bytes`` per
     slot; per aux item a buffer of ``aux_row_bytes[i]`` per row. The agent checks them against the
-    PDCluster's model (``memory.engine_layout``) before it maps or registers anything."""
+    PDCluster's model (``memory.engine_layout``) before it maps or registers anything.
+
+    Aux buffers the agent cannot map (SGLang's ``MetadataBuffers`` are private CPU memory) stay
+    the engine's: it registers no ``aux`` buffers but ``aux_slots`` rows of ``aux_row_bytes``, the
+    agent keeps aux rows of its own, a send carries its row (``SendRequest.aux_rows``) and a decode
+    room's view hands it back (``RoomView.aux_rows``)."""
 
     PATH: ClassVar[str] = "/v1/memory"
 
@@ -260,6 +308,11 @@ class MemoryRegistration:
     state: list[BufferShare]
     aux_row_bytes: list[int]
     aux: list[BufferShare]
+    aux_slots: int = 0  # rows of private aux buffers (then ``aux`` is empty): the rows travel inline
+
+    @property
+    def aux_inline(self) -> bool:
+        return not self.aux and self.aux_slots > 0
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
@@ -270,7 +323,10 @@ class MemoryRegistration:
             raise malformed(f"field 'page_order' must be one of {[o.value for o in PageOrder]}") from None
         aux = _shares(body, "aux")
         rows = body.get("aux_row_bytes", [])
-        if not isinstance(rows, list) or len(rows) != len(aux):
+        inline_slots = field_opt_int(body, "aux_slots", minimum=1) or 0
+        if inline_slots and aux:
+            raise malformed("give aux buffers or aux_slots (private aux rows that travel inline), not both")
+        if not isinstance(rows, list) or len(rows) > MAX_AUX_ITEMS or (len(rows) != len(aux) and not inline_slots):
             raise malformed("field 'aux_row_bytes' must give the row bytes of every aux buffer")
         return cls(
             rank=rank,
@@ -283,6 +339,7 @@ class MemoryRegistration:
             state=_shares(body, "state"),
             aux_row_bytes=[_int_item(r, "aux_row_bytes") for r in rows],
             aux=aux,
+            aux_slots=inline_slots,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -297,6 +354,7 @@ class MemoryRegistration:
             "state": [b.to_json() for b in self.state],
             "aux_row_bytes": list(self.aux_row_bytes),
             "aux": [b.to_json() for b in self.aux],
+            **({"aux_slots": self.aux_slots} if self.aux_slots else {}),
         }
 
 

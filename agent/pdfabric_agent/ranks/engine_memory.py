@@ -73,12 +73,11 @@ def engine_layout(
             f"(stateBytesPerRequest {geo.state_bytes_per_request} over stateLayers {geo.state_layers})"
         )
     state_slots = _slots(reg.state, slot_bytes, "state", "slots") if slot_bytes else 0
-    if tuple(reg.aux_row_bytes) != tuple(geo.aux_row_bytes):
-        raise layout_mismatch(
-            f"aux rows of {list(reg.aux_row_bytes)} bytes registered; the PDCluster's model has auxRowBytes "
-            f"{list(geo.aux_row_bytes)} (one entry per metadata buffer, bytes per row)"
-        )
-    aux_slots = min((b.nbytes // size for b, size in zip(reg.aux, reg.aux_row_bytes, strict=True)), default=0)
+    # The aux rows are the engine's own (SGLang's MetadataBuffers): prefill and decode must register
+    # the same, which the prefill agent checks on each room's info (PrefillSender._check_dst_layout).
+    aux_slots = reg.aux_slots or min(
+        (b.nbytes // size for b, size in zip(reg.aux, reg.aux_row_bytes, strict=True)), default=0
+    )
     for kind, shares, device in (
         ("KV", reg.k + reg.v, kv_device),
         ("state", reg.state, kv_device),
@@ -126,8 +125,11 @@ class EngineMemory:
         aux: list[Pool],
         keep: Any,
         file_ranges: tuple[FileRange, ...] = (),  # the shared-memory ranges mapped
+        *,
+        aux_inline: bool = False,  # ``aux`` are the agent's rows: the engine's travel with its sends
     ) -> None:
         self.layout = layout
+        self.aux_inline = aux_inline
         self.kv, self.state, self.aux = kv, state, aux
         self._keep = keep  # the open mappings (mmaps, IPC mappings) the pools point into
         # Fixed once mapped, and read per room.
@@ -138,9 +140,12 @@ class EngineMemory:
         self.file_ranges = file_ranges
 
     @classmethod
-    def map(cls, reg: MemoryRegistration, layout: PoolLayout, *, shm_dir: str, gpu: int) -> EngineMemory:
+    def map(
+        cls, reg: MemoryRegistration, layout: PoolLayout, *, shm_dir: str, gpu: int, aux_device: Device = Device.CPU
+    ) -> EngineMemory:
         """Map every buffer; refuses (422) a file outside ``shm_dir``, a range past its end or one
-        that cannot be mapped. Of each file only the range its buffers span is mapped."""
+        that cannot be mapped. Of each file only the range its buffers span is mapped. Aux rows
+        the engine keeps private (``aux_slots``) get rows of the agent's own on ``aux_device``."""
         mapper = _Mapper(shm_dir, gpu, reg.rank, _spans(reg))
         try:
             kv = [
@@ -150,10 +155,16 @@ class EngineMemory:
             ]
             state = [mapper.map(share, f"state{i}") for i, share in enumerate(reg.state)]
             aux = [mapper.map(share, f"aux{i}") for i, share in enumerate(reg.aux)]
+            if reg.aux_inline:  # private engine rows: the agent's own, the engine hands them over
+                aux = [
+                    mapper.own(Pool.allocate(f"{reg.rank}-aux{i}-{os.getpid()}", layout.aux_slots * size,
+                                             aux_device, shm_dir=shm_dir, gpu=gpu))
+                    for i, size in enumerate(layout.aux_items)
+                ]  # fmt: skip
         except BaseException:
             mapper.close()
             raise
-        return cls(layout, kv, state, aux, mapper, tuple(mapper.ranges))
+        return cls(layout, kv, state, aux, mapper, tuple(mapper.ranges), aux_inline=reg.aux_inline)
 
     def overlap(self, other: EngineMemory) -> FileRange | None:
         """A file range of this memory that `other` maps too (the same file, by device and inode)."""
@@ -165,6 +176,15 @@ class EngineMemory:
 
     def regions(self) -> tuple[Pool, ...]:
         return self._regions
+
+    def put_aux_row(self, row: int, data: Sequence[bytes]) -> None:
+        """A send's aux row (``SendRequest.aux_rows``) into the agent's rows of a private-aux engine."""
+        for pool, size, raw in zip(self.aux, self.layout.aux_items, data, strict=True):
+            pool.write(row * size, raw)
+
+    def aux_row(self, row: int) -> tuple[bytes, ...]:
+        """What landed in aux row ``row``, per item (a decode room's view hands it to the engine)."""
+        return tuple(pool.read(row * size, size) for pool, size in zip(self.aux, self.layout.aux_items, strict=True))
 
     def answer(self, rank_id: str) -> MemoryAnswer:
         """What the agent answers the registration (and shows in /v1/info)."""
@@ -207,6 +227,12 @@ class _Mapper:
         self.ranges: list[FileRange] = []
         self._files: dict[str, tuple[mmap.mmap, int]] = {}  # path as given -> (mapping, file offset of its start)
         self._ipc: Any = None  # fastpath.ipc.PeerMappings, opened on the first GPU buffer
+        self._owned: list[Pool] = []  # the agent's own rows for private engine buffers
+
+    def own(self, pool: Pool) -> Pool:
+        """A pool of the agent's own that lives and goes with these mappings."""
+        self._owned.append(pool)
+        return pool
 
     def map(self, share: BufferShare, name: str) -> Pool:
         label = f"engine:{self.rank_id}:{name}"
@@ -272,6 +298,9 @@ class _Mapper:
         return Pool(label, share.nbytes, Device.CUDA, ptr, json.dumps(dict(share.export)), tensor, self.gpu)
 
     def close(self) -> None:
+        for pool in self._owned:
+            pool.close()
+        self._owned.clear()
         for mem, _ in self._files.values():
             with contextlib.suppress(BufferError):  # a view still exported: the OS unmaps at exit
                 mem.close()

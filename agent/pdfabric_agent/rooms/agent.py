@@ -209,7 +209,8 @@ class Agent:
             kv_device=kv_buffer_device(transport),
             aux_device=metadata_buffer_device(self.spec.transfer.mem_pool),
         )
-        engine = EngineMemory.map(msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu)
+        aux_device = metadata_buffer_device(self.spec.transfer.mem_pool)
+        engine = EngineMemory.map(msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu, aux_device=aux_device)
         for other in self.ranks.values():
             shared = other.engine.overlap(engine) if other is not local and other.engine is not None else None
             if shared is not None:

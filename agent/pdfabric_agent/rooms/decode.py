@@ -133,7 +133,8 @@ class DecodeArrivals:
         return {
             Kind.KV.value: owed.kv,
             Kind.STATE.value: owed.state if msg.state_indices else 0,
-            Kind.AUX.value: owed.aux if msg.aux_index is not None else 0,
+            # The engines' own aux rows (registered, and checked equal between the roles).
+            Kind.AUX.value: sum(local.layout.aux_items) if duties.send_aux and msg.aux_index is not None else 0,
         }
 
     async def _bootstrap(self, room: DecodeRoom, info: RoomInfo) -> None:
@@ -287,6 +288,9 @@ class DecodeArrivals:
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING
         if room.arrived == set(room.expected):
+            engine = local.engine
+            if engine is not None and engine.aux_inline and room.dst_aux is not None:
+                room.aux_rows = engine.aux_row(room.dst_aux)  # the engine writes it into its own row
             self.ctx.rooms.finish(room, Role.DECODE, RoomState.SUCCESS)
         duration = room.marks[f"arrived:{prefill_rank}"] - room.submitted
         part = (room.rank, room.expected[prefill_rank], sum(sent.values()), duration)

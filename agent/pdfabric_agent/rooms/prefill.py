@@ -55,6 +55,7 @@ class PrefillSender:
         if sends and feeds is not None and replica not in feeds:
             raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
         ctx.rooms.refuse_reuse(Role.PREFILL, msg.rank, msg.room)
+        self._take_aux_row(local, msg)
         targets: dict[str, Target] = {}
         for route in decode_targets(ctx.spec, local.rank.tp_rank) if sends else []:
             decode_rank = Rank(Role.DECODE, replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
@@ -93,6 +94,27 @@ class PrefillSender:
                 targets[decode_rank].dst = info
         self._maybe_start(room)
         return room.view()
+
+    def _take_aux_row(self, local: LocalRank, msg: SendRequest) -> None:
+        """An engine that keeps its aux rows private hands the room's with the send: into the
+        agent's own row ``aux_index``, from where the room moves it like any aux row."""
+        engine = local.engine
+        inline = engine is not None and engine.aux_inline
+        if msg.aux_rows and not inline:
+            raise malformed(
+                f"aux_rows given, but the agent maps {msg.rank}'s aux buffers: send aux_rows only after registering "
+                "private aux rows (aux_slots)"
+            )
+        if not inline or msg.aux_index is None:
+            return
+        assert engine is not None
+        sizes = [len(row) for row in msg.aux_rows]
+        if sizes != list(engine.layout.aux_items):
+            raise malformed(
+                f"{msg.rank} registered private aux rows of {list(engine.layout.aux_items)} bytes: the send must "
+                f"carry its row (aux_rows), one entry per item of those sizes; got {sizes}"
+            )
+        engine.put_aux_row(msg.aux_index, msg.aux_rows)
 
     def early_view(self, rank_id: str, room_id: int) -> RoomView | None:
         """A prefill room not sent yet whose decode side already announced itself: upstream's
@@ -240,7 +262,14 @@ class PrefillSender:
             pp=spec.decode.pp,
             pp_stage=rank.pp_rank,
         )
-        want = dataclasses.replace(want, page_order=got.page_order)
+        rows = self.ctx.ranks.by_id[info.prefill_rank].layout.aux_items
+        if got.aux_items != rows:
+            raise malformed(
+                f"aux rows of {info.decode_rank} are {list(got.aux_items)} bytes, {info.prefill_rank}'s "
+                f"{list(rows)}: prefill and decode engines must hand the same metadata rows (the same SGLang "
+                "version, model hidden size and settings)"
+            )
+        want = dataclasses.replace(want, page_order=got.page_order, aux_items=rows)
         if got != want:
             mine = vars(got)
             diff = ", ".join(f"{k} {mine[k]} (expected {v})" for k, v in vars(want).items() if mine[k] != v)

@@ -97,6 +97,7 @@ class DecodeRoom(Room):
     # once all are, a failed room's destinations may go to the next room.
     quiet: set[str] = field(default_factory=set)
     senders: dict[str, KindBytes] = field(default_factory=dict)
+    aux_rows: tuple[bytes, ...] | None = None  # once Success, for an engine whose aux rows are private
 
     @property
     def sources_quiet(self) -> bool:
@@ -105,7 +106,9 @@ class DecodeRoom(Room):
     def view(self) -> RoomView:
         senders = {k: dict(v) for k, v in sorted(self.senders.items())}
         # sources_quiet: every source's writes into the room are over, a failed room's pages may be reused.
-        return dataclasses.replace(super().view(), senders=senders, sources_quiet=self.sources_quiet)
+        return dataclasses.replace(
+            super().view(), senders=senders, sources_quiet=self.sources_quiet, aux_rows=self.aux_rows
+        )
 
 
 AnyRoom = PrefillRoom | DecodeRoom

@@ -5,7 +5,9 @@ engine on a machine without SGLang's GPU kernels)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pdfabric_agent.memory.pools import PageOrder
@@ -24,6 +26,14 @@ ENV_REPLICA = EngineEnv.REPLICA.value
 ENV_CP_RANK = EngineEnv.CP_RANK.value
 ENV_RANK = EngineEnv.RANK.value
 ENV_BOOTSTRAP_TIMEOUT = EngineEnv.BOOTSTRAP_TIMEOUT_S.value
+# SGLang's own switch for where MetadataBuffers live (disaggregation/utils.py): on the GPU only with
+# INTRA_NODE_NVLINK; private CPU memory otherwise.
+ENV_METADATA_POOL = "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"
+
+
+def metadata_on_gpu(env: dict[str, str] | None = None) -> bool:
+    """Whether SGLang allocates its MetadataBuffers on the GPU (its rule, read from its variable)."""
+    return (os.environ if env is None else env).get(ENV_METADATA_POOL, "").upper() == "INTRA_NODE_NVLINK"
 
 
 class FabricConfig:
@@ -66,8 +76,12 @@ class AttentionRanks(NamedTuple):
     cp_size: int
 
 
-def registration(rank_id: str, args: KVArgs, *, is_mla: bool, gpu: int | None) -> MemoryRegistration:
-    """The ``KVArgs`` buffers as the agent takes them (SGLang lists every K layer, then every V)."""
+def registration(
+    rank_id: str, args: KVArgs, *, is_mla: bool, gpu: int | None, aux_inline: bool = False
+) -> MemoryRegistration:
+    """The ``KVArgs`` buffers as the agent takes them (SGLang lists every K layer, then every V).
+    With ``aux_inline`` the aux buffers stay private (SGLang's CPU MetadataBuffers): only their row
+    sizes and row count are registered, and each room's row travels with the send and the view."""
     if is_mla:
         raise UnshareableBuffer("pdfabric does not move MLA pools (one buffer per layer) yet")
     ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
@@ -89,7 +103,13 @@ def registration(rank_id: str, args: KVArgs, *, is_mla: bool, gpu: int | None) -
             raise UnshareableBuffer(f"state buffers of different slot sizes {sorted(set(s_items))}")
         slot_bytes = s_items[0]
         state = [share_of(p, n, gpu, maps) for p, n in zip(s_ptrs, s_lens, strict=True)]
-    aux = [share_of(p, n, gpu, maps) for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
+    aux_rows = list(args.aux_item_lens)
+    if aux_inline:
+        aux = []
+        aux_slots = min((n // size for n, size in zip(args.aux_data_lens, aux_rows, strict=True)), default=0)
+    else:
+        aux = [share_of(p, n, gpu, maps) for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
+        aux_slots = 0
     return MemoryRegistration(
         rank=rank_id,
         page_order=PageOrder.TOKEN_MAJOR,
@@ -99,9 +119,27 @@ def registration(rank_id: str, args: KVArgs, *, is_mla: bool, gpu: int | None) -
         v=shares[layers:],
         state_slot_bytes=slot_bytes,
         state=state,
-        aux_row_bytes=list(args.aux_item_lens),
+        aux_row_bytes=aux_rows,
         aux=aux,
+        aux_slots=aux_slots,
     )
+
+
+def read_aux_row(args: KVArgs, index: int) -> tuple[bytes, ...]:
+    """Row ``index`` of each private aux buffer (a send hands it to the agent)."""
+    return tuple(
+        ctypes.string_at(int(ptr) + index * int(size), int(size))
+        for ptr, size in zip(args.aux_data_ptrs, args.aux_item_lens, strict=True)
+    )
+
+
+def write_aux_row(args: KVArgs, index: int, rows: Sequence[bytes]) -> None:
+    """A decode room's aux row (its view's) into row ``index`` of each private aux buffer."""
+    sizes = [int(size) for size in args.aux_item_lens]
+    if [len(row) for row in rows] != sizes:
+        raise ValueError(f"aux rows of {[len(row) for row in rows]} bytes for buffers of {sizes}")
+    for ptr, size, row in zip(args.aux_data_ptrs, sizes, rows, strict=True):
+        ctypes.memmove(int(ptr) + index * size, row, size)
 
 
 def gpu_of(args: KVArgs) -> int | None:

@@ -27,6 +27,7 @@ from pdfabric_sglang.kvargs import (
     AttentionRanks,
     FabricConfig,
     gpu_of,
+    metadata_on_gpu,
     rank_id_for,
     registration,
 )
@@ -89,7 +90,10 @@ class PdfabricKVManager(BaseKVManager):
             )
         self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
         try:
-            self.registration = registration(self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args))
+            # SGLang's CPU MetadataBuffers are private: their rows travel with each room (aux_inline).
+            self.registration = registration(
+                self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args), aux_inline=not metadata_on_gpu()
+            )
             answer = self.register()
         except (UnshareableBuffer, AgentRefused) as exc:
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None

@@ -6,9 +6,10 @@ which returns a backend's manager / sender / receiver / bootstrap-server classes
 ``pdfabric`` to each through SGLang's own extension points (the choices list's ``add_...``
 function, ``HookRegistry``'s class REPLACE and AROUND hooks), changing nothing else.
 
-With pdfabric as the backend, two allocations run in shared memory so the node agent can map them
-(``cpu_pools``): ``MetadataBuffers`` (SGLang keeps them on the CPU on every device) and, on the CPU
-engine, the MHA KV pool's buffers.
+With pdfabric as the backend on SGLang's CPU engine, the MHA KV pool's buffers are allocated in
+shared memory so the node agent can map them (``cpu_pools``). SGLang's ``MetadataBuffers`` stay as
+SGLang makes them (private CPU memory, or GPU memory with INTRA_NODE_NVLINK): private rows travel
+with each room (``kvargs.registration``'s ``aux_inline``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 BACKEND = "pdfabric"
 TRANSFER_BACKEND = "sglang.srt.disaggregation.utils.TransferBackend"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
-METADATA_BUFFERS_INIT = "sglang.srt.disaggregation.utils.MetadataBuffers.__init__"
 MHA_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 
 
@@ -73,13 +73,6 @@ def _allocating_in_shm(original: Any, obj: Any, *args: Any, **kwargs: Any) -> No
         return original(obj, *args, **kwargs)  # type: ignore[no-any-return]
 
 
-def metadata_buffers_in_shm(original: Any, buffers: Any, *args: Any, **kwargs: Any) -> None:
-    """``MetadataBuffers.__init__`` with its CPU rows in the agent's shared memory."""
-    if not pdfabric_is_the_backend():
-        return original(buffers, *args, **kwargs)  # type: ignore[no-any-return]
-    return _allocating_in_shm(original, buffers, *args, **kwargs)
-
-
 def cpu_kv_pool_in_shm(original: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
     """The MHA KV pool's buffers in the agent's shared memory when SGLang runs on the CPU."""
     if str(getattr(pool, "device", "")) != "cpu" or not pdfabric_is_the_backend():
@@ -105,5 +98,4 @@ def register() -> None:
         add_disagg_transfer_backend_choices([BACKEND])
     HookRegistry.register(TRANSFER_BACKEND, transfer_backend_with_pdfabric(utils.TransferBackend), HookType.REPLACE)
     HookRegistry.register(GET_KV_CLASS, get_kv_class_around, HookType.AROUND)
-    HookRegistry.register(METADATA_BUFFERS_INIT, metadata_buffers_in_shm, HookType.AROUND)
     HookRegistry.register(MHA_POOL_BUFFERS, cpu_kv_pool_in_shm, HookType.AROUND)

@@ -12,6 +12,7 @@ import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from pdfabric_agent.protocol.wire import ReceiveRequest
+from pdfabric_sglang.kvargs import write_aux_row
 from pdfabric_sglang.peers import PrefillPeer
 from pdfabric_sglang.room_client import (
     AGENT_CALL_TIMEOUT_S,
@@ -39,6 +40,7 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
         self.bootstrap_infos: list[PrefillPeer] = []
         self.abort_notified = False
         self.require_staging = False
+        self.aux_index: int | None = None  # the room's MetadataBuffers row, once submitted
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         self.inited = True
@@ -103,11 +105,23 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
             engine_memory=True,
             prefix_tokens=int(decode_prefix_len or 0),
         )
+        self.aux_index = aux_index
         self.submitted_at = time.monotonic()
         try:
             self.mgr.submit(msg)
         except AGENT_ERRORS as exc:
             self._conclude(FAILED, f"the agent did not take the receive: {exc}")
+
+    def _land_aux_row(self, rows: tuple[bytes, ...]) -> bool:
+        """Into SGLang's own MetadataBuffers row, before SGLang reads it (it does once Success)."""
+        if self.aux_index is None:
+            return True
+        try:
+            write_aux_row(self.mgr.kv_args, self.aux_index, rows)
+        except ValueError as exc:
+            self._conclude(FAILED, f"the agent's aux row does not fit this engine's metadata buffers: {exc}")
+            return False
+        return True
 
     def poll(self) -> int:
         if self.concluded is not None:

