@@ -9,7 +9,7 @@ from tests.builders import pdcluster
 
 # One head, one layer, one page of K and V in bf16 with head_dim 128 and 16-token pages.
 HEAD_PAGE = 2 * 16 * 128 * 2
-AUX = 16 + 8 + 8 + 8 + 128 + 16384 + 8 + 8
+AUX = 64 + 64 + 64 + 64 + 512 + 512 + 64 + 128 + 16384 + 64  # SGLang 0.5.23's rows, 8192 hidden bf16
 
 # (id, builder, kv, state with dedup, state without dedup, aux)
 CASES = [

@@ -21,10 +21,12 @@ from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
-# Aux rows upstream MetadataBuffers hand from prefill to decode, in bytes per request row:
-# output ids, cached tokens, logprob values/indices, top-logprobs, hidden states (bf16, 8192
-# hidden), bootstrap room, checksum. Users override them per model.
-DEFAULT_AUX_ROW_BYTES = (16, 8, 8, 8, 128, 16384, 8, 8)
+# The aux rows SGLang 0.5.23's MetadataBuffers hand from prefill to decode, in bytes per request
+# row, by default (no sampling mask, no DSA top-k, no checksum; 128 top logprobs): output ids,
+# cached tokens, logprob values and indices, top-logprob values and indices, top-k p and index
+# (speculative decoding), hidden states (bf16, 8192 hidden), bootstrap room. Only the status's
+# traffic prediction reads them: the agents take the rows the engines register.
+DEFAULT_AUX_ROW_BYTES = (64, 64, 64, 64, 512, 512, 64, 128, 16384, 64)
 
 # The k-th engine of a role in one pod serves on port + k (and prefill's bootstrap on
 # bootstrapPort + k): each of the three port bases owns this many ports (the CRD's most GPUs per node).
