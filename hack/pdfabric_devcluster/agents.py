@@ -28,7 +28,9 @@ from typing import Any
 
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.runtime.config import SETTINGS
-from pdfabric_core.engines import ENGINES_ENV, EngineState, engine_launches
+from pdfabric_core.engines.groups import engine_launches
+from pdfabric_core.engines.launch import ENGINES_ENV
+from pdfabric_core.engines.state import EngineState
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_devcluster.procs import REPO_ROOT, answers_200, free_port, source_pythonpath

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pdfabric_core.engines import ENGINES_ENV, expand
+from pdfabric_core.engines.launch import ENGINES_ENV, expand
 from pdfabric_devcluster.agents import AgentProcess, LocalEngine, engine_image_env, loopback_env, stop_all
 from pdfabric_devcluster.cluster import ClusterError, LocalCluster
 from pdfabric_devcluster.procs import console_argv, console_scripts, free_port

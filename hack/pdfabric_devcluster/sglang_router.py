@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdfabric_core.engines import sglang_router_args
+from pdfabric_core.engines.router import sglang_router_args
 from pdfabric_devcluster.procs import answers_200, free_port, post_json
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric_agent.protocol.views import RoomState, RoomView
-from pdfabric_core.engines import EngineEnv
+from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_core.rankmap import Rank
 from pdfabric_refengine.engine import decode, pages_for, prefill_cp
 from pdfabric_refengine.kvpool import KVPool, kv_args

@@ -36,7 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdfabric_core.engines import EngineEnv
+from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_refengine.pd import Engine, open_engine
 
 log = logging.getLogger("pdfabric_refengine.server")

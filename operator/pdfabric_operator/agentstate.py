@@ -30,7 +30,8 @@ from typing import Any
 
 import aiohttp
 
-from pdfabric_core.engines import MAX_LAUNCHES, EngineState
+from pdfabric_core.engines.launch import MAX_LAUNCHES
+from pdfabric_core.engines.state import EngineState
 
 log = logging.getLogger("pdfabric.operator.agents")
 

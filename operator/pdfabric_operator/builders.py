@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric_core.engines import EngineGroup, bootstrap_port, serving_port, sglang_router_args
+from pdfabric_core.engines.groups import EngineGroup, bootstrap_port, serving_port
+from pdfabric_core.engines.router import sglang_router_args
 from pdfabric_core.policy.transports import transport_traits
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY, AgentEntry, Rank, RankMap

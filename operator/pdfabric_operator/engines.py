@@ -15,16 +15,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdfabric_core.engines import (
-    ENGINES_ENV,
+from pdfabric_core.engines.groups import (
     EngineGroup,
     bootstrap_port,
-    encode_launches,
     engine_groups,
     engine_launches,
     hoisted_env,
     serving_port,
 )
+from pdfabric_core.engines.launch import ENGINES_ENV, encode_launches
 from pdfabric_core.quantity import QuantityError, add_quantities
 from pdfabric_core.spec import EngineSpec, PDClusterSpec, SpecError
 from pdfabric_operator.planner import AgentPlacement

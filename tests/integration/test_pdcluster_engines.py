@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from pdfabric_core.engines import decode_launches, sglang_router_args
+from pdfabric_core.engines.launch import decode_launches
+from pdfabric_core.engines.router import sglang_router_args
 from pdfabric_operator.builders import agent_name
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h

@@ -130,7 +130,7 @@ def test_every_setting_is_documented_in_agent_md() -> None:
 
 
 def test_engines_and_their_settings_are_read_and_checked(env: dict[str, str]) -> None:
-    from pdfabric_core.engines import EngineLaunch, encode_launches, expand
+    from pdfabric_core.engines.launch import EngineLaunch, encode_launches, expand
     from pdfabric_core.policy.types import Role
 
     x = EngineLaunch("decode-0", Role.DECODE, 0, ("decode-0-tp0",), (0,), ("sglang", "--port=$(PDFABRIC_PORT)"),

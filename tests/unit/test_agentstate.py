@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp.test_utils import TestServer
 
 from pdfabric_agent.http.server import Readiness, build_metrics_app
-from pdfabric_core.engines import EngineState
+from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator.agentstate import (
     AgentAddress,

@@ -367,7 +367,8 @@ def test_engine_pod_is_one_container_holding_every_gpu_of_its_ranks() -> None:
 
 
 def test_engine_launches_are_the_pods_groups_with_their_gpus() -> None:
-    from pdfabric_core.engines import decode_launches, encode_launches, engine_launches
+    from pdfabric_core.engines.groups import engine_launches
+    from pdfabric_core.engines.launch import decode_launches, encode_launches
 
     builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=1, tp=4).engine()
     placement, pods = _engine_pod(builder, [gpu_node("n1", 8)])

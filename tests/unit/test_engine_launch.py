@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from pdfabric_core.engines import (
+from pdfabric_core.engines.launch import (
     ENGINES_ENV,
     EngineLaunch,
-    EngineState,
     EnvEntry,
     decode_launches,
     encode_launches,
@@ -20,6 +19,7 @@ from pdfabric_core.engines import (
     hoisted_name,
     kubelet_literal,
 )
+from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 
 
@@ -132,7 +132,7 @@ def test_engine_state_round_trip_and_malformed_is_none() -> None:
 
 
 def test_sglang_router_args_name_each_prefill_with_its_bootstrap_port_and_each_decode() -> None:
-    from pdfabric_core.engines import sglang_router_args
+    from pdfabric_core.engines.router import sglang_router_args
 
     endpoints = {
         "prefill": [

@@ -21,7 +21,7 @@ from pdfabric_agent.engines import sandbox
 from pdfabric_agent.engines.launch import Timings, sandboxed_argv
 from pdfabric_agent.engines.supervisor import EngineSupervisor
 from pdfabric_agent.runtime import metrics
-from pdfabric_core.engines import EngineLaunch
+from pdfabric_core.engines.launch import EngineLaunch
 from pdfabric_core.policy.types import Role
 from pdfabric_core.spec import EngineSandbox
 from pdfabric_devcluster.procs import free_port

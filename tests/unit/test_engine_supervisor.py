@@ -22,7 +22,8 @@ from pdfabric_agent.engines.launch import LaunchError, Timings, engine_argv, eng
 from pdfabric_agent.engines.supervisor import EngineSupervisor
 from pdfabric_agent.http.server import Readiness
 from pdfabric_agent.runtime import metrics
-from pdfabric_core.engines import EngineLaunch, EngineState, EnvEntry, hoisted_name
+from pdfabric_core.engines.launch import EngineLaunch, EnvEntry, hoisted_name
+from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_devcluster.procs import free_port
 

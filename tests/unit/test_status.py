@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pdfabric_core.engines import EngineState
+from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator.builders import agent_name
 from pdfabric_operator.planner import Placement, PlacementFailure, plan_placement

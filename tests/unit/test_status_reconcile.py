@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_core.engines import EngineState
+from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator import builders as b
 from pdfabric_operator.agentstate import AgentReport

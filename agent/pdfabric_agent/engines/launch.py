@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pdfabric_agent.engines import sandbox
 from pdfabric_agent.runtime.config import SETTINGS, AgentConfig
-from pdfabric_core.engines import ENGINES_ENV, HOISTED_PREFIX, EngineLaunch, expand
+from pdfabric_core.engines.launch import ENGINES_ENV, HOISTED_PREFIX, EngineLaunch, expand
 from pdfabric_core.spec import EngineSandbox
 
 CVD = "CUDA_VISIBLE_DEVICES"

@@ -49,7 +49,8 @@ from pdfabric_agent.engines.launch import (
 )
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
-from pdfabric_core.engines import EngineLaunch, EngineState
+from pdfabric_core.engines.launch import EngineLaunch
+from pdfabric_core.engines.state import EngineState
 from pdfabric_core.spec import EngineSandbox
 
 log = logging.getLogger("pdfabric.supervisor")

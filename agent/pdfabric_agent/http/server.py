@@ -43,7 +43,7 @@ from pdfabric_agent.protocol.wire import (
 )
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.runtime import metrics
-from pdfabric_core.engines import EngineState
+from pdfabric_core.engines.state import EngineState
 
 log = logging.getLogger("pdfabric.server")
 

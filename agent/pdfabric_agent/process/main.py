@@ -38,7 +38,7 @@ from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig, ConfigError, load_config, require_peer_tls
 from pdfabric_agent.transfer.registry import make_backend
-from pdfabric_core.engines import EngineLaunch
+from pdfabric_core.engines.launch import EngineLaunch
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
 from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, tcp_fallback_allowed
 from pdfabric_core.policy.types import MemPool, Transport

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdfabric_agent.protocol import tls
-from pdfabric_core.engines import ENGINES_ENV, EngineLaunch, decode_launches
+from pdfabric_core.engines.launch import ENGINES_ENV, EngineLaunch, decode_launches
 
 
 class ConfigError(ValueError):

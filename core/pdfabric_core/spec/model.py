@@ -211,7 +211,7 @@ ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
 @dataclass(frozen=True)
 class RouterSpec:
     """spec.router: SGLang's PD router, run by the operator as a Deployment in front of the
-    engines, its workers the engines' endpoints (pdfabric_core.engines.sglang_router_args)."""
+    engines, its workers the engines' endpoints (pdfabric_core.engines.router.sglang_router_args)."""
 
     image: str
     command: tuple[str, ...] = ROUTER_COMMAND

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pdfabric_core.engines import EngineEnv
+from pdfabric_core.engines.launch import EngineEnv
 
 ENV_SHM_DIR = EngineEnv.SHM_DIR.value
 PREFIX = "pdfabric-sglang-"

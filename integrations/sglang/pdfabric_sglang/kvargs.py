@@ -12,14 +12,14 @@ from typing import Any, NamedTuple
 
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.wire import MemoryRegistration
-from pdfabric_core.engines import EngineEnv
+from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
 
 KVArgs = Any  # SGLang's KVArgs, or any object with its attributes
 
-# The variables the agent gives its engines, by their one spelling (pdfabric_core.engines.EngineEnv).
+# The variables the agent gives its engines, by their one spelling (pdfabric_core.engines.launch.EngineEnv).
 ENV_AGENT = EngineEnv.AGENT_ADDRESS.value
 ENV_TOKEN_FILE = EngineEnv.TOKEN_FILE.value
 ENV_REPLICA = EngineEnv.REPLICA.value

@@ -1,31 +1,17 @@
-"""The serving engines of a node pod (spec.engine): which engines run where, how each is launched,
-and how it is doing. The one place for these facts; the operator builds pods and Services from
-them, the agent supervises processes by them, and both read the same status message.
-
-The pod shape (docs/engines.md says why): one container per node pod holds every GPU of the
-node's ranks (the device plugin's grant), runs the agent, and the agent runs one engine process
-per group of ranks (one replica of one role placed on the node) with CUDA_VISIBLE_DEVICES naming
-that group's GPUs. The operator hands the agent its engines as ``EngineLaunch`` messages in the
-container's ``PDFABRIC_ENGINES`` variable; the agent answers with ``EngineState`` in /readyz.
-
-The k-th engine of a role in the pod serves on ``port + k`` (prefill's bootstrap server on
-``bootstrapPort + k``): engines of one pod share its network namespace.
-"""
+"""The launch message the operator hands the agent per engine (``EngineLaunch``, in the container's
+``PDFABRIC_ENGINES``), the variables every engine gets by their one spelling (``EngineEnv``), and the
+kubelet's $(VAR) rules the message follows. Parsed field by field: a refusal names the field."""
 
 from __future__ import annotations
 
 import enum
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import Rank
-
-if TYPE_CHECKING:
-    from pdfabric_core.spec import EngineSpec, PDClusterSpec
 
 ENGINES_ENV = "PDFABRIC_ENGINES"  # the container variable holding the node's EngineLaunch list
 
@@ -74,53 +60,6 @@ def expand(value: str, env: Mapping[str, str]) -> str:
 def kubelet_literal(text: str) -> str:
     """``text`` as an env value the kubelet passes through unchanged ($ doubled: no expansion)."""
     return text.replace("$", "$$")
-
-
-@dataclass(frozen=True)
-class EngineGroup:
-    """One engine: the ranks of one replica of one role on one node."""
-
-    role: Role
-    replica: int
-    index: int  # the k-th engine of its role in this pod: its ports are base + k
-    ranks: tuple[Rank, ...]
-
-    @property
-    def name(self) -> str:
-        """Unique in the pod: prefill-0, decode-3."""
-        return f"{self.role.value}-{self.replica}"
-
-    @property
-    def port_name(self) -> str:
-        """Serving port's name (<= 15 characters): p-http-0, d-http-2 (k = index)."""
-        return f"{self.role.value[0]}-http-{self.index}"
-
-    @property
-    def bootstrap_port_name(self) -> str:
-        return f"p-boot-{self.index}"
-
-
-def engine_groups(ranks: Sequence[Rank]) -> list[EngineGroup]:
-    """The engine groups of one node's ranks, in rank order (prefill first, then by replica)."""
-    by_key: dict[tuple[Role, int], list[Rank]] = {}
-    for r in ranks:
-        by_key.setdefault((Role(r.role), r.replica), []).append(r)
-    out: list[EngineGroup] = []
-    seen: dict[Role, int] = {}
-    for (role, replica), group in by_key.items():
-        k = seen.get(role, 0)
-        seen[role] = k + 1
-        out.append(EngineGroup(role, replica, k, tuple(group)))
-    return out
-
-
-def serving_port(engine: EngineSpec, group: EngineGroup) -> int:
-    return engine.role(group.role.value).port + group.index
-
-
-def bootstrap_port(engine: EngineSpec, group: EngineGroup) -> int | None:
-    """Prefill engines' bootstrap port; None for decode."""
-    return engine.prefill.bootstrap_port + group.index if group.role is Role.PREFILL else None
 
 
 def hoisted_name(role: Role, name: str) -> str:
@@ -282,63 +221,6 @@ class EngineLaunch:
         )
 
 
-def _launch_env(engine: EngineSpec, role: Role) -> tuple[EnvEntry, ...]:
-    out = []
-    for var in engine.role(role.value).env:
-        name = str(var["name"])
-        if "valueFrom" in var:
-            out.append(EnvEntry(name, from_container=hoisted_name(role, name)))
-        else:
-            out.append(EnvEntry(name, value=str(var.get("value", ""))))
-    return tuple(out)
-
-
-def engine_launch(spec: PDClusterSpec, group: EngineGroup) -> EngineLaunch:
-    assert spec.engine is not None
-    engine = spec.engine
-    role = engine.role(group.role.value)
-    par = spec.prefill if group.role is Role.PREFILL else spec.decode
-    cp_ranks = {r.cp_rank for r in group.ranks}
-    return EngineLaunch(
-        name=group.name,
-        role=group.role,
-        replica=group.replica,
-        rank_ids=tuple(r.rank_id for r in group.ranks),
-        gpus=tuple(r.gpu for r in group.ranks),
-        argv=(*role.command, *role.args),
-        env=_launch_env(engine, group.role),
-        port=serving_port(engine, group),
-        bootstrap_port=bootstrap_port(engine, group),
-        health_path=role.health_path,
-        startup_seconds=role.startup_seconds,
-        tp=par.tp,
-        pp=par.pp,
-        cp=spec.prefill.cp if group.role is Role.PREFILL else 1,
-        cp_rank=next(iter(cp_ranks)) if len(cp_ranks) == 1 else None,
-    )
-
-
-def engine_launches(spec: PDClusterSpec, ranks: Sequence[Rank]) -> list[EngineLaunch]:
-    """The engines of one node's ranks; [] without spec.engine (fabric-only)."""
-    if spec.engine is None:
-        return []
-    return [engine_launch(spec, g) for g in engine_groups(ranks)]
-
-
-def hoisted_env(spec: PDClusterSpec, roles: Iterable[Role] = tuple(Role)) -> list[dict[str, Any]]:
-    """The container variables the kubelet resolves for the engines of `roles` (valueFrom:
-    Secrets, ConfigMaps, fields), one per role and name (so prefill and decode may differ). A pod
-    gets only its own engines' roles: a decode pod never holds what only prefill reads."""
-    if spec.engine is None:
-        return []
-    out = []
-    for role in sorted(set(roles), key=list(Role).index):
-        for var in spec.engine.role(role.value).env:
-            if "valueFrom" in var:
-                out.append({"name": hoisted_name(role, str(var["name"])), "valueFrom": dict(var["valueFrom"])})
-    return out
-
-
 def encode_launches(launches: Sequence[EngineLaunch]) -> str:
     """PDFABRIC_ENGINES' value as the pod spec carries it (kubelet-escaped: the agent expands
     $(VAR) itself, per engine, as the kubelet would in a container of its own)."""
@@ -358,72 +240,3 @@ def decode_launches(text: str) -> list[EngineLaunch]:
     if len(set(names)) != len(names):
         raise ValueError(f"{ENGINES_ENV}: engine names must be unique, got {names}")
     return launches
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """One engine as its supervisor (the agent) sees it; /readyz lists them, the operator reads them."""
-
-    name: str
-    role: Role
-    replica: int
-    # Waiting (the agent is not Ready yet), Starting (not yet healthy), Running (healthy), Unhealthy,
-    # BackOff (waiting to restart), Stopped (the agent is stopping)
-    phase: str
-    ready: bool
-    restarts: int = 0
-    pid: int = 0  # 0 while not running
-    last_exit: str = ""  # how the last run ended ("exit code 1", "signal 9", "startup timeout ...")
-    sandboxed: bool = False  # started in the sandbox that hides the peer key (spec.engine.sandbox)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "role": self.role.value,
-            "replica": self.replica,
-            "phase": self.phase,
-            "ready": self.ready,
-            "restarts": self.restarts,
-            "pid": self.pid,
-            "lastExit": self.last_exit,
-            "sandboxed": self.sandboxed,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any) -> EngineState | None:
-        """None for anything malformed (a reader of another process's word does not crash on it)."""
-        if not isinstance(d, dict):
-            return None
-        try:
-            role = Role(str(d.get("role")))
-        except ValueError:
-            return None
-        name, phase, last = d.get("name"), d.get("phase"), d.get("lastExit", "")
-        replica, restarts, pid = d.get("replica"), d.get("restarts", 0), d.get("pid", 0)
-        if not (isinstance(name, str) and isinstance(phase, str) and isinstance(last, str)):
-            return None
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (replica, restarts, pid)):
-            return None
-        assert isinstance(replica, int) and isinstance(restarts, int) and isinstance(pid, int)
-        return cls(
-            name[:64], role, replica, phase[:32], d.get("ready") is True, restarts, pid, last[:256],
-            d.get("sandboxed") is True,
-        )  # fmt: skip
-
-
-def sglang_router_args(endpoints: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
-    """SGLang's PD router's worker arguments from a PDCluster's ``status.endpoints``: each prefill
-    engine by its own URL with its bootstrap port (decode asks *that* prefill which request it
-    sent, so no load-balanced address will do), each decode engine by its URL. What docs/engines.md's
-    shell recipe builds with kubectl; a role without endpoints is an error, since the router cannot
-    pair a request without both."""
-    prefill, decode = endpoints.get("prefill") or [], endpoints.get("decode") or []
-    if not prefill or not decode:
-        raise ValueError("the router needs at least one prefill and one decode endpoint (status.endpoints)")
-    args = ["--pd-disaggregation"]
-    for e in prefill:
-        boot = e.get("bootstrapPort")
-        args += ["--prefill", str(e["url"]), "none" if boot is None else str(int(boot))]
-    for e in decode:
-        args += ["--decode", str(e["url"])]
-    return args
