@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from pdfabric_operator.planner import GpuNode, PlacedPod
+from pdfabric_operator.placement import GpuNode, PlacedPod
 from pdfabric_operator.scheduling import Taint
 
 # A model small enough for real agents on 2 cores yet with every pool kind: KV pages of 4 tokens,

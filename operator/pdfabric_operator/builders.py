@@ -26,7 +26,7 @@ from pdfabric_operator import constants as c
 from pdfabric_operator import engines as e
 from pdfabric_operator import pki
 from pdfabric_operator import scheduling as sched
-from pdfabric_operator.planner import AgentPlacement, Placement
+from pdfabric_operator.placement import AgentPlacement, Placement
 
 
 @dataclass(frozen=True)

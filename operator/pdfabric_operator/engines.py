@@ -26,7 +26,7 @@ from pdfabric_core.engines.groups import (
 from pdfabric_core.engines.launch import ENGINES_ENV, encode_launches
 from pdfabric_core.quantity import QuantityError, add_quantities
 from pdfabric_core.spec import EngineSpec, PDClusterSpec, SpecError
-from pdfabric_operator.planner import AgentPlacement
+from pdfabric_operator.placement import AgentPlacement
 
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"

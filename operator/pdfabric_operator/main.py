@@ -38,7 +38,7 @@ from pdfabric_operator.metrics import (
     RECONCILES,
     ReconcileResult,
 )
-from pdfabric_operator.planner import GpuNode, PlacedPod
+from pdfabric_operator.placement import GpuNode, PlacedPod
 from pdfabric_operator.reconcile import (
     LEDGER,
     ClusterMemory,

@@ -13,7 +13,7 @@ import enum
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdfabric_operator.planner import PlacementReason
+from pdfabric_operator.placement import PlacementReason
 
 
 class ReconcileResult(enum.StrEnum):

@@ -34,7 +34,8 @@ from pdfabric_operator import pki
 from pdfabric_operator.agentstate import AgentReport
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
-from pdfabric_operator.planner import GpuNode, PlacedPod, Placement, PlacementFailure, plan_placement, usable_nodes
+from pdfabric_operator.placement import GpuNode, PlacedPod, Placement, PlacementFailure
+from pdfabric_operator.planner import plan_placement, usable_nodes
 from pdfabric_operator.status import (
     AgentView,
     Observed,

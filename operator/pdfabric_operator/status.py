@@ -18,7 +18,7 @@ from pdfabric_core.spec import PDClusterSpec
 from pdfabric_core.traffic import estimate_traffic
 from pdfabric_operator import constants as c
 from pdfabric_operator.builders import agent_name, engine_endpoints, engine_service_name, router_name
-from pdfabric_operator.planner import AgentPlacement, Placement, PlacementFailure
+from pdfabric_operator.placement import AgentPlacement, Placement, PlacementFailure
 
 # Keys of .status this writer owns; anything else there (kopf's own bookkeeping) is left alone.
 OWNED_KEYS = (

@@ -11,7 +11,8 @@ import pytest
 from pdfabric_core import images
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
 from pdfabric_operator import builders as b
-from pdfabric_operator.planner import Placement, plan_placement
+from pdfabric_operator.placement import Placement
+from pdfabric_operator.planner import plan_placement
 from tests.builders import gpu_node, pdcluster
 
 CPU, CUDA = "pdfabric/agent:0.1.0", "pdfabric/agent:0.1.0-cuda13"

@@ -11,7 +11,8 @@ from cryptography import x509
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_operator import builders as b
 from pdfabric_operator import pki
-from pdfabric_operator.planner import Placement, plan_placement
+from pdfabric_operator.placement import Placement
+from pdfabric_operator.planner import plan_placement
 from tests.builders import gpu_node, pdcluster
 
 REF = b.ClusterRef("ns", "pd", "uid-1")

@@ -181,7 +181,8 @@ def test_helm_lint_with_monitoring_on() -> None:
 
 def test_podmonitor_selects_the_agent_pods_the_operator_builds() -> None:
     from pdfabric_operator import builders as b
-    from pdfabric_operator.planner import Placement, plan_placement
+    from pdfabric_operator.placement import Placement
+    from pdfabric_operator.planner import plan_placement
     from tests.builders import gpu_node, pdcluster
 
     ref = b.ClusterRef("team-a", "pd", "uid-1")

@@ -20,7 +20,8 @@ from pdfabric_agent.node.transport import TransportError, choose_transport
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.spec import PDClusterSpec, PlacementSpec
 from pdfabric_operator import builders as b
-from pdfabric_operator.planner import Placement, plan_placement
+from pdfabric_operator.placement import Placement
+from pdfabric_operator.planner import plan_placement
 from tests.builders import gpu_node, pdcluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,15 +8,8 @@ import pytest
 
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import Rank
-from pdfabric_operator.planner import (
-    AgentPlacement,
-    PlacedPod,
-    Placement,
-    PlacementFailure,
-    PlacementReason,
-    plan_placement,
-    usable_nodes,
-)
+from pdfabric_operator.placement import AgentPlacement, PlacedPod, Placement, PlacementFailure, PlacementReason
+from pdfabric_operator.planner import plan_placement, usable_nodes
 from pdfabric_operator.scheduling import Taint
 from tests.builders import busy, gpu_node, pdcluster
 

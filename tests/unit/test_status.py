@@ -9,7 +9,8 @@ import pytest
 from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator.builders import agent_name
-from pdfabric_operator.planner import Placement, PlacementFailure, plan_placement
+from pdfabric_operator.placement import Placement, PlacementFailure
+from pdfabric_operator.planner import plan_placement
 from pdfabric_operator.status import AgentView, Observed, agent_fallbacks, compute_status, status_patch
 from tests.builders import gpu_node, pdcluster
 

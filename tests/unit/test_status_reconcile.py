@@ -14,7 +14,7 @@ from pdfabric_operator import builders as b
 from pdfabric_operator.agentstate import AgentReport
 from pdfabric_operator.kube import Refused
 from pdfabric_operator.metrics import ReconcileResult
-from pdfabric_operator.planner import PlacedPod
+from pdfabric_operator.placement import PlacedPod
 from pdfabric_operator.reconcile import ClusterMemory, Ledger, OwnPod, Snapshot, reconcile_once
 from tests.builders import gpu_node, pdcluster
 

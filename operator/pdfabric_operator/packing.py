@@ -1,0 +1,202 @@
+"""Packing placement units onto nodes: what must stay together (units), the GPUs each node has
+free, and the sticky best-fit assignment of units to nodes (steps 2 to 5 and 7 of the planner's
+algorithm, planner.py). Pure; a unit that fits nowhere raises NoFit with the reason and message."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pdfabric_core.policy.transports import Locality, transport_traits
+from pdfabric_core.policy.types import Role, Transport
+from pdfabric_core.rankmap import Rank, replica_ranks
+from pdfabric_core.spec import PDClusterSpec
+from pdfabric_operator.placement import AgentPlacement, GpuNode, PlacedPod, PlacementReason
+
+
+def plan_feeds(spec: PDClusterSpec, transport: Transport) -> dict[int, tuple[int, ...]]:
+    """prefill replica -> decode replicas it may feed; intra-node NVLink confines them to its node."""
+    if transport_traits(transport).locality is Locality.NODE:
+        k = spec.decode_per_prefill
+        return {p: tuple(range(p * k, p * k + k)) for p in range(spec.prefill.replicas)}
+    every = tuple(range(spec.decode.replicas))
+    return {p: every for p in range(spec.prefill.replicas)}
+
+
+@dataclass(frozen=True)
+class Unit:
+    key: str
+    ranks: tuple[Rank, ...]
+    splittable: bool
+
+
+def plan_units(spec: PDClusterSpec, transport: Transport) -> list[Unit]:
+    if transport_traits(transport).locality is Locality.NODE:
+        units = []
+        for p, decodes in plan_feeds(spec, transport).items():
+            ranks = replica_ranks(spec, Role.PREFILL, p)
+            for d in decodes:
+                ranks += replica_ranks(spec, Role.DECODE, d)
+            units.append(Unit(f"group-{p}", tuple(ranks), splittable=False))
+        return units
+    # An engine the operator runs (spec.engine) is one process on one node: its replica stays whole.
+    split = spec.engine is None
+    units = [
+        Unit(f"prefill-{r}", tuple(replica_ranks(spec, Role.PREFILL, r)), split) for r in range(spec.prefill.replicas)
+    ]
+    units += [
+        Unit(f"decode-{r}", tuple(replica_ranks(spec, Role.DECODE, r)), split) for r in range(spec.decode.replicas)
+    ]
+    return units
+
+
+def free_capacity(nodes: Iterable[GpuNode], placed: Iterable[PlacedPod], resource: str, own_uid: str) -> dict[str, int]:
+    """Free `resource` per node: allocatable less what every pod not ours requests there."""
+    free = {n.name: int(n.allocatable.get(resource, 0)) for n in nodes}
+    for pod in placed:
+        if pod.owner_uid == own_uid or pod.node not in free:
+            continue
+        free[pod.node] -= int(pod.requests.get(resource, 0))
+    return free
+
+
+def _describe(free: Mapping[str, int], limit: int = 3) -> str:
+    top = sorted(free.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+    return ", ".join(f"{n}: {max(0, f)}" for n, f in top) or "none"
+
+
+class NoFit(Exception):
+    def __init__(self, reason: PlacementReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def pack(
+    units: Sequence[Unit],
+    free: dict[str, int],
+    previous: Mapping[str, Sequence[Rank]],
+    *,
+    what: str,
+    scarcity: Mapping[str, int] | None = None,
+    pod_slots: Mapping[str, int] | None = None,
+) -> dict[str, dict[str, list[Rank]]]:
+    """Assign units to nodes (sticky, then best-fit): node -> unit key -> its ranks there; raises
+    NoFit naming the first unit left over.
+
+    Among equally good fits, nodes with fewer scarce features (RDMA devices, an NVLink domain) go
+    first, so a tcp cluster does not take the nodes an rdma or nvlink cluster will need.
+    `pod_slots`: how many more pods each node takes (its free RDMA devices, one per pod, for a
+    transport that needs one); None: no such bound.
+    """
+    free = dict(free)
+    slots = dict(pod_slots) if pod_slots is not None else None
+
+    def has_slot(node: str) -> bool:
+        return slots is None or slots.get(node, 0) >= 1
+
+    def take_slot(node: str) -> None:
+        if slots is not None:
+            slots[node] -= 1
+
+    scarcity = scarcity or {}
+    where_before: dict[Rank, str] = {}
+    for node, ranks in previous.items():
+        for r in ranks:
+            where_before[_key(r)] = node
+    out: dict[str, dict[str, list[Rank]]] = {}
+    pending: list[Unit] = []
+    for unit in units:
+        nodes_before = [where_before.get(_key(r)) for r in unit.ranks]
+        before = Counter(n for n in nodes_before if n is not None)
+        sticky = None not in nodes_before and (unit.splittable or len(before) == 1)
+        if sticky and all(free.get(n, 0) >= c and has_slot(n) for n, c in before.items()):
+            for node in before:
+                take_slot(node)
+            for r in unit.ranks:
+                node = where_before[_key(r)]
+                out.setdefault(node, {}).setdefault(unit.key, []).append(r)
+                free[node] -= 1
+        else:
+            pending.append(unit)
+    # Largest units first: best-fit decreasing wastes the fewest GPUs.
+    for unit in sorted(pending, key=lambda u: (-len(u.ranks), u.key)):
+        need = len(unit.ranks)
+        fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need and has_slot(n))
+        if fits:
+            node = fits[0][2]
+            out.setdefault(node, {}).setdefault(unit.key, []).extend(unit.ranks)
+            free[node] -= need
+            take_slot(node)
+            continue
+        total = sum(max(0, f) for n, f in free.items() if has_slot(n))
+        if unit.splittable and total >= need:
+            rest = list(unit.ranks)
+            open_nodes = ((f, n) for n, f in free.items() if f > 0 and has_slot(n))
+            for f, n in sorted(open_nodes, key=lambda t: (-t[0], t[1])):
+                take, rest = rest[:f], rest[f:]
+                out.setdefault(n, {}).setdefault(unit.key, []).extend(take)
+                free[n] -= len(take)
+                take_slot(n)
+                if not rest:
+                    break
+            continue
+        if slots is not None and not any(has_slot(n) for n, f in free.items() if f > 0):
+            raise NoFit(
+                PlacementReason.NO_RDMA_NODES,
+                f"{unit.key} needs a node with a free RDMA device (each pod holds one) and {need} GPUs; every "
+                f"node of {what} with free GPUs has its RDMA devices taken; add RDMA devices or nodes",
+            )
+        if unit.splittable:
+            raise NoFit(
+                PlacementReason.INSUFFICIENT_GPUS,
+                f"{unit.key} needs {need} GPUs but {what} have {total} free in all "
+                f"(most free: {_describe(free)}); add GPU nodes, free GPUs or lower replicas/TP/CP/PP",
+            )
+        if not unit.key.startswith("group-"):
+            raise NoFit(
+                PlacementReason.INSUFFICIENT_GPUS,
+                f"{unit.key} needs {need} free GPUs on one node (spec.engine runs each replica as one "
+                f"process on one node); {what} offer at most {max([0, *free.values()])} (most free: {_describe(free)}); "
+                f"free GPUs, lower TP/CP/PP, or run the engines yourself (leave spec.engine out)",
+            )
+        raise NoFit(
+            PlacementReason.NO_NODE_FOR_INTRA_NODE_GROUP,
+            f"intra-node NVLink needs {need} free GPUs on one node for {unit.key} "
+            f"(a prefill replica and the decode replicas it feeds); {what} offer at most "
+            f"{max([0, *free.values()])} (most free: {_describe(free)}); free GPUs, lower TP/CP/PP "
+            f"or use transport nvlink/rdma",
+        )
+    return out
+
+
+def _key(rank: Rank) -> Rank:
+    """A rank without its GPU index: the identity stickiness compares."""
+    return Rank(rank.role, rank.replica, rank.tp_rank, rank.cp_rank, rank.pp_rank)
+
+
+def agent_placements(
+    assigned: Mapping[str, Mapping[str, list[Rank]]], domain_of: Mapping[str, str | None]
+) -> tuple[AgentPlacement, ...]:
+    """One pod per (node, unit); its ranks number their GPUs from 0 in rank order, as the
+    container sees the GPUs the device plugin gives it: another pod coming or going on the node
+    never renumbers them."""
+    agents = []
+    for node in sorted(assigned):
+        for unit in sorted(assigned[node], key=_unit_order):
+            ranks = sorted(assigned[node][unit], key=_rank_order)
+            with_gpu = tuple(
+                Rank(r.role, r.replica, r.tp_rank, r.cp_rank, r.pp_rank, gpu) for gpu, r in enumerate(ranks)
+            )
+            agents.append(AgentPlacement(node, with_gpu, domain_of.get(node), unit))
+    return tuple(agents)
+
+
+def _unit_order(key: str) -> tuple[str, int]:
+    kind, _, number = key.rpartition("-")
+    return (kind, int(number))
+
+
+def _rank_order(r: Rank) -> tuple[int, int, int, int, int]:
+    return (0 if r.role is Role.PREFILL else 1, r.replica, r.pp_rank, r.cp_rank, r.tp_rank)

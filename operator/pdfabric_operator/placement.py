@@ -1,0 +1,87 @@
+"""What the planner reads and answers: GPU nodes and the pods already bound to them in, a
+Placement (one pod per placement unit, its ranks and node) or a PlacementFailure (reason and a
+message that says what to change) out. Pure values; the planner is planner.py."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pdfabric_core.policy.types import Transport
+from pdfabric_core.rankmap import Rank
+from pdfabric_operator.scheduling import Taint
+
+
+class PlacementReason(enum.StrEnum):
+    """Why no placement fits: the Placed condition's reason and the failure metric's label."""
+
+    NO_GPU_NODES = "NoGPUNodes"
+    INSUFFICIENT_GPUS = "InsufficientGPUs"
+    NO_RDMA_NODES = "NoRDMANodes"
+    NO_NVLINK_DOMAIN = "NoNVLinkDomain"
+    NVLINK_DOMAIN_TOO_SMALL = "NVLinkDomainTooSmall"
+    NO_NODE_FOR_INTRA_NODE_GROUP = "NoNodeForIntraNodeGroup"
+
+
+@dataclass(frozen=True)
+class GpuNode:
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    allocatable: Mapping[str, int] = field(default_factory=dict)  # extended resources only
+    ready: bool = True
+    schedulable: bool = True  # False when cordoned or being deleted
+    taints: tuple[Taint, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlacedPod:
+    """A pod already bound to a node, holding extended resources (GPUs, RDMA)."""
+
+    node: str
+    requests: Mapping[str, int]
+    owner_uid: str | None = None  # PDCluster uid for our agents, else None
+
+
+@dataclass(frozen=True)
+class AgentPlacement:
+    """One node pod: the ranks of one placement unit (a replica, or an intra-node NVLink group)
+    on one node. A pod per unit, not per node, so that scaling a role adds and removes pods and
+    leaves every other pod, its engines and its rooms alone (a pod cannot gain GPUs in place)."""
+
+    node: str
+    ranks: tuple[Rank, ...]  # sorted; rank.gpu is the device index among the pod's own GPUs
+    domain: str | None = None
+    unit: str = ""  # the placement unit: prefill-<r>, decode-<r> or group-<p>
+
+    @property
+    def gpus(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Placement:
+    transport: Transport  # what the agents run
+    requested_transport: Transport
+    agents: tuple[AgentPlacement, ...]  # sorted by node name, then unit
+    feeds: Mapping[int, tuple[int, ...]]
+    domain: str | None = None
+    fallback_reason: str | None = None  # why the requested transport was not placed
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.transport != self.requested_transport
+
+    def ranks_by_node(self) -> dict[str, tuple[Rank, ...]]:
+        """Every rank on each node, whichever pod holds it (what stickiness compares)."""
+        by_node: dict[str, tuple[Rank, ...]] = {}
+        for a in self.agents:
+            by_node[a.node] = by_node.get(a.node, ()) + a.ranks
+        return by_node
+
+
+@dataclass(frozen=True)
+class PlacementFailure:
+    reason: PlacementReason
+    message: str  # says what is missing and what to change
+    requested_transport: Transport
