@@ -32,18 +32,13 @@ from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
 from pdfabric_operator import pki
 from pdfabric_operator.agentstate import AgentReport
+from pdfabric_operator.conditions import agent_fallbacks, ready_condition
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
+from pdfabric_operator.observed import AgentView, Observed
 from pdfabric_operator.placement import GpuNode, PlacedPod, Placement, PlacementFailure
 from pdfabric_operator.planner import plan_placement, usable_nodes
-from pdfabric_operator.status import (
-    AgentView,
-    Observed,
-    agent_fallbacks,
-    compute_status,
-    ready_condition,
-    status_patch,
-)
+from pdfabric_operator.status import compute_status, status_patch
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ import pytest
 from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator.builders import agent_name
+from pdfabric_operator.conditions import agent_fallbacks
+from pdfabric_operator.observed import AgentView, Observed
 from pdfabric_operator.placement import Placement, PlacementFailure
 from pdfabric_operator.planner import plan_placement
-from pdfabric_operator.status import AgentView, Observed, agent_fallbacks, compute_status, status_patch
+from pdfabric_operator.status import compute_status, status_patch
 from tests.builders import gpu_node, pdcluster
 
 NODES = [gpu_node("a", 8), gpu_node("b", 8)]
