@@ -7,7 +7,7 @@ no RDMA device, no peer access). Only the agent knows. Its /readyz (the metrics 
 kubelet probes) says ``transport`` and ``requested`` once chosen; the operator reads it once per
 agent pod (the choice is fixed for the process's life), with no Kubernetes API permission beyond
 what it has: it is an HTTP GET to the pod's address. The agents' NetworkPolicy lets the operator's
-namespace reach the metrics port (``builders.build_network_policy``).
+namespace reach the metrics port (``builders.services.build_network_policy``).
 
 With spec.engine the same body lists the agent's engines (``engines``: pdfabric_core.engines'
 EngineState, ``enginesReady``) and says the agent's own readiness (``ready``), apart from the

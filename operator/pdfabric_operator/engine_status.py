@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric_operator.builders import engine_endpoints, engine_service_name, router_name
+from pdfabric_operator.builders.names import engine_service_name, router_name
+from pdfabric_operator.builders.services import engine_endpoints
 from pdfabric_operator.observed import Observed
 from pdfabric_operator.placement import Placement
 

@@ -24,9 +24,9 @@ import kopf
 from prometheus_client import start_http_server
 
 from pdfabric_core.spec import SpecError, parse_spec
-from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
 from pdfabric_operator.agentstate import AgentAddress, AgentReport, AgentTransport, read_reports
+from pdfabric_operator.builders.names import ClusterRef
 from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, error_type, load_configuration
 from pdfabric_operator.metrics import (
@@ -397,7 +397,7 @@ async def reconcile_daemon(
     gpu_pods: GpuPodIndex = kwargs["gpu_pods"]
     agent_pods: AgentPodIndex = kwargs["agent_pods"]
     pd_roles: RoleIndex = kwargs["pd_roles"]
-    ref = b.ClusterRef(_namespaced(namespace), name, uid)
+    ref = ClusterRef(_namespaced(namespace), name, uid)
     wake = STATE.wakers.setdefault(uid, asyncio.Event())
     memory = STATE.memory.setdefault(uid, ClusterMemory())
     roles_memory = STATE.roles.setdefault(uid, RolesMemory())
@@ -476,7 +476,7 @@ async def reconcile_daemon(
 
 
 async def _sync_roles(
-    body: kopf.Body, ref: b.ClusterRef, generation: int, pd_roles: RoleIndex, memory: RolesMemory, logger: kopf.Logger
+    body: kopf.Body, ref: ClusterRef, generation: int, pd_roles: RoleIndex, memory: RolesMemory, logger: kopf.Logger
 ) -> bool:
     """The PDCluster's PDRoles (roles.py) made and in agreement with it; never in the way of the
     reconcile that follows. True when it should run again soon (a failure, a write conflict)."""
@@ -512,7 +512,7 @@ async def _sync_roles(
 async def cleanup(name: str, namespace: str | None, uid: str, logger: kopf.Logger, **kwargs: Any) -> None:
     """Delete the children now (the garbage collector would too, later) and free the ledger."""
     agent_pods: AgentPodIndex = kwargs["agent_pods"]  # an index, passed by name (see reconcile_daemon)
-    ref = b.ClusterRef(_namespaced(namespace), name, uid)
+    ref = ClusterRef(_namespaced(namespace), name, uid)
     pods = list(agent_pods.get(uid, []))
     kube = STATE.get_kube()
 

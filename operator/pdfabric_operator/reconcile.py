@@ -28,10 +28,32 @@ from typing import Any
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import RANKMAP_KEY, Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
-from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
 from pdfabric_operator import pki
 from pdfabric_operator.agentstate import AgentReport
+from pdfabric_operator.builders.agent_pod import agent_device_requests, build_agent_pods
+from pdfabric_operator.builders.credentials import (
+    build_ca_secret,
+    build_engine_token_secret,
+    build_peer_tls_secret,
+    keypair_from_secret,
+)
+from pdfabric_operator.builders.names import (
+    ClusterRef,
+    ca_secret_name,
+    engine_service_name,
+    engine_token_secret_name,
+    network_policy_name,
+    peer_dns_name,
+    peer_tls_secret_name,
+    rankmap_name,
+    router_name,
+    service_name,
+    shared_children,
+)
+from pdfabric_operator.builders.rankmap import build_rankmap, build_rankmap_configmap, decode_ranks
+from pdfabric_operator.builders.router import build_router_deployment, build_router_service
+from pdfabric_operator.builders.services import build_engine_service, build_headless_service, build_network_policy
 from pdfabric_operator.conditions import agent_fallbacks, ready_condition
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
@@ -166,7 +188,7 @@ def _usage(spec: PDClusterSpec, placement: Placement) -> dict[str, dict[str, int
     usage: dict[str, dict[str, int]] = {}
     for a in placement.agents:
         node = usage.setdefault(a.node, {})
-        for resource, count in b.agent_device_requests(spec, a, placement.transport).items():
+        for resource, count in agent_device_requests(spec, a, placement.transport).items():
             node[resource] = node.get(resource, 0) + count
     return usage
 
@@ -192,7 +214,7 @@ def _serves_meanwhile(pod: OwnPod, want: Mapping[str, Any] | None) -> bool:
 
 def reconcile_once(
     kube: Kube,
-    ref: b.ClusterRef,
+    ref: ClusterRef,
     raw_spec: Mapping[str, Any],
     generation: int,
     stored_status: Mapping[str, Any] | None,
@@ -261,14 +283,14 @@ def reconcile_once(
                 f"running tcp instead of {outcome.requested_transport.value}: {outcome.fallback_reason}",
             )
         memory.children_absent = False
-        rankmap = b.build_rankmap(ref, raw_spec, outcome)
-        policy = b.build_network_policy(ref, spec, monitoring_namespace, operator_namespace) if network_policy else None
+        rankmap = build_rankmap(ref, raw_spec, outcome)
+        policy = build_network_policy(ref, spec, monitoring_namespace, operator_namespace) if network_policy else None
         _ensure_shared_children(kube, ref, spec, rankmap, policy, memory, recheck_children_after, out)
         if not memory.children_checked_at or memory.engine_services_hash != memory.last_rankmap_hash:
             _ensure_engine_services(kube, ref, spec, outcome, out)
             memory.engine_services_hash = memory.last_rankmap_hash
         router = _ensure_router(kube, ref, spec, outcome, memory, out)
-        desired = {pod["metadata"]["name"]: pod for pod in b.build_agent_pods(ref, spec, outcome)}
+        desired = {pod["metadata"]["name"]: pod for pod in build_agent_pods(ref, spec, outcome)}
         existing = {p.name: p for p in own}
         # Pods whose ranks moved (or that failed, or are no longer wanted) go at once: the plan
         # needs them elsewhere. Pods that only drifted (image, resources, ports) roll one at a
@@ -420,9 +442,9 @@ def _tell_pods_of_rankmap(kube: Kube, pods: Sequence[OwnPod], digest: str) -> li
     return actions
 
 
-def _plan_on_record(kube: Kube, ref: b.ClusterRef, own: Sequence[OwnPod]) -> dict[str, tuple[Rank, ...]]:
+def _plan_on_record(kube: Kube, ref: ClusterRef, own: Sequence[OwnPod]) -> dict[str, tuple[Rank, ...]]:
     """The last placement: the rank map if it is this cluster's, else the live agent pods' ranks."""
-    cm = kube.get("ConfigMap", ref.namespace, b.rankmap_name(ref.name))
+    cm = kube.get("ConfigMap", ref.namespace, rankmap_name(ref.name))
     if cm is not None:
         try:
             rankmap = RankMap.from_json(cm["data"][RANKMAP_KEY])
@@ -430,7 +452,7 @@ def _plan_on_record(kube: Kube, ref: b.ClusterRef, own: Sequence[OwnPod]) -> dic
             rankmap = None
         if rankmap is not None and rankmap.cluster_uid == ref.uid:
             return _by_node((a.node, a.ranks) for a in rankmap.agents)
-    return _by_node((p.node, b.decode_ranks(p.ranks)) for p in own if not p.deleting)
+    return _by_node((p.node, decode_ranks(p.ranks)) for p in own if not p.deleting)
 
 
 def _by_node(pods: Iterable[tuple[str, tuple[Rank, ...]]]) -> dict[str, tuple[Rank, ...]]:
@@ -443,7 +465,7 @@ def _by_node(pods: Iterable[tuple[str, tuple[Rank, ...]]]) -> dict[str, tuple[Ra
 
 def _ensure_shared_children(
     kube: Kube,
-    ref: b.ClusterRef,
+    ref: ClusterRef,
     spec: PDClusterSpec,
     rankmap: RankMap,
     policy: dict[str, Any] | None,
@@ -453,25 +475,25 @@ def _ensure_shared_children(
 ) -> None:
     """`policy`: the NetworkPolicy wanted, None when the operator's settings turn it off (one
     built before is deleted then); one that differs (the monitoring namespace changed) is replaced."""
-    cm = b.build_rankmap_configmap(ref, rankmap)
+    cm = build_rankmap_configmap(ref, rankmap)
     want_hash = cm["metadata"]["annotations"][c.ANN_RANKMAP_HASH]
     fresh = time.monotonic() - memory.children_checked_at < recheck_after
     if fresh and memory.last_rankmap_hash == want_hash:
         return
-    if kube.get("Secret", ref.namespace, b.engine_token_secret_name(ref.name)) is None:
-        kube.create(b.build_engine_token_secret(ref, secrets.token_urlsafe(32)))
+    if kube.get("Secret", ref.namespace, engine_token_secret_name(ref.name)) is None:
+        kube.create(build_engine_token_secret(ref, secrets.token_urlsafe(32)))
         out.actions.append("create engine-token secret")
-    if kube.get("Secret", ref.namespace, b.ca_secret_name(ref.name)) is None:
+    if kube.get("Secret", ref.namespace, ca_secret_name(ref.name)) is None:
         _cluster_ca(kube, ref)
         out.actions.append("create peer CA secret")
-    if kube.get("Service", ref.namespace, b.service_name(ref.name)) is None:
-        kube.create(b.build_headless_service(ref, spec))
+    if kube.get("Service", ref.namespace, service_name(ref.name)) is None:
+        kube.create(build_headless_service(ref, spec))
         out.actions.append("create service")
-    have_policy = kube.get("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name))
+    have_policy = kube.get("NetworkPolicy", ref.namespace, network_policy_name(ref.name))
     # Only this cluster's own policy is replaced or deleted, never a namesake someone else made.
     owned = have_policy is not None and _owned(have_policy, ref.uid)
     if policy is None:
-        if owned and kube.delete("NetworkPolicy", ref.namespace, b.network_policy_name(ref.name)):
+        if owned and kube.delete("NetworkPolicy", ref.namespace, network_policy_name(ref.name)):
             out.actions.append("delete networkpolicy (turned off)")
     elif have_policy is None:
         kube.create(policy)
@@ -495,13 +517,13 @@ def _service_ports(svc: Mapping[str, Any]) -> list[tuple[str, int, str]]:
 
 
 def _ensure_engine_services(
-    kube: Kube, ref: b.ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result
+    kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result
 ) -> None:
     """The per-role Services of the engines: created, updated when their ports change (a node
     got a second engine of a role), deleted when spec.engine goes (only ours, never a namesake)."""
     for role in Role:
-        want = b.build_engine_service(ref, spec, placement, role)
-        name = b.engine_service_name(ref.name, role.value)
+        want = build_engine_service(ref, spec, placement, role)
+        name = engine_service_name(ref.name, role.value)
         have = kube.get("Service", ref.namespace, name)
         owned = have is not None and _owned(have, ref.uid)
         if want is None:
@@ -524,14 +546,14 @@ def _owned(obj: Mapping[str, Any], uid: str) -> bool:
     return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
 
 
-def delete_owned_children(kube: Kube, ref: b.ClusterRef, agents: Sequence[str], *, shared: bool = True) -> list[str]:
+def delete_owned_children(kube: Kube, ref: ClusterRef, agents: Sequence[str], *, shared: bool = True) -> list[str]:
     """Delete the peer-certificate Secrets of `agents` and (with `shared`) every shared child of
     the cluster, each only if this PDCluster owns it: the names are deterministic, so a user's own
     object may carry one, and it is not ours to delete. The uid precondition keeps a namesake
     created between the read and the delete. Returns what was deleted, as actions."""
-    children = [("Secret", b.peer_tls_secret_name(a)) for a in agents]
+    children = [("Secret", peer_tls_secret_name(a)) for a in agents]
     if shared:
-        children += b.shared_children(ref.name)
+        children += shared_children(ref.name)
     actions = []
     for kind, name in children:
         have = kube.get(kind, ref.namespace, name)
@@ -543,14 +565,14 @@ def delete_owned_children(kube: Kube, ref: b.ClusterRef, agents: Sequence[str], 
 
 
 def _ensure_router(
-    kube: Kube, ref: b.ClusterRef, spec: PDClusterSpec, placement: Placement, memory: ClusterMemory, out: Result
+    kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, memory: ClusterMemory, out: Result
 ) -> Mapping[str, Any] | None:
     """spec.router's Deployment and Service: created, the Deployment replaced when what it was
     built from differs (the engines moved, spec.router changed: it rolls with a surge), both
     deleted when spec.router goes (ours only, never a namesake). Returns the Deployment as read,
     for its readiness in the status; read on every reconcile only while spec.router is set."""
-    name, ns = b.router_name(ref.name), ref.namespace
-    want = b.build_router_deployment(ref, spec, placement)
+    name, ns = router_name(ref.name), ref.namespace
+    want = build_router_deployment(ref, spec, placement)
     if want is None:
         if memory.router_absent:
             return None
@@ -570,7 +592,7 @@ def _ensure_router(
         if have_hash != want["metadata"]["annotations"][c.ANN_ROUTER_HASH]:
             kube.replace(want, have["metadata"]["resourceVersion"])
             out.actions.append(f"update deployment {name}")
-    svc = b.build_router_service(ref, spec)
+    svc = build_router_service(ref, spec)
     assert svc is not None
     have_svc = kube.get("Service", ns, name)
     if have_svc is None:
@@ -584,21 +606,21 @@ def _ensure_router(
     return have
 
 
-def _cluster_ca(kube: Kube, ref: b.ClusterRef) -> pki.KeyPair:
+def _cluster_ca(kube: Kube, ref: ClusterRef) -> pki.KeyPair:
     """The cluster's peer CA from its Secret, created the first time (once per PDCluster)."""
-    name = b.ca_secret_name(ref.name)
+    name = ca_secret_name(ref.name)
     have = kube.get("Secret", ref.namespace, name)
     if have is None:
         ca = pki.new_ca(ref.namespace, ref.name, ref.uid)
-        if kube.create(b.build_ca_secret(ref, ca)):
+        if kube.create(build_ca_secret(ref, ca)):
             return ca
         have = kube.get("Secret", ref.namespace, name)  # another replica made it first
         if have is None:
             raise RuntimeError(f"Secret {ref.namespace}/{name} was created and is gone again")
-    return b.keypair_from_secret(have)
+    return keypair_from_secret(have)
 
 
-def _issue_peer_tls(kube: Kube, ref: b.ClusterRef, agent: str, valid_for: timedelta, now: datetime) -> datetime:
+def _issue_peer_tls(kube: Kube, ref: ClusterRef, agent: str, valid_for: timedelta, now: datetime) -> datetime:
     """A fresh key and certificate for agent pod `agent`, in its Secret (created or replaced);
     returns when it is to be renewed."""
     ca = _cluster_ca(kube, ref)
@@ -607,11 +629,11 @@ def _issue_peer_tls(kube: Kube, ref: b.ClusterRef, agent: str, valid_for: timede
         namespace=ref.namespace,
         cluster=ref.name,
         agent=agent,
-        dns_name=b.peer_dns_name(ref, agent),
+        dns_name=peer_dns_name(ref, agent),
         valid_for=valid_for,
         now=now,
     )
-    secret = b.build_peer_tls_secret(ref, agent, leaf, ca)
+    secret = build_peer_tls_secret(ref, agent, leaf, ca)
     if not kube.create(secret):
         have = kube.get("Secret", ref.namespace, secret["metadata"]["name"])
         if have is None:
@@ -623,7 +645,7 @@ def _issue_peer_tls(kube: Kube, ref: b.ClusterRef, agent: str, valid_for: timede
 
 def _renew_peer_tls(
     kube: Kube,
-    ref: b.ClusterRef,
+    ref: ClusterRef,
     running: Sequence[OwnPod],
     memory: ClusterMemory,
     valid_for: timedelta,
@@ -635,8 +657,8 @@ def _renew_peer_tls(
     for p in running:
         due = memory.cert_renew_at.get(p.name)
         if due is None:  # first seen by this operator (a restart): its Secret says
-            have = kube.get("Secret", ref.namespace, b.peer_tls_secret_name(p.name))
-            due = pki.renewal_time(b.keypair_from_secret(have).cert_pem) if have is not None else now
+            have = kube.get("Secret", ref.namespace, peer_tls_secret_name(p.name))
+            due = pki.renewal_time(keypair_from_secret(have).cert_pem) if have is not None else now
             memory.cert_renew_at[p.name] = due
         if now < due:
             continue
@@ -644,13 +666,13 @@ def _renew_peer_tls(
         out.actions.append(f"renew certificate of {p.name}")
         out.notices.append(
             ("PeerCertificateRenewed", f"issued agent {p.name} a new peer certificate (Secret "
-             f"{b.peer_tls_secret_name(p.name)}); the running agent loads it")
+             f"{peer_tls_secret_name(p.name)}); the running agent loads it")
         )  # fmt: skip
 
 
 def _write_status(
     kube: Kube,
-    ref: b.ClusterRef,
+    ref: ClusterRef,
     status: dict[str, Any],
     stored: Mapping[str, Any] | None,
     stored_rv: str | None,

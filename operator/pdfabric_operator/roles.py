@@ -23,8 +23,8 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
+from pdfabric_operator.builders.names import ClusterRef, labels_for
 from pdfabric_operator.kube import Kube, Refused, server_message
 
 ROLES = ("prefill", "decode")
@@ -85,7 +85,7 @@ def decide(
 def role_selector(cluster_uid: str, role: str, engines: bool) -> str:
     """The node pods that serve `role`, as the label selector string of the scale subresource.
 
-    With spec.engine, the pods running engines of the role (builders.py labels them). Without it
+    With spec.engine, the pods running engines of the role (builders/agent_pod.py labels them). Without it
     the node pods carry no role label (and an intra-node NVLink group's pod holds ranks of both
     roles): the truthful answer is every agent pod of the PDCluster, a superset of the role's.
     """
@@ -100,7 +100,7 @@ def cluster_replicas(spec: Mapping[str, Any], role: str) -> int:
     return int((spec.get(role) or {}).get("replicas", 1))
 
 
-def build_role(ref: b.ClusterRef, role: str, replicas: int) -> dict[str, Any]:
+def build_role(ref: ClusterRef, role: str, replicas: int) -> dict[str, Any]:
     """A new PDRole: the PDCluster's replicas, recorded as synced, owned by the PDCluster."""
     return {
         "apiVersion": c.API_VERSION,
@@ -108,7 +108,7 @@ def build_role(ref: b.ClusterRef, role: str, replicas: int) -> dict[str, Any]:
         "metadata": {
             "name": role_name(ref.name, role),
             "namespace": ref.namespace,
-            "labels": b.labels_for(ref, **{c.LABEL_ROLE: role}),
+            "labels": labels_for(ref, **{c.LABEL_ROLE: role}),
             "annotations": {c.ANN_SYNCED_REPLICAS: str(replicas)},
             "ownerReferences": [ref.owner_reference()],
         },
@@ -259,7 +259,7 @@ def _event_target(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 def sync_roles(
     kube: Kube,
-    ref: b.ClusterRef,
+    ref: ClusterRef,
     spec: Mapping[str, Any],
     status: Mapping[str, Any],
     generation: int,
@@ -301,7 +301,7 @@ def sync_roles(
 
 def _sync_one(
     kube: Kube,
-    ref: b.ClusterRef,
+    ref: ClusterRef,
     role: str,
     spec: Mapping[str, Any],
     status: Mapping[str, Any],
@@ -345,7 +345,7 @@ def _sync_one(
 
 def _write(
     kube: Kube,
-    ref: b.ClusterRef,
+    ref: ClusterRef,
     role: str,
     cluster: dict[str, Any],
     role_obj: dict[str, Any],
@@ -386,7 +386,7 @@ def _write(
     return role_view(_patch(kube, "PDRole", ref.namespace, view.name, role_body)), spec
 
 
-def delete_owned_roles(kube: Kube, ref: b.ClusterRef) -> list[str]:
+def delete_owned_roles(kube: Kube, ref: ClusterRef) -> list[str]:
     """Delete the PDCluster's PDRoles, each only if this PDCluster owns it (a user's own object of
     that name stays); the uid precondition keeps a namesake made between the read and the delete."""
     actions = []

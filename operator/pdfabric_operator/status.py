@@ -14,7 +14,7 @@ from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.traffic import estimate_traffic
 from pdfabric_operator import constants as c
-from pdfabric_operator.builders import agent_name
+from pdfabric_operator.builders.names import agent_name
 from pdfabric_operator.conditions import (
     agent_fallbacks,
     condition,

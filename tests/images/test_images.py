@@ -36,7 +36,7 @@ from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import free_port
 from pdfabric_devcluster.synthetic import expected_bytes
 from pdfabric_devcluster.transfer import transfer_room
-from pdfabric_operator.builders import pod_security_context
+from pdfabric_operator.builders.pod_spec import pod_security_context
 from pdfabric_operator.constants import HOME_DIR
 from tests.builders import SMALL_MODEL, pdcluster
 from tests.integration import pdcluster_harness as h

@@ -24,7 +24,7 @@ from kopf.testing import KopfRunner
 
 from pdfabric_core.rankmap import RankMap
 from pdfabric_devcluster.nodes import GpuNodeShape
-from pdfabric_operator.builders import agent_name
+from pdfabric_operator.builders.names import agent_name
 from tests.deadlines import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from kopf.testing import KopfRunner
 
 from pdfabric_core.engines.launch import decode_launches
 from pdfabric_core.engines.router import sglang_router_args
-from pdfabric_operator.builders import agent_name
+from pdfabric_operator.builders.names import agent_name
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h
 from tests.integration.pdcluster_harness import agent_pods, apply_pdc, selector, wait_ready, wait_until

@@ -10,7 +10,8 @@ import pytest
 
 from pdfabric_core import images
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
-from pdfabric_operator import builders as b
+from pdfabric_operator.builders.agent_pod import build_agent_pods
+from pdfabric_operator.builders.names import ClusterRef
 from pdfabric_operator.placement import Placement
 from pdfabric_operator.planner import plan_placement
 from tests.builders import gpu_node, pdcluster
@@ -21,7 +22,7 @@ CPU, CUDA = "pdfabric/agent:0.1.0", "pdfabric/agent:0.1.0-cuda13"
 def _pod_images(builder: Any, nodes: list[Any]) -> set[str]:
     placement = plan_placement(builder.spec(), nodes, [], cluster_uid="uid-1")
     assert isinstance(placement, Placement)
-    pods = b.build_agent_pods(b.ClusterRef("ns", "pd", "uid-1"), builder.spec(), placement)
+    pods = build_agent_pods(ClusterRef("ns", "pd", "uid-1"), builder.spec(), placement)
     return {c["image"] for p in pods for c in p["spec"]["containers"] if c["name"] == "agent"}
 
 

@@ -9,13 +9,30 @@ import pytest
 from cryptography import x509
 
 from pdfabric_core.rankmap import Rank, RankMap
-from pdfabric_operator import builders as b
 from pdfabric_operator import pki
+from pdfabric_operator.builders.agent_pod import agent_device_requests, build_agent_pods
+from pdfabric_operator.builders.credentials import (
+    build_ca_secret,
+    build_engine_token_secret,
+    build_peer_tls_secret,
+    keypair_from_secret,
+)
+from pdfabric_operator.builders.names import (
+    ClusterRef,
+    agent_name,
+    peer_dns_name,
+    service_name,
+    shared_children,
+    short_hash,
+)
+from pdfabric_operator.builders.rankmap import build_rankmap, build_rankmap_configmap, decode_ranks, encode_ranks
+from pdfabric_operator.builders.router import build_router_deployment, build_router_service
+from pdfabric_operator.builders.services import build_engine_service, build_headless_service, build_network_policy
 from pdfabric_operator.placement import Placement
 from pdfabric_operator.planner import plan_placement
 from tests.builders import gpu_node, pdcluster
 
-REF = b.ClusterRef("ns", "pd", "uid-1")
+REF = ClusterRef("ns", "pd", "uid-1")
 
 
 def _placed(builder, nodes) -> Placement:
@@ -26,9 +43,9 @@ def _placed(builder, nodes) -> Placement:
 
 # (id, cluster, unit, node, expected name)
 NAME_CASES = [
-    ("short", "pd", "decode-0", "gpu-1", "pd-decode-0-" + b._short_hash("decode-0@gpu-1")),
-    ("dots-become-dashes", "pd.x", "group-1", "node.rack.a", "pd-x-group-1-" + b._short_hash("group-1@node.rack.a")),
-    ("long-truncated", "c" * 50, "prefill-12", "n1", ("c" * 50 + "-pref") + "-" + b._short_hash("prefill-12@n1")),
+    ("short", "pd", "decode-0", "gpu-1", "pd-decode-0-" + short_hash("decode-0@gpu-1")),
+    ("dots-become-dashes", "pd.x", "group-1", "node.rack.a", "pd-x-group-1-" + short_hash("group-1@node.rack.a")),
+    ("long-truncated", "c" * 50, "prefill-12", "n1", ("c" * 50 + "-pref") + "-" + short_hash("prefill-12@n1")),
 ]
 
 
@@ -36,26 +53,26 @@ NAME_CASES = [
     ("cluster", "unit", "node", "expected"), [c[1:] for c in NAME_CASES], ids=[c[0] for c in NAME_CASES]
 )
 def test_agent_name(cluster: str, unit: str, node: str, expected: str) -> None:
-    name = b.agent_name(cluster, unit, node)
+    name = agent_name(cluster, unit, node)
     assert name == expected
     assert len(name) <= 63
 
 
 def test_agent_names_distinct_per_unit_and_node_when_truncation_collides() -> None:
-    names = {b.agent_name("c" * 60, u, n) for u in ("prefill-1", "prefill-2") for n in ("a", "b")}
+    names = {agent_name("c" * 60, u, n) for u in ("prefill-1", "prefill-2") for n in ("a", "b")}
     assert len(names) == 4
 
 
 def test_rank_annotation_round_trips() -> None:
     ranks = (Rank("prefill", 1, 2, 3, 1, 0), Rank("decode", 0, 7, 0, 0, 5))
-    assert b.decode_ranks(b.encode_ranks(ranks)) == ranks
+    assert decode_ranks(encode_ranks(ranks)) == ranks
 
 
 def test_agent_pod_contract() -> None:
     builder = pdcluster().transport("rdma").prefill(tp=2).decode(tp=2).agent(resources={"limits": {"memory": "1Gi"}})
     placement = _placed(builder, [gpu_node("n1", 8, rdma=2)])
-    pods = b.build_agent_pods(REF, builder.spec(), placement)
-    assert [p["metadata"]["name"] for p in pods] == [b.agent_name("pd", u, "n1") for u in ("decode-0", "prefill-0")]
+    pods = build_agent_pods(REF, builder.spec(), placement)
+    assert [p["metadata"]["name"] for p in pods] == [agent_name("pd", u, "n1") for u in ("decode-0", "prefill-0")]
     pod = pods[0]
     spec = pod["spec"]
     (container,) = spec["containers"]
@@ -97,10 +114,10 @@ def test_agent_pod_contract() -> None:
     secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
     # Its own certificate only: the Secret is named after this pod; the CA's key is in none of them.
     assert secrets == {"engine-token": "pd-engine-token", "peer-tls": f"{pod['metadata']['name']}-peer-tls"}
-    assert spec["subdomain"] == b.service_name("pd")
+    assert spec["subdomain"] == service_name("pd")
     assert pod["metadata"]["ownerReferences"] == [REF.owner_reference()]
     assert pod["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == "uid-1"
-    assert b.decode_ranks(pod["metadata"]["annotations"]["pdfabric.dev/ranks"]) == placement.agents[0].ranks
+    assert decode_ranks(pod["metadata"]["annotations"]["pdfabric.dev/ranks"]) == placement.agents[0].ranks
 
 
 @pytest.mark.parametrize("transport", ["tcp", "rdma", "nvlink-intra"])
@@ -110,7 +127,7 @@ def test_node_pods_run_unprivileged_as_the_restricted_standard_asks(transport: s
     if engine:
         builder = builder.engine()
     placement = _placed(builder, [gpu_node("n1", 8, rdma=2)])
-    pod, *_ = b.build_agent_pods(REF, builder.spec(), placement)
+    pod, *_ = build_agent_pods(REF, builder.spec(), placement)
     spec, (container,) = pod["spec"], pod["spec"]["containers"]
     assert spec["securityContext"] == {
         "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532, "runAsNonRoot": True,
@@ -126,15 +143,15 @@ def test_node_pods_run_unprivileged_as_the_restricted_standard_asks(transport: s
 
 def test_a_root_user_is_allowed_and_then_not_claimed_non_root() -> None:
     builder = pdcluster().agent(runAsUser=0).engine()
-    pod, *_ = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    pod, *_ = build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
     ctx = pod["spec"]["securityContext"]
     assert (ctx["runAsUser"], ctx["fsGroup"]) == (0, 0) and "runAsNonRoot" not in ctx
     other = pdcluster().agent(runAsUser=1000)
-    pod, *_ = b.build_agent_pods(REF, other.spec(), _placed(other, [gpu_node("n1", 8)]))
+    pod, *_ = build_agent_pods(REF, other.spec(), _placed(other, [gpu_node("n1", 8)]))
     assert pod["spec"]["securityContext"]["runAsUser"] == 1000
     assert (
         pod["metadata"]["annotations"]["pdfabric.dev/pod-hash"]
-        != b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), [gpu_node("n1", 8)]))[0]["metadata"][
+        != build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), [gpu_node("n1", 8)]))[0]["metadata"][
             "annotations"
         ]["pdfabric.dev/pod-hash"]
     )  # a new user rolls the pods
@@ -142,16 +159,16 @@ def test_a_root_user_is_allowed_and_then_not_claimed_non_root() -> None:
 
 def test_tcp_pod_requests_no_rdma() -> None:
     builder = pdcluster()
-    for pod in b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8, rdma=2)])):
+    for pod in build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8, rdma=2)])):
         assert "rdma/hca" not in pod["spec"]["containers"][0]["resources"]["limits"]
 
 
 def test_pod_hash_changes_with_ranks_only() -> None:
     nodes = [gpu_node("n1", 8)]
-    one = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
-    same = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
+    one = build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
+    same = build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]
     more = pdcluster().decode(tp=2)
-    other = b.build_agent_pods(REF, more.spec(), _placed(more, nodes))[0]  # decode-0: more ranks
+    other = build_agent_pods(REF, more.spec(), _placed(more, nodes))[0]  # decode-0: more ranks
     key = "pdfabric.dev/pod-hash"
     assert one["metadata"]["annotations"][key] == same["metadata"]["annotations"][key]
     assert one["metadata"]["annotations"][key] != other["metadata"]["annotations"][key]
@@ -162,18 +179,18 @@ def test_rankmap_configmap_round_trips() -> None:
     placement = _placed(
         builder, [gpu_node("a", 8, clique="x"), gpu_node("b", 8, clique="x"), gpu_node("c", 8, clique="x")]
     )
-    rankmap = b.build_rankmap(REF, builder.raw_spec(), placement)
-    cm = b.build_rankmap_configmap(REF, rankmap)
+    rankmap = build_rankmap(REF, builder.raw_spec(), placement)
+    cm = build_rankmap_configmap(REF, rankmap)
     back = RankMap.from_json(cm["data"]["rankmap.json"])
     assert back == rankmap
     assert back.transport == "nvlink"
     assert {a.domain for a in back.agents} == {"x"}
-    assert [a.name for a in back.agents] == [b.agent_name("pd", a.unit, a.node) for a in placement.agents]
+    assert [a.name for a in back.agents] == [agent_name("pd", a.unit, a.node) for a in placement.agents]
     assert cm["metadata"]["annotations"]["pdfabric.dev/rankmap-hash"]
 
 
 def test_service_is_headless_and_selects_agents() -> None:
-    svc = b.build_headless_service(REF, pdcluster().spec())
+    svc = build_headless_service(REF, pdcluster().spec())
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {"pdfabric.dev/cluster-uid": "uid-1", "app.kubernetes.io/component": "agent"}
@@ -181,7 +198,7 @@ def test_service_is_headless_and_selects_agents() -> None:
 
 
 def test_secret_holds_the_engine_token() -> None:
-    secret = b.build_engine_token_secret(REF, "s3cret")
+    secret = build_engine_token_secret(REF, "s3cret")
     assert secret["stringData"] == {"token": "s3cret"}
     assert secret["metadata"]["name"] == "pd-engine-token"
     assert secret["metadata"]["ownerReferences"][0]["controller"] is True
@@ -203,8 +220,8 @@ def test_pod_hash_tracks_agent_config(change, replaced: bool) -> None:
     nodes = [gpu_node("n1", 8, labels={"pool": "x"})]
     base = pdcluster()
     changed = change(pdcluster())
-    before = b.build_agent_pods(REF, base.spec(), _placed(base, nodes))[0]["metadata"]["annotations"]
-    after = b.build_agent_pods(REF, changed.spec(), _placed(changed, nodes))[0]["metadata"]["annotations"]
+    before = build_agent_pods(REF, base.spec(), _placed(base, nodes))[0]["metadata"]["annotations"]
+    after = build_agent_pods(REF, changed.spec(), _placed(changed, nodes))[0]["metadata"]["annotations"]
     assert (before["pdfabric.dev/pod-hash"] != after["pdfabric.dev/pod-hash"]) is replaced
     assert before["pdfabric.dev/ranks"] == after["pdfabric.dev/ranks"]
 
@@ -224,11 +241,11 @@ def test_agent_device_requests_follow_the_transport_traits(transport: str, node,
     builder = pdcluster().transport(transport)
     placement = _placed(builder, [node])
     for agent in placement.agents:  # prefill-0 and decode-0, a pod each
-        assert b.agent_device_requests(builder.spec(), agent, placement.transport) == expected
+        assert agent_device_requests(builder.spec(), agent, placement.transport) == expected
 
 
 def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> None:
-    assert b.shared_children("pd") == [
+    assert shared_children("pd") == [
         ("ConfigMap", "pd-rankmap"),
         ("Service", "pd-agents"),
         ("Secret", "pd-engine-token"),
@@ -242,17 +259,17 @@ def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> Non
 
 
 def test_headless_service_carries_the_peer_door_not_the_engine_door() -> None:
-    svc = b.build_headless_service(REF, pdcluster().spec())
+    svc = build_headless_service(REF, pdcluster().spec())
     assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [("peer", 7401), ("metrics", 9400)]
 
 
 def test_secrets_are_owned_and_the_ca_key_is_only_in_the_ca_secret() -> None:
     ca = pki.new_ca("ns", "pd", "uid-1")
-    agent = b.agent_name("pd", "decode-0", "n1")
-    leaf = pki.issue_agent(ca, namespace="ns", cluster="pd", agent=agent, dns_name=b.peer_dns_name(REF, agent))
-    ca_secret = b.build_ca_secret(REF, ca)
-    tls = b.build_peer_tls_secret(REF, agent, leaf, ca)
-    for secret in (ca_secret, tls, b.build_engine_token_secret(REF, "t" * 32)):
+    agent = agent_name("pd", "decode-0", "n1")
+    leaf = pki.issue_agent(ca, namespace="ns", cluster="pd", agent=agent, dns_name=peer_dns_name(REF, agent))
+    ca_secret = build_ca_secret(REF, ca)
+    tls = build_peer_tls_secret(REF, agent, leaf, ca)
+    for secret in (ca_secret, tls, build_engine_token_secret(REF, "t" * 32)):
         assert secret["metadata"]["ownerReferences"] == [REF.owner_reference()]
     assert ca_secret["metadata"]["name"] == "pd-peer-ca"
     assert set(tls["stringData"]) == {"tls.crt", "tls.key", "ca.crt"}
@@ -265,21 +282,21 @@ def test_secrets_are_owned_and_the_ca_key_is_only_in_the_ca_secret() -> None:
     assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == agent
     cert.verify_directly_issued_by(ca.cert)
     as_read = {"data": {k: base64.b64encode(v.encode()).decode() for k, v in ca_secret["stringData"].items()}}
-    assert b.keypair_from_secret(as_read) == ca
+    assert keypair_from_secret(as_read) == ca
 
 
 def test_certificates_for_the_longest_names_the_api_allows() -> None:
     # A 63-character namespace and cluster, and a 63-character agent name (the DNS label bound).
     ns, cluster = "n" * 63, "c" * 63
-    ref = b.ClusterRef(ns, cluster, "0f5b3c2e-2a47-4e39-9c1e-3d7b2f8a9c10")
-    agent = b.agent_name(cluster, "prefill-9999", "node-" + "x" * 60)
+    ref = ClusterRef(ns, cluster, "0f5b3c2e-2a47-4e39-9c1e-3d7b2f8a9c10")
+    agent = agent_name(cluster, "prefill-9999", "node-" + "x" * 60)
     ca = pki.new_ca(ns, cluster, ref.uid)
-    leaf = pki.issue_agent(ca, namespace=ns, cluster=cluster, agent=agent, dns_name=b.peer_dns_name(ref, agent))
+    leaf = pki.issue_agent(ca, namespace=ns, cluster=cluster, agent=agent, dns_name=peer_dns_name(ref, agent))
     x509.load_pem_x509_certificate(leaf.cert_pem).verify_directly_issued_by(ca.cert)
 
 
 def test_network_policy_admits_only_this_clusters_agents_and_metrics() -> None:
-    policy = b.build_network_policy(REF, pdcluster().spec())
+    policy = build_network_policy(REF, pdcluster().spec())
     agents = {"matchLabels": {"pdfabric.dev/cluster-uid": "uid-1", "app.kubernetes.io/component": "agent"}}
     assert policy["spec"]["podSelector"] == agents
     assert policy["spec"]["policyTypes"] == ["Ingress"]
@@ -291,7 +308,7 @@ def test_network_policy_admits_only_this_clusters_agents_and_metrics() -> None:
 
 
 def test_network_policy_admits_only_the_monitoring_namespace_to_metrics() -> None:
-    policy = b.build_network_policy(REF, pdcluster().agent(metricsPort=9500).spec(), "monitoring")
+    policy = build_network_policy(REF, pdcluster().agent(metricsPort=9500).spec(), "monitoring")
     agents = {"matchLabels": {"pdfabric.dev/cluster-uid": "uid-1", "app.kubernetes.io/component": "agent"}}
     monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
     assert policy["spec"]["ingress"] == [
@@ -302,15 +319,15 @@ def test_network_policy_admits_only_the_monitoring_namespace_to_metrics() -> Non
 
 def test_network_policy_admits_the_operators_namespace_to_metrics_too() -> None:
     """The operator reads each agent's /readyz (the transport it really carries)."""
-    policy = b.build_network_policy(REF, pdcluster().spec(), "monitoring", "pdfabric-system")
+    policy = build_network_policy(REF, pdcluster().spec(), "monitoring", "pdfabric-system")
     names = [
         s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
         for s in policy["spec"]["ingress"][1]["from"]
     ]
     assert names == ["monitoring", "pdfabric-system"]
-    same = b.build_network_policy(REF, pdcluster().spec(), "monitoring", "monitoring")
+    same = build_network_policy(REF, pdcluster().spec(), "monitoring", "monitoring")
     assert len(same["spec"]["ingress"][1]["from"]) == 1
-    assert "from" not in b.build_network_policy(REF, pdcluster().spec(), "", "pdfabric-system")["spec"]["ingress"][1]
+    assert "from" not in build_network_policy(REF, pdcluster().spec(), "", "pdfabric-system")["spec"]["ingress"][1]
 
 
 # --- spec.engine: engines in the node pods -----------------------------------------------------
@@ -318,7 +335,7 @@ def test_network_policy_admits_the_operators_namespace_to_metrics_too() -> None:
 
 def _engine_pod(builder, nodes):
     placement = _placed(builder, nodes)
-    pods = b.build_agent_pods(REF, builder.spec(), placement)
+    pods = build_agent_pods(REF, builder.spec(), placement)
     return placement, pods
 
 
@@ -355,7 +372,7 @@ def test_engine_pod_is_one_container_holding_every_gpu_of_its_ranks() -> None:
     assert agent["command"] == ["pdfabric-agent"]  # the engine image's agent is the entrypoint
     res = agent["resources"]
     assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "8"
-    want = b.agent_device_requests(builder.spec(), placement.agents[0], placement.transport)["nvidia.com/gpu"]
+    want = agent_device_requests(builder.spec(), placement.agents[0], placement.transport)["nvidia.com/gpu"]
     assert int(res["limits"]["nvidia.com/gpu"]) == want  # what the planner and the ledger count
     # No GPU grant but the device plugin's: no privilege, no host namespaces, no visible-devices env.
     spec = pod["spec"]
@@ -547,9 +564,9 @@ def test_engine_services_one_headless_per_role_with_a_port_per_kth_engine() -> N
     # An intra-node group's pod runs a prefill engine and the two decode engines it feeds.
     builder = pdcluster().transport("nvlink-intra").decode(replicas=2).engine()
     placement = _placed(builder, [gpu_node("n1", 8)])
-    assert b.build_engine_service(REF, pdcluster().spec(), placement, Role.PREFILL) is None
-    pre = b.build_engine_service(REF, builder.spec(), placement, Role.PREFILL)
-    dec = b.build_engine_service(REF, builder.spec(), placement, Role.DECODE)
+    assert build_engine_service(REF, pdcluster().spec(), placement, Role.PREFILL) is None
+    pre = build_engine_service(REF, builder.spec(), placement, Role.PREFILL)
+    dec = build_engine_service(REF, builder.spec(), placement, Role.DECODE)
     assert pre["metadata"]["name"] == "pd-prefill" and dec["metadata"]["name"] == "pd-decode"
     assert pre["spec"]["clusterIP"] == "None" and not pre["spec"].get("publishNotReadyAddresses")
     assert pre["spec"]["selector"] == {"pdfabric.dev/cluster-uid": "uid-1", "pdfabric.dev/serves-prefill": "true"}
@@ -565,8 +582,8 @@ def test_engine_services_one_headless_per_role_with_a_port_per_kth_engine() -> N
 
 
 def test_network_policy_admits_engine_serving_ports_only_with_engines() -> None:
-    assert len(b.build_network_policy(REF, pdcluster().spec())["spec"]["ingress"]) == 2
-    ingress = b.build_network_policy(REF, pdcluster().engine().spec())["spec"]["ingress"]
+    assert len(build_network_policy(REF, pdcluster().spec())["spec"]["ingress"]) == 2
+    ingress = build_network_policy(REF, pdcluster().engine().spec())["spec"]["ingress"]
     assert ingress[-1] == {
         "ports": [
             {"protocol": "TCP", "port": 30000, "endPort": 30063},
@@ -580,14 +597,14 @@ def test_router_deployment_names_every_engine_as_its_worker() -> None:
     builder = builder.router(args=["--policy", "cache_aware"], replicas=2, nodeSelector={"pool": "cpu"})
     placement = _placed(builder, [gpu_node("n1", 8)])
     spec = builder.spec()
-    dep = b.build_router_deployment(REF, spec, placement)
+    dep = build_router_deployment(REF, spec, placement)
     assert dep is not None and dep["kind"] == "Deployment" and dep["metadata"]["name"] == "pd-router"
     assert dep["metadata"]["ownerReferences"] == [REF.owner_reference()]
     pod = dep["spec"]["template"]
     (c,) = pod["spec"]["containers"]
 
     def host(unit: str) -> str:
-        return f"{b.agent_name('pd', unit, 'n1')}.pd-agents.{REF.namespace}.svc"
+        return f"{agent_name('pd', unit, 'n1')}.pd-agents.{REF.namespace}.svc"
 
     assert c["command"] == ["python3", "-m", "sglang_router.launch_router"]
     assert c["args"] == [
@@ -610,25 +627,25 @@ def test_router_deployment_names_every_engine_as_its_worker() -> None:
     # Its pods are not agent pods (the operator's agent index selects component=agent).
     assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    svc = b.build_router_service(REF, spec)
+    svc = build_router_service(REF, spec)
     assert svc is not None and svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
     # What it is built from is in its hash: another placement, another hash.
-    other = b.build_router_deployment(REF, spec, _placed(builder, [gpu_node("n2", 8)]))
+    other = build_router_deployment(REF, spec, _placed(builder, [gpu_node("n2", 8)]))
     assert other is not None
     assert other["metadata"]["annotations"] != dep["metadata"]["annotations"]
 
 
 def test_no_router_without_spec_router() -> None:
     builder = pdcluster().engine()
-    assert b.build_router_deployment(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)])) is None
-    assert b.build_router_service(REF, builder.spec()) is None
+    assert build_router_deployment(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)])) is None
+    assert build_router_service(REF, builder.spec()) is None
 
 
 def test_nvlink_pods_are_pinned_to_their_node_its_domain_and_the_selector() -> None:
     builder = pdcluster().transport("nvlink").placement(nodeSelector={"pool": "pd"}).prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("x1", 4, clique="x", labels={"pool": "pd"}), gpu_node("x2", 4, clique="x", labels={"pool": "pd"})]
-    pods = b.build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
+    pods = build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
     for pod in pods:
         (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
             "nodeSelectorTerms"
@@ -662,8 +679,8 @@ def test_node_pod_carries_the_users_overrides_after_the_operators(engine: bool) 
     base = pdcluster().engine() if engine else pdcluster()
     builder = (pdcluster().engine() if engine else pdcluster()).agent(pod=OVERRIDES)
     nodes = [gpu_node("n1", 8)]
-    plain, *_ = b.build_agent_pods(REF, base.spec(), _placed(base, nodes))
-    pod, *_ = b.build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
+    plain, *_ = build_agent_pods(REF, base.spec(), _placed(base, nodes))
+    pod, *_ = build_agent_pods(REF, builder.spec(), _placed(builder, nodes))
     spec, (container,) = pod["spec"], pod["spec"]["containers"]
     (plain_container,) = plain["spec"]["containers"]
     assert spec["volumes"] == [*plain["spec"]["volumes"], WEIGHTS]
@@ -698,9 +715,9 @@ def test_node_pod_carries_the_users_overrides_after_the_operators(engine: bool) 
 )
 def test_an_override_change_replaces_the_pod_keeping_its_ranks(change: dict) -> None:
     nodes = [gpu_node("n1", 8)]
-    before = b.build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]["metadata"]["annotations"]
+    before = build_agent_pods(REF, pdcluster().spec(), _placed(pdcluster(), nodes))[0]["metadata"]["annotations"]
     changed = pdcluster().agent(pod=change)
-    after = b.build_agent_pods(REF, changed.spec(), _placed(changed, nodes))[0]["metadata"]["annotations"]
+    after = build_agent_pods(REF, changed.spec(), _placed(changed, nodes))[0]["metadata"]["annotations"]
     assert before["pdfabric.dev/pod-hash"] != after["pdfabric.dev/pod-hash"]
     assert before["pdfabric.dev/ranks"] == after["pdfabric.dev/ranks"]
 
@@ -709,8 +726,8 @@ def test_router_pods_carry_the_users_overrides() -> None:
     builder = pdcluster().engine().router(pod=OVERRIDES)
     plain_builder = pdcluster().engine().router()
     placement = _placed(builder, [gpu_node("n1", 8)])
-    dep = b.build_router_deployment(REF, builder.spec(), placement)
-    plain = b.build_router_deployment(REF, plain_builder.spec(), placement)
+    dep = build_router_deployment(REF, builder.spec(), placement)
+    plain = build_router_deployment(REF, plain_builder.spec(), placement)
     assert dep is not None and plain is not None
     template, plain_template = dep["spec"]["template"], plain["spec"]["template"]
     spec, (container,) = template["spec"], template["spec"]["containers"]
@@ -731,7 +748,7 @@ def test_every_label_and_annotation_the_operator_writes_is_reserved_from_the_use
     from pdfabric_operator import constants as c
 
     builder = pdcluster().engine()
-    pod, *_ = b.build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    pod, *_ = build_agent_pods(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
     for key in pod["metadata"]["labels"]:
         assert key in RESERVED_LABELS or key.startswith(RESERVED_KEY_PREFIX), key
     assert all(key.startswith(RESERVED_KEY_PREFIX) for key in pod["metadata"]["annotations"])

@@ -180,17 +180,19 @@ def test_helm_lint_with_monitoring_on() -> None:
 
 
 def test_podmonitor_selects_the_agent_pods_the_operator_builds() -> None:
-    from pdfabric_operator import builders as b
+    from pdfabric_operator.builders.agent_pod import build_agent_pods
+    from pdfabric_operator.builders.names import ClusterRef
+    from pdfabric_operator.builders.router import build_router_deployment
     from pdfabric_operator.placement import Placement
     from pdfabric_operator.planner import plan_placement
     from tests.builders import gpu_node, pdcluster
 
-    ref = b.ClusterRef("team-a", "pd", "uid-1")
+    ref = ClusterRef("team-a", "pd", "uid-1")
     spec = pdcluster().engine().router().spec()
     placement = plan_placement(spec, [gpu_node("n1", 8, rdma=2)], [], cluster_uid=ref.uid)
     assert isinstance(placement, Placement)
-    pod = b.build_agent_pods(ref, spec, placement)[0]
-    router = b.build_router_deployment(ref, spec, placement)
+    pod = build_agent_pods(ref, spec, placement)[0]
+    router = build_router_deployment(ref, spec, placement)
     assert router is not None
     router_pod = router["spec"]["template"]
     (pm,) = [

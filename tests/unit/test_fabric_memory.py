@@ -19,7 +19,8 @@ from pdfabric_agent.node.hardware import Hardware, detect_fabric_memory, detect_
 from pdfabric_agent.node.transport import TransportError, choose_transport
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.spec import PDClusterSpec, PlacementSpec
-from pdfabric_operator import builders as b
+from pdfabric_operator.builders.agent_pod import build_agent_pods
+from pdfabric_operator.builders.names import ClusterRef
 from pdfabric_operator.placement import Placement
 from pdfabric_operator.planner import plan_placement
 from tests.builders import gpu_node, pdcluster
@@ -219,7 +220,7 @@ def _nvlink_pods() -> list[dict[str, Any]]:
     nodes = [gpu_node("x1", 4, clique="x"), gpu_node("x2", 4, clique="x")]
     placement = plan_placement(builder.spec(), nodes, [], cluster_uid="uid-1")
     assert isinstance(placement, Placement)
-    return b.build_agent_pods(b.ClusterRef("ns", "pd", "uid-1"), builder.spec(), placement)
+    return build_agent_pods(ClusterRef("ns", "pd", "uid-1"), builder.spec(), placement)
 
 
 def test_nvlink_pods_get_their_gpus_and_no_fabric_claim() -> None:

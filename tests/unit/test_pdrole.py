@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdfabric_operator import builders as b
 from pdfabric_operator import constants as c
+from pdfabric_operator.builders.names import ClusterRef
 from pdfabric_operator.roles import (
     Refusal,
     SyncDecision,
@@ -84,7 +84,7 @@ def test_one_sync_brings_agreement_and_the_next_writes_nothing(cluster: int, rol
 
 # --- the PDRole object -------------------------------------------------------------------------
 
-REF = b.ClusterRef("ns", "pd", "uid-1")
+REF = ClusterRef("ns", "pd", "uid-1")
 
 
 def test_build_role_is_owned_recorded_and_labelled() -> None:

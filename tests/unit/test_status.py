@@ -8,7 +8,7 @@ import pytest
 
 from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
-from pdfabric_operator.builders import agent_name
+from pdfabric_operator.builders.names import agent_name
 from pdfabric_operator.conditions import agent_fallbacks
 from pdfabric_operator.observed import AgentView, Observed
 from pdfabric_operator.placement import Placement, PlacementFailure

@@ -10,8 +10,9 @@ import pytest
 
 from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
-from pdfabric_operator import builders as b
 from pdfabric_operator.agentstate import AgentReport
+from pdfabric_operator.builders.credentials import keypair_from_secret
+from pdfabric_operator.builders.names import ClusterRef, agent_name, ca_secret_name, peer_tls_secret_name
 from pdfabric_operator.kube import Refused
 from pdfabric_operator.metrics import ReconcileResult
 from pdfabric_operator.placement import PlacedPod
@@ -83,7 +84,7 @@ class FakeKube:
 
 
 def _run(
-    kube: FakeKube, ref: b.ClusterRef, builder: Any, snap: Snapshot, memory: ClusterMemory, ledger: Ledger, **kw: Any
+    kube: FakeKube, ref: ClusterRef, builder: Any, snap: Snapshot, memory: ClusterMemory, ledger: Ledger, **kw: Any
 ):
     return reconcile_once(
         kube,
@@ -108,7 +109,7 @@ def one_pod() -> Any:
 
 def test_converges_then_steady_state_makes_no_writes() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = pdcluster().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     first = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
@@ -137,7 +138,7 @@ def test_ledger_prevents_double_booking_before_the_cache_catches_up() -> None:
     builder = pdcluster().prefill(tp=4).decode(tp=4)
     # Neither cluster's pods are in the (empty) watch cache yet.
     for uid in ("u1", "u2"):
-        _run(kube, b.ClusterRef("ns", f"pd-{uid}", uid), builder, Snapshot(nodes, [], []), ClusterMemory(), ledger)
+        _run(kube, ClusterRef("ns", f"pd-{uid}", uid), builder, Snapshot(nodes, [], []), ClusterMemory(), ledger)
     used = {
         (o["metadata"]["labels"]["pdfabric.dev/cluster-uid"], o["metadata"]["annotations"]["pdfabric.dev/node"])
         for (kind, _, _), o in kube.objects.items()
@@ -152,7 +153,7 @@ def test_foreign_pods_count_until_ledger_knows_the_owner() -> None:
     cached = [PlacedPod("a", {"nvidia.com/gpu": 8}, None)]  # not a PDCluster's pod
     _run(
         kube,
-        b.ClusterRef("ns", "pd", "u1"),
+        ClusterRef("ns", "pd", "u1"),
         pdcluster().prefill(tp=4).decode(tp=4),
         Snapshot(nodes, cached, []),
         ClusterMemory(),
@@ -164,7 +165,7 @@ def test_foreign_pods_count_until_ledger_knows_the_owner() -> None:
 
 def test_stale_pod_is_replaced_and_unplaceable_removes_children() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
     decode, old = kube.pods("u1")  # decode-0's pod, prefill-0's
@@ -187,7 +188,7 @@ def test_replan_after_node_loss_is_stable_while_pods_are_replaced() -> None:
     # Regression: stickiness read from pods flipped ranks between two nodes while one pod was
     # being replaced (its deleting pod no longer counted, so the plan moved the other way).
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = pdcluster().prefill(replicas=2, tp=4).decode(replicas=1, tp=4)
     nodes = [gpu_node(n, 8) for n in "abc"]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
@@ -206,7 +207,7 @@ def test_replan_after_node_loss_is_stable_while_pods_are_replaced() -> None:
 
 def test_status_written_by_someone_else_is_corrected() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
     _run(kube, ref, pdcluster(), Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
@@ -221,7 +222,7 @@ def test_status_written_by_someone_else_is_corrected() -> None:
 
 def test_failed_agent_is_replaced() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, one_pod(), Snapshot(nodes, [], []), memory, ledger)
     (pod,) = kube.pods("u1")
@@ -256,7 +257,7 @@ def test_ledger_merge(cached, usage, expected) -> None:
 
 def test_image_change_rolls_one_agent_at_a_time() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node(n, 8) for n in "abc"]
     old = pdcluster().prefill(replicas=2, tp=8).decode(tp=8)
     _run(kube, ref, old, Snapshot(nodes, [], []), memory, ledger)
@@ -287,7 +288,7 @@ def _ready(kube: FakeKube) -> tuple[str, str, str]:
 
 def test_ready_stays_true_while_old_pods_serve_a_rolling_update() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node(n, 8) for n in "ab"]
     old = pdcluster().prefill(tp=8).decode(tp=8)
     _run(kube, ref, old, Snapshot(nodes, [], []), memory, ledger)
@@ -308,7 +309,7 @@ def test_ready_stays_true_while_old_pods_serve_a_rolling_update() -> None:
 
 def test_agents_on_other_settings_do_not_count_as_serving() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node(n, 8) for n in "ab"]
     old = pdcluster().prefill(tp=8).decode(tp=8)
     _run(kube, ref, old, Snapshot(nodes, [], []), memory, ledger)
@@ -320,19 +321,19 @@ def test_agents_on_other_settings_do_not_count_as_serving() -> None:
 
 
 def _cert_serial(kube: FakeKube, agent: str) -> str:
-    secret = kube.objects[("Secret", "ns", b.peer_tls_secret_name(agent))]
+    secret = kube.objects[("Secret", "ns", peer_tls_secret_name(agent))]
     return str(secret["metadata"]["annotations"]["pdfabric.dev/cert-serial"])
 
 
 def test_each_new_agent_pod_gets_a_new_certificate_and_a_gone_agent_leaves_none() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     (pod,) = kube.pods("u1")
     first = _cert_serial(kube, pod.name)
-    ca = kube.objects[("Secret", "ns", b.ca_secret_name("pd"))]
+    ca = kube.objects[("Secret", "ns", ca_secret_name("pd"))]
     # Steady state: nothing is re-issued.
     _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     assert _cert_serial(kube, pod.name) == first
@@ -341,16 +342,16 @@ def test_each_new_agent_pod_gets_a_new_certificate_and_a_gone_agent_leaves_none(
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     assert ("Pod", "ns", pod.name) in kube.objects
     assert _cert_serial(kube, pod.name) != first
-    assert kube.objects[("Secret", "ns", b.ca_secret_name("pd"))] is ca
+    assert kube.objects[("Secret", "ns", ca_secret_name("pd"))] is ca
     # No node fits any more: the pods go, and so do their certificates.
     _run(kube, ref, builder, Snapshot([], [], kube.pods("u1")), memory, ledger)
-    assert ("Secret", "ns", b.peer_tls_secret_name(pod.name)) not in kube.objects
+    assert ("Secret", "ns", peer_tls_secret_name(pod.name)) not in kube.objects
 
 
 def test_network_policy_follows_the_operator_settings() -> None:
     """Settings change with an operator restart (a fresh memory): the policy is updated or deleted."""
     kube, ledger = FakeKube(), Ledger()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder, nodes = pdcluster().prefill(tp=4).decode(tp=4), [gpu_node("a", 8)]
     key = ("NetworkPolicy", "ns", "pd-agents")
 
@@ -370,7 +371,7 @@ def test_network_policy_follows_the_operator_settings() -> None:
 
 def test_a_namesake_network_policy_is_never_replaced_or_deleted() -> None:
     kube, ledger = FakeKube(), Ledger()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     theirs = {"kind": "NetworkPolicy", "metadata": {"name": "pd-agents", "namespace": "ns"}, "spec": {"x": 1}}
     kube.objects[("NetworkPolicy", "ns", "pd-agents")] = theirs
     for kw in ({"monitoring_namespace": "monitoring"}, {"network_policy": False}):
@@ -403,7 +404,7 @@ def _report(ready: bool = True, **restarts: int) -> AgentReport:
 
 def test_engine_readiness_and_the_agents_own_come_from_readyz() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = one_pod().engine()
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
@@ -426,7 +427,7 @@ def test_engine_readiness_and_the_agents_own_come_from_readyz() -> None:
 
 def test_engine_restarts_emit_one_event_per_growth() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = one_pod().engine()
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)  # no pods yet: any pod is new
@@ -457,7 +458,7 @@ def test_peer_certificates_are_renewed_in_place_two_thirds_through() -> None:
     from pdfabric_operator import pki
 
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     valid = datetime.timedelta(days=30)
@@ -465,13 +466,13 @@ def test_peer_certificates_are_renewed_in_place_two_thirds_through() -> None:
     kw: dict[str, Any] = {"cert_valid_for": valid, "now": lambda: clock[0]}
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger, **kw)
     (name,) = [n for (kind, _, n) in kube.objects if kind == "Pod"]
-    secret_key = ("Secret", "ns", b.peer_tls_secret_name(name))
+    secret_key = ("Secret", "ns", peer_tls_secret_name(name))
 
     def serial() -> str:
         return str(kube.objects[secret_key]["metadata"]["annotations"]["pdfabric.dev/cert-serial"])
 
     first = serial()
-    leaf = b.keypair_from_secret(kube.objects[secret_key])
+    leaf = keypair_from_secret(kube.objects[secret_key])
     assert pki.not_after(leaf.cert_pem) - clock[0] <= valid
     due = pki.renewal_time(leaf.cert_pem)
     assert abs(due - (clock[0] + valid * 2 / 3)) < datetime.timedelta(seconds=5)
@@ -489,7 +490,7 @@ def test_peer_certificates_are_renewed_in_place_two_thirds_through() -> None:
     kube.calls.clear()
     fresh = ClusterMemory()
     restarted = _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), fresh, ledger, **kw)
-    assert not restarted.notices and ("get", "Secret", b.peer_tls_secret_name(name)) in kube.calls
+    assert not restarted.notices and ("get", "Secret", peer_tls_secret_name(name)) in kube.calls
     # A Secret that is gone is issued again for the running pod.
     del kube.objects[secret_key]
     fresh = ClusterMemory()
@@ -499,7 +500,7 @@ def test_peer_certificates_are_renewed_in_place_two_thirds_through() -> None:
 
 def test_spec_router_is_created_read_for_readiness_replaced_when_engines_move_and_removed() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = pdcluster().engine().router()
     nodes = [gpu_node("a", 8)]
     first = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
@@ -548,13 +549,13 @@ class RefusingKube(FakeKube):
 
 def test_a_refused_agent_pod_is_reported_and_tried_again() -> None:
     kube, ledger, memory = RefusingKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     res = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "PodRejected")
-    name = b.agent_name("pd", "group-0", "a")
+    name = agent_name("pd", "group-0", "a")
     assert ready["message"] == f"the API server refused agent pod {name}: {RefusingKube.REFUSAL}"
     assert res.problem == ("PodRejected", ready["message"])  # the Event
     assert not any(a.startswith("create pod") for a in res.actions)
@@ -573,14 +574,14 @@ def test_a_refused_agent_pod_is_reported_and_tried_again() -> None:
 
 def test_an_agent_pod_the_scheduler_does_not_bind_is_reported() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = one_pod().prefill(tp=4).decode(tp=4)
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
     word = "0/1 nodes are available: 1 Insufficient cpu."
     pending = [dataclasses.replace(p, ready=False, unschedulable=word) for p in kube.pods("u1")]
     res = _run(kube, ref, builder, Snapshot(nodes, [], pending), memory, ledger)
-    name = b.agent_name("pd", "group-0", "a")
+    name = agent_name("pd", "group-0", "a")
     (ready,) = [c for c in kube.status["conditions"] if c["type"] == "Ready"]
     assert (ready["reason"], ready["message"]) == (
         "PodUnschedulable",
@@ -599,7 +600,7 @@ def test_an_agent_pod_the_scheduler_does_not_bind_is_reported() -> None:
 
 def test_unplaceable_deletes_only_the_children_it_owns() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
     # A user's own objects that carry names of this cluster's children (never created here: no
@@ -620,7 +621,7 @@ def test_unplaceable_deletes_only_the_children_it_owns() -> None:
 
 def test_result_carries_ready_and_placed_for_the_gauges() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     nodes = [gpu_node("a", 8)]
     first = _run(kube, ref, pdcluster(), Snapshot(nodes, [], []), memory, ledger)
     assert (first.ready, first.placed) == (False, True)
@@ -646,7 +647,7 @@ def test_an_unbound_agent_pod_holds_its_planned_nodes_gpus_in_the_index() -> Non
 
 def test_membership_is_unsettled_only_while_an_agent_that_answered_runs_an_older_rank_map() -> None:
     kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
-    ref = b.ClusterRef("ns", "pd", "u1")
+    ref = ClusterRef("ns", "pd", "u1")
     builder = one_pod()
     nodes = [gpu_node("a", 8)]
     _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
