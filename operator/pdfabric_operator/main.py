@@ -26,9 +26,12 @@ from prometheus_client import start_http_server
 from pdfabric_core.spec import SpecError, parse_spec
 from pdfabric_operator import constants as c
 from pdfabric_operator.agentstate import AgentAddress, AgentReport, AgentTransport, read_reports
+from pdfabric_operator.bookkeeping import ClusterMemory
 from pdfabric_operator.builders.names import ClusterRef
+from pdfabric_operator.children import delete_owned_children
 from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, error_type, load_configuration
+from pdfabric_operator.ledger import LEDGER
 from pdfabric_operator.metrics import (
     CLUSTERS,
     ERRORS,
@@ -39,14 +42,7 @@ from pdfabric_operator.metrics import (
     ReconcileResult,
 )
 from pdfabric_operator.placement import GpuNode, PlacedPod
-from pdfabric_operator.reconcile import (
-    LEDGER,
-    ClusterMemory,
-    OwnPod,
-    Snapshot,
-    delete_owned_children,
-    reconcile_once,
-)
+from pdfabric_operator.reconcile import reconcile_once
 from pdfabric_operator.roles import (
     ROLES,
     RolesMemory,
@@ -57,6 +53,7 @@ from pdfabric_operator.roles import (
     sync_roles,
 )
 from pdfabric_operator.scheduling import taints_from, unschedulable_message
+from pdfabric_operator.snapshot import OwnPod, Snapshot
 
 
 class _State:

@@ -11,12 +11,15 @@ import pytest
 from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
 from pdfabric_operator.agentstate import AgentReport
+from pdfabric_operator.bookkeeping import ClusterMemory
 from pdfabric_operator.builders.credentials import keypair_from_secret
 from pdfabric_operator.builders.names import ClusterRef, agent_name, ca_secret_name, peer_tls_secret_name
 from pdfabric_operator.kube import Refused
+from pdfabric_operator.ledger import Ledger
 from pdfabric_operator.metrics import ReconcileResult
 from pdfabric_operator.placement import PlacedPod
-from pdfabric_operator.reconcile import ClusterMemory, Ledger, OwnPod, Snapshot, reconcile_once
+from pdfabric_operator.reconcile import reconcile_once
+from pdfabric_operator.snapshot import OwnPod, Snapshot
 from tests.builders import gpu_node, pdcluster
 
 

@@ -1,0 +1,176 @@
+"""Step 3's shared children of a PDCluster, applied: the rank-map ConfigMap, the engine-token and
+peer-CA Secrets, the headless Service, the NetworkPolicy, the engines' Services and spec.router's
+Deployment and Service; each created when missing, replaced when it differs, and deleted only when
+this PDCluster owns it (the names are deterministic, so a user's namesake is left alone)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import RankMap
+from pdfabric_core.spec import PDClusterSpec
+from pdfabric_operator import constants as c
+from pdfabric_operator.bookkeeping import ClusterMemory, Result
+from pdfabric_operator.builders.credentials import build_engine_token_secret
+from pdfabric_operator.builders.names import (
+    ClusterRef,
+    ca_secret_name,
+    engine_service_name,
+    engine_token_secret_name,
+    network_policy_name,
+    peer_tls_secret_name,
+    router_name,
+    service_name,
+    shared_children,
+)
+from pdfabric_operator.builders.rankmap import build_rankmap_configmap
+from pdfabric_operator.builders.router import build_router_deployment, build_router_service
+from pdfabric_operator.builders.services import build_engine_service, build_headless_service
+from pdfabric_operator.kube import Kube
+from pdfabric_operator.peer_certs import cluster_ca
+from pdfabric_operator.placement import Placement
+
+
+def ensure_shared_children(
+    kube: Kube,
+    ref: ClusterRef,
+    spec: PDClusterSpec,
+    rankmap: RankMap,
+    policy: dict[str, Any] | None,
+    memory: ClusterMemory,
+    recheck_after: float,
+    out: Result,
+) -> None:
+    """`policy`: the NetworkPolicy wanted, None when the operator's settings turn it off (one
+    built before is deleted then); one that differs (the monitoring namespace changed) is replaced."""
+    cm = build_rankmap_configmap(ref, rankmap)
+    want_hash = cm["metadata"]["annotations"][c.ANN_RANKMAP_HASH]
+    fresh = time.monotonic() - memory.children_checked_at < recheck_after
+    if fresh and memory.last_rankmap_hash == want_hash:
+        return
+    if kube.get("Secret", ref.namespace, engine_token_secret_name(ref.name)) is None:
+        kube.create(build_engine_token_secret(ref, secrets.token_urlsafe(32)))
+        out.actions.append("create engine-token secret")
+    if kube.get("Secret", ref.namespace, ca_secret_name(ref.name)) is None:
+        cluster_ca(kube, ref)
+        out.actions.append("create peer CA secret")
+    if kube.get("Service", ref.namespace, service_name(ref.name)) is None:
+        kube.create(build_headless_service(ref, spec))
+        out.actions.append("create service")
+    have_policy = kube.get("NetworkPolicy", ref.namespace, network_policy_name(ref.name))
+    # Only this cluster's own policy is replaced or deleted, never a namesake someone else made.
+    owned = have_policy is not None and owned_by(have_policy, ref.uid)
+    if policy is None:
+        if owned and kube.delete("NetworkPolicy", ref.namespace, network_policy_name(ref.name)):
+            out.actions.append("delete networkpolicy (turned off)")
+    elif have_policy is None:
+        kube.create(policy)
+        out.actions.append("create networkpolicy")
+    elif owned and have_policy.get("spec") != policy["spec"]:
+        kube.replace(policy, have_policy["metadata"]["resourceVersion"])
+        out.actions.append("update networkpolicy")
+    have = kube.get("ConfigMap", ref.namespace, cm["metadata"]["name"])
+    if have is None:
+        kube.create(cm)
+        out.actions.append("create configmap")
+    elif (have["metadata"].get("annotations") or {}).get(c.ANN_RANKMAP_HASH) != want_hash:
+        kube.replace(cm, have["metadata"]["resourceVersion"])
+        out.actions.append("update configmap")
+    memory.children_checked_at = time.monotonic()
+    memory.last_rankmap_hash = want_hash
+
+
+def service_ports(svc: Mapping[str, Any]) -> list[tuple[str, int, str]]:
+    return [(p.get("name", ""), p.get("port", 0), str(p.get("targetPort", ""))) for p in svc["spec"].get("ports") or []]
+
+
+def ensure_engine_services(kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result) -> None:
+    """The per-role Services of the engines: created, updated when their ports change (a node
+    got a second engine of a role), deleted when spec.engine goes (only ours, never a namesake)."""
+    for role in Role:
+        want = build_engine_service(ref, spec, placement, role)
+        name = engine_service_name(ref.name, role.value)
+        have = kube.get("Service", ref.namespace, name)
+        owned = have is not None and owned_by(have, ref.uid)
+        if want is None:
+            if owned and kube.delete("Service", ref.namespace, name):
+                out.actions.append(f"delete service {name} (no engines)")
+        elif have is None:
+            if kube.create(want):
+                out.actions.append(f"create service {name}")
+        elif owned and (
+            service_ports(have) != service_ports(want) or have["spec"].get("selector") != want["spec"]["selector"]
+        ):
+            body = dict(
+                want, spec={**have["spec"], "ports": want["spec"]["ports"], "selector": want["spec"]["selector"]}
+            )
+            kube.replace(body, have["metadata"]["resourceVersion"])
+            out.actions.append(f"update service {name}")
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
+
+
+def delete_owned_children(kube: Kube, ref: ClusterRef, agents: Sequence[str], *, shared: bool = True) -> list[str]:
+    """Delete the peer-certificate Secrets of `agents` and (with `shared`) every shared child of
+    the cluster, each only if this PDCluster owns it: the names are deterministic, so a user's own
+    object may carry one, and it is not ours to delete. The uid precondition keeps a namesake
+    created between the read and the delete. Returns what was deleted, as actions."""
+    children = [("Secret", peer_tls_secret_name(a)) for a in agents]
+    if shared:
+        children += shared_children(ref.name)
+    actions = []
+    for kind, name in children:
+        have = kube.get(kind, ref.namespace, name)
+        if have is None or not owned_by(have, ref.uid):
+            continue
+        if kube.delete(kind, ref.namespace, name, uid=have["metadata"].get("uid")):
+            actions.append(f"delete {kind} {name}")
+    return actions
+
+
+def ensure_router(
+    kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, memory: ClusterMemory, out: Result
+) -> Mapping[str, Any] | None:
+    """spec.router's Deployment and Service: created, the Deployment replaced when what it was
+    built from differs (the engines moved, spec.router changed: it rolls with a surge), both
+    deleted when spec.router goes (ours only, never a namesake). Returns the Deployment as read,
+    for its readiness in the status; read on every reconcile only while spec.router is set."""
+    name, ns = router_name(ref.name), ref.namespace
+    want = build_router_deployment(ref, spec, placement)
+    if want is None:
+        if memory.router_absent:
+            return None
+        for kind in ("Deployment", "Service"):
+            have = kube.get(kind, ns, name)
+            if have is not None and owned_by(have, ref.uid) and kube.delete(kind, ns, name):
+                out.actions.append(f"delete {kind.lower()} {name} (no router)")
+        memory.router_absent = True
+        return None
+    memory.router_absent = False
+    have = kube.get("Deployment", ns, name)
+    if have is None:
+        if kube.create(want):
+            out.actions.append(f"create deployment {name}")
+    elif owned_by(have, ref.uid):
+        have_hash = (have["metadata"].get("annotations") or {}).get(c.ANN_ROUTER_HASH)
+        if have_hash != want["metadata"]["annotations"][c.ANN_ROUTER_HASH]:
+            kube.replace(want, have["metadata"]["resourceVersion"])
+            out.actions.append(f"update deployment {name}")
+    svc = build_router_service(ref, spec)
+    assert svc is not None
+    have_svc = kube.get("Service", ns, name)
+    if have_svc is None:
+        if kube.create(svc):
+            out.actions.append(f"create service {name}")
+    elif owned_by(have_svc, ref.uid) and service_ports(have_svc) != service_ports(svc):
+        kube.replace(
+            dict(svc, spec={**have_svc["spec"], "ports": svc["spec"]["ports"]}), have_svc["metadata"]["resourceVersion"]
+        )
+        out.actions.append(f"update service {name}")
+    return have
