@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pdfabric_operator.kube import Kube
-from pdfabric_operator.main import STATE
+from pdfabric_operator.operator_state import STATE
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h
 from tests.integration.pdcluster_harness import (
