@@ -1,6 +1,8 @@
-"""Engine-owned memory (agent/memory.py): a registration is checked against the PDCluster's model
-before anything is mapped, mapped buffers are the engine's bytes, and token-major head slices
-plan exactly the bytes a per-token copy moves."""
+"""Engine-owned memory (ranks/engine_memory.py): a registration is checked against the PDCluster's
+model and the devices the agent's transport takes before anything is mapped (GPU KV on tcp and the
+NVLink transports, host memory on rdma; refusals name the transport actually chosen), mapped
+buffers are the engine's bytes, and token-major head slices plan exactly the bytes a per-token
+copy moves."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from pdfabric_agent.memory.plan import MemoryMap, TransferSide, decode_targets, 
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
-from pdfabric_agent.ranks.engine_memory import EngineMemory, engine_layout
-from pdfabric_core.policy.types import Device, Role
+from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
+from pdfabric_core.policy.types import MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import parse_spec
 
@@ -52,13 +54,16 @@ def registration(
     return MemoryRegistration("prefill-0-tp0-cp0", PageOrder.TOKEN_MAJOR, 16, page_bytes, k, v, 0, [], list(aux), a)
 
 
-def layout_of(reg: MemoryRegistration, s: object) -> object:
-    return engine_layout(reg, s, Rank(Role.PREFILL, 0, 0), kv_device=Device.CPU, aux_device=Device.CPU)  # type: ignore[arg-type]
+TCP = MemoryRules(Transport.TCP, Transport.TCP, MemPool.NONE, engine_moves_gpu=False)
 
 
-def refused(reg: MemoryRegistration, s: object) -> ApiError:
+def layout_of(reg: MemoryRegistration, s: object, rules: MemoryRules = TCP) -> object:
+    return engine_layout(reg, s, Rank(Role.PREFILL, 0, 0), rules)  # type: ignore[arg-type]
+
+
+def refused(reg: MemoryRegistration, s: object, rules: MemoryRules = TCP) -> ApiError:
     with pytest.raises(ApiError) as exc:
-        layout_of(reg, s)
+        layout_of(reg, s, rules)
     assert (exc.value.status, exc.value.reason) == (422, "layout_mismatch")
     return exc.value
 
@@ -88,16 +93,83 @@ def test_a_registration_that_does_not_fit_the_model_names_the_mismatch(
     assert named in refused(registration(tmp_path / "f", **change), spec()).message  # type: ignore[arg-type]
 
 
-def test_gpu_buffers_on_a_cpu_transport_are_refused(tmp_path: Path) -> None:
-    reg = registration(tmp_path / "f")
-    gpu = BufferShare(
-        ShareKind.CUDA_IPC,
-        PAGE * 4,
-        0,
-        export={"handle": "ab", "offset": 0, "nbytes": PAGE * 4, "device": 0, "owner_pid": 1},
-    )
-    reg = MemoryRegistration(reg.rank, reg.page_order, 16, PAGE, [gpu, *reg.k[1:]], reg.v, 0, [], [64, 64], reg.aux)
-    assert "must be cpu memory" in refused(reg, spec()).message
+def gpu_share(nbytes: int) -> BufferShare:
+    export = {"handle": "ab", "offset": 0, "nbytes": nbytes, "device": 0, "owner_pid": 1}
+    return BufferShare(ShareKind.CUDA_IPC, nbytes, 0, export=export)
+
+
+def with_gpu(reg: MemoryRegistration, *, kv: bool = True, aux: bool = False) -> MemoryRegistration:
+    """The registration with its KV (and aux) buffers as CUDA IPC shares of the same sizes."""
+    k = [gpu_share(b.nbytes) for b in reg.k] if kv else reg.k
+    v = [gpu_share(b.nbytes) for b in reg.v] if kv else reg.v
+    a = [gpu_share(b.nbytes) for b in reg.aux] if aux else reg.aux
+    return MemoryRegistration(reg.rank, reg.page_order, 16, PAGE, k, v, 0, [], [64, 64], a)
+
+
+def rules(transport: str, requested: str | None = None, pool: str = "NONE", gpu: bool = True) -> MemoryRules:
+    return MemoryRules(Transport(transport), Transport(requested or transport), MemPool(pool), engine_moves_gpu=gpu)
+
+
+@pytest.mark.parametrize(
+    ("rule", "kv_gpu", "aux_gpu"),
+    [
+        (rules("tcp"), True, False),
+        (rules("tcp"), False, False),
+        (rules("rdma"), False, False),
+        (rules("nvlink-intra", pool="INTRA_NODE_NVLINK"), True, True),
+        # placement.fallback TCP: the agent runs tcp, so the GPU engine is served, its aux wherever
+        # the pool puts metadata (INTRA_NODE_NVLINK: on the GPU; NVLINK: on the CPU).
+        (rules("tcp", "nvlink-intra", pool="INTRA_NODE_NVLINK"), True, True),
+        (rules("tcp", "nvlink", pool="NVLINK"), True, False),
+    ],
+    ids=[
+        "tcp-gpu-kv",
+        "tcp-cpu-kv",
+        "rdma-cpu-kv",
+        "nvlink-intra-gpu",
+        "fallback-from-nvlink-intra",
+        "fallback-from-nvlink",
+    ],
+)
+def test_engine_kv_is_taken_on_the_devices_of_the_transport_the_agent_runs(
+    tmp_path: Path, rule: MemoryRules, kv_gpu: bool, aux_gpu: bool
+) -> None:
+    reg = with_gpu(registration(tmp_path / "f"), kv=kv_gpu, aux=aux_gpu)
+    assert layout_of(reg, spec(), rule).kv_pages == 4  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("rule", "kv_gpu", "aux_gpu", "message"),
+    [
+        (rules("rdma"), True, False, "KV buffers must be cpu memory on this agent's transport (rdma; memPool NONE); "
+         "one is shared as cuda-ipc (an engine's GPU KV moves on tcp, nvlink-intra, nvlink)"),
+        (rules("nvlink-intra", pool="INTRA_NODE_NVLINK"), False, True, "KV buffers must be cuda memory on this "
+         "agent's transport (nvlink-intra; memPool INTRA_NODE_NVLINK); one is shared as shm"),
+        (rules("tcp"), True, True, "aux buffers must be cpu memory on this agent's transport (tcp; memPool NONE); "
+         "one is shared as cuda-ipc"),
+        # A fallback refusal names tcp, the transport the agent runs, and what it fell back from.
+        (rules("tcp", "nvlink", pool="NVLINK"), True, True, "aux buffers must be cpu memory on this agent's "
+         "transport (tcp, the declared fallback from nvlink; memPool NVLINK); one is shared as cuda-ipc"),
+        (rules("tcp", "nvlink-intra", pool="INTRA_NODE_NVLINK", gpu=False), True, True, "KV buffers are GPU memory, "
+         "but the transfer engine of this agent's transport (tcp, the declared fallback from nvlink-intra; memPool "
+         "INTRA_NODE_NVLINK) moves host memory only (Mooncake built without CUDA"),
+    ],
+    ids=["rdma-gpu-kv", "nvlink-intra-cpu-kv", "tcp-gpu-aux", "fallback-gpu-aux", "fallback-engine-without-cuda"],
+)  # fmt: skip
+def test_a_refusal_names_the_transport_the_agent_runs(
+    tmp_path: Path, rule: MemoryRules, kv_gpu: bool, aux_gpu: bool, message: str
+) -> None:
+    reg = with_gpu(registration(tmp_path / "f"), kv=kv_gpu, aux=aux_gpu)
+    assert message in refused(reg, spec(), rule).message
+
+
+def test_the_cpu_agents_mooncake_is_the_build_without_cuda() -> None:
+    """This environment's Mooncake is the CPU agent image's (mooncake-transfer-engine-non-cuda): GPU
+    memory is refused before it reaches an engine that would read a device pointer as host memory."""
+    pytest.importorskip("mooncake.engine")
+    from pdfabric_agent.transfer.mooncake import cuda_build
+
+    assert cuda_build() is False
 
 
 def test_mapped_buffers_are_the_engines_bytes_and_files_elsewhere_are_refused(tmp_path: Path) -> None:
@@ -128,7 +200,7 @@ def test_token_major_head_slices_move_each_tokens_heads(tmp_path: Path) -> None:
     s = parse_spec({"prefill": {"tp": 1}, "decode": {"tp": 2}, "transfer": {"transport": "tcp"}, "model": MODEL})
     src_reg, dst_reg = registration(tmp_path / "a"), registration(tmp_path / "b", page_bytes=PAGE // 2)
     src = layout_of(src_reg, s)
-    dst = engine_layout(dst_reg, s, Rank(Role.DECODE, 0, 1), kv_device=Device.CPU, aux_device=Device.CPU)
+    dst = engine_layout(dst_reg, s, Rank(Role.DECODE, 0, 1), TCP)
     tokens, heads, row = 16, 4, 16 * 4  # per token: 4 heads x 64 bytes at the source, 2 at decode
     src_buf = (ctypes.c_uint8 * (4 * PAGE * 4))()
     dst_buf = (ctypes.c_uint8 * (4 * PAGE * 2))()

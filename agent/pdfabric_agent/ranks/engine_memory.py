@@ -3,8 +3,9 @@
 The engine (``pdfabric_sglang``'s manager) sends a ``MemoryRegistration``: for every buffer, how
 this process reaches it. ``engine_layout`` checks it against the PDCluster's model and the
 devices the upstream policies name before anything is mapped, and refuses (422) with the
-mismatch named. ``EngineMemory.map`` then maps each buffer, a shared-memory file at its offset or
-a CUDA allocation through IPC, as a ``Pool`` that the rank's transfer engine registers like the
+mismatch named; the devices come from ``MemoryRules``: the transport the agent actually runs
+(after a declared fallback) and what its transfer engine can move. ``EngineMemory.map`` then maps
+each buffer, a shared-memory file at its offset or a CUDA allocation through IPC, as a ``Pool`` that the rank's transfer engine registers like the
 agent's own pools; every rule (rank mapping, CP shards, state dedup, aux path, coalescing,
 chunking) then plans over its ``MemoryMap`` exactly as over the pools.
 """
@@ -26,19 +27,71 @@ from pdfabric_agent.memory.pools import DeviceBuffer, Pool, PoolLayout
 from pdfabric_agent.protocol.errors import layout_mismatch
 from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
-from pdfabric_core.policy.types import Device, Role
+from pdfabric_core.policy.types import Device, MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 
 _SHARE_DEVICE = {ShareKind.SHM: Device.CPU, ShareKind.CUDA_IPC: Device.CUDA}
 
 
-def engine_layout(
-    reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, *, kv_device: Device, aux_device: Device
-) -> PoolLayout:
+@dataclass(frozen=True)
+class MemoryRules:
+    """Where an engine's buffers may live on this agent: KV and state on the devices the transport
+    it runs takes (``engine_kv_devices``: GPU memory on tcp and the NVLink transports), aux on the
+    memory pool's metadata device, GPU memory only when the rank's transfer engine moves it.
+    ``transport`` is the transport actually chosen, ``requested`` the rank map's (they differ after
+    a declared ``placement.fallback: TCP``): refusals name the first and say what it fell back from."""
+
+    transport: Transport
+    requested: Transport
+    mem_pool: MemPool
+    engine_moves_gpu: bool  # the backend's ``device_memory``
+
+    @classmethod
+    def of(cls, spec: PDClusterSpec, transport: Transport, requested: Transport, engine_moves_gpu: bool) -> MemoryRules:
+        return cls(transport, requested, spec.transfer.mem_pool, engine_moves_gpu)
+
+    @property
+    def kv_devices(self) -> frozenset[Device]:
+        return engine_kv_devices(self.transport)
+
+    @property
+    def aux_device(self) -> Device:
+        return metadata_buffer_device(self.mem_pool)
+
+    def where(self) -> str:
+        fell_back = (
+            f", the declared fallback from {self.requested.value}" if self.requested is not self.transport else ""
+        )
+        return f"this agent's transport ({self.transport.value}{fell_back}; memPool {self.mem_pool.value})"
+
+    def check(self, kind: str, shares: Sequence[BufferShare], devices: frozenset[Device]) -> None:
+        """``layout_mismatch`` for a buffer of `kind` on a device `devices` leaves out, or GPU
+        memory the transfer engine cannot move."""
+        for share in shares:
+            device = _SHARE_DEVICE[share.kind]
+            if device not in devices:
+                allowed = " or ".join(sorted(d.value for d in devices))
+                gpu_note = ""
+                if kind != "aux" and device is Device.CUDA:
+                    gpu_note = f" (an engine's GPU KV moves on {', '.join(t.value for t in engine_gpu_transports())})"
+                raise layout_mismatch(
+                    f"{kind} buffers must be {allowed} memory on {self.where()}; one is shared as "
+                    f"{share.kind.value}{gpu_note}"
+                )
+            if device is Device.CUDA and not self.engine_moves_gpu:
+                raise layout_mismatch(
+                    f"{kind} buffers are GPU memory, but the transfer engine of {self.where()} moves host "
+                    "memory only (Mooncake built without CUDA: mooncake-transfer-engine-non-cuda); "
+                    "run the CUDA agent image (spec.agent.image, docs/images.md)"
+                )
+
+
+def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rules: MemoryRules) -> PoolLayout:
     """The layout the registration gives this rank, or ``layout_mismatch`` naming what does not fit
-    the PDCluster's model (spec.model) or the devices its transport needs."""
+    the PDCluster's model (spec.model) or the devices ``rules`` allow."""
     geo = spec.model
     group = spec.prefill if rank.role is Role.PREFILL else spec.decode
     layers = pp_layer_range(geo.layers, group.pp, rank.pp_rank)
@@ -78,18 +131,9 @@ def engine_layout(
     aux_slots = reg.aux_slots or min(
         (b.nbytes // size for b, size in zip(reg.aux, reg.aux_row_bytes, strict=True)), default=0
     )
-    for kind, shares, device in (
-        ("KV", reg.k + reg.v, kv_device),
-        ("state", reg.state, kv_device),
-        ("aux", reg.aux, aux_device),
-    ):
-        for share in shares:
-            if _SHARE_DEVICE[share.kind] is not device:
-                raise layout_mismatch(
-                    f"{kind} buffers must be {device.value} memory for this PDCluster's transport "
-                    f"({spec.transfer.effective_transport.value}, memPool {spec.transfer.mem_pool.value}); "
-                    f"one is shared as {share.kind.value}"
-                )
+    rules.check("KV", reg.k + reg.v, rules.kv_devices)
+    rules.check("state", reg.state, rules.kv_devices)
+    rules.check("aux", reg.aux, frozenset({rules.aux_device}))
     return PoolLayout(
         layers=len(layers),
         local_heads=heads,

@@ -46,7 +46,7 @@ from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, So
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
-from pdfabric_agent.ranks.engine_memory import EngineMemory, engine_layout
+from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.decode import DecodeArrivals
@@ -56,7 +56,6 @@ from pdfabric_agent.rooms.registry import DecodeRoom, MetricLabels, PrefillRoom,
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_agent.runtime.tasks import Liveness, TaskSet
-from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
 from pdfabric_core.policy.types import Device, Role, Transport
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
@@ -201,16 +200,11 @@ class Agent:
         busy = sum(1 for _, room in self.rooms.open_rooms() if room.rank == msg.rank)
         if busy:
             raise conflict(f"{msg.rank} has {busy} open rooms: register its memory before traffic or once they end")
-        transport = self.transport
-        layout = engine_layout(
-            msg,
-            self.spec,
-            local.rank,
-            kv_device=kv_buffer_device(transport),
-            aux_device=metadata_buffer_device(self.spec.transfer.mem_pool),
+        rules = MemoryRules.of(self.spec, self.transport, self.requested, local.backend.device_memory)
+        layout = engine_layout(msg, self.spec, local.rank, rules)
+        engine = EngineMemory.map(
+            msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu, aux_device=rules.aux_device
         )
-        aux_device = metadata_buffer_device(self.spec.transfer.mem_pool)
-        engine = EngineMemory.map(msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu, aux_device=aux_device)
         for other in self.ranks.values():
             shared = other.engine.overlap(engine) if other is not local and other.engine is not None else None
             if shared is not None:

@@ -84,6 +84,12 @@ class TransferBackend(abc.ABC):
         """Every `path` label ``write_batch`` and the kernel path can report."""
         return (self.path,)
 
+    @property
+    def device_memory(self) -> bool:
+        """``register`` and ``write_batch`` take GPU memory (CUDA device pointers, an engine's
+        buffers mapped by CUDA IPC among them); False: host memory only."""
+        return False
+
     @abc.abstractmethod
     def endpoint(self) -> str:
         """Session id peers write to (Mooncake: "host:rpc_port")."""

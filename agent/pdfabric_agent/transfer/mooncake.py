@@ -5,6 +5,8 @@ server), transport chosen by the MC_* environment the agent sets before the firs
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import socket
 from collections.abc import Sequence
 
@@ -34,6 +36,10 @@ class MooncakeBackend(TransferBackend):
         if rc != 0:
             raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) returned {rc}")
         self._registered: list[tuple[int, int]] = []
+
+    @property
+    def device_memory(self) -> bool:
+        return cuda_build()
 
     def endpoint(self) -> str:
         return f"{self._host}:{self._engine.get_rpc_port()}"
@@ -79,6 +85,18 @@ class MooncakeBackend(TransferBackend):
             with contextlib.suppress(Exception):
                 self._engine.unregister_memory(addr)
         self._registered.clear()
+
+
+@functools.cache
+def cuda_build() -> bool:
+    """The installed Mooncake engine is a CUDA build (``USE_CUDA``): its transports tell device
+    pointers from host ones (``cudaPointerGetAttributes``) and its TCP transport copies device
+    memory through host memory. Mooncake's CUDA wheels are mooncake-transfer-engine (CUDA 12) and
+    mooncake-transfer-engine-cuda13; mooncake-transfer-engine-non-cuda (the CPU agent image) reads
+    every address as host memory, so a GPU pointer would crash it."""
+    names = importlib.metadata.packages_distributions().get("mooncake", [])
+    normal = [n.lower().replace("_", "-") for n in names]
+    return any(n.startswith("mooncake-transfer-engine") and not n.endswith("non-cuda") for n in normal)
 
 
 def create(transport: Transport, opts: BackendOptions) -> TransferBackend:

@@ -42,7 +42,13 @@ class TransportTraits:
     locality: Locality
     # Nodes must offer, and each agent pod requests one of, placement.rdmaResource.
     device_resource: bool
-    kv_device: Device  # where the KV and state pools live
+    kv_device: Device  # where the agent's own KV and state pools live
+    # Where a serving engine's own KV and state buffers may live (registered with the agent):
+    # CUDA ones are mapped by CUDA IPC. Mooncake's TCP transport moves device memory itself, through
+    # host memory (a cudaMemcpy per 64 KiB on its I/O thread; tcp_transport.cpp), at its host-memory
+    # rate (benchmarks/results/gpu-2026-12-02-tcp-gpu.md). rdma: GPUDirect registration of an
+    # engine's GPU memory is not built yet (issue 24), so host memory only.
+    engine_kv_devices: frozenset[Device]
     requires: tuple[Requirement, ...]  # checked by the agent, in this order
     mooncake_protocol: str  # TransferEngine.initialize's protocol argument
     # MC_* flags that make Mooncake run it: the protocol string alone does not pick tcp or nvlink_intra.
@@ -60,6 +66,7 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             Locality.ANY,
             device_resource=False,
             kv_device=Device.CPU,
+            engine_kv_devices=frozenset({Device.CPU, Device.CUDA}),
             requires=(),
             mooncake_protocol="tcp",
             mooncake_env=(("MC_FORCE_TCP", "1"),),
@@ -70,6 +77,7 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             Locality.ANY,
             device_resource=True,
             kv_device=Device.CPU,
+            engine_kv_devices=frozenset({Device.CPU}),
             requires=(Requirement.RDMA_DEVICE,),
             mooncake_protocol="rdma",
             mooncake_env=(),
@@ -81,6 +89,7 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             device_resource=False,
             # Mooncake's intra-node NVLink transport refuses host memory.
             kv_device=Device.CUDA,
+            engine_kv_devices=frozenset({Device.CUDA}),
             requires=(Requirement.GPU, Requirement.PEER_ACCESS),
             mooncake_protocol="nvlink_intra",
             mooncake_env=(("MC_INTRANODE_NVLINK", "1"),),
@@ -92,6 +101,7 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             Locality.DOMAIN,
             device_resource=False,
             kv_device=Device.CUDA,
+            engine_kv_devices=frozenset({Device.CUDA}),
             requires=(Requirement.GPU, Requirement.FABRIC_MEMORY),
             mooncake_protocol="nvlink",
             mooncake_env=(),

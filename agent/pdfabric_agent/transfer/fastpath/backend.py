@@ -105,6 +105,10 @@ class FastPathBackend(TransferBackend):
     def paths(self) -> tuple[str, ...]:
         return (self.path, self.inner.path)
 
+    @property
+    def device_memory(self) -> bool:
+        return self.inner.device_memory
+
     def endpoint(self) -> str:
         return self.inner.endpoint()
 
