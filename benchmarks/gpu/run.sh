@@ -4,7 +4,8 @@
 # and the pure-Python wheels the GPU machine's Python lacks in .gpu-deps/wheels (the test harness's
 # certificates need cryptography: `pip download cryptography cffi pycparser --python-version 3.12
 # --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-deps/wheels`):
-#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent]      (default: all three)
+#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent] [tcp]      (default: the first three)
+# (tcp: engine GPU KV over tcp, its benchmark then its GPU tests; one GPU is enough)
 # Output goes to stdout and, when the device tool sets $OUT, into files there.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -25,6 +26,10 @@ for step in $steps; do
     tests) python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || rc=1 ;;
     fastpath) python3 benchmarks/gpu/fastpath_bench.py 2>&1 | tee "$OUT/fastpath_bench.txt" | tail -40 || rc=1 ;;
     agent) python3 benchmarks/gpu/agent_request.py 2>&1 | tee "$OUT/agent_request.txt" | tail -40 || rc=1 ;;
+    tcp)
+      timeout 240 python3 benchmarks/gpu/tcp_gpu_bench.py 2>&1 | tail -40 || rc=1
+      PDFABRIC_GPU_RESULTS=$OUT timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_engine_tcp_gpu.py 2>&1 \
+        | tee "$OUT/gpu-tcp-tests.txt" | tail -40 || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

@@ -74,6 +74,7 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         aux_slots: int = 8,
         device: str = "cpu",
+        aux_device: str | None = None,  # the aux rows' device, default `device` (SGLang: cpu but on INTRA_NODE_NVLINK)
         shm_dir: str = "/dev/shm",
         name: str | None = None,
         state_layers: int = 0,
@@ -104,12 +105,21 @@ class KVPool:
                 for i in range(state_layers if state_slot_bytes else 0)
             ),
         ]
-        if self.device.type == "cpu":
-            tensors, offsets = self._map_shm(specs, shm_dir, name)
-        else:
+        aux_dev = torch.device(aux_device) if aux_device else self.device
+        places = [aux_dev if spec[0].startswith("aux.") else self.device for spec in specs]
+        # CPU buffers in one shared-memory file (the agent maps them there), the rest on the GPU.
+        on_cpu = [i for i, place in enumerate(places) if place.type == "cpu"]
+        tensors: list[torch.Tensor] = []
+        offsets: list[int | None] = [None] * len(specs)
+        placed: dict[int, torch.Tensor] = {}
+        if on_cpu:
+            cpu_tensors, cpu_offsets = self._map_shm([specs[i] for i in on_cpu], shm_dir, name)
+            placed = dict(zip(on_cpu, cpu_tensors, strict=True))
+            for i, off in zip(on_cpu, cpu_offsets, strict=True):
+                offsets[i] = off
+        for i, ((_, shape, dt), place) in enumerate(zip(specs, places, strict=True)):
             # SGLang zero-fills its pools too; untouched pages read as zeros on both devices.
-            tensors = [torch.zeros(shape, dtype=dt, device=self.device) for _, shape, dt in specs]
-            offsets = [None] * len(specs)
+            tensors.append(placed[i] if i in placed else torch.zeros(shape, dtype=dt, device=place))
 
         self.k_buffers: list[torch.Tensor] = tensors[:layers]
         self.v_buffers: list[torch.Tensor] = tensors[layers : 2 * layers]

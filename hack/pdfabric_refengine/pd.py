@@ -124,6 +124,7 @@ def open_engine(
     seed: int = 0,
     shm_dir: str = "/dev/shm",
     device: str = "cpu",
+    aux_device: str | None = None,
     agents: dict[str, str] | None = None,
     timeout_s: float = 60.0,
 ) -> Engine:
@@ -146,7 +147,7 @@ def open_engine(
         [
             KVPool(
                 layers=shape.layers, local_heads=max(1, shape.kv_heads // tp), head_dim=shape.head_dim,
-                num_pages=pages, page_size=shape.page_size, shm_dir=shm_dir, device=device,
+                num_pages=pages, page_size=shape.page_size, shm_dir=shm_dir, device=device, aux_device=aux_device,
             )
             for _ in range(tp)
         ]
@@ -190,6 +191,9 @@ def main() -> None:
     ap.add_argument(
         "--device", default="cpu"
     )  # where the pools live (cuda:N: shared by CUDA IPC); compute stays on CPU
+    # Where the aux (metadata) rows live, default with the pools. SGLang keeps its MetadataBuffers
+    # on the CPU unless its custom pool is INTRA_NODE_NVLINK: "cpu" (shared memory) as SGLang on tcp.
+    ap.add_argument("--aux-device", default=None)
     ap.add_argument("--agents", default="{}")  # rank id -> its agent's engine door (default: the environment's)
     # sglang: SGLang's classes after its plugin loading; direct: the agent's engine API itself
     # (an engine without SGLang, as on a GPU machine that lacks SGLang's GPU kernels).
@@ -201,7 +205,8 @@ def main() -> None:
         requests = json.load(fh)
     engine = open_engine(
         args.role, backend=args.backend, tp=args.tp, cp=args.cp, pages=args.pages, seed=args.seed,
-        shm_dir=args.shm_dir, device=args.device, agents=json.loads(args.agents), timeout_s=args.timeout_s,
+        shm_dir=args.shm_dir, device=args.device, aux_device=args.aux_device, agents=json.loads(args.agents),
+        timeout_s=args.timeout_s,
     )  # fmt: skip
     host, _, port = args.bootstrap.rpartition(":")
     server = engine.bootstrap_server(host, int(port))
