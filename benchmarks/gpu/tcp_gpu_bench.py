@@ -1,7 +1,9 @@
 """Engine GPU KV over tcp (issue 24), on one GPU machine, loopback, in one run:
 
-- agent, GPU KV: two real agents on tcp, the engines' K/V buffers on cuda:0 registered with them
-  (CUDA IPC), a room timed from the prefill engine's `send` to the decode room's Success;
+- agent, GPU KV staged: two real agents on tcp, the engines' K/V buffers on cuda:0 registered with
+  them (CUDA IPC), a room timed from the prefill engine's `send` to the decode room's Success; the
+  sender gathers GPU sources into its pinned host slots, pipelined (transfer/staging.py);
+- agent, GPU KV direct: the same with PDFABRIC_TCP_STAGING=0 (Mooncake copies device memory itself);
 - agent, host pools: the same agents, the same rooms, from and to their own host (shared-memory)
   pools, before the engine memory is registered;
 - Mooncake, GPU memory: Mooncake's own TCP transport through its Python API, two engines in this
@@ -11,8 +13,8 @@
 Geometry per page size: 4 layers, K and V, 16-token pages of bf16 heads of dim 128 (heads = page /
 4 KiB), random pages (one block per page per layer and K/V: coalescing off, so every column moves
 identical blocks), rooms of 16 MiB (4 KiB pages) or 64 MiB, batches of 1024 blocks (the spec's
-maxBatchEntries). Medians of 5 rooms after one warm-up room. Targets: agent GPU >= 0.9 of agent host
-and >= 1.0 of Mooncake GPU.
+maxBatchEntries). Medians of 5 rooms after one warm-up room. Targets: agent GPU (staged) >= 0.9 of
+agent host and >= 1.0 of Mooncake GPU.
 
 Run on the GPU machine from the repo root with the Mooncake CUDA engine loaded (run.sh):
 python3 benchmarks/gpu/tcp_gpu_bench.py
@@ -57,8 +59,11 @@ def waiting(lc: LocalFabric, room: int) -> bool:
         return False
 
 
-def agent_rooms(lc: LocalFabric, per_room: int, pool: int, first: int, rng: random.Random) -> list[float]:
-    """Seconds from send to the decode room's Success, one warm-up room then REPS."""
+def agent_rooms(
+    lc: LocalFabric, per_room: int, pool: int, first: int, rng: random.Random, ranks: dict[str, Any] | None = None
+) -> list[float]:
+    """Seconds from send to the decode room's Success, one warm-up room then REPS; with the engine
+    ranks, each room's last page of the last V buffer is checked on arrival (the tests check all)."""
     out = []
     for k in range(first, first + REPS + 1):
         src, dst = rng.sample(range(pool), per_room), rng.sample(range(pool), per_room)
@@ -74,6 +79,11 @@ def agent_rooms(lc: LocalFabric, per_room: int, pool: int, first: int, rng: rand
         dt = time.monotonic() - t0
         if view["state"] != "Success" or lc.client(P).wait(P, k, 60)["state"] != "Success":
             raise RuntimeError(f"room {k}: {view}")
+        if ranks is not None:
+            import torch
+
+            if not torch.equal(ranks[D].v[-1][dst[-1]], ranks[P].v[-1][src[-1]]):
+                raise RuntimeError(f"room {k}: a page differs on arrival")
         if k > first:
             out.append(dt)
     return out
@@ -156,22 +166,24 @@ def one_size(page: int, rng: random.Random) -> dict[str, Any]:
         "blocks": LAYERS * 2 * per_room,
         "room_bytes": room_bytes,
     }
-    with LocalFabric(spec, env=env, decode_gpu=0) as lc:
-        row["agent_host_s"] = agent_rooms(lc, per_room, pool, 1000, rng)
-        ranks = {}
-        try:
-            for r in (P, D):
-                ranks[r] = GpuEngineRank(r, layers=LAYERS, heads=heads, head_bytes=HEAD_BYTES, page_tokens=PAGE_TOKENS,
-                                         pages=pool, aux_row_bytes=[64], aux_slots=8, shm_dir=lc.shm_dir)  # fmt: skip
-                ranks[r].register(lc.client(r))
-            for t in (*ranks[P].k, *ranks[P].v):
-                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
-            torch.cuda.synchronize()
-            row["agent_gpu_s"] = agent_rooms(lc, per_room, pool, 2000, rng)
-            row["bytes_by_path"] = lc.bytes_by_path()
-        finally:
-            for rank in ranks.values():
-                rank.close()
+    for key, staging in (("", "1"), ("_direct", "0")):
+        with LocalFabric(spec, env={**env, "PDFABRIC_TCP_STAGING": staging}, decode_gpu=0) as lc:
+            if staging == "1":
+                row["agent_host_s"] = agent_rooms(lc, per_room, pool, 1000, rng)
+            ranks = {}
+            try:
+                for r in (P, D):
+                    ranks[r] = GpuEngineRank(r, layers=LAYERS, heads=heads, head_bytes=HEAD_BYTES, page_tokens=PAGE_TOKENS,
+                                             pages=pool, aux_row_bytes=[64], aux_slots=8, shm_dir=lc.shm_dir)  # fmt: skip
+                    ranks[r].register(lc.client(r))
+                for t in (*ranks[P].k, *ranks[P].v):
+                    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
+                torch.cuda.synchronize()
+                row[f"agent_gpu{key}_s"] = agent_rooms(lc, per_room, pool, 2000, rng, ranks)
+                row[f"bytes_by_path{key}"] = lc.bytes_by_path()
+            finally:
+                for rank in ranks.values():
+                    rank.close()
     row["mooncake_gpu_s"] = raw_rooms(page, per_room, pool, ("cuda:0", "cuda:0"), rng)
     row["mooncake_host_s"] = raw_rooms(page, per_room, pool, ("cpu", "cpu"), rng)
     # Where Mooncake's device path loses: a host source (the sender's side staged) and a host
@@ -181,6 +193,7 @@ def one_size(page: int, rng: random.Random) -> dict[str, Any]:
     for key in (
         "agent_host",
         "agent_gpu",
+        "agent_gpu_direct",
         "mooncake_gpu",
         "mooncake_host",
         "mooncake_host_to_gpu",
@@ -189,6 +202,7 @@ def one_size(page: int, rng: random.Random) -> dict[str, Any]:
         row[f"{key}_gbps"] = room_bytes / statistics.median(row[f"{key}_s"]) / 1e9
     row["gpu_over_host"] = row["agent_gpu_gbps"] / row["agent_host_gbps"]
     row["gpu_over_mooncake"] = row["agent_gpu_gbps"] / row["mooncake_gpu_gbps"]
+    row["direct_over_host"] = row["agent_gpu_direct_gbps"] / row["agent_host_gbps"]
     return row
 
 
@@ -197,20 +211,23 @@ def main() -> None:
 
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     head = (
-        "| page | blocks/room | MiB/room | agent, GPU KV GB/s | agent, host pools GB/s | Mooncake tcp, GPU GB/s "
+        "| page | blocks/room | MiB/room | agent, GPU KV staged GB/s | agent, GPU KV direct GB/s "
+        "| agent, host pools GB/s | Mooncake tcp, GPU GB/s "
         "| Mooncake tcp, host GB/s | Mooncake host -> GPU | Mooncake GPU -> host "
-        "| agent GPU / agent host | agent GPU / Mooncake GPU |"
+        "| staged / agent host | staged / Mooncake GPU | direct / agent host |"
     )
     lines = [f"Engine GPU KV over tcp, loopback, {torch.cuda.get_device_name(0)}, medians of {REPS} rooms", "", head,
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     rows = []
     for page in PAGE_SIZES:
         r = one_size(page, rng)
         rows.append(r)
         lines.append(
-            f"| {page >> 10} KiB | {r['blocks']} | {r['room_bytes'] >> 20} | {r['agent_gpu_gbps']:.3f} | {r['agent_host_gbps']:.3f} "
+            f"| {page >> 10} KiB | {r['blocks']} | {r['room_bytes'] >> 20} | {r['agent_gpu_gbps']:.3f} "
+            f"| {r['agent_gpu_direct_gbps']:.3f} | {r['agent_host_gbps']:.3f} "
             f"| {r['mooncake_gpu_gbps']:.3f} | {r['mooncake_host_gbps']:.3f} | {r['mooncake_host_to_gpu_gbps']:.3f} "
-            f"| {r['mooncake_gpu_to_host_gbps']:.3f} | {r['gpu_over_host']:.2f} | {r['gpu_over_mooncake']:.2f} |"
+            f"| {r['mooncake_gpu_to_host_gbps']:.3f} | {r['gpu_over_host']:.2f} | {r['gpu_over_mooncake']:.2f} "
+            f"| {r['direct_over_host']:.2f} |"
         )
         print(
             lines[-1], json.dumps({k: v for k, v in r.items() if k.endswith("_s") or k == "bytes_by_path"}), flush=True

@@ -1,6 +1,7 @@
 """Engine GPU memory on tcp (issue 24): engines keep their KV on ``cuda:0``, their agents run tcp on
-loopback, map the engines' GPU buffers by CUDA IPC and move them with Mooncake's TCP transport
-(its CUDA build copies device memory through host memory itself). The reference engine's greedy
+loopback, map the engines' GPU buffers by CUDA IPC and move them with Mooncake's TCP transport:
+the sender gathers GPU sources into its own pinned host slots first (transfer/staging.py), a GPU
+destination is written by Mooncake's CUDA build itself. The reference engine's greedy
 generation through PD equals colocated generation token for token, also when the agents run tcp
 as the declared fallback of an nvlink PDCluster this GPU cannot carry (no fabric memory); and a
 room of an engine's GPU KV, state and aux lands byte-exact on a TP-mismatched decode (head

@@ -7,14 +7,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import os
 import socket
 from collections.abc import Sequence
 
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
+from pdfabric_agent.transfer.staging import HostStaging
 from pdfabric_core.policy.transports import TRANSPORTS
-from pdfabric_core.policy.types import Transport
+from pdfabric_core.policy.types import Device, Transport
+
+# Benchmarks only (like PDFABRIC_COALESCE): 0 sends GPU sources on tcp through Mooncake's own device
+# copy instead of the agent's staging (transfer/staging.py), to measure one against the other.
+STAGING_ENV = "PDFABRIC_TCP_STAGING"
 
 
 class MooncakeBackend(TransferBackend):
@@ -36,6 +42,11 @@ class MooncakeBackend(TransferBackend):
         if rc != 0:
             raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) returned {rc}")
         self._registered: list[tuple[int, int]] = []
+        self._gpu = gpu
+        # tcp: GPU sources go through pinned host memory this backend owns (staging.py), made at the
+        # first GPU registration.
+        self._stage = transport is Transport.TCP and os.environ.get(STAGING_ENV, "1") != "0"
+        self._staging: HostStaging | None = None
 
     @property
     def device_memory(self) -> bool:
@@ -45,12 +56,21 @@ class MooncakeBackend(TransferBackend):
         return f"{self._host}:{self._engine.get_rpc_port()}"
 
     def register(self, pool: Pool) -> None:
-        rc = self._engine.register_memory(pool.addr, pool.size)
+        self._register(pool.addr, pool.size, pool.name)
+        if self._stage and pool.device is Device.CUDA:
+            if self._staging is None:
+                self._staging = HostStaging(self._gpu, lambda addr, size: self._register(addr, size, "staging"))
+            self._staging.add(pool.addr, pool.size, pool.tensor())
+
+    def _register(self, addr: int, size: int, name: str) -> None:
+        rc = self._engine.register_memory(addr, size)
         if rc != 0:
-            raise TransferError(f"Mooncake register_memory({pool.name}, {pool.size} bytes) returned {rc}")
-        self._registered.append((pool.addr, pool.size))
+            raise TransferError(f"Mooncake register_memory({name}, {size} bytes) returned {rc}")
+        self._registered.append((addr, size))
 
     def unregister(self, pool: Pool) -> None:
+        if self._staging is not None:
+            self._staging.remove(pool.addr)
         if (pool.addr, pool.size) in self._registered:
             self._engine.unregister_memory(pool.addr)
             self._registered.remove((pool.addr, pool.size))
@@ -61,12 +81,16 @@ class MooncakeBackend(TransferBackend):
             raise ValueError(f"{len(blocks)} blocks exceed max_batch_entries {self.max_batch_entries}")
         if not blocks:
             return None
+        if self._staging is None or not self._staging.write(blocks, lambda part: self._send(peer, part)):
+            self._send(peer, blocks)
+        return None
+
+    def _send(self, peer: str, blocks: Sequence[Block]) -> None:
         rc = self._engine.batch_transfer_sync_write(
             peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
         )
         if rc != 0:
             raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
-        return None
 
     def probe(self, peer: str, timeout_s: float = 1.0) -> bool:
         """True when the peer engine's handshake listener accepts a connection. This Mooncake
