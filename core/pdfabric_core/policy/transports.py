@@ -44,10 +44,11 @@ class TransportTraits:
     device_resource: bool
     kv_device: Device  # where the agent's own KV and state pools live
     # Where a serving engine's own KV and state buffers may live (registered with the agent):
-    # CUDA ones are mapped by CUDA IPC. Mooncake's TCP transport moves device memory itself, through
-    # host memory (a cudaMemcpy per 64 KiB on its I/O thread; tcp_transport.cpp), at its host-memory
-    # rate (benchmarks/results/gpu-2026-12-02-tcp-gpu.md). rdma: GPUDirect registration of an
-    # engine's GPU memory is not built yet (issue 24), so host memory only.
+    # CUDA ones are mapped by CUDA IPC. On tcp the sender gathers GPU sources into pinned host memory
+    # of its own (agent transfer/staging.py: Mooncake's own copy of a GPU source, a cudaMemcpy per
+    # 64 KiB on its one I/O thread, halves its rate) and Mooncake writes GPU destinations itself at
+    # its host rate (benchmarks/results/gpu-2026-12-02-tcp-gpu.md). rdma: GPUDirect registration of
+    # an engine's GPU memory is not built yet (issue 24), so host memory only.
     engine_kv_devices: frozenset[Device]
     requires: tuple[Requirement, ...]  # checked by the agent, in this order
     mooncake_protocol: str  # TransferEngine.initialize's protocol argument
