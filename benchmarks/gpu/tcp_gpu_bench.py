@@ -35,6 +35,7 @@ sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "agent", "operator", "ha
 os.environ["MC_FORCE_TCP"] = "1"  # this process's own engines (the raw columns) run tcp
 
 from pdfabric_agent.client.api import AgentRefused  # noqa: E402
+from pdfabric_agent.protocol.views import RoomState  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 from pdfabric_devcluster.gpu_engine import GpuEngineRank  # noqa: E402
 
@@ -54,7 +55,7 @@ def geometry(page: int) -> tuple[int, int, int]:
 
 def waiting(lc: LocalFabric, room: int) -> bool:
     try:
-        return bool(lc.client(P).poll(P, room)["state"] == "WaitingForInput")
+        return lc.client(P).poll(P, room).state is RoomState.WAITING_FOR_INPUT
     except AgentRefused:  # 404: the prefill agent knows nothing of the room yet
         return False
 
@@ -77,7 +78,7 @@ def agent_rooms(
         lc.client(P).send(P, k, src, aux_index=(k * 7) % 8)
         view = lc.client(D).wait(D, k, 300)
         dt = time.monotonic() - t0
-        if view["state"] != "Success" or lc.client(P).wait(P, k, 60)["state"] != "Success":
+        if view.state is not RoomState.SUCCESS or lc.client(P).wait(P, k, 60).state is not RoomState.SUCCESS:
             raise RuntimeError(f"room {k}: {view}")
         if ranks is not None:
             import torch

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdfabric_agent.client.api import AgentClient
 from pdfabric_agent.memory.pools import PageOrder
+from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
 
 
@@ -83,7 +84,7 @@ class GpuEngineRank:
             state_slot_bytes, [share(t) for t in self.state], self.aux_row_bytes, aux_shares,
         )  # fmt: skip
 
-    def register(self, client: AgentClient) -> dict[str, Any]:
+    def register(self, client: AgentClient) -> MemoryAnswer:
         return client.register_memory(self.registration)
 
     def page_view(self, buffer: Any) -> Any:

@@ -20,6 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from pdfabric_agent.protocol.views import RoomState  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 from pdfabric_devcluster.gpu_engine import GpuEngineRank  # noqa: E402
 from tests.e2e.pd_runs import PROMPTS, REF_MODEL, colocated, run_pd  # noqa: E402
@@ -108,7 +109,7 @@ def engine_rank(lc: LocalFabric, rank_id: str, heads: int) -> GpuEngineRank:
         state_slot_bytes=STATE_BYTES // 2, state_slots=STATE_SLOTS,
     )  # fmt: skip
     answer = rank.register(lc.client(rank_id))
-    assert answer["memory"]["devices"] == ["cpu", "cuda"], answer
+    assert answer.devices == ("cpu", "cuda"), answer
     return rank
 
 
@@ -137,8 +138,8 @@ def test_a_room_of_engine_gpu_memory_moves_byte_exact_over_tcp() -> None:
                     lc.client(d).receive(d, room, dp, state_indices=[ds], aux_index=da)
                 lc.client(p).send(p, room, sp, state_indices=[ss], aux_index=sa)
                 for d in decodes:
-                    assert lc.client(d).wait(d, room, 60)["state"] == "Success"
-                assert lc.client(p).wait(p, room, 60)["state"] == "Success"
+                    assert lc.client(d).wait(d, room, 60).state is RoomState.SUCCESS
+                assert lc.client(p).wait(p, room, 60).state is RoomState.SUCCESS
                 for i, (d, rank) in enumerate(dst.items()):
                     heads = slice(i * HEADS // 2, (i + 1) * HEADS // 2)  # this decode rank's KV heads
                     for got_buf, want_buf in zip((*rank.k, *rank.v), (*src.k, *src.v), strict=True):
