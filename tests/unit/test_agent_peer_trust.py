@@ -15,6 +15,7 @@ from pdfabric_agent.memory.plan import Bases
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.peer_answers import RoomInfoTaken
 from pdfabric_agent.protocol.peer_wire import DoneReport
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.transfer.registry import path_labels
@@ -81,10 +82,8 @@ def test_byte_reports_name_only_known_paths(decode: Agent) -> None:
         ({"local_heads": 1}, "local_heads 1 (expected 2)"),
         ({"head_bytes": 32}, "head_bytes 32 (expected 64)"),
         ({"layers": 3}, "layers 3 (expected 2)"),
-        # The aux rows are the engines' own: decode's must equal this prefill rank's.
-        ({"aux_items": (8, 8)}, "aux rows of decode-0-tp0 are [8, 8] bytes, prefill-0-tp0-cp0's [8, 16]"),
     ],
-    ids=["heads", "head-bytes", "layers", "aux-items"],
+    ids=["heads", "head-bytes", "layers"],
 )
 def test_room_info_in_a_layout_the_spec_does_not_give_is_refused(
     prefill: Agent, changes: dict[str, Any], what: str
@@ -93,6 +92,23 @@ def test_room_info_in_a_layout_the_spec_does_not_give_is_refused(
     bad = dataclasses.replace(info, layout=dataclasses.replace(info.layout, **changes))
     err = refused(lambda: prefill.accept_dst(bad))
     assert err.status == 400 and what in err.message, err.message
+
+
+def test_decode_aux_rows_unlike_this_ranks_fail_the_room_when_it_starts(prefill: Agent) -> None:
+    """The aux rows are the engines' own (registered): decode's must equal this prefill rank's.
+    Room info may come before this rank's engine registered (again, after an agent restart), so
+    the room checks them when it starts, and fails naming both."""
+
+    async def go() -> None:
+        info = room_info(6)
+        bad = dataclasses.replace(info, layout=dataclasses.replace(info.layout, aux_items=(8, 8)))
+        assert prefill.accept_dst(bad, sender_agent="a2").early  # kept for the send
+        view = prefill.submit_send(SendRequest(P, 6, [0, 1], [0], 0, 0))
+        assert view.state is RoomState.FAILED
+        assert "aux rows of decode-0-tp0 are [8, 8] bytes, prefill-0-tp0-cp0's [8, 16]" in view.reason
+        await prefill.close()
+
+    asyncio.run(go())
 
 
 def test_second_room_info_for_a_target_cannot_redirect_the_room(prefill: Agent) -> None:

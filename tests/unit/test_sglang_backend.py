@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pdfabric_sglang.agent_calls import AgentCalls
 
 from pdfabric_agent.client.api import AgentRefused
 from pdfabric_agent.protocol.errors import ApiError
@@ -248,6 +249,9 @@ def manager(role: Role) -> Any:
         aux_item_lens=[b[0].nbytes for b in mgr._aux_buffers],  # type: ignore[attr-defined]
     )
     mgr.registration = SimpleNamespace(aux_inline=True)  # type: ignore[assignment]
+    # Submits and aborts run at once on the test's thread; no room feed: polls ask the client.
+    mgr.calls = AgentCalls("test", inline=True)
+    mgr.events = None
     return mgr
 
 
@@ -602,3 +606,75 @@ def test_the_manager_registers_sglangs_metadata_rows_inline_unless_they_are_on_t
     assert (reg.aux, reg.aux_slots, reg.aux_row_bytes, reg.aux_inline) == ([], 4, [64, 32], True)
     assert [k.path for k in (*reg.k, *reg.v)] == [str(pool)] * 2
     assert type(reg).parse(reg.to_json()) == reg
+
+
+def test_the_scheduler_thread_never_waits_on_the_agent() -> None:
+    """A submit goes on the rank's worker thread: ``send`` returns while the agent has not
+    answered, polls say WaitingForInput meanwhile, and then read the room table the agent's feed
+    keeps (here filled by hand, as the feed's thread would) without a request to the agent; an
+    abort made after the submit reaches the agent after it, in order."""
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from pdfabric_agent.client.feed import RoomEvents
+
+    mgr = manager(Role.PREFILL)
+    mgr.calls = AgentCalls("test-calls")
+    events = RoomEvents("127.0.0.1:1", "t", P)  # not started: the test is its feed
+    events.synced.set()
+    mgr.events = events
+    agent_answers = threading.Event()
+    calls: list[str] = []
+    real_submit = mgr.client.submit
+
+    def slow_submit(msg: Any) -> RoomView:
+        agent_answers.wait(5)
+        calls.append("submit")
+        return real_submit(msg)
+
+    mgr.client.submit = slow_submit  # type: ignore[method-assign]
+    real_abort = mgr.client.abort
+    mgr.client.abort = lambda *a, **k: (calls.append("abort"), real_abort(*a, **k))[1]  # type: ignore[method-assign]
+    mgr.client.poll = lambda *a, **k: pytest.fail("a poll asked the agent while the feed keeps the table")  # type: ignore[method-assign]
+    try:
+        tx = PdfabricKVSender(mgr, "p:1", 31)
+        events.put(RoomView(rank=P, room=31, state=RoomState.WAITING_FOR_INPUT, decode_ranks_ready=(D,)))
+        assert tx.poll() == KVPoll.WaitingForInput
+        tx.init(1, None)
+        started = time.monotonic()
+        tx.send(np.array([7], np.int32))
+        assert time.monotonic() - started < 0.5 and calls == []  # send did not wait for the agent
+        assert tx.poll() == KVPoll.WaitingForInput and tx.submit_pending
+        agent_answers.set()
+        assert mgr.calls.wait_idle(5) and calls == ["submit"]
+        assert tx.poll() == KVPoll.Bootstrapping  # the submit's answer, put into the table
+        events.put(RoomView(rank=P, room=31, state=RoomState.SUCCESS, moved={"kv": 128, "state": 0, "aux": 0}))
+        assert tx.poll() == KVPoll.Success and tx.bytes_moved == 128
+        tx2 = PdfabricKVSender(mgr, "p:1", 32)
+        events.put(RoomView(rank=P, room=32, state=RoomState.WAITING_FOR_INPUT, decode_ranks_ready=(D,)))
+        tx2.poll()
+        tx2.init(1, None)
+        tx2.send(np.array([8], np.int32))
+        tx2.abort()
+        assert mgr.calls.wait_idle(5) and calls == ["submit", "submit", "abort"]
+        tx.clear()
+        assert events.view(31) is None  # SGLang is done with it: its row goes
+    finally:
+        mgr.calls.close()
+
+
+def test_a_submit_the_agent_refuses_fails_the_room_at_the_next_poll() -> None:
+    from pdfabric_sglang.conn import PdfabricKVReceiver
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.DECODE)
+    mgr.calls = AgentCalls("test-calls")
+    mgr.client.submit_error = AgentRefused(409, "conflict", "room 33 is already Transferring on decode-0-tp0")
+    try:
+        rx = PdfabricKVReceiver(mgr, "p:1", 33)
+        rx.init(0)
+        rx.send_metadata(np.array([1], np.int32), 0, None)
+        assert mgr.calls.wait_idle(5)
+        assert rx.poll() == KVPoll.Failed and "did not take the receive" in rx.reason and "409" in rx.reason
+    finally:
+        mgr.calls.close()

@@ -19,12 +19,13 @@
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
 
-from aiohttp import web
+from aiohttp import ClientConnectionResetError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdfabric_agent.http.guard import CLUSTER, LIMITS, Limits
@@ -34,6 +35,8 @@ from pdfabric_agent.protocol.errors import ApiError, malformed
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.peer_wire import PING_PATH, PROBE_PATH, DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.wire import (
+    EVENTS_ROUTE,
+    FEED_HEARTBEAT_S,
     INFO_PATH,
     ROOM_ROUTE,
     AbortRequest,
@@ -79,6 +82,10 @@ class Readiness:
         engines_ready = all(e.ready for e in states)
         body |= {"engines": [e.to_json() for e in states], "enginesReady": engines_ready}
         return body, self.ready and engines_ready
+
+
+def _line(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
 def _refuse(agent_cluster: str, exc: ApiError) -> web.Response:
@@ -214,6 +221,31 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
             raise malformed(f"wait_s must be within 0..{MAX_WAIT_S:g} seconds")
         return web.json_response((await agent.poll(request.match_info["rank"], room, wait_s)).to_json())
 
+    async def events(request: web.Request) -> web.StreamResponse:
+        """A rank's room feed (rooms/feed.py): the hello, a snapshot, then each view as it changes."""
+        rank = request.match_info["rank"]
+        hello = agent.feed_hello(rank)  # 404 for a rank this agent does not serve
+        # Subscribed and snapshotted in one step (no await between): every view queued after is newer.
+        sub, snapshot = agent.ctx.feed.subscribe(rank), agent.feed_snapshot(rank)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"})
+        try:
+            await resp.prepare(request)
+            await resp.write(_line(hello.to_json()) + b"".join(_line(v.to_json()) for v in snapshot) + b"\n")
+            while True:
+                try:
+                    view = await sub.next(FEED_HEARTBEAT_S)
+                except TimeoutError:
+                    await resp.write(b"\n")
+                    continue
+                if view is None:  # dropped: the engine did not keep up, and resynchronises
+                    break
+                await resp.write(_line(view.to_json()))
+        except (ConnectionError, ClientConnectionResetError):
+            pass  # the engine went away
+        finally:
+            sub.close()
+        return resp
+
     async def peer_dst(request: web.Request) -> web.Response:
         return web.json_response(
             agent.accept_dst(await parsed(request, RoomInfo), sender_agent=request[PEER_AGENT]).to_json()
@@ -252,6 +284,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         app.router.add_post(MemoryRegistration.PATH, memory)
         app.router.add_post(AbortRequest.PATH, abort)
         app.router.add_get(ROOM_ROUTE, poll)
+        app.router.add_get(EVENTS_ROUTE, events)
     else:
         app.router.add_post(RoomInfo.PATH, peer_dst)
         app.router.add_post(DoneReport.PATH, peer_done)

@@ -181,6 +181,33 @@ class RoomView:
 
 
 @dataclass(frozen=True)
+class FeedHello:
+    """The first line of a rank's room feed (GET /v1/events/{rank}): what holds for every room of
+    the rank. ``sends`` false: this prefill rank moves nothing for the spec (replicated KV heads,
+    a CP rank that does not send), so each of its rooms is WaitingForInput at once, for ``reason``."""
+
+    rank: str
+    sends: bool = True
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hello": self.rank, "sends": self.sends, "reason": self.reason}
+
+    @classmethod
+    def parse(cls, doc: Any) -> Self:
+        what = "the room feed's first line"
+        d = answer_object(doc, what)
+        return cls(_typed(d, "hello", str, what), _typed(d, "sends", bool, what), _typed(d, "reason", str, what))
+
+    def view_of(self, room: int) -> RoomView | None:
+        """The view every room of a rank that sends nothing has (the agent's early view)."""
+        if self.sends:
+            return None
+        state = RoomState.WAITING_FOR_INPUT
+        return RoomView(rank=self.rank, room=room, state=state, reason=self.reason, decode_ranks_ready=(), sends=False)
+
+
+@dataclass(frozen=True)
 class MemoryAnswer:
     """POST /v1/memory's answer: the rank whose engine buffers the agent now moves rooms in, the
     layout they give it, how many buffers were mapped and on which devices."""

@@ -54,6 +54,10 @@ def zero_bytes() -> KindBytes:
 # The engine door's GET routes (its POSTs are the messages' own ``PATH``).
 INFO_PATH = "/v1/info"
 ROOM_ROUTE = "/v1/rooms/{rank}/{room}"  # a room view; ``?wait_s=`` makes it a long poll
+# A rank's room feed: one JSON object per line (FeedHello, then RoomViews), an empty line as a
+# heartbeat every FEED_HEARTBEAT_S while nothing changes.
+EVENTS_ROUTE = "/v1/events/{rank}"
+FEED_HEARTBEAT_S = 2.0
 
 
 def room_path(rank: str, room: int, wait_s: float) -> str:

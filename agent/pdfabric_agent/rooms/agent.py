@@ -44,7 +44,7 @@ from pdfabric_agent.protocol.errors import ApiError, conflict, layout_mismatch, 
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
-from pdfabric_agent.protocol.views import MemoryAnswer, RoomState, RoomView
+from pdfabric_agent.protocol.views import FeedHello, MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
 from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
@@ -99,6 +99,7 @@ class Agent:
         self.peers.is_leaving = self.ctx.ranks.leaving.__contains__
         self.requested = self.transport  # the transport the rank map asked for (main sets it after a fallback)
         metrics.precreate_peers(rankmap, spec, self.entry.name)  # every (rank, peer agent) pair at zero
+        self.ctx.rooms.on_retire.append(self._room_ended)
         self.sender = PrefillSender(self.ctx)
         self.arrivals = DecodeArrivals(self.ctx, CompletionWatcher(cfg.shm_dir))
         self._forget_due = 0.0
@@ -329,6 +330,29 @@ class Agent:
                 async with asyncio.timeout(wait_s):
                     await room.finished_event.wait()
         return room.view()
+
+    # ---------------------------------------------------------------- the room feed
+    def feed_hello(self, rank_id: str) -> FeedHello:
+        """What holds for every room of a rank its engine subscribes for (404 for a rank this
+        agent does not serve)."""
+        local = self.ctx.ranks.served(rank_id)
+        if local.rank.role is Role.PREFILL and not self.sender.sends_anything(local):
+            return FeedHello(rank_id, sends=False, reason=self.sender.why_nothing(local))
+        return FeedHello(rank_id)
+
+    def feed_snapshot(self, rank_id: str) -> list[RoomView]:
+        """Every room of the rank the agent holds (open, or ended and still remembered), and for a
+        prefill rank its rooms not sent yet that decode announced or gave up."""
+        local = self.ctx.ranks.served(rank_id)
+        rooms = self.rooms.prefill if local.rank.role is Role.PREFILL else self.rooms.decode
+        views = [room.view() for (rank, _), room in rooms.items() if rank == rank_id]
+        if local.rank.role is Role.PREFILL:
+            views += self.sender.unsent_views(rank_id)
+        return views
+
+    def _room_ended(self, role: Role, room: DecodeRoom | PrefillRoom) -> None:
+        if self.ctx.feed.watched(room.rank):
+            self.ctx.feed.publish(room.view())
 
     # ---------------------------------------------------------------- upkeep
     async def tick(self) -> None:

@@ -1,14 +1,15 @@
 """What every part of the agent shares: settings, the spec and rank map, the local ranks, the room
-registry, the peer client, background tasks and the engine worker threads."""
+registry, the peer client, background tasks, the engine worker threads and the engines' room feed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdfabric_agent.peers.client import PeerClient
 from pdfabric_agent.ranks.local import NodeRanks
+from pdfabric_agent.rooms.feed import RoomFeed
 from pdfabric_agent.rooms.registry import MetricLabels, RoomRegistry
 from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_agent.runtime.tasks import Liveness, TaskSet
@@ -28,6 +29,7 @@ class AgentContext:
     clock: Callable[[], float]
     labels: MetricLabels
     liveness: Liveness
+    feed: RoomFeed = field(default_factory=RoomFeed)  # room views pushed to engines (GET /v1/events)
 
     @property
     def spec(self) -> PDClusterSpec:

@@ -75,9 +75,12 @@ class DecodeArrivals:
     def _quiet(self, room: DecodeRoom, prefill_rank: str) -> None:
         """This source writes nothing more into the room: a failed room whose sources are all
         quiet gives its destinations back now."""
+        was_quiet = room.sources_quiet
         room.quiet.add(prefill_rank)
         if room.state.finished and room.sources_quiet and room.claim is not None:
             self.claims.release(room.rank, room.claim)
+        if room.state.finished and room.sources_quiet and not was_quiet and self.ctx.feed.watched(room.rank):
+            self.ctx.feed.publish(room.view())  # its engine may release the room's pages now
 
     # ------------------------------------------------------------ client API
     def submit_receive(self, msg: ReceiveRequest) -> RoomView:

@@ -38,6 +38,17 @@ from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
 
+def aux_rows_mismatch(local: LocalRank, info: RoomInfo) -> str:
+    """Why a decode rank's aux rows cannot take this rank's (different sizes), or ""."""
+    mine, theirs = local.layout.aux_items, info.layout.aux_items
+    if mine == theirs:
+        return ""
+    return (
+        f"aux rows of {info.decode_rank} are {list(theirs)} bytes, {local.rank.rank_id}'s {list(mine)}: prefill "
+        "and decode engines must hand the same metadata rows (the same SGLang version, model hidden size and settings)"
+    )
+
+
 class PrefillSender:
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
@@ -49,7 +60,7 @@ class PrefillSender:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
         msg.check_bounds(local.layout, ctx.spec.decode.replicas)
-        sends = self._sends_anything(local)
+        sends = self.sends_anything(local)
         replica = msg.peer_replica
         feeds = ctx.rankmap.feeds.get(local.rank.replica)
         if sends and feeds is not None and replica not in feeds:
@@ -81,7 +92,7 @@ class PrefillSender:
             # A CP rank that does not send (only CP rank 0 without all-CP-ranks transfer), or a TP
             # rank whose replicated heads another rank sends: no work, and SGLang waits for it.
             room.state = RoomState.SUCCESS
-            room.reason = self._why_nothing(local)
+            room.reason = self.why_nothing(local)
             ctx.rooms.retire(Role.PREFILL, room)
             return room.view()
         for agent_name in {t.agent for t in targets.values()}:
@@ -131,13 +142,13 @@ class PrefillSender:
         local = ctx.ranks.served(rank_id)
         if local.rank.role is not Role.PREFILL:
             return None  # a decode rank's rooms are its own (the poll looks them up)
-        if not self._sends_anything(local):
+        if not self.sends_anything(local):
             # No decode rank announces a room to a rank it does not read from: ready at once.
             return RoomView(
                 rank=rank_id,
                 room=room_id,
                 state=RoomState.WAITING_FOR_INPUT,
-                reason=self._why_nothing(local),
+                reason=self.why_nothing(local),
                 decode_ranks_ready=(),
                 sends=False,
             )
@@ -155,10 +166,25 @@ class PrefillSender:
             decode_prefix_tokens=max(info.prefix_tokens for _, info in infos.values()),
         )
 
-    def _sends_anything(self, local: LocalRank) -> bool:
+    def _announce(self, rank_id: str, room_id: int) -> None:
+        """A room not sent yet changed for its engine (decode announced it, or gave it up): its
+        engine's room feed gets the view its poll would."""
+        if self.ctx.feed.watched(rank_id):
+            view = self.early_view(rank_id, room_id)
+            if view is not None:
+                self.ctx.feed.publish(view)
+
+    def unsent_views(self, rank_id: str) -> list[RoomView]:
+        """The views of every room of this rank not sent yet that its engine can act on (a feed's
+        snapshot): announced by decode, or given up by it."""
+        keys = {key for key in (*self.ctx.rooms.early, *self.ctx.rooms.cancelled) if key[0] == rank_id}
+        views = (self.early_view(rank_id, room_id) for _, room_id in sorted(keys))
+        return [v for v in views if v is not None]
+
+    def sends_anything(self, local: LocalRank) -> bool:
         return prefill_rank_sends(self.ctx.spec, local.rank.tp_rank, local.rank.cp_rank)
 
-    def _why_nothing(self, local: LocalRank) -> str:
+    def why_nothing(self, local: LocalRank) -> str:
         if decode_targets(self.ctx.spec, local.rank.tp_rank):
             return f"CP rank {local.rank.cp_rank} sends nothing for this spec"
         return f"TP rank {local.rank.tp_rank}'s KV heads are replicated: another prefill rank sends them"
@@ -177,6 +203,7 @@ class PrefillSender:
         if room is None:
             # The decode side was first: keep it for the send.
             ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
+            self._announce(info.prefill_rank, info.room)
             return RoomInfoTaken(early=True)
         target = room.targets.get(info.decode_rank)
         if target is None:
@@ -204,6 +231,7 @@ class PrefillSender:
             if not infos:
                 ctx.rooms.early.pop(key, None)
             ctx.rooms.cancelled.setdefault(key, (ctx.clock(), reason))
+            self._announce(msg.prefill_rank, msg.room)
             return CancelAnswer(fenced=True)
         target = room.targets.get(msg.decode_rank)
         if target is None:
@@ -262,14 +290,12 @@ class PrefillSender:
             pp=spec.decode.pp,
             pp_stage=rank.pp_rank,
         )
-        rows = self.ctx.ranks.by_id[info.prefill_rank].layout.aux_items
-        if got.aux_items != rows:
-            raise malformed(
-                f"aux rows of {info.decode_rank} are {list(got.aux_items)} bytes, {info.prefill_rank}'s "
-                f"{list(rows)}: prefill and decode engines must hand the same metadata rows (the same SGLang "
-                "version, model hidden size and settings)"
-            )
-        want = dataclasses.replace(want, page_order=got.page_order, aux_items=rows)
+        local = self.ctx.ranks.by_id[info.prefill_rank]
+        # The aux rows are the engines' own; until this rank's engine registered (again, after an
+        # agent restart) its rows are not known here: the room checks them when it starts.
+        if local.engine is not None and (mismatch := aux_rows_mismatch(local, info)):
+            raise malformed(mismatch)
+        want = dataclasses.replace(want, page_order=got.page_order, aux_items=got.aux_items)
         if got != want:
             mine = vars(got)
             diff = ", ".join(f"{k} {mine[k]} (expected {v})" for k, v in vars(want).items() if mine[k] != v)
@@ -280,10 +306,15 @@ class PrefillSender:
         if room.state is not RoomState.BOOTSTRAPPING or any(t.dst is None for t in room.targets.values()):
             return
         ctx = self.ctx
+        local = ctx.ranks.by_id[room.rank]
+        for t in room.targets.values():
+            assert t.dst is not None
+            if mismatch := aux_rows_mismatch(local, t.dst):
+                self.abort(room, mismatch)
+                return
         room.state = RoomState.TRANSFERRING
         room.marks["transferring"] = ctx.clock()
         room.deadline = ctx.clock() + ctx.spec.transfer.timeout_seconds
-        local = ctx.ranks.by_id[room.rank]
         # Each target's path is chosen here, once; a kernel path launches here too, inside the API
         # call that made the room ready, so the GPU starts before that call answers.
         deliveries = {t.decode_rank: self.targets.start(room, local, t) for t in room.targets.values()}

@@ -106,7 +106,7 @@ class TargetSender:
         spec = self.ctx.spec
         rank = local.rank
         duties = pair_duties(spec, rank.tp_rank, rank.cp_rank, rank.pp_rank, target.decode_tp, len(dst.kv_pages))
-        assert duties is not None  # _sends_anything already filtered non-sending CP ranks
+        assert duties is not None  # sends_anything already filtered non-sending CP ranks
         with_state = bool(duties.state_layers or duties.state_skipped)
         plan = plan_transfer(
             duties,

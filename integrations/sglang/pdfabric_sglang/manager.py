@@ -17,9 +17,11 @@ from sglang.srt.disaggregation.base.conn import (
 )
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
-from pdfabric_agent.protocol.views import MemoryAnswer
+from pdfabric_agent.client.feed import RoomEvents
+from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
+from pdfabric_sglang.agent_calls import AgentCalls
 from pdfabric_sglang.kvargs import (
     ENV_CP_RANK,
     ENV_RANK,
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdfabric.sglang")
 
+FEED_WAIT_S = 2.0  # at start, how long the manager waits for its room feed's first snapshot
 REMEMBERED_ROOMS = 1 << 16  # bootstrap rooms whose openings a manager counts (rebootstrap comes soon after)
 _ROOM_STRIDE = 0x9E3779B97F4A7C15  # odd: successive openings of one room land far apart
 
@@ -105,6 +108,11 @@ class PdfabricKVManager(BaseKVManager):
         self._room_openings: OrderedDict[int, int] = OrderedDict()  # bootstrap room -> openings - 1
         self._recompute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdfabric-recompute")
         log.info("pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer.buffers, info["agent"])
+        # The scheduler thread never waits on the agent: submits and aborts go on a worker, and
+        # polls read the table the agent's room feed keeps (asking the agent only while it is down).
+        self.calls = AgentCalls(f"pdfabric-calls-{self.rank_id}")
+        self.events: RoomEvents | None = RoomEvents(self.config.address, self.config.token, self.rank_id)
+        self.events.start(wait_s=FEED_WAIT_S)
 
     def register(self) -> MemoryAnswer:
         """Register this rank's buffers with the agent. A restarted engine finds the rank still
@@ -120,11 +128,12 @@ class PdfabricKVManager(BaseKVManager):
                 log.info("pdfabric: %s waits for its previous rooms to end: %s", self.rank_id, exc)
                 time.sleep(1.0)
 
-    def submit(self, msg: SendRequest | ReceiveRequest) -> None:
-        """Hand a room to the agent; an agent that restarted since this engine registered (it
-        lost the registration and says so) gets the buffers again, then the room."""
+    def submit(self, msg: SendRequest | ReceiveRequest) -> RoomView:
+        """Hand a room to the agent (on the calls' worker thread); an agent that restarted since
+        this engine registered (it lost the registration and says so) gets the buffers again, then
+        the room."""
         try:
-            self.client.submit(msg)
+            return self.client.submit(msg)
         except AgentRefused as exc:
             if exc.reason != MEMORY_NOT_REGISTERED:
                 raise
@@ -132,7 +141,7 @@ class PdfabricKVManager(BaseKVManager):
                 "pdfabric: agent %s lost %s's memory (restarted); registering again", self.config.address, self.rank_id
             )
             self.client.register_memory(self.registration)
-            self.client.submit(msg)
+            return self.client.submit(msg)
 
     def register_to_bootstrap(self) -> None:
         """Nothing to register: the PDCluster's rank map tells every agent where each rank is."""
@@ -184,12 +193,15 @@ class PdfabricKVManager(BaseKVManager):
 
     # Deferred decode KV release: the agent knows when a failed room's sources are quiet.
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
-        try:
-            view = self.client.poll(self.rank_id, self.current_room(int(bootstrap_room)))
-        except AgentRefused as exc:
-            return exc.status == 404  # the agent never took the room: nothing can write into it
-        except (OSError, ValueError):
-            return False  # unknown: SGLang releases at its deadline
+        room = self.current_room(int(bootstrap_room))
+        view = self.events.view(room) if self.events is not None and self.events.synced.is_set() else None
+        if view is None:
+            try:
+                view = self.client.poll(self.rank_id, room)
+            except AgentRefused as exc:
+                return exc.status == 404  # the agent never took the room: nothing can write into it
+            except (OSError, ValueError):
+                return False  # unknown: SGLang releases at its deadline
         return view.succeeded if view.sources_quiet is None else view.sources_quiet
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:

@@ -16,7 +16,6 @@ from pdfabric_sglang.kvargs import write_aux_row
 from pdfabric_sglang.peers import PrefillPeer
 from pdfabric_sglang.room_client import (
     AGENT_CALL_TIMEOUT_S,
-    AGENT_ERRORS,
     BOOTSTRAPPING,
     FAILED,
     WAITING_FOR_INPUT,
@@ -107,10 +106,7 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
         )
         self.aux_index = aux_index
         self.submitted_at = time.monotonic()
-        try:
-            self.mgr.submit(msg)
-        except AGENT_ERRORS as exc:
-            self._conclude(FAILED, f"the agent did not take the receive: {exc}")
+        self._submit(msg, "receive")
 
     def _land_aux_row(self, rows: tuple[bytes, ...]) -> bool:
         """Into SGLang's own MetadataBuffers row, before SGLang reads it (it does once Success)."""

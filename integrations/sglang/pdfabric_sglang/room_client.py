@@ -19,6 +19,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 from pdfabric_agent.client.api import AgentRefused
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import RoomView
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.rankmap import Rank
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ class RoomClient:
         self.reason = ""
         self.bytes_moved: int | None = None
         self.created = time.monotonic()
+        # The submit, handed to the manager's worker (AgentCalls): None until made, then True until
+        # the agent answered; a refusal lands in ``refused`` and the next poll concludes with it.
+        self.submit_pending: bool | None = None
+        self.refused = ""
 
     @property
     def mgr(self) -> PdfabricKVManager:
@@ -89,14 +94,40 @@ class RoomClient:
     def _abort_at_agent(self, reason: str) -> None:
         if not self._agent_holds_room() or self.concluded is not None:
             return
-        try:
-            self.mgr.client.abort(self.mgr.rank_id, self.room, reason, self._peer_to_tell())
-        except AGENT_ERRORS as exc:
-            log.warning("pdfabric: abort of room %d at the agent: %s", self.room, exc)
+        mgr, room, peer = self.mgr, self.room, self._peer_to_tell()
+
+        def abort() -> None:
+            try:
+                mgr.client.abort(mgr.rank_id, room, reason, peer)
+            except AGENT_ERRORS as exc:
+                log.warning("pdfabric: abort of room %d at the agent: %s", room, exc)
+
+        mgr.calls.call(abort)  # after this room's submit, if that is still on its way
+
+    def _submit(self, msg: SendRequest | ReceiveRequest, what: str) -> None:
+        """Hand the room to the agent without waiting for it: the answer goes into the manager's
+        room table, a refusal into ``refused``."""
+        self.submit_pending = True
+
+        def submit() -> None:
+            try:
+                view = self.mgr.submit(msg)
+            except AGENT_ERRORS as exc:
+                self.refused = f"the agent did not take the {what}: {exc}"
+            else:
+                if self.mgr.events is not None:
+                    self.mgr.events.put(view)
+            self.submit_pending = False
+
+        self.mgr.calls.call(submit)
 
     def _view(self) -> RoomView | None:
-        """The agent's view of the room; None when it has none yet (404). Concludes Failed when the
-        agent cannot be asked."""
+        """The agent's view of the room: from the manager's room table while the agent's room feed
+        keeps it (a lookup), else asked (None when the agent has none yet: 404). Concludes Failed
+        when the agent cannot be asked."""
+        events = self.mgr.events
+        if events is not None and events.synced.is_set():
+            return events.view(self.room)
         try:
             return self.mgr.client.poll(self.mgr.rank_id, self.room)
         except AgentRefused as exc:
@@ -109,6 +140,10 @@ class RoomClient:
 
     def _agent_state(self) -> int:
         """The submitted room's state at the agent (its codes are SGLang's KVPoll values)."""
+        if self.refused:
+            return self._conclude(FAILED, self.refused)
+        if self.submit_pending:
+            return WAITING_FOR_INPUT  # the agent has not answered the submit yet
         view = self._view()
         if self.concluded is not None:
             return self.concluded
@@ -148,4 +183,6 @@ class RoomClient:
         self.fail("aborted by SGLang")
 
     def clear(self) -> None:
-        """SGLang is done with the request: nothing held here (the agent's room is final)."""
+        """SGLang is done with the request: its row of the manager's room table goes."""
+        if self.mgr.events is not None:
+            self.mgr.events.forget(self.room)

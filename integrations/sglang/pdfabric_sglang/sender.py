@@ -16,7 +16,6 @@ from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_sglang.kvargs import read_aux_row
 from pdfabric_sglang.room_client import (
-    AGENT_ERRORS,
     BOOTSTRAPPING,
     FAILED,
     WAITING_FOR_INPUT,
@@ -66,7 +65,7 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
             return self._agent_state()
         state = self._bootstrap_state()
         if state == WAITING_FOR_INPUT and self.last_state_slots is not None:
-            self._submit()  # the last chunk came before this rank saw decode's announcement
+            self._submit_send()  # the last chunk came before this rank saw decode's announcement
             return self.concluded if self.concluded is not None else WAITING_FOR_INPUT
         return state
 
@@ -119,9 +118,9 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
         # first follows stage 0's poll, and a TP or CP rank follows the all-reduced poll. Ask the
         # agent now; if decode's word has not reached this rank's room yet, poll submits it.
         if self.decode_replica is not None or self._bootstrap_state() == WAITING_FOR_INPUT:
-            self._submit()
+            self._submit_send()
 
-    def _submit(self) -> None:
+    def _submit_send(self) -> None:
         assert self.decode_replica is not None and self.last_state_slots is not None
         msg = SendRequest(
             self.mgr.rank_id,
@@ -133,12 +132,8 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
             engine_memory=True,
             aux_rows=self._aux_row(),
         )
-        try:
-            self.mgr.submit(msg)
-        except AGENT_ERRORS as exc:
-            self._conclude(FAILED, f"the agent did not take the send: {exc}")
-            return
         self.submitted_at = self.first_chunk_at
+        self._submit(msg, "send")
 
     def _aux_row(self) -> tuple[bytes, ...]:
         """The room's metadata row, read here when the engine keeps its rows private (SGLang wrote

@@ -1,0 +1,90 @@
+"""Room events for engines (``GET /v1/events/{rank}``): instead of asking the agent about each room
+on every scheduler iteration, an engine rank holds one long-lived connection and keeps a table of
+its rooms, so its poll is a dictionary lookup.
+
+The agent pushes a room's view whenever something an engine acts on changes: a room ends
+(Success with its bytes and aux row, or Failed with the reason), the decode side of a prefill room
+not sent yet announced itself (WaitingForInput, with the decode ranks and their radix prefix) or
+gave it up, and a failed decode room's sources are all quiet (its pages may be reused). A
+subscriber first gets a snapshot of every room of its rank the agent holds, taken in the same
+step as the subscription (the server writes it, then an empty line), so what follows is newer.
+
+A subscriber that does not keep up (its queue holds ``MAX_BACKLOG`` views) is dropped: the engine
+reconnects and resynchronises from a fresh snapshot, and the agent never buffers without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from pdfabric_agent.protocol.views import RoomView
+
+MAX_BACKLOG = 1 << 16  # views queued for one subscriber before it is dropped
+
+
+class Subscription:
+    """One engine connection's queue of views for one rank; ``None`` ends it (dropped or closed)."""
+
+    def __init__(self, feed: RoomFeed, rank: str) -> None:
+        self.feed, self.rank = feed, rank
+        self._queue: collections.deque[RoomView | None] = collections.deque()
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self.dropped = False
+
+    def put(self, view: RoomView | None) -> None:
+        if self.dropped:
+            return
+        if len(self._queue) >= MAX_BACKLOG:
+            self.dropped = True  # the engine resynchronises from a snapshot when it reconnects
+            self._queue.clear()
+            view = None
+        self._queue.append(view)
+        self._ready.set()
+
+    async def next(self, timeout_s: float) -> RoomView | None:
+        """The next view; raises TimeoutError when none came within ``timeout_s`` (the caller
+        writes a heartbeat); None when the subscription ended."""
+        if not self._queue:
+            self._ready.clear()
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
+        return self._queue.popleft()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        self.feed.unsubscribe(self)
+
+
+class RoomFeed:
+    """The subscriptions of this agent's engine ranks, and the publishing of room views to them."""
+
+    def __init__(self) -> None:
+        self._subs: dict[str, set[Subscription]] = {}
+
+    def subscribe(self, rank: str) -> Subscription:
+        sub = Subscription(self, rank)
+        self._subs.setdefault(rank, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        subs = self._subs.get(sub.rank)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subs[sub.rank]
+
+    def watched(self, rank: str) -> bool:
+        """Whether an engine of ``rank`` is listening (views are made only then)."""
+        return rank in self._subs
+
+    def publish(self, view: RoomView) -> None:
+        for sub in tuple(self._subs.get(view.rank, ())):
+            sub.put(view)
+
+    def subscribers(self) -> int:
+        return sum(len(s) for s in self._subs.values())

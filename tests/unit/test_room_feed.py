@@ -1,0 +1,75 @@
+"""The agent's room feed (rooms/feed.py): views reach the subscribers of their rank only, a
+subscriber that falls MAX_BACKLOG views behind is dropped instead of buffered without bound, and
+an engine-side table (client/feed.py) keeps an end final and marks rooms a restarted agent lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdfabric_agent.client.feed import LOST, RoomEvents
+from pdfabric_agent.protocol.views import FeedHello, RoomState, RoomView
+from pdfabric_agent.rooms import feed as feed_mod
+from pdfabric_agent.rooms.feed import RoomFeed
+
+P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
+
+
+def view(room: int, state: RoomState = RoomState.TRANSFERRING, rank: str = D) -> RoomView:
+    return RoomView(rank=rank, room=room, state=state)
+
+
+def test_views_reach_their_ranks_subscribers_in_order_and_a_quiet_feed_times_out() -> None:
+    async def go() -> None:
+        feed = RoomFeed()
+        mine, other = feed.subscribe(D), feed.subscribe(P)
+        assert feed.watched(D) and feed.subscribers() == 2
+        feed.publish(view(1))
+        feed.publish(view(1, RoomState.SUCCESS))
+        assert [await mine.next(1.0), await mine.next(1.0)] == [view(1), view(1, RoomState.SUCCESS)]
+        with pytest.raises(TimeoutError):
+            await other.next(0.05)
+        mine.close()
+        assert not feed.watched(D)
+        feed.publish(view(2))  # nobody listens: nothing kept
+        assert mine.backlog == 0
+
+    asyncio.run(go())
+
+
+def test_a_subscriber_that_falls_behind_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(feed_mod, "MAX_BACKLOG", 4)
+
+    async def go() -> None:
+        feed = RoomFeed()
+        sub = feed.subscribe(D)
+        for room in range(6):
+            feed.publish(view(room))
+        assert sub.dropped and sub.backlog == 1 and await sub.next(0.1) is None  # ends: resync
+
+    asyncio.run(go())
+
+
+def test_the_engines_table_keeps_an_end_final_and_marks_what_a_restarted_agent_lost() -> None:
+    table = RoomEvents("127.0.0.1:1", "t", D)  # not started: the test feeds it
+    table.put(view(1, RoomState.SUCCESS))
+    table.put(view(1, RoomState.TRANSFERRING))  # late, from before the end
+    assert table.view(1) == view(1, RoomState.SUCCESS)
+    table.put(view(2))
+    table.put(view(3))
+    with table._lock:
+        table._lost_since(started=float("inf"), seen={3})  # a resync whose snapshot has only room 3
+    lost = table.view(2)
+    assert lost is not None and (lost.state, lost.reason) == (RoomState.FAILED, LOST)
+    assert table.view(3) == view(3) and table.view(1) == view(1, RoomState.SUCCESS)
+    table.forget(1)
+    assert table.view(1) is None and len(table) == 2
+
+
+def test_a_rank_that_sends_nothing_answers_every_room_at_once() -> None:
+    hello = FeedHello(P, sends=False, reason="TP rank 1's KV heads are replicated")
+    assert FeedHello.parse(hello.to_json()) == hello
+    early = hello.view_of(42)
+    assert early is not None and (early.state, early.sends, early.room) == (RoomState.WAITING_FOR_INPUT, False, 42)
+    assert FeedHello(P).view_of(42) is None
