@@ -97,7 +97,7 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
                 receiver.send_metadata(np.asarray([0, 1], dtype=np.int32), 0, None)
                 # The submit went on the rank's worker thread (the scheduler does not wait for it).
                 assert mgr.calls.wait_idle(5)
-                assert receiver.poll() == KVPoll.Bootstrapping  # prefill has not sent
+                assert receiver.poll() == KVPoll.WaitingForInput  # submitted; prefill has not sent
                 # An engine restart registers again: it waits while a room would land in the old
                 # buffers, and is refused once its bootstrap timeout passed with the room still open.
                 monkeypatch.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of("decode-0-tp0")].address)

@@ -647,7 +647,7 @@ def test_the_scheduler_thread_never_waits_on_the_agent() -> None:
         assert tx.poll() == KVPoll.WaitingForInput and tx.submit_pending
         agent_answers.set()
         assert mgr.calls.wait_idle(5) and calls == ["submit"]
-        assert tx.poll() == KVPoll.Bootstrapping  # the submit's answer, put into the table
+        assert tx.poll() == KVPoll.WaitingForInput  # the answer (Bootstrapping: decode info due) is in progress
         events.put(RoomView(rank=P, room=31, state=RoomState.SUCCESS, moved={"kv": 128, "state": 0, "aux": 0}))
         assert tx.poll() == KVPoll.Success and tx.bytes_moved == 128
         tx2 = PdfabricKVSender(mgr, "p:1", 32)

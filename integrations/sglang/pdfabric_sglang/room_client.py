@@ -18,7 +18,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client.api import AgentRefused
 from pdfabric_agent.protocol.labels import Refusal
-from pdfabric_agent.protocol.views import RoomView
+from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.rankmap import Rank
 
@@ -155,6 +155,10 @@ class RoomClient:
                 if view.aux_rows is not None and not self._land_aux_row(view.aux_rows):
                     return self.concluded if self.concluded is not None else FAILED
             return self._conclude(int(view.state), view.reason)
+        if view.state is RoomState.BOOTSTRAPPING:
+            # Submitted, the agent still waiting for a decode rank's room info: in progress, as
+            # SGLang's prefill inflight queue needs (it takes no Bootstrapping once sent).
+            return WAITING_FOR_INPUT
         return int(view.state)
 
     def _land_aux_row(self, rows: tuple[bytes, ...]) -> bool:
