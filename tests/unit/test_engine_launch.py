@@ -149,3 +149,26 @@ def test_sglang_router_args_name_each_prefill_with_its_bootstrap_port_and_each_d
     ]  # fmt: skip
     with pytest.raises(ValueError, match="at least one prefill and one decode"):
         sglang_router_args({"prefill": endpoints["prefill"], "decode": []})
+
+
+@pytest.mark.parametrize(
+    ("mem_pool", "user_env", "want"),
+    [
+        ("INTRA_NODE_NVLINK", [], "INTRA_NODE_NVLINK"),  # SGLang's metadata rows on the GPU, as the seed
+        ("INTRA_NODE_NVLINK", [{"name": "SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "value": "NONE"}], "NONE"),  # theirs stands
+        ("NONE", [], None),  # private CPU rows: they travel inline
+    ],
+    ids=["intra-node-nvlink", "users-own-value", "none"],
+)
+def test_the_launcher_sets_sglangs_pool_variable_for_intra_node_nvlink(
+    mem_pool: str, user_env: list[dict[str, str]], want: str | None
+) -> None:
+    from pdfabric_core.engines.groups import engine_launches
+    from pdfabric_core.rankmap import Rank
+    from tests.builders import pdcluster
+
+    builder = pdcluster().transfer(memPool=mem_pool, transport="nvlink-intra" if mem_pool != "NONE" else "tcp")
+    spec = builder.engine(prefill={"env": user_env}).spec()
+    (launch,) = engine_launches(spec, [Rank(Role.PREFILL, 0, 0)])
+    got = {e.name: e.value for e in launch.env}.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+    assert got == want

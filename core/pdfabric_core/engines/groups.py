@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdfabric_core.engines.launch import EngineLaunch, EnvEntry, hoisted_name
-from pdfabric_core.policy.types import Role
+from pdfabric_core.policy.types import MEM_POOL_ENV, MemPool, Role
 from pdfabric_core.rankmap import Rank
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def bootstrap_port(engine: EngineSpec, group: EngineGroup) -> int | None:
     return engine.prefill.bootstrap_port + group.index if group.role is Role.PREFILL else None
 
 
-def _launch_env(engine: EngineSpec, role: Role) -> tuple[EnvEntry, ...]:
+def _launch_env(engine: EngineSpec, role: Role, mem_pool: MemPool) -> tuple[EnvEntry, ...]:
     out = []
     for var in engine.role(role.value).env:
         name = str(var["name"])
@@ -71,6 +71,10 @@ def _launch_env(engine: EngineSpec, role: Role) -> tuple[EnvEntry, ...]:
             out.append(EnvEntry(name, from_container=hoisted_name(role, name)))
         else:
             out.append(EnvEntry(name, value=str(var.get("value", ""))))
+    if mem_pool is MemPool.INTRA_NODE_NVLINK and all(e.name != MEM_POOL_ENV for e in out):
+        # The seed's rule: SGLang keeps its metadata rows on the GPU for this pool, which the
+        # agent then maps by CUDA IPC like the KV (a user's own value of the variable stands).
+        out.append(EnvEntry(MEM_POOL_ENV, value=mem_pool.value))
     return tuple(out)
 
 
@@ -87,7 +91,7 @@ def engine_launch(spec: PDClusterSpec, group: EngineGroup) -> EngineLaunch:
         rank_ids=tuple(r.rank_id for r in group.ranks),
         gpus=tuple(r.gpu for r in group.ranks),
         argv=(*role.command, *role.args),
-        env=_launch_env(engine, group.role),
+        env=_launch_env(engine, group.role, spec.transfer.mem_pool),
         port=serving_port(engine, group),
         bootstrap_port=bootstrap_port(engine, group),
         health_path=role.health_path,

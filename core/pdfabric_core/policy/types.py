@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 
+# SGLang's variable for the pool (its Mooncake backend's custom memory pool; with INTRA_NODE_NVLINK
+# it also puts its MetadataBuffers on the GPU).
+MEM_POOL_ENV = "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"
+
 
 class MemPool(enum.StrEnum):
     """SGLANG_MOONCAKE_CUSTOM_MEM_POOL values, spelled as users already write them."""

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.wire import MemoryRegistration
 from pdfabric_core.engines.launch import EngineEnv
-from pdfabric_core.policy.types import Role
+from pdfabric_core.policy.types import MEM_POOL_ENV, MemPool, Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
 
@@ -28,12 +28,12 @@ ENV_RANK = EngineEnv.RANK.value
 ENV_BOOTSTRAP_TIMEOUT = EngineEnv.BOOTSTRAP_TIMEOUT_S.value
 # SGLang's own switch for where MetadataBuffers live (disaggregation/utils.py): on the GPU only with
 # INTRA_NODE_NVLINK; private CPU memory otherwise.
-ENV_METADATA_POOL = "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"
+ENV_METADATA_POOL = MEM_POOL_ENV
 
 
 def metadata_on_gpu(env: dict[str, str] | None = None) -> bool:
     """Whether SGLang allocates its MetadataBuffers on the GPU (its rule, read from its variable)."""
-    return (os.environ if env is None else env).get(ENV_METADATA_POOL, "").upper() == "INTRA_NODE_NVLINK"
+    return (os.environ if env is None else env).get(ENV_METADATA_POOL, "").upper() == MemPool.INTRA_NODE_NVLINK
 
 
 class FabricConfig:
