@@ -50,3 +50,7 @@ def wrong_peer(message: str) -> ApiError:
 
 def layout_mismatch(message: str) -> ApiError:
     return ApiError(422, Refusal.LAYOUT_MISMATCH, message)
+
+
+def nic_refused(message: str) -> ApiError:
+    return ApiError(422, Refusal.NIC_REFUSED, message)

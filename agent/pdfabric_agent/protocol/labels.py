@@ -37,6 +37,9 @@ class Refusal(enum.StrEnum):
     LAYOUT_MISMATCH = "layout_mismatch"  # an engine's buffers do not fit the PDCluster's model (422)
     # A room for the engine's own memory on a rank with none registered (the agent restarted): 409
     MEMORY_NOT_REGISTERED = "memory_not_registered"
+    # GPU memory handed over for the NIC that this node cannot register (no RDMA device, no dma-buf
+    # support in libibverbs, the kernel or the NIC's driver): 422
+    NIC_REFUSED = "nic_refused"
     WRONG_PEER = "wrong_peer"  # an authenticated peer speaking for a rank the rank map does not give it
     TOO_LARGE = "too_large"  # body, head or a list longer than the largest legal request (413, 431)
     TIMEOUT = "timeout"  # head or body not read within its deadline (408)
