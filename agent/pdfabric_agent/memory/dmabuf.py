@@ -85,16 +85,18 @@ def export_allocation(ptr: int, device: int) -> DmabufExport:
 
 
 def dmabuf_exporter(fd: int) -> str | None:
-    """The exporter's name when `fd` is a dma-buf (``exp_name`` in its fdinfo), else None."""
+    """The exporter's name when `fd` is a dma-buf (``exp_name`` in its fdinfo; on kernels whose
+    fdinfo lacks it, "unnamed" when the fd's link names a dma-buf), else None."""
     try:
         with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "exp_name":
                     return value.strip() or "unnamed"
+        link = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
-    return None
+    return "unnamed" if link.startswith(("/dmabuf:", "anon_inode:dmabuf")) else None
 
 
 def fd_size(fd: int) -> int | None:
