@@ -4,7 +4,7 @@ a reason, never leaking an fd, never hanging.
 
 A memfd is no dma-buf, so the real check refuses it (that is one of the tests); the tests that go
 past that check give the registry an exporter lookup that accepts memfds, and a NIC domain over the
-fake libibverbs of test_nic_verbs.py. tests/gpu/test_dmabuf_gpu.py hands over real CUDA dma-bufs."""
+fake libibverbs of tests/unit/fake_verbs.py. tests/gpu/test_dmabuf_gpu.py hands over real CUDA dma-bufs."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pdfabric_agent.protocol.handover import (
     socket_path,
 )
 from pdfabric_agent.ranks.nic_memory import NicMemory
-from tests.unit.test_nic_verbs import FakeVerbs
+from tests.unit.fake_verbs import FakeVerbs
 
 TOKEN, CLUSTER, RANK = "engine-token", "0123456789abcdef", "prefill-0-tp0-cp0"
 
@@ -322,3 +322,35 @@ def test_one_client_thread_per_hand_over(door: Door) -> None:
     assert not errors and len(door.nic.regions(RANK)) == 1 and len(door.nic.regions("decode-0-tp0")) == 1
     for fd in fds:
         os.close(fd)
+
+
+def test_the_sglang_plugin_hands_over_its_kv_and_state_allocations(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from pdfabric_sglang import kvargs
+
+    from pdfabric_agent.client import handover as client_handover
+
+    seen: dict[str, Any] = {}
+
+    def record(path: str, **kw: Any) -> str:
+        seen.update(kw, path=path)
+        return "answer"
+
+    monkeypatch.setattr(client_handover, "hand_over_gpu_buffers", record)
+    monkeypatch.setattr(kvargs, "gpu_of", lambda args: 3)
+    cfg = SimpleNamespace(token=TOKEN)
+    args = SimpleNamespace(kv_data_ptrs=[0x1000, 0x2000], state_types=["mamba"], state_data_ptrs=[[0x3000, 0x4000]])
+    answer = kvargs.hand_over_gpu_kv(args, cfg, RANK, CLUSTER, env={"PDFABRIC_SHM_DIR": str(tmp_path)})  # type: ignore[arg-type]
+    assert answer == "answer" and seen["path"] == socket_path(str(tmp_path), CLUSTER)
+    assert (seen["ptrs"], seen["device"], seen["token"], seen["rank"]) == (
+        [0x1000, 0x2000, 0x3000, 0x4000],
+        3,
+        TOKEN,
+        RANK,
+    )
+    monkeypatch.setattr(kvargs, "gpu_of", lambda args: None)
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        kvargs.hand_over_gpu_kv(args, cfg, RANK, CLUSTER)  # type: ignore[arg-type]

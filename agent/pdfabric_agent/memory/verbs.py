@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -177,7 +178,7 @@ class NicDomain:
 
     def register_dmabuf(self, fd: int, offset: int, length: int, iova: int, access: int = KV_ACCESS) -> MemoryRegion:
         """``ibv_reg_dmabuf_mr``; ``VerbsError`` (NO_DMABUF_SUPPORT for EOPNOTSUPP, else REFUSED)."""
-        if offset % 4096 != iova % 4096:
+        if offset % mmap.PAGESIZE != iova % mmap.PAGESIZE:
             raise VerbsError(Failure.REFUSED, f"iova {iova:#x} and offset {offset:#x} differ in their page offset")
         with self._lock:
             if self._pd is None:

@@ -47,8 +47,11 @@ class TransportTraits:
     # CUDA ones are mapped by CUDA IPC. On tcp the sender gathers GPU sources into pinned host memory
     # of its own (agent transfer/staging.py: Mooncake's own copy of a GPU source, a cudaMemcpy per
     # 64 KiB on its one I/O thread, halves its rate) and Mooncake writes GPU destinations itself at
-    # its host rate (benchmarks/results/gpu-2026-12-02-tcp-gpu.md). rdma: GPUDirect registration of
-    # an engine's GPU memory is not built yet (issue 24), so host memory only.
+    # its host rate (benchmarks/results/gpu-2026-12-02-tcp-gpu.md). rdma: host memory only. The engine
+    # can hand its GPU allocations to the agent as dma-bufs and the agent registers them with the NIC
+    # (agent ranks/nic_memory.py), but no data path moves bytes from those registrations yet:
+    # Mooncake registers memory itself, in its own protection domain (docs/sglang.md, "Engine GPU
+    # memory on rdma").
     engine_kv_devices: frozenset[Device]
     requires: tuple[Requirement, ...]  # checked by the agent, in this order
     mooncake_protocol: str  # TransferEngine.initialize's protocol argument

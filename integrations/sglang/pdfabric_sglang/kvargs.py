@@ -150,3 +150,25 @@ def gpu_of(args: KVArgs) -> int | None:
         return int(args.gpu_id) if torch.cuda.is_available() else None
     except ImportError:
         return None
+
+
+def hand_over_gpu_kv(
+    args: KVArgs, cfg: FabricConfig, rank_id: str, cluster_uid: str, env: dict[str, str] | None = None
+) -> Any:
+    """GPUDirect RDMA by dma-buf (docs/sglang.md, "Engine GPU memory on rdma"): the GPU allocations
+    behind this rank's KV and state buffers exported as dma-bufs and handed to the node agent's
+    dma-buf door for its NIC; the agent's ``HandoverAnswer``, or ``HandoverRefused`` with its reason
+    (or ``not_exportable`` from this side). The door's socket is in ``PDFABRIC_SHM_DIR``, named by the
+    cluster's uid (the agent's /v1/info gives it)."""
+    from pdfabric_agent.client.handover import hand_over_gpu_buffers
+    from pdfabric_agent.protocol.handover import socket_path
+
+    gpu = gpu_of(args)
+    if gpu is None:
+        raise RuntimeError("pdfabric: no CUDA here; a dma-buf hand-over is for GPU KV")
+    shm_dir = (os.environ if env is None else env).get(EngineEnv.SHM_DIR.value, "/dev/shm")
+    kinds = args.state_data_ptrs if getattr(args, "state_types", None) else []  # one list per state kind
+    ptrs = [int(p) for p in args.kv_data_ptrs] + [int(p) for kind in kinds for p in kind]
+    return hand_over_gpu_buffers(
+        socket_path(shm_dir, cluster_uid), token=cfg.token, cluster=cluster_uid, rank=rank_id, ptrs=ptrs, device=gpu
+    )
