@@ -11,9 +11,11 @@ CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0 with NVIDIA's proprietary kernel modu
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,8 +73,16 @@ def test_an_allocation_exports_as_a_dmabuf_of_its_size() -> None:
         close_fds([e.fd for e in exports])
 
 
-def test_the_fds_reach_another_process_as_the_same_dmabufs(tmp_path: Path) -> None:
-    path = str(tmp_path / "receiver.sock")
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for Unix sockets (their paths must stay under 108 bytes, whatever TMPDIR is)."""
+    d = tempfile.mkdtemp(prefix="pdfabric-", dir="/tmp")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_fds_reach_another_process_as_the_same_dmabufs(sock_dir: Path) -> None:
+    path = str(sock_dir / "receiver.sock")
     proc = _child(
         "import socket\n"
         "from pdfabric_agent.memory.dmabuf import dmabuf_exporter, fd_size\n"
@@ -84,6 +94,7 @@ def test_the_fds_reach_another_process_as_the_same_dmabufs(tmp_path: Path) -> No
         "send_frame(c, {'pid': __import__('os').getpid(), 'seen': [[dmabuf_exporter(f), fd_size(f)] for f in fds]})\n"
         "close_fds(fds)\n"
     )
+    torch.cuda.empty_cache()  # fresh segments: each tensor its own allocation, as a KV pool's layers
     keep = [
         torch.empty(NBYTES, dtype=torch.uint8, device="cuda:0"),
         torch.empty(2 * NBYTES, dtype=torch.uint8, device="cuda:0"),
@@ -98,7 +109,7 @@ def test_the_fds_reach_another_process_as_the_same_dmabufs(tmp_path: Path) -> No
             doc, _ = recv_frame(sock)
         print("the receiving process saw:", doc)
         assert doc["pid"] != os.getpid()
-        assert len(doc["seen"]) == len(exports) == 2
+        assert len(doc["seen"]) == len(exports) >= 1  # two tensors: two segments, or one cached segment
         assert all(size >= e.nbytes for (_, size), e in zip(doc["seen"], exports, strict=True))
         assert all(exporter is not None for exporter, _ in doc["seen"])
         assert proc.wait(30) == 0
@@ -109,9 +120,9 @@ def test_the_fds_reach_another_process_as_the_same_dmabufs(tmp_path: Path) -> No
 
 
 @pytest.fixture
-def agent_door(tmp_path: Path) -> Iterator[str]:
+def agent_door(sock_dir: Path) -> Iterator[str]:
     """The agent's real door (its checks, the real libibverbs) in a process of its own."""
-    path = socket_path(str(tmp_path), CLUSTER)
+    path = socket_path(str(sock_dir), CLUSTER)
     proc = _child(
         "from pdfabric_agent.http.handover import HandoverDoor\n"
         "from pdfabric_agent.ranks.nic_memory import NicMemory\n"
@@ -146,7 +157,8 @@ def test_the_agents_door_takes_the_dmabufs_and_answers_what_its_nic_does(agent_d
         # by the NIC means the other process saw the dma-buf whole.
         print("the agent's door refused, as a node without an RDMA NIC must:", exc)
         assert (exc.status, exc.reason) == (422, "nic_refused"), exc
-        assert "no RDMA device" in exc.message or "libibverbs" in exc.message or "ibv_reg_dmabuf_mr" in exc.message
+        # Opening the NIC failed (no libibverbs, no device, no access), or the registration itself did.
+        assert exc.message.startswith(("GPU memory cannot be registered with a NIC here", "allocations[0]")), exc
         return
     print("registered with the NIC:", answer)
     assert answer.rank == RANK and [r.iova for r in answer.registered] == [cuda.address_range(t.data_ptr())[0]]
