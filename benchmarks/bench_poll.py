@@ -56,7 +56,9 @@ def main() -> None:
         made = 0
         for n in (64, 256):
             for room in range(made, n):
-                feeds[D].put(lc.client(D).receive(D, room, [room % lc.kv_pages]))  # as the plugin puts a submit's answer
+                feeds[D].put(
+                    lc.client(D).receive(D, room, [room % lc.kv_pages])
+                )  # as the plugin puts a submit's answer
             made = n
             rooms = list(range(n))
             deadline = time.monotonic() + 30
