@@ -4,8 +4,9 @@
 # and the pure-Python wheels the GPU machine's Python lacks in .gpu-deps/wheels (the test harness's
 # certificates need cryptography: `pip download cryptography cffi pycparser --python-version 3.12
 # --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-deps/wheels`):
-#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent] [tcp]      (default: the first three)
+#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent] [tcp] [dmabuf]      (default: the first three)
 # (tcp: engine GPU KV over tcp, its benchmark then its GPU tests; one GPU is enough)
+# (dmabuf: engine GPU memory exported as dma-bufs and handed over, its GPU tests with their prints; one GPU)
 # Output goes to stdout and, when the device tool sets $OUT, into files there.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,6 +31,9 @@ for step in $steps; do
       timeout 240 python3 benchmarks/gpu/tcp_gpu_bench.py 2>&1 | tail -40 || rc=1
       PDFABRIC_GPU_RESULTS=$OUT timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_engine_tcp_gpu.py 2>&1 \
         | tee "$OUT/gpu-tcp-tests.txt" | tail -40 || rc=1 ;;
+    dmabuf)
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_dmabuf_gpu.py 2>&1 \
+        | tee "$OUT/gpu-dmabuf-tests.txt" | tail -40 || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done
