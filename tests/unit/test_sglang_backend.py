@@ -678,3 +678,25 @@ def test_a_submit_the_agent_refuses_fails_the_room_at_the_next_poll() -> None:
         assert rx.poll() == KVPoll.Failed and "did not take the receive" in rx.reason and "409" in rx.reason
     finally:
         mgr.calls.close()
+
+
+def test_a_senders_transfer_latency_starts_at_the_first_byte_moved() -> None:
+    """SGLang's KVTransferMetric: the sender's latency runs from the agent's start of the room (its
+    ``transferring`` phase, on the node's monotonic clock), not from the first chunk handed over,
+    so prefill compute between chunks is not counted as transfer."""
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 41)
+    mgr.client.views[41] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": [D]}
+    tx.poll()
+    tx.init(1, None)
+    tx.send(np.array([3], np.int32))
+    tx.submitted_at = time.monotonic() - 5.0  # the first chunk, 5 s of prefill compute ago
+    agent_start = time.monotonic() - 1.0  # the room's submit at the agent
+    mgr.client.views[41] = {"state": "Success", "code": 4, "bytes": {"kv": 64}, "submitted_at": agent_start,
+                            "phases_s": {"transferring": 0.75}}  # fmt: skip
+    assert tx.poll() == KVPoll.Success
+    latency = tx.get_transfer_metric().transfer_latency_s
+    assert latency is not None and 0.2 <= latency < 1.0  # from the first byte (0.25 s ago), not 5 s

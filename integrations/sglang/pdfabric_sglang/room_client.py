@@ -39,6 +39,13 @@ AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting 
 MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
 
 
+def first_byte_at(view: RoomView) -> float | None:
+    """When the agent began moving a prefill room (its ``transferring`` phase) on the node's
+    monotonic clock, which this process shares with the agent; None for a room without it."""
+    began = view.phases_s.get("transferring")
+    return None if began is None or view.submitted_at is None else view.submitted_at + began
+
+
 def replica_of(rank_id: str) -> int:
     """The replica in a rank id (``decode-<replica>-tp<n>``)."""
     return Rank.from_id(rank_id).replica
@@ -61,6 +68,7 @@ class RoomClient:
         # the agent answered; a refusal lands in ``refused`` and the next poll concludes with it.
         self.submit_pending: bool | None = None
         self.refused = ""
+        self.moving_since: float | None = None  # when the agent began moving the room's bytes
 
     @property
     def mgr(self) -> PdfabricKVManager:
@@ -152,6 +160,7 @@ class RoomClient:
         if view.finished:
             if view.succeeded:
                 self.bytes_moved = sum(view.moved.values())
+                self.moving_since = first_byte_at(view)
                 if view.aux_rows is not None and not self._land_aux_row(view.aux_rows):
                     return self.concluded if self.concluded is not None else FAILED
             return self._conclude(int(view.state), view.reason)
@@ -167,9 +176,12 @@ class RoomClient:
         return True
 
     def get_transfer_metric(self) -> KVTransferMetric:
+        """SGLang's metric: the bytes the agent counted, and the latency from the first byte moved
+        (a sender: the agent's start of the room; a receiver: its submit) to the end seen here."""
         latency = None
-        if self.submitted_at is not None and self.finished_at is not None and self.concluded == SUCCESS:
-            latency = self.finished_at - self.submitted_at
+        start = self.moving_since or self.submitted_at
+        if start is not None and self.finished_at is not None and self.concluded == SUCCESS:
+            latency = max(0.0, self.finished_at - start)
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes_moved)
 
     def failure_exception(self) -> None:
