@@ -88,7 +88,8 @@ def test_the_fds_reach_another_process_as_the_same_dmabufs(sock_dir: Path) -> No
         "from pdfabric_agent.memory.dmabuf import dmabuf_exporter, fd_size\n"
         "from pdfabric_agent.protocol.handover import recv_frame, send_frame, close_fds\n"
         "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
-        f"s.bind({path!r}); s.listen(1)\n"
+        f"s.bind({path + '.new'!r}); s.listen(1)\n"
+        f"__import__('os').rename({path + '.new'!r}, {path!r})\n"  # appears listening
         "c, _ = s.accept(); c.settimeout(30)\n"
         "doc, fds = recv_frame(c)\n"
         "send_frame(c, {'pid': __import__('os').getpid(), 'seen': [[dmabuf_exporter(f), fd_size(f)] for f in fds]})\n"

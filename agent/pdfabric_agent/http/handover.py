@@ -52,12 +52,15 @@ class HandoverDoor:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a previous agent's: nothing listens there any more
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Bound and listening under a name of its own, then renamed: the socket appears listening.
+        staging = f"{self.path}.{os.getpid()}"
         old = os.umask(0o177)
         try:
-            sock.bind(self.path)
+            sock.bind(staging)
         finally:
             os.umask(old)
         sock.listen(16)
+        os.rename(staging, self.path)
         sock.settimeout(0.2)  # the accept loop notices close() within this
         self._sock = sock
         self._thread = threading.Thread(target=self._accept, name="dmabuf-door", daemon=True)
