@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "hack")]
 
 from pdfabric_devcluster import ClusterConfig, LocalCluster  # noqa: E402
-from pdfabric_devcluster.cluster import ensure_binaries  # noqa: E402
+from pdfabric_devcluster.binaries import ensure_binaries  # noqa: E402
 
 GOAL_SECONDS = 30.0
 

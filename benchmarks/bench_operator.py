@@ -40,8 +40,9 @@ sys.path[:0] = [str(ROOT / "hack")]
 import yaml  # noqa: E402
 
 from pdfabric_devcluster import ClusterConfig, LocalCluster  # noqa: E402
-from pdfabric_devcluster.cluster import ensure_binaries, free_port  # noqa: E402
+from pdfabric_devcluster.binaries import ensure_binaries  # noqa: E402
 from pdfabric_devcluster.nodes import GpuNodeShape  # noqa: E402
+from pdfabric_devcluster.procs import free_port  # noqa: E402
 
 GOAL_ALL_READY_S = 60.0
 GOAL_RSS_MB = 300.0

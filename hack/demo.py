@@ -33,10 +33,11 @@ import time
 
 from pdfabric_refengine.geometry import SPEC_MODEL
 
-from pdfabric_devcluster.cluster import REPO_ROOT, ClusterError, LocalCluster, free_port, wait_for
+from pdfabric_devcluster.binaries import ClusterError, wait_for
+from pdfabric_devcluster.cluster import LocalCluster
 from pdfabric_devcluster.fabric import Fabric
 from pdfabric_devcluster.podrunner import PodRunner
-from pdfabric_devcluster.procs import console_argv
+from pdfabric_devcluster.procs import REPO_ROOT, console_argv, free_port
 from pdfabric_devcluster.prometheus import Prometheus
 from pdfabric_devcluster.sglang_router import SGLangRouter
 from pdfabric_devcluster.synthetic import expected_bytes

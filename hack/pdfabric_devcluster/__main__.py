@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from pdfabric_devcluster.cluster import REPO_ROOT, ClusterConfig, ClusterError, LocalCluster
+from pdfabric_devcluster.binaries import ClusterError
+from pdfabric_devcluster.cluster import ClusterConfig, LocalCluster
 from pdfabric_devcluster.nodes import default_node_shapes, parse_node_shapes
+from pdfabric_devcluster.procs import REPO_ROOT
 
 DEFAULT_DIR = REPO_ROOT / ".artifacts" / "cluster"
 

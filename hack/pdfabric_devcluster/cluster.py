@@ -12,55 +12,17 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdfabric_devcluster.binaries import CONTROLPLANE_DIR, ClusterError, ensure_binaries, wait_for
 from pdfabric_devcluster.nodes import NODE_DOWN_ANNOTATION, GpuNodeShape, build_gpu_node, default_node_shapes
 from pdfabric_devcluster.pki import Pki
-from pdfabric_devcluster.procs import REPO_ROOT, free_port
+from pdfabric_devcluster.procs import free_port
 
-CONTROLPLANE_DIR = REPO_ROOT / "hack" / "controlplane"
 SERVICE_CIDR = "10.96.0.0/16"  # allocation range for Service IPs only; nothing is sent there
-
-
-class ClusterError(RuntimeError):
-    pass
-
-
-def ensure_binaries(*, quiet: bool = False) -> Path:
-    """Build (or find cached) control-plane binaries; returns their directory."""
-    env_dir = os.environ.get("PDFABRIC_BIN_DIR")
-    if env_dir:
-        return Path(env_dir)
-    proc = subprocess.run(
-        ["bash", str(CONTROLPLANE_DIR / "build.sh")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if quiet else None,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise ClusterError(
-            f"building the control plane failed (exit {proc.returncode}); run hack/controlplane/build.sh"
-        )
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
-def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.1, what: str) -> Any:
-    """Poll until `predicate()` is truthy; raise with `what` when the deadline passes."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-            if result:
-                return result
-        except Exception as exc:  # the thing polled may not exist yet
-            last_error = exc
-        time.sleep(interval)
-    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error}" if last_error else ""))
 
 
 @dataclass

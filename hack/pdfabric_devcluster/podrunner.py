@@ -43,7 +43,8 @@ from typing import Any
 
 from pdfabric_core.engines.launch import ENGINES_ENV, expand
 from pdfabric_devcluster.agents import AgentProcess, LocalEngine, engine_image_env, loopback_env, stop_all
-from pdfabric_devcluster.cluster import ClusterError, LocalCluster
+from pdfabric_devcluster.binaries import ClusterError
+from pdfabric_devcluster.cluster import LocalCluster
 from pdfabric_devcluster.procs import console_argv, console_scripts, free_port
 from pdfabric_devcluster.sglang_router import SGLangRouter
 

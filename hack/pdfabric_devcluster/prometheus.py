@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pdfabric_devcluster.cluster import CONTROLPLANE_DIR, ClusterError, free_port, wait_for
+from pdfabric_devcluster.binaries import CONTROLPLANE_DIR, ClusterError, wait_for
+from pdfabric_devcluster.procs import free_port
 
 SCRAPE_INTERVAL_S = 1
 

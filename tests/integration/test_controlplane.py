@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdfabric_devcluster.cluster import wait_for
+from pdfabric_devcluster.binaries import wait_for
 
 
 def gpu_pod(name: str, gpus: int) -> dict[str, Any]:

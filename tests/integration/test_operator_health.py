@@ -7,7 +7,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pdfabric_devcluster.cluster import free_port
+from pdfabric_devcluster.procs import free_port
 from tests.builders import pdcluster
 from tests.integration import pdcluster_harness as h
 from tests.integration.pdcluster_harness import (
