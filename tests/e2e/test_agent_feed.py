@@ -43,6 +43,7 @@ def feed(lc: LocalFabric, rank: str) -> RoomEvents:
 def test_the_feed_says_what_a_poll_says(lc: LocalFabric) -> None:
     pf, df = feed(lc, P), feed(lc, D)
     try:
+        assert lc.metric_sum("pdfabric_room_feed_subscribers") == 2  # one per engine rank, on its agent
         assert pf.hello is not None and pf.hello.sends and pf.view(11) is None  # nothing said of room 11
         lc.client(D).receive(D, 11, [1, 2], state_indices=[], aux_index=0)
         early = wait_until(lambda: pf.view(11), timeout=5, what="decode's announcement on the prefill feed")
@@ -56,6 +57,7 @@ def test_the_feed_says_what_a_poll_says(lc: LocalFabric) -> None:
     finally:
         pf.close()
         df.close()
+    wait_until(lambda: lc.metric_sum("pdfabric_room_feed_subscribers") == 0, timeout=10, what="the feeds' ends counted")
 
 
 def test_a_failed_rooms_quiet_sources_reach_the_decode_feed(lc: LocalFabric) -> None:

@@ -228,6 +228,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         # Subscribed and snapshotted in one step (no await between): every view queued after is newer.
         sub, snapshot = agent.ctx.feed.subscribe(rank), agent.feed_snapshot(rank)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"})
+        metrics.feed_subscribers.labels(cluster).inc()
         try:
             await resp.prepare(request)
             await resp.write(_line(hello.to_json()) + b"".join(_line(v.to_json()) for v in snapshot) + b"\n")
@@ -238,12 +239,14 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
                     await resp.write(b"\n")
                     continue
                 if view is None:  # dropped: the engine did not keep up, and resynchronises
+                    metrics.feed_dropped.labels(cluster).inc()
                     break
                 await resp.write(_line(view.to_json()))
         except (ConnectionError, ClientConnectionResetError):
             pass  # the engine went away
         finally:
             sub.close()
+            metrics.feed_subscribers.labels(cluster).dec()
         return resp
 
     async def peer_dst(request: web.Request) -> web.Response:

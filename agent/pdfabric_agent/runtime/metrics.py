@@ -224,6 +224,18 @@ rankmap_reloads = Counter(
     ["pdcluster", "outcome"],
     registry=REGISTRY,
 )
+feed_subscribers = Gauge(
+    "pdfabric_room_feed_subscribers",
+    "Engine connections following a rank's room feed (GET /v1/events/{rank}): one per engine rank that polls its table.",
+    ["pdcluster"],
+    registry=REGISTRY,
+)
+feed_dropped = Counter(
+    "pdfabric_room_feed_dropped_total",
+    "Room feed subscribers dropped for falling 65536 views behind (the engine resynchronises from a snapshot).",
+    ["pdcluster"],
+    registry=REGISTRY,
+)
 rankmap_peers = Gauge(
     "pdfabric_rankmap_peers",
     "Agents of the rank map this agent runs on, itself included (state current), and agents a newer map dropped that still drain their rooms (state leaving).",
