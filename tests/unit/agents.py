@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -163,21 +163,35 @@ def make_agent(
     *,
     raw: dict[str, Any] | None = None,
     transport: str = "tcp",
+    entries: Sequence[AgentEntry] | None = None,
+    env: dict[str, str] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Agent:
-    """An agent on `node` of a two-agent rank map (a1 on n1 holds prefill-0, a2 on n2 decode-0),
-    serving `local` with fake pools and a ``Backend`` without a kernel path; settings from the
-    environment as the process reads them."""
+    """The one agent factory of the unit tests: an agent on `node` of a rank map (by default two
+    agents: a1 on n1 holds prefill-0, a2 on n2 decode-0; or `entries`), serving `local` with fake
+    pools and a ``Backend`` without a kernel path; settings from the environment as the process
+    reads them (`env` adds to it)."""
     raw = TCP_RAW if raw is None else raw
     token = tmp_path / "token"
     token.write_text("t" * 32)
-    env = {"NODE_NAME": node, "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
-    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
-    entries = (AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),)), AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)))
+    environ = {"NODE_NAME": node, "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
+    environ["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
+    environ.update(env or {})
+    if entries is None:
+        entries = (
+            AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),)),
+            AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)),
+        )
     spec = parse_spec(raw)
-    agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", transport, raw, entries), spec, {}, transport)
-    layout = PoolLayout.from_geometry(spec.model, 1, kv_pages=16, state_slots=4, aux_slots=4)
-    pool = SimpleNamespace(addr=0x1000_0000)
+    rankmap = RankMap("ns", "c", "uid-1", transport, raw, tuple(entries))
+    cfg = load_config(environ)
+    agent = (
+        Agent(cfg, rankmap, spec, {}, transport) if clock is None else Agent(cfg, rankmap, spec, {}, transport, clock)
+    )
     for rank in local:
+        group = spec.prefill if rank.role is Role.PREFILL else spec.decode
+        layout = PoolLayout.from_geometry(spec.model, group.tp, kv_pages=16, state_slots=4, aux_slots=4)
+        pool = SimpleNamespace(addr=0x1000_0000)
         pools = RankPools(layout, pool, pool, pool)  # type: ignore[arg-type]
         agent.ranks[rank.rank_id] = LocalRank(rank, Backend(kernel=False, takes=False), pools)
     return agent

@@ -18,11 +18,9 @@ from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, Target
-from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
-from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
-from pdfabric_core.spec import parse_spec
-from tests.unit.agents import peer_answer
+from pdfabric_core.rankmap import AgentEntry, Rank
+from tests.unit.agents import make_agent, peer_answer
 
 PREFILL, DECODE = "prefill-0-tp0-cp0", "decode-0-tp0"
 REASON = "engine prefill-0 exited (exit code 1)"
@@ -30,23 +28,14 @@ REASON = "engine prefill-0 exited (exit code 1)"
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
     shm = tmp_path / "shm"
     shm.mkdir()
-    env = {
-        "NODE_NAME": "n1",
-        "PDFABRIC_RANKMAP": "unused",
-        "PDFABRIC_ENGINE_TOKEN_FILE": str(token),
-        "PDFABRIC_SHM_DIR": str(shm),
-        "PDFABRIC_HEARTBEAT_S": "1000",
-    }
-    raw: dict[str, Any] = {"prefill": {"tp": 1}, "decode": {"tp": 1}}
     entries = (
         AgentEntry("a1", "n1", (Rank("prefill", 0, 0), Rank("decode", 0, 0))),
         AgentEntry("a2", "n2", (Rank("prefill", 1, 0), Rank("decode", 1, 0))),
     )
-    return Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", raw, entries), parse_spec(raw), {}, "tcp")
+    env = {"PDFABRIC_SHM_DIR": str(shm), "PDFABRIC_HEARTBEAT_S": "1000"}
+    return make_agent(tmp_path, raw={"prefill": {"tp": 1}, "decode": {"tp": 1}}, entries=entries, env=env)
 
 
 def prefill_room(agent: Agent, room: int) -> PrefillRoom:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,10 +14,8 @@ from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, Target
-from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
-from pdfabric_core.spec import parse_spec
+from tests.unit.agents import make_agent
 
 
 class Clock:
@@ -30,24 +27,8 @@ class Clock:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    env = {
-        "NODE_NAME": "n1",
-        "PDFABRIC_RANKMAP": "unused",
-        "PDFABRIC_TOKEN_FILE": str(token),
-        "PDFABRIC_ENGINE_TOKEN_FILE": str(token),
-        "PDFABRIC_ROOM_TTL_S": "10",
-        "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "5",
-        "PDFABRIC_HEARTBEAT_S": "1000",
-    }
-    raw: dict[str, Any] = {"prefill": {"tp": 1}, "decode": {"tp": 1}}
-    entries = (
-        AgentEntry("a1", "n1", (Rank("prefill", 0, 0),)),
-        AgentEntry("a2", "n2", (Rank("decode", 0, 0),)),
-    )
-    rankmap = RankMap("ns", "c", "uid-1", "tcp", raw, entries)
-    return Agent(load_config(env), rankmap, parse_spec(raw), {}, "tcp", clock=Clock())
+    env = {"PDFABRIC_ROOM_TTL_S": "10", "PDFABRIC_BOOTSTRAP_TIMEOUT_S": "5", "PDFABRIC_HEARTBEAT_S": "1000"}
+    return make_agent(tmp_path, raw={"prefill": {"tp": 1}, "decode": {"tp": 1}}, env=env, clock=Clock())
 
 
 def prefill_room(agent: Agent, room: int) -> PrefillRoom:

@@ -21,11 +21,10 @@ from pdfabric_agent.protocol.wire import ReceiveRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
 from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.runtime.config import load_config
 from pdfabric_core.policy.types import Device, Role
-from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
+from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec, parse_spec
-from tests.unit.agents import Backend, peer_answer
+from tests.unit.agents import Backend, make_agent, peer_answer
 
 MODEL = {"layers": 2, "kvHeads": 4, "headDim": 8, "pageSizeTokens": 2, "dtype": "float32",
          "stateBytesPerRequest": 96, "stateLayers": 2, "auxRowBytes": [8, 20]}  # fmt: skip
@@ -109,13 +108,8 @@ def test_the_sum_does_not_depend_on_chunking_and_sees_order(tmp_path: Path, monk
 
 
 def decode_agent(tmp_path: Path, spec_raw: dict[str, Any]) -> tuple[Agent, PDClusterSpec]:
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    env = {"NODE_NAME": "n2", "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
-    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
-    spec = parse_spec(spec_raw)
-    entries = (AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),)), AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)))
-    agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", spec_raw, entries), spec, {}, "tcp")
+    agent = make_agent(tmp_path, "n2", raw=spec_raw)
+    spec = agent.spec
 
     async def delivered(agent_name: str, msg: Any, timeout_s: float) -> Any:
         return peer_answer(msg)  # the room info reaches the (absent) prefill agent

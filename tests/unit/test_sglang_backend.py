@@ -381,30 +381,15 @@ def test_deferred_release_waits_for_the_agents_quiet_sources() -> None:
 def prefill_agent(tmp_path: Path, raw: dict[str, Any], ranks: list[Rank]) -> Any:
     """The agent serving ``ranks`` of a spec ``raw`` (the engine path, in process): the prefill
     ranks are on one agent, the decode ranks on another."""
-    from pdfabric_agent.memory.pools import PoolLayout, RankPools
-    from pdfabric_agent.ranks.local import LocalRank
-    from pdfabric_agent.rooms.agent import Agent
-    from pdfabric_agent.runtime.config import load_config
-    from pdfabric_core.rankmap import AgentEntry, RankMap
+    from pdfabric_core.rankmap import AgentEntry
     from pdfabric_core.spec import parse_spec
-    from tests.unit.agents import Backend
+    from tests.unit.agents import make_agent
 
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    env = {"NODE_NAME": "n1", "PDFABRIC_RANKMAP": "unused", "PDFABRIC_TOKEN_FILE": str(token)}
-    env["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)
     spec = parse_spec(raw)
     prefill = tuple(Rank(Role.PREFILL, 0, t) for t in range(spec.prefill.tp))
     decode = tuple(Rank(Role.DECODE, 0, t) for t in range(spec.decode.tp))
     entries = (AgentEntry("a1", "n1", prefill), AgentEntry("a2", "n2", decode))
-    agent = Agent(load_config(env), RankMap("ns", "c", "uid-1", "tcp", raw, entries), spec, {}, "tcp")
-    for rank in ranks:
-        layout = PoolLayout.from_geometry(spec.model, spec.prefill.tp, kv_pages=16, state_slots=4, aux_slots=4)
-        pool = SimpleNamespace(addr=0x1000_0000)
-        agent.ranks[rank.rank_id] = LocalRank(
-            rank, Backend(kernel=False, takes=False), RankPools(layout, pool, pool, pool)
-        )  # type: ignore[arg-type]
-    return agent
+    return make_agent(tmp_path, "n1", ranks, raw=raw, entries=entries)
 
 
 REPLICATED = {
