@@ -166,11 +166,13 @@ def make_agent(
     entries: Sequence[AgentEntry] | None = None,
     env: dict[str, str] | None = None,
     clock: Callable[[], float] | None = None,
+    cluster: str = "c",
 ) -> Agent:
     """The one agent factory of the unit tests: an agent on `node` of a rank map (by default two
     agents: a1 on n1 holds prefill-0, a2 on n2 decode-0; or `entries`), serving `local` with fake
     pools and a ``Backend`` without a kernel path; settings from the environment as the process
-    reads them (`env` adds to it)."""
+    reads them (`env` adds to it). Metrics are process-wide: a test whose agents must not add
+    series to another test's `cluster` names its own."""
     raw = TCP_RAW if raw is None else raw
     token = tmp_path / "token"
     token.write_text("t" * 32)
@@ -183,7 +185,7 @@ def make_agent(
             AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),)),
         )
     spec = parse_spec(raw)
-    rankmap = RankMap("ns", "c", "uid-1", transport, raw, tuple(entries))
+    rankmap = RankMap("ns", cluster, "uid-1", transport, raw, tuple(entries))
     cfg = load_config(environ)
     agent = (
         Agent(cfg, rankmap, spec, {}, transport) if clock is None else Agent(cfg, rankmap, spec, {}, transport, clock)

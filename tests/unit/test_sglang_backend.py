@@ -389,7 +389,7 @@ def prefill_agent(tmp_path: Path, raw: dict[str, Any], ranks: list[Rank]) -> Any
     prefill = tuple(Rank(Role.PREFILL, 0, t) for t in range(spec.prefill.tp))
     decode = tuple(Rank(Role.DECODE, 0, t) for t in range(spec.decode.tp))
     entries = (AgentEntry("a1", "n1", prefill), AgentEntry("a2", "n2", decode))
-    return make_agent(tmp_path, "n1", ranks, raw=raw, entries=entries)
+    return make_agent(tmp_path, "n1", ranks, raw=raw, entries=entries, cluster="sglang-backend")
 
 
 REPLICATED = {
