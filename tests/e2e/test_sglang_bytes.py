@@ -79,6 +79,8 @@ class Side:
             assert reg.aux_inline and not reg.aux and reg.aux_slots == pool.aux_slots
 
     def close(self) -> None:
+        for mgr in self.managers.values():
+            mgr.close()
         for pool in self.pools.values():
             pool.close()
 

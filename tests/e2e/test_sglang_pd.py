@@ -117,6 +117,7 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
                 assert info["buffers"] == 2 * 2 + 3 and info["devices"] == ["cpu"]
             finally:
                 server.close()
+                mgr.close()
         finally:
             wrong.close()
             right.close()

@@ -113,7 +113,9 @@ class RoomEvents:
             try:
                 self._follow(started, resync=not first)
             except (OSError, http.client.HTTPException, ValueError) as exc:
-                if not self._stop.is_set():
+                # Said once per outage (when a synced feed is lost), not at every retry against an
+                # agent that stays down.
+                if not self._stop.is_set() and self.synced.is_set():
                     log.info("pdfabric: room feed of %s: %s; reconnecting", self.rank, exc)
             finally:
                 self.synced.clear()

@@ -143,6 +143,13 @@ class PdfabricKVManager(BaseKVManager):
             self.client.register_memory(self.registration)
             return self.client.submit(msg)
 
+    def close(self) -> None:
+        """Stop following the room feed and the calls' worker (SGLang never closes a manager; an
+        engine that hosts several, like the tests, does)."""
+        if self.events is not None:
+            self.events.close()
+        self.calls.close()
+
     def register_to_bootstrap(self) -> None:
         """Nothing to register: the PDCluster's rank map tells every agent where each rank is."""
 
