@@ -18,7 +18,6 @@ from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.errors import malformed
 from pdfabric_agent.protocol.fields import (
     MAX_AUX_ITEMS,
-    MAX_AUX_ROW_BYTES,
     MAX_BUFFERS,
     MAX_INT,
     MAX_MARKS,
@@ -37,7 +36,7 @@ from pdfabric_agent.protocol.fields import (
 )
 from pdfabric_agent.protocol.labels import Kind
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
-from pdfabric_agent.protocol.wire import CHECKSUM, BytesByPath
+from pdfabric_agent.protocol.wire import CHECKSUM, BytesByPath, decode_aux_row
 
 # The peer door's GET routes (its POSTs are the messages' own ``PATH``).
 PING_PATH = "/v1/peer/ping"
@@ -233,15 +232,7 @@ class DoneReport(SourceReport):
             dst_off, data = row
             if type(dst_off) is not int or not 0 <= dst_off <= MAX_INT:
                 raise malformed(f"aux_rows addresses must be integers within 0..{MAX_INT}")
-            if len(data) > 4 * -(-MAX_AUX_ROW_BYTES // 3):  # before decoding
-                raise too_large(
-                    f"an aux row of {len(data)} base64 characters; rows are at most {MAX_AUX_ROW_BYTES} bytes"
-                )
-            try:
-                raw = base64.b64decode(data, validate=True)
-            except ValueError:  # binascii.Error, and non-ASCII characters
-                raise malformed("aux_rows must be a list of [address, base64] pairs") from None
-            parsed.append((dst_off, raw))
+            parsed.append((dst_off, decode_aux_row(data, "aux_rows must be a list of [address, base64] pairs")))
         checksum = body.get("checksum")
         if checksum is not None and (not isinstance(checksum, str) or not CHECKSUM.fullmatch(checksum)):
             raise malformed("field 'checksum' must be '<length hex>:<16 hex digits>'")
