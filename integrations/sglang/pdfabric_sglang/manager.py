@@ -11,10 +11,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from sglang.srt.disaggregation.base.conn import (
-    BaseKVManager,
-    KVArgs,
-)
+from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
 from pdfabric_agent.client.feed import RoomEvents
@@ -34,10 +31,7 @@ from pdfabric_sglang.kvargs import (
     registration,
 )
 from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
-from pdfabric_sglang.room_client import (
-    AGENT_CALL_TIMEOUT_S,
-    MEMORY_NOT_REGISTERED,
-)
+from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, MEMORY_NOT_REGISTERED
 from pdfabric_sglang.shares import UnshareableBuffer
 
 if TYPE_CHECKING:

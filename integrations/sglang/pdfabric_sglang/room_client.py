@@ -10,10 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from sglang.srt.disaggregation.base.conn import (
-    KVPoll,
-    KVTransferMetric,
-)
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client.api import AgentRefused
@@ -64,9 +61,9 @@ class RoomClient:
         self.reason = ""
         self.bytes_moved: int | None = None
         self.created = time.monotonic()
-        # The submit, handed to the manager's worker (AgentCalls): None until made, then True until
-        # the agent answered; a refusal lands in ``refused`` and the next poll concludes with it.
-        self.submit_pending: bool | None = None
+        # The submit, handed to the manager's worker (AgentCalls), not answered yet; a refusal
+        # lands in ``refused`` and the next poll concludes with it.
+        self.submit_pending = False
         self.refused = ""
         self.moving_since: float | None = None  # when the agent began moving the room's bytes
 
