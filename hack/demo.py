@@ -195,7 +195,7 @@ def run_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, o
     prometheus.start()
     targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
     prometheus.set_targets([*targets, (f"127.0.0.1:{operator_metrics}", {"pod": "operator"})])
-    prometheus.wait_targets_up(len(targets) + 1)
+    prometheus.wait_targets_up()
     print(f"  {prometheus.url}")
 
     step(f"{ROOMS} requests: prefill TP2 x CP2 -> decode TP4 over Mooncake tcp, verified byte by byte")
@@ -294,7 +294,7 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
     targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
     targets.append((router.metrics_url.removeprefix("http://"), {"pod": router_pod, "namespace": NAMESPACE}))
     prometheus.set_targets(targets)
-    prometheus.wait_targets_up(len(targets))
+    prometheus.wait_targets_up()
     print(f"  spec.router: {json.dumps(obj['status'].get('router'))}; SGLang's router runs its pod's command "
           f"(here {router.url})")  # fmt: skip
     show(cluster, "get", "deployment", "demo-router", "-n", NAMESPACE)
@@ -388,7 +388,7 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
         single.wait_healthy()
         targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
         prometheus.set_targets(targets)
-        prometheus.wait_targets_up(len(targets))
+        prometheus.wait_targets_up()
 
         step("prompts through SGLang's router to SGLang's prefill and decode servers, beside a single SGLang server")
         from transformers import AutoTokenizer

@@ -39,6 +39,7 @@ class Prometheus:
         self.targets_file = workdir / "targets.json"
         self.log = workdir / "prometheus.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.targets: frozenset[str] = frozenset()  # the addresses last set
 
     def start(self) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,9 @@ class Prometheus:
 
     def set_targets(self, targets: Iterable[tuple[str, Mapping[str, str]]]) -> None:
         """Replace the scrape targets: (host:port, extra labels) pairs. Written atomically."""
-        groups = [{"targets": [t], "labels": dict(labels)} for t, labels in targets]
+        pairs = list(targets)
+        self.targets = frozenset(t for t, _ in pairs)
+        groups = [{"targets": [t], "labels": dict(labels)} for t, labels in pairs]
         tmp = self.targets_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(groups))
         tmp.replace(self.targets_file)
@@ -112,9 +115,14 @@ class Prometheus:
         """Instant query; returns the result vector (raises on a PromQL error)."""
         return self.api("query", query=expr, time=f"{time.time():.3f}")["result"]
 
-    def wait_targets_up(self, count: int, timeout: float = 30) -> None:
+    def wait_targets_up(self, timeout: float = 30) -> None:
+        """Until Prometheus scrapes exactly the targets last set, each up and scraped once: the
+        targets of an earlier set stay active until its next file read, and would pass a count."""
+
         def up() -> bool:
             active = self.api("targets", state="active")["activeTargets"]
-            return len(active) >= count and all(t["health"] == "up" for t in active)
+            return {t["scrapeUrl"].split("/")[2] for t in active} == self.targets and all(
+                t["health"] == "up" for t in active
+            )
 
-        wait_for(up, timeout=timeout, interval=0.5, what=f"{count} scrape targets up")
+        wait_for(up, timeout=timeout, interval=0.5, what=f"scrape targets {sorted(self.targets)} up")

@@ -70,7 +70,7 @@ def test_apply_place_transfer_scrape(
     prometheus.set_targets(
         [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": namespace}) for n, p in pods.items()]
     )
-    prometheus.wait_targets_up(len(pods))
+    prometheus.wait_targets_up()
 
     fabric = Fabric.from_cluster(cluster, namespace, "pd", runner)
     spec = fabric.spec
