@@ -2,7 +2,8 @@
 
 A prefill rank (tp p, cp c, pp stage s) sending a request to decode rank d owes:
 - KV: for each route p->d (rank_mapping), the pages of its CP shard (cp_page_shard), every layer
-  of its stage, K and V, the route's heads (a whole page, or a head slice under a TP mismatch);
+  of its stage, K and V (or the MLA latent), the route's heads (a whole page, or a head slice under
+  a TP mismatch); MLA's latent is one replicated head, so d reads it from one prefill rank;
 - state: only from d's primary source, only from the last PP stage, only the state layers this
   CP rank owns (state_layer_shard), and nothing when the dedup rule says CP rank 0 sends it
   (cp_dedup);
@@ -86,7 +87,7 @@ def _primary(decode_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int
 
 
 def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
-    return list(_routes_from(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads))
+    return list(_routes_from(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads))
 
 
 def prefill_rank_sends(spec: PDClusterSpec, prefill_tp_rank: int, cp_rank: int) -> bool:
@@ -114,7 +115,7 @@ def sender_duties(
     ):
         return None
     primary = route.prefill_tp_rank == _primary(
-        route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads
+        route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads
     )
     skip = should_skip_state_transfer(cp, cp_rank, dsa_cache_layer_split=split)
     state_layers = state_layer_shard(spec.model.state_layers, cp, cp_rank, dsa_cache_layer_split=split)
@@ -186,6 +187,6 @@ def routes_for_decode(spec: PDClusterSpec, decode_tp_rank: int) -> list[KvRoute]
     return [
         r
         for p in range(spec.prefill.tp)
-        for r in _routes_from(p, spec.prefill.tp, spec.decode.tp, spec.model.kv_heads)
+        for r in _routes_from(p, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads)
         if r.decode_tp_rank == decode_tp_rank
     ]

@@ -9,8 +9,8 @@ each prefill rank's `sender_duties` for each of its decode targets), so it canno
 nothing is re-derived here but the byte size of each duty (tests/unit/test_traffic_sweep.py proves
 it equal to what `pdfabric_agent.memory.plan.plan_transfer` plans, over every layout). Per (prefill rank
 -> decode rank) pair:
-- KV: the pages of its CP shard, K and V, for every layer of its PP stage, the route's heads (a
-  whole page, or its head slice under a TP mismatch).
+- KV: the pages of its CP shard, each KV buffer (K and V, or the MLA latent), for every layer of
+  its PP stage, the route's heads (a whole page, or its head slice under a TP mismatch).
 - State: `model.stateBytesPerRequest` is one request's full state across `model.stateLayers`
   (one state slot). The pair carries the state layers its duties name: only the decode rank's
   primary source sends, from the last PP stage, the layers its CP rank owns; with dedup the copies
@@ -112,10 +112,9 @@ def duty_bytes(spec: PDClusterSpec, pair: PairDuties, *, state_slots: int = 1) -
     m, p = spec.model, spec.prefill
     duties = pair.duties
     layers = len(pp_layer_range(m.layers, p.pp, pair.pp_stage))
-    head_page = m.page_size_tokens * m.head_dim * m.dtype_bytes  # one head, one page, K or V
     state_layer = m.state_bytes_per_request // m.state_layers  # parse_spec: they divide
     return PairBytes(
-        kv=len(duties.pages) * layers * 2 * duties.route.num_heads * head_page,
+        kv=len(duties.pages) * layers * m.kv_buffers * duties.route.num_heads * m.head_page_bytes,
         state=len(duties.state_layers) * state_slots * state_layer,
         state_skipped=m.state_layers * state_slots * state_layer if duties.state_skipped else 0,
         aux=sum(m.aux_row_bytes) if duties.send_aux else 0,

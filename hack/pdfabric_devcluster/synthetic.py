@@ -2,7 +2,7 @@
 them byte for byte in decode pools, independent of how the agent routed them.
 
 Content is a function of *logical* coordinates only: (room, layer, K/V, request page position,
-global KV head) for KV; (room, state layer, request state position) for state; (room, aux item)
+global KV head) for KV (an MLA latent is buffer 0, head 0: the same on every prefill TP rank); (room, state layer, request state position) for state; (room, aux item)
 for aux. So a decode rank can verify its pages whatever TP/CP split produced them, and a head
 landing in the wrong slot, page or layer is caught. Each chunk counts up from a seed, so a shifted
 or partial copy inside a chunk is caught too.
@@ -51,10 +51,10 @@ class ExpectedBytes:
 
 def expected_bytes(spec: PDClusterSpec, *, pages: int, state_slots: int, aux: bool) -> ExpectedBytes:
     """Bytes one room must move to one decode replica: each decode rank receives every page's
-    local heads once, one copy of the state and of the aux row."""
+    local heads (MLA: the whole latent) once, one copy of the state and of the aux row."""
     geo = spec.model
     dtp = spec.decode.tp
-    kv = pages * geo.layers * 2 * dtp * geo.kv_page_bytes(dtp)
+    kv = pages * geo.layers * geo.kv_buffers * dtp * geo.kv_page_bytes(dtp)
     state = dtp * state_slots * geo.state_bytes_per_request
     p = spec.prefill
     dedup_applies = p.cp > 1 and p.all_cp_ranks_transfer and not p.dsa_cache_layer_split
@@ -81,10 +81,10 @@ def fill_prefill(
     """Write room's contents for the request pages at ``positions`` into local ``pages``; returns
     bytes written. ``first_layer`` is the global number of the pool's layer 0 (PP stages)."""
     lay = pools.layout
-    heads = list(global_heads(tp_rank, spec.prefill.tp, spec.model.kv_heads))
+    heads = list(global_heads(tp_rank, spec.prefill.tp, spec.model.tp_kv_heads))
     written = 0
     for layer in range(lay.layers):
-        for kv in (0, 1):
+        for kv in range(lay.kv_buffers):
             for pos, page in zip(positions, pages, strict=True):
                 for local, head in enumerate(heads):
                     off = lay.kv_offset(layer, kv, page, local)
@@ -117,17 +117,17 @@ def verify_decode(
 ) -> list[str]:
     """Every mismatch, as "what where"; empty when all bytes are exact."""
     lay = pools.layout
-    heads = list(global_heads(tp_rank, spec.decode.tp, spec.model.kv_heads))
+    heads = list(global_heads(tp_rank, spec.decode.tp, spec.model.tp_kv_heads))
     errors: list[str] = []
     for layer in range(lay.layers):
-        for kv in (0, 1):
+        for kv in range(lay.kv_buffers):
             for pos, page in enumerate(pages):
                 for local, head in enumerate(heads):
                     off = lay.kv_offset(layer, kv, page, local)
                     want = kv_chunk(room, first_layer + layer, kv, pos, head, lay.head_bytes)
                     if pools.kv[off : off + lay.head_bytes] != want:
                         errors.append(
-                            f"kv layer {first_layer + layer} {'KV'[kv]} request page {pos} (slot {page}) head {head}"
+                            f"kv layer {first_layer + layer} buffer {kv} request page {pos} (slot {page}) head {head}"
                         )
     for layer in range(lay.state_layers):
         for pos, slot in enumerate(state_slots):

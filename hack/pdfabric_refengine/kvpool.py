@@ -5,6 +5,9 @@ Layout (SGLang's MHATokenToKVPool, NHD): per layer one K and one V buffer of sha
 [num_pages * page_size, local_heads, head_dim], token-indexed, so page p is tokens
 p*page_size .. p*page_size+page_size-1 and its bytes are [token][head][dim], contiguous. A
 page is therefore one `item_len` block, and a head slice of a token is one contiguous run.
+With ``mla`` (SGLang's MLATokenToKVPool): per layer one latent buffer of shape
+[num_pages * page_size, 1, kv_lora_rank + qk_rope_head_dim] (``head_dim`` is the latent width),
+in ``k_buffers``; there are no V buffers.
 
 On CPU every buffer lives in one shared-memory file the pool creates (each buffer at a
 4096-aligned offset), so another process (the agent) can map the same bytes by path; on CUDA
@@ -80,9 +83,13 @@ class KVPool:
         state_layers: int = 0,
         state_slot_bytes: int = 0,
         state_slots: int = 8,
+        mla: bool = False,  # one latent buffer per layer (one head of the latent width), no V
     ) -> None:
         if min(layers, local_heads, head_dim, num_pages, page_size, aux_slots) < 1:
             raise ValueError("layers, heads, head_dim, pages, page_size and aux slots must all be positive")
+        if mla and local_heads != 1:
+            raise ValueError(f"an MLA pool holds one latent per token, not {local_heads} heads")
+        self.mla = mla
         self.layers = layers
         self.local_heads = local_heads
         self.head_dim = head_dim
@@ -96,8 +103,8 @@ class KVPool:
 
         kv_shape = (num_pages * page_size, local_heads, head_dim)
         specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [
-            *((f"k{layer}", kv_shape, dtype) for layer in range(layers)),
-            *((f"v{layer}", kv_shape, dtype) for layer in range(layers)),
+            *((f"{'latent' if mla else 'k'}{layer}", kv_shape, dtype) for layer in range(layers)),
+            *((f"v{layer}", kv_shape, dtype) for layer in range(0 if mla else layers)),
             *((f"aux.{item.name}", (aux_slots, item.width), item.dtype) for item in AUX_ITEMS),
             # One slot-indexed state kind (Mamba's, in SGLang): per state layer [slot][bytes].
             *(
@@ -121,24 +128,25 @@ class KVPool:
             # SGLang zero-fills its pools too; untouched pages read as zeros on both devices.
             tensors.append(placed[i] if i in placed else torch.zeros(shape, dtype=dt, device=place))
 
+        nkv = layers if mla else 2 * layers  # KV buffers in all
         self.k_buffers: list[torch.Tensor] = tensors[:layers]
-        self.v_buffers: list[torch.Tensor] = tensors[layers : 2 * layers]
+        self.v_buffers: list[torch.Tensor] = tensors[layers:nkv]
         n_aux = len(AUX_ITEMS)
         self.aux: dict[str, torch.Tensor] = {
-            item.name: t for item, t in zip(AUX_ITEMS, tensors[2 * layers : 2 * layers + n_aux], strict=True)
+            item.name: t for item, t in zip(AUX_ITEMS, tensors[nkv : nkv + n_aux], strict=True)
         }
         # One state kind at most (the reference model is plain MHA: none unless asked for), one
         # tensor per state layer, registered after KV and aux as SGLang's setup_state_kv_args does.
         self.state_slot_bytes = state_slot_bytes
-        self.state_buffers: list[list[torch.Tensor]] = [tensors[2 * layers + n_aux :]] if state_slot_bytes else []
+        self.state_buffers: list[list[torch.Tensor]] = [tensors[nkv + n_aux :]] if state_slot_bytes else []
         infos = [
             BufferInfo(spec[0], t.data_ptr(), t.nbytes, off)
             for spec, t, off in zip(specs, tensors, offsets, strict=True)
         ]
         self.k_infos: list[BufferInfo] = infos[:layers]
-        self.v_infos: list[BufferInfo] = infos[layers : 2 * layers]
-        self.aux_infos: list[BufferInfo] = infos[2 * layers : 2 * layers + n_aux]
-        self.state_infos: list[BufferInfo] = infos[2 * layers + n_aux :]
+        self.v_infos: list[BufferInfo] = infos[layers:nkv]
+        self.aux_infos: list[BufferInfo] = infos[nkv : nkv + n_aux]
+        self.state_infos: list[BufferInfo] = infos[nkv + n_aux :]
 
         self._free_pages: list[int] = list(range(num_pages))
         self._free_slots: list[int] = list(range(aux_slots))
@@ -253,7 +261,8 @@ def kv_args(
     cls: Any = None,
 ) -> KVArgs:
     """SGLang's KVArgs for `pool`, filled the way its prefill/decode scheduler fills it for an
-    MHATokenToKVPool with MetadataBuffers and no state pool."""
+    MHATokenToKVPool (or, for an ``mla`` pool, an MLATokenToKVPool: one latent per layer, and
+    no KV head counts) with MetadataBuffers and no state pool."""
     # Imported here: SGLang pulls in its server args, seconds of import a pure compute user
     # (model, pools, prefill/decode) need not pay.
     if cls is None:
@@ -272,7 +281,7 @@ def kv_args(
     args.kv_layout = None  # only DeepSeek-V4 pools have a choice of byte layout
     args.prefill_start_layer = prefill_start_layer
     args.prefill_end_layer = prefill_start_layer + pool.layers  # exclusive
-    kv = pool.k_infos + pool.v_infos  # MHA: every layer's K, then every layer's V
+    kv = pool.k_infos + pool.v_infos  # MHA: every layer's K, then every layer's V; MLA: the latents
     args.kv_data_ptrs = [b.data_ptr for b in kv]
     args.kv_data_lens = [b.nbytes for b in kv]
     args.kv_item_lens = [pool.page_bytes for _ in kv]
@@ -280,8 +289,9 @@ def kv_args(
     # build_kv_layer_ids gives plain MHA pools no ids (peers pair buffers by position); only
     # hybrid pools report them, as their layer ids twice (K, then V).
     args.kv_layer_ids = []
-    args.kv_head_num = kv_head_num
-    args.total_kv_head_num = total_kv_head_num
+    if not pool.mla:  # SGLang's schedulers set no head counts for an MLA pool
+        args.kv_head_num = kv_head_num
+        args.total_kv_head_num = total_kv_head_num
     args.page_size = page_size
     args.aux_data_ptrs = [b.data_ptr for b in pool.aux_infos]
     args.aux_data_lens = [b.nbytes for b in pool.aux_infos]

@@ -44,6 +44,16 @@ def test_expected_bytes(prefill: dict[str, Any], decode: dict[str, Any], expecte
     assert expected_bytes(spec, pages=7, state_slots=2, aux=True) == expected
 
 
+@pytest.mark.parametrize(("ptp", "dtp"), [(2, 1), (1, 2), (4, 4)])
+def test_expected_bytes_of_an_mla_model_are_one_whole_latent_per_layer_per_decode_rank(ptp: int, dtp: int) -> None:
+    # 32 bf16 elements per token, 4 tokens per page: 256 bytes a page on every rank, one buffer a layer.
+    mla = {**MODEL, "kvKind": "MLA", "kvLoraRank": 24, "qkRopeHeadDim": 8}
+    spec = parse_spec({"prefill": {"tp": ptp}, "decode": {"tp": dtp}, "model": mla})
+    assert expected_bytes(spec, pages=7, state_slots=2, aux=True) == ExpectedBytes(
+        kv=7 * 2 * dtp * 256, state=dtp * 2 * 1024, aux=dtp * 24, state_skipped=0
+    )
+
+
 def test_contents_differ_by_every_coordinate() -> None:
     base = kv_chunk(1, 0, 0, 0, 0, 64)
     others = [kv_chunk(2, 0, 0, 0, 0, 64), kv_chunk(1, 1, 0, 0, 0, 64), kv_chunk(1, 0, 1, 0, 0, 64)]

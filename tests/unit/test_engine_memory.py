@@ -84,7 +84,7 @@ def test_a_fitting_registration_gives_the_engine_layout(tmp_path: Path) -> None:
     ("change", "named"),
     [
         ({"page_bytes": PAGE // 2}, "KV bytes per page"),
-        ({"layers": 3}, "K and 3 V buffers"),
+        ({"layers": 3}, "3 K, 3 V and 0 latent buffers"),
     ],
 )
 def test_a_registration_that_does_not_fit_the_model_names_the_mismatch(

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS
-from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, MemPool, Transport
+from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, MemPool, Transport
 from pdfabric_core.spec import (
     DTYPE_BYTES,
     DecodeEngineSpec,
@@ -112,6 +112,7 @@ VOCABULARY = [
     ("backend", [b.value for b in Backend]),
     ("transfer.memPool", [m.value for m in MemPool]),
     ("transfer.transport", [AUTO_TRANSPORT, *(t.value for t in Transport)]),
+    ("model.kvKind", [k.value for k in KvKind]),
     ("model.dtype", list(DTYPE_BYTES)),
     ("placement.fallback", [f.value for f in FallbackPolicy]),
 ]

@@ -30,6 +30,7 @@ from pdfabric_agent.memory.plan import (
 )
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
+from pdfabric_core.policy.types import KvKind
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec, validate_spec
 from pdfabric_core.traffic import PairBytes, estimate_traffic, pair_traffic
 
@@ -37,14 +38,17 @@ SRC = Bases(kv=0x10000000, state=0x20000000, aux=0x30000000)
 DST = Bases(kv=0x40000000, state=0x50000000, aux=0x60000000)
 STATE_LAYER_BYTES = 24
 AUX_ROW = [16, 8, 40]
-KV_HEADS = (1, 2, 8)  # 1: every TP 1-8 valid, heads replicated; 2: replicated head slices; 8: head slices
+# 1: every TP 1-8 valid, heads replicated; 2: replicated head slices; 8: head slices; MLA: one
+# latent buffer per layer (not K and V), whole on every rank
+KV_HEADS: tuple[int | str, ...] = (1, 2, 8, "MLA")
+MLA_LATENT = {"kvKind": "MLA", "kvLoraRank": 3, "qkRopeHeadDim": 2}  # 5 elements, a width no head has
 LAYERS = 5  # uneven over 2, 3 and 4 PP stages
 PAGE_TOKENS = 4
 
 Pair = tuple[tuple[int, int, int], tuple[int, int]]
 
 
-def base_spec(kv_heads: int, ptp: int, dtp: int, pp: int, dpp: int) -> PDClusterSpec | None:
+def base_spec(kv_heads: int | str, ptp: int, dtp: int, pp: int, dpp: int) -> PDClusterSpec | None:
     """The TP and PP part of a layout as a parsed spec, or None where parse_spec refuses it."""
     raw: dict[str, Any] = {
         "prefill": {"tp": ptp, "pp": pp},
@@ -52,7 +56,7 @@ def base_spec(kv_heads: int, ptp: int, dtp: int, pp: int, dpp: int) -> PDCluster
         "transfer": {"transport": "tcp"},
         "model": {
             "layers": LAYERS,
-            "kvHeads": kv_heads,
+            **({"kvHeads": kv_heads} if isinstance(kv_heads, int) else MLA_LATENT),
             "headDim": 2,
             "pageSizeTokens": PAGE_TOKENS,
             "dtype": "float32",
@@ -100,7 +104,8 @@ def layouts() -> tuple[tuple[str, PDClusterSpec, int], ...]:
                     continue
                 spec = with_cp(bases[(cp + pp + dpp) % len(bases)], cp, split, all_ranks)
                 if spec is not None:
-                    name = f"kv{spec.model.kv_heads}-tp{ptp}to{dtp}-cp{cp}-pp{pp}to{dpp}" + "-split" * split
+                    kind = "mla" if spec.model.kv_kind is KvKind.MLA else f"kv{spec.model.kv_heads}"
+                    name = f"{kind}-tp{ptp}to{dtp}-cp{cp}-pp{pp}to{dpp}" + "-split" * split
                     out.append((name + "-allranks" * all_ranks, spec, (11, 3)[len(out) % 2]))
     return tuple(out)
 
@@ -219,7 +224,7 @@ def _estimate_mismatches(indices: Iterable[int]) -> list[str]:
         # And against the geometry alone (the synthetic engine's count): every decode rank gets
         # each page's local heads once, one copy of the state and of the aux row.
         geo, d = spec.model, spec.decode
-        assert kv == pages * geo.layers * 2 * d.tp * geo.kv_page_bytes(d.tp), name
+        assert kv == pages * geo.layers * geo.kv_buffers * d.tp * geo.kv_page_bytes(d.tp), name
         assert state == d.tp * geo.state_bytes_per_request, name
         assert aux == d.tp * sum(geo.aux_row_bytes), name
         copies = spec.prefill.cp if spec.prefill.all_cp_ranks_send and not spec.prefill.dsa_cache_layer_split else 1
@@ -237,7 +242,11 @@ def test_sweep_covers_the_layouts() -> None:
     assert {(s.prefill.dsa_cache_layer_split, s.prefill.all_cp_ranks_transfer) for s in specs} == set(
         itertools.product((False, True), repeat=2)
     )
-    assert {s.model.kv_heads for s in specs} == set(KV_HEADS)
+    assert {"MLA" if s.model.kv_kind is KvKind.MLA else s.model.kv_heads for s in specs} == set(KV_HEADS)
+    mla = [s for s in specs if s.model.kv_kind is KvKind.MLA]
+    assert {(s.prefill.tp > s.decode.tp, s.prefill.tp < s.decode.tp, s.prefill.cp > 1) for s in mla} >= {
+        (True, False, False), (False, True, False), (False, False, True)
+    }  # fmt: skip
     routes = [r for s in specs for p in range(s.prefill.tp) for r in decode_targets(s, p)]
     assert any(not r.whole_page and r.src_local_heads > r.num_heads for r in routes)  # slices sent
     assert any(not r.whole_page and r.dst_local_heads > r.num_heads for r in routes)  # slices received

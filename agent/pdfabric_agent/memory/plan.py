@@ -72,7 +72,7 @@ class Bases:
 @dataclass(frozen=True)
 class MemoryMap:
     """Where every buffer of one rank starts: ``kv`` page 0 of each (layer, K/V) buffer in (layer,
-    K/V) order, ``state`` slot 0 of each state layer, ``aux`` row 0 of each aux item. Strides are
+    K/V) order (MLA: one latent per layer), ``state`` slot 0 of each state layer, ``aux`` row 0 of each aux item. Strides are
     the layout's (page bytes, state layer bytes, aux item bytes)."""
 
     kv: tuple[int, ...]
@@ -82,7 +82,11 @@ class MemoryMap:
     @classmethod
     def of_pools(cls, layout: PoolLayout, bases: Bases) -> MemoryMap:
         return cls(
-            kv=tuple(bases.kv + layout.kv_offset(layer, kv, 0) for layer in range(layout.layers) for kv in (0, 1)),
+            kv=tuple(
+                bases.kv + layout.kv_offset(layer, kv, 0)
+                for layer in range(layout.layers)
+                for kv in range(layout.kv_buffers)
+            ),
             state=tuple(bases.state + layout.state_offset(layer, 0) for layer in range(layout.state_layers)),
             aux=tuple(bases.aux + layout.aux_offset(item, 0) for item in range(len(layout.aux_items))),
         )
@@ -90,14 +94,14 @@ class MemoryMap:
     def check(self, layout: PoolLayout) -> None:
         """ValueError unless there is one address per buffer of ``layout`` (no state buffers when
         its state layers hold no bytes)."""
-        want = (2 * layout.layers, layout.state_layers, len(layout.aux_items))
+        want = (layout.kv_buffers * layout.layers, layout.state_layers, len(layout.aux_items))
         have = (len(self.kv), len(self.state), len(self.aux))
         if not self.state and not layout.state_layer_bytes:
             want = (want[0], 0, want[2])
         if have != want:
             raise ValueError(
                 f"memory map has {have[0]} KV, {have[1]} state and {have[2]} aux buffers; "
-                f"the layout has {want[0]} (K and V of {layout.layers} layers), {want[1]} and {want[2]}"
+                f"the layout has {want[0]} ({layout.kv_buffers} per layer of {layout.layers}), {want[1]} and {want[2]}"
             )
 
 
@@ -180,7 +184,8 @@ def buffer_bases(layout: PoolLayout, kv: tuple[int, ...], layers: range, shift: 
     `shift` layers, in (layer, K/V) order; the same for every room between two ranks, so it is
     computed once per pair of memory maps."""
     head_bytes = layout.token_head_bytes if layout.page_order is PageOrder.TOKEN_MAJOR else layout.head_bytes
-    return tuple(kv[2 * (layer + shift) + k] + head * head_bytes for layer in layers for k in (0, 1))
+    n = layout.kv_buffers
+    return tuple(kv[n * (layer + shift) + k] + head * head_bytes for layer in layers for k in range(n))
 
 
 def token_rows(pages: Sequence[int], tokens: int) -> list[int]:
@@ -222,6 +227,10 @@ def plan_transfer(
     src_pages, dst_pages = src.pages, dst.pages
     src_state, dst_state = src.state, dst.state
     src_aux, dst_aux = src.aux, dst.aux
+    if src_layout.kv_buffers != dst_layout.kv_buffers:
+        raise ValueError(
+            f"{src_layout.kv_buffers} KV buffers per layer here, {dst_layout.kv_buffers} at the peer (MHA against MLA)"
+        )
     if src_layout.page_order is not dst_layout.page_order:
         raise ValueError(
             f"page layouts differ: this side's pages are {src_layout.page_order}, the peer's {dst_layout.page_order}"

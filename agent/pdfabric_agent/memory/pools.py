@@ -1,7 +1,8 @@
 """KV, state and aux pools of one rank: their byte layout and their memory.
 
 Layout (all offsets in bytes from the pool base):
-- KV pool: [layer][K=0, V=1][page][head][token][dim]. Heads are the outer dimension inside a page
+- KV pool: [layer][K=0, V=1][page][head][token][dim] (MLA: [layer][latent][page]..., one buffer
+  per layer, one head: ``kv_buffers``). Heads are the outer dimension inside a page
   (``PageOrder.HEAD_MAJOR``), so the head slice a TP-mismatched route moves is one contiguous block
   per page. An engine's own buffers (``memory.py``, SGLang's) keep [token][head][dim] pages
   (``PageOrder.TOKEN_MAJOR``): there a head slice is one block per token of the page.
@@ -44,7 +45,7 @@ class PageOrder(StrEnum):
 class PoolLayout:
     layers: int
     local_heads: int
-    head_bytes: int  # one head of one page of one layer's K (or V)
+    head_bytes: int  # one head of one page of one layer's K (or V, or latent)
     kv_pages: int
     state_layers: int
     state_layer_bytes: int  # one slot of one state layer
@@ -53,6 +54,7 @@ class PoolLayout:
     aux_slots: int
     page_tokens: int = 1  # tokens per page: a token-major head slice is one block per token
     page_order: PageOrder = PageOrder.HEAD_MAJOR
+    kv_buffers: int = 2  # KV buffers per layer: K and V, or the MLA latent (ModelGeometry.kv_buffers)
 
     @property
     def token_head_bytes(self) -> int:
@@ -75,8 +77,8 @@ class PoolLayout:
         is a parsed spec's, whose state bytes divide into its state layers (parse_spec, the CRD)."""
         return cls(
             layers=len(pp_layer_range(geo.layers, pp, pp_stage)),
-            local_heads=local_heads(tp, geo.kv_heads),
-            head_bytes=geo.page_size_tokens * geo.head_dim * geo.dtype_bytes,
+            local_heads=local_heads(tp, geo.tp_kv_heads),
+            head_bytes=geo.head_page_bytes,
             kv_pages=kv_pages,
             state_layers=geo.state_layers,
             state_layer_bytes=geo.state_bytes_per_request // geo.state_layers,
@@ -84,6 +86,7 @@ class PoolLayout:
             aux_items=tuple(geo.aux_row_bytes),
             aux_slots=aux_slots,
             page_tokens=geo.page_size_tokens,
+            kv_buffers=geo.kv_buffers,
         )
 
     @property
@@ -92,7 +95,7 @@ class PoolLayout:
 
     @property
     def kv_bytes(self) -> int:
-        return self.layers * 2 * self.kv_pages * self.page_bytes
+        return self.layers * self.kv_buffers * self.kv_pages * self.page_bytes
 
     @property
     def state_bytes(self) -> int:
@@ -107,7 +110,7 @@ class PoolLayout:
         return self.aux_row_bytes * self.aux_slots
 
     def kv_offset(self, layer: int, kv: int, page: int, head: int = 0) -> int:
-        return ((layer * 2 + kv) * self.kv_pages + page) * self.page_bytes + head * self.head_bytes
+        return ((layer * self.kv_buffers + kv) * self.kv_pages + page) * self.page_bytes + head * self.head_bytes
 
     def state_offset(self, layer: int, slot: int) -> int:
         return (layer * self.state_slots + slot) * self.state_layer_bytes

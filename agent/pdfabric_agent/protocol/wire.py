@@ -40,6 +40,7 @@ from pdfabric_agent.protocol.fields import (
     too_large,
 )
 from pdfabric_agent.protocol.labels import Kind
+from pdfabric_core.policy.types import KvKind
 
 CHECKSUM = re.compile(r"[0-9a-f]{1,16}:[0-9a-f]{16}")  # integrity.checksum's form
 # Bytes per kind ("kv", "state", "aux") and, per `path` label, the bytes that path moved.
@@ -295,7 +296,8 @@ def _shares(body: Mapping[str, Any], name: str) -> list[BufferShare]:
 @dataclass(frozen=True)
 class MemoryRegistration:
     """Engine -> its node's agent: rank `rank`'s KV, state and aux live in the engine's own buffers
-    (SGLang's KVArgs): per layer a K and a V buffer of ``kv_page_bytes`` per page, pages of
+    (SGLang's KVArgs): per layer a K and a V buffer (``kv_kind`` MHA) or one latent buffer (MLA,
+    ``latent``; ``k`` and ``v`` empty) of ``kv_page_bytes`` per page, pages of
     ``page_tokens`` tokens in ``page_order``; per state layer a buffer of ``state_slot_bytes`` per
     slot; per aux item a buffer of ``aux_row_bytes[i]`` per row. The agent checks them against the
     PDCluster's model (``memory.engine_layout``) before it maps or registers anything.
@@ -318,10 +320,18 @@ class MemoryRegistration:
     aux_row_bytes: list[int]
     aux: list[BufferShare]
     aux_slots: int = 0  # rows of private aux buffers (then ``aux`` is empty): the rows travel inline
+    kv_kind: KvKind = KvKind.MHA
+    latent: list[BufferShare] = dataclasses.field(default_factory=list)  # MLA: one buffer per layer
 
     @property
     def aux_inline(self) -> bool:
         return not self.aux and self.aux_slots > 0
+
+    def kv_buffers(self) -> list[BufferShare]:
+        """Every KV buffer in (layer, buffer) order: each layer's K then V, or its latent."""
+        if self.kv_kind is KvKind.MLA:
+            return list(self.latent)
+        return [b for pair in zip(self.k, self.v, strict=True) for b in pair]
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
@@ -337,18 +347,27 @@ class MemoryRegistration:
             raise malformed("give aux buffers or aux_slots (private aux rows that travel inline), not both")
         if not isinstance(rows, list) or len(rows) > MAX_AUX_ITEMS or (len(rows) != len(aux) and not inline_slots):
             raise malformed("field 'aux_row_bytes' must give the row bytes of every aux buffer")
+        try:
+            kind = KvKind(str(body.get("kv_kind", KvKind.MHA.value)))
+        except ValueError:
+            raise malformed(f"field 'kv_kind' must be one of {[k.value for k in KvKind]}") from None
+        k, v, latent = _shares(body, "k"), _shares(body, "v"), _shares(body, "latent")
+        if (kind is KvKind.MLA) == bool(k or v) or (kind is KvKind.MLA) != bool(latent) or len(k) != len(v):
+            raise malformed("give K and V buffers of every layer (kv_kind MHA) or latent buffers (MLA), not both")
         return cls(
             rank=rank,
             page_order=order,
             page_tokens=field_int(body, "page_tokens", minimum=1),
             kv_page_bytes=field_int(body, "kv_page_bytes", minimum=1),
-            k=_shares(body, "k"),
-            v=_shares(body, "v"),
+            k=k,
+            v=v,
             state_slot_bytes=field_int(body, "state_slot_bytes"),
             state=_shares(body, "state"),
             aux_row_bytes=[_int_item(r, "aux_row_bytes") for r in rows],
             aux=aux,
             aux_slots=inline_slots,
+            kv_kind=kind,
+            latent=latent,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -364,6 +383,11 @@ class MemoryRegistration:
             "aux_row_bytes": list(self.aux_row_bytes),
             "aux": [b.to_json() for b in self.aux],
             **({"aux_slots": self.aux_slots} if self.aux_slots else {}),
+            **(
+                {"kv_kind": self.kv_kind.value, "latent": [b.to_json() for b in self.latent]}
+                if self.kv_kind is KvKind.MLA
+                else {}
+            ),  # an MHA registration reads as it always did
         }
 
 

@@ -29,7 +29,7 @@ from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
 from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
-from pdfabric_core.policy.types import Device, MemPool, Role, Transport
+from pdfabric_core.policy.types import Device, KvKind, MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 
@@ -95,13 +95,18 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
     geo = spec.model
     group = spec.prefill if rank.role is Role.PREFILL else spec.decode
     layers = pp_layer_range(geo.layers, group.pp, rank.pp_rank)
-    heads = local_heads(group.tp, geo.kv_heads)
+    heads = local_heads(group.tp, geo.tp_kv_heads)
     where = f"{rank.rank_id} (TP {group.tp}, PP stage {rank.pp_rank} of {group.pp})"
-    if len(reg.k) != len(layers) or len(reg.v) != len(layers):
+    if reg.kv_kind is not geo.kv_kind:
         raise layout_mismatch(
-            f"{len(reg.k)} K and {len(reg.v)} V buffers registered, but {where} holds layers "
-            f"{layers.start}..{layers.stop - 1} of the model's {geo.layers}: one K and one V buffer per layer "
-            "(MLA's single buffer per layer is not supported yet)"
+            f"{reg.kv_kind.value} KV buffers registered, but the PDCluster's model has kvKind {geo.kv_kind.value}"
+        )
+    kv = reg.kv_buffers() if len(reg.k) == len(reg.v) else []
+    if len(kv) != geo.kv_buffers * len(layers):
+        per_layer = "one latent buffer" if geo.kv_kind is KvKind.MLA else "one K and one V buffer"
+        raise layout_mismatch(
+            f"{len(reg.k)} K, {len(reg.v)} V and {len(reg.latent)} latent buffers registered, but {where} holds "
+            f"layers {layers.start}..{layers.stop - 1} of the model's {geo.layers}: {per_layer} per layer"
         )
     if reg.page_tokens != geo.page_size_tokens:
         raise layout_mismatch(
@@ -111,10 +116,9 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
     if reg.kv_page_bytes != want_page:
         raise layout_mismatch(
             f"{reg.kv_page_bytes} KV bytes per page registered; {where} has {want_page} "
-            f"({geo.page_size_tokens} tokens x {heads} KV heads x {geo.head_dim} head dim x {geo.dtype_bytes} bytes "
-            f"of {geo.dtype}): check spec.model against the engine's model, TP size and KV dtype"
+            f"({geo.describe_page(group.tp)}): check spec.model against the engine's model, TP size and KV dtype"
         )
-    kv_pages = _slots(reg.k + reg.v, reg.kv_page_bytes, "KV", "pages")
+    kv_pages = _slots(kv, reg.kv_page_bytes, "KV", "pages")
     # As the agent's own pools (PoolLayout.from_geometry): the model's state layers, of 0 bytes
     # when the model has no state, and then no state buffers.
     slot_bytes = geo.state_bytes_per_request // geo.state_layers
@@ -131,13 +135,13 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
     aux_slots = reg.aux_slots or min(
         (b.nbytes // size for b, size in zip(reg.aux, reg.aux_row_bytes, strict=True)), default=0
     )
-    rules.check("KV", reg.k + reg.v, rules.kv_devices)
+    rules.check("KV", kv, rules.kv_devices)
     rules.check("state", reg.state, rules.kv_devices)
     rules.check("aux", reg.aux, frozenset({rules.aux_device}))
     return PoolLayout(
         layers=len(layers),
         local_heads=heads,
-        head_bytes=geo.page_size_tokens * geo.head_dim * geo.dtype_bytes,
+        head_bytes=geo.head_page_bytes,
         kv_pages=kv_pages,
         state_layers=geo.state_layers,
         state_layer_bytes=slot_bytes,
@@ -146,6 +150,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         aux_slots=aux_slots,
         page_tokens=reg.page_tokens,
         page_order=reg.page_order,
+        kv_buffers=geo.kv_buffers,
     )
 
 
@@ -158,7 +163,7 @@ def _slots(shares: Sequence[BufferShare], unit: int, kind: str, what: str) -> in
 
 
 class EngineMemory:
-    """One rank's engine buffers, mapped into this process: ``kv`` in (layer, K/V) order, ``state``
+    """One rank's engine buffers, mapped into this process: ``kv`` in (layer, K/V or latent) order, ``state``
     per state layer, ``aux`` per item. Closing unmaps them; the engine keeps owning the memory."""
 
     def __init__(
@@ -192,10 +197,10 @@ class EngineMemory:
         the engine keeps private (``aux_slots``) get rows of the agent's own on ``aux_device``."""
         mapper = _Mapper(shm_dir, gpu, reg.rank, _spans(reg))
         try:
+            names = ("latent",) if reg.kv_kind is KvKind.MLA else ("k", "v")
             kv = [
-                mapper.map(share, f"{kind}{layer}")
-                for layer in range(layout.layers)
-                for kind, share in (("k", reg.k[layer]), ("v", reg.v[layer]))
+                mapper.map(share, f"{names[i % len(names)]}{i // len(names)}")
+                for i, share in enumerate(reg.kv_buffers())
             ]
             state = [mapper.map(share, f"state{i}") for i, share in enumerate(reg.state)]
             aux = [mapper.map(share, f"aux{i}") for i, share in enumerate(reg.aux)]
@@ -253,7 +258,7 @@ class FileRange:
 def _spans(reg: MemoryRegistration) -> dict[str, tuple[int, int]]:
     """Per shared-memory path: the range its buffers span."""
     spans: dict[str, tuple[int, int]] = {}
-    for share in (*reg.k, *reg.v, *reg.state, *reg.aux):
+    for share in (*reg.kv_buffers(), *reg.state, *reg.aux):
         if share.kind is ShareKind.SHM:
             lo, hi = spans.get(share.path, (share.offset, share.offset + share.nbytes))
             spans[share.path] = (min(lo, share.offset), max(hi, share.offset + share.nbytes))

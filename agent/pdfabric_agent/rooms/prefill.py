@@ -187,7 +187,9 @@ class PrefillSender:
     def why_nothing(self, local: LocalRank) -> str:
         if decode_targets(self.ctx.spec, local.rank.tp_rank):
             return f"CP rank {local.rank.cp_rank} sends nothing for this spec"
-        return f"TP rank {local.rank.tp_rank}'s KV heads are replicated: another prefill rank sends them"
+        return (
+            f"TP rank {local.rank.tp_rank}'s KV heads (or MLA latent) are replicated: another prefill rank sends them"
+        )
 
     # ------------------------------------------------------------ peer API
     def accept_dst(self, info: RoomInfo, sender_agent: str | None = None) -> RoomInfoTaken:

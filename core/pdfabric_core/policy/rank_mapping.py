@@ -6,7 +6,10 @@ Upstream rules reproduced here:
   receiving its slice of r's heads;
 - decode TP < prefill TP: decode rank d pulls prefill ranks d*k .. d*k+k-1 (k = ptp/dtp), each
   writing its heads into d's page; when heads are replicated (MLA, or fewer KV heads than ranks)
-  only the first candidate holding a head sends it, the rest send nothing for it;
+  only the first candidate holding a head sends it, the rest send nothing for it (SGLang's MLA
+  decode takes ``target_tp_ranks[0]`` and counts one prefill response: ``_resolve_rank_mapping``);
+- MLA is one latent "head" (``tp_kv_heads``) in one buffer per layer (``kv_buffers_per_layer``):
+  every attention-TP rank holds all of it, so it takes the replicated-head routes above;
 - decode CP must be 1; decode pulls from prefill CP rank 0 only, or from every CP rank with
   all-CP-ranks transfer or the DSA cache layer split;
 - decode PP equals prefill PP or is 1.
@@ -18,6 +21,8 @@ backend can turn them straight into byte offsets within a page.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pdfabric_core.policy.types import KvKind
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,18 @@ class KvRoute:
     def whole_page(self) -> bool:
         """True when the route moves whole pages on both sides (page-granular blocks)."""
         return self.num_heads == self.src_local_heads == self.dst_local_heads
+
+
+def kv_buffers_per_layer(kind: KvKind) -> int:
+    """KV buffers one layer holds: a K and a V (MHA), or the latent alone (MLA: SGLang's
+    MLATokenToKVPool registers one buffer per layer, ``get_contiguous_buf_infos``)."""
+    return 1 if kind is KvKind.MLA else 2
+
+
+def tp_kv_heads(kind: KvKind, kv_heads: int) -> int:
+    """The KV heads attention TP splits: the model's (MHA), or one for MLA, whose latent is whole
+    on every attention-TP rank (its pool has one head), so it is a replicated head to route."""
+    return 1 if kind is KvKind.MLA else kv_heads
 
 
 def validate_tp(tp: int, kv_heads: int, *, role: str) -> None:

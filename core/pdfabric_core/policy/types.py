@@ -1,4 +1,4 @@
-"""Vocabulary of the PD rules: memory pools, transports, devices, roles, backends, fallback.
+"""Vocabulary of the PD rules: memory pools, transports, devices, roles, backends, KV kinds, fallback.
 
 Every name here is a StrEnum spelled as the CRD spells it (crds/pdcluster.yaml), so a member
 compares equal to the string a user wrote; a unit test keeps the CRD's enums equal to these.
@@ -50,6 +50,13 @@ class Backend(enum.StrEnum):
 
     MOONCAKE = "mooncake"
     MORI = "mori"
+
+
+class KvKind(enum.StrEnum):
+    """spec.model.kvKind: what one layer's KV cache is (policy/rank_mapping.py routes each)."""
+
+    MHA = "MHA"  # a K and a V buffer per layer, heads sharded over attention TP (MHA, GQA, MQA)
+    MLA = "MLA"  # one latent buffer per layer (DeepSeek's MLA), whole on every attention-TP rank
 
 
 class FallbackPolicy(enum.StrEnum):

@@ -15,9 +15,9 @@ from typing import Any
 
 from pdfabric_core.images import default_agent_image
 from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
-from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, local_heads
+from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, kv_buffers_per_layer, local_heads, tp_kv_heads
 from pdfabric_core.policy.transports import implied_transport
-from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, MemPool, Transport
+from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, MemPool, Transport
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -99,8 +99,15 @@ class TransferSpec:
 @dataclass(frozen=True)
 class ModelGeometry:
     layers: int = 32
+    # MHA: per layer a K and a V of kv_heads x head_dim. MLA: per layer one latent of
+    # kv_lora_rank + qk_rope_head_dim per token, whole on every attention-TP rank (kv_heads and
+    # head_dim are not read). fp8 stores a byte per element and no per-token scale (SGLang's
+    # MLATokenToKVPool keeps fp8 as uint8; its scale is the checkpoint's, per tensor).
+    kv_kind: KvKind = KvKind.MHA
     kv_heads: int = 8
     head_dim: int = 128
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
     dtype: str = "bfloat16"
     page_size_tokens: int = 16
     state_bytes_per_request: int = 0
@@ -113,9 +120,39 @@ class ModelGeometry:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def kv_buffers(self) -> int:
+        """KV buffers per layer: K and V, or the MLA latent."""
+        return kv_buffers_per_layer(self.kv_kind)
+
+    @property
+    def tp_kv_heads(self) -> int:
+        """The KV heads attention TP splits (MLA: the one latent, replicated)."""
+        return tp_kv_heads(self.kv_kind, self.kv_heads)
+
+    @property
+    def head_width(self) -> int:
+        """Elements of one head of one token: head_dim, or the MLA latent width."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.kv_kind is KvKind.MLA else self.head_dim
+
+    @property
+    def head_page_bytes(self) -> int:
+        """Bytes of one head of one page of one KV buffer."""
+        return self.page_size_tokens * self.head_width * self.dtype_bytes
+
     def kv_page_bytes(self, tp: int) -> int:
-        """Bytes of one page of one layer's K (or V) on one rank of a TP group."""
-        return self.page_size_tokens * local_heads(tp, self.kv_heads) * self.head_dim * self.dtype_bytes
+        """Bytes of one page of one KV buffer (a layer's K, V or latent) on one rank of a TP group."""
+        return local_heads(tp, self.tp_kv_heads) * self.head_page_bytes
+
+    def describe_page(self, tp: int) -> str:
+        """How one page's bytes come about, for refusals that name a mismatch."""
+        heads = local_heads(tp, self.tp_kv_heads)
+        per = (
+            f"a latent of {self.head_width} (kvLoraRank {self.kv_lora_rank} + qkRopeHeadDim {self.qk_rope_head_dim})"
+            if self.kv_kind is KvKind.MLA
+            else f"{heads} KV heads x {self.head_dim} head dim"
+        )
+        return f"{self.page_size_tokens} tokens x {per} x {self.dtype_bytes} bytes of {self.dtype}"
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ def validate_spec(spec: PDClusterSpec) -> None:
     if not 0 <= spec.transfer.min_probe_g_bps <= 10000:
         raise SpecError("transfer.minProbeGBps must be within 0..10000 (0: no threshold)")
     try:
-        validate_tp(spec.prefill.tp, spec.model.kv_heads, role="prefill")
-        validate_tp(spec.decode.tp, spec.model.kv_heads, role="decode")
+        validate_tp(spec.prefill.tp, spec.model.tp_kv_heads, role="prefill")
+        validate_tp(spec.decode.tp, spec.model.tp_kv_heads, role="decode")
         if spec.prefill.tp % spec.decode.tp and spec.decode.tp % spec.prefill.tp:
             raise ValueError(f"prefill TP {spec.prefill.tp} and decode TP {spec.decode.tp} must divide each other")
         validate_pp(spec.prefill.pp, spec.decode.pp)
@@ -86,6 +86,8 @@ def validate_spec(spec: PDClusterSpec) -> None:
     for name, value, low in (
         ("model.layers", m.layers, 1),
         ("model.headDim", m.head_dim, 1),
+        ("model.kvLoraRank", m.kv_lora_rank, 1),
+        ("model.qkRopeHeadDim", m.qk_rope_head_dim, 0),
         ("model.pageSizeTokens", m.page_size_tokens, 1),
         ("model.stateBytesPerRequest", m.state_bytes_per_request, 0),
         ("model.stateLayers", m.state_layers, 1),

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.wire import MemoryRegistration
 from pdfabric_core.engines.launch import EngineEnv
-from pdfabric_core.policy.types import MEM_POOL_ENV, MemPool, Role
+from pdfabric_core.policy.types import MEM_POOL_ENV, KvKind, MemPool, Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
 
@@ -79,22 +79,33 @@ class AttentionRanks(NamedTuple):
 def registration(
     rank_id: str, args: KVArgs, *, is_mla: bool, gpu: int | None, aux_inline: bool = False
 ) -> MemoryRegistration:
-    """The ``KVArgs`` buffers as the agent takes them (SGLang lists every K layer, then every V).
-    With ``aux_inline`` the aux buffers stay private (SGLang's CPU MetadataBuffers): only their row
-    sizes and row count are registered, and each room's row travels with the send and the view."""
-    if is_mla:
-        raise UnshareableBuffer("pdfabric does not move MLA pools (one buffer per layer) yet")
+    """The ``KVArgs`` buffers as the agent takes them: an MHA pool lists every K layer, then every
+    V; an MLA pool (``is_mla``: SGLang's MLATokenToKVPool) one latent buffer per layer, of
+    ``page_size x (kv_lora_rank + qk_rope_head_dim)`` elements per page (fp8 as one byte each, no
+    scales). With ``aux_inline`` the aux buffers stay private (SGLang's CPU MetadataBuffers): only
+    their row sizes and row count are registered, and each room's row travels with the send and the view."""
     ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
-    if len(ptrs) % 2 or not ptrs:
+    if int(getattr(args, "num_draft_entries", 0) or 0):
+        raise UnshareableBuffer(
+            f"{args.num_draft_entries} draft KV buffers (EAGLE/MTP): pdfabric moves no draft KV yet"
+        )
+    if is_mla and (getattr(args, "mla_compression_ratios", None) or getattr(args, "is_hybrid_mla_backend", False)):
+        raise UnshareableBuffer(
+            "a compressed or hybrid MLA pool (DeepSeek-V4's): pdfabric moves plain MLA latents only"
+        )
+    if not ptrs or (not is_mla and len(ptrs) % 2):
         raise UnshareableBuffer(f"{len(ptrs)} KV buffers: an MHA pool has a K and a V buffer per layer")
     if len(set(items)) != 1:
         raise UnshareableBuffer(f"KV buffers of different page sizes {sorted(set(items))}")
     maps = process_mappings()
     shares = [share_of(p, n, gpu, maps) for p, n in zip(ptrs, lens, strict=True)]
-    layers = len(ptrs) // 2
+    layers = 0 if is_mla else len(ptrs) // 2
     state_types = list(getattr(args, "state_types", []) or [])
     if len(state_types) > 1:
         raise UnshareableBuffer(f"state kinds {state_types}: pdfabric moves one slot-indexed state kind")
+    kinds = [str(getattr(t, "value", t)) for t in state_types]
+    if is_mla and kinds not in ([], ["mamba"]):  # newly reachable with MLA: DeepSeek-V3.2's indexer
+        raise UnshareableBuffer(f"state kind {kinds[0]!r} beside MLA: pdfabric moves slot-indexed (Mamba) state only")
     state = []
     slot_bytes = 0
     if state_types:
@@ -116,7 +127,9 @@ def registration(
         page_tokens=int(args.page_size),
         kv_page_bytes=items[0],
         k=shares[:layers],
-        v=shares[layers:],
+        v=shares[layers:] if layers else [],
+        kv_kind=KvKind.MLA if is_mla else KvKind.MHA,
+        latent=[] if layers else shares,
         state_slot_bytes=slot_bytes,
         state=state,
         aux_row_bytes=aux_rows,

@@ -61,6 +61,17 @@ def attention_ranks() -> AttentionRanks | None:
         return None
 
 
+def mla_kv_sharded() -> bool:
+    """Whether SGLang shards the MLA latent's pages over attention TP (``--enable-kv-cache-sharding``):
+    then no prefill rank holds a whole page, and pdfabric routes whole latents only."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return bool(get_parallel().enable_kv_cache_sharding)
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return False
+
+
 class PdfabricKVManager(BaseKVManager):
     # Failed decode rooms keep their pages until the agent says every source's writes are over.
     enable_deferred_decode_kv_release = True
@@ -86,6 +97,8 @@ class PdfabricKVManager(BaseKVManager):
                 f"(it serves {sorted(info['ranks'])}); check {ENV_REPLICA}/{ENV_CP_RANK} or set {ENV_RANK}"
             )
         self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
+        if is_mla_backend and mla_kv_sharded():
+            raise RuntimeError("pdfabric: MLA KV cache sharding (--enable-kv-cache-sharding) is not moved yet")
         try:
             # SGLang's CPU MetadataBuffers are private: their rows travel with each room (aux_inline).
             self.registration = registration(
