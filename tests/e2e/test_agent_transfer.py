@@ -121,6 +121,19 @@ def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[st
 
 
 @pytest.mark.parametrize(
+    ("prefill", "decode"), [({"tp": 2}, {"tp": 1}), ({"tp": 1}, {"tp": 2})], ids=["mla-tp2-tp1", "mla-tp1-tp2"]
+)
+def test_mla_latents_arrive_byte_exact_in_the_agents_pools(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    """One latent buffer per layer (kvKind MLA), whole on every prefill rank: each decode rank
+    takes it from one of them (the other completes having sent nothing), per-pair bytes as the
+    prediction says."""
+    raw = spec(prefill, decode)
+    raw["model"] = {**SMALL_MODEL, "kvKind": "MLA", "kvLoraRank": 24, "qkRopeHeadDim": 8}
+    with LocalFabric(raw) as lc:
+        check_room(lc, room=21)
+
+
+@pytest.mark.parametrize(
     ("prefill", "decode"),
     [({"tp": 1, "pp": 2}, {"tp": 1}), ({"tp": 2, "pp": 2}, {"tp": 1, "pp": 2})],
     ids=["prefill-pp2-into-decode-pp1", "prefill-tp2-pp2-into-decode-tp1-pp2"],

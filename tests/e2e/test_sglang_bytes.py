@@ -1,11 +1,15 @@
-"""SGLang's classes move KV, state and aux byte-exact through real agents, for every rule (issue 11).
+"""SGLang's classes move KV, state and aux byte-exact through real agents, for every rule (issue 11),
+and for MLA latents (issue 25).
 
-Each rank's pool is the reference engine's (SGLang's [page][token][head][dim] buffers, a
-Mamba-like slot state, MetadataBuffers-like aux rows) in the agents' shared-memory directory; the
-pdfabric manager registers it from SGLang's own KVArgs, and senders and receivers are driven as
-SGLang's schedulers drive them. Content is a function of logical coordinates only (room, global
-layer, K/V, request token, global KV head; state layer; aux item: ``pdfabric_devcluster.synthetic``'s
-pattern), so a decode rank checks its bytes whatever TP split, CP shard or PP stage sent them.
+Each rank's pool is the reference engine's (SGLang's [page][token][head][dim] buffers, or with
+kvKind MLA one [token][latent] buffer per layer as SGLang's MLATokenToKVPool has, a Mamba-like
+slot state, MetadataBuffers-like aux rows) in the agents' shared-memory directory; the pdfabric
+manager registers it from SGLang's own KVArgs (``is_mla_backend`` for MLA), and senders and
+receivers are driven as SGLang's schedulers drive them. Content is a function of logical
+coordinates only (room, global layer, K/V or latent, request token, global KV head; state layer;
+aux item: ``pdfabric_devcluster.synthetic``'s pattern), so a decode rank checks its bytes whatever
+TP split, CP shard or PP stage sent them; every prefill rank of an MLA model writes the same
+latent, as every attention-TP rank of SGLang's holds it.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import numpy as np
 import pytest
 
 from pdfabric_core.policy.rank_mapping import cp_page_shard, global_heads, pp_layer_range
-from pdfabric_core.policy.types import Role
+from pdfabric_core.policy.types import KvKind, Role
 from pdfabric_core.rankmap import Rank, replica_ranks
+from pdfabric_core.traffic import pair_traffic
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import aux_chunk, expected_bytes, kv_chunk, state_chunk
 
@@ -35,7 +40,8 @@ MODEL = {
     "stateLayers": 4,
     "auxRowBytes": [64, 64, 64],
 }
-ROW = 16 * 4  # one head of one token: head dim x float32
+# DeepSeek's latent shape, narrowed: kv_lora_rank + qk_rope_head_dim = 24 elements per token.
+MLA_MODEL = {**MODEL, "kvKind": "MLA", "kvLoraRank": 16, "qkRopeHeadDim": 8}
 PAGES = 5  # the request's pages (80 tokens)
 ROOM = 4242
 
@@ -60,19 +66,21 @@ class Side:
         self.managers: dict[Rank, Any] = {}
         mode = DisaggregationMode.PREFILL if role is Role.PREFILL else DisaggregationMode.DECODE
         monkeypatch.setenv("PDFABRIC_ENGINE_TOKEN_FILE", str(token_file))
+        is_mla = geo.kv_kind is KvKind.MLA
         for rank in self.ranks:
             layers = pp_layer_range(geo.layers, group.pp, rank.pp_rank)
-            heads = len(global_heads(rank.tp_rank, group.tp, geo.kv_heads))
-            pool = KVPool(layers=len(layers), local_heads=heads, head_dim=geo.head_dim, num_pages=16,
+            heads = len(global_heads(rank.tp_rank, group.tp, geo.tp_kv_heads))
+            pool = KVPool(layers=len(layers), local_heads=heads, head_dim=geo.head_width, num_pages=16,
                           shm_dir=lc.shm_dir, state_layers=geo.state_layers,
-                          state_slot_bytes=geo.state_bytes_per_request // geo.state_layers, state_slots=4)  # fmt: skip
+                          state_slot_bytes=geo.state_bytes_per_request // geo.state_layers, state_slots=4,
+                          mla=is_mla)  # fmt: skip
             self.pools[rank] = pool
             # What a launcher sets in each rank's own process.
             monkeypatch.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of(rank.rank_id)].address)
             monkeypatch.setenv("PDFABRIC_CP_RANK", str(rank.cp_rank))
             args = kv_args(pool, engine_rank=rank.tp_rank, page_size=geo.page_size_tokens, kv_head_num=heads,
                            total_kv_head_num=geo.kv_heads, pp_rank=rank.pp_rank, prefill_start_layer=layers.start)  # fmt: skip
-            self.managers[rank] = PdfabricKVManager(args, mode, None, False)
+            self.managers[rank] = PdfabricKVManager(args, mode, None, is_mla)
             # As for SGLang's CPU MetadataBuffers: the aux rows travel with each room (aux_inline),
             # the agent maps none of the engine's aux buffers; the decode checks below read them.
             reg = self.managers[rank].registration
@@ -85,18 +93,24 @@ class Side:
             pool.close()
 
 
+def kv_buffers(pool: Any) -> list[list[Any]]:
+    """The pool's KV buffers by kind, each per layer: K and V, or the MLA latent."""
+    return [pool.k_buffers, pool.v_buffers] if pool.v_buffers else [pool.k_buffers]
+
+
 def fill(side: Side, rank: Rank, pages: list[int], positions: range, slot: int, aux: int, geo: Any) -> None:
     pool = side.pools[rank]
     first = pp_layer_range(geo.layers, side.group.pp, rank.pp_rank).start
-    heads = list(global_heads(rank.tp_rank, side.group.tp, geo.kv_heads))
+    heads = list(global_heads(rank.tp_rank, side.group.tp, geo.tp_kv_heads))
+    row = geo.head_width * geo.dtype_bytes  # one head (or latent) of one token
     for layer in range(pool.layers):
-        for kv, bufs in enumerate((pool.k_buffers, pool.v_buffers)):
-            view = as_bytes(bufs[layer])  # [token row, local head, ROW bytes]
+        for kv, bufs in enumerate(kv_buffers(pool)):
+            view = as_bytes(bufs[layer])  # [token row, local head, row bytes]
             for page, pos in zip(pages, positions, strict=True):
                 for t in range(16):
                     for local, head in enumerate(heads):
                         view[page * 16 + t, local] = np.frombuffer(
-                            kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, ROW), np.uint8
+                            kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, row), np.uint8
                         )
     for layer, buf in enumerate(pool.state_buffers[0]):
         as_bytes(buf)[slot] = np.frombuffer(state_chunk(ROOM, layer, 0, pool.state_slot_bytes), np.uint8)
@@ -107,18 +121,19 @@ def fill(side: Side, rank: Rank, pages: list[int], positions: range, slot: int, 
 def mismatches(side: Side, rank: Rank, pages: list[int], slot: int, aux: int, geo: Any) -> list[str]:
     pool = side.pools[rank]
     first = pp_layer_range(geo.layers, side.group.pp, rank.pp_rank).start
-    heads = list(global_heads(rank.tp_rank, side.group.tp, geo.kv_heads))
+    heads = list(global_heads(rank.tp_rank, side.group.tp, geo.tp_kv_heads))
+    row = geo.head_width * geo.dtype_bytes
     errors = []
     for layer in range(pool.layers):
-        for kv, bufs in enumerate((pool.k_buffers, pool.v_buffers)):
+        for kv, bufs in enumerate(kv_buffers(pool)):
             view = as_bytes(bufs[layer])
             for pos, page in enumerate(pages):
                 for t in range(16):
                     for local, head in enumerate(heads):
-                        want = kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, ROW)
+                        want = kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, row)
                         if view[page * 16 + t, local].tobytes() != want:
                             errors.append(
-                                f"{rank.rank_id} layer {first + layer} {'KV'[kv]} token {pos * 16 + t} head {head}"
+                                f"{rank.rank_id} layer {first + layer} buffer {kv} token {pos * 16 + t} head {head}"
                             )
     for layer, buf in enumerate(pool.state_buffers[0]):
         if as_bytes(buf)[slot].tobytes() != state_chunk(ROOM, layer, 0, pool.state_slot_bytes):
@@ -146,19 +161,30 @@ def token_file(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode"),
+    ("prefill", "decode", "model"),
     [
-        ({"tp": 1}, {"tp": 1}),
-        ({"tp": 2}, {"tp": 4}),
-        ({"tp": 4}, {"tp": 2}),
-        ({"tp": 1, "cp": 4, "allCpRanksTransfer": True}, {"tp": 1}),
-        ({"tp": 1, "cp": 2, "allCpRanksTransfer": True, "dsaCacheLayerSplit": True}, {"tp": 1}),
-        ({"tp": 1, "pp": 2}, {"tp": 1}),
+        ({"tp": 1}, {"tp": 1}, MODEL),
+        ({"tp": 2}, {"tp": 4}, MODEL),
+        ({"tp": 4}, {"tp": 2}, MODEL),
+        ({"tp": 1, "cp": 4, "allCpRanksTransfer": True}, {"tp": 1}, MODEL),
+        ({"tp": 1, "cp": 2, "allCpRanksTransfer": True, "dsaCacheLayerSplit": True}, {"tp": 1}, MODEL),
+        ({"tp": 1, "pp": 2}, {"tp": 1}, MODEL),
+        # MLA: decode takes the latent from one prefill rank; the other completes with nothing.
+        ({"tp": 2}, {"tp": 1}, MLA_MODEL),
+        ({"tp": 1}, {"tp": 2}, MLA_MODEL),  # the whole latent to each decode rank
+        ({"tp": 1, "cp": 2, "allCpRanksTransfer": True}, {"tp": 1}, MLA_MODEL),  # page shards, state once
     ],
-    ids=["tp1-tp1", "tp2-tp4", "tp4-tp2", "cp4-all-ranks-dedup", "cp2-layer-split", "pp2-pp1"],
-)
+    ids=[
+        "tp1-tp1", "tp2-tp4", "tp4-tp2", "cp4-all-ranks-dedup", "cp2-layer-split", "pp2-pp1",
+        "mla-tp2-tp1", "mla-tp1-tp2", "mla-cp2-tp1",
+    ],
+)  # fmt: skip
 def test_sglang_classes_move_kv_state_aux_byte_exact(
-    prefill: dict[str, Any], decode: dict[str, Any], token_file: Path, monkeypatch: pytest.MonkeyPatch
+    prefill: dict[str, Any],
+    decode: dict[str, Any],
+    model: dict[str, Any],
+    token_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from pdfabric_sglang.conn import PdfabricKVBootstrapServer, PdfabricKVReceiver, PdfabricKVSender
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -167,7 +193,7 @@ def test_sglang_classes_move_kv_state_aux_byte_exact(
         "prefill": prefill,
         "decode": decode,
         "transfer": {"transport": "tcp", "timeoutSeconds": 20},
-        "model": MODEL,
+        "model": model,
     }
     with LocalFabric(spec) as lc:
         token_file.write_text(lc.token)
@@ -198,9 +224,13 @@ def test_sglang_classes_move_kv_state_aux_byte_exact(
             done = wait([*senders.values(), *receivers.values()], {KVPoll.Success})
             assert done == [KVPoll.Success] * len(done), [o.reason for o in (*senders.values(), *receivers.values())]
             assert [e for r in dec.ranks for e in mismatches(dec, r, *dst[r], geo=geo)] == []
-            # The agents counted what the geometry says moves, state once (CP dedup), and SGLang's
-            # KVTransferMetric reports those very bytes.
+            # The agents counted what the geometry says moves, state once (CP dedup), which is the
+            # status's prediction too, and SGLang's KVTransferMetric reports those very bytes.
             want = expected_bytes(lc.spec, pages=PAGES, state_slots=1, aux=True)
+            predicted = pair_traffic(lc.spec, PAGES).values()
+            assert (want.kv, want.state, want.aux) == tuple(
+                sum(getattr(b, k) for b in predicted) for k in ("kv", "state", "aux")
+            )
             for role in ("prefill", "decode"):
                 got = {
                     k: lc.metric_sum("pdfabric_transfer_bytes_total", role=role, kind=k) for k in ("kv", "state", "aux")
