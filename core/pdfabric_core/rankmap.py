@@ -24,7 +24,10 @@ RANKMAP_KEY = "rankmap.json"
 
 @dataclass(frozen=True, order=True)
 class Rank:
-    """One GPU worth of a PD instance: prefill (replica, tp, cp) or decode (replica, tp)."""
+    """One GPU worth of a PD instance: prefill (replica, dp, tp, cp, pp) or decode (replica, dp,
+    tp, pp). ``dp_rank`` is the server's DP group as SGLang numbers it (``dp_group``: its
+    attention-DP rank, or its system DP rank under ``--dp-size``); ``tp_rank`` is the attention TP
+    rank within the group, the rank KV heads are sharded by."""
 
     role: Role
     replica: int
@@ -32,6 +35,7 @@ class Rank:
     cp_rank: int = 0
     pp_rank: int = 0
     gpu: int = 0  # device index on the node
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         # Callers may pass "prefill"/"decode"; store the enum so the role is always one of the two.
@@ -40,7 +44,10 @@ class Rank:
 
     @property
     def rank_id(self) -> str:
-        base = f"{self.role}-{self.replica}-tp{self.tp_rank}"
+        """``decode-0-tp1``, ``prefill-2-dp1-tp0-cp1-pp1``: DP and PP only when not 0, so a rank map
+        without DP keeps its ids."""
+        dp = f"-dp{self.dp_rank}" if self.dp_rank else ""
+        base = f"{self.role}-{self.replica}{dp}-tp{self.tp_rank}"
         if self.role is Role.PREFILL:
             base += f"-cp{self.cp_rank}"
         return base + (f"-pp{self.pp_rank}" if self.pp_rank else "")
@@ -54,13 +61,14 @@ class Rank:
             fields = {p[:2]: int(p[2:]) for p in parts[2:]}
         except (IndexError, ValueError):
             raise ValueError(f"not a pdfabric rank id: {rank_id!r}") from None
-        rank = cls(role, replica, fields.get("tp", 0), fields.get("cp", 0), fields.get("pp", 0), gpu)
-        if set(fields) - {"tp", "cp", "pp"} or rank.rank_id != rank_id:
+        tp, cp, pp, dp = (fields.get(k, 0) for k in ("tp", "cp", "pp", "dp"))
+        rank = cls(role, replica, tp, cp, pp, gpu, dp)
+        if set(fields) - {"tp", "cp", "pp", "dp"} or rank.rank_id != rank_id:
             raise ValueError(f"not a pdfabric rank id: {rank_id!r}")
         return rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "role": self.role.value,
             "replica": self.replica,
             "tpRank": self.tp_rank,
@@ -68,6 +76,9 @@ class Rank:
             "ppRank": self.pp_rank,
             "gpu": self.gpu,
         }
+        if self.dp_rank:
+            d["dpRank"] = self.dp_rank
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Rank:
@@ -82,23 +93,27 @@ class Rank:
             int(d.get("cpRank", 0)),
             int(d.get("ppRank", 0)),
             int(d.get("gpu", 0)),
+            int(d.get("dpRank", 0)),
         )
 
 
 def replica_ranks(spec: PDClusterSpec, role: Role, replica: int, *, gpu: int = 0) -> list[Rank]:
-    """Every rank of one replica of `role`, in the order ranks are numbered: pp outermost, then cp
-    (prefill only; decode CP is 1), then tp. Each rank gets device index `gpu` (placement assigns
-    the real ones)."""
+    """Every rank of one replica of `role`, in the order ranks are numbered: pp outermost, then the
+    DP group, then cp (prefill only; decode CP is 1), then tp (SGLang's (dp, cp, tp) layout within
+    a PP stage). Each rank gets device index `gpu` (placement assigns the real ones)."""
     if Role(role) is Role.PREFILL:
         p = spec.prefill
         return [
-            Rank(Role.PREFILL, replica, tp, cp, pp, gpu)
+            Rank(Role.PREFILL, replica, tp, cp, pp, gpu, dp)
             for pp in range(p.pp)
+            for dp in range(p.dp)
             for cp in range(p.cp)
             for tp in range(p.tp)
         ]
     d = spec.decode
-    return [Rank(Role.DECODE, replica, tp, 0, pp, gpu) for pp in range(d.pp) for tp in range(d.tp)]
+    return [
+        Rank(Role.DECODE, replica, tp, 0, pp, gpu, dp) for pp in range(d.pp) for dp in range(d.dp) for tp in range(d.tp)
+    ]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ algorithm, planner.py). Pure; a unit that fits nowhere raises NoFit with the rea
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ def pack(
 
 def _key(rank: Rank) -> Rank:
     """A rank without its GPU index: the identity stickiness compares."""
-    return Rank(rank.role, rank.replica, rank.tp_rank, rank.cp_rank, rank.pp_rank)
+    return dataclasses.replace(rank, gpu=0)
 
 
 def agent_placements(
@@ -186,9 +187,7 @@ def agent_placements(
     for node in sorted(assigned):
         for unit in sorted(assigned[node], key=_unit_order):
             ranks = sorted(assigned[node][unit], key=_rank_order)
-            with_gpu = tuple(
-                Rank(r.role, r.replica, r.tp_rank, r.cp_rank, r.pp_rank, gpu) for gpu, r in enumerate(ranks)
-            )
+            with_gpu = tuple(dataclasses.replace(r, gpu=gpu) for gpu, r in enumerate(ranks))
             agents.append(AgentPlacement(node, with_gpu, domain_of.get(node), unit))
     return tuple(agents)
 
@@ -198,5 +197,5 @@ def _unit_order(key: str) -> tuple[str, int]:
     return (kind, int(number))
 
 
-def _rank_order(r: Rank) -> tuple[int, int, int, int, int]:
-    return (0 if r.role is Role.PREFILL else 1, r.replica, r.pp_rank, r.cp_rank, r.tp_rank)
+def _rank_order(r: Rank) -> tuple[int, int, int, int, int, int]:
+    return (0 if r.role is Role.PREFILL else 1, r.replica, r.pp_rank, r.dp_rank, r.cp_rank, r.tp_rank)

@@ -57,15 +57,44 @@ def test_unknown_role_is_refused() -> None:
     st.integers(0, 63),
     st.integers(0, 15),
     st.integers(0, 7),
+    st.integers(0, 7),
 )
-def test_a_rank_id_names_its_rank_back(role: str, replica: int, tp: int, cp: int, pp: int) -> None:
-    rank = Rank(role, replica, tp, cp if role == "prefill" else 0, pp)
+def test_a_rank_id_names_its_rank_back(role: str, replica: int, tp: int, cp: int, pp: int, dp: int) -> None:
+    rank = Rank(role, replica, tp, cp if role == "prefill" else 0, pp, dp_rank=dp)
     assert Rank.from_id(rank.rank_id) == rank
     assert Rank.from_id(rank.rank_id, gpu=3).gpu == 3
+    assert Rank.from_dict(rank.to_dict()) == rank
+
+
+def test_dp_groups_are_ranks_of_their_own_and_group_0_keeps_the_ids_without_dp() -> None:
+    """SGLang's DP groups of one server (attention DP, or --dp-size): each group's attention TP
+    ranks are distinct ranks (before, every group's TP 0 was one id, and the last registration
+    took the others' rooms). Group 0's ids, and its rank map entries, are those of a spec without DP."""
+    spec = pdcluster().prefill(tp=1, dp=2).decode(tp=2, dp=2).spec()
+    assert [r.rank_id for r in replica_ranks(spec, Role.DECODE, 0)] == [
+        "decode-0-tp0",
+        "decode-0-tp1",
+        "decode-0-dp1-tp0",
+        "decode-0-dp1-tp1",
+    ]
+    assert [r.rank_id for r in replica_ranks(spec, Role.PREFILL, 1)] == ["prefill-1-tp0-cp0", "prefill-1-dp1-tp0-cp0"]
+    assert spec.decode.ranks_per_replica == 4 and spec.prefill.ranks_per_replica == 2
+    assert "dpRank" not in Rank(Role.DECODE, 0, 1).to_dict()
 
 
 @pytest.mark.parametrize(
-    "bad", ["", "prefill", "prefill-x-tp0-cp0", "router-0-tp0", "decode-0-tp0-cp0", "decode-0-tp0-zz1", "decode-0-tp01"]
+    "bad",
+    [
+        "",
+        "prefill",
+        "prefill-x-tp0-cp0",
+        "router-0-tp0",
+        "decode-0-tp0-cp0",
+        "decode-0-tp0-zz1",
+        "decode-0-tp01",
+        "decode-0-dp0-tp0",
+        "decode-0-tp0-dp1",
+    ],
 )
 def test_what_names_no_rank_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="not a pdfabric rank id"):

@@ -402,3 +402,13 @@ def test_pod_override_cel_rules_name_what_parse_spec_reserves(section: str) -> N
     assert all(f"'{v}'" in rule(pod["volumes"]["items"]) for v in RESERVED_VOLUMES)
     assert all(f"'{p}'" in rule(pod["volumeMounts"]["items"]) for p in RESERVED_PATHS)
     assert all(f"'{n}'" in rule(pod["env"]["items"]) for n in (*RESERVED_NODE_ENV, *FORBIDDEN_ENGINE_ENV))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_dp_groups_count_gpus_and_are_refused_with_the_engine_launch(role: str) -> None:
+    spec = parse_spec({role: {"tp": 2, "dp": 2}})
+    assert getattr(spec, role).ranks_per_replica == 4
+    with pytest.raises(SpecError, match=rf"{role}\.dp 2 with spec\.engine"):
+        parse_spec({role: {"dp": 2}, "engine": ENGINE})
+    with pytest.raises(SpecError, match=r"dp, tp, cp and pp must each be at least 1"):
+        parse_spec({role: {"dp": 0}})

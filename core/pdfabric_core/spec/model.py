@@ -52,10 +52,13 @@ class PrefillSpec:
     pp: int = 1
     all_cp_ranks_transfer: bool = False
     dsa_cache_layer_split: bool = False
+    # SGLang's DP groups per server (--attn-dp-size, or --dp-size replicas behind one bootstrap
+    # server); each group is tp x cp x pp ranks of its own.
+    dp: int = 1
 
     @property
     def ranks_per_replica(self) -> int:
-        return self.tp * self.cp * self.pp
+        return self.dp * self.tp * self.cp * self.pp
 
     @property
     def all_cp_ranks_send(self) -> bool:
@@ -71,10 +74,11 @@ class DecodeSpec:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    dp: int = 1  # SGLang's DP groups per server, as PrefillSpec.dp
 
     @property
     def ranks_per_replica(self) -> int:
-        return self.tp * self.pp
+        return self.dp * self.tp * self.pp
 
 
 @dataclass(frozen=True)

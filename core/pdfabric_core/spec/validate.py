@@ -29,8 +29,13 @@ def validate_spec(spec: PDClusterSpec) -> None:
     if spec.model.dtype not in DTYPE_BYTES:
         raise SpecError(f"model.dtype must be one of {sorted(DTYPE_BYTES)}, got {spec.model.dtype!r}")
     for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
-        if r.replicas < 1 or r.tp < 1 or r.cp < 1 or r.pp < 1:
-            raise SpecError(f"{role}.replicas, tp, cp and pp must each be at least 1")
+        if r.replicas < 1 or r.tp < 1 or r.cp < 1 or r.pp < 1 or r.dp < 1:
+            raise SpecError(f"{role}.replicas, dp, tp, cp and pp must each be at least 1")
+        if r.dp > 1 and spec.engine is not None:
+            raise SpecError(
+                f"{role}.dp {r.dp} with spec.engine: the node pods do not launch SGLang servers of several DP "
+                f"groups yet; deploy those engines yourself (leave spec.engine out)"
+            )
     if spec.decode.cp != 1:
         raise SpecError(f"decode.cp must be 1 (decode context parallelism is not supported), got {spec.decode.cp}")
     if spec.transfer.max_batch_entries < 1:
