@@ -261,11 +261,16 @@ class AgentClient:
         return _answer(MemoryAnswer.parse, self._call("POST", msg.PATH, msg.to_json()))
 
     def abort(
-        self, rank: str, room: int, reason: str = "aborted by the engine", peer_replica: int | None = None
+        self,
+        rank: str,
+        room: int,
+        reason: str = "aborted by the engine",
+        peer_replica: int | None = None,
+        peer_dp: int = 0,
     ) -> RoomView:
         """Give a room up: the agent fails it now and tells its peers (for a decode room not
-        submitted yet, the agents of prefill replica ``peer_replica``)."""
-        msg = AbortRequest(rank, room, reason, peer_replica)
+        submitted yet, the agents of prefill replica ``peer_replica``, DP group ``peer_dp``)."""
+        msg = AbortRequest(rank, room, reason, peer_replica, peer_dp)
         return _answer(RoomView.parse, self._call("POST", AbortRequest.PATH, msg.to_json()))
 
     def submit(self, msg: RoomSubmit) -> RoomView:

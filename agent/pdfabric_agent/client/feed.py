@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 
 from pdfabric_agent.protocol.views import FeedHello, RoomState, RoomView
 from pdfabric_agent.protocol.wire import EVENTS_ROUTE, FEED_HEARTBEAT_S
@@ -35,9 +36,12 @@ LOST = "the agent lost the room (restarted?)"
 class RoomEvents:
     """One rank's rooms as the agent last said; ``view`` is what a poll would answer."""
 
-    def __init__(self, address: str, token: str, rank: str) -> None:
+    def __init__(self, address: str, token: str, rank: str, instance: str = "") -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port, self.token, self.rank = host or "127.0.0.1", int(port), token, rank
+        # The engine instance that registered the rank: while this feed is open, the agent keeps the
+        # rank for it (rooms/registrants.py).
+        self.instance = instance
         self.hello: FeedHello | None = None
         self.synced = threading.Event()
         self.reconnects = 0
@@ -133,7 +137,10 @@ class RoomEvents:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=STALE_AFTER_S)
         self._conn = conn
         try:
-            conn.request("GET", EVENTS_ROUTE.format(rank=self.rank), headers={"Authorization": f"Bearer {self.token}"})
+            path = EVENTS_ROUTE.format(rank=self.rank)
+            if self.instance:
+                path += "?" + urllib.parse.urlencode({"instance": self.instance})
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}"})
             resp = conn.getresponse()
             if resp.status != 200:
                 raise ValueError(f"the agent answered the room feed with HTTP {resp.status}: {resp.read(512)!r}")

@@ -32,6 +32,7 @@ from pdfabric_agent.http.guard import CLUSTER, LIMITS, Limits
 from pdfabric_agent.http.jsonbody import BODY_CAP, body_cap, read_json
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.errors import ApiError, malformed
+from pdfabric_agent.protocol.fields import field_opt_str
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.peer_wire import PING_PATH, PROBE_PATH, DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.wire import (
@@ -225,8 +226,14 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         """A rank's room feed (rooms/feed.py): the hello, a snapshot, then each view as it changes."""
         rank = request.match_info["rank"]
         hello = agent.feed_hello(rank)  # 404 for a rank this agent does not serve
+        instance = field_opt_str(request.query, "instance")  # the engine's (registrants.py)
+
+        def connected() -> bool:
+            transport = request.transport
+            return transport is not None and not transport.is_closing()
+
         # Subscribed and snapshotted in one step (no await between): every view queued after is newer.
-        sub, snapshot = agent.ctx.feed.subscribe(rank), agent.feed_snapshot(rank)
+        sub, snapshot = agent.ctx.feed.subscribe(rank, instance, connected), agent.feed_snapshot(rank)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"})
         metrics.feed_subscribers.labels(cluster).inc()
         try:

@@ -44,6 +44,10 @@ def conflict(message: str) -> ApiError:
     return ApiError(409, Refusal.CONFLICT, message)
 
 
+def rank_taken(message: str) -> ApiError:
+    return ApiError(409, Refusal.RANK_TAKEN, message)
+
+
 def wrong_peer(message: str) -> ApiError:
     return ApiError(403, Refusal.WRONG_PEER, message)
 

@@ -80,6 +80,11 @@ def field_str(body: Mapping[str, Any], name: str) -> str:
     return check_str(body.get(name), name)
 
 
+def field_opt_str(body: Mapping[str, Any], name: str) -> str:
+    """An optional string (``check_str``), empty when absent."""
+    return "" if body.get(name) is None else check_str(body[name], name)
+
+
 def pack_indices(values: Sequence[int]) -> dict[str, str]:
     """The compact form of an index list (a room of thousands of pages: no JSON number per page)."""
     a = array.array("i", values)

@@ -34,6 +34,8 @@ class Refusal(enum.StrEnum):
     UNKNOWN_RANK = "unknown_rank"
     UNKNOWN_ROOM = "unknown_room"
     CONFLICT = "conflict"  # the room is already active on that rank
+    # A memory registration for a rank another engine process, still live, registered (409)
+    RANK_TAKEN = "rank_taken"
     LAYOUT_MISMATCH = "layout_mismatch"  # an engine's buffers do not fit the PDCluster's model (422)
     # A room for the engine's own memory on a rank with none registered (the agent restarted): 409
     MEMORY_NOT_REGISTERED = "memory_not_registered"

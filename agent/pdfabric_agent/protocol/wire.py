@@ -35,6 +35,7 @@ from pdfabric_agent.protocol.fields import (
     field_index_list,
     field_int,
     field_opt_int,
+    field_opt_str,
     field_str,
     indices_json,
     too_large,
@@ -69,7 +70,8 @@ def room_path(rank: str, room: int, wait_s: float) -> str:
 @dataclass(frozen=True)
 class RoomSubmit:
     """What `send` and `receive` share: a room on one local rank, its pages, state slots and aux row,
-    and the replica of the other role it pairs with."""
+    and the replica of the other role it pairs with, and its DP group there (``peer_dp``: SGLang's
+    prefill DP rank for a receive, the decode rank's DP group for a send)."""
 
     PATH: ClassVar[str]
     PEER_ROLE: ClassVar[str]  # the role of `peer_replica`
@@ -84,10 +86,15 @@ class RoomSubmit:
     # The pages are in the engine's own registered memory (POST /v1/memory), never the agent's pools:
     # an agent that restarted and lost the registration refuses the room instead of moving its pools.
     engine_memory: bool = False
+    peer_dp: int = 0
 
     @classmethod
     def peer_field(cls) -> str:
         return f"{cls.PEER_ROLE}_replica"
+
+    @classmethod
+    def peer_dp_field(cls) -> str:
+        return f"{cls.PEER_ROLE}_dp"
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
@@ -99,10 +106,11 @@ class RoomSubmit:
             aux_index=field_opt_int(body, "aux_index"),
             peer_replica=field_int(body, cls.peer_field()),
             engine_memory=field_flag(body, "engine_memory"),
+            peer_dp=field_opt_int(body, cls.peer_dp_field()) or 0,
         )
 
-    def check_bounds(self, layout: PoolLayout, peer_replicas: int) -> None:
-        """Against the local rank's pools and the spec's replica count."""
+    def check_bounds(self, layout: PoolLayout, peer_replicas: int, peer_dps: int = 1) -> None:
+        """Against the local rank's pools and the spec's replica and DP group counts."""
         check_indices(self.kv_pages, layout.kv_pages, name="kv_pages", what="KV pages", unique=self.UNIQUE)
         check_indices(
             self.state_indices, layout.state_slots, name="state_indices", what="state slots", unique=self.UNIQUE
@@ -110,6 +118,8 @@ class RoomSubmit:
         check_index(self.aux_index, layout.aux_slots, name="aux_index")
         if self.peer_replica >= peer_replicas:
             raise out_of_range(f"{self.peer_field()} {self.peer_replica} outside 0..{peer_replicas - 1}")
+        if self.peer_dp >= peer_dps:
+            raise out_of_range(f"{self.peer_dp_field()} {self.peer_dp} outside 0..{peer_dps - 1} (the spec's dp)")
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -123,6 +133,8 @@ class RoomSubmit:
             body["aux_index"] = self.aux_index
         if self.engine_memory:
             body["engine_memory"] = True
+        if self.peer_dp:
+            body[self.peer_dp_field()] = self.peer_dp
         return body
 
 
@@ -218,21 +230,27 @@ class AbortRequest:
     rank: str
     room: int
     reason: str = "aborted by the engine"
-    # A decode rank's room it has not submitted yet: the prefill replica it was to come from, whose
-    # agents are told (else the prefill side learns only at its bootstrap deadline).
+    # A decode rank's room it has not submitted yet: the prefill replica (and DP group) it was to come
+    # from, whose agents are told (else the prefill side learns only at its bootstrap deadline).
     peer_replica: int | None = None
+    peer_dp: int = 0
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
         reason = body.get("reason", cls.reason)
         if not isinstance(reason, str) or len(reason) > MAX_REASON:
             raise malformed(f"field 'reason' must be a string of at most {MAX_REASON} characters")
-        return cls(field_str(body, "rank"), field_int(body, "room"), reason, field_opt_int(body, "peer_replica"))
+        peer_dp = field_opt_int(body, "peer_dp") or 0
+        return cls(
+            field_str(body, "rank"), field_int(body, "room"), reason, field_opt_int(body, "peer_replica"), peer_dp
+        )
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"rank": self.rank, "room": self.room, "reason": self.reason}
         if self.peer_replica is not None:
             body["peer_replica"] = self.peer_replica
+        if self.peer_dp:
+            body["peer_dp"] = self.peer_dp
         return body
 
 
@@ -322,6 +340,8 @@ class MemoryRegistration:
     aux_slots: int = 0  # rows of private aux buffers (then ``aux`` is empty): the rows travel inline
     kv_kind: KvKind = KvKind.MHA
     latent: list[BufferShare] = dataclasses.field(default_factory=list)  # MLA: one buffer per layer
+    # The engine process that registers (``register_memory``'s rule: a second live one is refused).
+    instance: str = ""
 
     @property
     def aux_inline(self) -> bool:
@@ -368,6 +388,7 @@ class MemoryRegistration:
             aux_slots=inline_slots,
             kv_kind=kind,
             latent=latent,
+            instance=field_opt_str(body, "instance"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -388,6 +409,7 @@ class MemoryRegistration:
                 if self.kv_kind is KvKind.MLA
                 else {}
             ),  # an MHA registration reads as it always did
+            **({"instance": self.instance} if self.instance else {}),
         }
 
 

@@ -27,6 +27,7 @@ class LocalRank:
     backend: TransferBackend
     pools: RankPools
     engine: EngineMemory | None = None
+    engine_instance: str = ""  # the engine process that registered ``engine`` (rooms/registrants.py)
 
     @property
     def layout(self) -> PoolLayout:

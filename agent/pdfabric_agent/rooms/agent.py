@@ -52,6 +52,7 @@ from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.decode import DecodeArrivals
 from pdfabric_agent.rooms.membership import Adopted, check_adoptable
 from pdfabric_agent.rooms.prefill import PrefillSender
+from pdfabric_agent.rooms.registrants import check_registrant
 from pdfabric_agent.rooms.registry import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
@@ -195,9 +196,11 @@ class Agent:
     def register_memory(self, msg: MemoryRegistration) -> MemoryAnswer:
         """An engine's own buffers become the rank's memory (``memory``): checked against the
         model, mapped, registered with the rank's transfer engine; the previous engine's (an
-        engine restart) are released. Refused while the rank has open rooms: their plans point
-        into the memory they were submitted with."""
+        engine restart) are released. Refused while another engine instance, still live, holds the
+        rank (``registrants``: 409 ``rank_taken``), and while the rank has open rooms: their plans
+        point into the memory they were submitted with."""
         local = self.ctx.ranks.served(msg.rank)
+        check_registrant(local, msg.instance, self.ctx.feed)
         busy = sum(1 for _, room in self.rooms.open_rooms() if room.rank == msg.rank)
         if busy:
             raise conflict(f"{msg.rank} has {busy} open rooms: register its memory before traffic or once they end")
@@ -220,7 +223,7 @@ class Agent:
         except Exception as exc:
             engine.close()
             raise layout_mismatch(f"the transfer engine refused the buffers of {msg.rank}: {exc}") from None
-        previous, local.engine = local.engine, engine
+        previous, local.engine, local.engine_instance = local.engine, engine, msg.instance
         if previous is not None:
             for region in previous.regions():
                 local.backend.unregister(region)
@@ -246,7 +249,7 @@ class Agent:
             return view
         decode_unannounced = local.rank.role is Role.DECODE and self.rooms.get(Role.DECODE, msg.rank, msg.room) is None
         if decode_unannounced and msg.peer_replica is not None:
-            told = self.arrivals.give_up_unannounced(local, msg.room, msg.peer_replica, msg.reason)
+            told = self.arrivals.give_up_unannounced(local, msg.room, msg.peer_replica, msg.reason, msg.peer_dp)
             return RoomView(rank=msg.rank, room=msg.room, state=RoomState.FAILED, reason=msg.reason, told=told)
         room = self.rooms.lookup(local.rank.role, msg.rank, msg.room)
         if isinstance(room, DecodeRoom):

@@ -86,11 +86,11 @@ class DecodeArrivals:
     def submit_receive(self, msg: ReceiveRequest) -> RoomView:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.DECODE)
-        msg.check_bounds(local.layout, ctx.spec.prefill.replicas)
+        msg.check_bounds(local.layout, ctx.spec.prefill.replicas, ctx.spec.prefill.dp)
         ctx.rooms.refuse_reuse(Role.DECODE, msg.rank, msg.room)
         expected, owed = {}, {}
         for p, c, s in expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank):
-            prefill_rank = Rank(Role.PREFILL, msg.peer_replica, p, c, s).rank_id
+            prefill_rank = Rank(Role.PREFILL, msg.peer_replica, p, c, s, dp_rank=msg.peer_dp).rank_id
             expected[prefill_rank] = ctx.ranks.agent_for(prefill_rank)
             owed[prefill_rank] = self._owed(local, (p, c, s), msg)
         now = ctx.clock()
@@ -326,7 +326,9 @@ class DecodeArrivals:
             return None
         return self.ctx.tasks.spawn(self._cancel_sources(room, reason))
 
-    def give_up_unannounced(self, local: LocalRank, room_id: int, peer_replica: int, reason: str) -> int:
+    def give_up_unannounced(
+        self, local: LocalRank, room_id: int, peer_replica: int, reason: str, peer_dp: int = 0
+    ) -> int:
         """The engine gave up a room before submitting it (SGLang aborted the request while it
         waited for its prefill side): each prefill rank it was to come from is told, so its engine's
         request fails now instead of at its bootstrap deadline. Nothing was announced or written,
@@ -334,9 +336,11 @@ class DecodeArrivals:
         ctx = self.ctx
         if not 0 <= peer_replica < ctx.spec.prefill.replicas:
             raise out_of_range(f"peer_replica {peer_replica} is outside 0..{ctx.spec.prefill.replicas - 1}")
+        if not 0 <= peer_dp < ctx.spec.prefill.dp:
+            raise out_of_range(f"peer_dp {peer_dp} is outside 0..{ctx.spec.prefill.dp - 1}")
         sources = expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank)
         for p, c, s in sources:
-            prefill_rank = Rank(Role.PREFILL, peer_replica, p, c, s).rank_id
+            prefill_rank = Rank(Role.PREFILL, peer_replica, p, c, s, dp_rank=peer_dp).rank_id
             msg = RoomCancel(room_id, local.rank.rank_id, prefill_rank, reason)
             ctx.tasks.spawn(self._post_cancel(ctx.ranks.agent_for(prefill_rank), msg))
         return len(sources)

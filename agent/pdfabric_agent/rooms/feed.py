@@ -9,6 +9,10 @@ gave it up, and a failed decode room's sources are all quiet (its pages may be r
 subscriber first gets a snapshot of every room of its rank the agent holds, taken in the same
 step as the subscription (the server writes it, then an empty line), so what follows is newer.
 
+A subscriber names its engine instance (``?instance=``, the id it registered the rank's memory
+with): while its connection is open, that instance is the rank's live registrant
+(``registrants``).
+
 A subscriber that does not keep up (its queue holds ``MAX_BACKLOG`` views) is dropped: the engine
 reconnects and resynchronises from a fresh snapshot, and the agent never buffers without bound.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 from pdfabric_agent.protocol.views import RoomView
 
@@ -24,10 +29,14 @@ MAX_BACKLOG = 1 << 16  # views queued for one subscriber before it is dropped
 
 
 class Subscription:
-    """One engine connection's queue of views for one rank; ``None`` ends it (dropped or closed)."""
+    """One engine connection's queue of views for one rank; ``None`` ends it (dropped or closed).
+    ``connected`` says whether the engine's connection is still open (its process alive)."""
 
-    def __init__(self, feed: RoomFeed, rank: str) -> None:
-        self.feed, self.rank = feed, rank
+    def __init__(
+        self, feed: RoomFeed, rank: str, instance: str = "", connected: Callable[[], bool] | None = None
+    ) -> None:
+        self.feed, self.rank, self.instance = feed, rank, instance
+        self.connected = connected or (lambda: True)
         self._queue: collections.deque[RoomView | None] = collections.deque()
         self._ready = asyncio.Event()
         self._ready.set()
@@ -66,8 +75,8 @@ class RoomFeed:
     def __init__(self) -> None:
         self._subs: dict[str, set[Subscription]] = {}
 
-    def subscribe(self, rank: str) -> Subscription:
-        sub = Subscription(self, rank)
+    def subscribe(self, rank: str, instance: str = "", connected: Callable[[], bool] | None = None) -> Subscription:
+        sub = Subscription(self, rank, instance, connected)
         self._subs.setdefault(rank, set()).add(sub)
         return sub
 
@@ -81,6 +90,10 @@ class RoomFeed:
     def watched(self, rank: str) -> bool:
         """Whether an engine of ``rank`` is listening (views are made only then)."""
         return rank in self._subs
+
+    def held_by(self, rank: str, instance: str) -> bool:
+        """Whether engine ``instance`` follows ``rank``'s feed on a connection still open."""
+        return any(sub.instance == instance and sub.connected() for sub in self._subs.get(rank, ()))
 
     def publish(self, view: RoomView) -> None:
         for sub in tuple(self._subs.get(view.rank, ())):

@@ -59,7 +59,7 @@ class PrefillSender:
         """Validate everything first; only a request that passes creates a room."""
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
-        msg.check_bounds(local.layout, ctx.spec.decode.replicas)
+        msg.check_bounds(local.layout, ctx.spec.decode.replicas, ctx.spec.decode.dp)
         sends = self.sends_anything(local)
         replica = msg.peer_replica
         feeds = ctx.rankmap.feeds.get(local.rank.replica)
@@ -69,7 +69,8 @@ class PrefillSender:
         self._take_aux_row(local, msg)
         targets: dict[str, Target] = {}
         for route in decode_targets(ctx.spec, local.rank.tp_rank) if sends else []:
-            decode_rank = Rank(Role.DECODE, replica, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            stage = ctx.ranks.decode_stage(local)
+            decode_rank = Rank(Role.DECODE, replica, route.decode_tp_rank, 0, stage, dp_rank=msg.peer_dp).rank_id
             targets[decode_rank] = Target(decode_rank, route.decode_tp_rank, ctx.ranks.agent_for(decode_rank))
         now = ctx.clock()
         room = PrefillRoom(
@@ -268,8 +269,9 @@ class PrefillSender:
         ctx = self.ctx
         local = ctx.ranks.local(prefill_rank, Role.PREFILL)
         valid = {
-            Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local)).rank_id
+            Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local), dp_rank=dp).rank_id
             for r in range(ctx.spec.decode.replicas)
+            for dp in range(ctx.spec.decode.dp)
             for route in decode_targets(ctx.spec, local.rank.tp_rank)
         }
         if decode_rank not in valid:

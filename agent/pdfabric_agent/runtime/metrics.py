@@ -21,6 +21,7 @@ read back from the series ``precreate`` makes: declaring a metric on the registr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -293,12 +294,12 @@ def peer_ranks(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tu
                 continue  # a CP rank that sends nothing for this spec
             stage = decode_pp_stage(rank.pp_rank, pf.pp, spec.decode.pp)
             for replica in rankmap.feeds.get(rank.replica, tuple(range(spec.decode.replicas))):
-                for route in decode_targets(spec, rank.tp_rank):
-                    peers.append(Rank(Role.DECODE, replica, route.decode_tp_rank, 0, stage).rank_id)
+                for dp, route in itertools.product(range(spec.decode.dp), decode_targets(spec, rank.tp_rank)):
+                    peers.append(Rank(Role.DECODE, replica, route.decode_tp_rank, 0, stage, dp_rank=dp).rank_id)
         else:
-            for replica in range(spec.prefill.replicas):
+            for replica, dp in itertools.product(range(spec.prefill.replicas), range(spec.prefill.dp)):
                 for p, c, s in expected_sources(spec, rank.tp_rank, rank.pp_rank):
-                    peers.append(Rank(Role.PREFILL, replica, p, c, s).rank_id)
+                    peers.append(Rank(Role.PREFILL, replica, p, c, s, dp_rank=dp).rank_id)
         pairs.update((rank.rank_id, owner[peer], peer, rank.role) for peer in peers if owner.get(peer))
     return pairs
 
