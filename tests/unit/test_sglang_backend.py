@@ -203,6 +203,7 @@ class FakeClient:
         self.submitted: list[Any] = []
         self.aborted: list[int] = []
         self.told: list[int | None] = []  # the peer replica named with each abort
+        self.told_dp: list[int] = []  # the peer DP group named with each abort
         self.submit_error: Exception | None = None
 
     def poll(self, rank: str, room: int, wait_s: float = 0.0) -> RoomView:
@@ -220,15 +221,19 @@ class FakeClient:
         self.submitted.append(msg)
         return RoomView(rank=msg.rank, room=msg.room, state=RoomState.BOOTSTRAPPING)
 
-    def abort(self, rank: str, room: int, reason: str = "", peer_replica: int | None = None) -> RoomView:
+    def abort(
+        self, rank: str, room: int, reason: str = "", peer_replica: int | None = None, peer_dp: int = 0
+    ) -> RoomView:
         self.aborted.append(room)
         self.told.append(peer_replica)
+        self.told_dp.append(peer_dp)
         return RoomView(rank=rank, room=room, state=RoomState.FAILED, reason=reason)
 
 
 def manager(role: Role) -> Any:
     """A manager as the sender and receiver see it, around a FakeClient (no agent, no buffers)."""
     from pdfabric_sglang.conn import PdfabricKVManager
+    from pdfabric_sglang.kvargs import AttentionRanks
     from pdfabric_sglang.peers import PrefillPeer, PrefillPeers
 
     mgr = PdfabricKVManager.__new__(PdfabricKVManager)
@@ -236,6 +241,7 @@ def manager(role: Role) -> Any:
     mgr.rank_id = P if role is Role.PREFILL else D
     mgr.config = SimpleNamespace(address="127.0.0.1:1")  # type: ignore[assignment]
     mgr.bootstrap_timeout_s = 300.0
+    mgr.parallel = AttentionRanks(0, 0, 1)  # one DP group: SGLang published no parallel state
     mgr.peers = PrefillPeers("uid-1")
     mgr.peers.table["p:1"] = PrefillPeer(replica=0, cluster="uid-1")
     mgr.prefill_info_table = mgr.peers.table
@@ -456,29 +462,61 @@ def test_a_pp_stage_that_sends_before_seeing_decode_submits_from_its_next_poll()
 
 
 @pytest.mark.parametrize(
-    ("attention", "want"),
+    ("role", "engine_rank", "attention", "want"),
     [
-        (None, "prefill-0-tp1-cp0"),  # not SGLang's scheduler: KVArgs.engine_rank
-        ((1, 0, 1), "prefill-0-tp1-cp0"),  # no CP: the same
-        ((0, 1, 2), "prefill-0-tp0-cp1"),  # CP2 in one server: engine_rank 1 is TP 0, CP 1
+        (Role.PREFILL, 1, None, "prefill-0-tp1-cp0"),  # not SGLang's scheduler: KVArgs.engine_rank
+        (Role.PREFILL, 1, (1, 0, 1), "prefill-0-tp1-cp0"),  # no CP, no DP: the same
+        (Role.PREFILL, 1, (0, 1, 2), "prefill-0-tp0-cp1"),  # CP2 in one server: engine_rank 1 is TP 0, CP 1
+        # TP 4 with attention DP 2: SGLang's tp_rank 3 is DP group 1, attention TP 1. Prefill's
+        # engine_rank is the tp_rank (3), decode's the attention TP rank (1): both name one rank.
+        (Role.PREFILL, 3, (1, 0, 1, 1, 2), "prefill-0-dp1-tp1-cp0"),
+        (Role.DECODE, 1, (1, 0, 1, 1, 2), "decode-0-dp1-tp1"),
+        (Role.DECODE, 1, (1, 0, 1, 0, 2), "decode-0-tp1"),  # DP group 0 keeps the id it had without DP
     ],
 )
-def test_the_rank_id_follows_sglangs_attention_cp_rank(attention: tuple[int, int, int] | None, want: str) -> None:
+def test_the_rank_id_is_sglangs_dp_group_and_attention_ranks_never_engine_rank(
+    role: Role, engine_rank: int, attention: tuple[int, ...] | None, want: str
+) -> None:
     from pdfabric_sglang.kvargs import AttentionRanks, rank_id_for
 
     cfg = SimpleNamespace(rank=None, replica=0, cp_rank=0)
-    args = SimpleNamespace(engine_rank=1, pp_rank=0)
+    args = SimpleNamespace(engine_rank=engine_rank, pp_rank=0)
     ranks = AttentionRanks(*attention) if attention else None
-    assert rank_id_for(Role.PREFILL, cfg, args, ranks) == want  # type: ignore[arg-type]
+    assert rank_id_for(role, cfg, args, ranks) == want  # type: ignore[arg-type]
 
 
-def test_attention_ranks_are_read_from_sglangs_parallel_state() -> None:
+@pytest.mark.parametrize(
+    ("published", "want"),
+    [
+        # Attention DP (--attn-dp-size 2): the group is the attention-DP rank.
+        (
+            {"attn_tp_rank": 0, "attn_dp_rank": 1, "dp_size": 1, "dp_rank": None, "num_dp_ranks": 2},
+            (0, 0, 1, 1, 2, True),
+        ),
+        # System DP (--dp-size 2, separate replicas, round robin): the group is the system DP rank.
+        (
+            {"attn_tp_rank": 1, "attn_dp_rank": 0, "dp_size": 2, "dp_rank": 1, "num_dp_ranks": 2},
+            (1, 0, 1, 1, 2, False),
+        ),
+        # CP 2, no DP.
+        (
+            {"attn_tp_rank": 0, "attn_cp_rank": 1, "attn_cp_size": 2, "attn_dp_rank": 0, "dp_size": 1},
+            (0, 1, 2, 0, 1, True),
+        ),
+    ],
+    ids=["attention-dp", "system-dp", "cp2"],
+)
+def test_attention_ranks_are_read_from_sglangs_parallel_state(
+    published: dict[str, Any], want: tuple[int, int, int, int, int, bool]
+) -> None:
     from pdfabric_sglang.manager import attention_ranks
     from sglang.srt.runtime_context import get_parallel
 
     assert attention_ranks() is None  # nothing published in this process
-    with get_parallel().override(attn_tp_rank=0, attn_cp_rank=1, attn_cp_size=2):
-        assert attention_ranks() == (0, 1, 2)
+    method = "follow_bootstrap_room" if want[5] else "round_robin"
+    names = {"attn_cp_rank": 0, "attn_cp_size": 1, "dp_rank": None, "num_dp_ranks": 1, **published}
+    with get_parallel().override(**names, load_balance_method=method):
+        assert attention_ranks() == want
 
 
 def test_an_abort_before_the_submit_reaches_the_agent_on_both_sides() -> None:

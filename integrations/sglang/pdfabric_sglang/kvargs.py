@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
+import socket
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -18,6 +20,7 @@ from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
 
 KVArgs = Any  # SGLang's KVArgs, or any object with its attributes
+FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"  # SGLang's load balance method of PD prefill by default
 
 # The variables the agent gives its engines, by their one spelling (pdfabric_core.engines.launch.EngineEnv).
 ENV_AGENT = EngineEnv.AGENT_ADDRESS.value
@@ -55,25 +58,57 @@ class FabricConfig:
 
 
 def rank_id_for(role: Role, cfg: FabricConfig, args: KVArgs, attention: AttentionRanks | None = None) -> str:
-    """This engine rank's id in the PDCluster: ``PDFABRIC_RANK`` outright; else the attention TP
-    and CP ranks SGLang's scheduler runs with (``attention``) when it runs context parallelism (its
-    CP ranks are scheduler ranks of one server, and ``KVArgs.engine_rank`` is then the rank in
-    TP x CP, not the TP rank); else ``KVArgs.engine_rank`` and ``PDFABRIC_CP_RANK``."""
+    """This engine rank's id in the PDCluster: ``PDFABRIC_RANK`` outright; else SGLang's own
+    coordinates of the scheduler rank (``attention``, from its parallel state): DP group, attention
+    TP and CP ranks; else (an engine that is not SGLang's scheduler) ``KVArgs.engine_rank`` and
+    ``PDFABRIC_CP_RANK``. Never ``engine_rank`` under SGLang: it is the rank in TP x CP on prefill
+    and the attention TP rank on decode, so with DP attention or CP the two roles number apart."""
     if cfg.rank:
         return cfg.rank
-    tp, cp = int(args.engine_rank), cfg.cp_rank
-    if attention is not None and attention.cp_size > 1:
-        tp, cp = attention.tp_rank, attention.cp_rank
+    tp, cp, dp = int(args.engine_rank), cfg.cp_rank, 0
+    if attention is not None:
+        tp, cp, dp = attention.tp_rank, attention.cp_rank, attention.dp_group
     cp = cp if role is Role.PREFILL else 0
-    return Rank(role, cfg.replica, tp, cp, int(getattr(args, "pp_rank", 0) or 0)).rank_id
+    return Rank(role, cfg.replica, tp, cp, int(getattr(args, "pp_rank", 0) or 0), dp_rank=dp).rank_id
 
 
 class AttentionRanks(NamedTuple):
-    """An SGLang scheduler rank's place in its server's attention groups."""
+    """An SGLang scheduler rank's place in its server's attention groups, and its server's DP
+    groups: how many (SGLang's ``num_dp_ranks``), this rank's (``dp_group_of``), and whether a
+    request's DP group follows its bootstrap room (``room % dp_groups``) or is registered with the
+    bootstrap server."""
 
     tp_rank: int
     cp_rank: int
     cp_size: int
+    dp_group: int = 0
+    dp_groups: int = 1
+    follow_bootstrap_room: bool = True
+
+
+def dp_group_of(parallel: Any) -> int:
+    """The DP group of a scheduler rank, by SGLang's rule (its bootstrap server's ``dp_group``):
+    the attention-DP rank, or under ``--dp-size`` (separate replicas behind one bootstrap server,
+    never together with attention DP) the system DP rank."""
+    return int(parallel.attn_dp_rank) if int(parallel.dp_size) == 1 else int(parallel.dp_rank or 0)
+
+
+def attention_of(parallel: Any) -> AttentionRanks:
+    """``AttentionRanks`` from SGLang's parallel state (``runtime_context.get_parallel()``)."""
+    return AttentionRanks(
+        int(parallel.attn_tp_rank),
+        int(parallel.attn_cp_rank),
+        int(parallel.attn_cp_size),
+        dp_group_of(parallel),
+        int(parallel.num_dp_ranks),
+        getattr(parallel.load_balance_method, "value", parallel.load_balance_method) == FOLLOW_BOOTSTRAP_ROOM,
+    )
+
+
+def engine_instance() -> str:
+    """An id of this engine process, unique across restarts: its registrations and room feed carry
+    it, so the agent tells a restarted engine from a second live one (agent rooms/registrants.py)."""
+    return f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(6)}"
 
 
 def registration(

@@ -5,6 +5,7 @@ agent (``/v1/memory``), hands rooms to it, opens SGLang's bootstrap rooms as sin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -15,8 +16,9 @@ from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
 from pdfabric_agent.client.feed import RoomEvents
+from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
-from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
+from pdfabric_agent.protocol.wire import FEED_HEARTBEAT_S, ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_sglang.agent_calls import AgentCalls
 from pdfabric_sglang.kvargs import (
@@ -25,6 +27,8 @@ from pdfabric_sglang.kvargs import (
     ENV_REPLICA,
     AttentionRanks,
     FabricConfig,
+    attention_of,
+    engine_instance,
     gpu_of,
     metadata_on_gpu,
     rank_id_for,
@@ -40,6 +44,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdfabric.sglang")
 
 FEED_WAIT_S = 2.0  # at start, how long the manager waits for its room feed's first snapshot
+# How long a rank another engine holds is waited for: a previous engine that exited is gone from
+# the agent's view within a heartbeat of its feed (its connection closed).
+TAKEN_WAIT_S = 3 * FEED_HEARTBEAT_S
+RANK_TAKEN = Refusal.RANK_TAKEN.value
 REMEMBERED_ROOMS = 1 << 16  # bootstrap rooms whose openings a manager counts (rebootstrap comes soon after)
 _ROOM_STRIDE = 0x9E3779B97F4A7C15  # odd: successive openings of one room land far apart
 
@@ -50,14 +58,13 @@ def reopened_room(bootstrap_room: int, opened: int) -> int:
 
 
 def attention_ranks() -> AttentionRanks | None:
-    """This scheduler rank's attention TP and CP ranks from SGLang's parallel state; None where
-    SGLang has published none (an engine that is not SGLang's scheduler)."""
+    """This scheduler rank's DP group, attention TP and CP ranks from SGLang's parallel state; None
+    where SGLang has published none (an engine that is not SGLang's scheduler)."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
-        parallel = get_parallel()
-        return AttentionRanks(int(parallel.attn_tp_rank), int(parallel.attn_cp_rank), int(parallel.attn_cp_size))
-    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return attention_of(get_parallel())
+    except (ImportError, ValueError, RuntimeError, AttributeError, TypeError):
         return None
 
 
@@ -90,7 +97,11 @@ class PdfabricKVManager(BaseKVManager):
         info_client.close()
         self.cluster_uid = info["cluster"]["uid"]
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
-        self.rank_id = rank_id_for(self.role, self.config, args, attention_ranks())
+        published = attention_ranks()
+        self.rank_id = rank_id_for(self.role, self.config, args, published)
+        # This rank's DP group and its server's (one group where SGLang published none): how a
+        # request's prefill DP group is found (sender.py, receiver.py, bootstrap.py).
+        self.parallel = published or AttentionRanks(0, 0, 1)
         if self.rank_id not in info["ranks"]:
             raise RuntimeError(
                 f"pdfabric: agent {info['agent']} does not serve rank {self.rank_id} "
@@ -99,13 +110,22 @@ class PdfabricKVManager(BaseKVManager):
         self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
         if is_mla_backend and mla_kv_sharded():
             raise RuntimeError("pdfabric: MLA KV cache sharding (--enable-kv-cache-sharding) is not moved yet")
+        self.instance = engine_instance()
+        # The room feed first: while it is open, the agent keeps the rank for this instance
+        # (registrants.py), from the moment its registration is taken.
+        self.events: RoomEvents | None = RoomEvents(self.config.address, self.config.token, self.rank_id, self.instance)
+        self.events.start(wait_s=FEED_WAIT_S)
         try:
             # SGLang's CPU MetadataBuffers are private: their rows travel with each room (aux_inline).
-            self.registration = registration(
-                self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args), aux_inline=not metadata_on_gpu()
+            self.registration = dataclasses.replace(
+                registration(
+                    self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args), aux_inline=not metadata_on_gpu()
+                ),
+                instance=self.instance,
             )
             answer = self.register()
         except (UnshareableBuffer, AgentRefused) as exc:
+            self.events.close()
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
         self.layout = answer.layout
         # Decode: prefill bootstrap address -> which prefill replica serves there (SGLang's decode
@@ -118,21 +138,23 @@ class PdfabricKVManager(BaseKVManager):
         # The scheduler thread never waits on the agent: submits and aborts go on a worker, and
         # polls read the table the agent's room feed keeps (asking the agent only while it is down).
         self.calls = AgentCalls(f"pdfabric-calls-{self.rank_id}")
-        self.events: RoomEvents | None = RoomEvents(self.config.address, self.config.token, self.rank_id)
-        self.events.start(wait_s=FEED_WAIT_S)
 
     def register(self) -> MemoryAnswer:
         """Register this rank's buffers with the agent. A restarted engine finds the rank still
         busy with its previous process's rooms (409) until they end (at most the PDCluster's
-        transfer timeout): it waits for them, up to the bootstrap timeout."""
-        deadline = time.monotonic() + self.bootstrap_timeout_s
+        transfer timeout): it waits for them, up to the bootstrap timeout. A rank another live
+        engine holds (409 ``rank_taken``) is waited for only until that engine's room feed would
+        have gone stale (``TAKEN_WAIT_S``): a second engine for one rank fails its start."""
+        started = time.monotonic()
         while True:
             try:
                 return self.client.register_memory(self.registration)
             except AgentRefused as exc:
-                if exc.status != 409 or time.monotonic() > deadline:
+                waited = time.monotonic() - started
+                limit = TAKEN_WAIT_S if exc.reason == RANK_TAKEN else self.bootstrap_timeout_s
+                if exc.status != 409 or waited > limit:
                     raise
-                log.info("pdfabric: %s waits for its previous rooms to end: %s", self.rank_id, exc)
+                log.info("pdfabric: %s waits for its previous engine to go: %s", self.rank_id, exc)
                 time.sleep(1.0)
 
     def submit(self, msg: SendRequest | ReceiveRequest) -> RoomView:

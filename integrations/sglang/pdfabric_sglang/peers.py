@@ -15,14 +15,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 REPLICA_PATH = "/pdfabric/v1/replica"
+# SGLang's bootstrap routes for a request's prefill DP group when it does not follow its bootstrap
+# room: prefill registers it, decode's queue asks (CommonKVReceiver.query_prefill_dp_ranks).
+REGISTER_DP_RANK_PATH = "/register_dp_rank"
+QUERY_DP_RANKS_PATH = "/query_dp_ranks"
 LOOKUP_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
 class PrefillPeer:
     """A prefill server as decode sees it. ``dp_size`` and ``follow_bootstrap_room`` are the
-    attributes SGLang's decode queue reads: a pdfabric prefill replica is one attention-DP group,
-    so every room of it goes to DP rank 0."""
+    attributes SGLang's decode queue reads to find a request's prefill DP group: the server's DP
+    groups (SGLang's ``num_dp_ranks``), and whether a request's group is ``room % dp_size``."""
 
     replica: int
     cluster: str
@@ -51,7 +55,11 @@ def prefill_peer_at(bootstrap_addr: str, cluster_uid: str, timeout_s: float = LO
         raise LookupError_(f"it serves PDCluster {cluster!r}, not this decode's {cluster_uid!r}", retryable=False)
     http_port = doc.get("http_port")
     return PrefillPeer(
-        replica=int(doc["replica"]), cluster=cluster_uid, http_port=int(http_port) if http_port else None
+        replica=int(doc["replica"]),
+        cluster=cluster_uid,
+        dp_size=int(doc.get("dp_size", 1)),
+        follow_bootstrap_room=bool(doc.get("follow_bootstrap_room", True)),
+        http_port=int(http_port) if http_port else None,
     )
 
 

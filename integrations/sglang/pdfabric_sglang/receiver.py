@@ -33,6 +33,7 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
         RoomClient.__init__(self, mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
         self.prefill_replica: int | None = None
+        self.prefill_dp = 0  # the prefill DP group SGLang's decode queue resolved (``init``)
         self.inited = False
         # Deferred decode KV release: SGLang counts the prefill sources it awaits (one agent room)
         # and holds a failed room's pages while abort_notified.
@@ -42,7 +43,12 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
         self.aux_index: int | None = None  # the room's MetadataBuffers row, once submitted
 
     def init(self, prefill_dp_rank: int = 0) -> None:
+        """``prefill_dp_rank``: the request's prefill DP group as SGLang's decode queue resolved it
+        (the router's ``disagg_prefill_dp_rank``, ``room % dp_size`` under follow_bootstrap_room,
+        or the prefill bootstrap server's ``/query_dp_ranks``): the room's sources are that group's
+        prefill ranks."""
         self.inited = True
+        self.prefill_dp = int(prefill_dp_rank or 0)
         self._resolve()
 
     def abort(self) -> None:
@@ -58,8 +64,10 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
         # (through this rank's agent), so its request fails now, not at its bootstrap deadline.
         return self.submitted_at is not None or self.prefill_replica is not None
 
-    def _peer_to_tell(self) -> int | None:
-        return self.prefill_replica if self.submitted_at is None else None
+    def _peer_to_tell(self) -> tuple[int, int] | None:
+        if self.submitted_at is not None or self.prefill_replica is None:
+            return None
+        return self.prefill_replica, self.prefill_dp
 
     def _resolve(self) -> None:
         """The prefill replica behind the bootstrap address, from the manager's table (SGLang's
@@ -102,6 +110,7 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
             aux_index,
             self.prefill_replica,
             engine_memory=True,
+            peer_dp=self.prefill_dp,
             prefix_tokens=int(decode_prefix_len or 0),
         )
         self.aux_index = aux_index

@@ -43,9 +43,10 @@ def first_byte_at(view: RoomView) -> float | None:
     return None if began is None or view.submitted_at is None else view.submitted_at + began
 
 
-def replica_of(rank_id: str) -> int:
-    """The replica in a rank id (``decode-<replica>-tp<n>``)."""
-    return Rank.from_id(rank_id).replica
+def group_of(rank_id: str) -> tuple[int, int]:
+    """The replica and DP group of a rank id (``decode-<replica>-dp<group>-tp<n>``)."""
+    rank = Rank.from_id(rank_id)
+    return rank.replica, rank.dp_rank
 
 
 class RoomClient:
@@ -92,8 +93,8 @@ class RoomClient:
         more: an abort before the submit reaches the other side too)."""
         return self.submitted_at is not None
 
-    def _peer_to_tell(self) -> int | None:
-        """For a room not submitted yet: the peer replica the agent tells of the abort."""
+    def _peer_to_tell(self) -> tuple[int, int] | None:
+        """For a room not submitted yet: the peer replica and DP group the agent tells of the abort."""
         return None
 
     def _abort_at_agent(self, reason: str) -> None:
@@ -103,7 +104,7 @@ class RoomClient:
 
         def abort() -> None:
             try:
-                mgr.client.abort(mgr.rank_id, room, reason, peer)
+                mgr.client.abort(mgr.rank_id, room, reason, *(peer or ()))
             except AGENT_ERRORS as exc:
                 log.warning("pdfabric: abort of room %d at the agent: %s", room, exc)
 

@@ -11,16 +11,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import BaseKVSender
+from sglang.srt.environ import envs
 
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_sglang.kvargs import read_aux_row
+from pdfabric_sglang.peers import REGISTER_DP_RANK_PATH, post_generate
 from pdfabric_sglang.room_client import (
+    AGENT_CALL_TIMEOUT_S,
     BOOTSTRAPPING,
     FAILED,
     WAITING_FOR_INPUT,
     RoomClient,
-    replica_of,
+    group_of,
+    log,
 )
 
 if TYPE_CHECKING:
@@ -40,9 +44,42 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
         self.aux_index: int | None = None
         self.pages: list[int] = []
         self.decode_replica: int | None = None
+        self.decode_dp = 0  # the decode rank's DP group (its agent announced the room from there)
         self.decode_prefix_len = 0
         self.first_chunk_at = 0.0
         self.last_state_slots: list[int] | None = None  # set with the last chunk
+        self._tell_dp_group(bootstrap_addr, req_has_disagg_prefill_dp_rank)
+
+    def _tell_dp_group(self, bootstrap_addr: str, routed: bool) -> None:
+        """Decode finds this request's prefill DP group as SGLang's decode does (``init``'s
+        ``prefill_dp_rank``): the router named it (``disagg_prefill_dp_rank``); or it is ``room %
+        dp_groups`` (``follow_bootstrap_room``: a request dispatched to another group fails, as in
+        SGLang); or this group registers it with its bootstrap server (``/register_dp_rank``), where
+        decode's queue asks (``/query_dp_ranks``). One rank of the group registers, off the
+        scheduler's thread."""
+        par = self.mgr.parallel
+        if par.dp_groups <= 1 or routed:
+            return
+        if par.follow_bootstrap_room and not envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get():
+            implied = self.bootstrap_room % par.dp_groups
+            if implied != par.dp_group:
+                self.fail(
+                    f"follow_bootstrap_room conflict: dispatched to DP group {par.dp_group}, but bootstrap room "
+                    f"{self.bootstrap_room} implies {implied}; set SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 "
+                    f"for mixed routing"
+                )
+            return
+        if (par.tp_rank, par.cp_rank, int(getattr(self.mgr.kv_args, "pp_rank", 0) or 0)) != (0, 0, 0):
+            return
+        url = f"http://{bootstrap_addr}{REGISTER_DP_RANK_PATH}"
+        payload: dict[str, object] = {"bootstrap_room": self.bootstrap_room, "dp_rank": par.dp_group}
+
+        def register() -> None:
+            status, answer = post_generate(url, payload, AGENT_CALL_TIMEOUT_S)
+            if status != 200:
+                log.warning("pdfabric: %s answered %s: %s", url, status or "nothing", answer[:200])
+
+        self.mgr.calls.call(register)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
@@ -82,7 +119,7 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
                 self.decode_replica = 0  # any: the agent concludes the room at once, to no decode rank
                 return WAITING_FOR_INPUT
             if view.decode_ranks_ready:
-                self.decode_replica = replica_of(view.decode_ranks_ready[0])
+                self.decode_replica, self.decode_dp = group_of(view.decode_ranks_ready[0])
                 self.decode_prefix_len = view.decode_prefix_tokens or 0
                 if view.state is RoomState.WAITING_FOR_INPUT:
                     return WAITING_FOR_INPUT
@@ -130,6 +167,7 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
             self.aux_index,
             self.decode_replica,
             engine_memory=True,
+            peer_dp=self.decode_dp,
             aux_rows=self._aux_row(),
         )
         self.submitted_at = self.first_chunk_at
