@@ -100,6 +100,9 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
                 assert receiver.poll() == KVPoll.WaitingForInput  # submitted; prefill has not sent
                 # An engine restart registers again: it waits while a room would land in the old
                 # buffers, and is refused once its bootstrap timeout passed with the room still open.
+                # The old engine exited: its room feed closed (while it is open, the rank is its:
+                # rank_taken, docs/sglang.md "DP groups"); its room stays open at the agent.
+                mgr.events.close()
                 monkeypatch.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of("decode-0-tp0")].address)
                 monkeypatch.setenv("PDFABRIC_BOOTSTRAP_TIMEOUT_S", "2")
                 again = kv_args(right, engine_rank=0, page_size=16, kv_head_num=4, total_kv_head_num=4)
