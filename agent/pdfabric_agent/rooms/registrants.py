@@ -8,7 +8,9 @@ that connection (the kernel closes its sockets), so a restarted engine registers
 second engine that claims a live rank (two SGLang DP ranks computing one rank id, a copy of a
 deployment started twice) is refused with ``rank_taken`` and the reason, instead of silently
 taking the first one's rooms. Open rooms refuse any new registration as well (``conflict``): their
-plans point into the memory they were submitted with.
+plans point into the memory they were submitted with. The hold lasts while a feed connection is open:
+in the moments a live engine reconnects its feed (the agent dropped it for falling behind, or
+restarted) its rank is not held.
 
 A registrant without an instance id (an engine that names none) is the instance ``""``: two such
 engines are told apart by nothing but their open rooms, as before instance ids.
