@@ -159,3 +159,31 @@ def check_object(value: Any, name: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise malformed(f"{name} must be an object")
     return value
+
+
+# Aux rows on the wire: a send's, a done report's and a room view's, one base64 string per aux item.
+def aux_rows_json(rows: Sequence[bytes]) -> list[str]:
+    """Aux rows on the wire: one base64 string per aux item."""
+    return [base64.b64encode(row).decode() for row in rows]
+
+
+def decode_aux_row(data: str, shape: str) -> bytes:
+    """One aux row in base64 (at most ``MAX_AUX_ROW_BYTES``, its length checked before decoding);
+    ``shape`` is the refusal that says what the field must be. Done reports and sends read theirs
+    with it."""
+    if len(data) > 4 * -(-MAX_AUX_ROW_BYTES // 3):
+        raise too_large(f"an aux row of {len(data)} base64 characters; rows are at most {MAX_AUX_ROW_BYTES} bytes")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:  # binascii.Error, and non-ASCII characters
+        raise malformed(shape) from None
+
+
+def parse_aux_rows(value: Any, name: str) -> tuple[bytes, ...]:
+    """Aux rows from the wire (``aux_rows_json``), each at most ``MAX_AUX_ROW_BYTES``."""
+    shape = f"field {name!r} must be a list of base64 strings, one per aux item"
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise malformed(shape)
+    if len(value) > MAX_AUX_ITEMS:
+        raise too_large(f"field {name!r} has {len(value)} rows; at most {MAX_AUX_ITEMS}")
+    return tuple(decode_aux_row(v, shape) for v in value)

@@ -27,6 +27,7 @@ from pdfabric_agent.protocol.fields import (
     check_index,
     check_object,
     check_str,
+    decode_aux_row,
     field_indices,
     field_int,
     field_opt_int,
@@ -36,7 +37,7 @@ from pdfabric_agent.protocol.fields import (
 )
 from pdfabric_agent.protocol.labels import Kind
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
-from pdfabric_agent.protocol.wire import CHECKSUM, BytesByPath, decode_aux_row
+from pdfabric_agent.protocol.wire import CHECKSUM, BytesByPath
 
 # The peer door's GET routes (its POSTs are the messages' own ``PATH``).
 PING_PATH = "/v1/peer/ping"

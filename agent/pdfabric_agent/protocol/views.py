@@ -13,7 +13,8 @@ from typing import Any, Self
 
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.errors import ApiError
-from pdfabric_agent.protocol.wire import KindBytes, aux_rows_json, parse_aux_rows, zero_bytes
+from pdfabric_agent.protocol.fields import aux_rows_json, parse_aux_rows
+from pdfabric_agent.protocol.wire import KindBytes, zero_bytes
 
 
 class RoomState(enum.IntEnum):

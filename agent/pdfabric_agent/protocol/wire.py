@@ -11,11 +11,10 @@ the client and by peers, so both sides of a message are written in one place.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -27,6 +26,7 @@ from pdfabric_agent.protocol.fields import (
     MAX_BUFFERS,
     MAX_REASON,
     MAX_STR,
+    aux_rows_json,
     check_index,
     check_indices,
     check_object,
@@ -38,6 +38,7 @@ from pdfabric_agent.protocol.fields import (
     field_opt_str,
     field_str,
     indices_json,
+    parse_aux_rows,
     too_large,
 )
 from pdfabric_agent.protocol.labels import Kind
@@ -191,33 +192,6 @@ class ReceiveRequest(RoomSubmit):
         if self.prefix_tokens:
             body["prefix_tokens"] = self.prefix_tokens
         return body
-
-
-def aux_rows_json(rows: Sequence[bytes]) -> list[str]:
-    """Aux rows on the wire: one base64 string per aux item."""
-    return [base64.b64encode(row).decode() for row in rows]
-
-
-def decode_aux_row(data: str, shape: str) -> bytes:
-    """One aux row in base64 (at most ``MAX_AUX_ROW_BYTES``, its length checked before decoding);
-    ``shape`` is the refusal that says what the field must be. Done reports and sends read theirs
-    with it."""
-    if len(data) > 4 * -(-MAX_AUX_ROW_BYTES // 3):
-        raise too_large(f"an aux row of {len(data)} base64 characters; rows are at most {MAX_AUX_ROW_BYTES} bytes")
-    try:
-        return base64.b64decode(data, validate=True)
-    except ValueError:  # binascii.Error, and non-ASCII characters
-        raise malformed(shape) from None
-
-
-def parse_aux_rows(value: Any, name: str) -> tuple[bytes, ...]:
-    """Aux rows from the wire (``aux_rows_json``), each at most ``MAX_AUX_ROW_BYTES``."""
-    shape = f"field {name!r} must be a list of base64 strings, one per aux item"
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise malformed(shape)
-    if len(value) > MAX_AUX_ITEMS:
-        raise too_large(f"field {name!r} has {len(value)} rows; at most {MAX_AUX_ITEMS}")
-    return tuple(decode_aux_row(v, shape) for v in value)
 
 
 @dataclass(frozen=True)
