@@ -109,6 +109,7 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
                 with pytest.raises(RuntimeError, match="decode-0-tp0 has 1 open rooms"):
                     PdfabricKVManager(again, DisaggregationMode.DECODE, None, False)
                 receiver.abort()
+                assert mgr.calls.wait_idle(5)  # the abort reaches the agent on the rank's worker thread
                 assert receiver.poll() == KVPoll.Failed
                 with pytest.raises(KVTransferError, match="aborted by SGLang"):
                     receiver.failure_exception()
