@@ -146,13 +146,19 @@ def test_decode_server_killed_mid_traffic_fails_its_requests_then_serves_after_r
     """Long generations are in decode when its server dies: each answer is an error (none hangs,
     none is a wrong 200); the restarted server (same port) serves equal answers again."""
     long_prompts = [[(i * 11 + j) % 250 + 1 for j in range(30)] for i in range(4)]
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(pd.generate, greedy(p, 1500), 120) for p in long_prompts]
-        time.sleep(4.0)  # the requests are decoding
-        pd.decode.kill()
-        answers = [f.result(timeout=150) for f in futures]
-    assert all(status != 200 for status, _ in answers), [s for s, _ in answers]
-    pd.decode.recover()
+    # SGLang's own test knob: decode sleeps 50 ms per forward, so 1500 tokens take over 75 s and
+    # the kill lands mid-generation however fast the machine (a quiet CI machine once finished
+    # three of them within the 4 s); the killed server forgets it
+    assert post_json(pd.decode.url + "/slow_down", {"forward_sleep_time": 0.05}, 10)[0] == 200
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(pd.generate, greedy(p, 1500), 120) for p in long_prompts]
+            time.sleep(4.0)  # the requests are decoding
+            pd.decode.kill()
+            answers = [f.result(timeout=150) for f in futures]
+        assert all(status != 200 for status, _ in answers), [s for s, _ in answers]
+    finally:  # the module's later cases share this pair: never leave them a dead server
+        pd.decode.recover()
     prompt = PROMPTS[1]
     wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)
 
@@ -164,16 +170,18 @@ def test_prefill_server_killed_fails_its_requests_then_serves_after_restart(pd: 
     prompts = [[(i * 7 + j * 3) % 250 + 1 for j in range(200)] for i in range(12)]
     want = [tokens(single.generate(greedy(p, NEW_TOKENS))[1]) for p in prompts]
     decode_pid = pd.decode.pid()
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(pd.generate, greedy(p, NEW_TOKENS), 120) for p in prompts]
-        time.sleep(0.3)  # the first requests are in prefill's queues
-        pd.prefill.kill()
-        answers = [f.result(timeout=300) for f in futures]
-    answered = [i for i, (status, _) in enumerate(answers) if status == 200]
-    assert len(answered) < len(prompts), "no request failed: the kill came after the stream"
-    assert [tokens(answers[i][1]) for i in answered] == [want[i] for i in answered]  # no wrong answer
-    assert pd.decode.pid() == decode_pid != 0  # the decode server lives on, not restarted
-    pd.prefill.recover()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(pd.generate, greedy(p, NEW_TOKENS), 120) for p in prompts]
+            time.sleep(0.3)  # the first requests are in prefill's queues
+            pd.prefill.kill()
+            answers = [f.result(timeout=300) for f in futures]
+        answered = [i for i, (status, _) in enumerate(answers) if status == 200]
+        assert len(answered) < len(prompts), "no request failed: the kill came after the stream"
+        assert [tokens(answers[i][1]) for i in answered] == [want[i] for i in answered]  # no wrong answer
+        assert pd.decode.pid() == decode_pid != 0  # the decode server lives on, not restarted
+    finally:
+        pd.prefill.recover()
     prompt = PROMPTS[3]
     wait_serving(pd, tokens(single.generate(greedy(prompt, NEW_TOKENS))[1]), prompt)
 
