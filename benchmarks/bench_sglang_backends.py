@@ -37,8 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] = "1"  # SGLang's early send of a radix hit
 
-from benchmarks.sglang_queues import backend_pair, fill, same_bytes, wait_until  # noqa: E402
-from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from benchmarks.sglang_queues import backend_pair, fill, same_bytes, wait_until
 
 BACKENDS = ("mooncake", "pdfabric")
 BIG = {"layers": 8, "heads": 8, "head_dim": 128, "page": 16, "pages": 72, "max_tokens": 1024}
@@ -81,7 +82,9 @@ def bootstrap(pre: Any, dec: Any, rooms: list[int], tokens: int) -> tuple[list[A
         popped.extend(pre.pop_bootstrapped())
         dec.step_prealloc()
 
-    wait_until("bootstrap", lambda: len(popped) == len(rs) and not dec.prealloc.queue and not dec.prealloc.pending_reqs, step)
+    wait_until(
+        "bootstrap", lambda: len(popped) == len(rs) and not dec.prealloc.queue and not dec.prealloc.pending_reqs, step
+    )
     return rs, ds
 
 
@@ -102,7 +105,9 @@ def settle(loop: Loop, rs: list[Any], ds: list[Any]) -> list[str]:
     return errors
 
 
-def exposed(pre: Any, dec: Any, room: int, chunks: int, cached: int, compute_s: float, tokens: int) -> tuple[float, list[str]]:
+def exposed(
+    pre: Any, dec: Any, room: int, chunks: int, cached: int, compute_s: float, tokens: int
+) -> tuple[float, list[str]]:
     (r,), (d,) = bootstrap(pre, dec, [room], tokens)
     fill(pre.rank, r.bench_pages, room)
     loop = Loop(pre, dec)
@@ -201,11 +206,17 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         for queue, a in costs.items():
             b = pf["iteration_s"][n][queue]
             total_a, total_b = total_a + a, total_b + b
-            lines.append(f"{n:<10}{queue:<26}{a * 1e6:>9.0f} us{b * 1e6:>9.0f} us{b / a:>7.1f}x  {'PASS' if b <= 2 * a else 'FAIL'}")
+            lines.append(
+                f"{n:<10}{queue:<26}{a * 1e6:>9.0f} us{b * 1e6:>9.0f} us{b / a:>7.1f}x  {'PASS' if b <= 2 * a else 'FAIL'}"
+            )
         verdict = "PASS" if total_b <= 2 * total_a else "FAIL"
-        lines.append(f"{n:<10}{'all three':<26}{total_a * 1e6:>9.0f} us{total_b * 1e6:>9.0f} us{total_b / total_a:>7.1f}x  {verdict}")
+        lines.append(
+            f"{n:<10}{'sum of the three':<26}{total_a * 1e6:>9.0f} us{total_b * 1e6:>9.0f} us{total_b / total_a:>7.1f}x  {verdict}"
+        )
     for name, res in results.items():
-        lines.append(f"{name}: {'every request byte-exact' if not res['errors'] else 'ERRORS: ' + '; '.join(res['errors'][:5])}")
+        lines.append(
+            f"{name}: {'every request byte-exact' if not res['errors'] else 'ERRORS: ' + '; '.join(res['errors'][:5])}"
+        )
     return "\n".join(lines)
 
 

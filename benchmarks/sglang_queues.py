@@ -32,7 +32,6 @@ sys.path[:0] = [str(ROOT / p) for p in ("core", "operator", "agent", "integratio
 os.environ.setdefault("MC_FORCE_TCP", "1")  # SGLang's Mooncake over loopback tcp (no RDMA here)
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -56,7 +55,10 @@ def kv_classes(backend: str) -> dict[str, Any]:
     from sglang.srt.disaggregation import utils
 
     tb = utils.TransferBackend(backend)
-    out = {k: utils.get_kv_class(tb, getattr(utils.KVClassType, k)) for k in ("KVARGS", "MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")}
+    out = {
+        k: utils.get_kv_class(tb, getattr(utils.KVClassType, k))
+        for k in ("KVARGS", "MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
+    }
     if backend == "mooncake":
         # On CPU: that path pins host memory and records a torch.cuda.Event (docs: SGLANG.md).
         out["SENDER"].supports_host_tensor_indices = False
@@ -71,10 +73,11 @@ def publish(bootstrap_port: int) -> None:
     the bootstrap port is the one Mooncake's prefill registers at), and a gloo group of one rank
     for the queues' all-reduce of polls."""
     import torch.distributed as dist
-    from pdfabric_sglangserver.model import write_model_dir
     from sglang.srt.runtime_context import SpawnRanks, get_parallel
     from sglang.srt.runtime_context import publish as sglang_publish
     from sglang.srt.server_args import ServerArgs
+
+    from pdfabric_sglangserver.model import write_model_dir
 
     if "model" not in _published:
         _published["model"] = write_model_dir(Path(tempfile.mkdtemp(prefix="bench-model-")))
@@ -116,7 +119,9 @@ class Rank:
         self.page = geo["page"]
         self.pool = KVPool(layers=geo["layers"], local_heads=geo["heads"], head_dim=geo["head_dim"],
                            num_pages=geo["pages"], page_size=self.page, shm_dir=shm_dir)  # fmt: skip
-        self.meta = MetadataBuffers(META_ROWS, hidden_size=HIDDEN, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0)
+        self.meta = MetadataBuffers(
+            META_ROWS, hidden_size=HIDDEN, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0
+        )
         self.rows = ReqToMetadataIdxAllocator(META_ROWS)
         self.pages = PageAllocator(geo["pages"])
         args = kv_args(self.pool, engine_rank=0, page_size=self.page, kv_head_num=geo["heads"],
@@ -169,7 +174,9 @@ class PrefillSide:
 
         self.rank, self.port = rank, port
         self.attn_cp_cpu_group = self.attn_tp_cpu_group = dist.group.WORLD
-        self.token_to_kv_pool_allocator = types.SimpleNamespace(page_size=rank.page, translate_kv_indices_for_transfer=lambda x: x)
+        self.token_to_kv_pool_allocator = types.SimpleNamespace(
+            page_size=rank.page, translate_kv_indices_for_transfer=lambda x: x
+        )
         self.req_to_token_pool = types.SimpleNamespace(req_to_token=torch.zeros((slots, max_tokens), dtype=torch.int64))
         self.disagg_metadata_buffers = rank.meta
         self.enable_staging = self.enable_overlap = False
@@ -237,16 +244,20 @@ def fabric_spec(geo: dict[str, int]) -> dict[str, Any]:
     """pdfabric's PDCluster spec for one prefill and one decode rank of ``geo`` on loopback tcp."""
     model = {"layers": geo["layers"], "kvHeads": geo["heads"], "headDim": geo["head_dim"], "dtype": "float32",
              "pageSizeTokens": geo["page"]}  # fmt: skip
-    return {"prefill": {"tp": 1}, "decode": {"tp": 1}, "transfer": {"transport": "tcp", "timeoutSeconds": 120}, "model": model}
+    return {
+        "prefill": {"tp": 1},
+        "decode": {"tp": 1},
+        "transfer": {"transport": "tcp", "timeoutSeconds": 120},
+        "model": model,
+    }
 
 
 @contextmanager
 def backend_pair(backend: str, geo: dict[str, int], slots: int = 600) -> Iterator[tuple[PrefillSide, Any]]:
     """A prefill and a decode rank of ``backend`` (``mooncake`` or ``pdfabric``: real agents of a
     LocalFabric), each behind SGLang's queues, and prefill's bootstrap server."""
-    from pdfabric_devcluster.procs import free_port
-
     from benchmarks.sglang_decode import DecodeSide
+    from pdfabric_devcluster.procs import free_port
 
     port = free_port()
     publish(port)
