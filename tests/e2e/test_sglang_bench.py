@@ -33,7 +33,7 @@ def test_both_backends_move_every_request_byte_exact_under_sglangs_queues(tmp_pa
         assert all(len(v) == 1 and v[0] > 0 for v in res["exposed_all_s"].values()), backend
         assert set(res["iteration_s"]["6"]) == {
             "prefill bootstrap queue",
-            "prefill inflight queue",
+            "prefill inflight, not sent",
             "decode transfer queue",
         }
     assert proc.stdout.count("every request byte-exact") == 2, proc.stdout
