@@ -4,9 +4,11 @@ A prefill rank (tp p, cp c, pp stage s) sending a request to decode rank d owes:
 - KV: for each route p->d (rank_mapping), the pages of its CP shard (cp_page_shard), every layer
   of its stage, K and V (or the MLA latent), the route's heads (a whole page, or a head slice under
   a TP mismatch); MLA's latent is one replicated head, so d reads it from one prefill rank;
-- state: only from d's primary source, only from the last PP stage, only the state layers this
-  CP rank owns (state_layer_shard), and nothing when the dedup rule says CP rank 0 sends it
-  (cp_dedup);
+- state: each state tensor by its kind's rule (``state_slices``: a replicated slot tensor or a
+  row whole from d's primary source, a TP-sharded slot tensor as the overlap of the two ranks'
+  shares, page state as the route's head slice), only from the last PP stage, only the state
+  tensors this CP rank owns (state_layer_shard), and nothing when the dedup rule says CP rank 0
+  sends it (cp_dedup);
 - aux: only from d's primary source at CP rank 0 on the last PP stage, through the engine or over
   the TCP side channel as aux_path says;
 - pipeline parallel: PP stage s sends its own layers to the decode stage decode_pp_stage names,
@@ -35,6 +37,7 @@ from pdfabric_core.policy.rank_mapping import (
     sends_request_rows,
     state_layer_shard,
 )
+from pdfabric_core.policy.state_slices import StateSlice, state_slices
 from pdfabric_core.spec import PDClusterSpec
 
 __all__ = [
@@ -56,11 +59,18 @@ class Duties:
 
     route: KvRoute
     pages: range  # positions in the request (cp_page_shard)
-    state_layers: range  # empty when this rank sends no state
+    state_layers: range  # the state tensors it owns; empty when this rank sends no state
     state_skipped: bool  # True when the dedup rule dropped this rank's state
     send_aux: bool
     aux_path: AuxPath
     dst_layer_offset: int = 0  # decode local layer = prefill local layer + this (PP stages)
+    state_slices: tuple[StateSlice, ...] = ()  # what moves of each state tensor, per state index
+    skipped_state_bytes: int = 0  # per state index, what the dedup rule dropped
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of state this pair moves per state index (slot, row or page)."""
+        return sum(s.nbytes for s in self.state_slices)
 
 
 @dataclass(frozen=True)
@@ -118,21 +128,35 @@ def sender_duties(
         route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads
     )
     skip = should_skip_state_transfer(cp, cp_rank, dsa_cache_layer_split=split)
-    state_layers = state_layer_shard(spec.model.state_layers, cp, cp_rank, dsa_cache_layer_split=split)
-    has_state = spec.model.state_bytes_per_request > 0
-    pp, dpp, layers = spec.prefill.pp, spec.decode.pp, spec.model.layers
+    m = spec.model
+    pp, dpp, layers = spec.prefill.pp, spec.decode.pp, m.layers
     rows = sends_request_rows(pp_stage, pp)
     primary = primary and rows
+    owned = state_layer_shard(m.state_layers, cp, cp_rank, dsa_cache_layer_split=split)
+    slices = state_slices(
+        m.state_kind,
+        m.state_tensors,
+        m.state_sharded,
+        owned if (rows and m.state_tensors) else range(0),
+        route,
+        prefill_tp=spec.prefill.tp,
+        decode_tp=spec.decode.tp,
+        kv_heads=m.tp_kv_heads,
+        page_tokens=m.page_size_tokens,
+        primary=primary,
+    )
     offset = pp_layer_range(layers, pp, pp_stage).start
     offset -= pp_layer_range(layers, dpp, decode_pp_stage(pp_stage, pp, dpp)).start
     return Duties(
         route=route,
         pages=cp_page_shard(num_pages, cp, cp_rank, all_ranks_send=spec.prefill.all_cp_ranks_send),
-        state_layers=state_layers if (primary and has_state and not skip) else range(0),
-        state_skipped=primary and has_state and skip,
+        state_layers=owned if (slices and not skip) else range(0),
+        state_skipped=bool(slices) and skip,
         send_aux=primary and cp_rank == 0,
         aux_path=choose_aux_path(spec.transfer.mem_pool, aux_over_tcp=spec.transfer.aux_over_tcp),
         dst_layer_offset=offset,
+        state_slices=() if skip else slices,
+        skipped_state_bytes=sum(s.nbytes for s in slices) if skip else 0,
     )
 
 

@@ -11,9 +11,10 @@ it equal to what `pdfabric_agent.memory.plan.plan_transfer` plans, over every la
 -> decode rank) pair:
 - KV: the pages of its CP shard, each KV buffer (K and V, or the MLA latent), for every layer of
   its PP stage, the route's heads (a whole page, or its head slice under a TP mismatch).
-- State: `model.stateBytesPerRequest` is one request's full state across `model.stateLayers`
-  (one state slot). The pair carries the state layers its duties name: only the decode rank's
-  primary source sends, from the last PP stage, the layers its CP rank owns; with dedup the copies
+- State: each state tensor's item (`model.stateTensorBytes`, or `model.stateBytesPerRequest` over
+  `model.stateLayers` equal tensors) per state index (a slot or row per request; page state: the
+  window pages). The pair carries the slices its duties name (policy/state_slices.py, per state
+  kind), from the last PP stage, of the tensors its CP rank owns; with dedup the copies
   CP ranks other than 0 would send again are skipped (counted as "without dedup" here, and by the
   agents' `pdfabric_state_dedup_skipped_bytes_total`).
 - Aux: one metadata row (`model.auxRowBytes` summed) per decode rank, from its primary source at
@@ -112,11 +113,10 @@ def duty_bytes(spec: PDClusterSpec, pair: PairDuties, *, state_slots: int = 1) -
     m, p = spec.model, spec.prefill
     duties = pair.duties
     layers = len(pp_layer_range(m.layers, p.pp, pair.pp_stage))
-    state_layer = m.state_bytes_per_request // m.state_layers  # parse_spec: they divide
     return PairBytes(
         kv=len(duties.pages) * layers * m.kv_buffers * duties.route.num_heads * m.head_page_bytes,
-        state=len(duties.state_layers) * state_slots * state_layer,
-        state_skipped=m.state_layers * state_slots * state_layer if duties.state_skipped else 0,
+        state=state_slots * duties.state_bytes,
+        state_skipped=state_slots * duties.skipped_state_bytes,
         aux=sum(m.aux_row_bytes) if duties.send_aux else 0,
     )
 

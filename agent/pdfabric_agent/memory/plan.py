@@ -96,7 +96,7 @@ class MemoryMap:
         its state layers hold no bytes)."""
         want = (layout.kv_buffers * layout.layers, layout.state_layers, len(layout.aux_items))
         have = (len(self.kv), len(self.state), len(self.aux))
-        if not self.state and not layout.state_layer_bytes:
+        if not self.state and not layout.state_bytes:
             want = (want[0], 0, want[2])
         if have != want:
             raise ValueError(
@@ -205,6 +205,45 @@ class TransferSide:
     aux: int | None
 
 
+def _plan_state(
+    plan: TransferPlan,
+    duties: Duties,
+    src_layout: PoolLayout,
+    dst_layout: PoolLayout,
+    src_map: MemoryMap,
+    dst_map: MemoryMap,
+    src_state: Sequence[int],
+    dst_state: Sequence[int],
+    coalesce: bool,
+) -> None:
+    """State blocks: each slice of the duties (policy/state_slices.py) at every state index pair;
+    a slice that is the whole item on both sides moves as coalesced runs of items."""
+    runs: list[tuple[int, int, int]] | None = None
+    for sl in duties.state_slices if src_state else ():
+        t = sl.tensor
+        si, di = src_layout.state_item(t), dst_layout.state_item(t)
+        src0, dst0 = src_map.state[t], dst_map.state[t]
+        if sl.whole(si, di):
+            runs = _runs(src_state, dst_state, coalesce) if runs is None else runs
+            plan.state.extend(Block(src0 + s * si, dst0 + d * di, n * si) for s, d, n in runs)
+            continue
+        last = sl.rows - 1
+        if sl.src_offset + last * sl.src_row + sl.length > si or sl.dst_offset + last * sl.dst_row + sl.length > di:
+            raise ValueError(
+                f"state tensor {t}: a slice of {sl.length} bytes does not fit items of {si} and {di} bytes"
+            )
+        plan.state.extend(
+            Block(
+                src0 + s * si + sl.src_offset + r * sl.src_row,
+                dst0 + d * di + sl.dst_offset + r * sl.dst_row,
+                sl.length,
+            )
+            for s, d in zip(src_state, dst_state, strict=True)
+            for r in range(sl.rows)
+        )
+    plan.state_skipped_bytes = len(src_state) * duties.skipped_state_bytes
+
+
 def plan_transfer(
     duties: Duties,
     src: TransferSide,
@@ -235,10 +274,11 @@ def plan_transfer(
         raise ValueError(
             f"page layouts differ: this side's pages are {src_layout.page_order}, the peer's {dst_layout.page_order}"
         )
-    if src_layout.aux_items != dst_layout.aux_items or src_layout.state_layer_bytes != dst_layout.state_layer_bytes:
+    if src_layout.aux_items != dst_layout.aux_items or src_layout.state_signature != dst_layout.state_signature:
+        (src_kind, src_whole), (dst_kind, dst_whole) = src_layout.state_signature, dst_layout.state_signature
         raise ValueError(
-            f"aux rows {list(src_layout.aux_items)} and state {src_layout.state_layer_bytes} bytes per layer here, "
-            f"aux rows {list(dst_layout.aux_items)} and state {dst_layout.state_layer_bytes} at the peer"
+            f"aux rows {list(src_layout.aux_items)} and {src_kind} state of tensors {list(src_whole)} bytes whole "
+            f"here, aux rows {list(dst_layout.aux_items)} and {dst_kind} state of {list(dst_whole)} at the peer"
         )
     src_map, dst_map = memory_map(src_layout, src.memory), memory_map(dst_layout, dst.memory)
     src_map.check(src_layout)
@@ -296,19 +336,7 @@ def plan_transfer(
         plan.kv = plan.kv_pages.blocks(coalesce)
     if len(src_state) != len(dst_state):
         raise ValueError(f"{len(src_state)} source state slots but {len(dst_state)} destination slots")
-    layer_bytes = src_layout.state_layer_bytes
-    state_runs = _runs(src_state, dst_state, coalesce) if duties.state_layers else []
-    for layer in duties.state_layers:
-        for s, d, n in state_runs:
-            plan.state.append(
-                Block(
-                    src_map.state[layer] + s * layer_bytes,
-                    dst_map.state[layer] + d * layer_bytes,
-                    n * layer_bytes,
-                )
-            )
-    if duties.state_skipped:
-        plan.state_skipped_bytes = len(src_state) * src_layout.state_layers * layer_bytes
+    _plan_state(plan, duties, src_layout, dst_layout, src_map, dst_map, src_state, dst_state, coalesce)
     if duties.send_aux and src_aux is not None and dst_aux is not None:
         for item, size in enumerate(src_layout.aux_items):
             sa, da = src_map.aux[item] + src_aux * size, dst_map.aux[item] + dst_aux * size

@@ -55,6 +55,22 @@ class PoolLayout:
     page_tokens: int = 1  # tokens per page: a token-major head slice is one block per token
     page_order: PageOrder = PageOrder.HEAD_MAJOR
     kv_buffers: int = 2  # KV buffers per layer: K and V, or the MLA latent (ModelGeometry.kv_buffers)
+    # Typed state: item bytes of each state tensor on this rank (empty: state_layers of
+    # state_layer_bytes), each tensor's whole item (before TP sharding) and the state kind; the
+    # last two must be the peer's (``plan_transfer`` refuses otherwise).
+    state_items: tuple[int, ...] = ()
+    state_whole: tuple[int, ...] = ()
+    state_kind: str = "slot"
+
+    def state_item(self, tensor: int) -> int:
+        """Bytes of one slot (row, page) of state tensor ``tensor``."""
+        return self.state_items[tensor] if self.state_items else self.state_layer_bytes
+
+    @property
+    def state_signature(self) -> tuple[str, tuple[int, ...]]:
+        """What prefill and decode must agree on: the kind and each tensor's whole item bytes."""
+        whole = self.state_whole or (self.state_layer_bytes,) * (self.state_layers if self.state_layer_bytes else 0)
+        return self.state_kind, whole
 
     @property
     def token_head_bytes(self) -> int:
@@ -83,6 +99,9 @@ class PoolLayout:
             state_layers=geo.state_layers,
             state_layer_bytes=geo.state_bytes_per_request // geo.state_layers,
             state_slots=state_slots,
+            state_items=geo.state_item_bytes(tp),
+            state_whole=geo.state_tensors,
+            state_kind=geo.state_kind.value,
             aux_items=tuple(geo.aux_row_bytes),
             aux_slots=aux_slots,
             page_tokens=geo.page_size_tokens,
@@ -99,7 +118,7 @@ class PoolLayout:
 
     @property
     def state_bytes(self) -> int:
-        return self.state_layers * self.state_slots * self.state_layer_bytes
+        return self.state_slots * sum(self.state_item(t) for t in range(self.state_layers))
 
     @property
     def aux_row_bytes(self) -> int:
@@ -113,7 +132,8 @@ class PoolLayout:
         return ((layer * self.kv_buffers + kv) * self.kv_pages + page) * self.page_bytes + head * self.head_bytes
 
     def state_offset(self, layer: int, slot: int) -> int:
-        return (layer * self.state_slots + slot) * self.state_layer_bytes
+        before = sum(self.state_item(t) for t in range(layer))
+        return before * self.state_slots + slot * self.state_item(layer)
 
     def aux_offset(self, item: int, slot: int) -> int:
         return sum(self.aux_items[:item]) * self.aux_slots + slot * self.aux_items[item]
@@ -128,7 +148,8 @@ class PoolLayout:
     def from_dict(cls, d: dict[str, Any]) -> PoolLayout:
         """Raises ValueError for an unknown page order, TypeError/KeyError for other bad fields."""
         order = PageOrder(d.get("page_order", PageOrder.HEAD_MAJOR.value))
-        return cls(**{**d, "aux_items": tuple(d["aux_items"]), "page_order": order})
+        tuples = {k: tuple(d.get(k, ())) for k in ("aux_items", "state_items", "state_whole")}
+        return cls(**{**d, **tuples, "page_order": order})
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from pdfabric_agent.protocol.fields import (
 from pdfabric_agent.protocol.labels import Kind
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
 from pdfabric_agent.protocol.wire import CHECKSUM, BytesByPath
+from pdfabric_core.policy.types import StateKind
 
 # The peer door's GET routes (its POSTs are the messages' own ``PATH``).
 PING_PATH = "/v1/peer/ping"
@@ -52,9 +53,15 @@ def _layout(value: Any) -> PoolLayout:
         raise malformed(f"peer room info has a bad layout: {exc}") from None
     if len(layout.aux_items) > MAX_AUX_ITEMS:
         raise too_large(f"peer room info layout has {len(layout.aux_items)} aux items; at most {MAX_AUX_ITEMS}")
-    numbers = [v for k, v in vars(layout).items() if k not in ("aux_items", "page_order")] + list(layout.aux_items)
+    lists = ("aux_items", "state_items", "state_whole")
+    if max(len(layout.state_items), len(layout.state_whole)) > MAX_BUFFERS:
+        raise too_large(f"peer room info layout has more than {MAX_BUFFERS} state tensors")
+    numbers = [v for k, v in vars(layout).items() if k not in (*lists, "page_order", "state_kind")]
+    numbers += [v for k in lists for v in getattr(layout, k)]
     if not all(type(v) is int and 0 <= v <= MAX_INT for v in numbers):
         raise malformed(f"peer room info layout fields must be integers within 0..{MAX_INT}")
+    if layout.state_kind not in tuple(StateKind):
+        raise malformed(f"peer room info layout's state_kind must be one of {[k.value for k in StateKind]}")
     return layout
 
 

@@ -12,25 +12,23 @@ the client and by peers, so both sides of a message are written in one place.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from pdfabric_agent.memory.pools import PageOrder, PoolLayout
+from pdfabric_agent.protocol.buffers import BufferShare as BufferShare  # importable from here, as before
+from pdfabric_agent.protocol.buffers import ShareKind as ShareKind
+from pdfabric_agent.protocol.buffers import StateParts, shares_field
 from pdfabric_agent.protocol.errors import malformed, out_of_range
 from pdfabric_agent.protocol.fields import (
     MAX_AUX_ITEMS,
     MAX_AUX_ROW_BYTES,
-    MAX_BUFFERS,
     MAX_REASON,
-    MAX_STR,
     aux_rows_json,
     check_index,
     check_indices,
-    check_object,
-    check_str,
     field_flag,
     field_index_list,
     field_int,
@@ -39,7 +37,6 @@ from pdfabric_agent.protocol.fields import (
     field_str,
     indices_json,
     parse_aux_rows,
-    too_large,
 )
 from pdfabric_agent.protocol.labels import Kind
 from pdfabric_core.policy.types import KvKind
@@ -229,62 +226,6 @@ class AbortRequest:
 
 
 # ---------------------------------------------------------------- engine memory
-class ShareKind(enum.StrEnum):
-    SHM = "shm"  # a CPU buffer in a shared-memory file the engine owns: path, offset
-    CUDA_IPC = "cuda-ipc"  # a GPU buffer: its allocation's CUDA IPC handle and the buffer's offset
-
-
-@dataclass(frozen=True)
-class BufferShare:
-    """How the agent reaches one engine buffer: ``nbytes`` at ``offset`` of a shared-memory file
-    (``path``), or of a CUDA allocation (``export``: fastpath.ipc's ExportDoc)."""
-
-    kind: ShareKind
-    nbytes: int
-    offset: int
-    path: str = ""
-    export: Mapping[str, Any] | None = None
-
-    @classmethod
-    def parse(cls, value: Any, name: str) -> Self:
-        d = check_object(value, name)
-        try:
-            kind = ShareKind(str(d.get("kind")))
-        except ValueError:
-            raise malformed(f"{name}.kind must be one of {[k.value for k in ShareKind]}") from None
-        nbytes = field_int(d, "nbytes", minimum=1)
-        offset = field_int(d, "offset")
-        if kind is ShareKind.SHM:
-            path = check_str(d.get("path"), f"{name}.path", limit=MAX_STR)
-            if not path.startswith("/"):
-                raise malformed(f"{name}.path must be an absolute path of a shared-memory file")
-            return cls(kind, nbytes, offset, path=path)
-        export = check_object(d.get("export"), f"{name}.export")
-        handle = export.get("handle")
-        if not (isinstance(handle, str) and 0 < len(handle) <= 256 and all(c in "0123456789abcdef" for c in handle)):
-            raise malformed(f"{name}.export.handle must be the CUDA IPC handle in lowercase hex")
-        for key in ("offset", "nbytes", "device", "owner_pid"):
-            field_int(export, key)
-        return cls(kind, nbytes, offset, export=dict(export))
-
-    def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"kind": self.kind.value, "nbytes": self.nbytes, "offset": self.offset}
-        if self.kind is ShareKind.SHM:
-            body["path"] = self.path
-        else:
-            body["export"] = dict(self.export or {})
-        return body
-
-
-def _shares(body: Mapping[str, Any], name: str) -> list[BufferShare]:
-    value = body.get(name, [])
-    if not isinstance(value, list):
-        raise malformed(f"field {name!r} must be a list of buffers")
-    if len(value) > MAX_BUFFERS:
-        raise too_large(f"field {name!r} has {len(value)} buffers; at most {MAX_BUFFERS}")
-    return [BufferShare.parse(v, f"{name}[{i}]") for i, v in enumerate(value)]
-
-
 @dataclass(frozen=True)
 class MemoryRegistration:
     """Engine -> its node's agent: rank `rank`'s KV, state and aux live in the engine's own buffers
@@ -316,6 +257,9 @@ class MemoryRegistration:
     latent: list[BufferShare] = dataclasses.field(default_factory=list)  # MLA: one buffer per layer
     # The engine process that registers (``register_memory``'s rule: a second live one is refused).
     instance: str = ""
+    # The state typed (kind, SGLang's state type, per buffer item bytes and TP sharding); None: the
+    # ``state`` buffers are ``state_slot_bytes`` slots each, replicated (an engine before typed state).
+    state_parts: StateParts | None = None
 
     @property
     def aux_inline(self) -> bool:
@@ -334,7 +278,7 @@ class MemoryRegistration:
             order = PageOrder(str(body.get("page_order")))
         except ValueError:
             raise malformed(f"field 'page_order' must be one of {[o.value for o in PageOrder]}") from None
-        aux = _shares(body, "aux")
+        aux = shares_field(body, "aux")
         rows = body.get("aux_row_bytes", [])
         inline_slots = field_opt_int(body, "aux_slots", minimum=1) or 0
         if inline_slots and aux:
@@ -345,7 +289,8 @@ class MemoryRegistration:
             kind = KvKind(str(body.get("kv_kind", KvKind.MHA.value)))
         except ValueError:
             raise malformed(f"field 'kv_kind' must be one of {[k.value for k in KvKind]}") from None
-        k, v, latent = _shares(body, "k"), _shares(body, "v"), _shares(body, "latent")
+        k, v, latent = shares_field(body, "k"), shares_field(body, "v"), shares_field(body, "latent")
+        state = shares_field(body, "state")
         if (kind is KvKind.MLA) == bool(k or v) or (kind is KvKind.MLA) != bool(latent) or len(k) != len(v):
             raise malformed("give K and V buffers of every layer (kv_kind MHA) or latent buffers (MLA), not both")
         return cls(
@@ -356,13 +301,14 @@ class MemoryRegistration:
             k=k,
             v=v,
             state_slot_bytes=field_int(body, "state_slot_bytes"),
-            state=_shares(body, "state"),
+            state=state,
             aux_row_bytes=[_int_item(r, "aux_row_bytes") for r in rows],
             aux=aux,
             aux_slots=inline_slots,
             kv_kind=kind,
             latent=latent,
             instance=field_opt_str(body, "instance"),
+            state_parts=StateParts.parse(body.get("state_parts"), len(state)),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -384,6 +330,7 @@ class MemoryRegistration:
                 else {}
             ),  # an MHA registration reads as it always did
             **({"instance": self.instance} if self.instance else {}),
+            **({"state_parts": self.state_parts.to_json()} if self.state_parts else {}),
         }
 
 

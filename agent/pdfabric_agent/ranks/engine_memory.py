@@ -29,7 +29,7 @@ from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
 from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
-from pdfabric_core.policy.types import Device, KvKind, MemPool, Role, Transport
+from pdfabric_core.policy.types import Device, KvKind, MemPool, Role, StateKind, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 
@@ -119,17 +119,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
             f"({geo.describe_page(group.tp)}): check spec.model against the engine's model, TP size and KV dtype"
         )
     kv_pages = _slots(kv, reg.kv_page_bytes, "KV", "pages")
-    # As the agent's own pools (PoolLayout.from_geometry): the model's state layers, of 0 bytes
-    # when the model has no state, and then no state buffers.
-    slot_bytes = geo.state_bytes_per_request // geo.state_layers
-    want_buffers = geo.state_layers if slot_bytes else 0
-    if len(reg.state) != want_buffers or (slot_bytes and reg.state_slot_bytes != slot_bytes):
-        raise layout_mismatch(
-            f"{len(reg.state)} state buffers of {reg.state_slot_bytes} bytes per slot registered; the PDCluster's "
-            f"model has {want_buffers} state layers of {slot_bytes} bytes "
-            f"(stateBytesPerRequest {geo.state_bytes_per_request} over stateLayers {geo.state_layers})"
-        )
-    state_slots = _slots(reg.state, slot_bytes, "state", "slots") if slot_bytes else 0
+    items, state_slots = _state_items(reg, spec, group.tp, where)
     # The aux rows are the engine's own (SGLang's MetadataBuffers): prefill and decode must register
     # the same, which the prefill agent checks on each room's info (PrefillSender._check_dst_layout).
     aux_slots = reg.aux_slots or min(
@@ -144,14 +134,43 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         head_bytes=geo.head_page_bytes,
         kv_pages=kv_pages,
         state_layers=geo.state_layers,
-        state_layer_bytes=slot_bytes,
+        state_layer_bytes=geo.state_bytes_per_request // geo.state_layers,
         state_slots=state_slots,
+        state_items=items,
+        state_whole=geo.state_tensors,
+        state_kind=geo.state_kind.value,
         aux_items=tuple(reg.aux_row_bytes),
         aux_slots=aux_slots,
         page_tokens=reg.page_tokens,
         page_order=reg.page_order,
         kv_buffers=geo.kv_buffers,
     )
+
+
+def _state_items(reg: MemoryRegistration, spec: PDClusterSpec, tp: int, where: str) -> tuple[tuple[int, ...], int]:
+    """The registered state against the model's (spec.model's stateKind, stateTensorBytes,
+    stateTensorSharded at this TP): each tensor's item bytes and the slots every buffer holds, or
+    ``layout_mismatch`` naming both sides. A registration without typed parts is the replicated
+    slot state it always was (``state_slot_bytes`` per slot of every buffer)."""
+    geo = spec.model
+    items, sharded, kind = geo.state_item_bytes(tp), geo.state_sharded, geo.state_kind
+    parts = reg.state_parts
+    if parts is None:
+        got = (StateKind.SLOT, (reg.state_slot_bytes,) * len(reg.state), (False,) * len(reg.state))
+    else:
+        got = (parts.kind, parts.item_bytes, parts.sharded)
+    if got != (kind, items, sharded):
+        source = f" (SGLang's {parts.source} state)" if parts is not None else ""
+        raise layout_mismatch(
+            f"{got[0].value} state{source} of {len(got[1])} tensors of {list(got[1])} bytes per item, TP-sharded "
+            f"{list(got[2])}, registered; {where} has {kind.value} state of {len(items)} tensors of {list(items)} "
+            f"bytes, TP-sharded {list(sharded)} (spec.model stateKind, stateTensorBytes {list(geo.state_tensors)} "
+            "whole, stateTensorSharded): set spec.model to the engine's state, as its KVArgs give it"
+        )
+    bad = [b.nbytes for b, item in zip(reg.state, items, strict=True) if b.nbytes % item]
+    if bad:
+        raise layout_mismatch(f"a state buffer of {bad[0]} bytes is not a whole number of its items")
+    return items, min((b.nbytes // item for b, item in zip(reg.state, items, strict=True)), default=0)
 
 
 def _slots(shares: Sequence[BufferShare], unit: int, kind: str, what: str) -> int:

@@ -59,6 +59,14 @@ class KvKind(enum.StrEnum):
     MLA = "MLA"  # one latent buffer per layer (DeepSeek's MLA), whole on every attention-TP rank
 
 
+class StateKind(enum.StrEnum):
+    """spec.model.stateKind: how a request's state is indexed (policy/state_slices.py plans each)."""
+
+    SLOT = "slot"  # one slot per request, several tensors per layer (Mamba/GDN conv and temporal state)
+    PAGE = "page"  # page-indexed like KV, heads sharded like KV (an SWA hybrid's window pages)
+    ROW = "row"  # one row per request, whole on every attention-TP rank (SGLang's request_row)
+
+
 class FallbackPolicy(enum.StrEnum):
     """spec.placement.fallback: what to do when the requested transport cannot run."""
 

@@ -17,7 +17,7 @@ from pdfabric_core.images import default_agent_image
 from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
 from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, kv_buffers_per_layer, local_heads, tp_kv_heads
 from pdfabric_core.policy.transports import implied_transport
-from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, MemPool, Transport
+from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, MemPool, StateKind, Transport
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -116,6 +116,12 @@ class ModelGeometry:
     page_size_tokens: int = 16
     state_bytes_per_request: int = 0
     state_layers: int = 1
+    # Typed state (policy/state_slices.py): how it is indexed, and each tensor's whole item bytes
+    # (before attention-TP sharding) and whether TP shards it. parse_spec derives stateLayers and
+    # stateBytesPerRequest from stateTensorBytes; without it, stateLayers equal replicated slot tensors.
+    state_kind: StateKind = StateKind.SLOT
+    state_tensor_bytes: tuple[int, ...] = ()
+    state_tensor_sharded: tuple[bool, ...] = ()
     aux_row_bytes: tuple[int, ...] = DEFAULT_AUX_ROW_BYTES
     # Prompt length the status uses to predict bytes per request; it sizes nothing.
     expected_prompt_tokens: int = 4096
@@ -143,6 +149,30 @@ class ModelGeometry:
     def head_page_bytes(self) -> int:
         """Bytes of one head of one page of one KV buffer."""
         return self.page_size_tokens * self.head_width * self.dtype_bytes
+
+    @property
+    def state_tensors(self) -> tuple[int, ...]:
+        """Whole item bytes of each state tensor (none when the model has no state)."""
+        if self.state_tensor_bytes:
+            return self.state_tensor_bytes
+        if not self.state_bytes_per_request:
+            return ()
+        return (self.state_bytes_per_request // self.state_layers,) * self.state_layers
+
+    @property
+    def state_sharded(self) -> tuple[bool, ...]:
+        """Per state tensor, whether attention TP shards it (page state: always, by KV heads)."""
+        n = len(self.state_tensors)
+        if self.state_kind is StateKind.PAGE:
+            return (True,) * n
+        return self.state_tensor_sharded or (False,) * n
+
+    def state_item_bytes(self, tp: int) -> tuple[int, ...]:
+        """Item bytes of each state tensor on one rank of a TP group (SGLang's state_item_lens)."""
+        if self.state_kind is StateKind.PAGE:
+            heads = local_heads(tp, self.tp_kv_heads)
+            return tuple(w * heads // self.tp_kv_heads for w in self.state_tensors)
+        return tuple(w // tp if s else w for w, s in zip(self.state_tensors, self.state_sharded, strict=True))
 
     def kv_page_bytes(self, tp: int) -> int:
         """Bytes of one page of one KV buffer (a layer's K, V or latent) on one rank of a TP group."""

@@ -15,6 +15,7 @@ from pdfabric_core.spec.model import (
     DecodeEngineSpec,
     EngineSandbox,
     EngineSpec,
+    ModelGeometry,
     PDClusterSpec,
     PodOverrides,
     PrefillEngineSpec,
@@ -104,11 +105,28 @@ def parse_spec(raw: Mapping[str, Any]) -> PDClusterSpec:
         top["agent"] = replace(top["agent"], pod=_parse_pod((raw.get("agent") or {}).get("pod"), "agent.pod."))
         top["engine"] = _parse_engine(raw.get("engine"))
         top["router"] = _parse_router(raw.get("router"))
+        top["model"] = typed_state(top["model"])
         spec = PDClusterSpec(**top)
     except (ValueError, TypeError) as exc:
         raise SpecError(f"invalid PDCluster spec: {exc}") from exc
     validate_spec(spec)
     return spec
+
+
+def typed_state(model: ModelGeometry) -> ModelGeometry:
+    """``model`` with stateLayers and stateBytesPerRequest derived from stateTensorBytes (one state
+    tensor a layer entry); ValueError where given values disagree with it."""
+    tensors = model.state_tensor_bytes
+    if not tensors:
+        return model
+    total = sum(tensors)
+    if model.state_bytes_per_request not in (0, total) or model.state_layers not in (1, len(tensors)):
+        raise ValueError(
+            f"model.stateBytesPerRequest {model.state_bytes_per_request} and stateLayers {model.state_layers} "
+            f"disagree with model.stateTensorBytes {list(tensors)} (sum {total}, {len(tensors)} tensors): "
+            "leave them out, they follow from stateTensorBytes"
+        )
+    return replace(model, state_bytes_per_request=total, state_layers=len(tensors))
 
 
 def _parse_engine(raw: Any) -> EngineSpec | None:

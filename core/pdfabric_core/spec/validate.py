@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdfabric_core.images import AGENT_IMAGE_CUDA, CUDA_SUFFIX, names_cpu_agent_image, needs_gpu_image
-from pdfabric_core.policy.rank_mapping import validate_pp, validate_tp
+from pdfabric_core.policy.rank_mapping import kv_routes, validate_pp, validate_tp
+from pdfabric_core.policy.state_slices import shard_range
 from pdfabric_core.policy.transports import Locality, mem_pool_traits, transport_traits
-from pdfabric_core.policy.types import Backend, FallbackPolicy, MemPool, Transport
+from pdfabric_core.policy.types import Backend, FallbackPolicy, KvKind, MemPool, StateKind, Transport
 from pdfabric_core.quantity import QuantityError, parse_quantity
 from pdfabric_core.spec.model import (
     DTYPE_BYTES,
@@ -63,6 +64,7 @@ def validate_spec(spec: PDClusterSpec) -> None:
             f"model.stateLayers ({spec.model.state_layers}) must be divisible by prefill.cp "
             f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
         )
+    _validate_state(spec)
     _validate_transport(spec)
     _validate_agent_image(spec)
     if spec.router is not None:
@@ -233,3 +235,67 @@ def _validate_transport(spec: PDClusterSpec) -> None:
                 f"{spec.intra_node_group_gpus} GPUs exceed placement.maxGpusPerNode "
                 f"({spec.placement.max_gpus_per_node}); lower TP/CP/PP or replicas, or use transport nvlink or rdma"
             )
+
+
+def _validate_state(spec: PDClusterSpec) -> None:
+    """Typed state (policy/state_slices.py): each kind's tensors must split as its rule moves them."""
+    m = spec.model
+    tensors, kind = m.state_tensor_bytes, m.state_kind
+    if not tensors:
+        if kind is not StateKind.SLOT or m.state_tensor_sharded:
+            raise SpecError(
+                f"model.stateKind {kind.value} and model.stateTensorSharded need model.stateTensorBytes "
+                "(each state tensor's item bytes); without it the state is stateLayers equal replicated slot tensors"
+            )
+        return
+    sharded = m.state_tensor_sharded
+    if sharded and len(sharded) != len(tensors):
+        raise SpecError(
+            f"model.stateTensorSharded has {len(sharded)} entries for {len(tensors)} state tensors "
+            "(model.stateTensorBytes): give one per tensor, or leave it out"
+        )
+    if min(tensors) < 1:
+        raise SpecError(f"every entry of model.stateTensorBytes must be at least 1, got {list(tensors)}")
+    if spec.prefill.pp > 1 or spec.decode.pp > 1:
+        raise SpecError(
+            "model.stateTensorBytes with pipeline parallelism: a PP stage holds only its own layers' state, and "
+            "pdfabric moves typed state from one stage; set prefill.pp and decode.pp to 1"
+        )
+    tps = (spec.prefill.tp, spec.decode.tp)
+    if kind is StateKind.PAGE:
+        if sharded and not all(sharded):
+            raise SpecError(
+                "model.stateKind page: every state tensor is sharded by KV heads; leave stateTensorSharded out"
+            )
+        if m.kv_kind is not KvKind.MHA:
+            raise SpecError(
+                "model.stateKind page (an SWA hybrid's window pages) is head-sliced like MHA KV: kvKind MHA"
+            )
+        unit = m.kv_heads * m.page_size_tokens
+        bad = [w for w in tensors if w % unit]
+        if bad:
+            raise SpecError(
+                f"model.stateTensorBytes {bad[0]} is not whole pages of {m.page_size_tokens} tokens x "
+                f"{m.kv_heads} KV heads: a page state tensor's item is one page of every KV head"
+            )
+        return
+    if kind is StateKind.ROW and any(sharded):
+        raise SpecError("model.stateKind row is whole on every attention-TP rank: leave stateTensorSharded out")
+    for w, cut in zip(tensors, sharded, strict=False):
+        if cut and (w % tps[0] or w % tps[1]):
+            raise SpecError(
+                f"a TP-sharded state tensor of {w} bytes does not split evenly over prefill TP {tps[0]} and "
+                f"decode TP {tps[1]}: check model.stateTensorBytes (whole, before sharding)"
+            )
+    if any(sharded):
+        routes = {(r.prefill_tp_rank, r.decode_tp_rank) for r in kv_routes(*tps, m.tp_kv_heads)}
+        w = next(w for w, cut in zip(tensors, sharded, strict=True) if cut)
+        for p in range(tps[0]):
+            for d in range(tps[1]):
+                src, dst = shard_range(w, tps[0], p), shard_range(w, tps[1], d)
+                if max(src.start, dst.start) < min(src.stop, dst.stop) and (p, d) not in routes:
+                    raise SpecError(
+                        f"prefill TP rank {p} holds state decode TP rank {d} needs, but takes it no KV "
+                        f"({m.tp_kv_heads} KV heads over TP {tps[0]} -> {tps[1]}): pdfabric moves TP-sharded "
+                        "state along KV routes; use TP sizes at most the KV head count"
+                    )

@@ -18,6 +18,7 @@ from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_core.policy.types import MEM_POOL_ENV, KvKind, MemPool, Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
+from pdfabric_sglang.state_kinds import state_parts
 
 KVArgs = Any  # SGLang's KVArgs, or any object with its attributes
 FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"  # SGLang's load balance method of PD prefill by default
@@ -117,7 +118,7 @@ def registration(
     """The ``KVArgs`` buffers as the agent takes them: an MHA pool lists every K layer, then every
     V; an MLA pool (``is_mla``: SGLang's MLATokenToKVPool) one latent buffer per layer, of
     ``page_size x (kv_lora_rank + qk_rope_head_dim)`` elements per page (fp8 as one byte each, no
-    scales). With ``aux_inline`` the aux buffers stay private (SGLang's CPU MetadataBuffers): only
+    scales). Its state component typed (``state_kinds``: Mamba's slots, an SWA hybrid's pages). With ``aux_inline`` the aux buffers stay private (SGLang's CPU MetadataBuffers): only
     their row sizes and row count are registered, and each room's row travels with the send and the view."""
     ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
     if int(getattr(args, "num_draft_entries", 0) or 0):
@@ -135,20 +136,14 @@ def registration(
     maps = process_mappings()
     shares = [share_of(p, n, gpu, maps) for p, n in zip(ptrs, lens, strict=True)]
     layers = 0 if is_mla else len(ptrs) // 2
-    state_types = list(getattr(args, "state_types", []) or [])
-    if len(state_types) > 1:
-        raise UnshareableBuffer(f"state kinds {state_types}: pdfabric moves one slot-indexed state kind")
-    kinds = [str(getattr(t, "value", t)) for t in state_types]
-    if is_mla and kinds not in ([], ["mamba"]):  # newly reachable with MLA: DeepSeek-V3.2's indexer
-        raise UnshareableBuffer(f"state kind {kinds[0]!r} beside MLA: pdfabric moves slot-indexed (Mamba) state only")
+    parts = state_parts(args, is_mla=is_mla)
     state = []
     slot_bytes = 0
-    if state_types:
-        s_ptrs, s_lens, s_items = args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]
-        if len(set(s_items)) != 1:
-            raise UnshareableBuffer(f"state buffers of different slot sizes {sorted(set(s_items))}")
-        slot_bytes = s_items[0]
-        state = [share_of(p, n, gpu, maps) for p, n in zip(s_ptrs, s_lens, strict=True)]
+    if parts is not None:
+        state = [
+            share_of(p, n, gpu, maps) for p, n in zip(args.state_data_ptrs[0], args.state_data_lens[0], strict=True)
+        ]
+        slot_bytes = parts.item_bytes[0] if len(set(parts.item_bytes)) == 1 else 0
     aux_rows = list(args.aux_item_lens)
     if aux_inline:
         aux = []
@@ -167,6 +162,7 @@ def registration(
         latent=[] if layers else shares,
         state_slot_bytes=slot_bytes,
         state=state,
+        state_parts=parts,
         aux_row_bytes=aux_rows,
         aux=aux,
         aux_slots=aux_slots,

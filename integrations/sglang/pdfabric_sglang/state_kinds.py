@@ -1,0 +1,76 @@
+"""SGLang's state components (``KVArgs.state_types`` and the lists beside it, as its
+``setup_state_kv_args`` appends them) as the agent takes them: one typed component (``StateParts``),
+or a refusal that names what pdfabric does not move.
+
+SGLang's state type tells how a room indexes it, which is the rule its bytes move by
+(pdfabric_core.policy.state_slices): ``mamba`` by slot, its tensors of different sizes and each
+head-sharded over attention TP where ``state_dim_per_tensor`` is above 0; ``swa`` by page (the
+window pages of an SWA hybrid's sub-pool, heads sharded like KV); ``request_row`` one whole row a
+request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdfabric_agent.protocol.buffers import StateParts
+from pdfabric_core.policy.types import StateKind
+from pdfabric_sglang.shares import UnshareableBuffer
+
+KIND_OF = {"mamba": StateKind.SLOT, "swa": StateKind.PAGE, "request_row": StateKind.ROW}
+
+
+def state_type_names(args: Any) -> list[str]:
+    """SGLang's state types of ``args``, by their wire value (``StateType`` is a str enum)."""
+    return [str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or [])]
+
+
+def _per_tensor(args: Any, name: str, n: int, default: Any) -> list[Any]:
+    lists = getattr(args, name, None) or []
+    given = list(lists[0]) if lists else []
+    return given or [default] * n
+
+
+def state_parts(args: Any, *, is_mla: bool) -> StateParts | None:
+    """The one state component of ``args`` typed, None without state; ``UnshareableBuffer`` naming
+    SGLang's state types pdfabric does not move."""
+    names = state_type_names(args)
+    if not names:
+        return None
+    moved = [n for n in names if n in KIND_OF]
+    if len(names) > 1:
+        not_moved = [n for n in names if n not in KIND_OF] or names[1:]
+        raise UnshareableBuffer(
+            f"state components {names}: pdfabric moves one state component a rank ({', '.join(KIND_OF)}); "
+            f"{not_moved} would not move"
+        )
+    name = names[0]
+    if not moved:
+        raise UnshareableBuffer(
+            f"SGLang's {name!r} state: pdfabric moves mamba (slot), swa (page) and request_row (row) state only"
+        )
+    if is_mla and name != "mamba":  # DeepSeek-V3.2's indexer arrives as 'dsa', V4's sets as several
+        raise UnshareableBuffer(f"state kind {name!r} beside MLA: pdfabric moves slot-indexed (Mamba) state only")
+    kind = KIND_OF[name]
+    items = [int(i) for i in args.state_item_lens[0]]
+    if len(set(items)) != 1 and kind is not StateKind.SLOT:
+        raise UnshareableBuffer(f"{name} state buffers of different item sizes {sorted(set(items))}")
+    groups = _per_tensor(args, "state_conv_shard_groups", len(items), None)
+    if any(g is not None for g in groups):
+        raise UnshareableBuffer(
+            f"{name} state with conv sub-blocks sharded apart (state_conv_shard_groups {groups}: GDN's q/k/v conv "
+            "state): pdfabric slices one contiguous shard a tensor"
+        )
+    outer = _per_tensor(args, "state_slice_outer_counts", len(items), 1)
+    if any(int(c) != 1 for c in outer):
+        raise UnshareableBuffer(
+            f"{name} state sliced inside its rows (state_slice_outer_counts {outer}: Kimi's conv state): "
+            "pdfabric slices one contiguous shard a tensor"
+        )
+    dims = _per_tensor(args, "state_dim_per_tensor", len(items), 0)
+    if kind is StateKind.PAGE:
+        sharded = [True] * len(items)  # SWA pages hold this rank's KV heads, like its KV
+    elif kind is StateKind.ROW:
+        sharded = [False] * len(items)
+    else:
+        sharded = [int(d) > 0 for d in dims]
+    return StateParts(kind, name, tuple(items), tuple(sharded))
