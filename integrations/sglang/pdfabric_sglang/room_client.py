@@ -6,6 +6,7 @@ thread."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -43,8 +44,11 @@ def first_byte_at(view: RoomView) -> float | None:
     return None if began is None or view.submitted_at is None else view.submitted_at + began
 
 
+@functools.lru_cache(maxsize=4096)
 def group_of(rank_id: str) -> tuple[int, int]:
-    """The replica and DP group of a rank id (``decode-<replica>-dp<group>-tp<n>``)."""
+    """The replica and DP group of a rank id (``decode-<replica>-dp<group>-tp<n>``). Cached: a
+    sender decode is ready for asks this on every scheduler poll, and a cluster has few rank ids
+    (parsing one was 60% of such a poll, benchmarks/bench_sglang_backends.py (b))."""
     rank = Rank.from_id(rank_id)
     return rank.replica, rank.dp_rank
 
