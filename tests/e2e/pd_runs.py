@@ -36,8 +36,10 @@ def run_pd(
     decode: dict[str, int],
     device: str = "cpu",
     backend: str = "sglang",
+    module: str = "pdfabric_refengine.pd",  # the engine process (pdfabric_refengine.mla_pd: the MLA model)
+    prompts: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    requests = [{"room": 1000 + i, "prompt": p, "max_new_tokens": NEW_TOKENS} for i, p in enumerate(PROMPTS)]
+    requests = [{"room": 1000 + i, "prompt": p, "max_new_tokens": NEW_TOKENS} for i, p in enumerate(prompts or PROMPTS)]
     (tmp / "requests.json").write_text(json.dumps(requests))
     agents = {r.rank_id: lc.agents[a.name].address for a in lc.rankmap.agents for r in a.ranks}
     env = {
@@ -53,7 +55,7 @@ def run_pd(
     bootstrap = f"127.0.0.1:{free_port()}"
     procs = {}
     for role, par in (("prefill", prefill), ("decode", decode)):
-        cmd = [sys.executable, "-m", "pdfabric_refengine.pd", "--role", role, "--requests", str(tmp / "requests.json"),
+        cmd = [sys.executable, "-m", module, "--role", role, "--requests", str(tmp / "requests.json"),
                "--out", str(tmp / f"{role}.json"), "--bootstrap", bootstrap, "--shm-dir", lc.shm_dir,
                "--agents", json.dumps(agents), "--device", device, "--backend", backend, *(x for k, v in par.items() for x in (f"--{k}", str(v)))]  # fmt: skip
         procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

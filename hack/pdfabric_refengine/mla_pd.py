@@ -1,0 +1,239 @@
+"""A prefill or decode engine process of the MLA reference model (``mla.py``) that moves its latent
+and indexer state through pdfabric the way SGLang does (``pd.py`` drives the Llama the same way).
+
+    python -m pdfabric_refengine.mla_pd --role prefill|decode --requests R.json --out O.json ...
+
+SGLang's own ``load_plugins()`` and ``get_kv_class`` give the classes; every rank's manager is
+built with ``is_mla_backend`` from SGLang-shaped KVArgs of an MLA pool with page-indexed indexer
+state (``mla_engine.py``), and driven as SGLang's schedulers drive them:
+
+- prefill: a sender per rank, polled until decode announced the room, ``init``, the forward pass
+  into the pools, ``send`` in two chunks, the last with the state indices (one slot per page of
+  the request, on every CP rank: its whole indexer state), polled until Success.
+- decode: a receiver per rank, ``init``, polled to WaitingForInput, ``send_metadata`` with the
+  pages, the aux row and the state slots (the pages' own numbers), polled until Success, then
+  greedy generation from the pools alone (latent and indexer keys; no prompt is recomputed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from pdfabric_agent.protocol.views import RoomState
+from pdfabric_core.engines.launch import EngineEnv
+from pdfabric_core.policy.rank_mapping import cp_page_shard
+from pdfabric_core.rankmap import Rank
+from pdfabric_refengine.engine import pages_for
+from pdfabric_refengine.kvpool import KVPool, kv_args
+from pdfabric_refengine.mla import MLAModel
+from pdfabric_refengine.mla_engine import MLA_CONFIG, decode_mla, mla_pool, prefill_mla
+from pdfabric_refengine.pd import Engine, _failure, _GaveUp, _metric, _wait_all, load_backend
+
+
+def open_mla_engine(
+    role: str,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    pages: int = 64,
+    seed: int = 0,
+    shm_dir: str = "/dev/shm",
+    agents: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> Engine:
+    """The model, an MLA pool per rank (``pools[cp][tp]``) and a registered manager each; the
+    rank's place as ``pd.open_engine`` sets it (PDFABRIC_CP_RANK per CP rank, ``agents``)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    classes = load_backend()
+    mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    model = MLAModel(MLA_CONFIG, seed)
+    cps = cp if role == "prefill" else 1
+    pools: list[list[KVPool]] = []
+    managers = []
+    try:
+        for _ in range(cps):
+            pools.append([mla_pool(MLA_CONFIG, num_pages=pages, shm_dir=shm_dir) for _ in range(tp)])
+        for c in range(cps):
+            for r in range(tp):
+                os.environ[EngineEnv.CP_RANK] = str(c)
+                rank_id = Rank(role, 0, r, c).rank_id
+                if agents and rank_id in agents:
+                    os.environ[EngineEnv.AGENT_ADDRESS] = agents[rank_id]
+                pool = pools[c][r]
+                ka = kv_args(pool, engine_rank=r, page_size=pool.page_size, kv_head_num=1, total_kv_head_num=1)
+                managers.append(((c, r), classes["MANAGER"](ka, mode, None, True)))
+    except BaseException:
+        for row in pools:
+            for pool in row:
+                pool.close()
+        raise
+    return Engine(role, "sglang", model, pools, managers, classes, timeout_s)
+
+
+def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_split: bool) -> dict[str, Any]:
+    classes, pools, lock = engine.classes, engine.pools, engine.lock
+    prompt = req["prompt"]
+    n = pages_for(len(prompt), engine.page_size)
+    cp = len(pools)
+    shards = [cp_page_shard(n, cp, c, all_ranks_send=True) for c in range(cp)]
+    held: list[list[int]] = []  # per CP rank: the request's n pages (its indexer slots), latent on its shard
+    senders: dict[Any, Any] = {}
+    aux_held: list[KVPool] = []  # the pools whose aux slot `aux` this request holds
+    aux = 0
+    try:
+        with lock:
+            for c in range(cp):
+                held.append(pools[c][0].allocate_pages(n))
+                for pool in pools[c][1:]:
+                    pool.allocate_pages(n)  # the same local pages on every TP rank
+            aux = pools[0][0].allocate_aux_slot()
+            aux_held.append(pools[0][0])
+            for pool in (p for row in pools for p in row if p is not pools[0][0]):
+                aux_held.append(pool)
+                if pool.allocate_aux_slot() != aux:  # every rank's row at the same slot, as SGLang's
+                    raise RuntimeError("the ranks' aux slots diverged")
+            senders = {key: classes["SENDER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
+        what = "decode did not announce the room"
+        _wait_all(engine, senders, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
+        kv_pages = [held[c][shards[c].start : shards[c].stop] for c in range(cp)]
+        with lock:
+            for (c, _), s in senders.items():
+                s.init(len(shards[c]), aux)
+            first = prefill_mla(engine.model, prompt, pools, kv_pages, held, aux, layer_split=layer_split,
+                                room=req["room"])  # fmt: skip
+            for (c, _), s in senders.items():
+                pages = np.asarray(kv_pages[c], dtype=np.int32)
+                half = len(pages) // 2
+                if half and s.should_send_kv_chunk(half, False):
+                    s.send(pages[:half])  # a chunked prefill's first chunk
+                if s.should_send_kv_chunk(len(pages) - half, True):
+                    s.send(pages[half:], [np.asarray(held[c], dtype=np.int32)])  # the last, with the state
+        final = _wait_all(engine, senders, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
+        with lock:
+            return {
+                "room": req["room"],
+                "first_token": first,
+                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
+                "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] is not RoomState.SUCCESS},
+                "metrics": {str(k): _metric(s) for k, s in senders.items()},
+            }
+    except _GaveUp as gave_up:
+        return gave_up.result
+    finally:
+        with lock:
+            for c, pages_c in enumerate(held):
+                for pool in pools[c]:
+                    pool.free_pages(pages_c)
+            for pool in aux_held:
+                pool.free_aux_slot(aux)
+
+
+def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
+    classes, lock = engine.classes, engine.lock
+    prompt = req["prompt"]
+    row = engine.pools[0]
+    n = pages_for(len(prompt), engine.page_size)
+    pages: list[int] = []
+    aux: int | None = None
+    receivers: dict[Any, Any] = {}
+    try:
+        with lock:
+            pages = row[0].allocate_pages(n)
+            for pool in row[1:]:
+                pool.allocate_pages(n)
+            aux = row[0].allocate_aux_slot()
+            for pool in row[1:]:
+                pool.allocate_aux_slot()
+            receivers = {key: classes["RECEIVER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
+            for r in receivers.values():
+                r.init(0)
+        what = f"prefill's bootstrap {bootstrap} did not answer"
+        _wait_all(engine, receivers, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
+        with lock:
+            idx = np.asarray(pages, dtype=np.int32)
+            for r in receivers.values():
+                r.send_metadata(idx, aux, [idx])  # page-indexed state: the pages' own slots
+        final = _wait_all(engine, receivers, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
+        with lock:
+            out: dict[str, Any] = {
+                "room": req["room"],
+                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
+            }
+            out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] is not RoomState.SUCCESS}
+            out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
+            if out["state"] == "Success":
+                out["tokens"] = decode_mla(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])
+            return out
+    except _GaveUp as gave_up:
+        return gave_up.result
+    finally:
+        with lock:
+            if pages:
+                for pool in row:
+                    pool.free_pages(pages)
+            if aux is not None:
+                for pool in row:
+                    pool.free_aux_slot(aux)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=["prefill", "decode"], required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--layer-split", type=int, default=0)  # prefill: the DSA cache layer split over CP
+    ap.add_argument("--pages", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", required=True)  # [{"room": int, "prompt": [int], "max_new_tokens": int}]
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bootstrap", required=True)  # prefill: listen here; decode: the prefill's
+    ap.add_argument("--shm-dir", default="/dev/shm")
+    ap.add_argument("--agents", default="{}")  # rank id -> its agent's engine door
+    ap.add_argument("--device", choices=["cpu"], default="cpu")
+    ap.add_argument("--backend", choices=["sglang"], default="sglang")
+    ap.add_argument("--timeout-s", type=float, default=60.0)
+    args = ap.parse_args()
+
+    with open(args.requests, encoding="utf-8") as fh:
+        requests = json.load(fh)
+    engine = open_mla_engine(
+        args.role, tp=args.tp, cp=args.cp, pages=args.pages, seed=args.seed, shm_dir=args.shm_dir,
+        agents=json.loads(args.agents), timeout_s=args.timeout_s,
+    )  # fmt: skip
+    host, _, port = args.bootstrap.rpartition(":")
+    server = engine.bootstrap_server(host, int(port))
+    results = []
+    try:
+        for req in requests:
+            if args.role == "prefill":
+                results.append(run_prefill(engine, req, args.bootstrap, layer_split=bool(args.layer_split)))
+            else:
+                results.append(run_decode(engine, req, args.bootstrap))
+    finally:
+        if server is not None:
+            server.close()
+        for _, mgr in engine.managers:
+            close = getattr(mgr, "close", None)
+            if close is not None:
+                close()
+        engine.close()
+    classes = engine.room_classes()
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(
+            {
+                "role": args.role,
+                "classes": {k: v.__module__ + "." + v.__name__ for k, v in classes.items() if k != "_get"},
+                "results": results,
+            },
+            fh,
+        )
+
+
+if __name__ == "__main__":
+    main()
