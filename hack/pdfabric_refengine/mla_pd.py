@@ -18,8 +18,10 @@ state (``mla_engine.py``), and driven as SGLang's schedulers drive them:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -40,40 +42,66 @@ def open_mla_engine(
     *,
     tp: int = 1,
     cp: int = 1,
+    dp: int = 1,
     pages: int = 64,
     seed: int = 0,
     shm_dir: str = "/dev/shm",
     agents: dict[str, str] | None = None,
     timeout_s: float = 60.0,
 ) -> Engine:
-    """The model, an MLA pool per rank (``pools[cp][tp]``) and a registered manager each; the
-    rank's place as ``pd.open_engine`` sets it (PDFABRIC_CP_RANK per CP rank, ``agents``)."""
+    """The model, an MLA pool per rank and a registered manager each: ``pools[c][tp]`` per prefill
+    CP rank, ``pools[d][tp]`` per decode DP group (attention DP: each group's managers built under
+    SGLang's parallel state for that group, as its scheduler publishes it). The rank's place as
+    ``pd.open_engine`` sets it (PDFABRIC_CP_RANK per CP rank, ``agents``)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     classes = load_backend()
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     model = MLAModel(MLA_CONFIG, seed)
-    cps = cp if role == "prefill" else 1
+    if role == "prefill" and dp != 1:
+        raise ValueError("the MLA driver runs prefill DP groups as one (dp 1)")
+    groups = cp if role == "prefill" else dp
     pools: list[list[KVPool]] = []
     managers = []
     try:
-        for _ in range(cps):
+        for _ in range(groups):
             pools.append([mla_pool(MLA_CONFIG, num_pages=pages, shm_dir=shm_dir) for _ in range(tp)])
-        for c in range(cps):
+        for g in range(groups):
             for r in range(tp):
+                c, d = (g, 0) if role == "prefill" else (0, g)
                 os.environ[EngineEnv.CP_RANK] = str(c)
-                rank_id = Rank(role, 0, r, c).rank_id
+                rank_id = Rank(role, 0, r, c, dp_rank=d).rank_id
                 if agents and rank_id in agents:
                     os.environ[EngineEnv.AGENT_ADDRESS] = agents[rank_id]
-                pool = pools[c][r]
+                pool = pools[g][r]
                 ka = kv_args(pool, engine_rank=r, page_size=pool.page_size, kv_head_num=1, total_kv_head_num=1)
-                managers.append(((c, r), classes["MANAGER"](ka, mode, None, True)))
+                with _attention_dp(d, dp, r):
+                    mgr = classes["MANAGER"](ka, mode, None, True)
+                if mgr.rank_id != rank_id:
+                    raise RuntimeError(f"SGLang's parallel state made rank {mgr.rank_id}, not {rank_id}")
+                managers.append(((g, r), mgr))
     except BaseException:
         for row in pools:
             for pool in row:
                 pool.close()
         raise
     return Engine(role, "sglang", model, pools, managers, classes, timeout_s)
+
+
+@contextlib.contextmanager
+def _attention_dp(group: int, groups: int, tp_rank: int) -> Iterator[None]:
+    """SGLang's parallel state of attention TP rank ``tp_rank`` of DP group ``group`` (of
+    ``groups``; nothing to publish for one group)."""
+    if groups == 1:
+        yield
+        return
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(
+        attn_tp_rank=tp_rank, attn_cp_rank=0, attn_cp_size=1, attn_dp_rank=group, dp_size=1, dp_rank=None,
+        num_dp_ranks=groups, load_balance_method="round_robin",
+    ):  # fmt: skip
+        yield
 
 
 def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_split: bool) -> dict[str, Any]:
@@ -135,9 +163,12 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_sp
 
 
 def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
+    """The request on decode DP group ``room % dp`` (SGLang's round-robin controller's choice
+    for consecutive rooms), whose managers' receivers and pools alone take it."""
     classes, lock = engine.classes, engine.lock
     prompt = req["prompt"]
-    row = engine.pools[0]
+    group = req["room"] % len(engine.pools)
+    row = engine.pools[group]
     n = pages_for(len(prompt), engine.page_size)
     pages: list[int] = []
     aux: int | None = None
@@ -150,9 +181,11 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
             aux = row[0].allocate_aux_slot()
             for pool in row[1:]:
                 pool.allocate_aux_slot()
-            receivers = {key: classes["RECEIVER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
+            receivers = {
+                key: classes["RECEIVER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers if key[0] == group
+            }
             for r in receivers.values():
-                r.init(0)
+                r.init(0)  # the prefill's DP group: it has one
         what = f"prefill's bootstrap {bootstrap} did not answer"
         _wait_all(engine, receivers, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
         with lock:
@@ -167,6 +200,7 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
             }
             out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] is not RoomState.SUCCESS}
             out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
+            out["dp_group"] = group
             if out["state"] == "Success":
                 out["tokens"] = decode_mla(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])
             return out
@@ -187,6 +221,7 @@ def main() -> None:
     ap.add_argument("--role", choices=["prefill", "decode"], required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)  # decode: attention DP groups
     ap.add_argument("--layer-split", type=int, default=0)  # prefill: the DSA cache layer split over CP
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -203,7 +238,7 @@ def main() -> None:
     with open(args.requests, encoding="utf-8") as fh:
         requests = json.load(fh)
     engine = open_mla_engine(
-        args.role, tp=args.tp, cp=args.cp, pages=args.pages, seed=args.seed, shm_dir=args.shm_dir,
+        args.role, tp=args.tp, cp=args.cp, dp=args.dp, pages=args.pages, seed=args.seed, shm_dir=args.shm_dir,
         agents=json.loads(args.agents), timeout_s=args.timeout_s,
     )  # fmt: skip
     host, _, port = args.bootstrap.rpartition(":")

@@ -59,8 +59,10 @@ def predicted(prefill: dict[str, Any], decode_tp: int) -> dict[str, int]:
         ({"tp": 1}, {"tp": 2}),  # each decode rank gets the whole latent and state
         ({"tp": 1, "cp": 2, "allCpRanksTransfer": True}, {"tp": 1}),  # page shards, state from CP rank 0
         ({"tp": 1, "cp": 2, "allCpRanksTransfer": True, "dsaCacheLayerSplit": True}, {"tp": 1}),
+        # Two decode DP groups (attention DP): each room to one group, its own rank id and memory.
+        ({"tp": 1}, {"tp": 1, "dp": 2}),
     ],
-    ids=["tp2-tp1", "tp1-tp2", "cp2-all-ranks-dedup", "cp2-layer-split"],
+    ids=["tp2-tp1", "tp1-tp2", "cp2-all-ranks-dedup", "cp2-layer-split", "decode-dp2"],
 )
 def test_mla_model_through_pd_equals_colocated(
     installed_site: Path, tmp_path: Path, prefill: dict[str, Any], decode: dict[str, int]
@@ -79,6 +81,8 @@ def test_mla_model_through_pd_equals_colocated(
             assert [r["state"] for r in out[side]["results"]] == ["Success"] * len(PROMPTS), out[side]
         tokens = [r["tokens"] for r in out["decode"]["results"]]
         assert tokens == colocated()
+        dp = decode.get("dp", 1)
+        assert [r["dp_group"] for r in out["decode"]["results"]] == [(1000 + i) % dp for i in range(len(PROMPTS))]
         want = predicted(prefill, decode["tp"])
         for role in ("prefill", "decode"):
             got = {k: lc.metric_sum("pdfabric_transfer_bytes_total", role=role, kind=k) for k in ("kv", "state", "aux")}
@@ -87,6 +91,8 @@ def test_mla_model_through_pd_equals_colocated(
         # The devcluster's own prediction from the spec reads the same, request by request.
         by_spec = [expected_bytes(lc.spec, pages=-(-len(p) // PAGE), state_slots=-(-len(p) // PAGE), aux=True) for p in PROMPTS]  # fmt: skip
         assert (sum(b.kv for b in by_spec), sum(b.state for b in by_spec)) == (want["kv"], want["state"])
-        # SGLang's KVTransferMetric on decode reports those very bytes.
-        reported = sum(m["bytes"] for r in out["decode"]["results"] for m in r["metrics"].values())
-        assert reported == want["kv"] + want["state"] + want["aux"]
+        # SGLang's KVTransferMetric on decode reports those very bytes, room by room on the
+        # receivers of the DP group that took the room.
+        per_room = [sum(m["bytes"] for m in r["metrics"].values()) for r in out["decode"]["results"]]
+        assert per_room == [b.kv + b.state + b.aux for b in by_spec]
+        assert sum(per_room) == want["kv"] + want["state"] + want["aux"]
