@@ -44,7 +44,13 @@ def hand_over(path: str, msg: DmabufHandover, fds: Sequence[int], *, timeout_s: 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(path)
-            send_frame(sock, msg.to_json(), fds)
+            try:
+                send_frame(sock, msg.to_json(), fds)
+            except OSError:
+                # A door that refuses at once (429 at its bound) writes its answer and closes without
+                # reading ours: our write may break, its answer is still there to read.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
             doc, stray = recv_frame(sock, max_fds=1)
             close_fds(stray)
     except ApiError as exc:
