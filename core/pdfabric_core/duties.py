@@ -144,6 +144,7 @@ def sender_duties(
         kv_heads=m.tp_kv_heads,
         page_tokens=m.page_size_tokens,
         primary=primary,
+        blocks=m.state_tensor_blocks,
     )
     offset = pp_layer_range(layers, pp, pp_stage).start
     offset -= pp_layer_range(layers, dpp, decode_pp_stage(pp_stage, pp, dpp)).start

@@ -1,6 +1,7 @@
 """Typed state components through SGLang's classes and real agents, byte-exact (issue 25): a
-Mamba-style hybrid (slot state of two tensor sizes, head-sharded, prefill TP 2 -> decode TP 1) and
-an SWA hybrid (page state, head-sliced like KV, prefill TP 1 -> decode TP 2).
+Mamba-style hybrid (slot state of two tensor sizes, head-sharded, prefill TP 2 -> decode TP 1), a
+GDN hybrid (its conv state's q, k, v sub-blocks sharded apart, TP 2 -> 1 and 1 -> 2) and an SWA
+hybrid (page state, head-sliced like KV, prefill TP 1 -> decode TP 2).
 
 Each rank's KV and aux are the reference engine's pool (SGLang's MHA layout) in the agents'
 shared-memory directory. Its state is SGLang's own: a ``MambaPool`` built at the rank's TP
@@ -45,6 +46,12 @@ GEO = {"layers": 4, "kvHeads": HEADS, "headDim": HEAD_DIM, "dtype": "float32", "
 # 4 heads x 8 x 4 f32 = 512; two Mamba layers, tensor-major (conv l1, conv l3, temporal l1, l3).
 MAMBA_SHAPE = {"intermediate_size": 64, "n_groups": 2, "num_heads": 4, "head_dim": 8, "state_size": 4, "conv_kernel": 4}
 MAMBA = {**GEO, "stateTensorBytes": [480, 480, 512, 512], "stateTensorSharded": [True] * 4}
+# GDN (Qwen3-Next's shape, SGLang's qwen3_next config): conv = q | k | v (8, 8, 32 dims at TP 1), each
+# head-sharded apart (state_conv_shard_groups): 48 x 3 bf16 = 288 bytes; temporal 4 x 8 x 4 f32 = 512.
+GDN_SHAPE = {"intermediate_size": 32, "n_groups": 2, "num_heads": 4, "head_dim": 8, "state_size": 4, "conv_kernel": 4,
+             "conv_shard_groups": [8, 8, 32]}  # fmt: skip
+GDN = {**GEO, "stateTensorBytes": [288, 288, 512, 512], "stateTensorSharded": [True] * 4,
+       "stateTensorBlocks": [[48, 48, 192], [48, 48, 192]]}  # fmt: skip
 SWA_LAYERS = 2
 SWA_PAGE = TOKENS * HEADS * HEAD_DIM * 4  # one page of every KV head, f32
 SWA = {**GEO, "stateKind": "page", "stateTensorBytes": [SWA_PAGE] * (2 * SWA_LAYERS)}
@@ -74,14 +81,14 @@ class ShmTensors:
         os.unlink(self.path)
 
 
-def mamba_pool(tp: int, shm_dir: str) -> tuple[Any, ShmTensors]:
+def mamba_pool(tp: int, shm_dir: str, shape_args: dict[str, Any]) -> tuple[Any, ShmTensors]:
     """SGLang's MambaPool at TP ``tp``, its state tensors moved into shared memory (same shapes)."""
     import dataclasses
 
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
-    shape = Mamba2StateShape.create(tp_world_size=tp, **MAMBA_SHAPE)
+    shape = Mamba2StateShape.create(tp_world_size=tp, **shape_args)
     dtype = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
     params = Mamba2CacheParams(shape=shape, layers=[1, 3], dtype=dtype)
     pool = MambaPool(size=4, spec_state_size=4, cache_params=params, mamba_layer_ids=[1, 3], device="cpu")
@@ -121,8 +128,8 @@ class Side:
             self.pools[rank] = pool
             mp.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of(rank.rank_id)].address)
             args = kv_args(pool, engine_rank=rank.tp_rank, page_size=TOKENS, kv_head_num=heads, total_kv_head_num=HEADS)
-            if kind == "mamba":
-                state, shm = mamba_pool(self.group.tp, lc.shm_dir)
+            if kind != "swa":
+                state, shm = mamba_pool(self.group.tp, lc.shm_dir, GDN_SHAPE if kind == "gdn" else MAMBA_SHAPE)
                 self._shm.append(shm)
                 append_state_component(args, StateType.MAMBA, *state.get_contiguous_buf_infos(),
                                        state.get_state_dim_per_tensor(), state.get_state_conv_shard_groups(),
@@ -135,7 +142,7 @@ class Side:
                 args.swa_kv_cache_layout = "nhd"
             self.state[rank] = state
             self.managers[rank] = classes["MANAGER"](args, mode, None, False)
-            assert self.managers[rank].registration.state_parts.source == kind
+            assert self.managers[rank].registration.state_parts.source == ("swa" if kind == "swa" else "mamba")
 
     def state_items(self, rank: Rank) -> list[Any]:
         """Per state tensor, its [index][item] tensor (Mamba: slot-major; SWA: page-major)."""
@@ -154,12 +161,17 @@ class Side:
             shm.close()
 
 
-def share(data: bytes, kind: str, tp: int, rank: int) -> bytes:
-    """What TP rank ``rank`` of ``tp`` holds of a whole item: a contiguous share (Mamba's slice axis
-    is outermost), or its KV heads of every token row (an SWA page)."""
-    if kind == "mamba":
-        n = len(data) // tp
-        return data[rank * n : (rank + 1) * n]
+def share(data: bytes, kind: str, tp: int, rank: int, blocks: tuple[int, ...]) -> bytes:
+    """What TP rank ``rank`` of ``tp`` holds of a whole item: a contiguous share of each sub-block in
+    turn (Mamba's slice axis is outermost; GDN's conv is q | k | v), or its KV heads of every token
+    row (an SWA page)."""
+    if kind != "swa":
+        out, at = b"", 0
+        for block in blocks:
+            n = block // tp
+            out += data[at + rank * n : at + (rank + 1) * n]
+            at += block
+        return out
     rows = np.frombuffer(data, np.uint8).reshape(TOKENS, HEADS, -1)
     heads = list(global_heads(rank, tp, HEADS))
     return rows[:, heads[0] : heads[-1] + 1].tobytes()
@@ -239,8 +251,10 @@ def token_file(tmp_path: Path) -> Iterator[Path]:
     [
         ("mamba", 2, 1, MAMBA, [2], [3]),  # a request's slot, in another place on each side
         ("swa", 1, 2, SWA, [6, 3], [1, 4]),  # the window's two pages, in the SWA sub-pool
+        ("gdn", 2, 1, GDN, [2], [3]),  # each prefill rank's q, k, v shares to their places
+        ("gdn", 1, 2, GDN, [2], [3]),  # each decode rank's q, k, v shares out of one item
     ],
-    ids=["mamba-tp2-tp1", "swa-tp1-tp2"],
+    ids=["mamba-tp2-tp1", "swa-tp1-tp2", "gdn-tp2-tp1", "gdn-tp1-tp2"],
 )
 def test_typed_state_moves_byte_exact_under_sglangs_classes(
     kind: str,
@@ -280,7 +294,7 @@ def test_typed_state_moves_byte_exact_under_sglangs_classes(
                 items = pre.state_items(r)
                 for t, whole_bytes in enumerate(geo.state_tensors):
                     for n, i in enumerate(src_idx):
-                        mine = share(whole(t, n, whole_bytes), kind, prefill_tp, r.tp_rank)
+                        mine = share(whole(t, n, whole_bytes), kind, prefill_tp, r.tp_rank, geo.state_blocks(t))
                         as_bytes(items[t])[i * len(mine) : (i + 1) * len(mine)] = np.frombuffer(mine, np.uint8)
                 tx.init(PAGES, 0)
                 tx.send(np.asarray(pages[:2], np.int32))  # a chunked prefill's first chunk
@@ -294,9 +308,8 @@ def test_typed_state_moves_byte_exact_under_sglangs_classes(
                     got = as_bytes(items[t])
                     item = len(got) // (items[t].shape[0])
                     for n, i in enumerate(dst_idx):
-                        if got[i * item : (i + 1) * item].tobytes() != share(
-                            whole(t, n, whole_bytes), kind, decode_tp, r.tp_rank
-                        ):
+                        want = share(whole(t, n, whole_bytes), kind, decode_tp, r.tp_rank, geo.state_blocks(t))
+                        if got[i * item : (i + 1) * item].tobytes() != want:
                             errors.append(f"{r.rank_id} state tensor {t} index {i}")
                     untouched = np.delete(got.reshape(-1, item), dst_idx, axis=0)
                     if untouched.any():

@@ -33,6 +33,8 @@ def spec(prefill: dict[str, Any], decode: dict[str, Any], **model: Any) -> PDClu
 
 
 MAMBA = {"stateTensorBytes": [480, 480, 512, 512], "stateTensorSharded": [True, True, True, False]}
+# GDN: a conv tensor of q | k | v sub-blocks sharded apart, and a temporal tensor.
+GDN = {"stateTensorBytes": [256, 512], "stateTensorSharded": [True, True], "stateTensorBlocks": [[64, 64, 128], []]}
 SWA = {"stateKind": "page", "stateTensorBytes": [HEADS * TOKENS * 8] * 4}
 ROW = {"stateKind": "row", "stateTensorBytes": [40, 24]}
 
@@ -65,8 +67,12 @@ def local_item(s: PDClusterSpec, tensor: int, index: int, tp: int, rank: int) ->
         rows = whole.reshape(TOKENS, HEADS, -1)
         heads = HEADS // tp  # TPS stay within the KV heads: no replicated heads here
         return rows[:, rank * heads : (rank + 1) * heads].reshape(-1)
-    share = len(whole) // tp
-    return whole[rank * share : (rank + 1) * share]
+    out, at = [], 0
+    for block in s.model.state_blocks(tensor):  # each sub-block's share, in turn
+        share = block // tp
+        out.append(whole[at + rank * share : at + (rank + 1) * share])
+        at += block
+    return np.concatenate(out)
 
 
 def play(s: PDClusterSpec, src_idx: list[int], dst_idx: list[int]) -> dict[int, np.ndarray[Any, Any]]:
@@ -97,7 +103,7 @@ def play(s: PDClusterSpec, src_idx: list[int], dst_idx: list[int]) -> dict[int, 
     return decode
 
 
-@pytest.mark.parametrize("model", [MAMBA, SWA, ROW], ids=["slot", "page", "row"])
+@pytest.mark.parametrize("model", [MAMBA, GDN, SWA, ROW], ids=["slot", "slot-blocks", "page", "row"])
 @pytest.mark.parametrize(("ptp", "dtp"), RATIOS)
 def test_each_kinds_rule_lands_every_decode_ranks_share_exactly_once(model: dict[str, Any], ptp: int, dtp: int) -> None:
     s = spec({"tp": ptp}, {"tp": dtp}, **model)
@@ -170,6 +176,10 @@ def test_the_legacy_state_is_a_list_of_equal_replicated_slot_tensors() -> None:
         ({"tp": 1}, {"stateKind": "page", "stateTensorBytes": [256], "kvKind": "MLA"}, "kvKind MHA"),
         ({"tp": 1}, {"stateKind": "row", "stateTensorBytes": [8], "stateTensorSharded": [True]}, "row is whole"),
         ({"tp": 1}, {"stateTensorBytes": [8, 8], "stateLayers": 3}, "disagree with model.stateTensorBytes"),
+        ({"tp": 1}, {"stateTensorBytes": [8], "stateTensorSharded": [True], "stateTensorBlocks": [[4, 2]]}, "sum to"),
+        ({"tp": 1}, {"stateTensorBytes": [8], "stateTensorBlocks": [[4, 4]]}, "TP-sharded slot tensors only"),
+        ({"tp": 4}, {"stateTensorBytes": [12], "stateTensorSharded": [True], "stateTensorBlocks": [[6, 6]]}, "evenly"),
+        ({"tp": 1}, {"stateKind": "page", "stateTensorBytes": [256], "stateTensorBlocks": [[128, 128]]}, "page is"),
         ({"tp": 1}, {"stateTensorBytes": [8], "stateBytesPerRequest": 9}, "disagree with model.stateTensorBytes"),
     ],
 )
@@ -287,6 +297,40 @@ def test_sglangs_mamba_pool_registers_as_slot_state_of_two_sizes_head_sharded() 
     assert parts == StateParts(StateKind.SLOT, "mamba", (240, 240, 256, 256), (True,) * 4)
 
 
+def test_sglangs_gdn_pool_registers_its_conv_sub_blocks_in_whole_bytes() -> None:
+    """Qwen3-Next's shape (SGLang's qwen3_next config): conv = q | k | v, each head-sharded apart."""
+    import torch
+    from pdfabric_sglang.state_kinds import state_parts
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.utils import append_state_component
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    key_dim, value_dim = 2 * 4, 4 * 8
+    shape = Mamba2StateShape.create(tp_world_size=2, intermediate_size=value_dim, n_groups=2, num_heads=4, head_dim=8,
+                                    state_size=4, conv_kernel=4, conv_shard_groups=[key_dim, key_dim, value_dim])  # fmt: skip
+    params = Mamba2CacheParams(
+        shape=shape, layers=[0], dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+    )
+    pool = MambaPool(size=2, spec_state_size=2, cache_params=params, mamba_layer_ids=[0], device="cpu")
+    args = kvargs([], [])
+    append_state_component(args, StateType.MAMBA, *pool.get_contiguous_buf_infos(), pool.get_state_dim_per_tensor(),
+                           pool.get_state_conv_shard_groups(), pool.get_state_slice_outer_counts(),
+                           pool.get_state_layer_ids())  # fmt: skip
+    parts = state_parts(args, is_mla=False)
+    # conv at TP 2: 24 dims x 3 x bf16 = 144 bytes, 6 a dim; whole q, k, v: 8, 8, 32 dims.
+    assert parts == StateParts(StateKind.SLOT, "mamba", (144, 256), (True, True), ((48, 48, 192), ()))
+    s = spec({"tp": 2}, {"tp": 1}, stateTensorBytes=[288, 512], stateTensorSharded=[True, True],
+             stateTensorBlocks=[[48, 48, 192]], layers=2, kvHeads=2, headDim=8)  # fmt: skip
+    items = list(parts.item_bytes)
+    reg = registration(parts, items)
+    assert engine_layout(reg, s, Rank(Role.PREFILL, 0, 0), TCP).state_items == (144, 256)
+    assert MemoryRegistration.parse(reg.to_json()) == reg
+    with pytest.raises(ApiError, match="stateTensorBlocks"):
+        engine_layout(registration(StateParts(StateKind.SLOT, "mamba", (144, 256), (True, True)), items), s,
+                      Rank(Role.PREFILL, 0, 0), TCP)  # fmt: skip
+
+
 def test_an_swa_state_on_an_mha_model_is_page_state() -> None:
     """The bug this fixes: a lone SWA component registered as slot state (one per request)."""
     from pdfabric_sglang.state_kinds import state_parts
@@ -306,7 +350,6 @@ def test_an_swa_state_on_an_mha_model_is_page_state() -> None:
         (["swa", "block_scale_swa"], {}, False, r"\['block_scale_swa'\] would not move"),
         (["mamba", "dsa"], {}, False, r"\['dsa'\] would not move"),
         (["swa"], {}, True, "beside MLA"),
-        (["mamba"], {"state_conv_shard_groups": [[[8, 8, 16], None]]}, False, "GDN"),
         (["mamba"], {"state_slice_outer_counts": [[3, 1]]}, False, "Kimi"),
     ],
 )

@@ -80,6 +80,12 @@ class StateParts:
     source: str
     item_bytes: tuple[int, ...]
     sharded: tuple[bool, ...]
+    # Per buffer, the whole bytes of its sub-blocks TP shards apart (GDN's conv q | k | v); () one block.
+    blocks: tuple[tuple[int, ...], ...] = ()
+
+    def blocks_of(self, n: int) -> tuple[tuple[int, ...], ...]:
+        """``blocks`` padded to ``n`` buffers (a buffer without an entry is one block)."""
+        return tuple(self.blocks[i] if i < len(self.blocks) else () for i in range(n))
 
     @classmethod
     def parse(cls, value: Any, buffers: int) -> Self | None:
@@ -97,11 +103,19 @@ class StateParts:
             )
         if not all(isinstance(s, bool) for s in sharded):
             raise malformed("every entry of state_parts.sharded must be true or false")
+        blocks = d.get("blocks", [])
+        if (
+            not isinstance(blocks, list)
+            or len(blocks) > buffers
+            or not all(isinstance(b, list) and len(b) <= 64 for b in blocks)
+        ):
+            raise malformed("state_parts.blocks must be a list, a buffer at most, of lists of sub-block bytes")
         return cls(
             kind,
             check_str(d.get("source", kind.value), "state_parts.source", limit=MAX_STR),
             tuple(field_int({"item": i}, "item", minimum=1) for i in items),
             tuple(sharded),
+            tuple(tuple(field_int({"block": n}, "block", minimum=1) for n in b) for b in blocks),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -110,4 +124,5 @@ class StateParts:
             "source": self.source,
             "item_bytes": list(self.item_bytes),
             "sharded": list(self.sharded),
+            **({"blocks": [list(b) for b in self.blocks]} if any(self.blocks) else {}),
         }

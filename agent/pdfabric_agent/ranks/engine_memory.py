@@ -154,12 +154,20 @@ def _state_items(reg: MemoryRegistration, spec: PDClusterSpec, tp: int, where: s
     slot state it always was (``state_slot_bytes`` per slot of every buffer)."""
     geo = spec.model
     items, sharded, kind = geo.state_item_bytes(tp), geo.state_sharded, geo.state_kind
+    blocks = tuple(geo.state_tensor_blocks[i] if i < len(geo.state_tensor_blocks) else () for i in range(len(items)))
     parts = reg.state_parts
+    got: tuple[StateKind, tuple[int, ...], tuple[bool, ...], tuple[tuple[int, ...], ...]]
     if parts is None:
-        got = (StateKind.SLOT, (reg.state_slot_bytes,) * len(reg.state), (False,) * len(reg.state))
+        n = len(reg.state)
+        got = (StateKind.SLOT, (reg.state_slot_bytes,) * n, (False,) * n, ((),) * n)
     else:
-        got = (parts.kind, parts.item_bytes, parts.sharded)
-    if got != (kind, items, sharded):
+        got = (parts.kind, parts.item_bytes, parts.sharded, parts.blocks_of(len(parts.item_bytes)))
+    if got[:3] == (kind, items, sharded) and got[3] != blocks:
+        raise layout_mismatch(
+            f"state tensors with sub-blocks sharded apart of {[list(b) for b in got[3]]} whole bytes registered; "
+            f"the PDCluster's model has spec.model.stateTensorBlocks {[list(b) for b in blocks]}: set it to the engine's"
+        )
+    if got[:3] != (kind, items, sharded):
         source = f" (SGLang's {parts.source} state)" if parts is not None else ""
         raise layout_mismatch(
             f"{got[0].value} state{source} of {len(got[1])} tensors of {list(got[1])} bytes per item, TP-sharded "

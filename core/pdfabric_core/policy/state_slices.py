@@ -71,9 +71,12 @@ def slot_state_slices(
     decode_tp_rank: int,
     *,
     primary: bool,
+    blocks: Sequence[Sequence[int]] = (),
 ) -> tuple[StateSlice, ...]:
     """Slot (and row) state: each owned tensor's shard overlap, or the whole replicated item from the
-    primary source."""
+    primary source. A tensor whose sub-blocks TP shards apart (``blocks[i]``: their whole bytes; GDN's
+    conv state, q | k | v) holds its share of each block in turn: each block's overlap moves to its
+    place (SGLang's ``compute_mamba_state_slice_blocks`` with ``conv_shard_groups``)."""
     out = []
     for i in tensors_owned:
         whole = tensors[i]
@@ -81,10 +84,13 @@ def slot_state_slices(
             if primary:
                 out.append(StateSlice(i, 0, 0, whole))
             continue
-        src, dst = shard_range(whole, prefill_tp, prefill_tp_rank), shard_range(whole, decode_tp, decode_tp_rank)
-        lo, hi = max(src.start, dst.start), min(src.stop, dst.stop)
-        if lo < hi:
-            out.append(StateSlice(i, lo - src.start, lo - dst.start, hi - lo))
+        src_base = dst_base = 0
+        for block in blocks[i] if i < len(blocks) and blocks[i] else (whole,):
+            src, dst = shard_range(block, prefill_tp, prefill_tp_rank), shard_range(block, decode_tp, decode_tp_rank)
+            lo, hi = max(src.start, dst.start), min(src.stop, dst.stop)
+            if lo < hi:
+                out.append(StateSlice(i, src_base + lo - src.start, dst_base + lo - dst.start, hi - lo))
+            src_base, dst_base = src_base + len(src), dst_base + len(dst)
     return tuple(out)
 
 
@@ -126,6 +132,7 @@ def state_slices(
     kv_heads: int,
     page_tokens: int,
     primary: bool,
+    blocks: Sequence[Sequence[int]] = (),
 ) -> tuple[StateSlice, ...]:
     """The slices of one (prefill rank, decode rank) route, by the state kind's own rule."""
     if kind is StateKind.PAGE:
@@ -141,4 +148,5 @@ def state_slices(
         route.prefill_tp_rank,
         route.decode_tp_rank,
         primary=primary,
+        blocks=blocks,
     )

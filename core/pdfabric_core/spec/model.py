@@ -122,6 +122,9 @@ class ModelGeometry:
     state_kind: StateKind = StateKind.SLOT
     state_tensor_bytes: tuple[int, ...] = ()
     state_tensor_sharded: tuple[bool, ...] = ()
+    # Per sharded slot tensor, the whole bytes of its sub-blocks that TP shards apart (GDN's conv
+    # state: q, k, v; SGLang's state_conv_shard_groups); an empty entry (or none): one block.
+    state_tensor_blocks: tuple[tuple[int, ...], ...] = ()
     aux_row_bytes: tuple[int, ...] = DEFAULT_AUX_ROW_BYTES
     # Prompt length the status uses to predict bytes per request; it sizes nothing.
     expected_prompt_tokens: int = 4096
@@ -166,6 +169,11 @@ class ModelGeometry:
         if self.state_kind is StateKind.PAGE:
             return (True,) * n
         return self.state_tensor_sharded or (False,) * n
+
+    def state_blocks(self, tensor: int) -> tuple[int, ...]:
+        """Whole bytes of each sub-block TP shards apart in state tensor ``tensor`` (one block: the item)."""
+        blocks = self.state_tensor_blocks[tensor] if tensor < len(self.state_tensor_blocks) else ()
+        return blocks or (self.state_tensors[tensor],)
 
     def state_item_bytes(self, tp: int) -> tuple[int, ...]:
         """Item bytes of each state tensor on one rank of a TP group (SGLang's state_item_lens)."""

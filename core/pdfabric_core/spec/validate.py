@@ -242,9 +242,9 @@ def _validate_state(spec: PDClusterSpec) -> None:
     m = spec.model
     tensors, kind = m.state_tensor_bytes, m.state_kind
     if not tensors:
-        if kind is not StateKind.SLOT or m.state_tensor_sharded:
+        if kind is not StateKind.SLOT or m.state_tensor_sharded or m.state_tensor_blocks:
             raise SpecError(
-                f"model.stateKind {kind.value} and model.stateTensorSharded need model.stateTensorBytes "
+                f"model.stateKind {kind.value}, stateTensorSharded and stateTensorBlocks need model.stateTensorBytes "
                 "(each state tensor's item bytes); without it the state is stateLayers equal replicated slot tensors"
             )
         return
@@ -263,6 +263,8 @@ def _validate_state(spec: PDClusterSpec) -> None:
         )
     tps = (spec.prefill.tp, spec.decode.tp)
     if kind is StateKind.PAGE:
+        if m.state_tensor_blocks:
+            raise SpecError("model.stateKind page is sharded by KV heads: leave stateTensorBlocks out")
         if sharded and not all(sharded):
             raise SpecError(
                 "model.stateKind page: every state tensor is sharded by KV heads; leave stateTensorSharded out"
@@ -281,11 +283,23 @@ def _validate_state(spec: PDClusterSpec) -> None:
         return
     if kind is StateKind.ROW and any(sharded):
         raise SpecError("model.stateKind row is whole on every attention-TP rank: leave stateTensorSharded out")
-    for w, cut in zip(tensors, sharded, strict=False):
-        if cut and (w % tps[0] or w % tps[1]):
+    blocks = m.state_tensor_blocks
+    if len(blocks) > len(tensors) or any(b and (not sharded or not sharded[i]) for i, b in enumerate(blocks)):
+        raise SpecError(
+            "model.stateTensorBlocks gives sub-blocks of TP-sharded slot tensors only, one entry a tensor at most"
+        )
+    for i, b in enumerate(blocks):
+        if b and (sum(b) != tensors[i] or min(b) < 1):
             raise SpecError(
-                f"a TP-sharded state tensor of {w} bytes does not split evenly over prefill TP {tps[0]} and "
-                f"decode TP {tps[1]}: check model.stateTensorBytes (whole, before sharding)"
+                f"model.stateTensorBlocks[{i}] {list(b)} must be positive and sum to the tensor's "
+                f"{tensors[i]} bytes (model.stateTensorBytes[{i}])"
+            )
+    for i, (w, cut) in enumerate(zip(tensors, sharded, strict=False)):
+        parts = (blocks[i] if i < len(blocks) else ()) or (w,)
+        if cut and any(b % tps[0] or b % tps[1] for b in parts):
+            raise SpecError(
+                f"a TP-sharded state tensor of {w} bytes (sub-blocks {list(parts)}) does not split evenly over "
+                f"prefill TP {tps[0]} and decode TP {tps[1]}: check model.stateTensorBytes (whole, before sharding)"
             )
     if any(sharded):
         routes = {(r.prefill_tp_rank, r.decode_tp_rank) for r in kv_routes(*tps, m.tp_kv_heads)}

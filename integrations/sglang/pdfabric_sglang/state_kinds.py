@@ -4,7 +4,8 @@ or a refusal that names what pdfabric does not move.
 
 SGLang's state type tells how a room indexes it, which is the rule its bytes move by
 (pdfabric_core.policy.state_slices): ``mamba`` by slot, its tensors of different sizes and each
-head-sharded over attention TP where ``state_dim_per_tensor`` is above 0; ``swa`` by page (the
+head-sharded over attention TP where ``state_dim_per_tensor`` is above 0 (GDN's conv state in
+q, k and v sub-blocks sharded apart: ``state_conv_shard_groups``); ``swa`` by page (the
 window pages of an SWA hybrid's sub-pool, heads sharded like KV); ``request_row`` one whole row a
 request."""
 
@@ -54,12 +55,6 @@ def state_parts(args: Any, *, is_mla: bool) -> StateParts | None:
     items = [int(i) for i in args.state_item_lens[0]]
     if len(set(items)) != 1 and kind is not StateKind.SLOT:
         raise UnshareableBuffer(f"{name} state buffers of different item sizes {sorted(set(items))}")
-    groups = _per_tensor(args, "state_conv_shard_groups", len(items), None)
-    if any(g is not None for g in groups):
-        raise UnshareableBuffer(
-            f"{name} state with conv sub-blocks sharded apart (state_conv_shard_groups {groups}: GDN's q/k/v conv "
-            "state): pdfabric slices one contiguous shard a tensor"
-        )
     outer = _per_tensor(args, "state_slice_outer_counts", len(items), 1)
     if any(int(c) != 1 for c in outer):
         raise UnshareableBuffer(
@@ -73,4 +68,25 @@ def state_parts(args: Any, *, is_mla: bool) -> StateParts | None:
         sharded = [False] * len(items)
     else:
         sharded = [int(d) > 0 for d in dims]
-    return StateParts(kind, name, tuple(items), tuple(sharded))
+    return StateParts(kind, name, tuple(items), tuple(sharded), _blocks(args, items, dims))
+
+
+def _blocks(args: Any, items: list[int], dims: list[Any]) -> tuple[tuple[int, ...], ...]:
+    """GDN's conv sub-blocks (``state_conv_shard_groups``: whole dims of q, k, v, each head-sharded
+    apart) as whole bytes: a dim is the item's bytes over this rank's dims of the tensor. Only the
+    groups SGLang itself slices by (their sum is the tensor's whole dim) count."""
+    groups = _per_tensor(args, "state_conv_shard_groups", len(items), None)
+    if not any(g is not None for g in groups):
+        return ()
+    out: list[tuple[int, ...]] = []
+    for item, dim, group in zip(items, dims, groups, strict=True):
+        dim = int(dim)
+        if group is None or not dim or item % dim:
+            out.append(())
+            continue
+        whole = [int(g) * (item // dim) for g in group]
+        if sum(whole) % item:  # not a whole number of TP shares: SGLang slices it as one block
+            out.append(())
+            continue
+        out.append(tuple(whole))
+    return tuple(out)
