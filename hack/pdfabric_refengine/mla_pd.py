@@ -34,7 +34,8 @@ from pdfabric_refengine.engine import pages_for
 from pdfabric_refengine.kvpool import KVPool, kv_args
 from pdfabric_refengine.mla import MLAModel
 from pdfabric_refengine.mla_engine import MLA_CONFIG, decode_mla, mla_pool, prefill_mla
-from pdfabric_refengine.pd import Engine, _failure, _GaveUp, _metric, _wait_all, load_backend
+from pdfabric_refengine.pd import Engine, load_backend
+from pdfabric_refengine.rooms import GaveUp, hold_row, outcome, release_row, send_in_two_chunks, wait_all
 
 
 def open_mla_engine(
@@ -128,30 +129,19 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_sp
                     raise RuntimeError("the ranks' aux slots diverged")
             senders = {key: classes["SENDER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
         what = "decode did not announce the room"
-        _wait_all(engine, senders, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
+        wait_all(engine, senders, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
         kv_pages = [held[c][shards[c].start : shards[c].stop] for c in range(cp)]
         with lock:
             for (c, _), s in senders.items():
                 s.init(len(shards[c]), aux)
             first = prefill_mla(engine.model, prompt, pools, kv_pages, held, aux, layer_split=layer_split,
                                 room=req["room"])  # fmt: skip
-            for (c, _), s in senders.items():
-                pages = np.asarray(kv_pages[c], dtype=np.int32)
-                half = len(pages) // 2
-                if half and s.should_send_kv_chunk(half, False):
-                    s.send(pages[:half])  # a chunked prefill's first chunk
-                if s.should_send_kv_chunk(len(pages) - half, True):
-                    s.send(pages[half:], [np.asarray(held[c], dtype=np.int32)])  # the last, with the state
-        final = _wait_all(engine, senders, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
+            for (c, _), s in senders.items():  # the state (every page's indexer slot) with the last chunk
+                send_in_two_chunks(s, np.asarray(kv_pages[c], dtype=np.int32), [np.asarray(held[c], dtype=np.int32)])
+        final = wait_all(engine, senders, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
         with lock:
-            return {
-                "room": req["room"],
-                "first_token": first,
-                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
-                "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] is not RoomState.SUCCESS},
-                "metrics": {str(k): _metric(s) for k, s in senders.items()},
-            }
-    except _GaveUp as gave_up:
+            return outcome(req["room"], senders, final) | {"first_token": first}
+    except GaveUp as gave_up:
         return gave_up.result
     finally:
         with lock:
@@ -175,45 +165,29 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
     receivers: dict[Any, Any] = {}
     try:
         with lock:
-            pages = row[0].allocate_pages(n)
-            for pool in row[1:]:
-                pool.allocate_pages(n)
-            aux = row[0].allocate_aux_slot()
-            for pool in row[1:]:
-                pool.allocate_aux_slot()
+            pages, aux = hold_row(row, n)
             receivers = {
                 key: classes["RECEIVER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers if key[0] == group
             }
             for r in receivers.values():
                 r.init(0)  # the prefill's DP group: it has one
         what = f"prefill's bootstrap {bootstrap} did not answer"
-        _wait_all(engine, receivers, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
+        wait_all(engine, receivers, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
         with lock:
             idx = np.asarray(pages, dtype=np.int32)
             for r in receivers.values():
                 r.send_metadata(idx, aux, [idx])  # page-indexed state: the pages' own slots
-        final = _wait_all(engine, receivers, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
+        final = wait_all(engine, receivers, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
         with lock:
-            out: dict[str, Any] = {
-                "room": req["room"],
-                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
-            }
-            out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] is not RoomState.SUCCESS}
-            out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
-            out["dp_group"] = group
+            out = outcome(req["room"], receivers, final) | {"dp_group": group}
             if out["state"] == "Success":
                 out["tokens"] = decode_mla(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])
             return out
-    except _GaveUp as gave_up:
+    except GaveUp as gave_up:
         return gave_up.result
     finally:
         with lock:
-            if pages:
-                for pool in row:
-                    pool.free_pages(pages)
-            if aux is not None:
-                for pool in row:
-                    pool.free_aux_slot(aux)
+            release_row(row, pages, aux)
 
 
 def main() -> None:

@@ -20,11 +20,9 @@ the rank's place from the environment, set here before it is built as a launcher
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import threading
-import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +34,14 @@ from pdfabric_refengine.direct import DirectRank, DirectReceiver, DirectSender
 from pdfabric_refengine.engine import decode, pages_for, prefill_cp
 from pdfabric_refengine.kvpool import KVPool, kv_args
 from pdfabric_refengine.model import build_model, model_shape
-
-POLL_S = 0.005
+from pdfabric_refengine.rooms import (
+    GaveUp,
+    hold_row,
+    outcome,
+    release_row,
+    send_in_two_chunks,
+    wait_all,
+)
 
 
 def load_backend() -> dict[str, Any]:
@@ -54,19 +58,6 @@ def load_backend() -> dict[str, Any]:
         kind: utils.get_kv_class(backend, getattr(KVClassType, kind))
         for kind in ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
     } | {"_get": get_kv_class}
-
-
-def wait(obj: Any, until: set[RoomState], timeout_s: float, lock: Any = None) -> RoomState:
-    """Poll ``obj`` until a state in ``until`` or Failed (under ``lock``, released between polls)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with lock if lock is not None else contextlib.nullcontext():
-            state = RoomState(int(obj.poll()))  # SGLang's KVPoll code
-        if state in until or state is RoomState.FAILED:
-            return state
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"still {state.title} after {timeout_s} s")
-        time.sleep(POLL_S)
 
 
 @dataclass
@@ -230,61 +221,6 @@ def main() -> None:
         )
 
 
-def _metric(obj: Any) -> dict[str, Any]:
-    m = obj.get_transfer_metric()
-    return {"latency_s": m.transfer_latency_s, "bytes": m.transfer_total_bytes}
-
-
-def _failure(obj: Any) -> str:
-    try:
-        obj.failure_exception()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
-def _abort(rooms: dict[Any, Any]) -> None:
-    """Give up the rooms at their agents (SGLang aborts a request's sender or receiver so)."""
-    for obj in rooms.values():
-        abort = getattr(obj, "abort", None)
-        if abort is not None:
-            with contextlib.suppress(Exception):
-                abort()
-
-
-def _failed(room: int, rooms: dict[Any, Any], why: str = "") -> dict[str, Any]:
-    errors = {str(k): _failure(s) for k, s in rooms.items()}
-    if why:
-        errors = {k: v or why for k, v in errors.items()} or {"engine": why}
-    return {"room": room, "state": "Failed", "errors": errors}
-
-
-class _GaveUp(Exception):
-    """A request's rooms were given up; ``result`` is its Failed answer."""
-
-    def __init__(self, result: dict[str, Any]) -> None:
-        super().__init__(result.get("errors"))
-        self.result = result
-
-
-def _wait_all(
-    engine: Engine, rooms: dict[Any, Any], until: set[RoomState], room: int, what: str, *, failed_ends: bool = False
-) -> dict[Any, RoomState]:
-    """Every room's state once each reached ``until`` (or Failed). A timeout, or with
-    ``failed_ends`` a Failed room, aborts them all at their agents and raises _GaveUp."""
-    try:
-        states = {key: wait(obj, until, engine.timeout_s, engine.lock) for key, obj in rooms.items()}
-    except TimeoutError as exc:
-        with engine.lock:
-            _abort(rooms)
-        raise _GaveUp(_failed(room, rooms, f"{what}: {exc}")) from None
-    if failed_ends and RoomState.FAILED in states.values():
-        with engine.lock:
-            _abort(rooms)
-        raise _GaveUp(_failed(room, rooms))
-    return states
-
-
 def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
     import numpy as np
 
@@ -307,7 +243,7 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
             aux = [[p.allocate_aux_slot() for p in row] for row in pools]
             senders = {key: classes["SENDER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
         # WaitingForInput: decode announced the room.
-        _wait_all(
+        wait_all(
             engine,
             senders,
             {RoomState.WAITING_FOR_INPUT},
@@ -320,22 +256,11 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str
                 s.init(len(shards[c]), aux[c][r])
             first = prefill_cp(engine.model, prompt, pools, local, aux[0][0], room=req["room"])
             for (c, _), s in senders.items():
-                pages = np.asarray(local[c], dtype=np.int32)
-                half = len(pages) // 2
-                if half and s.should_send_kv_chunk(half, False):
-                    s.send(pages[:half])  # a chunked prefill's first chunk
-                if s.should_send_kv_chunk(len(pages) - half, True):
-                    s.send(pages[half:], None)  # the last chunk
-        final = _wait_all(engine, senders, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
+                send_in_two_chunks(s, np.asarray(local[c], dtype=np.int32), None)
+        final = wait_all(engine, senders, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
         with lock:
-            return {
-                "room": req["room"],
-                "first_token": first,
-                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
-                "errors": {str(k): _failure(s) for k, s in senders.items() if final[k] is not RoomState.SUCCESS},
-                "metrics": {str(k): _metric(s) for k, s in senders.items()},
-            }
-    except _GaveUp as gave_up:
+            return outcome(req["room"], senders, final) | {"first_token": first}
+    except GaveUp as gave_up:
         return gave_up.result
     finally:
         with lock:
@@ -359,41 +284,26 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
     receivers: dict[Any, Any] = {}
     try:
         with lock:
-            pages = row[0].allocate_pages(n)
-            for pool in row[1:]:
-                pool.allocate_pages(n)
-            aux = row[0].allocate_aux_slot()
-            for pool in row[1:]:
-                pool.allocate_aux_slot()
+            pages, aux = hold_row(row, n)
             receivers = {key: classes["RECEIVER"](mgr, bootstrap, req["room"]) for key, mgr in engine.managers}
             for r in receivers.values():
                 r.init(0)
         what = f"prefill's bootstrap {bootstrap} did not answer"
-        _wait_all(engine, receivers, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
+        wait_all(engine, receivers, {RoomState.WAITING_FOR_INPUT}, req["room"], what, failed_ends=True)
         with lock:
             for r in receivers.values():
                 r.send_metadata(np.asarray(pages, dtype=np.int32), aux, None)
-        final = _wait_all(engine, receivers, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
+        final = wait_all(engine, receivers, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
         with lock:
-            out: dict[str, Any] = {
-                "room": req["room"],
-                "state": "Success" if set(final.values()) == {RoomState.SUCCESS} else "Failed",
-            }
-            out["errors"] = {str(k): _failure(r) for k, r in receivers.items() if final[k] is not RoomState.SUCCESS}
-            out["metrics"] = {str(k): _metric(r) for k, r in receivers.items()}
+            out = outcome(req["room"], receivers, final)
             if out["state"] == "Success":
                 out["tokens"] = decode(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])
             return out
-    except _GaveUp as gave_up:
+    except GaveUp as gave_up:
         return gave_up.result
     finally:
         with lock:
-            if pages:
-                for pool in row:
-                    pool.free_pages(pages)
-            if aux is not None:
-                for pool in row:
-                    pool.free_aux_slot(aux)
+            release_row(row, pages, aux)
 
 
 if __name__ == "__main__":
