@@ -80,7 +80,7 @@ def prefill_room(agent: Any, backend: Backend, deadline_s: float) -> PrefillRoom
 
 def run(agent: Any, room: PrefillRoom) -> None:
     async def go() -> None:
-        await agent.sender._run(room, {})
+        await agent.sender._run(room)
         await agent.close()
 
     asyncio.run(go())

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdfabric_agent.http.guard import CLUSTER, LIMITS, Limits
 from pdfabric_agent.http.jsonbody import BODY_CAP, body_cap, read_json
 from pdfabric_agent.protocol import tls
+from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.errors import ApiError, malformed
 from pdfabric_agent.protocol.fields import field_opt_str
 from pdfabric_agent.protocol.labels import Refusal
@@ -199,6 +200,9 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
     async def send(request: web.Request) -> web.Response:
         return web.json_response(agent.submit_send(await parsed(request, SendRequest)).to_json())
 
+    async def send_chunk(request: web.Request) -> web.Response:
+        return web.json_response(agent.submit_send(await parsed(request, SendChunk)).to_json())
+
     async def receive(request: web.Request) -> web.Response:
         return web.json_response(agent.submit_receive(await parsed(request, ReceiveRequest)).to_json())
 
@@ -290,6 +294,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
     if door is Door.ENGINE:
         app.router.add_get(INFO_PATH, info)
         app.router.add_post(SendRequest.PATH, send)
+        app.router.add_post(SendChunk.PATH, send_chunk)
         app.router.add_post(ReceiveRequest.PATH, receive)
         app.router.add_post(MemoryRegistration.PATH, memory)
         app.router.add_post(AbortRequest.PATH, abort)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
 
 from pdfabric_agent.memory.plan import decode_targets
 from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.errors import conflict, malformed, out_of_range
 from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken
@@ -30,9 +30,10 @@ from pdfabric_agent.protocol.peer_wire import DoneReport, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms.chunks import add_chunk, until_deadline
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.registry import PrefillRoom, Target
-from pdfabric_agent.rooms.targets import Delivery, TargetSender
+from pdfabric_agent.rooms.targets import TargetSender
 from pdfabric_core.duties import prefill_rank_sends
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
@@ -56,10 +57,13 @@ class PrefillSender:
 
     # ------------------------------------------------------------ client API
     def submit_send(self, msg: SendRequest) -> RoomView:
-        """Validate everything first; only a request that passes creates a room."""
+        """Validate everything first; only a request that passes creates a room. A chunk after
+        the first goes to its open room (``chunks.add_chunk``)."""
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
         msg.check_bounds(local.layout, ctx.spec.decode.replicas, ctx.spec.decode.dp)
+        if isinstance(msg, SendChunk) and not msg.opens:
+            return add_chunk(self, local, msg)
         sends = self.sends_anything(local)
         replica = msg.peer_replica
         feeds = ctx.rankmap.feeds.get(local.rank.replica)
@@ -82,6 +86,7 @@ class PrefillSender:
             src_state=msg.state_indices,
             src_aux=msg.aux_index,
             targets=targets,
+            sealed=not isinstance(msg, SendChunk) or msg.final,
         )
         ctx.rooms.add(Role.PREFILL, room)
         cancelled = ctx.rooms.cancelled.pop((msg.rank, msg.room), None)
@@ -319,10 +324,10 @@ class PrefillSender:
         room.state = RoomState.TRANSFERRING
         room.marks["transferring"] = ctx.clock()
         room.deadline = ctx.clock() + ctx.spec.transfer.timeout_seconds
-        # Each target's path is chosen here, once; a kernel path launches here too, inside the API
-        # call that made the room ready, so the GPU starts before that call answers.
-        deliveries = {t.decode_rank: self.targets.start(room, local, t) for t in room.targets.values()}
-        ctx.tasks.spawn(self._run(room, deliveries))
+        # Each target's path is chosen here, once per chunk fed; a kernel path launches here too,
+        # inside the API call that made the room ready, so the GPU starts before that call answers.
+        self.targets.feed(room, local)
+        ctx.tasks.spawn(self._run(room))
 
     def expire(self, room: PrefillRoom) -> None:
         """The tick found the room past its deadline (Transferring has its own deadline task)."""
@@ -332,15 +337,12 @@ class PrefillSender:
             self.targets.count_unstarted(room, Outcome.TIMEOUT)
             self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
 
-    async def _run(self, room: PrefillRoom, deliveries: Mapping[str, Delivery]) -> None:
+    async def _run(self, room: PrefillRoom) -> None:
         ctx = self.ctx
         local = ctx.ranks.by_id[room.rank]
         try:
-            remaining = max(0.0, room.deadline - ctx.clock())
-            sends = [
-                self.targets.send_target(room, local, t, deliveries.get(t.decode_rank)) for t in room.targets.values()
-            ]
-            await asyncio.wait_for(sends[0] if len(sends) == 1 else asyncio.gather(*sends), timeout=remaining)
+            sends = [self.targets.send_target(room, local, t) for t in room.targets.values()]
+            await until_deadline(room, sends[0] if len(sends) == 1 else asyncio.gather(*sends), ctx.clock)
         except TimeoutError:
             agents = sorted({t.agent for t in room.targets.values() if not t.done})
             reason = (

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdfabric_agent.protocol.errors import conflict, unknown_room
 from pdfabric_agent.protocol.labels import Outcome
@@ -24,6 +24,9 @@ from pdfabric_agent.protocol.wire import KindBytes, zero_bytes
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.tasks import later
 from pdfabric_core.policy.types import Role
+
+if TYPE_CHECKING:
+    from pdfabric_agent.rooms.targets import Delivery
 
 log = logging.getLogger("pdfabric.agent")
 
@@ -42,6 +45,11 @@ class Target:
     # A write into this target may be in flight: from just before it is submitted until its call
     # returns. A cancelled wait leaves it set, since the worker or the kernel may still be writing.
     writing: bool = False
+    # The room's source pages already handed to this target's task (``TargetSender.feed``), and
+    # whether the final part (state and aux) went with them; the task takes them in order.
+    fed: int = 0
+    fed_final: bool = False
+    deliveries: asyncio.Queue[Delivery] = field(default_factory=asyncio.Queue)
 
 
 @dataclass(kw_only=True)
@@ -79,6 +87,8 @@ class PrefillRoom(Room):
     src_aux: int | None
     targets: dict[str, Target]
     skipped_state: int = 0
+    # The final chunk arrived (a one-shot send is one): src_pages is whole, src_state and src_aux set.
+    sealed: bool = True
 
     def view(self) -> RoomView:
         return dataclasses.replace(super().view(), state_bytes_skipped=self.skipped_state)

@@ -1,15 +1,21 @@
 """One target of a prefill room (a decode rank it sends to): planned, written through the rank's
 backend or launched on its kernel path, checksummed when the spec verifies, reported done and
-acknowledged; its part counted per peer however it ends (``PrefillSender`` runs the room)."""
+acknowledged; its part counted per peer however it ends (``PrefillSender`` runs the room).
+
+A room sent in chunks (``SendChunk``) is fed to its targets as the chunks come (``feed``): each
+target's task takes one delivery per feed, in order, the pages that came since the last one,
+state and aux with the final one; the checksum and the done report then cover the whole room, as
+the decode side plans it. A one-shot room is one delivery, planned as it always was."""
 
 from __future__ import annotations
 
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import time
 
-from pdfabric_agent.memory.plan import TransferPlan, TransferSide, pair_duties, plan_transfer
+from pdfabric_agent.memory.plan import Duties, TransferPlan, TransferSide, pair_duties, plan_transfer
 from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
 from pdfabric_agent.protocol.labels import Kind, Outcome
 from pdfabric_agent.protocol.peer_wire import DoneReport
@@ -36,6 +42,7 @@ class Delivery(abc.ABC):
     by_path: BytesByPath  # what moved, by the path that moved it
     # A write that failed may still run on (a launched kernel): the target then stays writing.
     may_run_on = False
+    final = True  # the room's last delivery to the target (state and aux go with it)
 
     @abc.abstractmethod
     async def write(self) -> None: ...
@@ -70,8 +77,8 @@ class Unstarted(Delivery):
     """A target that could not start (its peer blacklisted, its room not plannable): its task
     fails with ``error``, where its write would have."""
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def __init__(self, error: Exception, final: bool = True) -> None:
+        self.error, self.final = error, final
         self.by_path = {}
 
     async def write(self) -> None:
@@ -89,16 +96,67 @@ class TargetSender:
         with contextlib.suppress(Exception):
             await self.ctx.peers.post(agent_name, report, 2.0)
 
-    def _prepare(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
-        """Before any write to a target, kernel or engine: its peer is admitted, its room planned."""
+    def _prepare(self, room: PrefillRoom, local: LocalRank, target: Target, pages: range) -> tuple[TransferPlan, str]:
+        """Before any write to a target, kernel or engine: its peer is admitted, these source
+        pages of its room planned (all of them, with state and aux, for a one-shot room)."""
         if self.ctx.peers.is_blacklisted(target.agent):
             raise TransferError(self.ctx.peers.why_blacklisted(target.agent))
         try:
-            planned = self.plan_target(room, local, target)
+            whole = pages.start == 0 and room.sealed
+            planned = self.plan_target(room, local, target) if whole else self.plan_chunk(room, local, target, pages)
         except ValueError as exc:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
-        room.marks[f"planned:{target.decode_rank}"] = self.ctx.clock()
+        room.marks.setdefault(f"planned:{target.decode_rank}", self.ctx.clock())
         return planned
+
+    def _duties(self, local: LocalRank, target: Target) -> Duties:
+        assert target.dst is not None
+        rank = local.rank
+        duties = pair_duties(
+            self.ctx.spec, rank.tp_rank, rank.cp_rank, rank.pp_rank, target.decode_tp, len(target.dst.kv_pages)
+        )
+        assert duties is not None  # sends_anything already filtered non-sending CP ranks
+        return duties
+
+    def share(self, local: LocalRank, target: Target) -> range:
+        """The request positions this rank sends the target (decode's pages): its source pages."""
+        return self._duties(local, target).pages
+
+    def plan_chunk(self, room: PrefillRoom, local: LocalRank, target: Target, pages: range) -> tuple[TransferPlan, str]:
+        """The source pages ``pages`` of a room sent in chunks (positions in this rank's page list)
+        to the decode pages at the same positions of the target's share; the state slots and the
+        aux row only once the room is sealed (its final chunk)."""
+        dst = target.dst
+        assert dst is not None
+        duties = self._duties(local, target)
+        share = duties.pages  # the request positions this rank sends, in its page order
+        if pages.stop > len(share) or (room.sealed and pages.stop != len(share)):
+            raise ValueError(
+                f"the room's chunks hold {pages.stop} source pages, but {target.decode_rank} takes {len(share)} "
+                f"from this rank (decode's pages); a chunk must not reach past them, and the final one must end there"
+            )
+        last = room.sealed
+        with_state = last and bool(duties.state_layers or duties.state_skipped)
+        plan = plan_transfer(
+            dataclasses.replace(duties, pages=range(len(pages))),
+            TransferSide(
+                local.layout,
+                local.bases,
+                room.src_pages[pages.start : pages.stop],
+                room.src_state if with_state else [],
+                room.src_aux if last else None,
+            ),
+            TransferSide(
+                dst.layout,
+                dst.bases,
+                [dst.kv_pages[i] for i in share[pages.start : pages.stop]],
+                dst.state_indices if with_state else [],
+                dst.aux_index if last else None,
+            ),
+            coalesce=self.ctx.cfg.coalesce,
+            kv_blocks=False,
+        )
+        return plan, dst.endpoint
 
     def plan_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
         dst = target.dst
@@ -117,20 +175,40 @@ class TargetSender:
         )
         return plan, dst.endpoint
 
-    def start(self, room: PrefillRoom, local: LocalRank, target: Target) -> Delivery:
-        """The one choice of a target's path: launched on the rank's kernel path now, or written
-        through its engine by the room's task. From here the target may be written."""
+    def feed(self, room: PrefillRoom, local: LocalRank) -> None:
+        """Hand each target of a Transferring room what it was not given yet: the source pages
+        that came since (a chunk, or every chunk before decode's destinations were known), and the
+        final part once the room is sealed. Each is planned, and launched on a kernel path, here."""
+        for t in room.targets.values():
+            self._feed_target(room, local, t)
+
+    def _feed_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
+        stop = len(room.src_pages)
+        if target.fed_final or (target.fed == stop and not room.sealed):
+            return
+        delivery = self.start(room, local, target, range(target.fed, stop))
+        target.fed, target.fed_final = stop, room.sealed
+        target.deliveries.put_nowait(delivery)
+
+    def start(self, room: PrefillRoom, local: LocalRank, target: Target, pages: range) -> Delivery:
+        """The one choice of a delivery's path: launched on the rank's kernel path now, or written
+        through its engine by the target's task. From here the target may be written."""
+        final = room.sealed
         try:
-            plan, peer = self._prepare(room, local, target)
+            plan, peer = self._prepare(room, local, target, pages)
         except Exception as exc:  # raised in the target's task, where its write would have raised it
-            return Unstarted(exc)
+            return Unstarted(exc, final)
         target.writing = True
         kernel = local.backend.kernel
         if kernel is None:
-            return EngineDelivery(self.writer, local, room, plan, peer)
-        return KernelDelivery(
-            self.writer, local, room, target, self.writer.launch(room, local, target, plan, peer, kernel)
-        )
+            delivery: Delivery = EngineDelivery(self.writer, local, room, plan, peer)
+        else:
+            # Completion marks stand for the done report only when one launch carries the room.
+            notify = pages.start == 0 and final
+            launch = self.writer.launch(room, local, target, plan, peer, kernel, notify=notify)
+            delivery = KernelDelivery(self.writer, local, room, target, launch)
+        delivery.final = final
+        return delivery
 
     def count_unstarted(self, room: PrefillRoom, outcome: Outcome) -> None:
         """A room that ends before its targets were written: each target's part has its outcome."""
@@ -154,15 +232,15 @@ class TargetSender:
             cluster, room.rank, target.agent, Role.PREFILL, outcome, self.ctx.clock() - room.submitted
         )
 
-    async def send_target(
-        self, room: PrefillRoom, local: LocalRank, target: Target, delivery: Delivery | None = None
-    ) -> None:
-        """Write (``delivery``, else ``start`` now), report and have one target acknowledge; its
+    async def send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
+        """Write the target's deliveries as they are fed, report and have it acknowledge; its
         part is counted however it ends (a cancel is the room's transfer deadline)."""
         moved: list[BytesByPath] = []
         outcome = Outcome.FAILED
+        if target.fed == 0 and target.deliveries.empty():
+            self._feed_target(room, local, target)  # a room run without its start's feed (a whole one)
         try:
-            await self._deliver(room, local, target, delivery or self.start(room, local, target), moved)
+            await self._deliver(room, local, target, moved)
             outcome = Outcome.SUCCESS
         except asyncio.CancelledError:
             outcome = Outcome.TIMEOUT
@@ -178,28 +256,71 @@ class TargetSender:
         finally:
             self._count_target(room, target, outcome, moved)
 
-    async def _deliver(
-        self, room: PrefillRoom, local: LocalRank, target: Target, delivery: Delivery, moved: list[BytesByPath]
-    ) -> None:
+    async def _next(self, room: PrefillRoom, target: Target) -> Delivery:
+        """The target's next delivery, once fed; a room that ended meanwhile (an abort between
+        chunks) raises, after what was launched already has landed (then nothing writes there)."""
+        queue = target.deliveries
+        if queue.empty() and not room.state.finished:
+            getter = asyncio.ensure_future(queue.get())
+            ended = asyncio.ensure_future(room.finished_event.wait())
+            try:
+                await asyncio.wait((getter, ended), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ended.cancel()
+                if not getter.done():
+                    getter.cancel()
+            if getter.done() and not getter.cancelled():
+                queue.put_nowait(getter.result())  # back in line: the ended room is checked first
+        if not room.state.finished:
+            return queue.get_nowait()
+        running = False
+        while not queue.empty():
+            queued = queue.get_nowait()
+            if isinstance(queued, KernelDelivery):
+                try:
+                    await queued.write()
+                except Exception:
+                    running = True  # a kernel that failed may still run: the target stays writing
+        target.writing = running
+        raise TransferError(f"room {room.room} ended ({room.reason}) before all its chunks were sent")
+
+    async def _deliver(self, room: PrefillRoom, local: LocalRank, target: Target, moved: list[BytesByPath]) -> None:
         ctx = self.ctx
-        if isinstance(delivery, Unstarted):  # nothing was written: the reason as it was raised
-            raise delivery.error
-        plan, by_path = delivery.plan, delivery.by_path
-        moved.append(by_path)
-        writing_since = ctx.clock()
-        try:
-            await delivery.write()
-        except Exception as exc:
-            # The engine's calls returned (a kernel that failed may still run: it stays writing).
-            target.writing = delivery.may_run_on
-            if not isinstance(exc, TransferError | OSError):
-                raise
-            why = str(exc)
-            if not room.state.finished:  # a room that ended (abort, cancel) is not the peer's fault
-                why = ctx.peers.blame(target.agent, why, writing_since)
-            raise TransferError(f"{room.rank} -> {target.decode_rank}: {why}") from None
-        target.writing = False
-        room.marks[f"written:{target.decode_rank}"] = ctx.clock()
+        deliveries: list[Delivery] = []
+        while not deliveries or not deliveries[-1].final:
+            delivery = await self._next(room, target)
+            if isinstance(delivery, Unstarted):  # nothing of it was written: the reason as it was raised
+                target.writing = not target.deliveries.empty()
+                raise delivery.error
+            moved.append(delivery.by_path)
+            writing_since = ctx.clock()
+            room.marks.setdefault("first-byte", writing_since)
+            try:
+                await delivery.write()
+            except Exception as exc:
+                # The engine's calls returned (a kernel that failed may still run: it stays writing).
+                target.writing = delivery.may_run_on
+                if not isinstance(exc, TransferError | OSError):
+                    raise
+                why = str(exc)
+                if not room.state.finished:  # a room that ended (abort, cancel) is not the peer's fault
+                    why = ctx.peers.blame(target.agent, why, writing_since)
+                raise TransferError(f"{room.rank} -> {target.decode_rank}: {why}") from None
+            target.writing = not target.deliveries.empty()  # a launched next chunk still writes
+            room.marks[f"written:{target.decode_rank}"] = ctx.clock()
+            deliveries.append(delivery)
+        if len(deliveries) == 1:
+            plan, by_path = deliveries[0].plan, deliveries[0].by_path
+        else:
+            # The checksum and the report cover the whole room, as the decode side plans it.
+            plan = self.plan_target(room, local, target)[0]
+            by_path = {}
+            for part in moved:
+                for path, per_kind in part.items():
+                    total = by_path.setdefault(path, zero_bytes())
+                    for kind, n in per_kind.items():
+                        total[kind] += n
+            moved[:] = [by_path]  # the side-channel aux rows the report adds are counted with it
         if plan.state_skipped_bytes:
             metrics.state_bytes_skipped.labels(ctx.labels.cluster, ctx.labels.backend).inc(plan.state_skipped_bytes)
             room.skipped_state += plan.state_skipped_bytes

@@ -131,10 +131,19 @@ class RoomWriter:
 
     # ------------------------------------------------------------ kernel path: launch now, land later
     def launch(
-        self, room: PrefillRoom, local: LocalRank, target: Target, plan: TransferPlan, peer: str, kernel: KernelPath
+        self,
+        room: PrefillRoom,
+        local: LocalRank,
+        target: Target,
+        plan: TransferPlan,
+        peer: str,
+        kernel: KernelPath,
+        *,
+        notify: bool = True,
     ) -> Launch:
         """Launch what the kernel takes, without waiting. A launch that fails is kept in ``error``:
-        whatever went before it is waited for first (``land``)."""
+        whatever went before it is waited for first (``land``). ``notify``: this launch carries
+        the whole room, so its completion marks may stand for the done report."""
         launch = Launch(plan, peer, kernel)
         by_path = launch.by_path
         try:
@@ -157,7 +166,13 @@ class RoomWriter:
                     launch.later.append(functools.partial(self.write, local, peer, blocks, kind, room, by_path))
             room.marks[f"launched:{target.decode_rank}"] = self.ctx.clock()
             # Not under spec.transfer.verify: there decode is Success only on the checksummed report.
-            if launch.launched and not launch.later and not plan.aux_tcp and not self.ctx.spec.transfer.verify:
+            if (
+                notify
+                and launch.launched
+                and not launch.later
+                and not plan.aux_tcp
+                and not self.ctx.spec.transfer.verify
+            ):
                 marks = [kernel.completion_mark(x.handle) for x in launch.launched]
                 if all(m is not None for m in marks):
                     # While the kernels run: the decode agent watches the marks instead of awaiting a report.
