@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
@@ -38,9 +39,11 @@ MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
 
 
 def first_byte_at(view: RoomView) -> float | None:
-    """When the agent began moving a prefill room (its ``transferring`` phase) on the node's
-    monotonic clock, which this process shares with the agent; None for a room without it."""
-    began = view.phases_s.get("transferring")
+    """When the agent began moving a prefill room's bytes (its first write, ``first-byte``; else
+    its ``transferring`` phase) on the node's monotonic clock, which this process shares with the
+    agent; None for a room without it. Not the first chunk handed over: a chunk that waits for
+    decode's destinations, or for the forward that writes it, has moved nothing yet."""
+    began = view.phases_s.get("first-byte", view.phases_s.get("transferring"))
     return None if began is None or view.submitted_at is None else view.submitted_at + began
 
 
@@ -114,12 +117,15 @@ class RoomClient:
 
         mgr.calls.call(abort)  # after this room's submit, if that is still on its way
 
-    def _submit(self, msg: SendRequest | ReceiveRequest, what: str) -> None:
-        """Hand the room to the agent without waiting for it: the answer goes into the manager's
-        room table, a refusal into ``refused``."""
+    def _submit(self, msg: SendRequest | ReceiveRequest, what: str, before: Callable[[], None] | None = None) -> None:
+        """Hand the room (or a chunk of it) to the agent without waiting for it: the answer goes
+        into the manager's room table, a refusal into ``refused``. ``before`` runs first on the
+        worker (a wait for the forward that writes the chunk's pages), never on the scheduler."""
         self.submit_pending = True
 
         def submit() -> None:
+            if before is not None:
+                before()
             try:
                 view = self.mgr.submit(msg)
             except AGENT_ERRORS as exc:

@@ -1,11 +1,17 @@
 """``PdfabricKVSender`` (prefill): Bootstrapping until the decode side announced the room to the
 agent, WaitingForInput once every decode rank did (the agent names them, so the sender learns the
-decode replica the router chose), then the agent's state of the room. ``send`` takes chunks; the
-room is submitted with the last one (the agent moves a room's pages in one plan)."""
+decode replica the router chose), then the agent's state of the room. ``send`` takes chunks and
+hands each to the agent as it comes (``SendChunk``, on the manager's worker: the scheduler never
+waits), so the agent moves each chunk while the next is computed; state and aux go with the last.
+Chunks that come before this rank saw decode's announcement wait here and go together with the
+next ``send`` or ``poll``. An early cached-prefix chunk (SGLang's ``_early_send_wait_event``) is
+handed over only once the forward that writes its pages is done: the worker waits for the event,
+so no byte of it moves before."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,8 +19,8 @@ import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import BaseKVSender
 from sglang.srt.environ import envs
 
+from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.views import RoomState
-from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_sglang.kvargs import read_aux_row
 from pdfabric_sglang.peers import REGISTER_DP_RANK_PATH, post_generate
 from pdfabric_sglang.room_client import (
@@ -48,6 +54,13 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
         self.decode_prefix_len = 0
         self.first_chunk_at = 0.0
         self.last_state_slots: list[int] | None = None  # set with the last chunk
+        self.handed = 0  # pages handed to the agent so far (the next chunk's page_offset)
+        self.final_handed = False
+        self.handed_at: list[float] = []  # when SGLang handed each chunk over (a trace, for tests)
+        # SGLang sets this before a cached-prefix send under overlap scheduling (a CUDA event of
+        # the forward that may still write those pages); the chunk's hand-over waits for it.
+        self._early_send_wait_event: Any = None
+        self._waits: list[Any] = []
         self._tell_dp_group(bootstrap_addr, req_has_disagg_prefill_dp_rank)
 
     def _tell_dp_group(self, bootstrap_addr: str, routed: bool) -> None:
@@ -101,8 +114,8 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
         if self.submitted_at is not None:
             return self._agent_state()
         state = self._bootstrap_state()
-        if state == WAITING_FOR_INPUT and self.last_state_slots is not None:
-            self._submit_send()  # the last chunk came before this rank saw decode's announcement
+        if state == WAITING_FOR_INPUT and (self.pages or self.last_state_slots is not None):
+            self._hand_over()  # chunks came before this rank saw decode's announcement
             return self.concluded if self.concluded is not None else WAITING_FOR_INPUT
         return state
 
@@ -141,37 +154,63 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
     ) -> None:
         if self.concluded is not None:
             return
+        wait, self._early_send_wait_event = self._early_send_wait_event, None
+        if wait is not None:
+            self._waits.append(wait)
         if self.submitted_at is None and not self.pages:
             self.first_chunk_at = time.monotonic()
+        self.handed_at.append(time.monotonic())
         self.pages.extend(int(p) for p in np.asarray(kv_indices).reshape(-1))
-        if self.num_pages is None or len(self.pages) < self.num_pages:
-            return  # not the last chunk: the room goes with it
-        self.last_state_slots = (
-            [int(s) for s in np.asarray(state_indices[0]).reshape(-1)]
-            if state_indices and state_indices[0] is not None
-            else []
-        )
+        if self.num_pages is not None and len(self.pages) >= self.num_pages:
+            self.last_state_slots = (
+                [int(s) for s in np.asarray(state_indices[0]).reshape(-1)]
+                if state_indices and state_indices[0] is not None
+                else []
+            )
         # SGLang may send before this rank saw decode's announcement itself: a PP stage after the
         # first follows stage 0's poll, and a TP or CP rank follows the all-reduced poll. Ask the
-        # agent now; if decode's word has not reached this rank's room yet, poll submits it.
+        # agent's table now; if decode's word has not reached this rank's room yet, poll hands over.
         if self.decode_replica is not None or self._bootstrap_state() == WAITING_FOR_INPUT:
-            self._submit_send()
+            self._hand_over()
 
-    def _submit_send(self) -> None:
-        assert self.decode_replica is not None and self.last_state_slots is not None
-        msg = SendRequest(
+    def _hand_over(self) -> None:
+        """The pages not handed to the agent yet, as the room's next chunk (the last with the
+        state slots and the aux row); the first opens the room at the agent."""
+        assert self.decode_replica is not None
+        final = self.last_state_slots is not None
+        offset = self.handed
+        if self.final_handed or (len(self.pages) == offset and not final):
+            return
+        msg = SendChunk(
             self.mgr.rank_id,
             self.room,
-            self.pages,
-            self.last_state_slots,
-            self.aux_index,
+            self.pages[offset:],
+            self.last_state_slots or [],
+            self.aux_index if final else None,
             self.decode_replica,
             engine_memory=True,
             peer_dp=self.decode_dp,
-            aux_rows=self._aux_row(),
+            aux_rows=self._aux_row() if final else (),
+            page_offset=offset,
+            final=final,
         )
-        self.submitted_at = self.first_chunk_at
-        self._submit(msg, "send")
+        self.handed, self.final_handed = len(self.pages), final
+        if self.submitted_at is None:
+            self.submitted_at = self.first_chunk_at
+        waits, self._waits = self._waits, []
+        self._submit(msg, "send", self._waiter(waits) if waits else None)
+
+    def _waiter(self, waits: list[Any]) -> Callable[[], None]:
+        """On the worker, before the chunk goes: the forward that writes its pages is done (as
+        SGLang's Mooncake worker synchronizes the event before reading the pages). A room that
+        failed meanwhile does not wait: its chunk is refused by the agent anyway."""
+
+        def wait() -> None:
+            for event in waits:
+                if self.concluded != FAILED:
+                    event.synchronize()
+
+        return wait
 
     def _aux_row(self) -> tuple[bytes, ...]:
         """The room's metadata row, read here when the engine keeps its rows private (SGLang wrote
