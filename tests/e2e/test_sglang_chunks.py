@@ -9,6 +9,7 @@ chunk out of order or out of range is refused 4xx with the reason, and fails its
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -145,10 +146,14 @@ def wait_states(objs: list[Any], until_states: set[int], timeout_s: float = 30.0
 
 
 @pytest.fixture
-def pd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalFabric, Engine, Engine, Any]]:
+def pd(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[LocalFabric, Engine, Engine, Any]]:
     from pdfabric_sglang.conn import PdfabricKVBootstrapServer
 
-    with LocalFabric({**SPEC, "model": MODEL}) as lc:
+    # spec.transfer.verify (param True): both sides checksum the whole room, however it was chunked.
+    transfer = {**SPEC["transfer"], "verify": bool(getattr(request, "param", False))}
+    with LocalFabric({**SPEC, "transfer": transfer, "model": MODEL}) as lc:
         token_file = tmp_path / "token"
         token_file.write_text(lc.token)
         dec = Engine(lc, Rank.from_id("decode-0-tp0"), monkeypatch, token_file)
@@ -176,6 +181,7 @@ def announce(pre: Engine, dec: Engine, server: Any, room: int, dst: list[int]) -
     return tx, rx
 
 
+@pytest.mark.parametrize("pd", [False, True], ids=["plain", "verify"], indirect=True)
 def test_a_four_chunk_request_moves_its_first_chunk_while_the_rest_are_produced(
     pd: tuple[LocalFabric, Engine, Engine, Any],
 ) -> None:
@@ -303,3 +309,52 @@ def test_a_chunk_out_of_order_or_out_of_range_is_refused_and_fails_its_room(
 
         assert wait_states([rx], {KVPoll.Failed}) == [KVPoll.Failed], rx.reason
         tx.clear()
+
+
+class ForwardDone:
+    """What SGLang's early cached-prefix send sets on the sender under overlap scheduling (a CUDA
+    event recorded on the forward stream, ``_early_send_wait_event``): ``synchronize`` returns once
+    the forward that writes the prefix pages is done. CPU has no such event; this one is released
+    by the test when it has written the pages."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waited = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self.done.wait(20.0)
+
+
+def test_an_early_cached_prefix_send_moves_nothing_before_its_forward_is_done(
+    pd: tuple[LocalFabric, Engine, Engine, Any],
+) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    _, pre, dec, server = pd
+    dst = dec.pool.allocate_pages(2 * PER_CHUNK)
+    tx, rx = announce(pre, dec, server, ROOM, dst)
+    src = pre.pool.allocate_pages(2 * PER_CHUNK)
+    tx.init(2 * PER_CHUNK, AUX)
+    forward = ForwardDone()
+    tx._early_send_wait_event = forward  # as SGLang's maybe_send_cached_prefix_chunk sets it
+    handed = time.monotonic()
+    tx.send(np.asarray(src[:PER_CHUNK], np.int32))  # the radix-cache hit, before the forward
+    assert time.monotonic() - handed < 0.1  # the scheduler thread does not wait for the forward
+    assert forward.waited.wait(5.0)  # the manager's worker does
+    time.sleep(0.3)
+    assert not dec.landed(dst[:PER_CHUNK], 0)
+    # The agent has not seen the chunk: the room is still decode's announcement, not opened.
+    view = pre.mgr.client.poll(pre.mgr.rank_id, tx.room)
+    assert view.state.title == "WaitingForInput" and view.submitted_at is None, view
+    pre.fill_pages(src[:PER_CHUNK], 0)  # the forward writes the prefix pages, and is done
+    released = time.monotonic()
+    forward.done.set()
+    assert until(lambda: dec.landed(dst[:PER_CHUNK], 0)) is not None
+    pre.fill_pages(src[PER_CHUNK:], PER_CHUNK)
+    pre.fill_state_aux()
+    tx.send(np.asarray(src[PER_CHUNK:], np.int32), [np.asarray([SLOT], np.int32)])
+    assert wait_states([tx, rx], {KVPoll.Success, KVPoll.Failed}) == [KVPoll.Success, KVPoll.Success], tx.reason
+    assert dec.landed(dst, 0) and dec.state_aux_landed()
+    # The transfer latency SGLang reports starts at the first byte, after the forward was done.
+    assert tx.moving_since is not None and tx.moving_since >= released
