@@ -174,10 +174,16 @@ def announce(pre: Engine, dec: Engine, server: Any, room: int, dst: list[int]) -
 
     rx = PdfabricKVReceiver(dec.mgr, f"127.0.0.1:{server.port}", room)
     rx.init(0)
-    assert wait_states([rx], {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput]
+    assert wait_states([rx], {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput], ("receiver", room, rx.reason)
     rx.send_metadata(np.asarray(dst, np.int32), DST_AUX, [np.asarray([DST_SLOT], np.int32)])
     tx = PdfabricKVSender(pre.mgr, f"127.0.0.1:{server.port}", room)
-    assert wait_states([tx], {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput]
+    states = wait_states([tx], {KVPoll.WaitingForInput})
+    assert states == [KVPoll.WaitingForInput], (
+        "sender",
+        room,
+        tx.reason,
+        pre.mgr.client.poll(pre.mgr.rank_id, tx.room),
+    )
     return tx, rx
 
 
