@@ -723,3 +723,40 @@ def test_a_senders_transfer_latency_starts_at_the_first_byte_moved() -> None:
     assert tx.poll() == KVPoll.Success
     latency = tx.get_transfer_metric().transfer_latency_s
     assert latency is not None and 0.2 <= latency < 1.0  # from the first byte (0.25 s ago), not 5 s
+
+
+def test_a_senders_chunks_go_to_the_agent_as_sglang_sends_them() -> None:
+    """Issue 23: each chunk is handed over when SGLang sends it (``SendChunk``: in order, the
+    next ``page_offset``, state and aux row with the last); chunks before this rank saw decode's
+    announcement go together with the next poll; an early cached-prefix chunk waits for SGLang's
+    ``_early_send_wait_event`` (the forward writing its pages) before it is handed over."""
+    from pdfabric_sglang.conn import PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from pdfabric_agent.protocol.chunks import SendChunk
+
+    mgr = manager(Role.PREFILL)
+    tx = PdfabricKVSender(mgr, "p:1", 17)
+    tx.init(7, 1)
+    tx.send(np.array([9, 8], np.int32))  # before decode's announcement reached this rank: kept
+    tx.send(np.array([7], np.int32))
+    assert mgr.client.submitted == []
+    mgr.client.views[17] = {"state": "WaitingForInput", "code": 2, "decode_ranks_ready": [D]}
+    assert tx.poll() == KVPoll.WaitingForInput  # both chunks go as one
+    order: list[str] = []
+
+    class Forward:
+        def synchronize(self) -> None:
+            order.append(f"forward done before chunk {len(mgr.client.submitted) + 1}")
+
+    tx._early_send_wait_event = Forward()
+    tx.send(np.array([6, 5], np.int32))
+    tx.send(np.array([4, 3], np.int32), [np.array([2], np.int32)])
+    got = [(m.page_offset, m.kv_pages, m.final, m.state_indices, m.aux_index) for m in mgr.client.submitted]
+    assert got == [(0, [9, 8, 7], False, [], None), (3, [6, 5], False, [], None), (5, [4, 3], True, [2], 1)]
+    assert all(isinstance(m, SendChunk) for m in mgr.client.submitted)
+    assert mgr.client.submitted[-1].aux_rows and not mgr.client.submitted[0].aux_rows  # the row with the last
+    assert order == ["forward done before chunk 2"]  # only the cached-prefix chunk waits
+    tx.send(np.array([], np.int32))  # nothing after the last chunk
+    assert len(mgr.client.submitted) == 3
+    assert len(tx.handed_at) == 5
