@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pdfabric_agent.client.api import MappedPools
 from pdfabric_core.policy.rank_mapping import global_heads
+from pdfabric_core.policy.state_slices import state_share
 from pdfabric_core.spec import PDClusterSpec
 
 
@@ -55,7 +56,7 @@ def expected_bytes(spec: PDClusterSpec, *, pages: int, state_slots: int, aux: bo
     geo = spec.model
     dtp = spec.decode.tp
     kv = pages * geo.layers * geo.kv_buffers * dtp * geo.kv_page_bytes(dtp)
-    state = dtp * state_slots * geo.state_bytes_per_request
+    state = dtp * state_slots * sum(geo.state_item_bytes(dtp))  # the legacy state: replicated, whole
     p = spec.prefill
     dedup_applies = p.cp > 1 and p.all_cp_ranks_transfer and not p.dsa_cache_layer_split
     return ExpectedBytes(
@@ -64,6 +65,14 @@ def expected_bytes(spec: PDClusterSpec, *, pages: int, state_slots: int, aux: bo
         aux=dtp * sum(geo.aux_row_bytes) if aux else 0,
         state_skipped=(p.cp - 1) * state if dedup_applies else 0,
     )
+
+
+def _state_share(spec: PDClusterSpec, tensor: int, pos: int, room: int, tp: int, rank: int) -> bytes:
+    """This rank's share of state tensor ``tensor``'s whole item at state position ``pos`` (its kind's rule)."""
+    m = spec.model
+    whole = state_chunk(room, tensor, pos, m.state_tensors[tensor])
+    return state_share(m.state_kind, whole, sharded=m.state_sharded[tensor], blocks=m.state_blocks(tensor), tp=tp,
+                       rank=rank, kv_heads=m.tp_kv_heads, page_tokens=m.page_size_tokens)  # fmt: skip
 
 
 def fill_prefill(
@@ -94,8 +103,9 @@ def fill_prefill(
     for layer in range(lay.state_layers):
         for pos, slot in enumerate(state_slots):
             off = lay.state_offset(layer, slot)
-            pools.state[off : off + lay.state_layer_bytes] = state_chunk(room, layer, pos, lay.state_layer_bytes)
-            written += lay.state_layer_bytes
+            mine = _state_share(spec, layer, pos, room, spec.prefill.tp, tp_rank)
+            pools.state[off : off + len(mine)] = mine
+            written += len(mine)
     if aux_index is not None:
         for item, size in enumerate(lay.aux_items):
             off = lay.aux_offset(item, aux_index)
@@ -132,7 +142,8 @@ def verify_decode(
     for layer in range(lay.state_layers):
         for pos, slot in enumerate(state_slots):
             off = lay.state_offset(layer, slot)
-            if pools.state[off : off + lay.state_layer_bytes] != state_chunk(room, layer, pos, lay.state_layer_bytes):
+            want = _state_share(spec, layer, pos, room, spec.decode.tp, tp_rank)
+            if pools.state[off : off + len(want)] != want:
                 errors.append(f"state layer {layer} position {pos} (slot {slot})")
     if aux_index is not None:
         for item, size in enumerate(lay.aux_items):

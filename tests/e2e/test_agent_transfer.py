@@ -120,6 +120,32 @@ def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[st
         check_room(lc, room=12, pages=5)
 
 
+# Typed state in the agents' own pools: a GDN-style slot state (a conv tensor of q | k | v sharded
+# apart, a sharded temporal tensor, a replicated one) and SWA-style page state (a page of all 4 KV
+# heads of 4 tokens of 32 bf16 per SWA K/V buffer), each tensor cut to its rank's share.
+TYPED_STATE = {
+    "slot": {"stateTensorBytes": [288, 512, 64], "stateTensorSharded": [True, True, False],
+             "stateTensorBlocks": [[48, 48, 192]]},
+    "page": {"stateKind": "page", "stateTensorBytes": [4 * 4 * 32 * 2] * 2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "state"),
+    [({"tp": 2}, {"tp": 1}, "slot"), ({"tp": 1}, {"tp": 2}, "slot"), ({"tp": 1}, {"tp": 2}, "page")],
+    ids=["slot-tp2-tp1", "slot-tp1-tp2", "page-tp1-tp2"],
+)
+def test_typed_state_arrives_byte_exact_in_the_agents_pools(
+    prefill: dict[str, Any], decode: dict[str, Any], state: str
+) -> None:
+    """Each decode rank's share of every state tensor, by its kind's rule, counted per kind and per
+    pair as the prediction says."""
+    raw = spec(prefill, decode)
+    raw["model"] = {**SMALL_MODEL, "stateBytesPerRequest": 0, "stateLayers": 1, **TYPED_STATE[state]}
+    with LocalFabric(raw) as lc:
+        check_room(lc, room=31)
+
+
 @pytest.mark.parametrize(
     ("prefill", "decode"), [({"tp": 2}, {"tp": 1}), ({"tp": 1}, {"tp": 2})], ids=["mla-tp2-tp1", "mla-tp1-tp2"]
 )

@@ -17,6 +17,7 @@ from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind, StateParts
 from pdfabric_agent.ranks.engine_memory import MemoryRules, engine_layout
 from pdfabric_core.duties import decode_targets, replica_duties, sender_duties
+from pdfabric_core.policy.state_slices import state_share
 from pdfabric_core.policy.types import MemPool, Role, StateKind, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
@@ -110,6 +111,13 @@ def test_each_kinds_rule_lands_every_decode_ranks_share_exactly_once(model: dict
     src_idx, dst_idx = [3, 1], [0, 2]  # two state indices (pages or slots), in different places
     got = play(s, src_idx, dst_idx)
     dst_lay = layout(s, dtp, max(*src_idx, *dst_idx) + 1)
+    m = s.model
+    for t, (tp, rank) in itertools.product(
+        range(len(m.state_tensors)), [(ptp, r) for r in range(ptp)] + [(dtp, r) for r in range(dtp)]
+    ):
+        share = state_share(m.state_kind, whole_item(s, t, 0).tobytes(), sharded=m.state_sharded[t], blocks=m.state_blocks(t),
+                            tp=tp, rank=rank, kv_heads=HEADS, page_tokens=TOKENS)  # fmt: skip
+        assert share == local_item(s, t, 0, tp, rank).tobytes()  # the synthetic traffic's share is the rule's
     for drank, mem in got.items():
         want = np.zeros_like(mem)
         for t in range(len(s.model.state_tensors)):
@@ -246,6 +254,8 @@ def test_the_agent_takes_the_state_the_spec_names_and_refuses_another_with_both_
         engine_layout(registration(swa, items), s, rank, TCP)
     msg = exc.value.message
     assert exc.value.status == 422 and "page state (SGLang's swa state)" in msg and "has slot state" in msg
+    # What to set, derived from the registration: a page of this rank's one head of two, whole.
+    assert msg.endswith('spec.model {"stateKind": "page", "stateTensorBytes": [480, 480, 512, 1024]}')
     with pytest.raises(ApiError, match="TP-sharded"):
         engine_layout(registration(None, [240] * 4), s, rank, TCP)  # an untyped (replicated) registration
 

@@ -27,9 +27,10 @@ from pdfabric_agent.memory.pools import DeviceBuffer, Pool, PoolLayout
 from pdfabric_agent.protocol.errors import layout_mismatch
 from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.ranks.engine_state import state_items
 from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
-from pdfabric_core.policy.types import Device, KvKind, MemPool, Role, StateKind, Transport
+from pdfabric_core.policy.types import Device, KvKind, MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 
@@ -119,7 +120,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
             f"({geo.describe_page(group.tp)}): check spec.model against the engine's model, TP size and KV dtype"
         )
     kv_pages = _slots(kv, reg.kv_page_bytes, "KV", "pages")
-    items, state_slots = _state_items(reg, spec, group.tp, where)
+    items, state_slots = state_items(reg, spec, group.tp, where)
     # The aux rows are the engine's own (SGLang's MetadataBuffers): prefill and decode must register
     # the same, which the prefill agent checks on each room's info (PrefillSender._check_dst_layout).
     aux_slots = reg.aux_slots or min(
@@ -145,40 +146,6 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         page_order=reg.page_order,
         kv_buffers=geo.kv_buffers,
     )
-
-
-def _state_items(reg: MemoryRegistration, spec: PDClusterSpec, tp: int, where: str) -> tuple[tuple[int, ...], int]:
-    """The registered state against the model's (spec.model's stateKind, stateTensorBytes,
-    stateTensorSharded at this TP): each tensor's item bytes and the slots every buffer holds, or
-    ``layout_mismatch`` naming both sides. A registration without typed parts is the replicated
-    slot state it always was (``state_slot_bytes`` per slot of every buffer)."""
-    geo = spec.model
-    items, sharded, kind = geo.state_item_bytes(tp), geo.state_sharded, geo.state_kind
-    blocks = tuple(geo.state_tensor_blocks[i] if i < len(geo.state_tensor_blocks) else () for i in range(len(items)))
-    parts = reg.state_parts
-    got: tuple[StateKind, tuple[int, ...], tuple[bool, ...], tuple[tuple[int, ...], ...]]
-    if parts is None:
-        n = len(reg.state)
-        got = (StateKind.SLOT, (reg.state_slot_bytes,) * n, (False,) * n, ((),) * n)
-    else:
-        got = (parts.kind, parts.item_bytes, parts.sharded, parts.blocks_of(len(parts.item_bytes)))
-    if got[:3] == (kind, items, sharded) and got[3] != blocks:
-        raise layout_mismatch(
-            f"state tensors with sub-blocks sharded apart of {[list(b) for b in got[3]]} whole bytes registered; "
-            f"the PDCluster's model has spec.model.stateTensorBlocks {[list(b) for b in blocks]}: set it to the engine's"
-        )
-    if got[:3] != (kind, items, sharded):
-        source = f" (SGLang's {parts.source} state)" if parts is not None else ""
-        raise layout_mismatch(
-            f"{got[0].value} state{source} of {len(got[1])} tensors of {list(got[1])} bytes per item, TP-sharded "
-            f"{list(got[2])}, registered; {where} has {kind.value} state of {len(items)} tensors of {list(items)} "
-            f"bytes, TP-sharded {list(sharded)} (spec.model stateKind, stateTensorBytes {list(geo.state_tensors)} "
-            "whole, stateTensorSharded): set spec.model to the engine's state, as its KVArgs give it"
-        )
-    bad = [b.nbytes for b, item in zip(reg.state, items, strict=True) if b.nbytes % item]
-    if bad:
-        raise layout_mismatch(f"a state buffer of {bad[0]} bytes is not a whole number of its items")
-    return items, min((b.nbytes // item for b, item in zip(reg.state, items, strict=True)), default=0)
 
 
 def _slots(shares: Sequence[BufferShare], unit: int, kind: str, what: str) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pdfabric_core.policy.rank_mapping import KvRoute
 from pdfabric_core.policy.types import StateKind
 
-__all__ = ["StateSlice", "page_state_slices", "shard_range", "slot_state_slices", "state_slices"]
+__all__ = ["StateSlice", "page_state_slices", "shard_range", "slot_state_slices", "state_share", "state_slices"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +150,33 @@ def state_slices(
         primary=primary,
         blocks=blocks,
     )
+
+
+def state_share(
+    kind: StateKind,
+    whole: bytes,
+    *,
+    sharded: bool,
+    blocks: Sequence[int],
+    tp: int,
+    rank: int,
+    kv_heads: int,
+    page_tokens: int,
+) -> bytes:
+    """What TP rank ``rank`` of ``tp`` holds of a whole state item, by the rules above: the item
+    (replicated, rows), its share of each sub-block in turn (slot), or its KV heads of every token
+    row (page). Test content and synthetic traffic are written and checked with it."""
+    if not sharded or kind is StateKind.ROW:
+        return whole
+    if kind is StateKind.PAGE:
+        row = len(whole) // page_tokens
+        head = row // kv_heads
+        first = rank * kv_heads // tp if tp <= kv_heads else rank // (tp // kv_heads)
+        count = max(kv_heads // tp, 1)
+        return b"".join(whole[t * row + first * head : t * row + (first + count) * head] for t in range(page_tokens))
+    out, at = [], 0
+    for block in blocks or (len(whole),):
+        share = block // tp
+        out.append(whole[at + rank * share : at + (rank + 1) * share])
+        at += block
+    return b"".join(out)
