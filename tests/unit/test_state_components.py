@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import types
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -379,3 +380,40 @@ def test_what_is_not_moved_is_refused_by_its_sglang_name(
 
 def test_all_ratios_are_covered() -> None:
     assert set(itertools.chain(*RATIOS)) == set(TPS) and (8, 1) in RATIOS and (1, 8) in RATIOS
+
+
+def test_on_sglangs_cpu_engine_the_plugin_allocates_the_mamba_state_where_the_agent_maps_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin's hook around MambaPool's constructor (its target path resolves in this SGLang):
+    with pdfabric the backend on the CPU, every state buffer SGLang registers is a shared-memory
+    file in PDFABRIC_SHM_DIR; else SGLang's private memory, as before."""
+    import importlib
+
+    import torch
+    from pdfabric_sglang import plugin
+    from pdfabric_sglang.shares import process_mappings, share_of
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    module, cls, attr = plugin.MAMBA_POOL_INIT.rsplit(".", 2)
+    assert getattr(getattr(importlib.import_module(module), cls), attr) is not None
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=2, num_heads=4, head_dim=8,
+                                    state_size=4, conv_kernel=4)  # fmt: skip
+    params = Mamba2CacheParams(
+        shape=shape, layers=[0], dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+    )
+    kwargs = {"size": 2, "spec_state_size": 2, "cache_params": params, "mamba_layer_ids": [0], "device": "cpu"}
+    monkeypatch.setenv("PDFABRIC_SHM_DIR", str(tmp_path))
+    for backend in (True, False):
+        monkeypatch.setattr(plugin, "pdfabric_is_the_backend", lambda on=backend: on)
+        pool = MambaPool.__new__(MambaPool)
+        plugin.cpu_state_pool_in_shm(MambaPool.__init__, pool, **kwargs)
+        ptrs, lens, _ = pool.get_contiguous_buf_infos()
+        maps = process_mappings()
+        if backend:
+            shares = [share_of(p, n, None, maps) for p, n in zip(ptrs, lens, strict=True)]
+            assert {(s.kind, Path(s.path).parent) for s in shares} == {(ShareKind.SHM, tmp_path)}
+        else:
+            with pytest.raises(ValueError):
+                share_of(ptrs[0], lens[0], None, maps)

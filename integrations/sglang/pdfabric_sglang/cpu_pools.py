@@ -109,6 +109,8 @@ def shared_cpu_allocations(directory: str | None = None) -> Iterator[None]:
 
     def redirect(name: str) -> Callable[..., Any]:
         def alloc(*size: Any, **kwargs: Any) -> Any:
+            if not size and "size" in kwargs:  # torch.zeros(size=...), as SGLang's MambaPool calls it
+                size, kwargs = (kwargs["size"],), {k: v for k, v in kwargs.items() if k != "size"}
             shape = _shape_of(size)
             if shape is None or not _is_cpu(kwargs.get("device")) or set(kwargs) - {"device", "dtype"}:
                 return real[name](*size, **kwargs)

@@ -6,8 +6,9 @@ which returns a backend's manager / sender / receiver / bootstrap-server classes
 ``pdfabric`` to each through SGLang's own extension points (the choices list's ``add_...``
 function, ``HookRegistry``'s class REPLACE and AROUND hooks), changing nothing else.
 
-With pdfabric as the backend on SGLang's CPU engine, the MHA KV pool's buffers are allocated in
-shared memory so the node agent can map them (``cpu_pools``). SGLang's ``MetadataBuffers`` stay as
+With pdfabric as the backend on SGLang's CPU engine, the MHA KV pool's buffers (an SWA hybrid's
+sub-pools among them) and a hybrid model's Mamba state are allocated in shared memory so the node
+agent can map them (``cpu_pools``). SGLang's ``MetadataBuffers`` stay as
 SGLang makes them (private CPU memory, or GPU memory with INTRA_NODE_NVLINK): private rows travel
 with each room (``kvargs.registration``'s ``aux_inline``).
 """
@@ -21,6 +22,8 @@ BACKEND = "pdfabric"
 TRANSFER_BACKEND = "sglang.srt.disaggregation.utils.TransferBackend"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 MHA_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
+# A Mamba/GDN hybrid's slot state (its conv and temporal tensors), allocated in the pool's constructor.
+MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.MambaPool.__init__"
 
 
 def transfer_backend_with_pdfabric(original: type[enum.Enum]) -> type[enum.Enum]:
@@ -80,6 +83,14 @@ def cpu_kv_pool_in_shm(original: Any, pool: Any, *args: Any, **kwargs: Any) -> N
     return _allocating_in_shm(original, pool, *args, **kwargs)
 
 
+def cpu_state_pool_in_shm(original: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
+    """A hybrid model's Mamba state tensors in the agent's shared memory when SGLang runs on the CPU
+    (the pool's device is a constructor argument: it is not on the pool yet)."""
+    if str(kwargs.get("device", "")) != "cpu" or not pdfabric_is_the_backend():
+        return original(pool, *args, **kwargs)  # type: ignore[no-any-return]
+    return _allocating_in_shm(original, pool, *args, **kwargs)
+
+
 _registered = False
 
 
@@ -99,3 +110,4 @@ def register() -> None:
     HookRegistry.register(TRANSFER_BACKEND, transfer_backend_with_pdfabric(utils.TransferBackend), HookType.REPLACE)
     HookRegistry.register(GET_KV_CLASS, get_kv_class_around, HookType.AROUND)
     HookRegistry.register(MHA_POOL_BUFFERS, cpu_kv_pool_in_shm, HookType.AROUND)
+    HookRegistry.register(MAMBA_POOL_INIT, cpu_state_pool_in_shm, HookType.AROUND)
