@@ -396,6 +396,7 @@ def test_on_sglangs_cpu_engine_the_plugin_allocates_the_mamba_state_where_the_ag
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
+    assert plugin.pdfabric_is_the_backend() is False  # no serving process here: no runtime context, no raise
     module, cls, attr = plugin.MAMBA_POOL_INIT.rsplit(".", 2)
     assert getattr(getattr(importlib.import_module(module), cls), attr) is not None
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=2, num_heads=4, head_dim=8,

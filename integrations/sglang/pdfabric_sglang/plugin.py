@@ -65,7 +65,7 @@ def pdfabric_is_the_backend() -> bool:
     try:
         disagg = get_disagg()
         return bool(disagg.disaggregation_transfer_backend == BACKEND and str(disagg.disaggregation_mode) != "null")
-    except (AttributeError, RuntimeError, KeyError):
+    except (AttributeError, RuntimeError, KeyError, ValueError):  # ValueError: "config namespace ... not published"
         return False  # not a serving process (no runtime context published)
 
 
