@@ -23,6 +23,7 @@ from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_core.rankmap import Rank
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import aux_chunk, kv_chunk, state_chunk
+from tests.e2e.sglang_rooms import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -136,15 +137,6 @@ def until(check: Callable[[], bool], timeout_s: float = 20.0) -> float | None:
     return None
 
 
-def wait_states(objs: list[Any], until_states: set[int], timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = [int(o.poll()) for o in objs]
-        if all(s in until_states for s in states) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.005)
-
-
 @pytest.fixture
 def pd(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -167,23 +159,36 @@ def pd(
             dec.close()
 
 
-def announce(pre: Engine, dec: Engine, server: Any, room: int, dst: list[int]) -> tuple[Any, Any]:
+def announce(
+    pre: Engine, dec: Engine, server: Any, room: int, dst: list[int], slot: int = DST_SLOT, aux: int = DST_AUX
+) -> tuple[Any, Any]:
     """SGLang's decode announces the room (receiver, ``send_metadata``); prefill's sender sees it."""
     from pdfabric_sglang.conn import PdfabricKVReceiver, PdfabricKVSender
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     rx = PdfabricKVReceiver(dec.mgr, f"127.0.0.1:{server.port}", room)
     rx.init(0)
-    assert wait_states([rx], {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput], ("receiver", room, rx.reason)
-    rx.send_metadata(np.asarray(dst, np.int32), DST_AUX, [np.asarray([DST_SLOT], np.int32)])
-    tx = PdfabricKVSender(pre.mgr, f"127.0.0.1:{server.port}", room)
-    states = wait_states([tx], {KVPoll.WaitingForInput})
-    assert states == [KVPoll.WaitingForInput], (
-        "sender",
+    assert poll_until([rx], {KVPoll.WaitingForInput}, failed_ends=False) == [KVPoll.WaitingForInput], (
+        "receiver",
         room,
-        tx.reason,
-        pre.mgr.client.poll(pre.mgr.rank_id, tx.room),
+        rx.reason,
     )
+    rx.send_metadata(np.asarray(dst, np.int32), aux, [np.asarray([slot], np.int32)])
+    tx = PdfabricKVSender(pre.mgr, f"127.0.0.1:{server.port}", room)
+    states = poll_until([tx], {KVPoll.WaitingForInput}, failed_ends=False)
+    if states != [KVPoll.WaitingForInput]:
+        try:
+            at_prefill: object = pre.mgr.client.poll(pre.mgr.rank_id, tx.room)
+        except AgentRefused as exc:  # decode's room info never reached the prefill agent
+            at_prefill = exc
+        try:
+            at_decode: object = dec.mgr.client.poll(dec.mgr.rank_id, rx.room)
+        except AgentRefused as exc:  # the receive was refused (the receiver's reason says why)
+            at_decode = exc
+        pytest.fail(
+            f"room {room}: the sender stayed {states} ({tx.reason!r}); the receiver polls {int(rx.poll())} "
+            f"({rx.reason!r}); prefill's agent: {at_prefill}; decode's agent: {at_decode}"
+        )
     return tx, rx
 
 
@@ -215,7 +220,7 @@ def test_a_four_chunk_request_moves_its_first_chunk_while_the_rest_are_produced(
             assert not dec.state_aux_landed()  # state and aux go with the final chunk
         else:
             time.sleep(0.05)  # the next chunk's forward
-    states = wait_states([tx, rx], {KVPoll.Success, KVPoll.Failed})
+    states = poll_until([tx, rx], {KVPoll.Success, KVPoll.Failed}, failed_ends=False)
     assert states == [KVPoll.Success, KVPoll.Success], (tx.reason, rx.reason)
     assert dec.landed(dst, 0) and dec.state_aux_landed()
 
@@ -257,7 +262,7 @@ def test_an_abort_between_chunks_fails_both_sides_and_releases_decode(
     tx.send(np.asarray(src[:PER_CHUNK], np.int32))
     assert until(lambda: dec.landed(dst[:PER_CHUNK], 0)) is not None
     tx.abort()  # SGLang aborts the request between chunks
-    assert wait_states([tx, rx], {KVPoll.Failed}) == [KVPoll.Failed, KVPoll.Failed]
+    assert poll_until([tx, rx], {KVPoll.Failed}, failed_ends=False) == [KVPoll.Failed, KVPoll.Failed]
     assert "aborted" in tx.reason and rx.reason, (tx.reason, rx.reason)
     assert pre.mgr.calls.wait_idle(5.0)
     decode_view = dec.mgr.client.poll(dec.mgr.rank_id, rx.room)
@@ -300,7 +305,10 @@ def test_a_chunk_out_of_order_or_out_of_range_is_refused_and_fails_its_room(
         (ROOM + 12, PER_CHUNK, src[PER_CHUNK : PER_CHUNK + 1], True, 400, "the final one must end there"),
     ]:
         dst = dec.pool.allocate_pages(2 * PER_CHUNK)
-        tx, rx = announce(pre, dec, server, room, dst)
+        # Each room its own decode state slot and aux row: a failed room's destinations stay claimed
+        # until its source says it stopped writing (the agent refuses a room onto them till then).
+        n = room - ROOM - 10
+        tx, rx = announce(pre, dec, server, room, dst, slot=(0, 1, 3)[n], aux=4 + n)
         opened = client.submit(SendChunk(rank, tx.room, src[:PER_CHUNK], [], None, 0, engine_memory=True, final=False))
         assert opened.state.title == "Transferring"
         with pytest.raises(AgentRefused) as refused:
@@ -313,7 +321,7 @@ def test_a_chunk_out_of_order_or_out_of_range_is_refused_and_fails_its_room(
         assert view.state.title == "Failed" and "chunk refused" in view.reason, view
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        assert wait_states([rx], {KVPoll.Failed}) == [KVPoll.Failed], rx.reason
+        assert poll_until([rx], {KVPoll.Failed}, failed_ends=False) == [KVPoll.Failed], rx.reason
         tx.clear()
 
 
@@ -360,7 +368,10 @@ def test_an_early_cached_prefix_send_moves_nothing_before_its_forward_is_done(
     pre.fill_pages(src[PER_CHUNK:], PER_CHUNK)
     pre.fill_state_aux()
     tx.send(np.asarray(src[PER_CHUNK:], np.int32), [np.asarray([SLOT], np.int32)])
-    assert wait_states([tx, rx], {KVPoll.Success, KVPoll.Failed}) == [KVPoll.Success, KVPoll.Success], tx.reason
+    assert poll_until([tx, rx], {KVPoll.Success, KVPoll.Failed}, failed_ends=False) == [
+        KVPoll.Success,
+        KVPoll.Success,
+    ], tx.reason
     assert dec.landed(dst, 0) and dec.state_aux_landed()
     # The transfer latency SGLang reports starts at the first byte, after the forward was done.
     assert tx.moving_since is not None and tx.moving_since >= released
