@@ -27,6 +27,7 @@ from pdfabric_core.rankmap import Rank, replica_ranks
 from pdfabric_core.traffic import pair_traffic
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import aux_chunk, expected_bytes, kv_chunk, state_chunk
+from tests.e2e.sglang_rooms import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -144,17 +145,6 @@ def mismatches(side: Side, rank: Rank, pages: list[int], slot: int, aux: int, ge
     return errors
 
 
-def wait(objs: list[Any], until: set[int], timeout_s: float = 30.0) -> list[int]:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = [int(o.poll()) for o in objs]
-        if all(s in until or s == 0 for s in states) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.005)
-
-
 @pytest.fixture
 def token_file(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "token"
@@ -205,13 +195,17 @@ def test_sglang_classes_move_kv_state_aux_byte_exact(
             receivers = {r: PdfabricKVReceiver(m, f"127.0.0.1:{server.port}", ROOM) for r, m in dec.managers.items()}
             for rx in receivers.values():
                 rx.init(0)
-            assert wait(list(receivers.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * len(receivers)
+            assert poll_until(list(receivers.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * len(
+                receivers
+            )
             dst = {r: (dec.pools[r].allocate_pages(PAGES)[::-1], 2, 3) for r in dec.ranks}  # pages, state slot, aux row
             for r, rx in receivers.items():
                 pages, slot, aux = dst[r]
                 rx.send_metadata(np.asarray(pages, np.int32), aux, [np.asarray([slot], np.int32)])
             senders = {r: PdfabricKVSender(m, f"127.0.0.1:{server.port}", ROOM) for r, m in pre.managers.items()}
-            assert wait(list(senders.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * len(senders)
+            assert poll_until(list(senders.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * len(
+                senders
+            )
             for r, tx in senders.items():
                 shard = cp_page_shard(PAGES, pre.group.cp, r.cp_rank, all_ranks_send=pre.group.all_cp_ranks_transfer)
                 pages = pre.pools[r].allocate_pages(len(shard))
@@ -221,7 +215,7 @@ def test_sglang_classes_move_kv_state_aux_byte_exact(
                 if half:
                     tx.send(np.asarray(pages[:half], np.int32))  # a chunked prefill's first chunk
                 tx.send(np.asarray(pages[half:], np.int32), [np.asarray([1], np.int32)])  # the last chunk
-            done = wait([*senders.values(), *receivers.values()], {KVPoll.Success})
+            done = poll_until([*senders.values(), *receivers.values()], {KVPoll.Success})
             assert done == [KVPoll.Success] * len(done), [o.reason for o in (*senders.values(), *receivers.values())]
             assert [e for r in dec.ranks for e in mismatches(dec, r, *dst[r], geo=geo)] == []
             # The agents counted what the geometry says moves, state once (CP dedup), which is the

@@ -24,6 +24,7 @@ import pytest
 from pdfabric_core.policy.types import Role
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.synthetic import aux_chunk, kv_chunk, state_chunk
+from tests.e2e.sglang_rooms import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -147,15 +148,6 @@ def mismatches(pool: Any, room: int, pages: list[int], slot: int, aux: int) -> l
     return errors
 
 
-def wait(objs: list[Any], until: set[int], timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = [int(o.poll()) for o in objs]
-        if all(s in until or s == 0 for s in states) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.005)
-
-
 def resolve_prefill_dp(mgr: Any, port: int, room: int) -> int:
     """The prefill DP group as SGLang's decode queue finds it: its fast path (the router's rank, one
     group, or room % dp_size), else the bootstrap server's ``/query_dp_ranks``, until it answers."""
@@ -207,20 +199,20 @@ def test_two_decode_dp_groups_each_receive_their_own_room_and_a_live_rank_is_not
             receivers = {room: PdfabricKVReceiver(dec.managers[d], addr, room) for room, (_, d) in routes.items()}
             for room, rx in receivers.items():
                 rx.init(found[room])
-            assert wait(list(receivers.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * 2
+            assert poll_until(list(receivers.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * 2
             # Both decode groups put the request in the same places of their own memory.
             dst = {room: (dec.pools[d].allocate_pages(PAGES), 1, 1) for room, (_, d) in routes.items()}
             for room, rx in receivers.items():
                 pages, slot, aux = dst[room]
                 rx.send_metadata(np.asarray(pages, np.int32), aux, [np.asarray([slot], np.int32)])
-            assert wait(list(senders.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * 2
+            assert poll_until(list(senders.values()), {KVPoll.WaitingForInput}) == [KVPoll.WaitingForInput] * 2
             for room, tx in senders.items():
                 pool = pre.pools[routes[room][0]]
                 pages = pool.allocate_pages(PAGES)
                 fill(pool, room, pages, slot=0, aux=0)
                 tx.init(PAGES, 0)
                 tx.send(np.asarray(pages, np.int32), [np.asarray([0], np.int32)])
-            done = wait([*senders.values(), *receivers.values()], {KVPoll.Success})
+            done = poll_until([*senders.values(), *receivers.values()], {KVPoll.Success})
             assert done == [KVPoll.Success] * 4, [o.reason for o in (*senders.values(), *receivers.values())]
             assert {s.decode_dp for s in senders.values()} == {0, 1}
             for room, (_, d) in routes.items():

@@ -9,7 +9,6 @@ sender stages them for Mooncake's TCP); ``cpu``: in the agents' shared-memory di
 from __future__ import annotations
 
 import ctypes
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ torch = pytest.importorskip("torch")
 from pdfabric_core.policy.types import Role  # noqa: E402
 from pdfabric_core.rankmap import Rank, replica_ranks  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
+from tests.e2e.sglang_rooms import poll_until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -76,15 +76,6 @@ class Rank_:
         self.pool.close()
 
 
-def wait(objs: list[Any], until: int, timeout_s: float = 60.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = [int(o.poll()) for o in objs]
-        if all(s in (until, 0) for s in states) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.005)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_stock_metadata_buffers_and_kv_move_byte_exact_through_sglangs_classes(
     device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -118,17 +109,17 @@ def test_stock_metadata_buffers_and_kv_move_byte_exact_through_sglangs_classes(
             receivers = {d: PdfabricKVReceiver(r.manager, f"127.0.0.1:{server.port}", ROOM) for d, r in dst.items()}
             for rx in receivers.values():
                 rx.init(0)
-            assert wait(list(receivers.values()), KVPoll.WaitingForInput) == [KVPoll.WaitingForInput] * 2
+            assert poll_until(list(receivers.values()), {KVPoll.WaitingForInput}, 60.0) == [KVPoll.WaitingForInput] * 2
             dst_pages = {d: r.pool.allocate_pages(PAGES)[::-1] for d, r in dst.items()}
             for d, rx in receivers.items():
                 rx.send_metadata(np.asarray(dst_pages[d], np.int32), dst_row, None)
             sender = PdfabricKVSender(src.manager, f"127.0.0.1:{server.port}", ROOM)
-            assert wait([sender], KVPoll.WaitingForInput) == [KVPoll.WaitingForInput]
+            assert poll_until([sender], {KVPoll.WaitingForInput}, 60.0) == [KVPoll.WaitingForInput]
             src_pages = src.pool.allocate_pages(PAGES)
             sender.init(PAGES, src_row)
             sender.send(np.asarray(src_pages[:3], np.int32))  # a chunked prefill's first chunk
             sender.send(np.asarray(src_pages[3:], np.int32))  # the last
-            done = wait([sender, *receivers.values()], KVPoll.Success)
+            done = poll_until([sender, *receivers.values()], {KVPoll.Success}, 60.0)
             assert done == [KVPoll.Success] * 3, [o.reason for o in (sender, *receivers.values())]
 
             want_meta = src.meta_rows()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from pdfabric_core.rankmap import Rank, replica_ranks  # noqa: E402
 from pdfabric_core.traffic import pair_traffic  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 from pdfabric_devcluster.synthetic import aux_chunk, kv_chunk  # noqa: E402
+from tests.e2e.sglang_rooms import poll_until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -214,15 +214,6 @@ def kv_mismatches(side: Side, rank: Rank, pages: list[int], aux: int) -> list[st
     return errors
 
 
-def wait(objs: list[Any], until: set[int], timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = [int(o.poll()) for o in objs]
-        if all(s in until or s == 0 for s in states) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.005)
-
-
 def sglang_classes() -> dict[str, Any]:
     """SGLang's classes for ``--disaggregation-transfer-backend pdfabric``: the plugin's entry point
     and SGLang's hook application, as ``load_plugins()`` runs them (the distribution's entry point
@@ -282,12 +273,12 @@ def test_typed_state_moves_byte_exact_under_sglangs_classes(
             receivers = {r: classes["RECEIVER"](m, f"127.0.0.1:{server.port}", ROOM) for r, m in dec.managers.items()}
             for rx in receivers.values():
                 rx.init(0)
-            assert set(wait(list(receivers.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
+            assert set(poll_until(list(receivers.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
             dst_pages = {r: dec.pools[r].allocate_pages(PAGES)[::-1] for r in dec.ranks}
             for r, rx in receivers.items():
                 rx.send_metadata(np.asarray(dst_pages[r], np.int32), 2, [np.asarray(dst_idx, np.int32)])
             senders = {r: classes["SENDER"](m, f"127.0.0.1:{server.port}", ROOM) for r, m in pre.managers.items()}
-            assert set(wait(list(senders.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
+            assert set(poll_until(list(senders.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
             for r, tx in senders.items():
                 pages = pre.pools[r].allocate_pages(PAGES)
                 fill_kv(pre, r, pages, aux=0)
@@ -299,7 +290,7 @@ def test_typed_state_moves_byte_exact_under_sglangs_classes(
                 tx.init(PAGES, 0)
                 tx.send(np.asarray(pages[:2], np.int32))  # a chunked prefill's first chunk
                 tx.send(np.asarray(pages[2:], np.int32), [np.asarray(src_idx, np.int32)])
-            done = wait([*senders.values(), *receivers.values()], {KVPoll.Success})
+            done = poll_until([*senders.values(), *receivers.values()], {KVPoll.Success})
             assert done == [KVPoll.Success] * len(done), [o.reason for o in (*senders.values(), *receivers.values())]
             errors = [e for r in dec.ranks for e in kv_mismatches(dec, r, dst_pages[r], 2)]
             for r in dec.ranks:
