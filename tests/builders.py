@@ -242,6 +242,21 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "decode.tp must divide model.kvHeads",
     ),
     (
+        "packed-latent-on-mha",
+        {"model": {"kvPacking": "packedFp8", "dtype": "float8_e4m3fn"}},
+        "it needs kvKind MLA, dtype float8_e4m3fn and kvLoraRank a multiple of 128",
+    ),
+    (
+        "packed-latent-in-bfloat16",
+        {"model": {"kvKind": "MLA", "kvPacking": "packedFp8"}},
+        "it needs kvKind MLA, dtype float8_e4m3fn and kvLoraRank a multiple of 128",
+    ),
+    (
+        "packed-latent-rank-not-whole-scale-blocks",
+        {"model": {"kvKind": "MLA", "kvPacking": "packedFp8", "dtype": "float8_e4m3fn", "kvLoraRank": 200}},
+        "it needs kvKind MLA, dtype float8_e4m3fn and kvLoraRank a multiple of 128",
+    ),
+    (
         "layer-split-cp-does-not-divide-state-layers",
         {"prefill": {"cp": 2, "dsaCacheLayerSplit": True}, "model": {"stateLayers": 3}},
         "model.stateLayers must be divisible by prefill.cp",

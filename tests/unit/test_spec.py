@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS
-from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, MemPool, Transport
+from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, KvPacking, MemPool, Transport
 from pdfabric_core.spec import (
     DTYPE_BYTES,
     DecodeEngineSpec,
@@ -113,6 +113,7 @@ VOCABULARY = [
     ("transfer.memPool", [m.value for m in MemPool]),
     ("transfer.transport", [AUTO_TRANSPORT, *(t.value for t in Transport)]),
     ("model.kvKind", [k.value for k in KvKind]),
+    ("model.kvPacking", [k.value for k in KvPacking]),
     ("model.dtype", list(DTYPE_BYTES)),
     ("placement.fallback", [f.value for f in FallbackPolicy]),
 ]

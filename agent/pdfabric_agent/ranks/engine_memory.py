@@ -19,7 +19,7 @@ import mmap
 import os
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdfabric_agent.memory.plan import MemoryMap
@@ -30,9 +30,9 @@ from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareK
 from pdfabric_agent.ranks.engine_state import state_items
 from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
-from pdfabric_core.policy.types import Device, KvKind, MemPool, Role, Transport
+from pdfabric_core.policy.types import Device, KvKind, KvPacking, MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank
-from pdfabric_core.spec import PDClusterSpec
+from pdfabric_core.spec import ModelGeometry, PDClusterSpec
 
 _SHARE_DEVICE = {ShareKind.SHM: Device.CPU, ShareKind.CUDA_IPC: Device.CUDA}
 
@@ -117,7 +117,8 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
     if reg.kv_page_bytes != want_page:
         raise layout_mismatch(
             f"{reg.kv_page_bytes} KV bytes per page registered; {where} has {want_page} "
-            f"({geo.describe_page(group.tp)}): check spec.model against the engine's model, TP size and KV dtype"
+            f"({geo.describe_page(group.tp)}){_packing_hint(geo, reg.kv_page_bytes)}: check spec.model against the "
+            "engine's model, TP size and KV dtype"
         )
     kv_pages = _slots(kv, reg.kv_page_bytes, "KV", "pages")
     items, state_slots = state_items(reg, spec, group.tp, where)
@@ -146,6 +147,17 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         page_order=reg.page_order,
         kv_buffers=geo.kv_buffers,
     )
+
+
+def _packing_hint(geo: ModelGeometry, registered: int) -> str:
+    """When an MLA registration's pages are the model's latent under the other kvPacking, say so
+    (SGLang packs the fp8 DSA latent for its FlashMLA kernels, and not for trtllm or tilelang)."""
+    if geo.kv_kind is not KvKind.MLA or geo.dtype != "float8_e4m3fn":
+        return ""
+    other = replace(geo, kv_packing=KvPacking.NONE if geo.packed else KvPacking.PACKED_FP8)
+    if other.head_page_bytes != registered:
+        return ""
+    return f"; the engine's pages are the latent with spec.model.kvPacking {other.kv_packing.value} ({other.describe_page(1)})"
 
 
 def _slots(shares: Sequence[BufferShare], unit: int, kind: str, what: str) -> int:

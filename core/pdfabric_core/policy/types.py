@@ -59,6 +59,25 @@ class KvKind(enum.StrEnum):
     MLA = "MLA"  # one latent buffer per layer (DeepSeek's MLA), whole on every attention-TP rank
 
 
+class KvPacking(enum.StrEnum):
+    """spec.model.kvPacking: how one token of an MLA latent is stored (its bytes follow from the kind)."""
+
+    NONE = "none"  # kvLoraRank + qkRopeHeadDim elements of model.dtype
+    # SGLang's DSA pool with an fp8 KV cache (DeepSeek-V3.2; MLABufferInfo.packed_fp8): kvLoraRank fp8
+    # bytes, a float32 scale per 128 of them, then qkRopeHeadDim bfloat16 (656 bytes for 512 + 64).
+    PACKED_FP8 = "packedFp8"
+
+
+# SGLang's DSATokenToKVPool.quant_block_size: latent elements per float32 scale of the packed fp8 latent.
+PACKED_FP8_BLOCK = 128
+
+
+def packed_fp8_token_bytes(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """Bytes of one token of the packed fp8 latent (SGLang's ``calculate_mla_kv_cache_dim`` for an
+    fp8 DSA pool): the fp8 latent, its float32 block scales, the bfloat16 rope part."""
+    return kv_lora_rank + kv_lora_rank // PACKED_FP8_BLOCK * 4 + qk_rope_head_dim * 2
+
+
 class StateKind(enum.StrEnum):
     """spec.model.stateKind: how a request's state is indexed (policy/state_slices.py plans each)."""
 

@@ -17,7 +17,17 @@ from pdfabric_core.images import default_agent_image
 from pdfabric_core.policy.chunking import DEFAULT_MAX_BATCH_ENTRIES
 from pdfabric_core.policy.rank_mapping import all_cp_ranks_send, kv_buffers_per_layer, local_heads, tp_kv_heads
 from pdfabric_core.policy.transports import implied_transport
-from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, MemPool, StateKind, Transport
+from pdfabric_core.policy.types import (
+    AUTO_TRANSPORT,
+    Backend,
+    FallbackPolicy,
+    KvKind,
+    KvPacking,
+    MemPool,
+    StateKind,
+    Transport,
+    packed_fp8_token_bytes,
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -112,6 +122,9 @@ class ModelGeometry:
     head_dim: int = 128
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
+    # MLA only: packedFp8 is SGLang's DSA fp8 latent (fp8 latent, float32 block scales, bf16 rope);
+    # its bytes a token follow from kvLoraRank and qkRopeHeadDim (dtype float8_e4m3fn).
+    kv_packing: KvPacking = KvPacking.NONE
     dtype: str = "bfloat16"
     page_size_tokens: int = 16
     state_bytes_per_request: int = 0
@@ -149,9 +162,21 @@ class ModelGeometry:
         return self.kv_lora_rank + self.qk_rope_head_dim if self.kv_kind is KvKind.MLA else self.head_dim
 
     @property
+    def packed(self) -> bool:
+        """The latent is SGLang's packed fp8 (spec.model.kvPacking packedFp8)."""
+        return self.kv_kind is KvKind.MLA and self.kv_packing is KvPacking.PACKED_FP8
+
+    @property
+    def head_token_bytes(self) -> int:
+        """Bytes of one head of one token: head width x dtype, or the packed latent's own bytes."""
+        if self.packed:
+            return packed_fp8_token_bytes(self.kv_lora_rank, self.qk_rope_head_dim)
+        return self.head_width * self.dtype_bytes
+
+    @property
     def head_page_bytes(self) -> int:
         """Bytes of one head of one page of one KV buffer."""
-        return self.page_size_tokens * self.head_width * self.dtype_bytes
+        return self.page_size_tokens * self.head_token_bytes
 
     @property
     def state_tensors(self) -> tuple[int, ...]:
@@ -189,6 +214,12 @@ class ModelGeometry:
     def describe_page(self, tp: int) -> str:
         """How one page's bytes come about, for refusals that name a mismatch."""
         heads = local_heads(tp, self.tp_kv_heads)
+        if self.packed:
+            r, rope = self.kv_lora_rank, self.qk_rope_head_dim
+            return (
+                f"{self.page_size_tokens} tokens x a packed fp8 latent of {self.head_token_bytes} bytes "
+                f"(kvLoraRank {r} fp8 + {r // 128} float32 scales + qkRopeHeadDim {rope} bfloat16)"
+            )
         per = (
             f"a latent of {self.head_width} (kvLoraRank {self.kv_lora_rank} + qkRopeHeadDim {self.qk_rope_head_dim})"
             if self.kv_kind is KvKind.MLA

@@ -10,7 +10,16 @@ from pdfabric_core.images import AGENT_IMAGE_CUDA, CUDA_SUFFIX, names_cpu_agent_
 from pdfabric_core.policy.rank_mapping import kv_routes, validate_pp, validate_tp
 from pdfabric_core.policy.state_slices import shard_range
 from pdfabric_core.policy.transports import Locality, mem_pool_traits, transport_traits
-from pdfabric_core.policy.types import Backend, FallbackPolicy, KvKind, MemPool, StateKind, Transport
+from pdfabric_core.policy.types import (
+    PACKED_FP8_BLOCK,
+    Backend,
+    FallbackPolicy,
+    KvKind,
+    KvPacking,
+    MemPool,
+    StateKind,
+    Transport,
+)
 from pdfabric_core.quantity import QuantityError, parse_quantity
 from pdfabric_core.spec.model import (
     DTYPE_BYTES,
@@ -64,6 +73,7 @@ def validate_spec(spec: PDClusterSpec) -> None:
             f"model.stateLayers ({spec.model.state_layers}) must be divisible by prefill.cp "
             f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
         )
+    _validate_packing(spec)
     _validate_state(spec)
     _validate_transport(spec)
     _validate_agent_image(spec)
@@ -235,6 +245,25 @@ def _validate_transport(spec: PDClusterSpec) -> None:
                 f"{spec.intra_node_group_gpus} GPUs exceed placement.maxGpusPerNode "
                 f"({spec.placement.max_gpus_per_node}); lower TP/CP/PP or replicas, or use transport nvlink or rdma"
             )
+
+
+def _validate_packing(spec: PDClusterSpec) -> None:
+    """kvPacking packedFp8 is SGLang's DSA fp8 latent: MLA, fp8 e4m3, whole scale blocks (CRD CEL)."""
+    m = spec.model
+    if m.kv_packing is KvPacking.NONE:
+        return
+    if m.kv_kind is not KvKind.MLA:
+        raise SpecError("model.kvPacking packedFp8 is SGLang's packed MLA latent (DeepSeek-V3.2): set kvKind MLA")
+    if m.dtype != "float8_e4m3fn":
+        raise SpecError(
+            f"model.kvPacking packedFp8 stores the latent as float8_e4m3fn with float32 scales: set dtype "
+            f"float8_e4m3fn (got {m.dtype}), or kvPacking none for an unpacked latent"
+        )
+    if m.kv_lora_rank % PACKED_FP8_BLOCK:
+        raise SpecError(
+            f"model.kvPacking packedFp8 keeps a float32 scale per {PACKED_FP8_BLOCK} latent elements: "
+            f"model.kvLoraRank must be a multiple of {PACKED_FP8_BLOCK}, got {m.kv_lora_rank}"
+        )
 
 
 def _validate_state(spec: PDClusterSpec) -> None:

@@ -1,0 +1,109 @@
+"""DeepSeek-V3.2 (DSA) as SGLang registers it (issue 25): the packed fp8 latent is an MLA KV packing
+the spec describes (its bytes a token derived, never free-form), and the registration of SGLang's
+own ``DSATokenToKVPool`` fits it; what does not fit is refused naming the field."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.ranks.engine_memory import MemoryRules, engine_layout
+from pdfabric_core.policy.types import KvPacking, MemPool, Role, Transport, packed_fp8_token_bytes
+from pdfabric_core.rankmap import Rank
+from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
+from pdfabric_core.traffic import estimate_traffic
+from tests.sglang_dsa import INDEX_PAGE, PACKED_TOKEN, PAGE_TOKENS, dsa_kv_args, dsa_model, dsa_pool
+
+pytest.importorskip("torch")
+
+TCP = MemoryRules(Transport.TCP, Transport.TCP, MemPool.NONE, engine_moves_gpu=False)
+LAYERS = 3
+
+
+def spec(model: dict[str, Any], prefill: dict[str, Any] | None = None) -> PDClusterSpec:
+    return parse_spec({"prefill": prefill or {"tp": 1}, "transfer": {"transport": "tcp"}, "model": model})
+
+
+def latent_only(layers: int = LAYERS) -> dict[str, Any]:
+    return {k: v for k, v in dsa_model(layers).items() if not k.startswith("state")}
+
+
+def test_the_packed_latent_is_656_bytes_a_token_derived_from_the_latent() -> None:
+    assert packed_fp8_token_bytes(512, 64) == PACKED_TOKEN == 656  # 512 fp8 + 4 float32 scales + 64 bf16
+    geo = spec(latent_only()).model
+    assert geo.kv_packing is KvPacking.PACKED_FP8 and geo.packed
+    assert (geo.head_token_bytes, geo.kv_page_bytes(1), geo.kv_page_bytes(8)) == (656, 64 * 656, 64 * 656)
+    assert "packed fp8 latent of 656 bytes (kvLoraRank 512 fp8 + 4 float32 scales" in geo.describe_page(1)
+    unpacked = spec({**latent_only(), "kvPacking": "none"}).model
+    assert unpacked.head_token_bytes == 576  # the raw fp8 latent (SGLang's trtllm/tilelang DSA layout)
+    # The status's prediction counts the packed pages: 4096 tokens = 64 pages of 3 layers, one decode rank.
+    assert estimate_traffic(spec(latent_only())).kv_bytes == 64 * LAYERS * 64 * 656
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [
+        ({"kvKind": "MHA"}, "set kvKind MLA"),
+        ({"dtype": "bfloat16"}, r"set dtype float8_e4m3fn \(got bfloat16\)"),
+        ({"kvLoraRank": 200}, "kvLoraRank must be a multiple of 128, got 200"),
+    ],
+    ids=["mha", "bfloat16", "partial-scale-block"],
+)
+def test_a_packed_latent_the_engine_cannot_have_is_refused_naming_the_field(model: dict[str, Any], named: str) -> None:
+    with pytest.raises(SpecError, match=named):
+        spec({**latent_only(), **model})
+
+
+# ---------------------------------------------------------------- SGLang's own pool registered
+def sglang_dsa_args(tmp_path: Path, layers: int = LAYERS, pages: int = 4) -> tuple[Any, Any, Any]:
+    """SGLang's DSATokenToKVPool in ``tmp_path`` and its KVArgs (aux rows from a reference pool)."""
+    from pdfabric_refengine import KVPool, kv_args
+
+    pool = dsa_pool(str(tmp_path), layers=layers, pages=pages)
+    aux = KVPool(
+        layers=1, local_heads=1, head_dim=8, num_pages=1, page_size=PAGE_TOKENS, shm_dir=str(tmp_path), mla=True
+    )
+    args = kv_args(aux, engine_rank=0, page_size=PAGE_TOKENS, kv_head_num=1, total_kv_head_num=1)
+    return pool, aux, dsa_kv_args(pool, args)
+
+
+def kv_only(args: Any) -> Any:
+    """The KVArgs without their state components (the latent alone)."""
+    out = types.SimpleNamespace(**vars(args))
+    out.state_types = []
+    return out
+
+
+def test_sglangs_dsa_pool_registers_its_packed_latent_which_fits_the_spec(tmp_path: Path) -> None:
+    from pdfabric_sglang.kvargs import registration
+
+    pool, aux, args = sglang_dsa_args(tmp_path)
+    try:
+        assert pool.kv_cache_dim == PACKED_TOKEN and args.kv_item_lens == [PAGE_TOKENS * PACKED_TOKEN] * LAYERS
+        reg = registration("prefill-0-tp0-cp0", kv_only(args), is_mla=True, gpu=None, aux_inline=True)
+        rank = Rank(Role.PREFILL, 0, 0)
+        lay = engine_layout(reg, spec(latent_only()), rank, TCP)
+        assert (lay.kv_buffers, lay.layers, lay.page_bytes, lay.kv_pages) == (1, LAYERS, 64 * 656, 5)
+        # Against the unpacked latent it is refused, and the refusal names the packing that fits.
+        with pytest.raises(ApiError) as exc:
+            engine_layout(reg, spec({**latent_only(), "kvPacking": "none"}), rank, TCP)
+        assert "41984 KV bytes per page registered; prefill-0-tp0-cp0 (TP 1, PP stage 0 of 1) has 36864" in str(
+            exc.value.message
+        )
+        assert "the engine's pages are the latent with spec.model.kvPacking packedFp8" in exc.value.message
+    finally:
+        aux.close()
+
+
+def test_sglangs_dsa_indexer_is_one_page_state_tensor_a_layer(tmp_path: Path) -> None:
+    pool, aux, args = sglang_dsa_args(tmp_path)
+    try:
+        assert [str(getattr(t, "value", t)) for t in args.state_types] == ["dsa"]
+        assert args.state_item_lens == [[INDEX_PAGE] * LAYERS]
+        assert [int(b.shape[0]) for b in pool.index_k_with_scale_buffer] == [5] * LAYERS  # pages + SGLang's padding
+    finally:
+        aux.close()
