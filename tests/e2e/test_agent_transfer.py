@@ -251,6 +251,9 @@ def test_aux_path_follows_policy(transfer: dict[str, Any], path: str) -> None:
             assert lc.metric_sum("pdfabric_transfer_bytes_total", role=role, kind="aux", path=path) == aux
             other = "mooncake" if path != "mooncake" else "tcp-side-channel"
             assert lc.metric_sum("pdfabric_transfer_bytes_total", role=role, kind="aux", path=other) == 0
+        if path == "mooncake":
+            # The aux row rides in the KV's batch: one engine round trip for the room, not two.
+            assert lc.metric_sum("pdfabric_transfer_batches_total", role="prefill") == 1
 
 
 def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:

@@ -1,8 +1,8 @@
 """Moving one planned target's bytes through the rank's backend, and counting what moved.
 
 Two ways, chosen by what the backend declares:
-- engine only: KV, then state, then aux, each as block batches chunked to the engine's limit, one
-  worker call per chunk (``write_engine``);
+- engine only: KV, state and aux blocks in one list, chunked to the engine's limit, one worker call
+  per batch (``write_engine``): the small state and aux blocks ride in the KV's last batch;
 - with a kernel path (``backend.kernel``): the KV as whole page lists and the small state and aux
   batches launched back to back on the sender's stream without waiting (``launch``, from the API
   call that made the room ready), then waited for in one worker call (``land``). What the kernel
@@ -72,12 +72,16 @@ class RoomWriter:
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
 
-    def count(self, room: PrefillRoom, by_path: BytesByPath, path: str, kind: Kind, moved: int, blocks: int) -> None:
-        """Count one confirmed batch under the path that really moved it."""
+    def count(
+        self, room: PrefillRoom, by_path: BytesByPath, path: str, kind: Kind, moved: int, blocks: int, batches: int = 1
+    ) -> None:
+        """Count one confirmed batch (or one kind's part of a mixed batch: ``batches`` 0) under the
+        path that really moved it."""
         labels = self.ctx.traffic_labels(Role.PREFILL, path)
         metrics.transfer_bytes.labels(*labels, kind.value).inc(moved)
         metrics.transfer_blocks.labels(*labels).inc(blocks)
-        metrics.transfer_batches.labels(*labels).inc()
+        if batches:
+            metrics.transfer_batches.labels(*labels).inc(batches)
         room.moved[kind.value] += moved
         by_path.setdefault(path, zero_bytes())[kind.value] += moved
 
@@ -124,10 +128,31 @@ class RoomWriter:
     async def write_engine(
         self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: BytesByPath
     ) -> None:
-        await self.write_kv(local, peer, plan, room, by_path)
-        await self.write(local, peer, plan.state, Kind.STATE, room, by_path)
-        # Aux rows go as one batch of their own through the engine (upstream send_aux).
-        await self.write(local, peer, plan.aux, Kind.AUX, room, by_path)
+        """KV, state and aux in as few engine batches as the limit allows: a room's (or a final
+        chunk's) small state and aux blocks ride in the KV's last batch instead of a sync round trip
+        each (upstream Mooncake sends aux as a batch of its own; each costs a round trip after the
+        last chunk). A batch is all or nothing, so the kinds are counted once it is confirmed."""
+        loop = asyncio.get_running_loop()
+        kvp = plan.kv_pages
+        if plan.kv or kvp is None or not kvp.num_pages:
+            kv: Sequence[Block] = plan.kv
+        elif kvp.units <= LOOP_SUBMIT_BLOCKS:
+            kv = kvp.blocks(self.ctx.cfg.coalesce)  # a small table: not worth a worker hop
+        else:
+            kv = await loop.run_in_executor(self.ctx.workers, kvp.blocks, self.ctx.cfg.coalesce)
+        tagged = [(Kind.KV, b) for b in kv] + [(Kind.STATE, b) for b in plan.state] + [(Kind.AUX, b) for b in plan.aux]
+        backend = local.backend
+        for batch in chunk_batch(tagged, min(backend.max_batch_entries, self.ctx.spec.transfer.max_batch_entries)):
+            if room.state.finished:  # aborted or cancelled meanwhile: what is not sent yet never lands
+                raise TransferError(f"room {room.room} ended ({room.reason}); its remaining batches are not sent")
+            blocks = [b for _, b in batch]
+            used = await loop.run_in_executor(self.ctx.workers, backend.write_batch, peer, blocks) or backend.path
+            per_kind: dict[Kind, list[int]] = {}
+            for kind, b in batch:
+                n = per_kind.setdefault(kind, [0, 0])
+                n[0], n[1] = n[0] + b.length, n[1] + 1
+            for i, (kind, (moved, count)) in enumerate(per_kind.items()):
+                self.count(room, by_path, used, kind, moved, count, batches=1 if i == 0 else 0)
 
     # ------------------------------------------------------------ kernel path: launch now, land later
     def launch(
