@@ -142,7 +142,8 @@ def test_decode_answering_failed_fails_the_room_without_blaming_the_peer(tmp_pat
 def test_engine_only_backend_gets_coalesced_blocks(tmp_path: Path) -> None:
     backend = Backend(kernel=False, takes=False)
     sent, _ = run_room(tmp_path, backend, list(range(40)))
-    assert backend.calls == [("engine", 8), ("engine", 2), ("engine", 2)]  # one run per layer and K/V
+    # One run per layer and K/V, and the state and aux blocks in the same engine batch.
+    assert backend.calls == [("engine", 8 + 2 + 2)]
     assert sent["bytes_by_path"] == {"mooncake": {"kv": KV_BYTES, "state": 64, "aux": 24}}
 
 
