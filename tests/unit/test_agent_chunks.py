@@ -104,12 +104,15 @@ def test_a_room_fed_in_chunks_moves_each_at_once_and_reports_the_whole_room_once
     assert len([c for c in launches[1] if c[0] == "submit_pages"]) == 2
     assert len([c for c in backend.calls if c[0] == "submit_pages"]) == 3
     assert [c[0] for c in backend.calls if c[0] == "submit_blocks"] == ["submit_blocks", "submit_blocks"]
-    assert not [c for c in backend.calls if c[0] == "mark"]  # no completion marks stand for a part of a room
-    assert [p for p, _ in posts] == ["/v1/peer/done"]
-    body = posts[0][1]
+    # With the final chunk's launch, decode is told the completion marks of all five launches and
+    # the whole room's bytes (it watches them instead of waiting for the report); not before.
+    assert [p for p, _ in posts] == ["/v1/peer/launched", "/v1/peer/done"]
+    notice, body = posts[0][1], posts[1][1]
+    assert len(notice["marks"]) == len([c for c in backend.calls if c[0] == "mark"]) == 5
     whole = agent.sender.targets.plan_target(room, local, target)[0]
     assert whole.kv_pages is not None
     assert body["bytes_by_path"]["nvlink-kernel"]["kv"] == whole.kv_pages.nbytes == room.moved["kv"]
+    assert notice["bytes_by_path"] == body["bytes_by_path"]
     assert room.marks["first-byte"] <= room.marks["chunk:3"] <= room.marks["chunk:6"]
 
 

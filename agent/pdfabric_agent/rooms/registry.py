@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdfabric_agent.memory.completion import CompletionMark
 from pdfabric_agent.protocol.errors import conflict, unknown_room
 from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_wire import RoomInfo
@@ -50,6 +51,11 @@ class Target:
     fed: int = 0
     fed_final: bool = False
     deliveries: asyncio.Queue[Delivery] = field(default_factory=asyncio.Queue)
+    # The completion marks of the target's kernel launches so far and what they carry, while every
+    # launch was wholly the kernel's (``RoomWriter.launch``): the final one sends them all to decode.
+    marked: list[CompletionMark] = field(default_factory=list)
+    marked_bytes: KindBytes = field(default_factory=zero_bytes)
+    all_marked: bool = True
 
 
 @dataclass(kw_only=True)

@@ -203,9 +203,7 @@ class TargetSender:
         if kernel is None:
             delivery: Delivery = EngineDelivery(self.writer, local, room, plan, peer)
         else:
-            # Completion marks stand for the done report only when one launch carries the room.
-            notify = pages.start == 0 and final
-            launch = self.writer.launch(room, local, target, plan, peer, kernel, notify=notify)
+            launch = self.writer.launch(room, local, target, plan, peer, kernel, final=final)
             delivery = KernelDelivery(self.writer, local, room, target, launch)
         delivery.final = final
         return delivery

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pdfabric_agent.memory.completion import CompletionMark
 from pdfabric_agent.memory.plan import Block, TransferPlan
 from pdfabric_agent.peers.client import PEER_ERRORS
+from pdfabric_agent.protocol.fields import MAX_MARKS
 from pdfabric_agent.protocol.labels import Kind
 from pdfabric_agent.protocol.peer_answers import SourceAnswer
 from pdfabric_agent.protocol.peer_wire import LaunchNotice
@@ -164,11 +165,12 @@ class RoomWriter:
         peer: str,
         kernel: KernelPath,
         *,
-        notify: bool = True,
+        final: bool = True,
     ) -> Launch:
         """Launch what the kernel takes, without waiting. A launch that fails is kept in ``error``:
-        whatever went before it is waited for first (``land``). ``notify``: this launch carries
-        the whole room, so its completion marks may stand for the done report."""
+        whatever went before it is waited for first (``land``). ``final``: the target's last launch
+        (a one-shot room's only one): when every launch of the target was wholly the kernel's,
+        their completion marks, all of them, may stand for the done report."""
         launch = Launch(plan, peer, kernel)
         by_path = launch.by_path
         try:
@@ -190,22 +192,10 @@ class RoomWriter:
                 else:
                     launch.later.append(functools.partial(self.write, local, peer, blocks, kind, room, by_path))
             room.marks[f"launched:{target.decode_rank}"] = self.ctx.clock()
-            # Not under spec.transfer.verify: there decode is Success only on the checksummed report.
-            if (
-                notify
-                and launch.launched
-                and not launch.later
-                and not plan.aux_tcp
-                and not self.ctx.spec.transfer.verify
-            ):
-                marks = [kernel.completion_mark(x.handle) for x in launch.launched]
-                if all(m is not None for m in marks):
-                    # While the kernels run: the decode agent watches the marks instead of awaiting a report.
-                    launch.notice = asyncio.ensure_future(
-                        self._notify_launched(
-                            room, target, [m for m in marks if m is not None], local.backend.path, launch
-                        )
-                    )
+            self._keep_marks(target, launch, plan)
+            if final and target.all_marked and target.marked:
+                # While the kernels run: the decode agent watches the marks instead of awaiting a report.
+                launch.notice = asyncio.ensure_future(self._notify_launched(room, target, local.backend.path))
         except Exception as exc:  # raised by `land` once what did go has landed
             launch.error = exc
         return launch
@@ -248,12 +238,23 @@ class RoomWriter:
             return
         room.marks[f"notified:{target.decode_rank}"] = self.ctx.clock()
 
-    async def _notify_launched(
-        self, room: PrefillRoom, target: Target, marks: list[CompletionMark], path: str, launch: Launch
-    ) -> SourceAnswer:
-        sent = zero_bytes()
+    def _keep_marks(self, target: Target, launch: Launch, plan: TransferPlan) -> None:
+        """Add this launch's completion marks to the target's, or note that they cannot stand for
+        its bytes: part of it goes another way (the engine, the report's side channel), or this
+        cluster verifies (decode is Success only on the checksummed report)."""
+        kernel = launch.kernel
+        marks = [kernel.completion_mark(x.handle) for x in launch.launched] if launch.launched else []
+        whole = bool(marks) and not launch.later and not plan.aux_tcp and not self.ctx.spec.transfer.verify
+        if not whole or any(m is None for m in marks) or len(target.marked) + len(marks) > MAX_MARKS:
+            target.all_marked = False
+            return
+        target.marked.extend(m for m in marks if m is not None)
         for x in launch.launched:
-            sent[x.kind.value] += x.nbytes
-        notice = LaunchNotice(room.room, target.decode_rank, room.rank, {path: sent}, tuple(marks))
+            target.marked_bytes[x.kind.value] += x.nbytes
+
+    async def _notify_launched(self, room: PrefillRoom, target: Target, path: str) -> SourceAnswer:
+        notice = LaunchNotice(
+            room.room, target.decode_rank, room.rank, {path: dict(target.marked_bytes)}, tuple(target.marked)
+        )
         timeout_s = max(0.1, min(5.0, room.deadline - self.ctx.clock()))
         return await self.ctx.peers.post(target.agent, notice, timeout_s)
