@@ -21,7 +21,6 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdfabric_agent.memory.completion import CompletionMark
 from pdfabric_agent.memory.plan import Block, TransferPlan
 from pdfabric_agent.peers.client import PEER_ERRORS
 from pdfabric_agent.protocol.fields import MAX_MARKS
