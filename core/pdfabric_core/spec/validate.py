@@ -62,7 +62,9 @@ def validate_spec(spec: PDClusterSpec) -> None:
         validate_pp(spec.prefill.pp, spec.decode.pp)
     except ValueError as exc:
         raise SpecError(str(exc)) from exc
-    if spec.model.state_bytes_per_request % spec.model.state_layers:
+    # Equal layers only without stateTensorBytes: typed tensors have sizes of their own (V4's SWA pages,
+    # compress rings and C128 rings sum to no multiple of their count).
+    if not spec.model.state_tensor_bytes and spec.model.state_bytes_per_request % spec.model.state_layers:
         raise SpecError(
             f"model.stateBytesPerRequest ({spec.model.state_bytes_per_request}) must be divisible by "
             f"model.stateLayers ({spec.model.state_layers}): each state layer has the same size; "
