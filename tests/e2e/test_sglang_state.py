@@ -35,7 +35,7 @@ from pdfabric_core.rankmap import Rank, replica_ranks  # noqa: E402
 from pdfabric_core.traffic import pair_traffic  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 from pdfabric_devcluster.synthetic import aux_chunk, kv_chunk  # noqa: E402
-from tests.e2e.sglang_rooms import poll_until  # noqa: E402
+from tests.e2e.sglang_rooms import poll_until, sglang_classes  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -212,24 +212,6 @@ def kv_mismatches(side: Side, rank: Rank, pages: list[int], aux: int) -> list[st
         if buf.numpy().view(np.uint8)[aux].tobytes() != aux_chunk(ROOM, item, 64):
             errors.append(f"{rank.rank_id} aux item {item}")
     return errors
-
-
-def sglang_classes() -> dict[str, Any]:
-    """SGLang's classes for ``--disaggregation-transfer-backend pdfabric``: the plugin's entry point
-    and SGLang's hook application, as ``load_plugins()`` runs them (the distribution's entry point
-    is not installed in this process's environment), then SGLang's own ``get_kv_class``."""
-    from pdfabric_sglang.plugin import register
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    register()
-    HookRegistry.apply_hooks()
-    from sglang.srt.disaggregation import utils
-
-    backend = utils.TransferBackend("pdfabric")
-    return {
-        kind: utils.get_kv_class(backend, getattr(utils.KVClassType, kind))
-        for kind in ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
-    }
 
 
 @pytest.fixture

@@ -107,3 +107,60 @@ def test_sglangs_dsa_indexer_is_one_page_state_tensor_a_layer(tmp_path: Path) ->
         assert [int(b.shape[0]) for b in pool.index_k_with_scale_buffer] == [5] * LAYERS  # pages + SGLang's padding
     finally:
         aux.close()
+
+
+# ---------------------------------------------------------------- the indexer state beside MLA
+def test_sglangs_dsa_kvargs_register_as_page_state_beside_the_latent_and_fit_the_spec(tmp_path: Path) -> None:
+    from pdfabric_sglang.kvargs import registration
+
+    _pool, aux, args = sglang_dsa_args(tmp_path)
+    try:
+        reg = registration("prefill-0-tp0-cp0", args, is_mla=True, gpu=None, aux_inline=True)
+        parts = reg.state_parts
+        assert parts is not None and (parts.kind.value, parts.source) == ("page", "dsa")
+        assert (parts.item_bytes, parts.sharded, len(reg.state)) == ((INDEX_PAGE,) * LAYERS, (True,) * LAYERS, LAYERS)
+        lay = engine_layout(reg, spec(dsa_model(LAYERS), {"tp": 2}), Rank(Role.PREFILL, 0, 0), TCP)
+        assert (lay.state_kind, lay.state_items, lay.state_slots) == ("page", (INDEX_PAGE,) * LAYERS, 5)
+        # A spec that leaves the indexer out is refused with the fields that describe it.
+        with pytest.raises(ApiError) as exc:
+            engine_layout(reg, spec(latent_only()), Rank(Role.PREFILL, 0, 0), TCP)
+        assert (
+            f'"stateKind": "page", "stateTensorBytes": [{INDEX_PAGE}, {INDEX_PAGE}, {INDEX_PAGE}]' in exc.value.message
+        )
+    finally:
+        aux.close()
+
+
+def test_page_state_beside_mla_is_whole_pages_of_the_latents_one_head() -> None:
+    geo = spec(dsa_model(LAYERS), {"tp": 4}).model
+    assert geo.state_item_bytes(4) == geo.state_item_bytes(1) == (INDEX_PAGE,) * LAYERS  # whole on every TP rank
+    with pytest.raises(SpecError, match="not whole pages of 64 tokens x 1 KV heads"):
+        spec({**dsa_model(LAYERS), "stateTensorBytes": [INDEX_PAGE + 1] * LAYERS})
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode_tp", "senders"),
+    [
+        ({"tp": 2}, 1, {(0, 0): 2}),  # one prefill rank sends each decode rank its state, with its latent
+        ({"tp": 1}, 2, {(0, 0): 4}),  # every decode rank gets the whole state
+        ({"cp": 2, "allCpRanksTransfer": True}, 1, {(0, 0): 2, (0, 1): 0}),  # CP rank 0 only: dedup
+        ({"cp": 2, "allCpRanksTransfer": True, "dsaCacheLayerSplit": True}, 1, {(0, 0): 1, (0, 1): 1}),
+    ],
+    ids=["tp2-tp1", "tp1-tp2", "cp2-dedup", "cp2-layer-split"],
+)
+def test_the_indexer_state_moves_by_the_page_rule_with_cp_dedup_and_the_layer_split(
+    prefill: dict[str, Any], decode_tp: int, senders: dict[tuple[int, int], int]
+) -> None:
+    """Per sending prefill rank (tp, cp): indexer layer-pages it moves per page (two layers), by every
+    rule at once."""
+    from pdfabric_core.duties import replica_duties
+
+    s = parse_spec({"prefill": prefill, "decode": {"tp": decode_tp}, "transfer": {"transport": "tcp"},
+                    "model": dsa_model(2)})  # fmt: skip
+    got: dict[tuple[int, int], int] = {}
+    for d in replica_duties(s, 5):
+        key = (d.prefill_tp_rank, d.cp_rank)
+        got[key] = got.get(key, 0) + d.duties.state_bytes // INDEX_PAGE
+        if d.duties.state_skipped:
+            assert d.duties.skipped_state_bytes == 2 * INDEX_PAGE
+    assert {k: v for k, v in got.items() if v or k in senders} == senders

@@ -182,7 +182,6 @@ def test_the_legacy_state_is_a_list_of_equal_replicated_slot_tensors() -> None:
         ({"tp": 4}, {"stateTensorBytes": [6], "stateTensorSharded": [True]}, "does not split evenly"),
         ({"tp": 1, "pp": 2}, {"stateTensorBytes": [64]}, "pipeline parallelism"),
         ({"tp": 1}, {"stateKind": "page", "stateTensorBytes": [100]}, "not whole pages"),
-        ({"tp": 1}, {"stateKind": "page", "stateTensorBytes": [256], "kvKind": "MLA"}, "kvKind MHA"),
         ({"tp": 1}, {"stateKind": "row", "stateTensorBytes": [8], "stateTensorSharded": [True]}, "row is whole"),
         ({"tp": 1}, {"stateTensorBytes": [8, 8], "stateLayers": 3}, "disagree with model.stateTensorBytes"),
         ({"tp": 1}, {"stateTensorBytes": [8], "stateTensorSharded": [True], "stateTensorBlocks": [[4, 2]]}, "sum to"),
@@ -357,7 +356,7 @@ def test_an_swa_state_on_an_mha_model_is_page_state() -> None:
 @pytest.mark.parametrize(
     ("names", "extra", "is_mla", "words"),
     [
-        (["dsa"], {}, False, "'dsa' state"),
+        (["dsa"], {}, False, "'dsa' indexer state beside an MHA pool"),
         (["swa", "block_scale_swa"], {}, False, r"\['block_scale_swa'\] would not move"),
         (["mamba", "dsa"], {}, False, r"\['dsa'\] would not move"),
         (["swa"], {}, True, "beside MLA"),

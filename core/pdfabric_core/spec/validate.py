@@ -300,16 +300,14 @@ def _validate_state(spec: PDClusterSpec) -> None:
             raise SpecError(
                 "model.stateKind page: every state tensor is sharded by KV heads; leave stateTensorSharded out"
             )
-        if m.kv_kind is not KvKind.MHA:
-            raise SpecError(
-                "model.stateKind page (an SWA hybrid's window pages) is head-sliced like MHA KV: kvKind MHA"
-            )
-        unit = m.kv_heads * m.page_size_tokens
+        # Beside MLA (DSA's indexer pages) the state is whole on every attention-TP rank, like the latent.
+        heads = m.tp_kv_heads
+        unit = heads * m.page_size_tokens
         bad = [w for w in tensors if w % unit]
         if bad:
             raise SpecError(
                 f"model.stateTensorBytes {bad[0]} is not whole pages of {m.page_size_tokens} tokens x "
-                f"{m.kv_heads} KV heads: a page state tensor's item is one page of every KV head"
+                f"{heads} KV heads: a page state tensor's item is one page of every KV head"
             )
         return
     if kind is StateKind.ROW and any(sharded):

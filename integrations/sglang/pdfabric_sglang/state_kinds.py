@@ -6,7 +6,9 @@ SGLang's state type tells how a room indexes it, which is the rule its bytes mov
 (pdfabric_core.policy.state_slices): ``mamba`` by slot, its tensors of different sizes and each
 head-sharded over attention TP where ``state_dim_per_tensor`` is above 0 (GDN's conv state in
 q, k and v sub-blocks sharded apart: ``state_conv_shard_groups``); ``swa`` by page (the
-window pages of an SWA hybrid's sub-pool, heads sharded like KV); ``request_row`` one whole row a
+window pages of an SWA hybrid's sub-pool, heads sharded like KV); ``dsa`` by page too (DeepSeek-V3.2's
+indexer keys and scales beside its MLA latent, one page item a layer, indexed by the request's KV
+pages and whole on every attention-TP rank, like the latent); ``request_row`` one whole row a
 request."""
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pdfabric_agent.protocol.buffers import StateParts
 from pdfabric_core.policy.types import StateKind
 from pdfabric_sglang.shares import UnshareableBuffer
 
-KIND_OF = {"mamba": StateKind.SLOT, "swa": StateKind.PAGE, "request_row": StateKind.ROW}
+KIND_OF = {"mamba": StateKind.SLOT, "swa": StateKind.PAGE, "dsa": StateKind.PAGE, "request_row": StateKind.ROW}
+# SGLang's state types that may sit beside an MLA latent (a hybrid MLA pool is refused before).
+BESIDE_MLA = ("dsa", "mamba")
 
 
 def state_type_names(args: Any) -> list[str]:
@@ -47,12 +51,21 @@ def state_parts(args: Any, *, is_mla: bool) -> StateParts | None:
     name = names[0]
     if not moved:
         raise UnshareableBuffer(
-            f"SGLang's {name!r} state: pdfabric moves mamba (slot), swa (page) and request_row (row) state only"
+            f"SGLang's {name!r} state: pdfabric moves mamba (slot), swa and dsa (page) and request_row (row) state only"
         )
-    if is_mla and name != "mamba":  # DeepSeek-V3.2's indexer arrives as 'dsa', V4's sets as several
-        raise UnshareableBuffer(f"state kind {name!r} beside MLA: pdfabric moves slot-indexed (Mamba) state only")
+    if is_mla and name not in BESIDE_MLA:  # V4's state sets arrive as several components, refused above
+        raise UnshareableBuffer(
+            f"state kind {name!r} beside MLA: pdfabric moves DSA's indexer (page) and Mamba (slot) state beside MLA"
+        )
+    if name == "dsa" and not is_mla:
+        raise UnshareableBuffer("SGLang's 'dsa' indexer state beside an MHA pool: DSA pools are MLA pools")
     kind = KIND_OF[name]
     items = [int(i) for i in args.state_item_lens[0]]
+    if name == "dsa" and min(items, default=1) < 1:
+        raise UnshareableBuffer(
+            f"DSA indexer layers without index keys (item bytes {items}: SGLang's shared top-k layers, "
+            "skip_topk_layers / index-K elision, GLM-5 and LongCat): pdfabric moves an indexer page on every layer"
+        )
     if len(set(items)) != 1 and kind is not StateKind.SLOT:
         raise UnshareableBuffer(f"{name} state buffers of different item sizes {sorted(set(items))}")
     outer = _per_tensor(args, "state_slice_outer_counts", len(items), 1)
