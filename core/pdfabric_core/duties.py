@@ -66,6 +66,9 @@ class Duties:
     dst_layer_offset: int = 0  # decode local layer = prefill local layer + this (PP stages)
     state_slices: tuple[StateSlice, ...] = ()  # what moves of each state tensor, per state index
     skipped_state_bytes: int = 0  # per state index, what the dedup rule dropped
+    # Draft KV layers (model.draftLayers) this pair moves by the same route and page shard: the
+    # last PP stage's, into the decode rank's draft layers (SGLang: only that stage runs the draft).
+    draft_layers: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -158,6 +161,7 @@ def sender_duties(
         dst_layer_offset=offset,
         state_slices=() if skip else slices,
         skipped_state_bytes=sum(s.nbytes for s in slices) if skip else 0,
+        draft_layers=m.draft_layers_on(pp, pp_stage),
     )
 
 

@@ -10,7 +10,9 @@ nothing is re-derived here but the byte size of each duty (tests/unit/test_traff
 it equal to what `pdfabric_agent.memory.plan.plan_transfer` plans, over every layout). Per (prefill rank
 -> decode rank) pair:
 - KV: the pages of its CP shard, each KV buffer (K and V, or the MLA latent), for every layer of
-  its PP stage, the route's heads (a whole page, or its head slice under a TP mismatch).
+  its PP stage, the route's heads (a whole page, or its head slice under a TP mismatch); the last
+  PP stage adds the draft's layers (`model.draftLayers`) by the same rule, counted in kv and
+  shown apart as draftKv.
 - State: each state tensor's item (`model.stateTensorBytes`, or `model.stateBytesPerRequest` over
   `model.stateLayers` equal tensors) per state index (a slot or row per request; page state: the
   window pages). The pair carries the slices its duties name (policy/state_slices.py, per state
@@ -42,10 +44,11 @@ DecodeRankKey = tuple[int, int]  # (tp rank, pp stage)
 class PairBytes:
     """Bytes one (prefill rank -> decode rank) pair moves for one request, by kind."""
 
-    kv: int
+    kv: int  # the draft's KV included
     state: int  # with CP-state dedup
     state_skipped: int  # what the dedup rule saved this pair
     aux: int
+    draft_kv: int = 0  # of kv, the draft model's layers
 
     @property
     def total(self) -> int:
@@ -60,7 +63,7 @@ class PairBytes:
 class TrafficEstimate:
     prompt_tokens: int
     pages: int
-    kv_bytes: int
+    kv_bytes: int  # the draft's KV included
     state_bytes: int  # with CP-state dedup
     state_bytes_without_dedup: int
     aux_bytes: int
@@ -69,6 +72,7 @@ class TrafficEstimate:
     max_prefill_rank_bytes_without_dedup: int
     max_decode_rank_bytes: int
     max_decode_rank_bytes_without_dedup: int
+    draft_kv_bytes: int = 0  # of kv_bytes, the draft model's layers (model.draftLayers)
 
     @property
     def total_bytes(self) -> int:
@@ -88,6 +92,7 @@ class TrafficEstimate:
         return {
             "promptTokens": self.prompt_tokens,
             "kv": self.kv_bytes,
+            "draftKv": self.draft_kv_bytes,
             "state": self.state_bytes,
             "aux": self.aux_bytes,
             "total": self.total_bytes,
@@ -113,8 +118,10 @@ def duty_bytes(spec: PDClusterSpec, pair: PairDuties, *, state_slots: int = 1) -
     m, p = spec.model, spec.prefill
     duties = pair.duties
     layers = len(pp_layer_range(m.layers, p.pp, pair.pp_stage))
+    per_layer = len(duties.pages) * m.kv_buffers * duties.route.num_heads * m.head_page_bytes
     return PairBytes(
-        kv=len(duties.pages) * layers * m.kv_buffers * duties.route.num_heads * m.head_page_bytes,
+        kv=(layers + duties.draft_layers) * per_layer,
+        draft_kv=duties.draft_layers * per_layer,
         state=state_slots * duties.state_bytes,
         state_skipped=state_slots * duties.skipped_state_bytes,
         aux=sum(m.aux_row_bytes) if duties.send_aux else 0,
@@ -166,4 +173,5 @@ def estimate_traffic(spec: PDClusterSpec, prompt_tokens: int | None = None) -> T
         max_prefill_rank_bytes_without_dedup=_max(sent, 1),
         max_decode_rank_bytes=_max(received, 0),
         max_decode_rank_bytes_without_dedup=_max(received, 1),
+        draft_kv_bytes=sum(b.draft_kv for b in pairs.values()),
     )

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdfabric_agent.client.api import MappedPools
+from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_core.policy.rank_mapping import global_heads
 from pdfabric_core.policy.state_slices import state_share
 from pdfabric_core.spec import PDClusterSpec
@@ -55,7 +56,7 @@ def expected_bytes(spec: PDClusterSpec, *, pages: int, state_slots: int, aux: bo
     local heads (MLA: the whole latent) once, one copy of the state and of the aux row."""
     geo = spec.model
     dtp = spec.decode.tp
-    kv = pages * geo.layers * geo.kv_buffers * dtp * geo.kv_page_bytes(dtp)
+    kv = pages * (geo.layers + geo.draft_layers) * geo.kv_buffers * dtp * geo.kv_page_bytes(dtp)
     state = dtp * state_slots * sum(geo.state_item_bytes(dtp))  # the legacy state: replicated, whole
     p = spec.prefill
     dedup_applies = p.cp > 1 and p.all_cp_ranks_transfer and not p.dsa_cache_layer_split
@@ -65,6 +66,12 @@ def expected_bytes(spec: PDClusterSpec, *, pages: int, state_slots: int, aux: bo
         aux=dtp * sum(geo.aux_row_bytes) if aux else 0,
         state_skipped=(p.cp - 1) * state if dedup_applies else 0,
     )
+
+
+def _global_layer(spec: PDClusterSpec, lay: PoolLayout, layer: int, first_layer: int) -> int:
+    """A pool layer's number in the model: the stage's target layers from ``first_layer``, then
+    the draft's (after the model's ``layers``, as SGLang's layer ids band them)."""
+    return first_layer + layer if layer < lay.layers else spec.model.layers + layer - lay.layers
 
 
 def _state_share(spec: PDClusterSpec, tensor: int, pos: int, room: int, tp: int, rank: int) -> bytes:
@@ -92,12 +99,12 @@ def fill_prefill(
     lay = pools.layout
     heads = list(global_heads(tp_rank, spec.prefill.tp, spec.model.tp_kv_heads))
     written = 0
-    for layer in range(lay.layers):
+    for layer in range(lay.kv_layers):
         for kv in range(lay.kv_buffers):
             for pos, page in zip(positions, pages, strict=True):
                 for local, head in enumerate(heads):
                     off = lay.kv_offset(layer, kv, page, local)
-                    chunk = kv_chunk(room, first_layer + layer, kv, pos, head, lay.head_bytes)
+                    chunk = kv_chunk(room, _global_layer(spec, lay, layer, first_layer), kv, pos, head, lay.head_bytes)
                     pools.kv[off : off + lay.head_bytes] = chunk
                     written += lay.head_bytes
     for layer in range(lay.state_layers):
@@ -129,15 +136,15 @@ def verify_decode(
     lay = pools.layout
     heads = list(global_heads(tp_rank, spec.decode.tp, spec.model.tp_kv_heads))
     errors: list[str] = []
-    for layer in range(lay.layers):
+    for layer in range(lay.kv_layers):
         for kv in range(lay.kv_buffers):
             for pos, page in enumerate(pages):
                 for local, head in enumerate(heads):
                     off = lay.kv_offset(layer, kv, page, local)
-                    want = kv_chunk(room, first_layer + layer, kv, pos, head, lay.head_bytes)
+                    want = kv_chunk(room, _global_layer(spec, lay, layer, first_layer), kv, pos, head, lay.head_bytes)
                     if pools.kv[off : off + lay.head_bytes] != want:
                         errors.append(
-                            f"kv layer {first_layer + layer} buffer {kv} request page {pos} (slot {page}) head {head}"
+                            f"kv layer {_global_layer(spec, lay, layer, first_layer)} buffer {kv} request page {pos} (slot {page}) head {head}"
                         )
     for layer in range(lay.state_layers):
         for pos, slot in enumerate(state_slots):

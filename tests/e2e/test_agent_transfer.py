@@ -171,6 +171,29 @@ def test_pipeline_stages_land_in_their_decode_layers(prefill: dict[str, Any], de
         check_room(lc, room=61)
 
 
+@pytest.mark.parametrize(
+    ("prefill", "decode", "kv"),
+    [
+        ({"tp": 1}, {"tp": 2}, {}),
+        ({"tp": 2}, {"tp": 1}, {"kvKind": "MLA", "kvLoraRank": 24, "qkRopeHeadDim": 8}),
+        ({"tp": 2, "pp": 2}, {"tp": 1}, {}),
+        ({"tp": 1, "cp": 2, "allCpRanksTransfer": True}, {"tp": 1}, {}),
+    ],
+    ids=["mha-tp1-tp2", "mla-tp2-tp1", "tp2-pp2-into-pp1", "cp2-all-ranks"],
+)
+def test_a_draft_kv_group_lands_in_the_decode_draft_layers(
+    prefill: dict[str, Any], decode: dict[str, Any], kv: dict[str, Any]
+) -> None:
+    """An EAGLE/MTP draft (model.draftLayers) moves by the target's route: head slices, the MLA
+    one-source rule, the last PP stage only, CP page shards; each decode rank's draft layers are
+    byte-exact and the kv counters and per-pair counts equal the prediction (draft included)."""
+    raw = spec(prefill, decode)
+    raw["model"] = {**SMALL_MODEL, "layers": 3, "draftLayers": 1, **kv}
+    with LocalFabric(raw) as lc:
+        assert lc.spec.model.draft_layers == 1
+        check_room(lc, room=71)
+
+
 @pytest.fixture(scope="module")
 def cp4_all_ranks() -> Iterator[LocalFabric]:
     with LocalFabric(spec({"tp": 1, "cp": 4, "allCpRanksTransfer": True}, {"tp": 1})) as lc:

@@ -1,7 +1,8 @@
 """The status prediction equals what the agents plan, over every layout (issue 10, item 12).
 
 For each layout (prefill TP 1-8, decode TP 1-8, prefill CP 1-8, PP 1-4 with decode PP equal or 1,
-layer split on/off, all-ranks transfer on/off, with state and aux; parse_spec rejects the invalid
+layer split on/off, all-ranks transfer on/off, with state and aux, half of them with a draft KV
+group (model.draftLayers); parse_spec rejects the invalid
 ones) the bytes ``traffic.pair_traffic`` predicts for every (prefill rank, decode rank) pair, per
 kind, equal the bytes ``plan_transfer`` plans for it the way the sender does (its
 ``decode_targets`` and ``sender_duties``, real ``PoolLayout``s of each rank's PP stage, real page
@@ -63,6 +64,7 @@ def base_spec(kv_heads: int | str, ptp: int, dtp: int, pp: int, dpp: int) -> PDC
             "stateLayers": 2,
             "stateBytesPerRequest": 2 * STATE_LAYER_BYTES,
             "auxRowBytes": AUX_ROW,
+            "draftLayers": (ptp + dtp + pp) % 2,  # a draft KV group (EAGLE/MTP) in half the layouts
         },
         "placement": {"fallback": "TCP"},
     }
@@ -106,6 +108,7 @@ def layouts() -> tuple[tuple[str, PDClusterSpec, int], ...]:
                 if spec is not None:
                     kind = "mla" if spec.model.kv_kind is KvKind.MLA else f"kv{spec.model.kv_heads}"
                     name = f"{kind}-tp{ptp}to{dtp}-cp{cp}-pp{pp}to{dpp}" + "-split" * split
+                    name += "-draft" * bool(spec.model.draft_layers)
                     out.append((name + "-allranks" * all_ranks, spec, (11, 3)[len(out) % 2]))
     return tuple(out)
 
@@ -224,7 +227,7 @@ def _estimate_mismatches(indices: Iterable[int]) -> list[str]:
         # And against the geometry alone (the synthetic engine's count): every decode rank gets
         # each page's local heads once, one copy of the state and of the aux row.
         geo, d = spec.model, spec.decode
-        assert kv == pages * geo.layers * geo.kv_buffers * d.tp * geo.kv_page_bytes(d.tp), name
+        assert kv == pages * (geo.layers + geo.draft_layers) * geo.kv_buffers * d.tp * geo.kv_page_bytes(d.tp), name
         assert state == d.tp * geo.state_bytes_per_request, name
         assert aux == d.tp * sum(geo.aux_row_bytes), name
         copies = spec.prefill.cp if spec.prefill.all_cp_ranks_send and not spec.prefill.dsa_cache_layer_split else 1

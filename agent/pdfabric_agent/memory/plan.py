@@ -84,7 +84,7 @@ class MemoryMap:
         return cls(
             kv=tuple(
                 bases.kv + layout.kv_offset(layer, kv, 0)
-                for layer in range(layout.layers)
+                for layer in range(layout.kv_layers)
                 for kv in range(layout.kv_buffers)
             ),
             state=tuple(bases.state + layout.state_offset(layer, 0) for layer in range(layout.state_layers)),
@@ -94,14 +94,14 @@ class MemoryMap:
     def check(self, layout: PoolLayout) -> None:
         """ValueError unless there is one address per buffer of ``layout`` (no state buffers when
         its state layers hold no bytes)."""
-        want = (layout.kv_buffers * layout.layers, layout.state_layers, len(layout.aux_items))
+        want = (layout.kv_buffers * layout.kv_layers, layout.state_layers, len(layout.aux_items))
         have = (len(self.kv), len(self.state), len(self.aux))
         if not self.state and not layout.state_bytes:
             want = (want[0], 0, want[2])
         if have != want:
             raise ValueError(
                 f"memory map has {have[0]} KV, {have[1]} state and {have[2]} aux buffers; "
-                f"the layout has {want[0]} ({layout.kv_buffers} per layer of {layout.layers}), {want[1]} and {want[2]}"
+                f"the layout has {want[0]} ({layout.kv_buffers} per layer of {layout.kv_layers}), {want[1]} and {want[2]}"
             )
 
 
@@ -302,6 +302,16 @@ def plan_transfer(
             f"layers {shift}..{shift + src_layout.layers - 1} do not fit the decode pool's {dst_layout.layers} layers"
         )
     layers = range(src_layout.layers)
+    # The draft group (EAGLE/MTP) rides the target's route and pages: its layers follow the
+    # target's on both sides (SGLang appends them after the target's kv_data_ptrs).
+    draft = duties.draft_layers
+    if draft and (src_layout.draft_layers != draft or dst_layout.draft_layers != draft):
+        raise ValueError(
+            f"the route moves {draft} draft KV layers; this side holds {src_layout.draft_layers}, "
+            f"the peer {dst_layout.draft_layers} (model.draftLayers, on the last PP stage)"
+        )
+    draft_src = range(src_layout.layers, src_layout.layers + draft)
+    draft_shift = dst_layout.layers - src_layout.layers
     src_stride, dst_stride = src_layout.page_bytes, dst_layout.page_bytes
     src_limit, dst_limit = src_layout.kv_pages, dst_layout.kv_pages
     if route.whole_page:
@@ -321,8 +331,10 @@ def plan_transfer(
             src_limit, dst_limit = src_limit * tokens, dst_limit * tokens
             src_pages, shard_dst = token_rows(src_pages, tokens), token_rows(shard_dst, tokens)
     plan.kv_pages = KvPages(
-        src_bases=buffer_bases(src_layout, src_map.kv, layers, 0, src_head),
-        dst_bases=buffer_bases(dst_layout, dst_map.kv, layers, shift, dst_head),
+        src_bases=buffer_bases(src_layout, src_map.kv, layers, 0, src_head)
+        + buffer_bases(src_layout, src_map.kv, draft_src, 0, src_head),
+        dst_bases=buffer_bases(dst_layout, dst_map.kv, layers, shift, dst_head)
+        + buffer_bases(dst_layout, dst_map.kv, draft_src, draft_shift, dst_head),
         item=item,
         src_stride=src_stride,
         dst_stride=dst_stride,

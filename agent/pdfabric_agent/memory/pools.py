@@ -61,6 +61,14 @@ class PoolLayout:
     state_items: tuple[int, ...] = ()
     state_whole: tuple[int, ...] = ()
     state_kind: str = "slot"
+    # Draft KV layers (ModelGeometry.draft_layers; the last PP stage only): after the target's
+    # ``layers``, of the same page geometry, so layer index ``layers + d`` is draft layer d.
+    draft_layers: int = 0
+
+    @property
+    def kv_layers(self) -> int:
+        """Every KV layer this rank holds: the target's, then the draft's."""
+        return self.layers + self.draft_layers
 
     def state_item(self, tensor: int) -> int:
         """Bytes of one slot (row, page) of state tensor ``tensor``."""
@@ -106,6 +114,7 @@ class PoolLayout:
             aux_slots=aux_slots,
             page_tokens=geo.page_size_tokens,
             kv_buffers=geo.kv_buffers,
+            draft_layers=geo.draft_layers_on(pp, pp_stage),
         )
 
     @property
@@ -114,7 +123,7 @@ class PoolLayout:
 
     @property
     def kv_bytes(self) -> int:
-        return self.layers * self.kv_buffers * self.kv_pages * self.page_bytes
+        return self.kv_layers * self.kv_buffers * self.kv_pages * self.page_bytes
 
     @property
     def state_bytes(self) -> int:

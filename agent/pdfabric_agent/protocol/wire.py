@@ -21,6 +21,7 @@ from pdfabric_agent.memory.pools import PageOrder, PoolLayout
 from pdfabric_agent.protocol.buffers import BufferShare as BufferShare  # importable from here, as before
 from pdfabric_agent.protocol.buffers import ShareKind as ShareKind
 from pdfabric_agent.protocol.buffers import StateParts, shares_field
+from pdfabric_agent.protocol.draft import DraftKv
 from pdfabric_agent.protocol.errors import malformed, out_of_range
 from pdfabric_agent.protocol.fields import (
     MAX_AUX_ITEMS,
@@ -260,16 +261,26 @@ class MemoryRegistration:
     # The state typed (kind, SGLang's state type, per buffer item bytes and TP sharding); None: the
     # ``state`` buffers are ``state_slot_bytes`` slots each, replicated (an engine before typed state).
     state_parts: StateParts | None = None
+    # The draft model's KV (EAGLE/MTP), a second KV group after the target's; None: no draft.
+    draft: DraftKv | None = None
 
     @property
     def aux_inline(self) -> bool:
         return not self.aux and self.aux_slots > 0
 
-    def kv_buffers(self) -> list[BufferShare]:
-        """Every KV buffer in (layer, buffer) order: each layer's K then V, or its latent."""
+    @property
+    def draft_layers(self) -> int:
+        return self.draft.layers if self.draft is not None else 0
+
+    def target_kv_buffers(self) -> list[BufferShare]:
+        """The target model's KV buffers in (layer, buffer) order: each layer's K then V, or its latent."""
         if self.kv_kind is KvKind.MLA:
             return list(self.latent)
         return [b for pair in zip(self.k, self.v, strict=True) for b in pair]
+
+    def kv_buffers(self) -> list[BufferShare]:
+        """Every KV buffer the agent maps: the target's, then the draft's (``DraftKv.buffers``)."""
+        return self.target_kv_buffers() + (self.draft.buffers() if self.draft is not None else [])
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
@@ -309,6 +320,7 @@ class MemoryRegistration:
             latent=latent,
             instance=field_opt_str(body, "instance"),
             state_parts=StateParts.parse(body.get("state_parts"), len(state)),
+            draft=DraftKv.parse(body.get("draft")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -331,6 +343,7 @@ class MemoryRegistration:
             ),  # an MHA registration reads as it always did
             **({"instance": self.instance} if self.instance else {}),
             **({"state_parts": self.state_parts.to_json()} if self.state_parts else {}),
+            **({"draft": self.draft.to_json()} if self.draft else {}),
         }
 
 

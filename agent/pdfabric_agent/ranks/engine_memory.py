@@ -27,6 +27,7 @@ from pdfabric_agent.memory.pools import DeviceBuffer, Pool, PoolLayout
 from pdfabric_agent.protocol.errors import layout_mismatch
 from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.ranks.engine_draft import draft_buffers
 from pdfabric_agent.ranks.engine_state import state_items
 from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
@@ -102,7 +103,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         raise layout_mismatch(
             f"{reg.kv_kind.value} KV buffers registered, but the PDCluster's model has kvKind {geo.kv_kind.value}"
         )
-    kv = reg.kv_buffers() if len(reg.k) == len(reg.v) else []
+    kv = reg.target_kv_buffers() if len(reg.k) == len(reg.v) else []
     if len(kv) != geo.kv_buffers * len(layers):
         per_layer = "one latent buffer" if geo.kv_kind is KvKind.MLA else "one K and one V buffer"
         raise layout_mismatch(
@@ -120,14 +121,15 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
             f"({geo.describe_page(group.tp)}){_packing_hint(geo, reg.kv_page_bytes)}: check spec.model against the "
             "engine's model, TP size and KV dtype"
         )
-    kv_pages = _slots(kv, reg.kv_page_bytes, "KV", "pages")
+    draft = draft_buffers(reg, geo.draft_layers, geo.draft_layers_on(group.pp, rank.pp_rank), where)
+    kv_pages = _slots(kv + draft, reg.kv_page_bytes, "KV", "pages")
     items, state_slots = state_items(reg, spec, group.tp, where)
     # The aux rows are the engine's own (SGLang's MetadataBuffers): prefill and decode must register
     # the same, which the prefill agent checks on each room's info (PrefillSender._check_dst_layout).
     aux_slots = reg.aux_slots or min(
         (b.nbytes // size for b, size in zip(reg.aux, reg.aux_row_bytes, strict=True)), default=0
     )
-    rules.check("KV", kv, rules.kv_devices)
+    rules.check("KV", kv + draft, rules.kv_devices)
     rules.check("state", reg.state, rules.kv_devices)
     rules.check("aux", reg.aux, frozenset({rules.aux_device}))
     return PoolLayout(
@@ -146,6 +148,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         page_tokens=reg.page_tokens,
         page_order=reg.page_order,
         kv_buffers=geo.kv_buffers,
+        draft_layers=geo.draft_layers_on(group.pp, rank.pp_rank),
     )
 
 

@@ -139,6 +139,11 @@ class ModelGeometry:
     # state: q, k, v; SGLang's state_conv_shard_groups); an empty entry (or none): one block.
     state_tensor_blocks: tuple[tuple[int, ...], ...] = ()
     aux_row_bytes: tuple[int, ...] = DEFAULT_AUX_ROW_BYTES
+    # The speculative draft's KV (EAGLE, MTP/NextN): its layers, appended after the target's in
+    # SGLang's kv_data_ptrs, of the target's KV kind, heads, dims and dtype (SGLang's Mooncake
+    # backend slices every entry by the target's head split), on the same page ids. Only the last
+    # PP stage runs the draft, so only it holds and sends them. 0: no draft KV.
+    draft_layers: int = 0
     # Prompt length the status uses to predict bytes per request; it sizes nothing.
     expected_prompt_tokens: int = 4096
 
@@ -206,6 +211,10 @@ class ModelGeometry:
             heads = local_heads(tp, self.tp_kv_heads)
             return tuple(w * heads // self.tp_kv_heads for w in self.state_tensors)
         return tuple(w // tp if s else w for w, s in zip(self.state_tensors, self.state_sharded, strict=True))
+
+    def draft_layers_on(self, pp: int, pp_stage: int) -> int:
+        """Draft KV layers one PP stage holds: all of them on the last stage, none elsewhere."""
+        return self.draft_layers if pp_stage == pp - 1 else 0
 
     def kv_page_bytes(self, tp: int) -> int:
         """Bytes of one page of one KV buffer (a layer's K, V or latent) on one rank of a TP group."""

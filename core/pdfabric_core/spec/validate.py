@@ -31,6 +31,8 @@ from pdfabric_core.spec.model import (
 )
 from pdfabric_core.spec.pod_overrides import RESERVED_NODE_ENV, check_env_secret, validate_pod
 
+MAX_DRAFT_LAYERS = 64  # the CRD's maximum of model.draftLayers
+
 
 def validate_spec(spec: PDClusterSpec) -> None:
     """The cross-field rules, mirrored from the CRD's CEL so parsed specs are always sane."""
@@ -110,11 +112,17 @@ def validate_spec(spec: PDClusterSpec) -> None:
         ("model.pageSizeTokens", m.page_size_tokens, 1),
         ("model.stateBytesPerRequest", m.state_bytes_per_request, 0),
         ("model.stateLayers", m.state_layers, 1),
+        ("model.draftLayers", m.draft_layers, 0),
         ("model.expectedPromptTokens", m.expected_prompt_tokens, 1),
         ("model.auxRowBytes", min(m.aux_row_bytes, default=0), 0),
     ):
         if value < low:
             raise SpecError(f"{name} must be at least {low}, got {value}")
+    if m.draft_layers > MAX_DRAFT_LAYERS:
+        raise SpecError(
+            f"model.draftLayers must be at most {MAX_DRAFT_LAYERS} (a draft model's KV layers: EAGLE and "
+            f"DeepSeek's MTP have 1), got {m.draft_layers}"
+        )
     for name, port in (
         ("agent.metricsPort", a.metrics_port),
         ("agent.apiPort", a.api_port),

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pdfabric_agent.memory.pools import PageOrder
-from pdfabric_agent.protocol.wire import MemoryRegistration
+from pdfabric_agent.protocol.draft import DraftKv
+from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration
 from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_core.policy.types import MEM_POOL_ENV, KvKind, MemPool, Role
 from pdfabric_core.rankmap import Rank
@@ -121,10 +122,13 @@ def registration(
     scales). Its state component typed (``state_kinds``: Mamba's slots, an SWA hybrid's pages). With ``aux_inline`` the aux buffers stay private (SGLang's CPU MetadataBuffers): only
     their row sizes and row count are registered, and each room's row travels with the send and the view."""
     ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
-    if int(getattr(args, "num_draft_entries", 0) or 0):
-        raise UnshareableBuffer(
-            f"{args.num_draft_entries} draft KV buffers (EAGLE/MTP): pdfabric moves no draft KV yet"
-        )
+    # SGLang appends the draft pool's buffers (EAGLE/MTP) after the target's: split them off.
+    n_draft = int(getattr(args, "num_draft_entries", 0) or 0)
+    if not 0 <= n_draft < len(ptrs):
+        raise UnshareableBuffer(f"{n_draft} draft KV buffers of {len(ptrs)} KV buffers in all")
+    cut = len(ptrs) - n_draft
+    ptrs, lens, items, draft_ptrs = ptrs[:cut], lens[:cut], items[:cut], list(zip(ptrs[cut:], lens[cut:], strict=True))
+    draft_items = list(args.kv_item_lens)[cut:]
     if is_mla and (getattr(args, "mla_compression_ratios", None) or getattr(args, "is_hybrid_mla_backend", False)):
         raise UnshareableBuffer(
             "a compressed or hybrid MLA pool (DeepSeek-V4's): pdfabric moves plain MLA latents only"
@@ -133,9 +137,15 @@ def registration(
         raise UnshareableBuffer(f"{len(ptrs)} KV buffers: an MHA pool has a K and a V buffer per layer")
     if len(set(items)) != 1:
         raise UnshareableBuffer(f"KV buffers of different page sizes {sorted(set(items))}")
+    if (not is_mla and n_draft % 2) or len(set(draft_items)) > 1:
+        raise UnshareableBuffer(
+            f"{n_draft} draft KV buffers of page sizes {sorted(set(draft_items))}: an MHA draft has a K and a V "
+            "buffer per layer, all of one page size"
+        )
     maps = process_mappings()
     shares = [share_of(p, n, gpu, maps) for p, n in zip(ptrs, lens, strict=True)]
     layers = 0 if is_mla else len(ptrs) // 2
+    draft = draft_group([share_of(p, n, gpu, maps) for p, n in draft_ptrs], draft_items, is_mla=is_mla)
     parts = state_parts(args, is_mla=is_mla)
     state = []
     slot_bytes = 0
@@ -166,6 +176,22 @@ def registration(
         aux_row_bytes=aux_rows,
         aux=aux,
         aux_slots=aux_slots,
+        draft=draft,
+    )
+
+
+def draft_group(shares: list[BufferShare], items: Sequence[int], *, is_mla: bool) -> DraftKv | None:
+    """The draft's buffers as the registration's second KV group: its K of every layer then its V
+    (an MHA draft pool's ``get_contiguous_buf_infos``), or its latents (MLA); None without a draft."""
+    if not shares:
+        return None
+    half = 0 if is_mla else len(shares) // 2
+    return DraftKv(
+        kv_kind=KvKind.MLA if is_mla else KvKind.MHA,
+        page_bytes=int(items[0]),
+        k=shares[:half],
+        v=shares[half:] if half else [],
+        latent=[] if half else shares,
     )
 
 
