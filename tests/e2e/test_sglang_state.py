@@ -55,6 +55,11 @@ GDN = {**GEO, "stateTensorBytes": [288, 288, 512, 512], "stateTensorSharded": [T
 SWA_LAYERS = 2
 SWA_PAGE = TOKENS * HEADS * HEAD_DIM * 4  # one page of every KV head, f32
 SWA = {**GEO, "stateKind": "page", "stateTensorBytes": [SWA_PAGE] * (2 * SWA_LAYERS)}
+# An MXFP8 SWA sub-pool (SGLang's MHATokenToKVPoolMXFP8, head dim 32): fp8 K and V pages, then one
+# UE8M0 scale a block of 32 (block_scale_swa), both indexed by the window's pages.
+MX_DIM = 32
+SWA_MXFP8 = {**GEO, "stateKind": "page",
+             "stateTensorBytes": [TOKENS * HEADS * MX_DIM] * (2 * SWA_LAYERS) + [TOKENS * HEADS] * (2 * SWA_LAYERS)}  # fmt: skip
 
 
 class ShmTensors:
@@ -128,7 +133,18 @@ class Side:
             self.pools[rank] = pool
             mp.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of(rank.rank_id)].address)
             args = kv_args(pool, engine_rank=rank.tp_rank, page_size=TOKENS, kv_head_num=heads, total_kv_head_num=HEADS)
-            if kind != "swa":
+            if kind == "swa-mxfp8":  # SGLang's own pool, its buffers in the agents' shared memory
+                from pdfabric_sglang.cpu_pools import shared_cpu_allocations
+                from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+
+                with shared_cpu_allocations(lc.shm_dir):
+                    state = MHATokenToKVPoolMXFP8(size=7 * TOKENS, page_size=TOKENS, dtype=torch.float8_e4m3fn,
+                                                  head_num=heads, head_dim=MX_DIM, layer_num=SWA_LAYERS, device="cpu",
+                                                  enable_memory_saver=False)  # fmt: skip
+                append_state_component(args, StateType.SWA, *state.get_contiguous_buf_infos())
+                append_state_component(args, StateType.BLOCK_SCALE_SWA, *state.get_kv_scale_buf_infos())
+                args.swa_kv_cache_layout = "nhd"
+            elif kind != "swa":
                 state, shm = mamba_pool(self.group.tp, lc.shm_dir, GDN_SHAPE if kind == "gdn" else MAMBA_SHAPE)
                 self._shm.append(shm)
                 append_state_component(args, StateType.MAMBA, *state.get_contiguous_buf_infos(),
@@ -142,7 +158,8 @@ class Side:
                 args.swa_kv_cache_layout = "nhd"
             self.state[rank] = state
             self.managers[rank] = classes["MANAGER"](args, mode, None, False)
-            assert self.managers[rank].registration.state_parts.source == ("swa" if kind == "swa" else "mamba")
+            source = {"swa": "swa", "swa-mxfp8": "swa+block_scale_swa"}.get(kind, "mamba")
+            assert self.managers[rank].registration.state_parts.source == source
 
     def state_items(self, rank: Rank) -> list[Any]:
         """Per state tensor, its [index][item] tensor (Mamba: slot-major; SWA: page-major)."""
@@ -150,6 +167,9 @@ class Side:
         if hasattr(st, "mamba_cache"):
             c = st.mamba_cache
             return [t[i] for t in [*c.conv, c.temporal] for i in range(t.shape[0])]
+        if hasattr(st, "k_scale_buffer"):  # SGLang's MXFP8 pool: K, V, then their scales, page-major
+            bufs = [*st.k_buffer, *st.v_buffer, *st.k_scale_buffer, *st.v_scale_buffer]
+            return [b.view(torch.uint8).view(b.shape[0] // TOKENS, -1) for b in bufs]
         return [b.view(st.num_pages, -1) for b in [*st.k_buffers, *st.v_buffers]]
 
     def close(self) -> None:
@@ -165,7 +185,7 @@ def share(data: bytes, kind: str, tp: int, rank: int, blocks: tuple[int, ...]) -
     """What TP rank ``rank`` of ``tp`` holds of a whole item: a contiguous share of each sub-block in
     turn (Mamba's slice axis is outermost; GDN's conv is q | k | v), or its KV heads of every token
     row (an SWA page)."""
-    if kind != "swa":
+    if not kind.startswith("swa"):
         out, at = b"", 0
         for block in blocks:
             n = block // tp
@@ -224,10 +244,12 @@ def token_file(tmp_path: Path) -> Iterator[Path]:
     [
         ("mamba", 2, 1, MAMBA, [2], [3]),  # a request's slot, in another place on each side
         ("swa", 1, 2, SWA, [6, 3], [1, 4]),  # the window's two pages, in the SWA sub-pool
+        ("swa-mxfp8", 1, 2, SWA_MXFP8, [6, 3], [1, 4]),  # and their block scales, one list of pages
+        ("swa-mxfp8", 2, 2, SWA_MXFP8, [6, 3], [1, 4]),  # equal TP, as SGLang's Mooncake moves them
         ("gdn", 2, 1, GDN, [2], [3]),  # each prefill rank's q, k, v shares to their places
         ("gdn", 1, 2, GDN, [2], [3]),  # each decode rank's q, k, v shares out of one item
     ],
-    ids=["mamba-tp2-tp1", "swa-tp1-tp2", "gdn-tp2-tp1", "gdn-tp1-tp2"],
+    ids=["mamba-tp2-tp1", "swa-tp1-tp2", "swa-mxfp8-tp1-tp2", "swa-mxfp8-tp2-tp2", "gdn-tp2-tp1", "gdn-tp1-tp2"],
 )
 def test_typed_state_moves_byte_exact_under_sglangs_classes(
     kind: str,
@@ -248,6 +270,7 @@ def test_typed_state_moves_byte_exact_under_sglangs_classes(
         token_file.write_text(lc.token)
         monkeypatch.setenv("PDFABRIC_ENGINE_TOKEN_FILE", str(token_file))
         geo = lc.spec.model
+        components = 2 if kind == "swa-mxfp8" else 1
         dec = Side(lc, Role.DECODE, kind, classes, monkeypatch)
         pre = Side(lc, Role.PREFILL, kind, classes, monkeypatch)
         server = classes["BOOTSTRAP_SERVER"]("127.0.0.1", 0)
@@ -258,7 +281,8 @@ def test_typed_state_moves_byte_exact_under_sglangs_classes(
             assert set(poll_until(list(receivers.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
             dst_pages = {r: dec.pools[r].allocate_pages(PAGES)[::-1] for r in dec.ranks}
             for r, rx in receivers.items():
-                rx.send_metadata(np.asarray(dst_pages[r], np.int32), 2, [np.asarray(dst_idx, np.int32)])
+                # One index list a registered component, as SGLang's decode builds them (_swa_payload twice).
+                rx.send_metadata(np.asarray(dst_pages[r], np.int32), 2, [np.asarray(dst_idx, np.int32)] * components)
             senders = {r: classes["SENDER"](m, f"127.0.0.1:{server.port}", ROOM) for r, m in pre.managers.items()}
             assert set(poll_until(list(senders.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
             for r, tx in senders.items():
@@ -271,7 +295,7 @@ def test_typed_state_moves_byte_exact_under_sglangs_classes(
                         as_bytes(items[t])[i * len(mine) : (i + 1) * len(mine)] = np.frombuffer(mine, np.uint8)
                 tx.init(PAGES, 0)
                 tx.send(np.asarray(pages[:2], np.int32))  # a chunked prefill's first chunk
-                tx.send(np.asarray(pages[2:], np.int32), [np.asarray(src_idx, np.int32)])
+                tx.send(np.asarray(pages[2:], np.int32), [np.asarray(src_idx, np.int32)] * components)
             done = poll_until([*senders.values(), *receivers.values()], {KVPoll.Success})
             assert done == [KVPoll.Success] * len(done), [o.reason for o in (*senders.values(), *receivers.values())]
             errors = [e for r in dec.ranks for e in kv_mismatches(dec, r, dst_pages[r], 2)]

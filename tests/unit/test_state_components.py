@@ -38,6 +38,8 @@ MAMBA = {"stateTensorBytes": [480, 480, 512, 512], "stateTensorSharded": [True, 
 # GDN: a conv tensor of q | k | v sub-blocks sharded apart, and a temporal tensor.
 GDN = {"stateTensorBytes": [256, 512], "stateTensorSharded": [True, True], "stateTensorBlocks": [[64, 64, 128], []]}
 SWA = {"stateKind": "page", "stateTensorBytes": [HEADS * TOKENS * 8] * 4}
+# SWA K and V pages, then their MXFP8 block scales (one byte a head a token): SGLang's swa + block_scale_swa.
+SWA_SCALES = {"stateKind": "page", "stateTensorBytes": [HEADS * TOKENS * 8] * 2 + [HEADS * TOKENS] * 2}
 ROW = {"stateKind": "row", "stateTensorBytes": [40, 24]}
 
 
@@ -105,7 +107,9 @@ def play(s: PDClusterSpec, src_idx: list[int], dst_idx: list[int]) -> dict[int, 
     return decode
 
 
-@pytest.mark.parametrize("model", [MAMBA, GDN, SWA, ROW], ids=["slot", "slot-blocks", "page", "row"])
+@pytest.mark.parametrize(
+    "model", [MAMBA, GDN, SWA, SWA_SCALES, ROW], ids=["slot", "slot-blocks", "page", "page-scales", "row"]
+)
 @pytest.mark.parametrize(("ptp", "dtp"), RATIOS)
 def test_each_kinds_rule_lands_every_decode_ranks_share_exactly_once(model: dict[str, Any], ptp: int, dtp: int) -> None:
     s = spec({"tp": ptp}, {"tp": dtp}, **model)
@@ -357,7 +361,8 @@ def test_an_swa_state_on_an_mha_model_is_page_state() -> None:
     ("names", "extra", "is_mla", "words"),
     [
         (["dsa"], {}, False, "'dsa' indexer state beside an MHA pool"),
-        (["swa", "block_scale_swa"], {}, False, r"\['block_scale_swa'\] would not move"),
+        (["swa", "block_scale"], {}, False, r"\['block_scale'\] would not move"),
+        (["swa", "c128_state"], {}, False, r"\['c128_state'\] would not move"),  # DeepSeek-V4's pair
         (["mamba", "dsa"], {}, False, r"\['dsa'\] would not move"),
         (["swa"], {}, True, "beside MLA"),
         (["mamba"], {"state_slice_outer_counts": [[3, 1]]}, False, "Kimi"),

@@ -19,7 +19,7 @@ from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_core.policy.types import MEM_POOL_ENV, KvKind, MemPool, Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
-from pdfabric_sglang.state_kinds import state_parts
+from pdfabric_sglang.state_kinds import state_buffers, state_parts
 
 KVArgs = Any  # SGLang's KVArgs, or any object with its attributes
 FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"  # SGLang's load balance method of PD prefill by default
@@ -150,9 +150,7 @@ def registration(
     state = []
     slot_bytes = 0
     if parts is not None:
-        state = [
-            share_of(p, n, gpu, maps) for p, n in zip(args.state_data_ptrs[0], args.state_data_lens[0], strict=True)
-        ]
+        state = [share_of(p, n, gpu, maps) for p, n in zip(*state_buffers(args, parts), strict=True)]
         slot_bytes = parts.item_bytes[0] if len(set(parts.item_bytes)) == 1 else 0
     aux_rows = list(args.aux_item_lens)
     if aux_inline:

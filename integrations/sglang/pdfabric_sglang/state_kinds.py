@@ -9,7 +9,14 @@ q, k and v sub-blocks sharded apart: ``state_conv_shard_groups``); ``swa`` by pa
 window pages of an SWA hybrid's sub-pool, heads sharded like KV); ``dsa`` by page too (DeepSeek-V3.2's
 indexer keys and scales beside its MLA latent, one page item a layer, indexed by the request's KV
 pages and whole on every attention-TP rank, like the latent); ``request_row`` one whole row a
-request."""
+request.
+
+Several SGLang components on a rank move as one when SGLang indexes them alike on both sides
+(``MERGED``): an SWA hybrid's MXFP8 block scales (``block_scale_swa``) are page state indexed by
+the very window pages of its ``swa`` component (SGLang's prefill and decode both build its indices
+with ``_swa_payload``), so their buffers follow the SWA buffers in one page component and a room's
+one list of state indices serves both. Components indexed apart (DeepSeek-V4's ``swa`` and
+``c128_state``, DSA beside Mamba, the full pool's ``block_scale``) are refused by name."""
 
 from __future__ import annotations
 
@@ -22,6 +29,11 @@ from pdfabric_sglang.shares import UnshareableBuffer
 KIND_OF = {"mamba": StateKind.SLOT, "swa": StateKind.PAGE, "dsa": StateKind.PAGE, "request_row": StateKind.ROW}
 # SGLang's state types that may sit beside an MLA latent (a hybrid MLA pool is refused before).
 BESIDE_MLA = ("dsa", "mamba")
+# SGLang state types that ride with a first component, its indices being that component's own.
+MERGED = {("swa", "block_scale_swa")}
+# SGLang's MXFP8 pool lays its scales out in FA4's interleaved page atom (head-major inside a page)
+# at this page size, flat per token (token-major, as pdfabric slices page state) at any other.
+MXFP8_INTERLEAVED_PAGE = 128
 
 
 def state_type_names(args: Any) -> list[str]:
@@ -41,12 +53,14 @@ def state_parts(args: Any, *, is_mla: bool) -> StateParts | None:
     names = state_type_names(args)
     if not names:
         return None
+    if tuple(names) in MERGED:
+        return _merged(args, names, is_mla=is_mla)
     moved = [n for n in names if n in KIND_OF]
     if len(names) > 1:
         not_moved = [n for n in names if n not in KIND_OF] or names[1:]
         raise UnshareableBuffer(
-            f"state components {names}: pdfabric moves one state component a rank ({', '.join(KIND_OF)}); "
-            f"{not_moved} would not move"
+            f"state components {names}: pdfabric moves one state component a rank ({', '.join(KIND_OF)}), "
+            f"or {' with '.join(next(iter(MERGED)))} as one; {not_moved} would not move"
         )
     name = names[0]
     if not moved:
@@ -103,3 +117,28 @@ def _blocks(args: Any, items: list[int], dims: list[Any]) -> tuple[tuple[int, ..
             continue
         out.append(tuple(whole))
     return tuple(out)
+
+
+def _merged(args: Any, names: list[str], *, is_mla: bool) -> StateParts:
+    """SWA pages and their MXFP8 block scales as one page component: the SWA K and V buffers, then
+    the scales' K and V buffers, each item one window page of this rank's KV heads."""
+    if is_mla:
+        raise UnshareableBuffer(f"state components {names} beside MLA: pdfabric moves slot-indexed (Mamba) state only")
+    if int(getattr(args, "page_size", 0) or 0) == MXFP8_INTERLEAVED_PAGE:
+        raise UnshareableBuffer(
+            f"{names[1]} at page size {MXFP8_INTERLEAVED_PAGE}: SGLang keeps these scales in FA4's interleaved "
+            "page layout (head-major in a page); pdfabric slices page state by token rows. Serve another page size"
+        )
+    items = [int(i) for per in args.state_item_lens[: len(names)] for i in per]
+    return StateParts(StateKind.PAGE, "+".join(names), tuple(items), (True,) * len(items))
+
+
+def state_buffers(args: Any, parts: StateParts | None) -> tuple[list[int], list[int]]:
+    """The data pointers and lengths of the state buffers ``parts`` types, in its order (a merged
+    component's buffers, component after component)."""
+    if parts is None:
+        return [], []
+    n = len(parts.source.split("+"))
+    ptrs = [int(p) for per in args.state_data_ptrs[:n] for p in per]
+    lens = [int(x) for per in args.state_data_lens[:n] for x in per]
+    return ptrs, lens
