@@ -23,6 +23,7 @@ from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.chunks import add_chunk, until_deadline
 from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.targets import EngineDelivery
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from tests.unit.agents import Backend, kernel_agent, record_posts
@@ -142,6 +143,51 @@ def test_an_abort_between_chunks_ends_the_target_fenced_and_moves_nothing_more(t
     assert written == 3 * 2 * agent.spec.model.layers  # chunk 1's pages only (per layer, K and V)
     failures = [body for path, body in posts if path == "/v1/peer/done"]
     assert failures and all(not b["ok"] and b["fenced"] for b in failures)  # decode may reuse its pages at once
+
+
+def test_an_engine_chunk_starts_moving_in_the_call_that_fed_it(tmp_path: Path) -> None:
+    """Nothing of the target in flight: the chunk's first engine batch goes to a worker in the
+    feed itself (the chunk's API call), before the room's task runs; a chunk fed while an earlier
+    one is written waits its turn."""
+    backend = Backend(kernel=False, takes=False)
+    agent, local, room, target = setup(tmp_path, backend, PAGES[:3])
+    posts: list[tuple[str, dict[str, Any]]] = []
+    record_posts(agent, posts)
+    plans: list[TransferPlan] = []
+
+    def batches(plan: TransferPlan) -> list[int]:
+        """The engine batches a plan makes (the test backend takes 16 blocks a batch)."""
+        made = agent.sender.targets.writer.engine_batches(local, plan)
+        assert made is not None
+        return [len(b) for b in made]
+
+    async def go() -> None:
+        room.state = RoomState.TRANSFERRING
+        agent.sender.targets.feed(room, local)  # no room task yet
+        delivery = target.deliveries.get_nowait()
+        assert isinstance(delivery, EngineDelivery) and delivery.first is not None
+        assert await asyncio.wait_for(delivery.first, 5) is None  # written by the worker already
+        assert backend.calls == [("engine", batches(delivery.plan)[0])]  # the rest goes with the task
+        plans.append(delivery.plan)
+        target.deliveries.put_nowait(delivery)
+        add_chunk(agent.sender, local, chunk(3, PAGES[3:6]))  # chunk 1 not confirmed yet: it waits
+        second = target.deliveries._queue[-1]  # type: ignore[attr-defined]
+        assert isinstance(second, EngineDelivery) and second.first is None
+        plans.append(second.plan)
+        run = asyncio.ensure_future(agent.sender._run(room))
+        await asyncio.sleep(0.05)
+        add_chunk(agent.sender, local, chunk(6, PAGES[6:], final=True))
+        plans.append(agent.sender.targets.plan_chunk(room, local, target, range(6, 8))[0])
+        await asyncio.wait_for(run, 5)
+        await agent.close()
+
+    asyncio.run(go())
+    assert room.state is RoomState.SUCCESS, room.reason
+    # Chunk 1 once (its eager batch is not sent again), chunk 2, then the final chunk with its
+    # state and aux blocks in the same batch.
+    assert plans[-1].aux and plans[-1].state
+    assert [n for what, n in backend.calls if what == "engine"] == [n for p in plans for n in batches(p)]
+    assert [p for p, _ in posts] == ["/v1/peer/done"]
 
 
 @pytest.mark.parametrize(

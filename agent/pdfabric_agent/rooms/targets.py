@@ -47,16 +47,33 @@ class Delivery(abc.ABC):
     @abc.abstractmethod
     async def write(self) -> None: ...
 
+    async def settle(self) -> None:
+        """A room that ended before this delivery's turn: wait for what of it already started
+        (then nothing writes into the target any more); raises when that failed."""
+        return None  # nothing starts before its turn unless a subclass says so
+
 
 class EngineDelivery(Delivery):
-    """Through the rank's transfer engine, batch by batch, when the room's task runs."""
+    """Through the rank's transfer engine, batch by batch. When nothing else of the target is in
+    flight, its first batch goes to a worker in the call that fed it (``eager``), as a kernel path
+    launches there, instead of when the room's task gets to it after that call answered."""
 
-    def __init__(self, writer: RoomWriter, local: LocalRank, room: PrefillRoom, plan: TransferPlan, peer: str) -> None:
+    def __init__(
+        self, writer: RoomWriter, local: LocalRank, room: PrefillRoom, plan: TransferPlan, peer: str, eager: bool
+    ) -> None:
         self.writer, self.local, self.room, self.plan, self.peer = writer, local, room, plan, peer
         self.by_path = {}
+        self.batches = writer.engine_batches(local, plan) if eager else None
+        self.first = writer.submit_batch(local, peer, self.batches[0]) if self.batches else None
 
     async def write(self) -> None:
-        await self.writer.write_engine(self.local, self.peer, self.plan, self.room, self.by_path)
+        await self.writer.write_engine(
+            self.local, self.peer, self.plan, self.room, self.by_path, self.batches, self.first
+        )
+
+    async def settle(self) -> None:
+        if self.first is not None:
+            await self.first
 
 
 class KernelDelivery(Delivery):
@@ -71,6 +88,9 @@ class KernelDelivery(Delivery):
 
     async def write(self) -> None:
         await self.writer.land(self.local, self.room, self.target, self.launch)
+
+    async def settle(self) -> None:
+        await self.write()
 
 
 class Unstarted(Delivery):
@@ -198,10 +218,11 @@ class TargetSender:
             plan, peer = self._prepare(room, local, target, pages)
         except Exception as exc:  # raised in the target's task, where its write would have raised it
             return Unstarted(exc, final)
+        idle = not target.writing  # none of the target's earlier deliveries is still being written
         target.writing = True
         kernel = local.backend.kernel
         if kernel is None:
-            delivery: Delivery = EngineDelivery(self.writer, local, room, plan, peer)
+            delivery: Delivery = EngineDelivery(self.writer, local, room, plan, peer, eager=idle)
         else:
             launch = self.writer.launch(room, local, target, plan, peer, kernel, final=final)
             delivery = KernelDelivery(self.writer, local, room, target, launch)
@@ -274,11 +295,10 @@ class TargetSender:
         running = False
         while not queue.empty():
             queued = queue.get_nowait()
-            if isinstance(queued, KernelDelivery):
-                try:
-                    await queued.write()
-                except Exception:
-                    running = True  # a kernel that failed may still run: the target stays writing
+            try:
+                await queued.settle()
+            except Exception:
+                running = running or queued.may_run_on  # a kernel that failed may still run: the target stays writing
         target.writing = running
         raise TransferError(f"room {room.room} ended ({room.reason}) before all its chunks were sent")
 

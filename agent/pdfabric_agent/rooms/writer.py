@@ -44,6 +44,9 @@ TCP_SIDE_CHANNEL = "tcp-side-channel"  # `path` label of aux rows sent in the do
 LOOP_SUBMIT_BLOCKS = 256
 
 
+Batch = list[tuple[Kind, Block]]  # engine blocks, each with the kind it is counted under
+
+
 @dataclass
 class Launched:
     """One kernel launch of a target: its handle and what it carries."""
@@ -125,34 +128,61 @@ class RoomWriter:
         blocks = plan.kv or await loop.run_in_executor(self.ctx.workers, kvp.blocks, self.ctx.cfg.coalesce)
         await self.write(local, peer, blocks, Kind.KV, room, by_path)
 
-    async def write_engine(
-        self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: BytesByPath
-    ) -> None:
-        """KV, state and aux in as few engine batches as the limit allows: a room's (or a final
-        chunk's) small state and aux blocks ride in the KV's last batch instead of a sync round trip
-        each (upstream Mooncake sends aux as a batch of its own; each costs a round trip after the
-        last chunk). A batch is all or nothing, so the kinds are counted once it is confirmed."""
-        loop = asyncio.get_running_loop()
+    def engine_batches(self, local: LocalRank, plan: TransferPlan) -> list[Batch] | None:
+        """The plan's KV, state and aux blocks as engine batches, built here when the KV table is
+        small (None: it is built in a worker). The small state and aux blocks ride in the KV's last
+        batch instead of a sync round trip each (upstream Mooncake sends aux as a batch of its own;
+        each costs a round trip after the last chunk)."""
         kvp = plan.kv_pages
         if plan.kv or kvp is None or not kvp.num_pages:
-            kv: Sequence[Block] = plan.kv
-        elif kvp.units <= LOOP_SUBMIT_BLOCKS:
-            kv = kvp.blocks(self.ctx.cfg.coalesce)  # a small table: not worth a worker hop
-        else:
-            kv = await loop.run_in_executor(self.ctx.workers, kvp.blocks, self.ctx.cfg.coalesce)
+            return self._batches(local, plan, plan.kv)
+        if kvp.units <= LOOP_SUBMIT_BLOCKS:
+            return self._batches(local, plan, kvp.blocks(self.ctx.cfg.coalesce))
+        return None
+
+    def _batches(self, local: LocalRank, plan: TransferPlan, kv: Sequence[Block]) -> list[Batch]:
         tagged = [(Kind.KV, b) for b in kv] + [(Kind.STATE, b) for b in plan.state] + [(Kind.AUX, b) for b in plan.aux]
-        backend = local.backend
-        for batch in chunk_batch(tagged, min(backend.max_batch_entries, self.ctx.spec.transfer.max_batch_entries)):
-            if room.state.finished:  # aborted or cancelled meanwhile: what is not sent yet never lands
-                raise TransferError(f"room {room.room} ended ({room.reason}); its remaining batches are not sent")
-            blocks = [b for _, b in batch]
-            used = await loop.run_in_executor(self.ctx.workers, backend.write_batch, peer, blocks) or backend.path
+        limit = min(local.backend.max_batch_entries, self.ctx.spec.transfer.max_batch_entries)
+        return [list(batch) for batch in chunk_batch(tagged, limit)]
+
+    def submit_batch(self, local: LocalRank, peer: str, batch: Batch) -> asyncio.Future[str | None]:
+        """One engine batch handed to a worker now (it runs while the caller goes on)."""
+        blocks = [b for _, b in batch]
+        return asyncio.get_running_loop().run_in_executor(self.ctx.workers, local.backend.write_batch, peer, blocks)
+
+    async def write_engine(
+        self,
+        local: LocalRank,
+        peer: str,
+        plan: TransferPlan,
+        room: PrefillRoom,
+        by_path: BytesByPath,
+        batches: list[Batch] | None = None,
+        first: asyncio.Future[str | None] | None = None,
+    ) -> None:
+        """The plan's batches one after another (``first``: the first one's write, already
+        started). A batch is all or nothing, so its kinds are counted once it is confirmed."""
+        if batches is None:
+            batches = self.engine_batches(local, plan)
+        if batches is None:
+            kvp = plan.kv_pages
+            assert kvp is not None
+            kv = await asyncio.get_running_loop().run_in_executor(self.ctx.workers, kvp.blocks, self.ctx.cfg.coalesce)
+            batches = self._batches(local, plan, kv)
+        for i, batch in enumerate(batches):
+            if first is None or i > 0:
+                if room.state.finished:  # aborted or cancelled meanwhile: what is not sent yet never lands
+                    raise TransferError(f"room {room.room} ended ({room.reason}); its remaining batches are not sent")
+                write = self.submit_batch(local, peer, batch)
+            else:
+                write = first
+            used = await write or local.backend.path
             per_kind: dict[Kind, list[int]] = {}
             for kind, b in batch:
                 n = per_kind.setdefault(kind, [0, 0])
                 n[0], n[1] = n[0] + b.length, n[1] + 1
-            for i, (kind, (moved, count)) in enumerate(per_kind.items()):
-                self.count(room, by_path, used, kind, moved, count, batches=1 if i == 0 else 0)
+            for j, (kind, (moved, count)) in enumerate(per_kind.items()):
+                self.count(room, by_path, used, kind, moved, count, batches=1 if j == 0 else 0)
 
     # ------------------------------------------------------------ kernel path: launch now, land later
     def launch(
