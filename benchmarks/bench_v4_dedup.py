@@ -108,14 +108,33 @@ def predicted_fast(geo: V4Geometry, tokens: int) -> float:
     return _cache[key]
 
 
+def sensitivity(layers: int) -> list[str]:
+    """The prompt length at which SGLang's reduction reads the seed's figure, for other layer patterns."""
+    patterns = {
+        "2 SWA-only, then 4/128 alternating (assumed)": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(layers - 2)],
+        "4/128 alternating from layer 0": [4 if i % 2 == 0 else 128 for i in range(layers)],
+        "2 SWA-only, then all ratio 4": [0, 0] + [4] * (layers - 2),
+        "2 SWA-only, then all ratio 128": [0, 0] + [128] * (layers - 2),
+    }
+    out = []
+    for name, ratios in patterns.items():
+        g = from_sglang(ratios)
+        eq = [equivalent_pages(g, SEED, w) * PAGE for w in (1, 2)]
+        out.append(
+            f"- {name}: {SEED}% at L ~ {eq[0]:.0f} / {eq[1]:.0f} tokens; 4K: {100 * sglang_reduction(g, 4096):.2f}%"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", default="1024,1100", help="prompt lengths real agents move (comma list)")
     ap.add_argument("--no-agents", action="store_true")
     ap.add_argument("--md", help="also write the table here")
+    ap.add_argument("--ratios", help="the model's compress_ratios, comma list (default: the assumed pattern)")
     args = ap.parse_args()
     os.environ.setdefault("MC_FORCE_TCP", "1")
-    geo = from_sglang()
+    geo = from_sglang([int(r) for r in args.ratios.split(",")] if args.ratios else None)
     agent_lengths = [] if args.no_agents else [int(x) for x in args.agents.split(",") if x]
     lines = [
         f"SGLang's DeepSeek-V4 pools (DeepSeekV4Config defaults {geo.source}), layer ratios "
@@ -146,6 +165,9 @@ def main() -> None:
         f"(L ~ {eq[0] * PAGE:.0f} tokens), {eq[1]:.2f} with two (L ~ {eq[1] * PAGE:.0f}); whole pages step past it",
         f"pdfabric's prediction nearest {SEED}% (L = 1..65536): {pct:.3f}% at L in "
         + ", ".join(f"{a}..{b}" for a, b in runs[:6]),
+        "",
+        "The layer pattern moves the prompt length of the figure (SGLang's bytes, one / two window pages):",
+        *sensitivity(len(geo.ratios)),
         "",
         "What the spec describes differently from SGLang's registration:",
         *(f"- {d}" for d in describe(geo)),
