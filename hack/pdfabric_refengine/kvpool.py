@@ -259,10 +259,12 @@ def kv_args(
     system_dp_rank: int = 0,
     ib_device: str = "",
     cls: Any = None,
+    state_type: str = "mamba",
 ) -> KVArgs:
     """SGLang's KVArgs for `pool`, filled the way its prefill/decode scheduler fills it for an
     MHATokenToKVPool (or, for an ``mla`` pool, an MLATokenToKVPool: one latent per layer, and
-    no KV head counts) with MetadataBuffers and no state pool."""
+    no KV head counts) with MetadataBuffers, and its state buffers as one component of SGLang's
+    ``state_type`` (``mamba``: slot state; ``dsa``: DSA's page-indexed indexer keys beside MLA)."""
     # Imported here: SGLang pulls in its server args, seconds of import a pure compute user
     # (model, pools, prefill/decode) need not pay.
     if cls is None:
@@ -303,10 +305,10 @@ def kv_args(
     try:
         from sglang.srt.disaggregation.base.conn import StateType  # type: ignore[import-untyped,unused-ignore]
 
-        mamba: Any = StateType.MAMBA
+        typed: Any = StateType(state_type)
     except ImportError:  # no SGLang here: its value (StateType is a str enum)
-        mamba = "mamba"
-    args.state_types = [mamba] * len(kinds)
+        typed = state_type
+    args.state_types = [typed] * len(kinds)
     args.state_data_ptrs = [[b.data_ptr for b in k] for k in kinds]
     args.state_data_lens = [[b.nbytes for b in k] for k in kinds]
     args.state_item_lens = [[pool.state_slot_bytes for _ in k] for k in kinds]

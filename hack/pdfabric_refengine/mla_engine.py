@@ -3,10 +3,10 @@ pages and indexer state, decode generates from its pools alone.
 
 Pools (``KVPool(mla=True)``): per layer one latent buffer [pages * page_size, 1, latent_width],
 page-major as SGLang's MLATokenToKVPool, whole on every attention-TP rank; and per layer one state
-buffer of page-indexed indexer keys (DSA's, narrowed): state slot s holds the indexer keys of one
-page, [page_size, index_dim] float32, registered as state after KV and aux. A request's state is
-one slot per page of the request, so ``stateBytesPerRequest`` in the spec is one slot over every
-layer and a request moves ``pages`` slots.
+buffer of page-indexed indexer keys (DSA's, narrowed): state page s holds the indexer keys of KV
+page s, [page_size, index_dim] float32, registered after KV and aux as SGLang registers a DSA
+pool's indexer (state type ``dsa``: page state beside MLA, one page item a layer, so the spec's
+``stateTensorBytes`` is one page per layer and a request moves its pages' items).
 
 Prefill CP: CP rank c writes the latent of its page shard only; the indexer state is whole on
 every CP rank (prefill CP all-gathers before writing state, the second seed's premise), so with
@@ -39,9 +39,9 @@ def mla_spec_model(cfg: MLAConfig = MLA_CONFIG, page_size: int = PAGE_SIZE) -> d
         "qkRopeHeadDim": cfg.qk_rope_head_dim,
         "dtype": DTYPE,
         "pageSizeTokens": page_size,
-        # One state slot (one page of indexer keys) over every layer.
-        "stateBytesPerRequest": cfg.layers * state_slot_bytes(cfg, page_size),
-        "stateLayers": cfg.layers,
+        # SGLang's DSA indexer state: page state, one page of indexer keys a layer.
+        "stateKind": "page",
+        "stateTensorBytes": [state_slot_bytes(cfg, page_size)] * cfg.layers,
         "auxRowBytes": list(AUX_ROW_BYTES),
     }
 

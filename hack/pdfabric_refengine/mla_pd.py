@@ -5,11 +5,11 @@ and indexer state through pdfabric the way SGLang does (``pd.py`` drives the Lla
 
 SGLang's own ``load_plugins()`` and ``get_kv_class`` give the classes; every rank's manager is
 built with ``is_mla_backend`` from SGLang-shaped KVArgs of an MLA pool with page-indexed indexer
-state (``mla_engine.py``), and driven as SGLang's schedulers drive them:
+state registered as SGLang's DSA state type (``mla_engine.py``), and driven as SGLang's schedulers drive them:
 
 - prefill: a sender per rank, polled until decode announced the room, ``init``, the forward pass
-  into the pools, ``send`` in two chunks, the last with the state indices (one slot per page of
-  the request, on every CP rank: its whole indexer state), polled until Success.
+  into the pools, ``send`` in two chunks, the last with the state indices (the request's pages,
+  as SGLang's ``_dsa_pages_payload``, on every CP rank: its whole indexer state), polled until Success.
 - decode: a receiver per rank, ``init``, polled to WaitingForInput, ``send_metadata`` with the
   pages, the aux row and the state slots (the pages' own numbers), polled until Success, then
   greedy generation from the pools alone (latent and indexer keys; no prompt is recomputed).
@@ -75,7 +75,8 @@ def open_mla_engine(
                 if agents and rank_id in agents:
                     os.environ[EngineEnv.AGENT_ADDRESS] = agents[rank_id]
                 pool = pools[g][r]
-                ka = kv_args(pool, engine_rank=r, page_size=pool.page_size, kv_head_num=1, total_kv_head_num=1)
+                ka = kv_args(pool, engine_rank=r, page_size=pool.page_size, kv_head_num=1, total_kv_head_num=1,
+                             state_type="dsa")  # fmt: skip
                 with _attention_dp(d, dp, r):
                     mgr = classes["MANAGER"](ka, mode, None, True)
                 if mgr.rank_id != rank_id:

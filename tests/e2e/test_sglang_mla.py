@@ -41,7 +41,7 @@ def colocated() -> list[list[int]]:
 def predicted(prefill: dict[str, Any], decode_tp: int) -> dict[str, int]:
     """Bytes per kind the decode side receives, from the model's geometry alone: every decode rank
     gets each page's whole latent of every layer once, and each page's indexer keys of every
-    layer once (one state slot per page), and one aux row per request."""
+    layer once (SGLang's DSA state type: page state beside MLA), and one aux row per request."""
     pages = sum(-(-len(p) // PAGE) for p in PROMPTS)
     latent = PAGE * MLA_CONFIG.latent_width * 4  # one page of one layer, float32
     kv = decode_tp * pages * MLA_CONFIG.layers * latent

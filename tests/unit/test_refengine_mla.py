@@ -67,13 +67,15 @@ def test_decode_from_the_pools_equals_colocated_and_each_byte_kind_matters(
 
 def test_kv_args_describe_one_latent_buffer_per_layer_and_page_state(pools: list[KVPool]) -> None:
     pool = pools[0]
-    args = kv_args(pool, engine_rank=0, page_size=16, kv_head_num=1, total_kv_head_num=1)
+    args = kv_args(pool, engine_rank=0, page_size=16, kv_head_num=1, total_kv_head_num=1, state_type="dsa")
     width = MLA_CONFIG.kv_lora_rank + MLA_CONFIG.qk_rope_head_dim
     assert len(args.kv_data_ptrs) == MLA_CONFIG.layers  # no V buffers
     assert args.kv_item_lens == [16 * width * 4] * MLA_CONFIG.layers
+    assert [str(getattr(t, "value", t)) for t in args.state_types] == ["dsa"]  # SGLang's DSA indexer state
     assert args.state_item_lens == [[16 * MLA_CONFIG.index_dim * 4] * MLA_CONFIG.layers]
     spec = mla_spec_model()
-    assert spec["stateBytesPerRequest"] == MLA_CONFIG.layers * 16 * MLA_CONFIG.index_dim * 4
+    assert spec["stateKind"] == "page"
+    assert spec["stateTensorBytes"] == [16 * MLA_CONFIG.index_dim * 4] * MLA_CONFIG.layers
     assert (spec["kvLoraRank"], spec["qkRopeHeadDim"]) == (32, 16)
 
 
