@@ -5,13 +5,19 @@ an engine-side table (client/feed.py) keeps an end final and marks rooms a resta
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from pdfabric_agent.client.feed import LOST, RoomEvents
+from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.views import FeedHello, RoomState, RoomView
+from pdfabric_agent.protocol.wire import ReceiveRequest
 from pdfabric_agent.rooms import feed as feed_mod
 from pdfabric_agent.rooms.feed import RoomFeed
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import Rank
+from tests.unit.agents import make_agent
 
 P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
 
@@ -73,3 +79,31 @@ def test_a_rank_that_sends_nothing_answers_every_room_at_once() -> None:
     early = hello.view_of(42)
     assert early is not None and (early.state, early.sends, early.room) == (RoomState.WAITING_FOR_INPUT, False, 42)
     assert FeedHello(P).view_of(42) is None
+
+
+def test_the_engines_feed_has_a_rooms_end_before_the_source_has_its_answer(tmp_path: Path) -> None:
+    """The done report that completes a decode room: the feed of the room's engine rank (on the
+    request's critical path) takes the Success view before the source's answer is made."""
+    decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
+    order: list[str] = []
+
+    async def go() -> None:
+        sub = decode.ctx.feed.subscribe(D)
+
+        async def engine() -> None:
+            while True:
+                view = await sub.next(5.0)
+                if view is not None and view.room == 81 and view.finished:
+                    order.append(f"feed {view.state.name}")
+                    return
+
+        reader = asyncio.ensure_future(engine())
+        decode.submit_receive(ReceiveRequest(D, 81, [3, 4], [1], 1, 0))
+        report = DoneReport(81, D, P, {"mooncake": {"kv": 1024, "state": 64, "aux": 24}}, ok=True)
+        answer = await decode.accept_done(report)
+        order.append(f"answer {answer.state.name}")
+        await asyncio.wait_for(reader, 5)
+        await decode.close()
+
+    asyncio.run(go())
+    assert order == ["feed SUCCESS", "answer SUCCESS"]

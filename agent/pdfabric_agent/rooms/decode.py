@@ -219,6 +219,10 @@ class DecodeArrivals:
             if not await self._verified(room, local, msg.prefill_rank, msg.checksum):
                 return SourceAnswer(room.state, room.reason)
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
+        if room.state is RoomState.SUCCESS:
+            # The engine's room feed (woken by the room's end) writes before this answer is made:
+            # decode's engine is on the request's critical path, the source's answer is not.
+            await asyncio.sleep(0)
         return SourceAnswer(room.state)
 
     async def _verified(self, room: DecodeRoom, local: LocalRank, prefill_rank: str, theirs: str) -> bool:
