@@ -112,49 +112,19 @@ class MLAModel:
         return [MLACache() for _ in range(tp)]
 
     def _attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, caches: list[MLACache]) -> torch.Tensor:
-        c, wts = self.cfg, self.layers[layer]
-        t = h.shape[0]
-        q = (_rms(h @ wts["q_a"].T) @ wts["q_b"].T).view(t, c.heads, -1)
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], _rope(q[..., c.qk_nope_head_dim :], positions, c.rope_theta)
-        kv = h @ wts["kv_a"].T
-        row = torch.cat([_rms(kv[:, : c.kv_lora_rank]), _rope(kv[:, c.kv_lora_rank :], positions, c.rope_theta)], -1)
-        index_key = h @ wts["idx_k"].T
-        index_q = h @ wts["idx_q"].T
-        tp = len(caches)
-        per_rank = c.heads // tp
-        outs = []
-        for r, cache in enumerate(caches):
-            # Every rank appends the same new rows; what it attends over is its own copy.
-            if len(cache.latent) == layer:
-                cache.latent.append(row)
-                cache.index.append(index_key)
-            else:
-                cache.latent[layer] = torch.cat([cache.latent[layer], row])
-                cache.index[layer] = torch.cat([cache.index[layer], index_key])
-            lat, idx = cache.latent[layer], cache.index[layer]
-            n = lat.shape[0]
-            heads = slice(r * per_rank, (r + 1) * per_rank)
-            latent, k_pe = lat[:, : c.kv_lora_rank], lat[:, c.kv_lora_rank :]
-            k_nope = (latent @ wts["k_b"].T).view(n, c.heads, -1)[:, heads]  # [n, h, nope]
-            v = (latent @ wts["v_b"].T).view(n, c.heads, -1)[:, heads]  # [n, h, v]
-            scores = torch.einsum("thd,nhd->htn", q_nope[:, heads], k_nope)
-            scores = scores + torch.einsum("thd,nd->htn", q_pe[:, heads], k_pe)
-            scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-            # The indexer: a score per (query, past token), causal, the top-k kept and added.
-            index_scores = (index_q @ idx.T) / math.sqrt(c.index_dim)  # [t, n]
-            causal = torch.arange(n)[None, :] > positions[:, None]
-            index_scores = index_scores.masked_fill(causal, float("-inf"))
-            k = min(c.index_topk, n)
-            kth = index_scores.topk(k, dim=-1).values[:, -1:]
-            keep = (index_scores >= kth) & ~causal
-            bias = torch.where(keep, index_scores, torch.full_like(index_scores, float("-inf")))
-            probs = torch.softmax(scores + bias[None], dim=-1)
-            outs.append(torch.einsum("htn,nhd->thd", probs, v))
-        return torch.cat(outs, dim=1).reshape(t, -1) @ wts["o"].T
+        return mla_attention(self.cfg, self.layers[layer], layer, h, positions, caches)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], caches: list[MLACache]) -> torch.Tensor:
         """Logits of the last token of ``tokens``, which follow the caches' tokens (appended)."""
+        return (_rms(self._hidden(tokens, caches)[-1]) @ self.lm_head.T).detach()
+
+    @torch.inference_mode()
+    def forward_all(self, tokens: list[int], caches: list[MLACache]) -> torch.Tensor:
+        """Logits of every token of ``tokens`` [tokens, vocab] (a speculative step's verification)."""
+        return (_rms(self._hidden(tokens, caches)) @ self.lm_head.T).detach()
+
+    def _hidden(self, tokens: list[int], caches: list[MLACache]) -> torch.Tensor:
         if not tokens:
             raise ValueError("at least one token is needed")
         if self.cfg.heads % len(caches):
@@ -168,7 +138,62 @@ class MLAModel:
             x = x + self._attention(layer, _rms(x), positions, caches)
             h = _rms(x)
             x = x + (torch.nn.functional.silu(h @ wts["gate"].T) * (h @ wts["up"].T)) @ wts["down"].T
-        return (_rms(x[-1]) @ self.lm_head.T).detach()
+        return x
+
+
+def mla_attention(
+    c: MLAConfig,
+    wts: dict[str, torch.Tensor],
+    layer: int,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    caches: list[MLACache],
+    *,
+    indexer: bool = True,
+) -> torch.Tensor:
+    """One MLA attention layer (weights ``wts``) over layer ``layer`` of each TP rank's cache, the
+    new rows appended; ``indexer``: the DSA-style indexer picks and biases the attended tokens
+    (else plain causal attention, the MTP draft's layer: its index keys are zeros, never read)."""
+    t = h.shape[0]
+    q = (_rms(h @ wts["q_a"].T) @ wts["q_b"].T).view(t, c.heads, -1)
+    q_nope, q_pe = q[..., : c.qk_nope_head_dim], _rope(q[..., c.qk_nope_head_dim :], positions, c.rope_theta)
+    kv = h @ wts["kv_a"].T
+    row = torch.cat([_rms(kv[:, : c.kv_lora_rank]), _rope(kv[:, c.kv_lora_rank :], positions, c.rope_theta)], -1)
+    index_key = h @ wts["idx_k"].T if indexer else torch.zeros(t, c.index_dim)
+    tp = len(caches)
+    per_rank = c.heads // tp
+    outs = []
+    for r, cache in enumerate(caches):
+        # Every rank appends the same new rows; what it attends over is its own copy.
+        if len(cache.latent) == layer:
+            cache.latent.append(row)
+            cache.index.append(index_key)
+        else:
+            cache.latent[layer] = torch.cat([cache.latent[layer], row])
+            cache.index[layer] = torch.cat([cache.index[layer], index_key])
+        lat, idx = cache.latent[layer], cache.index[layer]
+        n = lat.shape[0]
+        heads = slice(r * per_rank, (r + 1) * per_rank)
+        latent, k_pe = lat[:, : c.kv_lora_rank], lat[:, c.kv_lora_rank :]
+        k_nope = (latent @ wts["k_b"].T).view(n, c.heads, -1)[:, heads]  # [n, h, nope]
+        v = (latent @ wts["v_b"].T).view(n, c.heads, -1)[:, heads]  # [n, h, v]
+        scores = torch.einsum("thd,nhd->htn", q_nope[:, heads], k_nope)
+        scores = scores + torch.einsum("thd,nd->htn", q_pe[:, heads], k_pe)
+        scores = scores / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        causal = torch.arange(n)[None, :] > positions[:, None]
+        if indexer:
+            # The indexer: a score per (query, past token), causal, the top-k kept and added.
+            index_scores = (h @ wts["idx_q"].T @ idx.T) / math.sqrt(c.index_dim)  # [t, n]
+            index_scores = index_scores.masked_fill(causal, float("-inf"))
+            k = min(c.index_topk, n)
+            kth = index_scores.topk(k, dim=-1).values[:, -1:]
+            keep = (index_scores >= kth) & ~causal
+            bias = torch.where(keep, index_scores, torch.full_like(index_scores, float("-inf")))
+        else:
+            bias = torch.zeros(t, n).masked_fill(causal, float("-inf"))
+        probs = torch.softmax(scores + bias[None], dim=-1)
+        outs.append(torch.einsum("htn,nhd->thd", probs, v))
+    return torch.cat(outs, dim=1).reshape(t, -1) @ wts["o"].T
 
 
 def prefill_forward(model: MLAModel, prompt_ids: list[int], tp: int = 1) -> tuple[list[MLACache], int]:

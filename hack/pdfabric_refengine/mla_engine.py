@@ -30,9 +30,10 @@ from pdfabric_refengine.mla import MLACache, MLAConfig, MLAModel, greedy_continu
 MLA_CONFIG = MLAConfig()
 
 
-def mla_spec_model(cfg: MLAConfig = MLA_CONFIG, page_size: int = PAGE_SIZE) -> dict[str, Any]:
-    """The PDCluster's ``spec.model`` for the MLA reference model."""
+def mla_spec_model(cfg: MLAConfig = MLA_CONFIG, page_size: int = PAGE_SIZE, draft_layers: int = 0) -> dict[str, Any]:
+    """The PDCluster's ``spec.model`` for the MLA reference model (with its MTP draft's KV layers)."""
     return {
+        "draftLayers": draft_layers,
         "layers": cfg.layers,
         "kvKind": "MLA",
         "kvLoraRank": cfg.kv_lora_rank,
@@ -115,6 +116,15 @@ def decode_mla(
     """Greedy decode from the decode TP ranks' pools: the first token from the aux row, each TP
     rank's latent from ``pages`` and indexer keys from the state slots of the same numbers (its
     heads attend over its own copy); returns ``max_new_tokens`` tokens, the first included."""
+    caches, first = decode_caches(model, prompt_len, pools, pages, aux_slot)
+    return greedy_continue(model, caches, first, max_new_tokens)
+
+
+def decode_caches(
+    model: MLAModel, prompt_len: int, pools: list[KVPool], pages: list[int], aux_slot: int
+) -> tuple[list[MLACache], int]:
+    """The decode TP ranks' caches read from their pools (latent and indexer keys of ``pages``)
+    and the first token from the aux row."""
     cfg = model.cfg
     page_size = pools[0].page_size
     if len(pages) < pages_for(prompt_len, page_size):
@@ -130,4 +140,4 @@ def decode_mla(
             cache.latent.append(pool.k_buffers[layer][rows, 0].clone())
             cache.index.append(_index_view(pool, layer, cfg.index_dim).reshape(-1, cfg.index_dim)[rows].clone())
         caches.append(cache)
-    return greedy_continue(model, caches, firsts.pop(), max_new_tokens)
+    return caches, firsts.pop()

@@ -33,6 +33,7 @@ from pdfabric_core.rankmap import Rank
 from pdfabric_refengine.engine import pages_for
 from pdfabric_refengine.kvpool import KVPool, kv_args
 from pdfabric_refengine.mla import MLAModel
+from pdfabric_refengine.mla_draft import DraftSide, MTPDraft, decode_speculative, draft_pool, prefill_draft, with_draft
 from pdfabric_refengine.mla_engine import MLA_CONFIG, decode_mla, mla_pool, prefill_mla
 from pdfabric_refengine.pd import Engine, load_backend
 from pdfabric_refengine.rooms import GaveUp, hold_row, outcome, release_row, send_in_two_chunks, wait_all
@@ -49,11 +50,13 @@ def open_mla_engine(
     shm_dir: str = "/dev/shm",
     agents: dict[str, str] | None = None,
     timeout_s: float = 60.0,
+    draft: DraftSide | None = None,
 ) -> Engine:
     """The model, an MLA pool per rank and a registered manager each: ``pools[c][tp]`` per prefill
     CP rank, ``pools[d][tp]`` per decode DP group (attention DP: each group's managers built under
     SGLang's parallel state for that group, as its scheduler publishes it). The rank's place as
-    ``pd.open_engine`` sets it (PDFABRIC_CP_RANK per CP rank, ``agents``)."""
+    ``pd.open_engine`` sets it (PDFABRIC_CP_RANK per CP rank, ``agents``). With ``draft`` each
+    rank's KVArgs carry its draft pool's buffers after the target's (SGLang's num_draft_entries)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     classes = load_backend()
@@ -77,6 +80,8 @@ def open_mla_engine(
                 pool = pools[g][r]
                 ka = kv_args(pool, engine_rank=r, page_size=pool.page_size, kv_head_num=1, total_kv_head_num=1,
                              state_type="dsa")  # fmt: skip
+                if draft is not None:
+                    ka = with_draft(ka, draft.pools[g][r])
                 with _attention_dp(d, dp, r):
                     mgr = classes["MANAGER"](ka, mode, None, True)
                 if mgr.rank_id != rank_id:
@@ -106,7 +111,9 @@ def _attention_dp(group: int, groups: int, tp_rank: int) -> Iterator[None]:
         yield
 
 
-def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_split: bool) -> dict[str, Any]:
+def run_prefill(
+    engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_split: bool, draft: DraftSide | None = None
+) -> dict[str, Any]:
     classes, pools, lock = engine.classes, engine.pools, engine.lock
     prompt = req["prompt"]
     n = pages_for(len(prompt), engine.page_size)
@@ -137,6 +144,8 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_sp
                 s.init(len(shards[c]), aux)
             first = prefill_mla(engine.model, prompt, pools, kv_pages, held, aux, layer_split=layer_split,
                                 room=req["room"])  # fmt: skip
+            if draft is not None:  # the draft's rows on the target's pages
+                prefill_draft(draft.draft, prompt, draft.pools, kv_pages)
             for (c, _), s in senders.items():  # the state (every page's indexer slot) with the last chunk
                 send_in_two_chunks(s, np.asarray(kv_pages[c], dtype=np.int32), [np.asarray(held[c], dtype=np.int32)])
         final = wait_all(engine, senders, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
@@ -153,9 +162,14 @@ def run_prefill(engine: Engine, req: dict[str, Any], bootstrap: str, *, layer_sp
                 pool.free_aux_slot(aux)
 
 
-def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str, Any]:
+def run_decode(
+    engine: Engine, req: dict[str, Any], bootstrap: str, draft: DraftSide | None = None, corrupt_draft: bool = False
+) -> dict[str, Any]:
     """The request on decode DP group ``room % dp`` (SGLang's round-robin controller's choice
-    for consecutive rooms), whose managers' receivers and pools alone take it."""
+    for consecutive rooms), whose managers' receivers and pools alone take it. With ``draft``:
+    speculative decoding, the draft's proposals and accepted lengths in the result;
+    ``corrupt_draft`` (a negative control) gives the request's second draft page its first's
+    bytes after the transfer, as a misrouted draft page would."""
     classes, lock = engine.classes, engine.lock
     prompt = req["prompt"]
     group = req["room"] % len(engine.pools)
@@ -181,7 +195,15 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
         final = wait_all(engine, receivers, {RoomState.SUCCESS}, req["room"], "the transfer did not finish")
         with lock:
             out = outcome(req["room"], receivers, final) | {"dp_group": group}
-            if out["state"] == "Success":
+            if out["state"] == "Success" and draft is not None:
+                dpools = draft.pools[group]
+                if corrupt_draft and len(pages) > 1:
+                    _copy_page(dpools, pages[0], pages[1])
+                out["tokens"], trace = decode_speculative(
+                    engine.model, draft.draft, len(prompt), row, dpools, pages, aux, req["max_new_tokens"]
+                )
+                out |= {"proposals": trace.proposals, "accepted": trace.accepted}
+            elif out["state"] == "Success":
                 out["tokens"] = decode_mla(engine.model, len(prompt), row, pages, aux, req["max_new_tokens"])
             return out
     except GaveUp as gave_up:
@@ -189,6 +211,13 @@ def run_decode(engine: Engine, req: dict[str, Any], bootstrap: str) -> dict[str,
     finally:
         with lock:
             release_row(row, pages, aux)
+
+
+def _copy_page(pools: list[KVPool], src: int, dst: int) -> None:
+    for pool in pools:
+        for buf in pool.k_buffers:
+            n = pool.page_size
+            buf[dst * n : (dst + 1) * n] = buf[src * n : (src + 1) * n].clone()
 
 
 def main() -> None:
@@ -208,13 +237,23 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu"], default="cpu")
     ap.add_argument("--backend", choices=["sglang"], default="sglang")
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--draft", type=int, default=0)  # 1: the MTP draft head, its KV moved, speculative decode
+    ap.add_argument("--corrupt-draft", type=int, default=0)  # decode: a negative control (run_decode)
     args = ap.parse_args()
 
     with open(args.requests, encoding="utf-8") as fh:
         requests = json.load(fh)
+    draft = None
+    if args.draft:
+        groups = args.cp if args.role == "prefill" else args.dp
+        draft = DraftSide(
+            MTPDraft(MLAModel(MLA_CONFIG, args.seed), args.seed),
+            [[draft_pool(MLA_CONFIG, num_pages=args.pages, shm_dir=args.shm_dir) for _ in range(args.tp)]
+             for _ in range(groups)],
+        )  # fmt: skip
     engine = open_mla_engine(
         args.role, tp=args.tp, cp=args.cp, dp=args.dp, pages=args.pages, seed=args.seed, shm_dir=args.shm_dir,
-        agents=json.loads(args.agents), timeout_s=args.timeout_s,
+        agents=json.loads(args.agents), timeout_s=args.timeout_s, draft=draft,
     )  # fmt: skip
     host, _, port = args.bootstrap.rpartition(":")
     server = engine.bootstrap_server(host, int(port))
@@ -222,9 +261,11 @@ def main() -> None:
     try:
         for req in requests:
             if args.role == "prefill":
-                results.append(run_prefill(engine, req, args.bootstrap, layer_split=bool(args.layer_split)))
+                results.append(
+                    run_prefill(engine, req, args.bootstrap, layer_split=bool(args.layer_split), draft=draft)
+                )
             else:
-                results.append(run_decode(engine, req, args.bootstrap))
+                results.append(run_decode(engine, req, args.bootstrap, draft, bool(args.corrupt_draft)))
     finally:
         if server is not None:
             server.close()
@@ -233,6 +274,8 @@ def main() -> None:
             if close is not None:
                 close()
         engine.close()
+        if draft is not None:
+            draft.close()
     classes = engine.room_classes()
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(
