@@ -198,7 +198,7 @@ def test_sglangs_mla_kvargs_register_as_latent_buffers(tmp_path: Path) -> None:
     [
         ({"mla_compression_ratios": [4, 128]}, "compressed or hybrid MLA"),
         ({"is_hybrid_mla_backend": True}, "compressed or hybrid MLA"),
-        ({"num_draft_entries": 3}, "draft KV"),
+        ({"num_draft_entries": 3}, "3 draft KV buffers of 3 KV buffers in all"),  # no target left
         (
             {"state_types": ["dsa"], "state_data_ptrs": [[8]], "state_data_lens": [[0]], "state_item_lens": [[0]]},
             "shared top-k layers",
@@ -208,7 +208,7 @@ def test_sglangs_mla_kvargs_register_as_latent_buffers(tmp_path: Path) -> None:
             "'swa' beside MLA",
         ),
     ],
-    ids=["deepseek-v4-compressed", "hybrid-mla", "draft", "dsa-shared-topk", "swa-beside-mla"],
+    ids=["deepseek-v4-compressed", "hybrid-mla", "draft-without-target", "dsa-shared-topk", "swa-beside-mla"],
 )
 def test_what_mla_registration_does_not_move_is_refused_by_its_name(
     tmp_path: Path, extra: dict[str, Any], named: str

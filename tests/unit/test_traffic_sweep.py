@@ -250,6 +250,11 @@ def test_sweep_covers_the_layouts() -> None:
     assert {(s.prefill.tp > s.decode.tp, s.prefill.tp < s.decode.tp, s.prefill.cp > 1) for s in mla} >= {
         (True, False, False), (False, True, False), (False, False, True)
     }  # fmt: skip
+    drafted = [s for s in specs if s.model.draft_layers]
+    assert {(s.model.kv_kind, s.prefill.tp != s.decode.tp, s.prefill.pp > 1, s.prefill.cp > 1) for s in drafted} >= {
+        (KvKind.MLA, True, False, False), (KvKind.MHA, True, False, False), (KvKind.MHA, False, True, False),
+        (KvKind.MHA, False, False, True), (KvKind.MLA, False, False, True),
+    }  # fmt: skip
     routes = [r for s in specs for p in range(s.prefill.tp) for r in decode_targets(s, p)]
     assert any(not r.whole_page and r.src_local_heads > r.num_heads for r in routes)  # slices sent
     assert any(not r.whole_page and r.dst_local_heads > r.num_heads for r in routes)  # slices received
