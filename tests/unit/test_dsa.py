@@ -164,3 +164,17 @@ def test_the_indexer_state_moves_by_the_page_rule_with_cp_dedup_and_the_layer_sp
         if d.duties.state_skipped:
             assert d.duties.skipped_state_bytes == 2 * INDEX_PAGE
     assert {k: v for k, v in got.items() if v or k in senders} == senders
+
+
+def test_sglangs_layer_split_dsa_pool_is_refused_at_start_from_its_parallel_state() -> None:
+    """SGLang's LayerSplitDSATokenToKVPool registers only a CP rank's own latent layers, which pdfabric
+    does not move (it moves page-sharded latents of every layer): the manager asks this and refuses."""
+    from pdfabric_sglang.manager import dsa_layer_split_pool
+    from sglang.srt.runtime_context import get_parallel
+
+    dsa, mamba = types.SimpleNamespace(state_types=["dsa"]), types.SimpleNamespace(state_types=["mamba"])
+    assert not dsa_layer_split_pool(dsa)  # nothing published in this process
+    with get_parallel().override(enable_dsa_cache_layer_split=True, attn_cp_size=2):
+        assert dsa_layer_split_pool(dsa) and not dsa_layer_split_pool(mamba)
+    with get_parallel().override(enable_dsa_cache_layer_split=True, attn_cp_size=1):
+        assert not dsa_layer_split_pool(dsa)  # one CP rank: SGLang builds the plain DSA pool

@@ -68,15 +68,32 @@ def attention_ranks() -> AttentionRanks | None:
         return None
 
 
-def mla_kv_sharded() -> bool:
-    """Whether SGLang shards the MLA latent's pages over attention TP (``--enable-kv-cache-sharding``):
-    then no prefill rank holds a whole page, and pdfabric routes whole latents only."""
+def _parallel_flag(name: str) -> bool:
+    """A flag of SGLang's published parallel state; False where none is published."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
-        return bool(get_parallel().enable_kv_cache_sharding)
+        return bool(getattr(get_parallel(), name))
     except (ImportError, ValueError, RuntimeError, AttributeError):
         return False
+
+
+def mla_kv_sharded() -> bool:
+    """Whether SGLang shards the MLA latent's pages over attention TP (``--enable-kv-cache-sharding``):
+    then no prefill rank holds a whole page, and pdfabric routes whole latents only."""
+    return _parallel_flag("enable_kv_cache_sharding")
+
+
+def dsa_layer_split_pool(args: KVArgs) -> bool:
+    """Whether this is SGLang's ``LayerSplitDSATokenToKVPool`` (``--enable-dsa-cache-layer-split`` on a
+    DSA pool under prefill CP): it registers only this CP rank's latent and indexer layers."""
+    dsa = "dsa" in [str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or [])]
+    cp = 0
+    if dsa and _parallel_flag("enable_dsa_cache_layer_split"):
+        from sglang.srt.runtime_context import get_parallel
+
+        cp = int(get_parallel().attn_cp_size)
+    return cp > 1
 
 
 class PdfabricKVManager(BaseKVManager):
@@ -110,6 +127,13 @@ class PdfabricKVManager(BaseKVManager):
         self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
         if is_mla_backend and mla_kv_sharded():
             raise RuntimeError("pdfabric: MLA KV cache sharding (--enable-kv-cache-sharding) is not moved yet")
+        if is_mla_backend and dsa_layer_split_pool(args):
+            raise RuntimeError(
+                "pdfabric: SGLang's DSA cache layer split (--enable-dsa-cache-layer-split) registers only this CP "
+                "rank's latent and indexer layers; pdfabric moves every latent layer page-sharded over CP with the "
+                "indexer layers split (spec.prefill.dsaCacheLayerSplit), not a layer-split latent yet: run prefill CP "
+                "without --enable-dsa-cache-layer-split (allCpRanksTransfer moves the indexer state once)"
+            )
         self.instance = engine_instance()
         # The room feed first: while it is open, the agent keeps the rank for this instance
         # (registrants.py), from the moment its registration is taken.
