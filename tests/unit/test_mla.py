@@ -224,11 +224,24 @@ def test_what_mla_registration_does_not_move_is_refused_by_its_name(
         pool.close()
 
 
-def test_sglangs_mla_kv_cache_sharding_is_read_from_its_parallel_state() -> None:
-    """Sharded latents (no prefill rank holds a whole page) are refused at start: the manager asks this."""
-    from pdfabric_sglang.manager import mla_kv_sharded
+def test_sglangs_kv_cache_sharding_is_read_from_its_parallel_state() -> None:
+    """Pages striped over a shard group (no prefill rank holds every page) are refused at start,
+    by SGLang's name; a shard group of one rank shards nothing and is not refused."""
+    from pdfabric_sglang.manager import kv_sharding_refusal
     from sglang.srt.runtime_context import get_parallel
 
-    assert not mla_kv_sharded()  # nothing published in this process
-    with get_parallel().override(enable_kv_cache_sharding=True):
-        assert mla_kv_sharded()
+    assert kv_sharding_refusal(True) is None  # nothing published in this process
+    parallel = get_parallel()
+    with parallel.override(enable_kv_cache_sharding=True, attn_tp_size=2, attn_cp_size=1):
+        refused = kv_sharding_refusal(True)
+        assert refused is not None and refused.startswith("MLA KV cache sharding (--enable-kv-cache-sharding)")
+        assert "l % 2" in refused and "attention TP (2 ranks)" in refused
+        assert kv_sharding_refusal(False) is None  # GQA without CP: SGLang's shard group is one rank
+    with parallel.override(enable_kv_cache_sharding=True, attn_tp_size=1, attn_cp_size=1):
+        assert kv_sharding_refusal(True) is None  # MLA at attention TP 1: one rank holds every page
+    with parallel.override(enable_kv_cache_sharding=True, attn_tp_size=2, attn_cp_size=4):
+        for mla in (True, False):
+            refused = kv_sharding_refusal(mla)
+            assert refused is not None and "over attention CP" in refused and "l % 4" in refused
+    with parallel.override(enable_kv_cache_sharding=False, attn_tp_size=2, attn_cp_size=2):
+        assert kv_sharding_refusal(True) is None

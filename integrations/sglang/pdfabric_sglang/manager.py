@@ -19,6 +19,7 @@ from pdfabric_agent.client.feed import RoomEvents
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
 from pdfabric_agent.protocol.wire import FEED_HEARTBEAT_S, ReceiveRequest, SendRequest
+from pdfabric_core.policy.kv_shard import kv_shard_size
 from pdfabric_core.policy.types import Role
 from pdfabric_sglang.agent_calls import AgentCalls
 from pdfabric_sglang.kvargs import (
@@ -78,10 +79,27 @@ def _parallel_flag(name: str) -> bool:
         return False
 
 
-def mla_kv_sharded() -> bool:
-    """Whether SGLang shards the MLA latent's pages over attention TP (``--enable-kv-cache-sharding``):
-    then no prefill rank holds a whole page, and pdfabric routes whole latents only."""
-    return _parallel_flag("enable_kv_cache_sharding")
+def kv_sharding_refusal(is_mla: bool) -> str | None:
+    """Why pdfabric cannot move this rank's KV under SGLang's ``--enable-kv-cache-sharding``, or
+    None when nothing is sharded (the option off, or a shard group of one rank: GQA without CP, MLA
+    at attention TP 1). Read from SGLang's parallel state; None where SGLang published none."""
+    if not _parallel_flag("enable_kv_cache_sharding"):
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    tp, cp = int(parallel.attn_tp_size), int(parallel.attn_cp_size)
+    size = kv_shard_size(enabled=True, mla=is_mla, attn_tp=tp, attn_cp=cp)
+    if size == 1:
+        return None
+    group = f"attention CP ({cp} ranks)" if cp > 1 else f"attention TP ({tp} ranks)"
+    kind = "MLA KV cache sharding" if is_mla and cp == 1 else "KV cache sharding over attention CP"
+    return (
+        f"{kind} (--enable-kv-cache-sharding) stripes whole pages over {group}: logical page l is on "
+        f"rank l % {size} as its local page l // {size}, and pdfabric does not route pages by owner yet "
+        "(every source page is taken as a whole local page); start the prefill without "
+        "--enable-kv-cache-sharding"
+    )
 
 
 def dsa_layer_split_pool(args: KVArgs) -> bool:
@@ -125,8 +143,9 @@ class PdfabricKVManager(BaseKVManager):
                 f"(it serves {sorted(info['ranks'])}); check {ENV_REPLICA}/{ENV_CP_RANK} or set {ENV_RANK}"
             )
         self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
-        if is_mla_backend and mla_kv_sharded():
-            raise RuntimeError("pdfabric: MLA KV cache sharding (--enable-kv-cache-sharding) is not moved yet")
+        sharded = kv_sharding_refusal(bool(is_mla_backend))
+        if sharded is not None:
+            raise RuntimeError(f"pdfabric: {sharded}")
         if is_mla_backend and dsa_layer_split_pool(args):
             raise RuntimeError(
                 "pdfabric: SGLang's DSA cache layer split (--enable-dsa-cache-layer-split) registers only this CP "
