@@ -160,11 +160,13 @@ def draft_pool(cfg: MLAConfig, *, num_pages: int, page_size: int = PAGE_SIZE, **
 
 def with_draft(args: Any, pool: KVPool) -> Any:
     """``args`` (the target pool's KVArgs) with the draft pool's buffers appended, as SGLang's
-    schedulers append the draft pool's ``get_contiguous_buf_infos``."""
-    args.kv_data_ptrs = [*args.kv_data_ptrs, *(b.data_ptr for b in pool.k_infos)]
-    args.kv_data_lens = [*args.kv_data_lens, *(b.nbytes for b in pool.k_infos)]
-    args.kv_item_lens = [*args.kv_item_lens, *(pool.page_bytes for _ in pool.k_infos)]
-    args.num_draft_entries = len(pool.k_infos)
+    schedulers append the draft pool's ``get_contiguous_buf_infos`` (MHA: every K, then every V;
+    MLA: the latents)."""
+    infos = pool.k_infos + pool.v_infos
+    args.kv_data_ptrs = [*args.kv_data_ptrs, *(b.data_ptr for b in infos)]
+    args.kv_data_lens = [*args.kv_data_lens, *(b.nbytes for b in infos)]
+    args.kv_item_lens = [*args.kv_item_lens, *(pool.page_bytes for _ in infos)]
+    args.num_draft_entries = len(infos)
     return args
 
 

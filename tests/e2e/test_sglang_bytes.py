@@ -56,6 +56,7 @@ class Side:
 
     def __init__(self, lc: LocalFabric, role: Role, monkeypatch: pytest.MonkeyPatch, token_file: Path) -> None:
         from pdfabric_refengine import KVPool, kv_args
+        from pdfabric_refengine.mla_draft import with_draft
         from pdfabric_sglang.conn import PdfabricKVManager
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -64,6 +65,7 @@ class Side:
         geo = spec.model
         self.role, self.group, self.ranks = role, group, replica_ranks(spec, role, 0)
         self.pools: dict[Rank, Any] = {}
+        self.drafts: dict[Rank, Any] = {}  # the draft KV pool (model.draftLayers) of the last PP stage
         self.managers: dict[Rank, Any] = {}
         mode = DisaggregationMode.PREFILL if role is Role.PREFILL else DisaggregationMode.DECODE
         monkeypatch.setenv("PDFABRIC_ENGINE_TOKEN_FILE", str(token_file))
@@ -81,6 +83,10 @@ class Side:
             monkeypatch.setenv("PDFABRIC_CP_RANK", str(rank.cp_rank))
             args = kv_args(pool, engine_rank=rank.tp_rank, page_size=geo.page_size_tokens, kv_head_num=heads,
                            total_kv_head_num=geo.kv_heads, pp_rank=rank.pp_rank, prefill_start_layer=layers.start)  # fmt: skip
+            if geo.draft_layers_on(group.pp, rank.pp_rank):  # SGLang appends the draft pool's buffers
+                self.drafts[rank] = KVPool(layers=geo.draft_layers, local_heads=heads, head_dim=geo.head_width,
+                                           num_pages=16, shm_dir=lc.shm_dir, mla=is_mla)  # fmt: skip
+                args = with_draft(args, self.drafts[rank])
             self.managers[rank] = PdfabricKVManager(args, mode, None, is_mla)
             # As for SGLang's CPU MetadataBuffers: the aux rows travel with each room (aux_inline),
             # the agent maps none of the engine's aux buffers; the decode checks below read them.
@@ -90,7 +96,7 @@ class Side:
     def close(self) -> None:
         for mgr in self.managers.values():
             mgr.close()
-        for pool in self.pools.values():
+        for pool in (*self.pools.values(), *self.drafts.values()):
             pool.close()
 
 
@@ -99,20 +105,27 @@ def kv_buffers(pool: Any) -> list[list[Any]]:
     return [pool.k_buffers, pool.v_buffers] if pool.v_buffers else [pool.k_buffers]
 
 
+def kv_pools(side: Side, rank: Rank, geo: Any) -> list[tuple[Any, int]]:
+    """The rank's KV pools and the model layer of each one's layer 0: the target's (its PP
+    stage's layers), then the draft's (numbered after the model's layers)."""
+    first = pp_layer_range(geo.layers, side.group.pp, rank.pp_rank).start
+    return [(side.pools[rank], first), *(((side.drafts[rank], geo.layers),) if rank in side.drafts else ())]
+
+
 def fill(side: Side, rank: Rank, pages: list[int], positions: range, slot: int, aux: int, geo: Any) -> None:
     pool = side.pools[rank]
-    first = pp_layer_range(geo.layers, side.group.pp, rank.pp_rank).start
     heads = list(global_heads(rank.tp_rank, side.group.tp, geo.tp_kv_heads))
     row = geo.head_width * geo.dtype_bytes  # one head (or latent) of one token
-    for layer in range(pool.layers):
-        for kv, bufs in enumerate(kv_buffers(pool)):
-            view = as_bytes(bufs[layer])  # [token row, local head, row bytes]
-            for page, pos in zip(pages, positions, strict=True):
-                for t in range(16):
-                    for local, head in enumerate(heads):
-                        view[page * 16 + t, local] = np.frombuffer(
-                            kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, row), np.uint8
-                        )
+    for kv_pool, first in kv_pools(side, rank, geo):
+        for layer in range(kv_pool.layers):
+            for kv, bufs in enumerate(kv_buffers(kv_pool)):
+                view = as_bytes(bufs[layer])  # [token row, local head, row bytes]
+                for page, pos in zip(pages, positions, strict=True):
+                    for t in range(16):
+                        for local, head in enumerate(heads):
+                            view[page * 16 + t, local] = np.frombuffer(
+                                kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, row), np.uint8
+                            )
     for layer, buf in enumerate(pool.state_buffers[0]):
         as_bytes(buf)[slot] = np.frombuffer(state_chunk(ROOM, layer, 0, pool.state_slot_bytes), np.uint8)
     for item, buf in enumerate(pool.aux.values()):
@@ -121,21 +134,21 @@ def fill(side: Side, rank: Rank, pages: list[int], positions: range, slot: int, 
 
 def mismatches(side: Side, rank: Rank, pages: list[int], slot: int, aux: int, geo: Any) -> list[str]:
     pool = side.pools[rank]
-    first = pp_layer_range(geo.layers, side.group.pp, rank.pp_rank).start
     heads = list(global_heads(rank.tp_rank, side.group.tp, geo.tp_kv_heads))
     row = geo.head_width * geo.dtype_bytes
     errors = []
-    for layer in range(pool.layers):
-        for kv, bufs in enumerate(kv_buffers(pool)):
-            view = as_bytes(bufs[layer])
-            for pos, page in enumerate(pages):
-                for t in range(16):
-                    for local, head in enumerate(heads):
-                        want = kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, row)
-                        if view[page * 16 + t, local].tobytes() != want:
-                            errors.append(
-                                f"{rank.rank_id} layer {first + layer} buffer {kv} token {pos * 16 + t} head {head}"
-                            )
+    for kv_pool, first in kv_pools(side, rank, geo):
+        for layer in range(kv_pool.layers):
+            for kv, bufs in enumerate(kv_buffers(kv_pool)):
+                view = as_bytes(bufs[layer])
+                for pos, page in enumerate(pages):
+                    for t in range(16):
+                        for local, head in enumerate(heads):
+                            want = kv_chunk(ROOM, first + layer, kv, pos * 16 + t, head, row)
+                            if view[page * 16 + t, local].tobytes() != want:
+                                errors.append(
+                                    f"{rank.rank_id} layer {first + layer} buffer {kv} token {pos * 16 + t} head {head}"
+                                )
     for layer, buf in enumerate(pool.state_buffers[0]):
         if as_bytes(buf)[slot].tobytes() != state_chunk(ROOM, layer, 0, pool.state_slot_bytes):
             errors.append(f"{rank.rank_id} state layer {layer}")
@@ -163,10 +176,16 @@ def token_file(tmp_path: Path) -> Iterator[Path]:
         ({"tp": 2}, {"tp": 1}, MLA_MODEL),
         ({"tp": 1}, {"tp": 2}, MLA_MODEL),  # the whole latent to each decode rank
         ({"tp": 1, "cp": 2, "allCpRanksTransfer": True}, {"tp": 1}, MLA_MODEL),  # page shards, state once
+        # A draft KV group (EAGLE/MTP) appended after the target's buffers: the target's rules.
+        ({"tp": 2}, {"tp": 4}, {**MODEL, "draftLayers": 1}),  # head slices of the draft's K and V
+        ({"tp": 1, "pp": 2}, {"tp": 1}, {**MODEL, "draftLayers": 1}),  # the last stage's draft only
+        ({"tp": 1, "cp": 2, "allCpRanksTransfer": True}, {"tp": 1}, {**MODEL, "draftLayers": 1}),
+        ({"tp": 2}, {"tp": 1}, {**MLA_MODEL, "draftLayers": 1}),  # one source per draft latent page
     ],
     ids=[
         "tp1-tp1", "tp2-tp4", "tp4-tp2", "cp4-all-ranks-dedup", "cp2-layer-split", "pp2-pp1",
         "mla-tp2-tp1", "mla-tp1-tp2", "mla-cp2-tp1",
+        "draft-tp2-tp4", "draft-pp2-pp1", "draft-cp2-all-ranks", "draft-mla-tp2-tp1",
     ],
 )  # fmt: skip
 def test_sglang_classes_move_kv_state_aux_byte_exact(
