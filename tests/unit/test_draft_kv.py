@@ -205,3 +205,21 @@ def test_draft_layers_move_the_targets_head_slices_into_the_peers_draft_layers()
     with pytest.raises(ValueError, match="draft KV layers"):
         plan_transfer(duties, TransferSide(src, src_map, [3, 1], [], None),
                       TransferSide(dataclasses.replace(dst, draft_layers=0), MemoryMap(dst_map.kv[:4], (), (1,)), [0, 2], [], None))  # fmt: skip
+
+
+def test_the_operators_status_shows_the_drafts_bytes_apart_and_the_crd_keeps_them() -> None:
+    """status.expectedBytesPerRequest (what the operator publishes) carries draftKv, within kv;
+    the CRD's status schema declares it, so the API server does not prune it."""
+    import yaml
+
+    from pdfabric_operator.observed import Observed
+    from pdfabric_operator.status import compute_status
+
+    s = spec(2, 1, draftLayers=1)
+    shown = compute_status(Observed(1, s, None), "pd")["expectedBytesPerRequest"]
+    want = estimate_traffic(s)
+    assert (shown["kv"], shown["draftKv"]) == (want.kv_bytes, want.draft_kv_bytes)
+    assert 0 < shown["draftKv"] < shown["kv"] and shown["total"] == want.total_bytes
+    crd = yaml.safe_load(Path("crds/pdcluster.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert "draftKv" in status["expectedBytesPerRequest"]["properties"]
