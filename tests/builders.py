@@ -223,6 +223,8 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("unknown-mem-pool", {"transfer": {"memPool": "HBM"}}, "spec.transfer.memPool"),
     ("unknown-transport", {"transfer": {"transport": "infiniband"}}, "spec.transfer.transport"),
     ("prefill-tp-zero", {"prefill": {"tp": 0}}, "spec.prefill.tp"),
+    ("draft-layers-negative", {"model": {"draftLayers": -1}}, "spec.model.draftLayers"),
+    ("draft-layers-over-64", {"model": {"draftLayers": 65}}, "spec.model.draftLayers"),
     ("prefill-replicas-negative", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ("decode-cp-not-1", {"decode": {"cp": 2}}, "decode.cp must be 1"),
     ("decode-pp-mismatch", {"prefill": {"pp": 4}, "decode": {"pp": 2}}, "decode.pp must be 1 or equal prefill.pp"),
