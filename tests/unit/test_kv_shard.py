@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pdfabric_core.policy.kv_shard import (
+    cyclic_pages_per_source,
     kv_shard_size,
     local_page,
     owned_pages,
@@ -113,3 +114,18 @@ def test_every_decode_rank_takes_every_prefill_rank_and_sglangs_limits_hold() ->
         sharded_sources(0, prefill_tp=2, decode_tp=2, prefill_cp=2)
     with pytest.raises(ValueError, match="outside"):
         owned_pages([1, 2], 2, 2)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_a_cyclic_chain_splits_as_sglangs_allocator_draws_it(size: int) -> None:
+    """The per-source page counts of a cyclic chain equal SGLang's own closed form for the pages
+    its allocator draws from each class, and the owners of such a chain's page ids agree."""
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    for first in range(size):
+        for pages in range(0, 3 * size + 2):
+            counts = cyclic_pages_per_source(pages, size, first)
+            assert counts == PageInterleavePoolAllocator._class_counts(first, pages, size)
+            chain = [(first + i) % size + size * (7 + i) for i in range(pages)]  # owners cycle from `first`
+            assert pages_per_source(chain, size) == counts
+            assert sum(counts) == pages and max(counts) - min(counts) <= 1

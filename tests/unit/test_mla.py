@@ -245,3 +245,6 @@ def test_sglangs_kv_cache_sharding_is_read_from_its_parallel_state() -> None:
             assert refused is not None and "over attention CP" in refused and "l % 4" in refused
     with parallel.override(enable_kv_cache_sharding=False, attn_tp_size=2, attn_cp_size=2):
         assert kv_sharding_refusal(True) is None
+    with parallel.override(enable_kv_cache_sharding=True):  # the option on, its group unreadable here
+        refused = kv_sharding_refusal(True)
+        assert refused is not None and "unpublished" in refused

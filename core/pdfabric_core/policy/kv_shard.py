@@ -100,3 +100,15 @@ def pages_per_source(logical_pages: Sequence[int], shard_size: int) -> list[int]
     for page in logical_pages:
         counts[shard_owner(page, shard_size)] += 1
     return counts
+
+
+def cyclic_pages_per_source(num_pages: int, shard_size: int, first_owner: int) -> list[int]:
+    """Pages each shard rank sends of a request whose pages SGLang's allocator drew cyclically
+    (position ``i`` owned by ``(first_owner + i) % N``, its rotation policy for one cached chain):
+    ``num_pages // N`` each, one more for the ``num_pages % N`` ranks from ``first_owner`` on. The
+    operator cannot know ``first_owner`` (the allocator's least-full class), only these bounds; a
+    decode rank receives all ``num_pages`` pages whatever it is."""
+    if shard_size < 1 or not 0 <= first_owner < shard_size or num_pages < 0:
+        raise ValueError(f"{num_pages} pages from owner {first_owner} in a shard group of {shard_size} ranks")
+    base, extra = divmod(num_pages, shard_size)
+    return [base + (1 if (r - first_owner) % shard_size < extra else 0) for r in range(shard_size)]

@@ -88,7 +88,11 @@ def kv_sharding_refusal(is_mla: bool) -> str | None:
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    tp, cp = int(parallel.attn_tp_size), int(parallel.attn_cp_size)
+    try:
+        tp, cp = int(parallel.attn_tp_size), int(parallel.attn_cp_size)
+    except (ValueError, RuntimeError, AttributeError):
+        # The option is on but its group cannot be read: whether pages are striped is unknown.
+        return "KV cache sharding (--enable-kv-cache-sharding) with SGLang's attention TP/CP sizes unpublished"
     size = kv_shard_size(enabled=True, mla=is_mla, attn_tp=tp, attn_cp=cp)
     if size == 1:
         return None
