@@ -64,9 +64,10 @@ def predicted(decode_tp: int) -> dict[str, int]:
     [
         ({"tp": 2}, {"tp": 1}, False),  # decode takes each draft page from one prefill rank
         ({"tp": 1}, {"tp": 2}, False),  # each decode rank gets the whole draft latent
+        ({"tp": 1, "cp": 2, "allCpRanksTransfer": True}, {"tp": 1}, False),  # draft pages by CP shard
         ({"tp": 2}, {"tp": 1}, True),  # the negative control: one draft page overwritten on decode
     ],
-    ids=["tp2-tp1", "tp1-tp2", "tp2-tp1-corrupt-draft-page"],
+    ids=["tp2-tp1", "tp1-tp2", "cp2-all-ranks", "tp2-tp1-corrupt-draft-page"],
 )
 def test_mla_draft_through_pd_equals_colocated_proposals_too(
     installed_site: Path, tmp_path: Path, prefill: dict[str, Any], decode: dict[str, int], corrupt: bool
@@ -77,7 +78,7 @@ def test_mla_draft_through_pd_equals_colocated_proposals_too(
         "transfer": {"transport": "tcp", "timeoutSeconds": 20},
         "model": MODEL,
     }
-    engine_args = {"tp": prefill["tp"], "draft": 1}
+    engine_args = {"tp": prefill["tp"], "cp": prefill.get("cp", 1), "draft": 1}
     decode_args = {**decode, "draft": 1, "corrupt-draft": int(corrupt)}
     with LocalFabric(spec) as lc:
         out = run_pd(lc, installed_site, tmp_path, engine_args, decode_args, module="pdfabric_refengine.mla_pd", prompts=PROMPTS)  # fmt: skip
