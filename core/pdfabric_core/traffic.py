@@ -14,8 +14,9 @@ it equal to what `pdfabric_agent.memory.plan.plan_transfer` plans, over every la
   PP stage adds the draft's layers (`model.draftLayers`) by the same rule, counted in kv and
   shown apart as draftKv.
 - State: each state tensor's item (`model.stateTensorBytes`, or `model.stateBytesPerRequest` over
-  `model.stateLayers` equal tensors) per state index (a slot or row per request; page state: the
-  window pages). The pair carries the slices its duties name (policy/state_slices.py, per state
+  `model.stateLayers` equal tensors) per state index (``state_indices``: a slot or row per request;
+  DSA's indexer, page state beside MLA, one per KV page; an SWA window's pages are not in the spec:
+  one). The pair carries the slices its duties name (policy/state_slices.py, per state
   kind), from the last PP stage, of the tensors its CP rank owns; with dedup the copies
   CP ranks other than 0 would send again are skipped (counted as "without dedup" here, and by the
   agents' `pdfabric_state_dedup_skipped_bytes_total`).
@@ -32,9 +33,10 @@ from typing import Any
 
 from pdfabric_core.duties import PairDuties, replica_duties
 from pdfabric_core.policy.rank_mapping import pp_layer_range
+from pdfabric_core.policy.types import KvKind, StateKind
 from pdfabric_core.spec import PDClusterSpec
 
-__all__ = ["PairBytes", "TrafficEstimate", "duty_bytes", "estimate_traffic", "pair_traffic"]
+__all__ = ["PairBytes", "TrafficEstimate", "duty_bytes", "estimate_traffic", "pair_traffic", "state_indices"]
 
 PrefillRankKey = tuple[int, int, int]  # (tp rank, cp rank, pp stage)
 DecodeRankKey = tuple[int, int]  # (tp rank, pp stage)
@@ -143,6 +145,14 @@ def pair_traffic(
     }
 
 
+def state_indices(spec: PDClusterSpec, pages: int) -> int:
+    """State indices one request of ``pages`` KV pages moves: page state beside MLA is DSA's indexer,
+    indexed by every KV page of the request (SGLang's ``_dsa_pages_payload``); one otherwise (a slot,
+    a row, or an SWA window page: the window is not in the spec)."""
+    m = spec.model
+    return pages if m.state_kind is StateKind.PAGE and m.kv_kind is KvKind.MLA else 1
+
+
 def estimate_traffic(spec: PDClusterSpec, prompt_tokens: int | None = None) -> TrafficEstimate:
     """Bytes one request moves from one prefill replica to one decode replica (see module doc)."""
     m = spec.model
@@ -150,7 +160,7 @@ def estimate_traffic(spec: PDClusterSpec, prompt_tokens: int | None = None) -> T
     if tokens < 0:
         raise ValueError(f"prompt tokens must not be negative, got {tokens}")
     pages = math.ceil(tokens / m.page_size_tokens)
-    pairs = pair_traffic(spec, pages)
+    pairs = pair_traffic(spec, pages, state_slots=state_indices(spec, pages))
     sent: dict[PrefillRankKey, list[int]] = defaultdict(lambda: [0, 0])
     received: dict[DecodeRankKey, list[int]] = defaultdict(lambda: [0, 0])
     for (src, dst), b in pairs.items():

@@ -178,3 +178,23 @@ def test_sglangs_layer_split_dsa_pool_is_refused_at_start_from_its_parallel_stat
         assert dsa_layer_split_pool(dsa) and not dsa_layer_split_pool(mamba)
     with get_parallel().override(enable_dsa_cache_layer_split=True, attn_cp_size=1):
         assert not dsa_layer_split_pool(dsa)  # one CP rank: SGLang builds the plain DSA pool
+
+
+def test_the_status_predicts_deepseek_v32s_dedup_at_prefill_cp8_to_decode_tp8() -> None:
+    """DeepSeek-V3.2's geometry as SGLang registers it (61 layers, the 656-byte packed latent, an 8448-byte
+    indexer page a layer per 64-token KV page): the indexer moves one page item per KV page (not one
+    per request), and CP all-ranks transfer sends it from CP rank 0 only: 7 of 8 copies saved."""
+    from pdfabric_core.traffic import state_indices
+
+    v32 = {**dsa_model(61), "auxRowBytes": [0]}
+    s = parse_spec({"prefill": {"cp": 8, "allCpRanksTransfer": True}, "decode": {"tp": 8}, "model": v32})
+    assert state_indices(s, 64) == 64 and state_indices(spec(latent_only()), 64) == 1
+    t = estimate_traffic(s, 4096)
+    page = 64 * 61  # pages x layers
+    assert (t.kv_bytes, t.state_bytes, t.state_bytes_without_dedup) == (
+        8 * page * 64 * PACKED_TOKEN,
+        8 * page * INDEX_PAGE,
+        8 * 8 * page * INDEX_PAGE,
+    )
+    reduction = 1 - t.total_bytes / t.total_bytes_without_dedup
+    assert round(100 * reduction, 2) == 53.97 == round(100 * 7 * INDEX_PAGE / (64 * PACKED_TOKEN + 8 * INDEX_PAGE), 2)
