@@ -198,3 +198,13 @@ def test_the_status_predicts_deepseek_v32s_dedup_at_prefill_cp8_to_decode_tp8() 
     )
     reduction = 1 - t.total_bytes / t.total_bytes_without_dedup
     assert round(100 * reduction, 2) == 53.97 == round(100 * 7 * INDEX_PAGE / (64 * PACKED_TOKEN + 8 * INDEX_PAGE), 2)
+
+
+def test_the_kpool_compress_tail_beside_the_indexer_is_refused_by_its_name() -> None:
+    """SGLang's DSA pool with index_kpool > 1 and compression appends a request-row tail (``dsa_tail``)."""
+    from pdfabric_sglang.shares import UnshareableBuffer
+    from pdfabric_sglang.state_kinds import state_parts
+
+    args = types.SimpleNamespace(state_types=["dsa", "dsa_tail"], state_item_lens=[[INDEX_PAGE], [512]])
+    with pytest.raises(UnshareableBuffer, match=r"\['dsa_tail'\] would not move"):
+        state_parts(args, is_mla=True)
