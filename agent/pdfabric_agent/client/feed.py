@@ -70,8 +70,9 @@ class RoomEvents:
     def view(self, room: int) -> RoomView | None:
         """The room's latest view, or None when the agent has said nothing of it (a rank that
         sends nothing answers its early view for every room, as a poll would)."""
-        with self._lock:
-            view = self._views.get(room)
+        # No lock: one dict read is atomic, and every writer replaces whole views (this runs for
+        # every request in every queue on every scheduler iteration).
+        view = self._views.get(room)
         if view is None and self.hello is not None:
             return self.hello.view_of(room)
         return view
