@@ -1,7 +1,8 @@
 """What the SGLang server tests share for the whole session: the test model's directory and one
 SGLang server serving the model alone (the answers every PD shape must equal; a server costs a
 minute or more and holds about 3 GB, so it is started once). pdfabric installed as a user installs
-it (``installed_site``) is in tests/conftest.py."""
+it (``installed_site``) is in tests/conftest.py. And where a test keeps the engine token for the
+SGLang classes it drives by hand (``token_file``)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,9 @@ def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Iterator[Path]:
+    """Where the engine token of a test's LocalFabric is written for SGLang's classes to read."""
+    yield tmp_path / "token"

@@ -14,7 +14,6 @@ latent, as every attention-TP rank of SGLang's holds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,11 +155,6 @@ def mismatches(side: Side, rank: Rank, pages: list[int], slot: int, aux: int, ge
         if as_bytes(buf)[aux].tobytes() != aux_chunk(ROOM, item, 64):
             errors.append(f"{rank.rank_id} aux item {item}")
     return errors
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "token"
 
 
 @pytest.mark.parametrize(

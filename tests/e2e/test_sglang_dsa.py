@@ -18,7 +18,6 @@ splits the latent's layers and registers only its own, which pdfabric refuses (d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,11 +129,6 @@ def mismatches(side: Side, rank: Rank) -> list[str]:
         if buf.numpy().view(np.uint8)[2].tobytes() != aux_chunk(ROOM, item, 64):
             errors.append(f"{rank.rank_id} aux item {item}")
     return errors
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "token"
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -232,11 +231,6 @@ def kv_mismatches(side: Side, rank: Rank, pages: list[int], aux: int) -> list[st
         if buf.numpy().view(np.uint8)[aux].tobytes() != aux_chunk(ROOM, item, 64):
             errors.append(f"{rank.rank_id} aux item {item}")
     return errors
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "token"
 
 
 @pytest.mark.parametrize(
