@@ -73,29 +73,42 @@ def announce(lc: LocalFabric, room: int, dst: list[int]) -> None:
 
 
 def run_request(lc: LocalFabric, room: int, src: list[int], dst: list[int], cuts: list[int], forward_s: float,
-                early: bool) -> float:  # fmt: skip
+                early: bool) -> tuple[float, dict[str, float]]:  # fmt: skip
     """Hand ``src`` in chunks ending at ``cuts``, a forward's sleep before each (none before the
     first when ``early``: a cached prefix sent before the forward); seconds from the last chunk
-    handed over until the decode room's Success."""
+    handed over until the decode room's Success, and where the time after that hand-over went:
+    each room phase of both agents (their node-wide monotonic clock, which this process shares)
+    after the hand-over, the phase's name without its rank (``launched``, ``notified``,
+    ``arrived``...), with ``answered`` (the last chunk's call returned) and ``seen`` (decode's
+    Success read here)."""
     announce(lc, room, dst)
     prefill = lc.client(PREFILL)
     start = 0
+    answered = 0.0
     for i, end in enumerate(cuts):
         if i or not early:
             time.sleep(forward_s)
         final = end == len(src)
         handed = time.monotonic()
         prefill.submit(SendChunk(PREFILL, room, src[start:end], [], None, 0, page_offset=start, final=final))
+        answered = time.monotonic()
         start = end
     view = lc.client(DECODE).wait(DECODE, room, 120)
-    exposed = time.monotonic() - handed
+    seen = time.monotonic()
+    exposed = seen - handed
     sent = prefill.wait(PREFILL, room, 30)
     for v in (view, sent):
         if not v.succeeded:
             raise RuntimeError(f"room {room}: {v.rank} {v.state.title} {v.reason}")
     if view.moved != sent.moved:
         raise RuntimeError(f"room {room}: decode counted {view.moved}, prefill sent {sent.moved}")
-    return exposed
+    phases = {"answered": answered - handed, "seen": exposed}
+    for side, v in (("prefill", sent), ("decode", view)):
+        for name, at in v.phases_s.items():
+            when = (v.submitted_at or 0.0) + at - handed
+            if when >= 0:  # what happened after the last chunk was handed over
+                phases[f"{side} {name.split(':')[0]}"] = when
+    return exposed, phases
 
 
 def main() -> None:
@@ -123,6 +136,7 @@ def main() -> None:
     }
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     times: dict[str, list[float]] = {name: [] for name in cases}
+    phases: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
     room = 0
     try:
         lc.start(wait_s=120)
@@ -130,10 +144,12 @@ def main() -> None:
             for name, (cuts, early, forwards) in cases.items():
                 src, dst = rng.sample(range(pool), pages), rng.sample(range(pool), pages)
                 # "gathered" sleeps every chunk's forward before its one send
-                exposed = run_request(lc, room, src, dst, cuts, args.forward_ms / 1e3 * forwards, early)
+                exposed, when = run_request(lc, room, src, dst, cuts, args.forward_ms / 1e3 * forwards, early)
                 room += 1
                 if rep:  # the first round warms sessions and mappings
                     times[name].append(exposed)
+                    for phase, t in when.items():
+                        phases[name].setdefault(phase, []).append(t)
         paths = {p: lc.metric_sum("pdfabric_transfer_bytes_total", role="prefill", path=p)
                  for p in ("nvlink-kernel", "mooncake")}  # fmt: skip
     except Exception:
@@ -153,6 +169,11 @@ def main() -> None:
         print(f"{name:<15}{med * 1e3:>11.2f}{min(ts) * 1e3:>9.2f}{max(ts) * 1e3:>9.2f}{med / base:>12.2f}x")
         result["cases"][name] = {"median_ms": med * 1e3, "all_ms": [t * 1e3 for t in ts]}
     print(f"bytes by path (prefill agent): {json.dumps(paths)}")
+    print("after the last chunk was handed over (ms, median; phases seen in every repeat, in order):")
+    for name, by_phase in phases.items():
+        meds = {k: statistics.median(v) * 1e3 for k, v in by_phase.items() if len(v) == len(times[name])}
+        print(f"  {name:<14}" + ", ".join(f"{k} {t:.2f}" for k, t in sorted(meds.items(), key=lambda kv: kv[1])))
+        result["cases"][name]["phases_ms"] = meds
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
