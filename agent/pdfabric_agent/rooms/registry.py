@@ -217,6 +217,7 @@ class RoomRegistry:
     def retire(self, role: Role, room: AnyRoom) -> None:
         """The room is final: wake long polls, stop scanning it, queue it for forgetting."""
         room.finished_at = self.clock()
+        room.marks["ended"] = room.finished_at  # the latency breakdown's last phase
         room.finished_event.set()
         if self._open.get((role, room.rank, room.room)) is room:
             del self._open[(role, room.rank, room.room)]
