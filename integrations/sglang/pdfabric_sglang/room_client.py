@@ -74,6 +74,10 @@ class RoomClient:
         self.submit_pending = False
         self.refused = ""
         self.moving_since: float | None = None  # when the agent began moving the room's bytes
+        # The last in-progress view a poll read and what it answered: SGLang polls every request
+        # of a queue each scheduler iteration, most of them against a view that has not changed.
+        self._polled_view: RoomView | None = None
+        self._polled_state = WAITING_FOR_INPUT
 
     @property
     def mgr(self) -> PdfabricKVManager:
@@ -161,6 +165,8 @@ class RoomClient:
         if self.submit_pending:
             return WAITING_FOR_INPUT  # the agent has not answered the submit yet
         view = self._view()
+        if view is not None and view is self._polled_view:
+            return self._polled_state  # the same view as last poll (the feed replaces a view that changes)
         if self.concluded is not None:
             return self.concluded
         if view is None:  # a submitted room the agent no longer knows: it restarted
@@ -172,11 +178,11 @@ class RoomClient:
                 if view.aux_rows is not None and not self._land_aux_row(view.aux_rows):
                     return self.concluded if self.concluded is not None else FAILED
             return self._conclude(int(view.state), view.reason)
-        if view.state is RoomState.BOOTSTRAPPING:
-            # Submitted, the agent still waiting for a decode rank's room info: in progress, as
-            # SGLang's prefill inflight queue needs (it takes no Bootstrapping once sent).
-            return WAITING_FOR_INPUT
-        return int(view.state)
+        # Submitted, the agent still waiting for a decode rank's room info: in progress, as SGLang's
+        # prefill inflight queue needs (it takes no Bootstrapping once sent).
+        state = WAITING_FOR_INPUT if view.state is RoomState.BOOTSTRAPPING else int(view.state)
+        self._polled_view, self._polled_state = view, state
+        return state
 
     def _land_aux_row(self, rows: tuple[bytes, ...]) -> bool:
         """A decode room's aux row the agent hands back (private aux buffers): the receiver writes
