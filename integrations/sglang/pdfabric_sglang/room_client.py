@@ -166,7 +166,7 @@ class RoomClient:
             return WAITING_FOR_INPUT  # the agent has not answered the submit yet
         view = self._view()
         if view is not None and view is self._polled_view:
-            return self._polled_state  # the same view as last poll (the feed replaces a view that changes)
+            return self._polled_state  # inline, not a call: this runs for every request every iteration
         if self.concluded is not None:
             return self.concluded
         if view is None:  # a submitted room the agent no longer knows: it restarted
@@ -180,7 +180,11 @@ class RoomClient:
             return self._conclude(int(view.state), view.reason)
         # Submitted, the agent still waiting for a decode rank's room info: in progress, as SGLang's
         # prefill inflight queue needs (it takes no Bootstrapping once sent).
-        state = WAITING_FOR_INPUT if view.state is RoomState.BOOTSTRAPPING else int(view.state)
+        return self._answer(view, WAITING_FOR_INPUT if view.state is RoomState.BOOTSTRAPPING else int(view.state))
+
+    def _answer(self, view: RoomView, state: int) -> int:
+        """Answer ``state`` for an in-progress ``view``, and remember both: a poll that reads the same
+        view object again (the feed replaces a view that changes) answers the same at once."""
         self._polled_view, self._polled_state = view, state
         return state
 

@@ -20,7 +20,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender
 from sglang.srt.environ import envs
 
 from pdfabric_agent.protocol.chunks import SendChunk
-from pdfabric_agent.protocol.views import RoomState, RoomView
+from pdfabric_agent.protocol.views import RoomState
 from pdfabric_sglang.kvargs import read_aux_row
 from pdfabric_sglang.peers import REGISTER_DP_RANK_PATH, post_generate
 from pdfabric_sglang.room_client import (
@@ -60,9 +60,6 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
         # SGLang sets this before a cached-prefix send under overlap scheduling (a CUDA event of
         # the forward that may still write those pages); the chunk's hand-over waits for it.
         self._early_send_wait_event: Any = None
-        # The view that last said decode is ready (the feed replaces a view when it changes): the
-        # inflight queue polls every request each iteration, most of them against this same view.
-        self._ready_view: RoomView | None = None
         self._waits: list[Any] = []
         self._tell_dp_group(bootstrap_addr, req_has_disagg_prefill_dp_rank)
 
@@ -126,8 +123,8 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
         """Before the room is submitted: Bootstrapping until decode announced it to the agent,
         then WaitingForInput (and which decode replica takes it)."""
         view = self._view()
-        if view is not None and view is self._ready_view:
-            return WAITING_FOR_INPUT  # decode's announcement, as read last poll: nothing to parse again
+        if view is not None and view is self._polled_view:
+            return self._polled_state  # decode's announcement, as read last poll (RoomClient._answer)
         if (done := self._final()) is not None:  # the agent could not be asked
             return done
         if view is not None:
@@ -140,8 +137,7 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
                 self.decode_replica, self.decode_dp = group_of(view.decode_ranks_ready[0])
                 self.decode_prefix_len = view.decode_prefix_tokens or 0
                 if view.state is RoomState.WAITING_FOR_INPUT:
-                    self._ready_view = view
-                    return WAITING_FOR_INPUT
+                    return self._answer(view, WAITING_FOR_INPUT)
         if time.monotonic() - self.created > self.mgr.bootstrap_timeout_s:
             return self._conclude(FAILED, f"decode did not announce the room within {self.mgr.bootstrap_timeout_s:g} s")
         return BOOTSTRAPPING
