@@ -120,6 +120,15 @@ class RoomView:
     def succeeded(self) -> bool:
         return self.state is RoomState.SUCCESS
 
+    @property
+    def first_byte_at(self) -> float | None:
+        """When the agent began moving a prefill room's bytes (its first write, ``first-byte``; else
+        its ``transferring`` phase) on the node's monotonic clock, which the node's engines share;
+        None for a room without it. Not the first chunk handed over: a chunk that waits for decode's
+        destinations, or for the forward that writes it, has moved nothing yet."""
+        began = self.phases_s.get("first-byte", self.phases_s.get("transferring"))
+        return None if began is None or self.submitted_at is None else self.submitted_at + began
+
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "rank": self.rank,
@@ -217,10 +226,16 @@ class MemoryAnswer:
     layout: PoolLayout
     buffers: int
     devices: tuple[str, ...]
+    board: bool = False  # the engine's room board is mapped: successful ends are written there
+    board_refused: str = ""  # why a board the engine offered is not (its reads fall back to the feed)
 
     def memory_json(self) -> dict[str, Any]:
         """The memory part alone (/v1/info shows it per rank as ``engine_memory``)."""
-        return {"layout": self.layout.to_dict(), "buffers": self.buffers, "devices": list(self.devices)}
+        doc: dict[str, Any] = {"layout": self.layout.to_dict(), "buffers": self.buffers, "devices": list(self.devices)}
+        if self.board or self.board_refused:
+            doc["board"] = self.board
+            doc["board_refused"] = self.board_refused
+        return doc
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "memory": self.memory_json()}
@@ -237,4 +252,8 @@ class MemoryAnswer:
             layout = PoolLayout.from_dict(dict(answer_object(memory.get("layout"), f"{what}'s layout")))
         except (TypeError, KeyError) as exc:
             raise ValueError(f"{what}: bad layout ({exc})") from None
-        return cls(_typed(d, "rank", str, what), layout, _typed(memory, "buffers", int, what), tuple(devices))
+        board, refused = memory.get("board", False), memory.get("board_refused", "")
+        if not isinstance(board, bool) or not isinstance(refused, str):
+            raise ValueError(f"{what}: board must be true or false and board_refused a string")
+        buffers = _typed(memory, "buffers", int, what)
+        return cls(_typed(d, "rank", str, what), layout, buffers, tuple(devices), board, refused)

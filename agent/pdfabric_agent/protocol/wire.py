@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from pdfabric_agent.memory.pools import PageOrder, PoolLayout
+from pdfabric_agent.protocol.board import MAX_SLOTS as MAX_BOARD_SLOTS
+from pdfabric_agent.protocol.board import BoardShare
 from pdfabric_agent.protocol.buffers import BufferShare as BufferShare  # importable from here, as before
 from pdfabric_agent.protocol.buffers import ShareKind as ShareKind
 from pdfabric_agent.protocol.buffers import StateParts, shares_field
@@ -86,6 +88,7 @@ class RoomSubmit:
     # an agent that restarted and lost the registration refuses the room instead of moving its pools.
     engine_memory: bool = False
     peer_dp: int = 0
+    board_slot: int | None = None  # the slot of the rank's room board the agent writes the end into
 
     @classmethod
     def peer_field(cls) -> str:
@@ -106,6 +109,7 @@ class RoomSubmit:
             peer_replica=field_int(body, cls.peer_field()),
             engine_memory=field_flag(body, "engine_memory"),
             peer_dp=field_opt_int(body, cls.peer_dp_field()) or 0,
+            board_slot=field_opt_int(body, "board_slot", maximum=MAX_BOARD_SLOTS - 1),
         )
 
     def check_bounds(self, layout: PoolLayout, peer_replicas: int, peer_dps: int = 1) -> None:
@@ -134,6 +138,8 @@ class RoomSubmit:
             body["engine_memory"] = True
         if self.peer_dp:
             body[self.peer_dp_field()] = self.peer_dp
+        if self.board_slot is not None:
+            body["board_slot"] = self.board_slot
         return body
 
 
@@ -263,10 +269,17 @@ class MemoryRegistration:
     state_parts: StateParts | None = None
     # The draft model's KV (EAGLE/MTP), a second KV group after the target's; None: no draft.
     draft: DraftKv | None = None
+    # A room board (protocol/board.py) the agent writes successful room ends into; None: the feed only.
+    board: BoardShare | None = None
 
     @property
     def aux_inline(self) -> bool:
         return not self.aux and self.aux_slots > 0
+
+    @property
+    def board_row_bytes(self) -> list[int]:
+        """The aux row a board slot holds: the private rows that travel with a room's view, or none."""
+        return list(self.aux_row_bytes) if self.aux_inline else []
 
     @property
     def draft_layers(self) -> int:
@@ -321,6 +334,7 @@ class MemoryRegistration:
             instance=field_opt_str(body, "instance"),
             state_parts=StateParts.parse(body.get("state_parts"), len(state)),
             draft=DraftKv.parse(body.get("draft")),
+            board=BoardShare.parse(body.get("board")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -344,6 +358,7 @@ class MemoryRegistration:
             **({"instance": self.instance} if self.instance else {}),
             **({"state_parts": self.state_parts.to_json()} if self.state_parts else {}),
             **({"draft": self.draft.to_json()} if self.draft else {}),
+            **({"board": self.board.to_json()} if self.board else {}),
         }
 
 

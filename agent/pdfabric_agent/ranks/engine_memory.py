@@ -24,9 +24,11 @@ from typing import Any
 
 from pdfabric_agent.memory.plan import MemoryMap
 from pdfabric_agent.memory.pools import DeviceBuffer, Pool, PoolLayout
+from pdfabric_agent.protocol.board import RoomBoard
 from pdfabric_agent.protocol.errors import layout_mismatch
 from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.ranks.engine_board import open_board
 from pdfabric_agent.ranks.engine_draft import draft_buffers
 from pdfabric_agent.ranks.engine_state import state_items
 from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
@@ -196,6 +198,8 @@ class EngineMemory:
         )
         self._regions = (*kv, *state, *aux)
         self.file_ranges = file_ranges
+        self.board: RoomBoard | None = None  # the engine's room board, when it offered one the agent maps
+        self.board_refused = ""
 
     @classmethod
     def map(
@@ -222,7 +226,10 @@ class EngineMemory:
         except BaseException:
             mapper.close()
             raise
-        return cls(layout, kv, state, aux, mapper, tuple(mapper.ranges), aux_inline=reg.aux_inline)
+        memory = cls(layout, kv, state, aux, mapper, tuple(mapper.ranges), aux_inline=reg.aux_inline)
+        if reg.board is not None:
+            memory.board, memory.board_refused = open_board(reg.board, reg.board_row_bytes, shm_dir)
+        return memory
 
     def overlap(self, other: EngineMemory) -> FileRange | None:
         """A file range of this memory that `other` maps too (the same file, by device and inode)."""
@@ -247,10 +254,14 @@ class EngineMemory:
     def answer(self, rank_id: str) -> MemoryAnswer:
         """What the agent answers the registration (and shows in /v1/info)."""
         devices = tuple(sorted({p.device.value for p in self.regions()}))
-        return MemoryAnswer(rank_id, self.layout, len(self.regions()), devices)
+        board = self.board is not None
+        return MemoryAnswer(rank_id, self.layout, len(self.regions()), devices, board, self.board_refused)
 
     def close(self) -> None:
         self.kv, self.state, self.aux, self._regions = [], [], [], ()
+        if self.board is not None:
+            self.board.release()
+            self.board = None
         self._keep.close()
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pdfabric_agent.memory.plan import Bases, MemoryMap
 from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools, region_of
+from pdfabric_agent.protocol.board import RoomBoard
 from pdfabric_agent.protocol.errors import malformed, unknown_rank, wrong_peer
 from pdfabric_agent.ranks.engine_memory import EngineMemory
 from pdfabric_agent.transfer.base import TransferBackend
@@ -28,6 +29,11 @@ class LocalRank:
     pools: RankPools
     engine: EngineMemory | None = None
     engine_instance: str = ""  # the engine process that registered ``engine`` (rooms/registrants.py)
+
+    @property
+    def board(self) -> RoomBoard | None:
+        """The registered engine's room board, when the agent mapped one."""
+        return self.engine.board if self.engine is not None else None
 
     @property
     def layout(self) -> PoolLayout:

@@ -21,9 +21,8 @@ marks while the kernels run: POST /v1/peer/launched; the decode agent watches th
 memory (``completion.CompletionWatcher``) and takes the source as arrived the moment the last word
 is there. No done report follows; a failure after the notice still sends one (``ok: false``).
 
-Modules: ``rooms`` (state machine, registry), ``sender`` (prefill pipeline), ``writer`` (bytes
-through the backend), ``arrivals`` (decode side), ``peer_client`` (sessions, probes, health),
-``wire`` (messages), ``ranks`` (local ranks, rank-map lookups). This class only wires them.
+An engine learns its rooms' ends from its room feed and, where it offered one, its room board in
+shared memory (``ranks/engine_board``). This class only wires the modules (docs/agent.md's code map).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, So
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import FeedHello, MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.ranks.engine_board import write_end
 from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
 from pdfabric_agent.rooms.context import AgentContext
@@ -354,8 +354,12 @@ class Agent:
         return views
 
     def _room_ended(self, role: Role, room: DecodeRoom | PrefillRoom) -> None:
-        if self.ctx.feed.watched(room.rank):
-            self.ctx.feed.publish(room.view())
+        local, watched = self.ranks.get(room.rank), self.ctx.feed.watched(room.rank)
+        view = room.view() if watched or (room.board_slot is not None and local is not None) else None
+        if view is not None:
+            write_end(local.board if local is not None else None, room.board_slot, view)  # read at the next poll
+            if watched:
+                self.ctx.feed.publish(view)
 
     # ---------------------------------------------------------------- upkeep
     async def tick(self) -> None:

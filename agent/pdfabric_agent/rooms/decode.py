@@ -34,6 +34,7 @@ from pdfabric_agent.protocol.peer_answers import CancelAnswer, SourceAnswer
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo, SourceReport
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import BytesByPath, KindBytes, ReceiveRequest, zero_bytes
+from pdfabric_agent.ranks.engine_board import check_slot
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
 from pdfabric_agent.rooms.claims import DestinationClaims
@@ -87,6 +88,7 @@ class DecodeArrivals:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.DECODE)
         msg.check_bounds(local.layout, ctx.spec.prefill.replicas, ctx.spec.prefill.dp)
+        check_slot(local.board, msg.board_slot)
         ctx.rooms.refuse_reuse(Role.DECODE, msg.rank, msg.room)
         expected, owed = {}, {}
         for p, c, s in expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank):
@@ -104,6 +106,7 @@ class DecodeArrivals:
             dst_aux=msg.aux_index,
             expected=expected,
             owed=owed,
+            board_slot=msg.board_slot,
         )
         # Last check before the room exists: nothing is claimed or created when it refuses.
         room.claim = self.claims.claim(msg.rank, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)

@@ -29,6 +29,7 @@ from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken
 from pdfabric_agent.protocol.peer_wire import DoneReport, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import SendRequest
+from pdfabric_agent.ranks.engine_board import check_slot
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.chunks import add_chunk, until_deadline
 from pdfabric_agent.rooms.context import AgentContext
@@ -62,6 +63,7 @@ class PrefillSender:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
         msg.check_bounds(local.layout, ctx.spec.decode.replicas, ctx.spec.decode.dp)
+        check_slot(local.board, msg.board_slot)
         if isinstance(msg, SendChunk) and not msg.opens:
             return add_chunk(self, local, msg)
         sends = self.sends_anything(local)
@@ -87,6 +89,7 @@ class PrefillSender:
             src_aux=msg.aux_index,
             targets=targets,
             sealed=not isinstance(msg, SendChunk) or msg.final,
+            board_slot=msg.board_slot,
         )
         ctx.rooms.add(Role.PREFILL, room)
         cancelled = ctx.rooms.cancelled.pop((msg.rank, msg.room), None)

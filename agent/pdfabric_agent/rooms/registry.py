@@ -72,6 +72,7 @@ class Room:
     moved: KindBytes = field(default_factory=zero_bytes)
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
     marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
+    board_slot: int | None = None  # where its engine's room board takes its end (protocol/board.py)
 
     def view(self) -> RoomView:
         return RoomView(

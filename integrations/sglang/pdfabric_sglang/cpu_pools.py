@@ -74,7 +74,13 @@ def shared_tensor(shape: tuple[int, ...], dtype: Any, directory: str) -> Any:
     import torch
 
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    path = shared_file(numel * torch.empty((), dtype=dtype).element_size(), directory)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def shared_file(nbytes: int, directory: str) -> str:
+    """A new zeroed file of ``nbytes`` in ``directory``, removed when this process exits (or, after
+    a crash, by the next one's ``remove_orphans``)."""
     fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
     try:
         os.ftruncate(fd, nbytes)
@@ -82,7 +88,7 @@ def shared_tensor(shape: tuple[int, ...], dtype: Any, directory: str) -> Any:
         os.close(fd)
     with _lock:
         _created.append(path)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    return path
 
 
 def _shape_of(size: tuple[Any, ...]) -> tuple[int, ...] | None:

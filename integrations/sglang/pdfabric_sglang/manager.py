@@ -22,6 +22,7 @@ from pdfabric_agent.protocol.wire import FEED_HEARTBEAT_S, ReceiveRequest, SendR
 from pdfabric_core.policy.kv_shard import kv_shard_size
 from pdfabric_core.policy.types import Role
 from pdfabric_sglang.agent_calls import AgentCalls
+from pdfabric_sglang.board import EngineBoard
 from pdfabric_sglang.kvargs import (
     ENV_CP_RANK,
     ENV_RANK,
@@ -122,6 +123,7 @@ class PdfabricKVManager(BaseKVManager):
     # Failed decode rooms keep their pages until the agent says every source's writes are over.
     enable_deferred_decode_kv_release = True
     supports_host_destination = False
+    board: EngineBoard | None = None  # the room board the agent writes room ends into (board.py)
 
     def __init__(
         self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
@@ -164,16 +166,22 @@ class PdfabricKVManager(BaseKVManager):
         self.events.start(wait_s=FEED_WAIT_S)
         try:
             # SGLang's CPU MetadataBuffers are private: their rows travel with each room (aux_inline).
-            self.registration = dataclasses.replace(
-                registration(
-                    self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args), aux_inline=not metadata_on_gpu()
-                ),
-                instance=self.instance,
+            reg = registration(
+                self.rank_id, args, is_mla=bool(is_mla_backend), gpu=gpu_of(args), aux_inline=not metadata_on_gpu()
             )
+            offered = EngineBoard.create(reg.board_row_bytes)
+            share = offered.share if offered is not None else None
+            self.registration = dataclasses.replace(reg, instance=self.instance, board=share)
             answer = self.register()
         except (UnshareableBuffer, AgentRefused) as exc:
             self.events.close()
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
+        # Room ends are read from the board only when the agent mapped it (it proves the memory shared).
+        self.board = offered if answer.board else None
+        if offered is not None and not answer.board:
+            log.info("pdfabric: %s reads room ends from the feed: the agent declined its room board: %s",
+                     self.rank_id, answer.board_refused)  # fmt: skip
+            offered.close()
         self.layout = answer.layout
         # Decode: prefill bootstrap address -> which prefill replica serves there (SGLang's decode
         # queue reads dp_size and follow_bootstrap_room from it for every request).
@@ -225,6 +233,8 @@ class PdfabricKVManager(BaseKVManager):
         if self.events is not None:
             self.events.close()
         self.calls.close()
+        if self.board is not None:
+            self.board.close()
 
     def register_to_bootstrap(self) -> None:
         """Nothing to register: the PDCluster's rank map tells every agent where each rank is."""

@@ -112,6 +112,7 @@ class PdfabricKVReceiver(RoomClient, BaseKVReceiver):
             engine_memory=True,
             peer_dp=self.prefill_dp,
             prefix_tokens=int(decode_prefix_len or 0),
+            board_slot=self.board_slot,
         )
         self.aux_index = aux_index
         self.submitted_at = time.monotonic()

@@ -16,6 +16,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol.board import BoardEnd
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
@@ -36,15 +37,6 @@ SUCCESS: int = int(KVPoll.Success)
 AGENT_CALL_TIMEOUT_S = 2.0
 AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting or timed out; garbled
 MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
-
-
-def first_byte_at(view: RoomView) -> float | None:
-    """When the agent began moving a prefill room's bytes (its first write, ``first-byte``; else
-    its ``transferring`` phase) on the node's monotonic clock, which this process shares with the
-    agent; None for a room without it. Not the first chunk handed over: a chunk that waits for
-    decode's destinations, or for the forward that writes it, has moved nothing yet."""
-    began = view.phases_s.get("first-byte", view.phases_s.get("transferring"))
-    return None if began is None or view.submitted_at is None else view.submitted_at + began
 
 
 @functools.lru_cache(maxsize=4096)
@@ -78,6 +70,9 @@ class RoomClient:
         # of a queue each scheduler iteration, most of them against a view that has not changed.
         self._polled_view: RoomView | None = None
         self._polled_state = WAITING_FOR_INPUT
+        # Where the agent writes the room's successful end in shared memory (board.py); None: the
+        # manager has no board, or every slot is taken, and the room's end comes by the feed.
+        self.board_slot = mgr.board.take() if mgr.board is not None else None
 
     @property
     def mgr(self) -> PdfabricKVManager:
@@ -87,6 +82,9 @@ class RoomClient:
         if self.concluded is None:
             self.concluded, self.reason = state, reason
             self.finished_at = time.monotonic()
+            slot, self.board_slot = self.board_slot, None
+            if slot is not None and self.mgr.board is not None:
+                self.mgr.board.give(slot)  # a late write of this room there matches no later room
             if state == FAILED:
                 log.warning("pdfabric: room %d on %s failed: %s", self.room, self.mgr.rank_id, reason)
         return self.concluded
@@ -162,6 +160,10 @@ class RoomClient:
         """The submitted room's state at the agent (its codes are SGLang's KVPoll values)."""
         if self.refused:
             return self._conclude(FAILED, self.refused)
+        if self.board_slot is not None and self.concluded is None:
+            end = self.mgr.board.read(self.board_slot, self.room) if self.mgr.board is not None else None
+            if end is not None:
+                return self._board_end(end)
         if self.submit_pending:
             return WAITING_FOR_INPUT  # the agent has not answered the submit yet
         view = self._view()
@@ -174,13 +176,23 @@ class RoomClient:
         if view.finished:
             if view.succeeded:
                 self.bytes_moved = sum(view.moved.values())
-                self.moving_since = first_byte_at(view)
+                self.moving_since = view.first_byte_at
                 if view.aux_rows is not None and not self._land_aux_row(view.aux_rows):
                     return self.concluded if self.concluded is not None else FAILED
             return self._conclude(int(view.state), view.reason)
         # Submitted, the agent still waiting for a decode rank's room info: in progress, as SGLang's
         # prefill inflight queue needs (it takes no Bootstrapping once sent).
         return self._answer(view, WAITING_FOR_INPUT if view.state is RoomState.BOOTSTRAPPING else int(view.state))
+
+    def _board_end(self, end: BoardEnd) -> int:
+        """Conclude Success from the room board: what the feed's Success view would say, read in
+        this poll instead of after the feed's thread woke."""
+        self.bytes_moved, self.moving_since = end.moved, end.first_byte_at
+        if end.aux_rows is not None and not self._land_aux_row(end.aux_rows):
+            return self.concluded if self.concluded is not None else FAILED
+        if self.mgr.board is not None:
+            self.mgr.board.reads += 1
+        return self._conclude(SUCCESS)
 
     def _answer(self, view: RoomView, state: int) -> int:
         """Answer ``state`` for an in-progress ``view``, and remember both: a poll that reads the same

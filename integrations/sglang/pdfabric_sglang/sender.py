@@ -195,6 +195,7 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
             aux_rows=self._aux_row() if final else (),
             page_offset=offset,
             final=final,
+            board_slot=self.board_slot if offset == 0 else None,  # the room's, named when it opens
         )
         self.handed, self.final_handed = len(self.pages), final
         if self.submitted_at is None:

@@ -1,0 +1,167 @@
+"""A rank's room board: a shared-memory table in which the node agent writes each room's successful
+end, so the engine's poll reads it in the loop it already runs instead of waiting for the room feed
+to wake a thread of its process (about 0.8 ms a room on two cores, issue 23).
+
+The engine creates the file in ``PDFABRIC_SHM_DIR`` and names it in its memory registration
+(``BoardShare``); the agent maps it only after reading back the engine's random ``nonce`` from the
+file's header, which proves both see the same memory (an engine pod with a ``/dev/shm`` of its own
+gets ``board: false`` in the answer and keeps the feed). The engine owns the slots: a room's submit
+names its ``board_slot``, freed once the engine has concluded the room.
+
+A slot is a 64-byte header (``seq``, room, bytes moved, when its first byte moved, row count) and
+the room's private aux rows (SGLang's CPU metadata row, which travels with the view). The agent is
+the one writer; ``seq`` is odd while it writes (a seqlock), so a reader that sees it odd or changed
+reads nothing. Only Success is written: a failure, its reason and everything else still reach the
+engine by the feed, which also carries every Success, so a board entry overwritten by a late end of
+a room whose slot was reused costs that room the fast path, never its answer. The order of plain
+stores and loads the seqlock relies on holds on x86-64 (TSO); elsewhere the board is not used.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+from pdfabric_agent.protocol.errors import malformed
+from pdfabric_agent.protocol.fields import MAX_STR, check_object, check_str, field_int
+
+MAGIC = b"PDFBOARD"
+HEADER = struct.Struct("<8sII16s")  # magic, slots, slot bytes, nonce
+HEADER_BYTES = 64
+SLOT_HEADER = struct.Struct("<QQQdI")  # seq, room, bytes moved, first byte (monotonic; NaN: none), rows
+SLOT_HEADER_BYTES = 64
+MAX_SLOTS = 1 << 16
+NONCE_BYTES = 16
+# Plain stores become visible in program order, and loads are not reordered with other loads.
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def slot_bytes(aux_row_bytes: Sequence[int]) -> int:
+    """One slot: its header and room for one private aux row (each item's bytes), 64-byte aligned."""
+    rows = sum(aux_row_bytes)
+    return SLOT_HEADER_BYTES + -(-rows // 64) * 64
+
+
+def board_bytes(slots: int, aux_row_bytes: Sequence[int]) -> int:
+    return HEADER_BYTES + slots * slot_bytes(aux_row_bytes)
+
+
+@dataclass(frozen=True)
+class BoardShare:
+    """The board an engine offers in its registration: the file, its slots, and the nonce its header holds."""
+
+    path: str
+    slots: int
+    nonce: str  # hex, NONCE_BYTES bytes
+
+    @classmethod
+    def parse(cls, value: Any) -> Self | None:
+        if value is None:
+            return None
+        d = check_object(value, "board")
+        path = check_str(d.get("path"), "board.path", limit=MAX_STR)
+        if not path.startswith("/"):
+            raise malformed("board.path must be an absolute path of a shared-memory file")
+        nonce = d.get("nonce")
+        if not (
+            isinstance(nonce, str) and len(nonce) == 2 * NONCE_BYTES and all(c in "0123456789abcdef" for c in nonce)
+        ):
+            raise malformed(f"board.nonce must be {NONCE_BYTES} bytes in lowercase hex")
+        return cls(path, field_int(d, "slots", minimum=1, maximum=MAX_SLOTS), nonce)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "slots": self.slots, "nonce": self.nonce}
+
+
+@dataclass(frozen=True)
+class BoardEnd:
+    """A room's successful end as the board holds it."""
+
+    moved: int
+    first_byte_at: float | None
+    aux_rows: tuple[bytes, ...] | None
+
+
+class RoomBoard:
+    """A mapped board (either side): ``memory`` is the whole file, writable."""
+
+    def __init__(self, memory: Any, slots: int, aux_row_bytes: Sequence[int]) -> None:
+        self._source = memory
+        self.memory = memoryview(memory).cast("B")
+        self.slots = slots
+        self.aux_row_bytes = tuple(aux_row_bytes)
+        self.slot_bytes = slot_bytes(aux_row_bytes)
+        if len(self.memory) < board_bytes(slots, aux_row_bytes):
+            raise ValueError(f"a board of {slots} slots needs {board_bytes(slots, aux_row_bytes)} bytes")
+
+    @staticmethod
+    def format(memory: Any, slots: int, aux_row_bytes: Sequence[int], nonce: bytes) -> RoomBoard:
+        """Write a fresh board's header (the engine, on a zeroed file)."""
+        HEADER.pack_into(memory, 0, MAGIC, slots, slot_bytes(aux_row_bytes), nonce)
+        return RoomBoard(memory, slots, aux_row_bytes)
+
+    @staticmethod
+    def header_matches(memory: Any, share: BoardShare, aux_row_bytes: Sequence[int]) -> str | None:
+        """Why the mapped file is not the board ``share`` describes (None: it is)."""
+        magic, slots, size, nonce = HEADER.unpack_from(memory, 0)
+        if magic != MAGIC or nonce.hex() != share.nonce:
+            return "its header is not the engine's (another file at that path: the engine's shared memory is not the agent's)"
+        if slots != share.slots or size != slot_bytes(aux_row_bytes):
+            return f"its header says {slots} slots of {size} bytes, not {share.slots} of {slot_bytes(aux_row_bytes)}"
+        return None
+
+    def _at(self, slot: int) -> int:
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"board slot {slot} outside 0..{self.slots - 1}")
+        return HEADER_BYTES + slot * self.slot_bytes
+
+    def write_success(
+        self, slot: int, room: int, moved: int, first_byte_at: float | None, aux_rows: Sequence[bytes] | None
+    ) -> None:
+        """The agent: room ``room`` ended Success (its private aux row, when it has one)."""
+        at = self._at(slot)
+        seq = struct.unpack_from("<Q", self.memory, at)[0]
+        seq += 1 + (seq & 1)  # odd: being written
+        struct.pack_into("<Q", self.memory, at, seq)
+        rows = 0
+        if aux_rows:
+            sizes = [len(r) for r in aux_rows]
+            if sizes != list(self.aux_row_bytes):
+                raise ValueError(f"aux rows of {sizes} bytes on a board for rows of {list(self.aux_row_bytes)}")
+            pos = at + SLOT_HEADER_BYTES
+            for row in aux_rows:
+                self.memory[pos : pos + len(row)] = row
+                pos += len(row)
+            rows = len(aux_rows)
+        first = math.nan if first_byte_at is None else first_byte_at
+        SLOT_HEADER.pack_into(self.memory, at, seq, room, moved, first, rows)
+        struct.pack_into("<Q", self.memory, at, seq + 1)  # even: stable
+
+    def read_success(self, slot: int, room: int) -> BoardEnd | None:
+        """The engine: room ``room``'s successful end, or None (not ended Success yet, being
+        written, or the slot holds another room)."""
+        at = self._at(slot)
+        seq, held, moved, first, rows = SLOT_HEADER.unpack_from(self.memory, at)
+        if held != room or seq & 1 or seq == 0:
+            return None
+        aux: tuple[bytes, ...] | None = None
+        if rows:
+            pos, parts = at + SLOT_HEADER_BYTES, []
+            for size in self.aux_row_bytes:
+                parts.append(bytes(self.memory[pos : pos + size]))
+                pos += size
+            aux = tuple(parts)
+        if struct.unpack_from("<Q", self.memory, at)[0] != seq:
+            return None  # rewritten while read
+        return BoardEnd(moved, None if math.isnan(first) else first, aux)
+
+    def release(self) -> None:
+        """Unmap (the mapping's owner: the engine at exit, the agent when another registration replaces it)."""
+        self.memory.release()
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,58 @@
+"""Mapping an engine's room board (``protocol/board.py``) into the agent: the file must be a regular
+file in the agent's shared-memory directory, of the size its slots need, and hold the nonce the
+engine registered, or the board is declined with the reason (the registration still stands: the
+engine's polls then read the room feed, as without a board)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+
+from pdfabric_agent.protocol.board import ORDERED_STORES, BoardShare, RoomBoard, board_bytes
+from pdfabric_agent.protocol.errors import out_of_range
+from pdfabric_agent.protocol.views import RoomView
+
+
+def open_board(share: BoardShare, aux_row_bytes: Sequence[int], shm_dir: str) -> tuple[RoomBoard | None, str]:
+    """The mapped board, or None and why it is declined."""
+    if not ORDERED_STORES:
+        return None, "the room board needs x86-64 store ordering; this agent's machine reads the feed"
+    path = os.path.realpath(share.path)
+    if os.path.dirname(path) != os.path.realpath(shm_dir):
+        return None, f"{share.path} is not in the agent's shared-memory directory {shm_dir}"
+    size = board_bytes(share.slots, aux_row_bytes)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        return None, f"cannot open {share.path}: {exc.strerror} (the engine's shared memory is not the agent's?)"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return None, f"{share.path} is not a regular file of {size} bytes"
+        memory = mmap.mmap(fd, size)
+    except (OSError, ValueError) as exc:
+        return None, f"cannot map {share.path}: {exc}"
+    finally:
+        os.close(fd)
+    why = RoomBoard.header_matches(memory, share, aux_row_bytes)
+    if why is not None:
+        memory.close()
+        return None, f"{share.path}: {why}"
+    return RoomBoard(memory, share.slots, aux_row_bytes), ""
+
+
+def write_end(board: RoomBoard | None, slot: int | None, view: RoomView) -> None:
+    """A room's successful end onto its engine's board (nothing for any other end, or without a
+    board: the feed carries those)."""
+    if board is None or slot is None or not view.succeeded or slot >= board.slots:
+        return
+    board.write_success(slot, view.room, sum(view.moved.values()), view.first_byte_at, view.aux_rows)
+
+
+def check_slot(board: RoomBoard | None, slot: int | None) -> None:
+    """Refuse (4xx) a submit's board slot outside the engine's board; a slot for a rank whose board
+    was declined is ignored (its engine reads the feed)."""
+    if board is not None and slot is not None and slot >= board.slots:
+        raise out_of_range(f"board_slot {slot} outside the engine's board of {board.slots} slots")
