@@ -16,8 +16,8 @@ import pytest
 
 from pdfabric_core.rankmap import Rank
 from pdfabric_devcluster.fabric import LocalFabric
+from tests.e2e.sglang_engine import AUX, MODEL, SLOT, SPEC, Engine, announce
 from tests.e2e.sglang_rooms import poll_until
-from tests.e2e.test_sglang_chunks import AUX, MODEL, SLOT, SPEC, Engine, announce
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

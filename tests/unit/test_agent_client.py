@@ -7,13 +7,14 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
 from pdfabric_agent.protocol.views import RoomState, RoomView
+from pdfabric_agent.protocol.wire import ReceiveRequest
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -49,7 +50,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self._answer(409, {"error": f"room {body['room']} is already Transferring", "reason": "conflict"})
+        if self.path == "/v1/receive" and body["room"] != 13:
+            self._answer(200, {"rank": body["rank"], "room": body["room"], "state": "Bootstrapping"})
+        else:
+            self._answer(409, {"error": f"room {body['room']} is already Transferring", "reason": "conflict"})
+        if self.server.drop_after_answer:  # type: ignore[attr-defined]
+            self.close_connection = True
 
 
 @pytest.fixture
@@ -162,3 +168,32 @@ def test_an_answer_that_is_no_room_view_is_refused_as_malformed(server: Threadin
         True,
         True,
     )
+
+
+def test_a_submit_written_on_one_thread_is_answered_on_another(server: ThreadingHTTPServer) -> None:
+    """The calls channel (pdfabric_sglang.agent_calls): one shared connection; the scheduler's
+    thread writes the request, the worker reads the answer (a refusal arrives there)."""
+    c = AgentClient(f"127.0.0.1:{server.server_address[1]}", "tok", "uid-1", shared=True)
+    answers: list[object] = []
+    for room in (7, 13, 8):
+        answer = c.begin_submit(ReceiveRequest("decode-0-tp0", room, [1], [], None, 0))
+        reader = threading.Thread(target=lambda a=answer: answers.append(_outcome(a)))
+        reader.start()
+        reader.join()
+    assert [a.room if isinstance(a, RoomView) else a.reason for a in answers] == [7, "conflict", 8]  # type: ignore[union-attr]
+    assert server.connections == 1  # type: ignore[attr-defined]
+
+
+def test_a_submit_written_on_a_connection_the_agent_dropped_is_sent_again(server: ThreadingHTTPServer) -> None:
+    server.drop_after_answer = True  # type: ignore[attr-defined]
+    c = AgentClient(f"127.0.0.1:{server.server_address[1]}", "tok", "uid-1", shared=True)
+    for room in (1, 2, 3):
+        view = c.begin_submit(ReceiveRequest("decode-0-tp0", room, [1], [], None, 0))()
+        assert view.room == room and view.state is RoomState.BOOTSTRAPPING
+
+
+def _outcome(answer: Callable[[], RoomView]) -> object:
+    try:
+        return answer()
+    except AgentRefused as exc:
+        return exc

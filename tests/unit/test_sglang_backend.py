@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -221,6 +221,10 @@ class FakeClient:
         self.submitted.append(msg)
         return RoomView(rank=msg.rank, room=msg.room, state=RoomState.BOOTSTRAPPING)
 
+    def begin_submit(self, msg: Any) -> Callable[[], RoomView]:
+        view = self.submit(msg)
+        return lambda: view
+
     def abort(
         self, rank: str, room: int, reason: str = "", peer_replica: int | None = None, peer_dp: int = 0
     ) -> RoomView:
@@ -238,6 +242,7 @@ def manager(role: Role) -> Any:
 
     mgr = PdfabricKVManager.__new__(PdfabricKVManager)
     mgr.client = FakeClient()  # type: ignore[assignment]
+    mgr.calls_client = mgr.client
     mgr.rank_id = P if role is Role.PREFILL else D
     mgr.config = SimpleNamespace(address="127.0.0.1:1")  # type: ignore[assignment]
     mgr.bootstrap_timeout_s = 300.0
@@ -655,7 +660,13 @@ def test_the_scheduler_thread_never_waits_on_the_agent() -> None:
         calls.append("submit")
         return real_submit(msg)
 
+    def slow_begin(msg: Any) -> Callable[[], RoomView]:
+        written.append(threading.current_thread().name)  # the request leaves from the caller's thread
+        return lambda: slow_submit(msg)  # its answer is read on the worker
+
+    written: list[str] = []
     mgr.client.submit = slow_submit  # type: ignore[method-assign]
+    mgr.client.begin_submit = slow_begin  # type: ignore[method-assign]
     real_abort = mgr.client.abort
     mgr.client.abort = lambda *a, **k: (calls.append("abort"), real_abort(*a, **k))[1]  # type: ignore[method-assign]
     mgr.client.poll = lambda *a, **k: pytest.fail("a poll asked the agent while the feed keeps the table")  # type: ignore[method-assign]
@@ -667,6 +678,7 @@ def test_the_scheduler_thread_never_waits_on_the_agent() -> None:
         started = time.monotonic()
         tx.send(np.array([7], np.int32))
         assert time.monotonic() - started < 0.5 and calls == []  # send did not wait for the agent
+        assert written == [threading.current_thread().name] and mgr.calls.written_now == 1  # no worker wake-up first
         assert tx.poll() == KVPoll.WaitingForInput and tx.submit_pending
         agent_answers.set()
         assert mgr.calls.wait_idle(5) and calls == ["submit"]
@@ -680,6 +692,7 @@ def test_the_scheduler_thread_never_waits_on_the_agent() -> None:
         tx2.send(np.array([8], np.int32))
         tx2.abort()
         assert mgr.calls.wait_idle(5) and calls == ["submit", "submit", "abort"]
+        assert mgr.calls.written_now == 2  # tx2's submit too: nothing was ahead of it
         tx.clear()
         assert events.view(31) is None  # SGLang is done with it: its row goes
     finally:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pdfabric_agent.client.http1 import Connection, StaleConnection
+from pdfabric_agent.client.http1 import Connection, Response, StaleConnection
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
 from pdfabric_agent.protocol.wire import (
@@ -174,7 +174,13 @@ class _ThreadConnection(threading.local):
 
 
 class AgentClient:
-    def __init__(self, address: str, token: str, cluster_uid: str, timeout_s: float = 10.0) -> None:
+    """``shared``: one connection for every thread, whose callers take turns (an engine's calls
+    channel, where a request written on one thread is answered on another: ``_begin``); else one
+    connection per thread."""
+
+    def __init__(
+        self, address: str, token: str, cluster_uid: str, timeout_s: float = 10.0, *, shared: bool = False
+    ) -> None:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"agent address {address!r} is not host:port")
@@ -183,29 +189,59 @@ class AgentClient:
         self.cluster_uid = cluster_uid
         self.timeout_s = timeout_s
         self._local = _ThreadConnection()  # one connection per thread
+        self._shared = Connection(self.host, self.port) if shared else None
 
     def _connection(self) -> Connection:
+        if self._shared is not None:
+            return self._shared
         if self._local.conn is None:
             self._local.conn = Connection(self.host, self.port)
         return self._local.conn
 
     def close(self) -> None:
         """Close this thread's connection (others close when their threads' clients go away)."""
-        if self._local.conn is not None:
-            self._local.conn.close()
+        conn = self._shared if self._shared is not None else self._local.conn
+        if conn is not None:
+            conn.close()
 
-    def _call(
-        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
-    ) -> dict[str, Any]:
+    def _encode(self, body: dict[str, Any] | None) -> tuple[bytes | None, dict[str, str]]:
         data = None if body is None else json.dumps({"cluster": self.cluster_uid, **body}).encode()
         headers = {"Authorization": f"Bearer {self.token}"}
         if data is not None:
             headers["Content-Type"] = "application/json"
+        return data, headers
+
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        data, headers = self._encode(body)
         conn = self._connection()
         try:
             resp = conn.request(method, path, data, headers, timeout_s or self.timeout_s)
         except StaleConnection:  # the agent closed the idle connection; the request never reached it
             resp = conn.request(method, path, data, headers, timeout_s or self.timeout_s)
+        return self._decode(path, resp)
+
+    def _begin(self, method: str, path: str, body: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+        """``_call`` in two halves: the request is written now, on this thread; the returned call
+        reads its answer (on any thread, once, before anything else uses this connection)."""
+        data, headers = self._encode(body)
+        conn, timeout_s = self._connection(), self.timeout_s
+        try:
+            reused = conn.send(method, path, data, headers, timeout_s)
+        except StaleConnection:
+            reused = conn.send(method, path, data, headers, timeout_s)
+
+        def answer() -> dict[str, Any]:
+            try:
+                resp = conn.receive(method, reused, timeout_s)
+            except StaleConnection:  # closed before the request was read: it was never processed
+                resp = conn.request(method, path, data, headers, timeout_s)
+            return self._decode(path, resp)
+
+        return answer
+
+    def _decode(self, path: str, resp: Response) -> dict[str, Any]:
         if resp.status >= 400:
             try:
                 doc = json.loads(resp.body)
@@ -276,6 +312,11 @@ class AgentClient:
     def submit(self, msg: RoomSubmit) -> RoomView:
         """A send or receive as its wire message (long page lists travel packed: base64 int32)."""
         return _answer(RoomView.parse, self._call("POST", msg.PATH, msg.to_json()))
+
+    def begin_submit(self, msg: RoomSubmit) -> Callable[[], RoomView]:
+        """``submit`` written now; the returned call reads the agent's answer (``_begin``)."""
+        answer = self._begin("POST", msg.PATH, msg.to_json())
+        return lambda: _answer(RoomView.parse, answer())
 
     def poll(self, rank: str, room: int, wait_s: float = 0.0) -> RoomView:
         """The room's state; with wait_s > 0 the agent answers once it is final or wait_s passed."""

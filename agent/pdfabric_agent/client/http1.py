@@ -54,6 +54,13 @@ class Connection:
     ) -> Response:
         """Send one request and read its answer; raises StaleConnection (safe to resend), OSError
         (TimeoutError, refused, reset) or ProtocolError. The connection is closed on any error."""
+        reused = self.send(method, path, body, headers, timeout_s)
+        return self.receive(method, reused, timeout_s)
+
+    def send(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str], timeout_s: float) -> bool:
+        """The first half of ``request``: write the request (on a connection with no answer still
+        unread) and say whether the connection was reused; ``receive`` reads the answer, on this
+        thread or another, before anything else is sent here."""
         reused = self.sock is not None
         try:
             if self.sock is None:
@@ -71,6 +78,17 @@ class Connection:
                 if reused:
                     raise StaleConnection(f"connection closed by the server: {exc}") from None
                 raise
+        except BaseException:
+            self.close()
+            raise
+        return reused
+
+    def receive(self, method: str, reused: bool, timeout_s: float) -> Response:
+        """The second half of ``request``: the answer to what ``send`` wrote."""
+        try:
+            if self.sock is None:
+                raise ProtocolError("no request is waiting for an answer on this connection")
+            self.sock.settimeout(timeout_s)
             resp = self._read_response(reused, head_only=method == "HEAD")
         except BaseException:
             self.close()

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from pdfabric_sglang.kvargs import (
     registration,
 )
 from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
-from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, MEMORY_NOT_REGISTERED
+from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, AGENT_ERRORS, MEMORY_NOT_REGISTERED
 from pdfabric_sglang.shares import UnshareableBuffer
 
 if TYPE_CHECKING:
@@ -138,6 +139,10 @@ class PdfabricKVManager(BaseKVManager):
         info_client.close()
         self.cluster_uid = info["cluster"]["uid"]
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
+        # The submits and aborts of the calls' channel (agent_calls.py): one connection, in order.
+        self.calls_client = AgentClient(
+            self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S, shared=True
+        )
         published = attention_ranks()
         self.rank_id = rank_id_for(self.role, self.config, args, published)
         # This rank's DP group and its server's (one group where SGLang published none): how a
@@ -217,15 +222,40 @@ class PdfabricKVManager(BaseKVManager):
         this engine registered (it lost the registration and says so) gets the buffers again, then
         the room."""
         try:
-            return self.client.submit(msg)
+            return self.calls_client.submit(msg)
         except AgentRefused as exc:
-            if exc.reason != MEMORY_NOT_REGISTERED:
-                raise
-            log.warning(
-                "pdfabric: agent %s lost %s's memory (restarted); registering again", self.config.address, self.rank_id
-            )
-            self.client.register_memory(self.registration)
-            return self.client.submit(msg)
+            return self._after_restart(msg, exc)
+
+    def begin_submit(self, msg: SendRequest | ReceiveRequest) -> Callable[[], RoomView]:
+        """``submit`` in two halves (``AgentCalls.call_now``): the request is written now, on the
+        caller's thread; the returned call reads the answer on the worker. Never raises: a request
+        that could not be written fails when its answer is read."""
+        try:
+            answer = self.calls_client.begin_submit(msg)
+        except AGENT_ERRORS as exc:
+            failure = exc
+
+            def failed() -> RoomView:
+                raise failure
+
+            return failed
+
+        def finish() -> RoomView:
+            try:
+                return answer()
+            except AgentRefused as exc:
+                return self._after_restart(msg, exc)
+
+        return finish
+
+    def _after_restart(self, msg: SendRequest | ReceiveRequest, exc: AgentRefused) -> RoomView:
+        if exc.reason != MEMORY_NOT_REGISTERED:
+            raise exc
+        log.warning(
+            "pdfabric: agent %s lost %s's memory (restarted); registering again", self.config.address, self.rank_id
+        )
+        self.calls_client.register_memory(self.registration)
+        return self.calls_client.submit(msg)
 
     def close(self) -> None:
         """Stop following the room feed and the calls' worker (SGLang never closes a manager; an

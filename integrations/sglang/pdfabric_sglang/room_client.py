@@ -113,7 +113,7 @@ class RoomClient:
 
         def abort() -> None:
             try:
-                mgr.client.abort(mgr.rank_id, room, reason, *(peer or ()))
+                mgr.calls_client.abort(mgr.rank_id, room, reason, *(peer or ()))
             except AGENT_ERRORS as exc:
                 log.warning("pdfabric: abort of room %d at the agent: %s", room, exc)
 
@@ -125,11 +125,9 @@ class RoomClient:
         worker (a wait for the forward that writes the chunk's pages), never on the scheduler."""
         self.submit_pending = True
 
-        def submit() -> None:
-            if before is not None:
-                before()
+        def answered(answer: Callable[[], RoomView]) -> None:
             try:
-                view = self.mgr.submit(msg)
+                view = answer()
             except AGENT_ERRORS as exc:
                 self.refused = f"the agent did not take the {what}: {exc}"
             else:
@@ -137,7 +135,14 @@ class RoomClient:
                     self.mgr.events.put(view)
             self.submit_pending = False
 
-        self.mgr.calls.call(submit)
+        def submit() -> None:
+            if before is not None:
+                before()
+            answered(lambda: self.mgr.submit(msg))
+
+        # Nothing to wait for and no call ahead: the request leaves now, from this thread.
+        if before is not None or not self.mgr.calls.call_now(lambda: self.mgr.begin_submit(msg), answered):
+            self.mgr.calls.call(submit)
 
     def _view(self) -> RoomView | None:
         """The agent's view of the room: from the manager's room table while the agent's room feed
