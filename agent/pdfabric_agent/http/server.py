@@ -30,12 +30,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdfabric_agent.http.guard import CLUSTER, LIMITS, Limits
 from pdfabric_agent.http.jsonbody import BODY_CAP, body_cap, read_json
+from pdfabric_agent.http.peer_stream import serve_stream
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.errors import ApiError, malformed
 from pdfabric_agent.protocol.fields import field_opt_str
 from pdfabric_agent.protocol.labels import Refusal
-from pdfabric_agent.protocol.peer_wire import PING_PATH, PROBE_PATH, DoneReport, LaunchNotice, RoomCancel, RoomInfo
+from pdfabric_agent.protocol.peer_wire import (
+    PING_PATH,
+    PROBE_PATH,
+    STREAM_PATH,
+    DoneReport,
+    LaunchNotice,
+    RoomCancel,
+    RoomInfo,
+)
 from pdfabric_agent.protocol.wire import (
     EVENTS_ROUTE,
     FEED_HEARTBEAT_S,
@@ -260,22 +269,30 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
             metrics.feed_subscribers.labels(cluster).dec()
         return resp
 
-    async def peer_dst(request: web.Request) -> web.Response:
-        return web.json_response(
-            agent.accept_dst(await parsed(request, RoomInfo), sender_agent=request[PEER_AGENT]).to_json()
-        )
+    async def peer_call(path: str, body: dict[str, Any], caller: str) -> dict[str, Any]:
+        """A peer message by its path, from a POST or a stream frame, for the authenticated caller."""
+        agent.peers.heard_from(caller)  # alive (the guard says so once per request, a stream once)
+        agent.check_cluster(body)
+        if path == RoomInfo.PATH:
+            return agent.accept_dst(RoomInfo.parse(body), sender_agent=caller).to_json()
+        if path == DoneReport.PATH:
+            return (await agent.accept_done(DoneReport.parse(body), sender_agent=caller)).to_json()
+        if path == LaunchNotice.PATH:
+            return agent.accept_launched(LaunchNotice.parse(body), sender_agent=caller).to_json()
+        if path == RoomCancel.PATH:
+            return agent.accept_cancel(RoomCancel.parse(body), sender_agent=caller).to_json()
+        raise ApiError(404, Refusal.MALFORMED, f"no such peer message {path}")
 
-    async def peer_done(request: web.Request) -> web.Response:
-        msg = await parsed(request, DoneReport)
-        return web.json_response((await agent.accept_done(msg, sender_agent=request[PEER_AGENT])).to_json())
+    async def peer_post(request: web.Request) -> web.Response:
+        return web.json_response(await peer_call(request.path, await _body(request), request[PEER_AGENT]))
 
-    async def peer_launched(request: web.Request) -> web.Response:
-        msg = await parsed(request, LaunchNotice)
-        return web.json_response(agent.accept_launched(msg, sender_agent=request[PEER_AGENT]).to_json())
+    async def framed(path: str, body: dict[str, Any], caller: str) -> dict[str, Any]:
+        metrics.peer_stream_frames.labels(cluster).inc()
+        return await peer_call(path, body, caller)
 
-    async def peer_cancel(request: web.Request) -> web.Response:
-        msg = await parsed(request, RoomCancel)
-        return web.json_response(agent.accept_cancel(msg, sender_agent=request[PEER_AGENT]).to_json())
+    async def peer_stream(request: web.Request) -> web.StreamResponse:
+        refused = lambda exc: metrics.api_refusals.labels(cluster, exc.reason.value).inc()  # noqa: E731
+        return await serve_stream(request, request[PEER_AGENT], framed, request.app[BODY_CAP], refused)
 
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})
@@ -301,10 +318,9 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         app.router.add_get(ROOM_ROUTE, poll)
         app.router.add_get(EVENTS_ROUTE, events)
     else:
-        app.router.add_post(RoomInfo.PATH, peer_dst)
-        app.router.add_post(DoneReport.PATH, peer_done)
-        app.router.add_post(LaunchNotice.PATH, peer_launched)
-        app.router.add_post(RoomCancel.PATH, peer_cancel)
+        for message in (RoomInfo, DoneReport, LaunchNotice, RoomCancel):
+            app.router.add_post(message.PATH, peer_post)
+        app.router.add_get(STREAM_PATH, peer_stream)
         app.router.add_get(PING_PATH, ping)
         app.router.add_get(PROBE_PATH, probe_regions)
     app.router.add_route("*", "/{tail:.*}", not_found)

@@ -19,8 +19,9 @@ from typing import Any
 import aiohttp
 
 from pdfabric_agent.peers.health import PeerHealth
+from pdfabric_agent.peers.stream import PeerStream
 from pdfabric_agent.protocol import tls
-from pdfabric_agent.protocol.peer_wire import PING_PATH, Answer, PeerMessage
+from pdfabric_agent.protocol.peer_wire import PING_PATH, STREAM_PATH, Answer, PeerMessage
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_agent.runtime.tasks import Liveness
@@ -30,6 +31,8 @@ log = logging.getLogger("pdfabric.agent")
 
 HEARTBEAT_MISSES = 2  # upstream: two missed heartbeats fail the rooms
 RECHECK_S = 1.0  # a peer blacklisted for silence is pinged again for a new room at most this often
+STREAM_RETRY_S = 60.0  # an agent that answered without a stream gets POSTs this long before another try
+STREAM_HEARTBEAT_S = 10.0  # a stream whose peer stops answering pings closes, failing its waiting calls
 
 
 class PeerRefused(RuntimeError):
@@ -73,6 +76,10 @@ class PeerClient:
         self._rechecks: dict[str, asyncio.Task[bool]] = {}  # agent -> the ping a new room waits for
         self._recheck_after: dict[str, float] = {}
         self._file_peers: dict[str, str] = {}  # PDFABRIC_PEERS_FILE, as last read
+        self.streams = True  # peer messages on one WebSocket per peer (peers/stream.py); False: POSTs
+        self._streams: dict[str, PeerStream] = {}
+        self._stream_locks: dict[str, asyncio.Lock] = {}
+        self._stream_retry_after: dict[str, float] = {}
         # Whether a newer rank map dropped the agent (its replica scaled away; the agent wires it).
         self.is_leaving: Callable[[str], bool] = lambda _agent: False
 
@@ -99,22 +106,62 @@ class PeerClient:
 
     async def post(self, agent_name: str, msg: PeerMessage[Answer], timeout_s: float) -> Answer:
         """Send ``msg`` to the agent's peer door and read its typed answer; raises ``PEER_ERRORS``
-        (an answer that is not the message's is refused like an error status)."""
-        session = await self._session()
-        url = f"https://{self.address(agent_name)}{msg.PATH}"
+        (an answer that is not the message's is refused like an error status). It goes on the
+        stream to that agent (peers/stream.py) when one is open or opens now, else as a POST."""
         body = {**msg.to_json(), "cluster": self.rankmap.cluster_uid}
-        async with session.post(
-            url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s), server_hostname=self.peer_host(agent_name)
-        ) as resp:
-            data = await resp.json(content_type=None)
-            if not isinstance(data, dict):
-                data = {}
-            if resp.status != 200:
-                raise PeerRefused(agent_name, msg.PATH, resp.status, str(data.get("reason", "")), data.get("error", ""))
+        stream = await self._stream(agent_name, timeout_s)
+        data: Any
+        if stream is not None:
+            status, data = await stream.call(msg.PATH, body, timeout_s)
+        else:
+            session = await self._session()
+            url = f"https://{self.address(agent_name)}{msg.PATH}"
+            async with session.post(
+                url,
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                server_hostname=self.peer_host(agent_name),
+            ) as resp:
+                status, data = resp.status, await resp.json(content_type=None)
+        if not isinstance(data, dict):
+            data = {}
+        if status != 200:
+            raise PeerRefused(agent_name, msg.PATH, status, str(data.get("reason", "")), data.get("error", ""))
+        try:
+            return msg.read_answer(data)
+        except ValueError as exc:
+            raise PeerRefused(agent_name, msg.PATH, status, "malformed", str(exc)) from None
+
+    async def _stream(self, agent_name: str, timeout_s: float) -> PeerStream | None:
+        """The open stream to ``agent_name``, opened now if none is (one opening at a time per
+        peer); None for an agent that answers without one (an older agent: the call goes as a
+        POST, another try after ``STREAM_RETRY_S``). An agent that cannot be reached raises what
+        a POST to it would (``PEER_ERRORS``)."""
+        if not self.streams:
+            return None
+        stream = self._streams.get(agent_name)
+        if stream is not None and stream.open:
+            return stream
+        if self.clock() < self._stream_retry_after.get(agent_name, float("-inf")):
+            return None
+        lock = self._stream_locks.setdefault(agent_name, asyncio.Lock())
+        async with lock:
+            stream = self._streams.get(agent_name)
+            if stream is not None and stream.open:
+                return stream
+            session = await self._session()
+            url = f"https://{self.address(agent_name)}{STREAM_PATH}"
             try:
-                return msg.read_answer(data)
-            except ValueError as exc:
-                raise PeerRefused(agent_name, msg.PATH, resp.status, "malformed", str(exc)) from None
+                async with asyncio.timeout(timeout_s):
+                    ws = await session.ws_connect(
+                        url, heartbeat=STREAM_HEARTBEAT_S, server_hostname=self.peer_host(agent_name), max_msg_size=0
+                    )
+            except aiohttp.WSServerHandshakeError as exc:  # it answered, without a stream
+                self._stream_retry_after[agent_name] = self.clock() + STREAM_RETRY_S
+                log.info("no peer stream to %s (HTTP %s); its messages go as POSTs", agent_name, exc.status)
+                return None
+            self._streams[agent_name] = stream = PeerStream(agent_name, ws)
+            return stream
 
     async def get_json(self, agent_name: str, path: str, timeout_s: float = 2.0) -> dict[str, Any]:
         """GET ``path`` on the peer's door; raises ``PEER_ERRORS`` (the link check's probe regions)."""
@@ -242,5 +289,8 @@ class PeerClient:
             self._probing.discard(agent_name)
 
     async def close(self) -> None:
+        for stream in self._streams.values():
+            await stream.close()
+        self._streams.clear()
         if self._http is not None:
             await self._http.close()

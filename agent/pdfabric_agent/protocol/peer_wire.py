@@ -43,6 +43,9 @@ from pdfabric_core.policy.types import StateKind
 # The peer door's GET routes (its POSTs are the messages' own ``PATH``).
 PING_PATH = "/v1/peer/ping"
 PROBE_PATH = "/v1/peer/probe"  # the link check's probe regions (node.probe)
+# A WebSocket on which a peer's messages travel as frames ``{"id", "path", "body"}``, each answered
+# ``{"id", "status", "body"}`` as its POST would be (peers/stream.py, http/peer_stream.py).
+STREAM_PATH = "/v1/peer/stream"
 
 
 def _layout(value: Any) -> PoolLayout:

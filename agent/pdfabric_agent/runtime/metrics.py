@@ -243,6 +243,12 @@ rankmap_peers = Gauge(
     ["pdcluster", "state"],
     registry=REGISTRY,
 )
+peer_stream_frames = Counter(
+    "pdfabric_peer_stream_frames_total",
+    "Peer messages this agent received as frames of a peer's stream (GET /v1/peer/stream) rather than as POSTs.",
+    ["pdcluster"],
+    registry=REGISTRY,
+)
 peer_certificate_reloads = Counter(
     "pdfabric_peer_certificate_reloads",
     "Changed peer certificate files the agent saw (the operator renewed them in place): outcome loaded, or refused and tried again.",
@@ -271,6 +277,7 @@ def precreate(cluster: str, role: str, backend: str, transport: str, paths: tupl
     state_bytes_skipped.labels(cluster, backend)
     peers_blacklisted.labels(cluster)
     session_recoveries.labels(cluster)
+    peer_stream_frames.labels(cluster)
     for result in ("ok", "failed"):
         peer_probes.labels(cluster, result)
     agent_ready.labels(cluster)
