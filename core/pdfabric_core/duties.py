@@ -15,6 +15,11 @@ A prefill rank (tp p, cp c, pp stage s) sending a request to decode rank d owes:
   shifted to that stage's layer numbering.
 Which (p, c, s) a decode rank waits for is ``expected_sources``; both sides use the same rules.
 
+MLA KV cache sharding (``spec.prefill.kvCacheSharding``, policy/kv_shard.py): every prefill
+attention-TP rank has a route to every decode rank (equal TP), its duties name all the request's
+positions and its shard (``kv_shard_rank`` of ``kv_shard_size``); the planner keeps the positions
+whose logical page it owns, so what a pair moves depends on the request's page ids, not its length.
+
 The agent plans its blocks from these duties (``pdfabric_agent.memory.plan``) and the operator's status
 predicts its bytes from them (``pdfabric_core.traffic``), so the two cannot disagree.
 """
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 from pdfabric_core.policy.aux_path import AuxPath, choose_aux_path
 from pdfabric_core.policy.cp_dedup import should_skip_state_transfer
+from pdfabric_core.policy.kv_shard import cyclic_pages_per_source, sharded_sources
 from pdfabric_core.policy.rank_mapping import (
     KvRoute,
     cp_page_shard,
@@ -45,6 +51,7 @@ __all__ = [
     "PairDuties",
     "decode_targets",
     "expected_sources",
+    "kv_shard_size",
     "pair_duties",
     "receives_request_rows",
     "replica_duties",
@@ -69,6 +76,23 @@ class Duties:
     # Draft KV layers (model.draftLayers) this pair moves by the same route and page shard: the
     # last PP stage's, into the decode rank's draft layers (SGLang: only that stage runs the draft).
     draft_layers: int = 0
+    # MLA KV cache sharding: of ``pages``, only the positions whose logical page l has
+    # l % kv_shard_size == kv_shard_rank move, from local page l // kv_shard_size (1: not sharded).
+    kv_shard_size: int = 1
+    kv_shard_rank: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.kv_shard_size > 1
+
+    @property
+    def predicted_pages(self) -> int:
+        """KV pages this pair moves: its positions, or under sharding the share a request whose
+        pages the allocator drew cyclically from owner 0 gives it (the real share depends on the
+        request's page ids; over every source of a decode rank they sum to the request's pages)."""
+        if not self.sharded:
+            return len(self.pages)
+        return cyclic_pages_per_source(len(self.pages), self.kv_shard_size, 0)[self.kv_shard_rank]
 
     @property
     def state_bytes(self) -> int:
@@ -90,17 +114,35 @@ class PairDuties:
 
 # The routes depend on three sizes only and are asked for on every room: computed once per sizes.
 @functools.lru_cache(maxsize=1024)
-def _routes_from(prefill_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> tuple[KvRoute, ...]:
+def _routes_from(
+    prefill_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int, sharded: bool = False
+) -> tuple[KvRoute, ...]:
+    if sharded:
+        # Whole latent pages from every prefill rank to every decode rank (SGLang's
+        # _resolve_rank_mapping under MLA KV sharding: target_tp_ranks is every prefill rank).
+        return tuple(
+            KvRoute(prefill_tp_rank, d, 0, 0, 1, 1, 1)
+            for d in range(decode_tp)
+            if prefill_tp_rank in sharded_sources(d, prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_cp=1)
+        )
     return tuple(routes_from_prefill(prefill_tp_rank, prefill_tp, decode_tp, kv_heads))
 
 
 @functools.lru_cache(maxsize=1024)
-def _primary(decode_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> int:
+def _primary(decode_tp_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int, sharded: bool = False) -> int:
+    if sharded:
+        return 0  # every prefill rank is a source: the lowest sends the request's rows
     return primary_source(decode_tp_rank, prefill_tp, decode_tp, kv_heads)
 
 
+def kv_shard_size(spec: PDClusterSpec) -> int:
+    """Prefill ranks the request's KV pages are striped over (1: not sharded)."""
+    return spec.prefill.tp if spec.prefill.kv_cache_sharding else 1
+
+
 def decode_targets(spec: PDClusterSpec, prefill_tp_rank: int) -> list[KvRoute]:
-    return list(_routes_from(prefill_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads))
+    p = spec.prefill
+    return list(_routes_from(prefill_tp_rank, p.tp, spec.decode.tp, spec.model.tp_kv_heads, p.kv_cache_sharding))
 
 
 def prefill_rank_sends(spec: PDClusterSpec, prefill_tp_rank: int, cp_rank: int) -> bool:
@@ -127,8 +169,9 @@ def sender_duties(
         cp, all_cp_ranks_transfer=spec.prefill.all_cp_ranks_transfer, dsa_cache_layer_split=split
     ):
         return None
+    sharded = spec.prefill.kv_cache_sharding
     primary = route.prefill_tp_rank == _primary(
-        route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads
+        route.decode_tp_rank, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads, sharded
     )
     skip = should_skip_state_transfer(cp, cp_rank, dsa_cache_layer_split=split)
     m = spec.model
@@ -162,6 +205,8 @@ def sender_duties(
         state_slices=() if skip else slices,
         skipped_state_bytes=sum(s.nbytes for s in slices) if skip else 0,
         draft_layers=m.draft_layers_on(pp, pp_stage),
+        kv_shard_size=kv_shard_size(spec),
+        kv_shard_rank=route.prefill_tp_rank if sharded else 0,
     )
 
 
@@ -213,9 +258,4 @@ def receives_request_rows(spec: PDClusterSpec, decode_stage: int) -> bool:
 
 
 def routes_for_decode(spec: PDClusterSpec, decode_tp_rank: int) -> list[KvRoute]:
-    return [
-        r
-        for p in range(spec.prefill.tp)
-        for r in _routes_from(p, spec.prefill.tp, spec.decode.tp, spec.model.tp_kv_heads)
-        if r.decode_tp_rank == decode_tp_rank
-    ]
+    return [r for p in range(spec.prefill.tp) for r in decode_targets(spec, p) if r.decode_tp_rank == decode_tp_rank]

@@ -13,6 +13,10 @@ it equal to what `pdfabric_agent.memory.plan.plan_transfer` plans, over every la
   its PP stage, the route's heads (a whole page, or its head slice under a TP mismatch); the last
   PP stage adds the draft's layers (`model.draftLayers`) by the same rule, counted in kv and
   shown apart as draftKv.
+  Under MLA KV cache sharding (``prefill.kvCacheSharding``) a pair moves the request's pages its
+  prefill rank owns, which depends on the page ids the allocator gave the request: the prediction
+  takes a cyclic draw from owner 0 (``Duties.predicted_pages``); every decode rank receives all
+  the request's pages whatever the draw, so its total and the replica's are exact.
 - State: each state tensor's item (`model.stateTensorBytes`, or `model.stateBytesPerRequest` over
   `model.stateLayers` equal tensors) per state index (``state_indices``: a slot or row per request;
   DSA's indexer, page state beside MLA, one per KV page; an SWA window's pages are not in the spec:
@@ -120,7 +124,7 @@ def duty_bytes(spec: PDClusterSpec, pair: PairDuties, *, state_slots: int = 1) -
     m, p = spec.model, spec.prefill
     duties = pair.duties
     layers = len(pp_layer_range(m.layers, p.pp, pair.pp_stage))
-    per_layer = len(duties.pages) * m.kv_buffers * duties.route.num_heads * m.head_page_bytes
+    per_layer = duties.predicted_pages * m.kv_buffers * duties.route.num_heads * m.head_page_bytes
     return PairBytes(
         kv=(layers + duties.draft_layers) * per_layer,
         draft_kv=duties.draft_layers * per_layer,

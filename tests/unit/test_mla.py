@@ -225,26 +225,30 @@ def test_what_mla_registration_does_not_move_is_refused_by_its_name(
 
 
 def test_sglangs_kv_cache_sharding_is_read_from_its_parallel_state() -> None:
-    """Pages striped over a shard group (no prefill rank holds every page) are refused at start,
-    by SGLang's name; a shard group of one rank shards nothing and is not refused."""
+    """MLA pages striped over attention TP are moved by owner (the registration carries the shard
+    group, held to spec.prefill.kvCacheSharding by the agent); striped over attention CP (any
+    attention kind) they are refused at start, by SGLang's name; a shard group of one rank shards
+    nothing."""
+    from pdfabric_sglang.kvargs import published_kv_shard_size
     from pdfabric_sglang.manager import kv_sharding_refusal
     from sglang.srt.runtime_context import get_parallel
 
-    assert kv_sharding_refusal(True) is None  # nothing published in this process
+    assert kv_sharding_refusal(True) is None and published_kv_shard_size(True) == 1  # nothing published
     parallel = get_parallel()
     with parallel.override(enable_kv_cache_sharding=True, attn_tp_size=2, attn_cp_size=1):
-        refused = kv_sharding_refusal(True)
-        assert refused is not None and refused.startswith("MLA KV cache sharding (--enable-kv-cache-sharding)")
-        assert "l % 2" in refused and "attention TP (2 ranks)" in refused
+        assert kv_sharding_refusal(True) is None  # MLA over attention TP: moved by page owner
+        assert published_kv_shard_size(True) == 2
         assert kv_sharding_refusal(False) is None  # GQA without CP: SGLang's shard group is one rank
+        assert published_kv_shard_size(False) == 1
     with parallel.override(enable_kv_cache_sharding=True, attn_tp_size=1, attn_cp_size=1):
-        assert kv_sharding_refusal(True) is None  # MLA at attention TP 1: one rank holds every page
+        assert kv_sharding_refusal(True) is None and published_kv_shard_size(True) == 1
     with parallel.override(enable_kv_cache_sharding=True, attn_tp_size=2, attn_cp_size=4):
         for mla in (True, False):
             refused = kv_sharding_refusal(mla)
-            assert refused is not None and "over attention CP" in refused and "l % 4" in refused
+            assert refused is not None and refused.startswith("KV cache sharding over attention CP")
+            assert "l % 4" in refused and "attention CP (4 ranks)" in refused
     with parallel.override(enable_kv_cache_sharding=False, attn_tp_size=2, attn_cp_size=2):
-        assert kv_sharding_refusal(True) is None
+        assert kv_sharding_refusal(True) is None and published_kv_shard_size(True) == 1
     with parallel.override(enable_kv_cache_sharding=True):  # the option on, its group unreadable here
         refused = kv_sharding_refusal(True)
         assert refused is not None and "unpublished" in refused

@@ -32,6 +32,7 @@ from pdfabric_core.duties import (
 )
 from pdfabric_core.policy.aux_path import AuxPath
 from pdfabric_core.policy.coalesce import coalesce_pages
+from pdfabric_core.policy.kv_shard import owned_pages
 
 # The duties (what each prefill rank owes each decode rank) live in core, where the operator's
 # traffic prediction sums the very same ones; they stay importable from here.
@@ -170,6 +171,9 @@ class TransferPlan:
     aux: list[Block] = field(default_factory=list)  # engine path only
     aux_tcp: list[tuple[int, int, int]] = field(default_factory=list)  # (src address, dst address, len)
     state_skipped_bytes: int = 0
+    # Under MLA KV cache sharding: the positions (of the duties' pages) whose pages this plan moves,
+    # the ones this prefill rank owns; None: every position of the duties.
+    kv_positions: tuple[int, ...] | None = None
 
 
 def _runs(src: Sequence[int], dst: Sequence[int], coalesce: bool) -> list[tuple[int, int, int]]:
@@ -296,6 +300,18 @@ def plan_transfer(
     )
     route = duties.route
     plan = TransferPlan()
+    if duties.sharded:
+        # src.pages are the request's logical pages: this rank moves those it owns, from its local
+        # page, to decode's page at the same position (SGLang's filter_kv_indices_for_shard_rank).
+        owned = owned_pages(src_pages, duties.kv_shard_rank, duties.kv_shard_size)
+        if owned.local and max(owned.local) >= src_layout.kv_pages:
+            raise ValueError(
+                f"logical page {max(owned.local) * duties.kv_shard_size + duties.kv_shard_rank} is local page "
+                f"{max(owned.local)} of shard rank {duties.kv_shard_rank}, past its pool of {src_layout.kv_pages} pages"
+            )
+        src_pages = owned.local
+        shard_dst = [shard_dst[i] for i in owned.positions]
+        plan.kv_positions = owned.positions
     shift = duties.dst_layer_offset
     if not 0 <= shift <= shift + src_layout.layers <= dst_layout.layers:
         raise ValueError(

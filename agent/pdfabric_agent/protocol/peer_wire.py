@@ -32,6 +32,7 @@ from pdfabric_agent.protocol.fields import (
     field_int,
     field_opt_int,
     field_str,
+    indices_json,
     pack_indices,
     too_large,
 )
@@ -206,6 +207,9 @@ class DoneReport(SourceReport):
     aux_rows: tuple[tuple[int, bytes], ...] = ()
     checksum: str | None = None  # of the bytes sent to this decode rank (spec.transfer.verify), integrity.py
     fenced: bool = False  # (a failure) nothing of this source lands in the room any more
+    # MLA KV cache sharding: the request positions whose pages this source wrote (the pages it owns,
+    # which depend on the request's page ids); decode checks every position came exactly once.
+    kv_positions: tuple[int, ...] | None = None
 
     @classmethod
     def failure(cls, room: int, decode_rank: str, prefill_rank: str, reason: str, *, fenced: bool) -> DoneReport:
@@ -247,8 +251,19 @@ class DoneReport(SourceReport):
         checksum = body.get("checksum")
         if checksum is not None and (not isinstance(checksum, str) or not CHECKSUM.fullmatch(checksum)):
             raise malformed("field 'checksum' must be '<length hex>:<16 hex digits>'")
+        positions = None
+        if body.get("kv_positions") is not None:
+            # Checked against the room's own pages when it is taken (decode.py); here only the form.
+            positions = tuple(field_indices(body, "kv_positions", MAX_INT, what="request positions", unique=True))
         return cls(
-            room, decode_rank, prefill_rank, _bytes_by_path(body), ok=True, aux_rows=tuple(parsed), checksum=checksum
+            room,
+            decode_rank,
+            prefill_rank,
+            _bytes_by_path(body),
+            ok=True,
+            aux_rows=tuple(parsed),
+            checksum=checksum,
+            kv_positions=positions,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -260,6 +275,7 @@ class DoneReport(SourceReport):
             "bytes_by_path": self.bytes_by_path,
             "aux_rows": [[off, base64.b64encode(raw).decode()] for off, raw in self.aux_rows],
             **({} if self.checksum is None else {"checksum": self.checksum}),
+            **({} if self.kv_positions is None else {"kv_positions": indices_json(self.kv_positions)}),
         }
 
 

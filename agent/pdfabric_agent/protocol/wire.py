@@ -271,6 +271,9 @@ class MemoryRegistration:
     draft: DraftKv | None = None
     # A room board (protocol/board.py) the agent writes successful room ends into; None: the feed only.
     board: BoardShare | None = None
+    # SGLang's --enable-kv-cache-sharding: the ranks this rank's KV pages are striped over (its
+    # pool holds logical page l at l // kv_shard_size when it owns it); 1: every page is here.
+    kv_shard_size: int = 1
 
     @property
     def aux_inline(self) -> bool:
@@ -335,6 +338,7 @@ class MemoryRegistration:
             state_parts=StateParts.parse(body.get("state_parts"), len(state)),
             draft=DraftKv.parse(body.get("draft")),
             board=BoardShare.parse(body.get("board")),
+            kv_shard_size=field_opt_int(body, "kv_shard_size", minimum=1) or 1,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -359,6 +363,7 @@ class MemoryRegistration:
             **({"state_parts": self.state_parts.to_json()} if self.state_parts else {}),
             **({"draft": self.draft.to_json()} if self.draft else {}),
             **({"board": self.board.to_json()} if self.board else {}),
+            **({"kv_shard_size": self.kv_shard_size} if self.kv_shard_size > 1 else {}),
         }
 
 

@@ -31,6 +31,7 @@ from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareK
 from pdfabric_agent.ranks.engine_board import open_board
 from pdfabric_agent.ranks.engine_draft import draft_buffers
 from pdfabric_agent.ranks.engine_state import state_items
+from pdfabric_core.duties import kv_shard_size
 from pdfabric_core.policy.buffer_device import engine_gpu_transports, engine_kv_devices, metadata_buffer_device
 from pdfabric_core.policy.rank_mapping import local_heads, pp_layer_range
 from pdfabric_core.policy.types import Device, KvKind, KvPacking, MemPool, Role, Transport
@@ -111,6 +112,13 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         raise layout_mismatch(
             f"{len(reg.k)} K, {len(reg.v)} V and {len(reg.latent)} latent buffers registered, but {where} holds "
             f"layers {layers.start}..{layers.stop - 1} of the model's {geo.layers}: {per_layer} per layer"
+        )
+    shards = kv_shard_size(spec) if rank.role is Role.PREFILL else 1
+    if reg.kv_shard_size != shards:
+        raise layout_mismatch(
+            f"the engine stripes its KV pages over {reg.kv_shard_size} ranks (SGLang's --enable-kv-cache-sharding), "
+            f"but {rank.rank_id} holds {'every page' if shards == 1 else f'1 / {shards} of them'} by the PDCluster: "
+            "set spec.prefill.kvCacheSharding to match the prefill engines (only they shard)"
         )
     if reg.page_tokens != geo.page_size_tokens:
         raise layout_mismatch(

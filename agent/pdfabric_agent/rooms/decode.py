@@ -39,13 +39,13 @@ from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
 from pdfabric_agent.rooms.claims import DestinationClaims
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.landing import checked_aux_rows, count_arrival, landing_plan
+from pdfabric_agent.rooms.landing import check_owed, checked_aux_rows, count_arrival, landing_plan, unwritten_positions
 from pdfabric_agent.rooms.registry import AnyRoom, DecodeRoom
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.tasks import later
 from pdfabric_agent.transfer.registry import path_labels
-from pdfabric_core.duties import PairDuties
+from pdfabric_core.duties import PairDuties, kv_shard_size
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.traffic import duty_bytes
@@ -107,6 +107,7 @@ class DecodeArrivals:
             expected=expected,
             owed=owed,
             board_slot=msg.board_slot,
+            sharded=kv_shard_size(ctx.spec) > 1,
         )
         # Last check before the room exists: nothing is claimed or created when it refuses.
         room.claim = self.claims.claim(msg.rank, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
@@ -135,6 +136,8 @@ class DecodeArrivals:
         duties = pair_duties(spec, p, c, s, d, len(msg.kv_pages))
         if duties is None:  # expected_sources names only sources that send
             return zero_bytes()
+        if duties.sharded:  # the KV of one position: a report names how many it wrote (check_owed)
+            duties = dataclasses.replace(duties, pages=range(1), kv_shard_size=1, kv_shard_rank=0)
         owed = duty_bytes(spec, PairDuties(p, c, s, d, ds, duties), state_slots=len(msg.state_indices))
         return {
             Kind.KV.value: owed.kv,
@@ -187,22 +190,10 @@ class DecodeArrivals:
             raise malformed(f"bytes_by_path names paths {unknown[:3]}; known paths are {sorted(self.paths)}")
         return room, local
 
-    @staticmethod
-    def _check_owed(room: DecodeRoom, prefill_rank: str, by_path: BytesByPath) -> None:
-        """A source's report must say it delivered exactly what this room planned from it: a report
-        of other bytes (a faulty or forged peer) is refused, and the room waits for the right one."""
-        said = zero_bytes()
-        for per_kind in by_path.values():
-            for kind, n in per_kind.items():
-                said[kind] += n
-        owed = room.owed.get(prefill_rank)
-        if owed is not None and said != owed:
-            raise out_of_range(f"{prefill_rank} reports {said} for room {room.room}, which expects {owed} from it")
-
     async def accept_done(self, msg: DoneReport, sender_agent: str | None = None) -> SourceAnswer:
         room, local = self._source(msg, sender_agent)
         if msg.ok:  # a false report is refused even when it is late
-            self._check_owed(room, msg.prefill_rank, msg.bytes_by_path)
+            check_owed(room, msg.prefill_rank, msg.bytes_by_path, msg.kv_positions)
         if msg.writes_over:
             self._quiet(room, msg.prefill_rank)
         if room.state.finished or msg.prefill_rank in room.arrived:
@@ -219,8 +210,10 @@ class DecodeArrivals:
             for dst_addr, raw in rows:  # side-channel rows are part of what is checked
                 local.write(dst_addr, raw)
             rows = []
-            if not await self._verified(room, local, msg.prefill_rank, msg.checksum):
+            if not await self._verified(room, local, msg.prefill_rank, msg.checksum, msg.kv_positions):
                 return SourceAnswer(room.state, room.reason)
+        if msg.kv_positions is not None:
+            room.positions[msg.prefill_rank] = msg.kv_positions
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
         if room.state is RoomState.SUCCESS:
             # The engine's room feed (woken by the room's end) writes before this answer is made:
@@ -228,11 +221,13 @@ class DecodeArrivals:
             await asyncio.sleep(0)
         return SourceAnswer(room.state)
 
-    async def _verified(self, room: DecodeRoom, local: LocalRank, prefill_rank: str, theirs: str) -> bool:
+    async def _verified(
+        self, room: DecodeRoom, local: LocalRank, prefill_rank: str, theirs: str, positions: Sequence[int] | None
+    ) -> bool:
         """Checksum what landed from this source (in a worker: it reads every byte) and compare; a
         mismatch fails the room, so no engine reads bytes that are not what was sent."""
         ctx = self.ctx
-        plan = landing_plan(self.ctx, room, local, prefill_rank)
+        plan = landing_plan(self.ctx, room, local, prefill_rank, positions)
         regions = integrity.dest_regions(plan)
         started = time.perf_counter()
         ours = await asyncio.get_running_loop().run_in_executor(
@@ -252,7 +247,11 @@ class DecodeArrivals:
         (its bytes counted, the room Success when it was the last) once every mark is reached."""
         room, local = self._source(msg, sender_agent)
         source = msg.prefill_rank
-        self._check_owed(room, source, msg.bytes_by_path)
+        if room.sharded:
+            raise malformed(
+                f"room {room.room} is KV-sharded: its sources complete with done reports naming kv_positions"
+            )
+        check_owed(room, source, msg.bytes_by_path, None)
         if room.state.finished or source in room.arrived:
             return SourceAnswer(room.state)
         if self.ctx.spec.transfer.verify:
@@ -297,7 +296,9 @@ class DecodeArrivals:
         room.quiet.add(prefill_rank)
         if room.state is not RoomState.FAILED:
             room.state = RoomState.TRANSFERRING
-        if room.arrived == set(room.expected):
+        if room.arrived == set(room.expected) and room.sharded and (gap := unwritten_positions(room)):
+            self._fail(room, gap)  # never Success for a page that did not arrive
+        elif room.arrived == set(room.expected):
             engine = local.engine
             if engine is not None and engine.aux_inline and room.dst_aux is not None:
                 room.aux_rows = engine.aux_row(room.dst_aux)  # the engine writes it into its own row

@@ -35,7 +35,7 @@ from pdfabric_agent.rooms.chunks import add_chunk, until_deadline
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.registry import PrefillRoom, Target
 from pdfabric_agent.rooms.targets import TargetSender
-from pdfabric_core.duties import prefill_rank_sends
+from pdfabric_core.duties import kv_shard_size, prefill_rank_sends
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
@@ -62,7 +62,13 @@ class PrefillSender:
         the first goes to its open room (``chunks.add_chunk``)."""
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
-        msg.check_bounds(local.layout, ctx.spec.decode.replicas, ctx.spec.decode.dp)
+        shards = kv_shard_size(ctx.spec)
+        # Under KV cache sharding the pages are the request's logical ones, striped over the shard
+        # group: the pool holds 1 / shards of them (the planner checks the ones this rank owns).
+        layout = (
+            dataclasses.replace(local.layout, kv_pages=local.layout.kv_pages * shards) if shards > 1 else local.layout
+        )
+        msg.check_bounds(layout, ctx.spec.decode.replicas, ctx.spec.decode.dp)
         check_slot(local.board, msg.board_slot)
         if isinstance(msg, SendChunk) and not msg.opens:
             return add_chunk(self, local, msg)

@@ -115,6 +115,10 @@ class DecodeRoom(Room):
     quiet: set[str] = field(default_factory=set)
     senders: dict[str, KindBytes] = field(default_factory=dict)
     aux_rows: tuple[bytes, ...] | None = None  # once Success, for an engine whose aux rows are private
+    # MLA KV cache sharding: each source writes the positions whose pages it owns; ``owed`` then
+    # holds its KV bytes per position, and ``positions`` what each arrived source wrote.
+    sharded: bool = False
+    positions: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def sources_quiet(self) -> bool:

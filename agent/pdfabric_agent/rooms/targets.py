@@ -375,7 +375,14 @@ class TargetSender:
         if aux_tcp_bytes:
             by_path[TCP_SIDE_CHANNEL] = {**zero_bytes(), Kind.AUX.value: aux_tcp_bytes}
         report = DoneReport(
-            room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows, checksum=checksum
+            room.room,
+            target.decode_rank,
+            room.rank,
+            by_path,
+            ok=True,
+            aux_rows=rows,
+            checksum=checksum,
+            kv_positions=plan.kv_positions,  # a sharded room's: which of decode's pages this rank wrote
         )
         posted = ctx.clock()
         try:

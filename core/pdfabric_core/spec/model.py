@@ -62,6 +62,9 @@ class PrefillSpec:
     pp: int = 1
     all_cp_ranks_transfer: bool = False
     dsa_cache_layer_split: bool = False
+    # SGLang's --enable-kv-cache-sharding over attention TP (MLA, CP 1): logical page l lives on
+    # attention-TP rank l % tp as its local page l // tp; every decode rank takes from every rank.
+    kv_cache_sharding: bool = False
     # SGLang's DP groups per server (--attn-dp-size, or --dp-size replicas behind one bootstrap
     # server); each group is tp x cp x pp ranks of its own.
     dp: int = 1

@@ -79,6 +79,7 @@ def validate_spec(spec: PDClusterSpec) -> None:
         )
     _validate_packing(spec)
     _validate_state(spec)
+    _validate_kv_sharding(spec)
     _validate_transport(spec)
     _validate_agent_image(spec)
     if spec.router is not None:
@@ -350,3 +351,36 @@ def _validate_state(spec: PDClusterSpec) -> None:
                         f"({m.tp_kv_heads} KV heads over TP {tps[0]} -> {tps[1]}): pdfabric moves TP-sharded "
                         "state along KV routes; use TP sizes at most the KV head count"
                     )
+
+
+def _validate_kv_sharding(spec: PDClusterSpec) -> None:
+    """prefill.kvCacheSharding: SGLang's MLA sharding over attention TP, and only what is moved."""
+    p, m = spec.prefill, spec.model
+    if not p.kv_cache_sharding:
+        return
+    if m.kv_kind is not KvKind.MLA:
+        raise SpecError(
+            "prefill.kvCacheSharding needs model.kvKind MLA (SGLang shards GQA pages only over attention CP, "
+            "which pdfabric does not move); set kvCacheSharding false"
+        )
+    if p.cp != 1:
+        raise SpecError(
+            f"prefill.kvCacheSharding with prefill.cp {p.cp}: SGLang then shards pages over attention CP, "
+            "which pdfabric does not move; set prefill.cp to 1 or kvCacheSharding false"
+        )
+    if p.tp != spec.decode.tp:
+        raise SpecError(
+            f"prefill.kvCacheSharding requires equal prefill and decode attention TP (SGLang's rule), got "
+            f"prefill.tp {p.tp} and decode.tp {spec.decode.tp}; make them equal"
+        )
+    if m.state_tensors:
+        raise SpecError(
+            "prefill.kvCacheSharding with per-request state (model.stateBytesPerRequest / stateTensorBytes): "
+            "state under KV cache sharding (DSA's indexer filtered by page owner) is not moved yet; drop the state "
+            "or kvCacheSharding"
+        )
+    if m.draft_layers:
+        raise SpecError(
+            "prefill.kvCacheSharding with model.draftLayers: a draft KV group under KV cache sharding is not "
+            "moved yet; set draftLayers 0 or kvCacheSharding false"
+        )

@@ -16,6 +16,7 @@ from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.draft import DraftKv
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration
 from pdfabric_core.engines.launch import EngineEnv
+from pdfabric_core.policy.kv_shard import kv_shard_size
 from pdfabric_core.policy.types import MEM_POOL_ENV, KvKind, MemPool, Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
@@ -175,7 +176,23 @@ def registration(
         aux=aux,
         aux_slots=aux_slots,
         draft=draft,
+        kv_shard_size=published_kv_shard_size(is_mla),
     )
+
+
+def published_kv_shard_size(is_mla: bool) -> int:
+    """The ranks SGLang stripes this rank's KV pages over (``--enable-kv-cache-sharding``, read from
+    its published parallel state; 1 where it published none or the option is off)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if not bool(parallel.enable_kv_cache_sharding):
+            return 1
+        tp, cp = int(parallel.attn_tp_size), int(parallel.attn_cp_size)
+    except (ImportError, ValueError, RuntimeError, AttributeError, TypeError):
+        return 1  # unreadable with the option on is refused at start (manager.kv_sharding_refusal)
+    return kv_shard_size(enabled=True, mla=is_mla, attn_tp=tp, attn_cp=cp)
 
 
 def draft_group(shares: list[BufferShare], items: Sequence[int], *, is_mla: bool) -> DraftKv | None:

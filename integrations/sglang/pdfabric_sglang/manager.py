@@ -83,8 +83,10 @@ def _parallel_flag(name: str) -> bool:
 
 def kv_sharding_refusal(is_mla: bool) -> str | None:
     """Why pdfabric cannot move this rank's KV under SGLang's ``--enable-kv-cache-sharding``, or
-    None when nothing is sharded (the option off, or a shard group of one rank: GQA without CP, MLA
-    at attention TP 1). Read from SGLang's parallel state; None where SGLang published none."""
+    None when it can: nothing sharded (the option off, or a shard group of one rank: GQA without CP,
+    MLA at attention TP 1), or MLA striped over attention TP (the registration says so,
+    ``kv_shard_size``, and the agent holds it to ``spec.prefill.kvCacheSharding``). Read from
+    SGLang's parallel state; None where SGLang published none."""
     if not _parallel_flag("enable_kv_cache_sharding"):
         return None
     from sglang.srt.runtime_context import get_parallel
@@ -96,15 +98,13 @@ def kv_sharding_refusal(is_mla: bool) -> str | None:
         # The option is on but its group cannot be read: whether pages are striped is unknown.
         return "KV cache sharding (--enable-kv-cache-sharding) with SGLang's attention TP/CP sizes unpublished"
     size = kv_shard_size(enabled=True, mla=is_mla, attn_tp=tp, attn_cp=cp)
-    if size == 1:
-        return None
-    group = f"attention CP ({cp} ranks)" if cp > 1 else f"attention TP ({tp} ranks)"
-    kind = "MLA KV cache sharding" if is_mla and cp == 1 else "KV cache sharding over attention CP"
+    if size == 1 or cp == 1:
+        return None  # MLA over attention TP: moved by page owner (spec.prefill.kvCacheSharding)
     return (
-        f"{kind} (--enable-kv-cache-sharding) stripes whole pages over {group}: logical page l is on "
-        f"rank l % {size} as its local page l // {size}, and pdfabric does not route pages by owner yet "
-        "(every source page is taken as a whole local page); start the prefill without "
-        "--enable-kv-cache-sharding"
+        f"KV cache sharding over attention CP (--enable-kv-cache-sharding) stripes whole pages over attention "
+        f"CP ({cp} ranks): logical page l is on rank l % {size} as its local page l // {size}, and pdfabric "
+        "routes pages by owner over attention TP only (MLA, prefill CP 1, spec.prefill.kvCacheSharding); start "
+        "the prefill without --enable-kv-cache-sharding or without attention CP"
     )
 
 
