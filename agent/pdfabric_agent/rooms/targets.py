@@ -374,16 +374,9 @@ class TargetSender:
         aux_tcp_bytes = sum(size for _, _, size in plan.aux_tcp)
         if aux_tcp_bytes:
             by_path[TCP_SIDE_CHANNEL] = {**zero_bytes(), Kind.AUX.value: aux_tcp_bytes}
-        report = DoneReport(
-            room.room,
-            target.decode_rank,
-            room.rank,
-            by_path,
-            ok=True,
-            aux_rows=rows,
-            checksum=checksum,
-            kv_positions=plan.kv_positions,  # a sharded room's: which of decode's pages this rank wrote
-        )
+        report = DoneReport(room.room, target.decode_rank, room.rank, by_path, ok=True, aux_rows=rows)
+        # kv_positions: a KV-sharded room's, which of decode's pages this rank wrote.
+        report = dataclasses.replace(report, checksum=checksum, kv_positions=plan.kv_positions)
         posted = ctx.clock()
         try:
             answer = await ctx.peers.post(target.agent, report, max(0.1, room.deadline - posted))
