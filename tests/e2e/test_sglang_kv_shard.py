@@ -190,3 +190,56 @@ def test_sharded_mla_latent_moves_byte_exact_from_every_prefill_rank(
             server.close()
             pre.close()
             dec.close()
+
+
+def test_an_abort_on_one_prefill_rank_fails_the_sharded_room_everywhere_and_frees_decode(
+    token_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang aborts the request on prefill rank 1 between chunks: every decode room fails (it
+    waited for both sources), prefill rank 0's room fails with it, decode's sources go quiet and
+    its pages take a new room."""
+    from pdfabric_sglang.conn import PdfabricKVBootstrapServer, PdfabricKVReceiver, PdfabricKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    spec = {"prefill": {"tp": TP, "kvCacheSharding": True}, "decode": {"tp": TP}, "model": MODEL,
+            "transfer": {"transport": "tcp", "timeoutSeconds": 20}}  # fmt: skip
+    with LocalFabric(spec) as lc:
+        token_file.write_text(lc.token)
+        monkeypatch.setenv("PDFABRIC_ENGINE_TOKEN_FILE", str(token_file))
+        dec = Side(lc, Role.DECODE, monkeypatch, pages=8)
+        pre = Side(lc, Role.PREFILL, monkeypatch, pages=LOCAL_PAGES)
+        server = PdfabricKVBootstrapServer("127.0.0.1", 0)
+        try:
+            bootstrap = f"127.0.0.1:{server.port}"
+            receivers = {r: PdfabricKVReceiver(m, bootstrap, ROOM) for r, m in dec.managers.items()}
+            for rx in receivers.values():
+                rx.init(0)
+            assert set(poll_until(list(receivers.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
+            for rx in receivers.values():
+                rx.send_metadata(np.asarray(DST, np.int32), 3)
+            senders = {r: PdfabricKVSender(m, bootstrap, ROOM) for r, m in pre.managers.items()}
+            assert set(poll_until(list(senders.values()), {KVPoll.WaitingForInput})) == {KVPoll.WaitingForInput}
+            for r, tx in senders.items():
+                fill_prefill(pre, r, lambda page: shard_owner(page, TP))
+                tx.init(len(SRC), 0)
+                tx.send(np.asarray(SRC[:2], np.int32))  # the first chunk: one page each
+            aborted = next(tx for r, tx in senders.items() if r.tp_rank == 1)
+            aborted.abort()
+            ends = poll_until([*senders.values(), *receivers.values()], {KVPoll.Failed}, failed_ends=False)
+            assert ends == [KVPoll.Failed] * len(ends), [o.reason for o in (*senders.values(), *receivers.values())]
+            for d, mgr in dec.managers.items():
+                assert mgr.calls.wait_idle(5.0)
+                view = mgr.client.poll(d.rank_id, ROOM)
+                assert view.state.title == "Failed" and view.sources_quiet, view
+            # The claim on decode's pages is released: a new room takes the very same pages.
+            for mgr in dec.managers.values():
+                rx2 = PdfabricKVReceiver(mgr, bootstrap, ROOM + 1)
+                rx2.init(0)
+                rx2.send_metadata(np.asarray(DST, np.int32), 3)
+                assert mgr.calls.wait_idle(5.0)
+                assert int(rx2.poll()) != KVPoll.Failed, rx2.reason
+                rx2.abort()
+        finally:
+            server.close()
+            pre.close()
+            dec.close()
