@@ -15,10 +15,10 @@ from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.rooms.landing import check_owed, unwritten_positions
 from pdfabric_agent.rooms.registry import DecodeRoom
-from pdfabric_core.duties import decode_targets, expected_sources, pair_duties, replica_duties
+from pdfabric_core.duties import PairDuties, decode_targets, expected_sources, pair_duties, replica_duties
 from pdfabric_core.policy.kv_shard import owned_pages
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
-from pdfabric_core.traffic import estimate_traffic, pair_traffic
+from pdfabric_core.traffic import duty_bytes, estimate_traffic, pair_traffic
 
 MLA = {"layers": 2, "kvKind": "MLA", "kvLoraRank": 16, "qkRopeHeadDim": 8, "dtype": "float32", "pageSizeTokens": 4}
 PAGE = 4 * 24 * 4
@@ -133,6 +133,21 @@ def test_the_prediction_gives_every_decode_rank_every_page_and_splits_the_source
     assert sharded.kv_bytes == whole.kv_bytes == 4 * 40 * 2 * PAGE
     assert sharded.aux_bytes == whole.aux_bytes
     assert sharded.max_decode_rank_bytes == whole.max_decode_rank_bytes
+
+
+@pytest.mark.parametrize("pages", [0, 1, 5, 8, 13])
+def test_the_prediction_is_what_the_planner_plans_for_a_cyclic_draw_from_owner_0(pages: int) -> None:
+    """The status's per-pair bytes are the plan's when logical page i is owned by i % N."""
+    s = spec(4)
+    logical = list(range(4, 4 + pages))  # page 4 + i: owner i % 4, local page 1 + i // 4
+    for d in replica_duties(s, pages):
+        plan = plan_transfer(
+            d.duties,
+            TransferSide(layout(s, 8), Bases(0, 1 << 20, 1 << 21), logical, [], 0),
+            TransferSide(layout(s, 16), Bases(1 << 24, 1 << 25, 1 << 26), list(range(pages)), [], 1),
+        )
+        want = duty_bytes(s, PairDuties(d.prefill_tp_rank, 0, 0, d.decode_tp_rank, 0, d.duties))
+        assert (sum(b.length for b in plan.kv), sum(b.length for b in plan.aux)) == (want.kv, want.aux)
 
 
 # ---------------------------------------------------------------- the decode side's completion
