@@ -13,6 +13,7 @@ pools with another owner rule and must fail the byte check.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +230,11 @@ def test_an_abort_on_one_prefill_rank_fails_the_sharded_room_everywhere_and_free
             assert ends == [KVPoll.Failed] * len(ends), [o.reason for o in (*senders.values(), *receivers.values())]
             for d, mgr in dec.managers.items():
                 assert mgr.calls.wait_idle(5.0)
-                view = mgr.client.poll(d.rank_id, ROOM)
+                # Quiet once each source said its writes are over (a cancel answered fenced, or a
+                # write in flight then reported fenced when it ended).
+                deadline = time.monotonic() + 10.0
+                while not (view := mgr.client.poll(d.rank_id, ROOM)).sources_quiet and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 assert view.state.title == "Failed" and view.sources_quiet, view
             # The claim on decode's pages is released: a new room takes the very same pages.
             for mgr in dec.managers.values():
