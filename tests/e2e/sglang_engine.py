@@ -6,7 +6,7 @@ room to prefill."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +66,21 @@ class Engine:
     def rows(self) -> list[Any]:
         return [as_bytes(b) for bufs in (self.pool.k_buffers, self.pool.v_buffers) for b in bufs]
 
-    def fill_pages(self, pages: list[int], first_pos: int) -> None:
-        """What a forward writes: the KV of these request pages (positions from ``first_pos``)."""
+    def cells(self, pages: list[int], first_pos: int) -> Iterator[tuple[Any, int, int, bytes]]:
+        """Every (buffer view, token row, head, the request's bytes there) of these pages, whose
+        request positions start at ``first_pos``."""
         for buf, view in enumerate(self.rows()):
             layer, kv = divmod(buf, 2)
             for i, page in enumerate(pages):
                 for t in range(TOKENS):
                     for head in range(self.pool.local_heads):
                         tok = (first_pos + i) * TOKENS + t
-                        view[page * TOKENS + t, head] = np.frombuffer(
-                            kv_chunk(ROOM, layer, kv, tok, head, self.row), np.uint8
-                        )
+                        yield view, page * TOKENS + t, head, kv_chunk(ROOM, layer, kv, tok, head, self.row)
+
+    def fill_pages(self, pages: list[int], first_pos: int) -> None:
+        """What a forward writes: the KV of these request pages (positions from ``first_pos``)."""
+        for view, row, head, data in self.cells(pages, first_pos):
+            view[row, head] = np.frombuffer(data, np.uint8)
 
     def fill_state_aux(self) -> None:
         for layer, buf in enumerate(self.pool.state_buffers[0]):
@@ -86,15 +90,7 @@ class Engine:
 
     def landed(self, pages: list[int], first_pos: int) -> bool:
         """Whether these decode pages hold the request's KV of positions ``first_pos`` onwards."""
-        for buf, view in enumerate(self.rows()):
-            layer, kv = divmod(buf, 2)
-            for i, page in enumerate(pages):
-                for t in range(TOKENS):
-                    for head in range(self.pool.local_heads):
-                        tok = (first_pos + i) * TOKENS + t
-                        if view[page * TOKENS + t, head].tobytes() != kv_chunk(ROOM, layer, kv, tok, head, self.row):
-                            return False
-        return True
+        return all(view[row, head].tobytes() == data for view, row, head, data in self.cells(pages, first_pos))
 
     def state_aux_landed(self) -> bool:
         state = all(

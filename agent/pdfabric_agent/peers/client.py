@@ -76,7 +76,6 @@ class PeerClient:
         self._rechecks: dict[str, asyncio.Task[bool]] = {}  # agent -> the ping a new room waits for
         self._recheck_after: dict[str, float] = {}
         self._file_peers: dict[str, str] = {}  # PDFABRIC_PEERS_FILE, as last read
-        self.streams = True  # peer messages on one WebSocket per peer (peers/stream.py); False: POSTs
         self._streams: dict[str, PeerStream] = {}
         self._stream_locks: dict[str, asyncio.Lock] = {}
         self._stream_retry_after: dict[str, float] = {}
@@ -137,8 +136,6 @@ class PeerClient:
         peer); None for an agent that answers without one (an older agent: the call goes as a
         POST, another try after ``STREAM_RETRY_S``). An agent that cannot be reached raises what
         a POST to it would (``PEER_ERRORS``)."""
-        if not self.streams:
-            return None
         stream = self._streams.get(agent_name)
         if stream is not None and stream.open:
             return stream

@@ -1,7 +1,8 @@
 """Mapping an engine's room board (``protocol/board.py``) into the agent: the file must be a regular
 file in the agent's shared-memory directory, of the size its slots need, and hold the nonce the
 engine registered, or the board is declined with the reason (the registration still stands: the
-engine's polls then read the room feed, as without a board)."""
+engine's polls then read the room feed, as without a board). ``open_engine_file`` is the one check
+of an engine's shared-memory file, for the board and for the engine's CPU buffers alike."""
 
 from __future__ import annotations
 
@@ -11,25 +12,43 @@ import stat
 from collections.abc import Sequence
 
 from pdfabric_agent.protocol.board import ORDERED_STORES, BoardShare, RoomBoard, board_bytes
-from pdfabric_agent.protocol.errors import out_of_range
+from pdfabric_agent.protocol.errors import ApiError, layout_mismatch, out_of_range
 from pdfabric_agent.protocol.views import RoomView
+
+
+def open_engine_file(path: str, shm_dir: str) -> tuple[int, os.stat_result]:
+    """An open descriptor of the engine's file ``path`` and its stat; refuses (422) a file outside
+    the agent's shared-memory directory, one that cannot be opened, or anything but a non-empty
+    regular file. The caller closes the descriptor."""
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != os.path.realpath(shm_dir):
+        raise layout_mismatch(
+            f"{path} is not in the agent's shared-memory directory {shm_dir}: "
+            "allocate engine files there (PDFABRIC_SHM_DIR) so the agent may map them"
+        )
+    try:
+        # O_NOFOLLOW: a symlink swapped in after realpath is refused, never followed outside.
+        fd = os.open(real, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise layout_mismatch(f"cannot open {path}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        os.close(fd)
+        raise layout_mismatch(f"{path} is not a non-empty regular file")
+    return fd, st
 
 
 def open_board(share: BoardShare, aux_row_bytes: Sequence[int], shm_dir: str) -> tuple[RoomBoard | None, str]:
     """The mapped board, or None and why it is declined."""
     if not ORDERED_STORES:
         return None, "the room board needs x86-64 store ordering; this agent's machine reads the feed"
-    path = os.path.realpath(share.path)
-    if os.path.dirname(path) != os.path.realpath(shm_dir):
-        return None, f"{share.path} is not in the agent's shared-memory directory {shm_dir}"
     size = board_bytes(share.slots, aux_row_bytes)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        return None, f"cannot open {share.path}: {exc.strerror} (the engine's shared memory is not the agent's?)"
+        fd, st = open_engine_file(share.path, shm_dir)
+    except ApiError as exc:
+        return None, exc.message
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        if st.st_size != size:
             return None, f"{share.path} is not a regular file of {size} bytes"
         memory = mmap.mmap(fd, size)
     except (OSError, ValueError) as exc:

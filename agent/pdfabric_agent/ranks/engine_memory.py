@@ -17,7 +17,6 @@ import ctypes
 import json
 import mmap
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +27,7 @@ from pdfabric_agent.protocol.board import RoomBoard
 from pdfabric_agent.protocol.errors import layout_mismatch
 from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
-from pdfabric_agent.ranks.engine_board import open_board
+from pdfabric_agent.ranks.engine_board import open_board, open_engine_file
 from pdfabric_agent.ranks.engine_draft import draft_buffers
 from pdfabric_agent.ranks.engine_state import state_items
 from pdfabric_core.duties import kv_shard_size
@@ -325,21 +324,8 @@ class _Mapper:
         found = self._files.get(share.path)
         if found is not None:
             return found
-        path = os.path.realpath(share.path)
-        if os.path.dirname(path) != self.shm_dir:
-            raise layout_mismatch(
-                f"{share.path} is not in the agent's shared-memory directory {self.shm_dir}: "
-                "allocate CPU buffers there (PDFABRIC_SHM_DIR) so the agent may map them"
-            )
+        fd, st = open_engine_file(share.path, self.shm_dir)
         try:
-            # O_NOFOLLOW: a symlink swapped in after realpath is refused, never followed outside.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as exc:
-            raise layout_mismatch(f"cannot open {share.path}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-                raise layout_mismatch(f"{share.path} is not a non-empty regular file")
             lo, hi = self.spans[share.path]
             if hi > st.st_size:
                 raise layout_mismatch(f"buffers up to byte {hi} of {share.path} run past its end ({st.st_size} bytes)")

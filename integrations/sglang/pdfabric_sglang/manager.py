@@ -169,6 +169,7 @@ class PdfabricKVManager(BaseKVManager):
         # (registrants.py), from the moment its registration is taken.
         self.events: RoomEvents | None = RoomEvents(self.config.address, self.config.token, self.rank_id, self.instance)
         self.events.start(wait_s=FEED_WAIT_S)
+        offered: EngineBoard | None = None
         try:
             # SGLang's CPU MetadataBuffers are private: their rows travel with each room (aux_inline).
             reg = registration(
@@ -180,6 +181,8 @@ class PdfabricKVManager(BaseKVManager):
             answer = self.register()
         except (UnshareableBuffer, AgentRefused) as exc:
             self.events.close()
+            if offered is not None:
+                offered.close()  # its file goes now, not at exit
             raise RuntimeError(f"pdfabric: the buffers of {self.rank_id} cannot be registered: {exc}") from None
         # Room ends are read from the board only when the agent mapped it (it proves the memory shared).
         self.board = offered if answer.board else None
