@@ -19,10 +19,11 @@ stores and loads the seqlock relies on holds on x86-64 (TSO); elsewhere the boar
 
 from __future__ import annotations
 
+import functools
 import math
 import platform
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -33,6 +34,7 @@ MAGIC = b"PDFBOARD"
 HEADER = struct.Struct("<8sII16s")  # magic, slots, slot bytes, nonce
 HEADER_BYTES = 64
 SLOT_HEADER = struct.Struct("<QQQdI")  # seq, room, bytes moved, first byte (monotonic; NaN: none), rows
+SEQ_ROOM = struct.Struct("<QQ")  # the slot header's first two fields: all a poll of a room still moving reads
 SLOT_HEADER_BYTES = 64
 MAX_SLOTS = 1 << 16
 NONCE_BYTES = 16
@@ -144,9 +146,19 @@ class RoomBoard:
     def read_success(self, slot: int, room: int) -> BoardEnd | None:
         """The engine: room ``room``'s successful end, or None (not ended Success yet, being
         written, or the slot holds another room)."""
-        at = self._at(slot)
-        seq, held, moved, first, rows = SLOT_HEADER.unpack_from(self.memory, at)
+        return self.read_at(self._at(slot), room)
+
+    def reader(self, slot: int, room: int) -> Callable[[], BoardEnd | None]:
+        """``read_success`` of one slot and room with its offset worked out once: a poll reads it
+        for every request in flight on every scheduler iteration."""
+        return functools.partial(self.read_at, self._at(slot), room)
+
+    def read_at(self, at: int, room: int) -> BoardEnd | None:
+        seq, held = SEQ_ROOM.unpack_from(self.memory, at)
         if held != room or seq & 1 or seq == 0:
+            return None  # the common answer: only the two fields read
+        seq, held, moved, first, rows = SLOT_HEADER.unpack_from(self.memory, at)
+        if held != room or seq & 1:
             return None
         aux: tuple[bytes, ...] | None = None
         if rows:

@@ -16,7 +16,7 @@ import logging
 import mmap
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdfabric_agent.protocol.board import ORDERED_STORES, BoardEnd, BoardShare, RoomBoard, board_bytes
 from pdfabric_sglang.cpu_pools import remove_orphans, shared_file, shm_dir
@@ -66,8 +66,9 @@ class EngineBoard:
     def give(self, slot: int) -> None:
         self._free.append(slot)
 
-    def read(self, slot: int, room: int) -> BoardEnd | None:
-        return self.board.read_success(slot, room)
+    def reader(self, slot: int, room: int) -> Callable[[], BoardEnd | None]:
+        """What a room's poll calls: its end from ``slot``, or None."""
+        return self.board.reader(slot, room)
 
     def close(self) -> None:
         self.board.release()

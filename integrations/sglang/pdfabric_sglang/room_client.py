@@ -73,6 +73,11 @@ class RoomClient:
         # Where the agent writes the room's successful end in shared memory (board.py); None: the
         # manager has no board, or every slot is taken, and the room's end comes by the feed.
         self.board_slot = mgr.board.take() if mgr.board is not None else None
+        self._board_end: Callable[[], BoardEnd | None] | None = (
+            mgr.board.reader(self.board_slot, self.room)
+            if mgr.board is not None and self.board_slot is not None
+            else None
+        )
 
     @property
     def mgr(self) -> PdfabricKVManager:
@@ -82,7 +87,7 @@ class RoomClient:
         if self.concluded is None:
             self.concluded, self.reason = state, reason
             self.finished_at = time.monotonic()
-            slot, self.board_slot = self.board_slot, None
+            slot, self.board_slot, self._board_end = self.board_slot, None, None
             if slot is not None and self.mgr.board is not None:
                 self.mgr.board.give(slot)  # a late write of this room there matches no later room
             if state == FAILED:
@@ -148,11 +153,12 @@ class RoomClient:
         """The agent's view of the room: from the manager's room table while the agent's room feed
         keeps it (a lookup), else asked (None when the agent has none yet: 404). Concludes Failed
         when the agent cannot be asked."""
-        events = self.mgr.events
+        mgr = self.kv_mgr
+        events = mgr.events
         if events is not None and events.synced.is_set():
             return events.view(self.room)
         try:
-            return self.mgr.client.poll(self.mgr.rank_id, self.room)
+            return mgr.client.poll(mgr.rank_id, self.room)
         except AgentRefused as exc:
             if exc.status == 404:
                 return None
@@ -165,10 +171,10 @@ class RoomClient:
         """The submitted room's state at the agent (its codes are SGLang's KVPoll values)."""
         if self.refused:
             return self._conclude(FAILED, self.refused)
-        if self.board_slot is not None and self.concluded is None:
-            end = self.mgr.board.read(self.board_slot, self.room) if self.mgr.board is not None else None
+        if self._board_end is not None:  # taken away once concluded
+            end = self._board_end()
             if end is not None:
-                return self._board_end(end)
+                return self._conclude_from_board(end)
         if self.submit_pending:
             return WAITING_FOR_INPUT  # the agent has not answered the submit yet
         view = self._view()
@@ -189,7 +195,7 @@ class RoomClient:
         # prefill inflight queue needs (it takes no Bootstrapping once sent).
         return self._answer(view, WAITING_FOR_INPUT if view.state is RoomState.BOOTSTRAPPING else int(view.state))
 
-    def _board_end(self, end: BoardEnd) -> int:
+    def _conclude_from_board(self, end: BoardEnd) -> int:
         """Conclude Success from the room board: what the feed's Success view would say, read in
         this poll instead of after the feed's thread woke."""
         self.bytes_moved, self.moving_since = end.moved, end.first_byte_at
