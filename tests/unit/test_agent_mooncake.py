@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.node.transport import mooncake_env
-from pdfabric_agent.transfer.base import TransferBackend
+from pdfabric_agent.transfer.base import TransferBackend, TransferError
 from pdfabric_agent.transfer.mooncake import MooncakeBackend
 from pdfabric_core.policy.types import Device, Transport
 
@@ -64,3 +65,47 @@ def test_probe_sees_a_live_listener_and_a_dead_port(engines: tuple) -> None:  # 
     assert a.probe(b.endpoint()) is True
     assert a.probe("127.0.0.1:1") is False
     assert a.probe("not-an-endpoint") is False
+
+
+def test_start_batch_only_on_an_open_session_and_lands_byte_exact(engines: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    """The async half (``start_batch``): never to a peer no synchronous write reached (its first
+    submit would run Mooncake's handshake on the caller's thread, the agent's event loop); after one,
+    it starts the batch and the returned call waits until every byte landed."""
+    _, b, _, pb = engines
+    c = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
+    pc = Pool.allocate("unit-c", SIZE, Device.CPU, shm_dir=str(tmp_path))
+    try:
+        c.register(pc)
+        src = pc.view()
+        src[0:65536] = bytes(range(256)) * 256
+        assert c.start_batch(b.endpoint(), [Block(pc.addr, pb.addr + 131072, 4096)]) is None
+        assert c.started == 0
+        c.write_batch(b.endpoint(), [Block(pc.addr, pb.addr + 131072, 4096)])  # opens the session
+        wait = c.start_batch(
+            b.endpoint(), [Block(pc.addr + 4096 * i, pb.addr + 262144 + 8192 * i, 4096) for i in range(8)]
+        )
+        assert wait is not None and c.started == 1
+        assert wait() is None
+        dst = pb.view()
+        for i in range(8):
+            assert bytes(dst[262144 + 8192 * i : 262144 + 8192 * i + 4096]) == bytes(src[4096 * i : 4096 * (i + 1)])
+            assert bytes(dst[262144 + 8192 * i + 4096 : 262144 + 8192 * (i + 1)]) == bytes(4096)
+        assert c.start_batch(b.endpoint(), []) is None
+        assert c.start_batch(b.endpoint(), [Block(pc.addr, pb.addr, 1)] * 9) is None  # over max_batch_entries
+    finally:
+        c.close()
+        pc.close()
+
+
+def test_a_rejected_started_batch_raises_and_the_next_goes_synchronously(engines: tuple) -> None:  # type: ignore[type-arg]
+    a, b, pa, pb = engines
+    a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
+    outside = pb.addr + 64 * SIZE  # no buffer of b's there: b's engine rejects the write
+    wait = a.start_batch(b.endpoint(), [Block(pa.addr, outside, 4096)])
+    assert wait is not None
+    with pytest.raises(TransferError, match="returned -1"):
+        wait()
+    assert a.start_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)]) is None  # suspect: write_batch says why
+    a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
+    wait = a.start_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
+    assert wait is not None and wait() is None

@@ -6,15 +6,17 @@ under ``max_batch_entries`` by the agent, so a backend never sees an oversized b
 
 Optional capabilities are declared, never probed: ``kernel`` is None unless the backend can also
 launch gather/scatter kernels into a peer's mapped pools (``KernelPath``, the intra-node NVLink
-fast path); ``paths`` lists every `path` metric label the backend can report, so the agent
-pre-creates their series. This is how SGLang's disaggregation base classes give optional methods
+fast path); ``start_batch`` answers None unless the engine can start a batch without blocking the
+caller (then the agent starts it from its event loop and only the wait goes to a worker);
+``paths`` lists every `path` metric label the backend can report, so the agent pre-creates their
+series. This is how SGLang's disaggregation base classes give optional methods
 defaults: a caller asks the capability, it does not look for attribute names.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -108,6 +110,13 @@ class TransferBackend(abc.ABC):
 
         Returns the `path` label of the route the batch took when a backend has more than one
         (e.g. a GPU kernel with the engine as fallback); None means ``self.path``."""
+
+    def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
+        """``write_batch`` in two halves: the batch is started now, on the caller's thread, without
+        waiting (no handshake, no copy), and the returned call waits until it landed and answers
+        what ``write_batch`` would (raising as it would). None: nothing was started, this batch
+        needs ``write_batch`` (a backend that cannot, a peer it has no session with yet)."""
+        return None
 
     @abc.abstractmethod
     def probe(self, peer: str) -> bool:

@@ -9,7 +9,7 @@ import functools
 import importlib.metadata
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
@@ -47,6 +47,10 @@ class MooncakeBackend(TransferBackend):
         # first GPU registration.
         self._stage = transport is Transport.TCP and os.environ.get(STAGING_ENV, "1") != "0"
         self._staging: HostStaging | None = None
+        # Peers a batch reached: their session is open, so an async submit to them does not block
+        # on Mooncake's handshake (which a first submit runs in the caller's thread).
+        self._sessions: set[str] = set()
+        self.started = 0  # batches started by start_batch (tests, benchmarks)
 
     @property
     def device_memory(self) -> bool:
@@ -90,7 +94,36 @@ class MooncakeBackend(TransferBackend):
             peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
         )
         if rc != 0:
+            self._sessions.discard(peer)
             raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
+        self._sessions.add(peer)
+
+    def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
+        """Mooncake's async write (``batch_transfer_async_write`` returns once the batch is queued
+        to the engine's transport threads; ``get_batch_transfer_status`` waits for it), for a peer
+        whose session a synchronous write opened and kept, with no GPU source to stage. Otherwise,
+        or when the submit itself fails, None: ``write_batch`` goes the synchronous way, which
+        opens or repairs the session and says why it failed."""
+        if not blocks or len(blocks) > self.max_batch_entries or peer not in self._sessions:
+            return None
+        if self._staging is not None:
+            return None  # GPU sources on tcp are copied through host memory first (staging.py)
+        batch = self._engine.batch_transfer_async_write(
+            peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
+        )
+        if not batch:  # 0: not submitted (Mooncake's failure value)
+            self._sessions.discard(peer)
+            return None
+        self.started += 1
+
+        def wait() -> str | None:
+            rc = self._engine.get_batch_transfer_status([batch])
+            if rc != 0:
+                self._sessions.discard(peer)  # the next batch goes the synchronous way
+                raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
+            return None
+
+        return wait
 
     def probe(self, peer: str, timeout_s: float = 1.0) -> bool:
         """True when the peer engine's handshake listener accepts a connection. This Mooncake
