@@ -7,6 +7,7 @@ feed; the answer, the bytes, the aux row and SGLang's metric are the same either
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,14 @@ def test_room_ends_are_read_from_the_board_byte_exact(
             assert tx.bytes_moved == sum(sent.moved.values()) and tx.moving_since == sent.first_byte_at
             assert tx.get_transfer_metric().transfer_latency_s is not None
             assert rx.board_slot is None and tx.board_slot is None  # given back once concluded
+            # The feed carries the end too, a little later (FEED_AFTER_BOARD_S): what a room whose
+            # board entry was overwritten falls back on.
+            for mgr, ours in ((dec.mgr, rx.room), (pre.mgr, tx.room)):
+                deadline = time.monotonic() + 5
+                while (fed := mgr.events.view(ours)) is None or not fed.finished:
+                    assert time.monotonic() < deadline, f"the feed never carried room {ours}'s end"
+                    time.sleep(0.002)
+                assert fed.succeeded
         # Every room ended from the board on both sides: none waited for the feed.
         assert (pre.mgr.board.reads, dec.mgr.board.reads) == (3, 3)
         assert len(dec.mgr.board._free) == dec.mgr.board.share.slots  # no slot leaked

@@ -62,12 +62,20 @@ def open_board(share: BoardShare, aux_row_bytes: Sequence[int], shm_dir: str) ->
     return RoomBoard(memory, share.slots, aux_row_bytes), ""
 
 
-def write_end(board: RoomBoard | None, slot: int | None, view: RoomView) -> None:
-    """A room's successful end onto its engine's board (nothing for any other end, or without a
-    board: the feed carries those)."""
+# A Success written onto the board goes out on the room feed this much later: the engine's next poll
+# reads it from the board, and its feed thread, woken at once, would take the engine's GIL from
+# the scheduler just when that poll comes. The feed still carries it (a board entry overwritten by
+# a late end of a reused slot's earlier room costs that room this long).
+FEED_AFTER_BOARD_S = 0.01
+
+
+def write_end(board: RoomBoard | None, slot: int | None, view: RoomView) -> bool:
+    """A room's successful end onto its engine's board; False (nothing written) for any other end,
+    or without a board: the feed carries those."""
     if board is None or slot is None or not view.succeeded or slot >= board.slots:
-        return
+        return False
     board.write_success(slot, view.room, sum(view.moved.values()), view.first_byte_at, view.aux_rows)
+    return True
 
 
 def check_slot(board: RoomBoard | None, slot: int | None) -> None:

@@ -45,7 +45,7 @@ from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, So
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import FeedHello, MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
-from pdfabric_agent.ranks.engine_board import write_end
+from pdfabric_agent.ranks.engine_board import FEED_AFTER_BOARD_S, write_end
 from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
 from pdfabric_agent.rooms.context import AgentContext
@@ -357,9 +357,9 @@ class Agent:
         local, watched = self.ranks.get(room.rank), self.ctx.feed.watched(room.rank)
         view = room.view() if watched or (room.board_slot is not None and local is not None) else None
         if view is not None:
-            write_end(local.board if local is not None else None, room.board_slot, view)  # read at the next poll
+            on_board = write_end(local.board if local is not None else None, room.board_slot, view)  # next poll's
             if watched:
-                self.ctx.feed.publish(view)
+                self.ctx.feed.publish(view, after_s=FEED_AFTER_BOARD_S if on_board else 0.0)
 
     # ---------------------------------------------------------------- upkeep
     async def tick(self) -> None:

@@ -95,7 +95,11 @@ class RoomFeed:
         """Whether engine ``instance`` follows ``rank``'s feed on a connection still open."""
         return any(sub.instance == instance and sub.connected() for sub in self._subs.get(rank, ()))
 
-    def publish(self, view: RoomView) -> None:
+    def publish(self, view: RoomView, *, after_s: float = 0.0) -> None:
+        """To every subscriber of the view's rank: now, or ``after_s`` later (from the event loop)."""
+        if after_s > 0:
+            asyncio.get_running_loop().call_later(after_s, self.publish, view)
+            return
         for sub in tuple(self._subs.get(view.rank, ())):
             sub.put(view)
 
