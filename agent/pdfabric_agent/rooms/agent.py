@@ -39,20 +39,20 @@ from typing import Any
 
 from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.peers.client import PeerClient
-from pdfabric_agent.protocol.errors import ApiError, conflict, layout_mismatch, memory_not_registered, unknown_room
+from pdfabric_agent.protocol.errors import ApiError, memory_not_registered, unknown_room
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import FeedHello, MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
 from pdfabric_agent.ranks.engine_board import FEED_AFTER_BOARD_S, write_end
-from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
+from pdfabric_agent.ranks.engine_memory import MemoryRules
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.decode import DecodeArrivals
 from pdfabric_agent.rooms.membership import Adopted, check_adoptable
 from pdfabric_agent.rooms.prefill import PrefillSender
-from pdfabric_agent.rooms.registrants import check_registrant
+from pdfabric_agent.rooms.registration import register_engine_memory
 from pdfabric_agent.rooms.registry import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
@@ -194,44 +194,10 @@ class Agent:
 
     # ---------------------------------------------------------------- the API
     def register_memory(self, msg: MemoryRegistration) -> MemoryAnswer:
-        """An engine's own buffers become the rank's memory (``memory``): checked against the
-        model, mapped, registered with the rank's transfer engine; the previous engine's (an
-        engine restart) are released. Refused while another engine instance, still live, holds the
-        rank (``registrants``: 409 ``rank_taken``), and while the rank has open rooms: their plans
-        point into the memory they were submitted with."""
-        local = self.ctx.ranks.served(msg.rank)
-        check_registrant(local, msg.instance, self.ctx.feed)
-        busy = sum(1 for _, room in self.rooms.open_rooms() if room.rank == msg.rank)
-        if busy:
-            raise conflict(f"{msg.rank} has {busy} open rooms: register its memory before traffic or once they end")
-        rules = MemoryRules.of(self.spec, self.transport, self.requested, local.backend.device_memory)
-        layout = engine_layout(msg, self.spec, local.rank, rules)
-        engine = EngineMemory.map(
-            msg, layout, shm_dir=self.cfg.shm_dir, gpu=local.rank.gpu, aux_device=rules.aux_device
-        )
-        for other in self.ranks.values():
-            shared = other.engine.overlap(engine) if other is not local and other.engine is not None else None
-            if shared is not None:
-                engine.close()
-                raise conflict(
-                    f"bytes {shared.start}..{shared.end} of {shared.path} are {other.rank.rank_id}'s engine memory: "
-                    f"each rank registers its own buffers"
-                )
-        try:
-            for region in engine.regions():
-                local.backend.register(region)
-        except Exception as exc:
-            engine.close()
-            raise layout_mismatch(f"the transfer engine refused the buffers of {msg.rank}: {exc}") from None
-        previous, local.engine, local.engine_instance = local.engine, engine, msg.instance
-        if previous is not None:
-            for region in previous.regions():
-                local.backend.unregister(region)
-            previous.close()
-        for kind, regions in (("kv", engine.kv), ("state", engine.state), ("aux", engine.aux)):
-            device = regions[0].device.value if regions else "cpu"
-            metrics.pool_bytes.labels(self.cluster, msg.rank, kind, device).set(sum(r.size for r in regions))
-        return engine.answer(msg.rank)
+        """An engine's own buffers become the rank's memory (``registration``)."""
+        device_memory = self.ctx.ranks.served(msg.rank).backend.device_memory
+        rules = MemoryRules.of(self.spec, self.transport, self.requested, device_memory)
+        return register_engine_memory(self.ctx, msg, rules, shm_dir=self.cfg.shm_dir, cluster=self.cluster)
 
     async def abort(self, msg: AbortRequest) -> RoomView:
         """The engine gave the room up: it fails now (its peers are told: a decode room answers
