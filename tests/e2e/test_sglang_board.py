@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_core.rankmap import Rank
 from pdfabric_devcluster.fabric import LocalFabric
 from tests.e2e.sglang_engine import AUX, MODEL, SLOT, SPEC, Engine, announce
@@ -81,8 +83,10 @@ def test_room_ends_are_read_from_the_board_byte_exact(
                     assert time.monotonic() < deadline, f"the feed never carried room {ours}'s end"
                     time.sleep(0.002)
                 assert fed.succeeded
-        # Every room ended from the board on both sides: none waited for the feed.
+        # Every room ended from the board on both sides: none waited for the feed. The sender handed
+        # each room's private aux row over on the board too (aux_on_board), not in the send's body.
         assert (pre.mgr.board.reads, dec.mgr.board.reads) == (3, 3)
+        assert pre.mgr.registration.aux_inline and pre.mgr.board.rows_written == 3
         assert len(dec.mgr.board._free) == dec.mgr.board.share.slots  # no slot leaked
     finally:
         server.close()
@@ -107,6 +111,16 @@ def test_a_board_the_agent_cannot_map_is_declined_and_rooms_end_by_the_feed(
         _tx, rx, dst = move_room(pre, dec, server, 7101)
         assert dec.landed(dst, 0) and dec.state_aux_landed()
         assert rx.bytes_moved == sum(dec.mgr.client.poll(dec.mgr.rank_id, rx.room).moved.values()) > 0
+        assert dec.state_aux_landed()  # the sender's aux row went in the send's body
+        # A send that says its aux row is on a board the agent does not map: refused with the fix,
+        # and no room is left behind.
+        bad = SendChunk(pre.mgr.rank_id, 7102, [1], [], AUX, 0, engine_memory=True, aux_on_board=True)
+        with pytest.raises(AgentRefused) as err:
+            pre.mgr.client.submit(bad)
+        assert err.value.status == 400 and "send the row in aux_rows" in str(err.value)
+        with pytest.raises(AgentRefused) as gone:
+            pre.mgr.client.poll(pre.mgr.rank_id, 7102)
+        assert gone.value.status == 404
     finally:
         server.close()
         pre.close()
@@ -127,6 +141,7 @@ def test_with_every_slot_taken_a_room_reads_the_feed(
         _tx, rx, dst = move_room(pre, dec, server, 7201)
         assert rx.board_slot is None and dec.landed(dst, 0) and dec.state_aux_landed()
         assert dec.mgr.board.reads == 0 and pre.mgr.board is not None and pre.mgr.board.reads == 1
+        assert pre.mgr.board.rows_written == 1  # the sender's slot is its own: its aux row went on it
         holder.abort()  # concluded: its slot is free for the next room
         _, _rx2, dst2 = move_room(pre, dec, server, 7202)
         assert dec.landed(dst2, 0) and dec.mgr.board.reads == 1

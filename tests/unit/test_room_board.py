@@ -189,3 +189,34 @@ def test_the_memory_answer_says_whether_the_board_is_mapped() -> None:
         doc = MemoryAnswer("decode-0-tp0", layout, 3, ("cpu",)).to_json()
         doc["memory"]["board"] = "yes"
         MemoryAnswer.parse(doc)
+
+
+def test_a_senders_aux_row_goes_through_its_slot_and_leaves_the_end_alone() -> None:
+    b = board()
+    b.write_rows(2, aux(5))
+    assert b.read_rows(2) == aux(5)
+    assert b.read_success(2, 5) is None  # rows alone are no end
+    assert b.read_rows(1) == tuple(bytes(n) for n in ROWS)  # other slots untouched
+    with pytest.raises(ValueError, match="aux rows of"):
+        b.write_rows(2, aux(5)[:2])
+    write_end(b, 2, RoomView(rank="prefill-0-tp0-cp0", room=5, state=RoomState.SUCCESS, moved={"kv": 4}))
+    end = b.read_success(2, 5)
+    assert end is not None and end.moved == 4 and end.aux_rows is None
+
+
+def test_the_wire_says_when_the_aux_row_is_on_the_board() -> None:
+    from pdfabric_agent.protocol.chunks import SendChunk
+
+    msg = SendChunk("prefill-0-tp0-cp0", 5, [1], [], 3, 0, aux_on_board=True, page_offset=1, final=True)
+    doc = msg.to_json()
+    assert doc["aux_on_board"] is True and "aux_rows" not in doc
+    assert SendChunk.parse(doc).aux_on_board
+    assert not SendChunk.parse(SendChunk("prefill-0-tp0-cp0", 5, [1], [], 3, 0).to_json()).aux_on_board
+    for bad, why in (
+        ({**doc, "aux_rows": ["AAAA"]}, "one way"),
+        ({**doc, "aux_index": None}, "without aux_index"),
+        ({**doc, "final": False}, "final chunk"),
+        ({**doc, "aux_on_board": "yes"}, "aux_on_board"),
+    ):
+        with pytest.raises(ApiError, match=why):
+            SendChunk.parse({k: v for k, v in bad.items() if v is not None})

@@ -143,6 +143,26 @@ class RoomBoard:
         SLOT_HEADER.pack_into(self.memory, at, seq, room, moved, first, rows)
         struct.pack_into("<Q", self.memory, at, seq + 1)  # even: stable
 
+    def write_rows(self, slot: int, rows: Sequence[bytes]) -> None:
+        """The engine: a prefill room's private aux row into its slot, before the send that says
+        so (``SendRequest.aux_on_board``). The agent writes no rows into a sender's slot, so the
+        two never write the same bytes; the send's request orders this write before the read."""
+        sizes = [len(r) for r in rows]
+        if sizes != list(self.aux_row_bytes):
+            raise ValueError(f"aux rows of {sizes} bytes on a board for rows of {list(self.aux_row_bytes)}")
+        pos = self._at(slot) + SLOT_HEADER_BYTES
+        for row in rows:
+            self.memory[pos : pos + len(row)] = row
+            pos += len(row)
+
+    def read_rows(self, slot: int) -> tuple[bytes, ...]:
+        """The agent: the aux row an engine wrote into ``slot`` (``write_rows``)."""
+        pos, rows = self._at(slot) + SLOT_HEADER_BYTES, []
+        for size in self.aux_row_bytes:
+            rows.append(bytes(self.memory[pos : pos + size]))
+            pos += size
+        return tuple(rows)
+
     def read_success(self, slot: int, room: int) -> BoardEnd | None:
         """The engine: room ``room``'s successful end, or None (not ended Success yet, being
         written, or the slot holds another room)."""

@@ -41,9 +41,10 @@ class SendChunk(SendRequest):
         if not isinstance(final, bool):
             raise malformed(f"field 'final' must be true or false, got {type(final).__name__}")
         offset = field_opt_int(body, "page_offset") or 0
-        if not final and (msg.state_indices or msg.aux_index is not None or msg.aux_rows):
+        if not final and (msg.state_indices or msg.aux_index is not None or msg.aux_rows or msg.aux_on_board):
             raise malformed(
-                "state_indices, aux_index and aux_rows go with the final chunk (final: true), where SGLang writes them"
+                "state_indices, aux_index, aux_rows and aux_on_board go with the final chunk (final: true), where "
+                "SGLang writes them"
             )
         return dataclasses.replace(msg, page_offset=offset, final=final)
 

@@ -154,20 +154,30 @@ class SendRequest(RoomSubmit):
     # The room's aux row, one bytes per aux item, from an engine that keeps its aux buffers private
     # (registered with ``aux_slots``): the agent puts them in its own aux row ``aux_index`` first.
     aux_rows: tuple[bytes, ...] = ()
+    # Instead of ``aux_rows``: the engine wrote the row into the room's slot of its room board
+    # (``protocol.board``) before this send, and the agent reads it from there.
+    aux_on_board: bool = False
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
         msg = super().parse(body)
-        if "aux_rows" not in body:
+        on_board = field_flag(body, "aux_on_board")
+        if "aux_rows" not in body and not on_board:
             return msg
         if msg.aux_index is None:
-            raise malformed("aux_rows without aux_index: name the aux row they belong to")
+            raise malformed("aux_rows or aux_on_board without aux_index: name the aux row they belong to")
+        if on_board:
+            if "aux_rows" in body:
+                raise malformed("aux_rows and aux_on_board: the row comes one way, in the body or on the board")
+            return dataclasses.replace(msg, aux_on_board=True)
         return dataclasses.replace(msg, aux_rows=parse_aux_rows(body["aux_rows"], "aux_rows"))
 
     def to_json(self) -> dict[str, Any]:
         body = super().to_json()
         if self.aux_rows:
             body["aux_rows"] = aux_rows_json(self.aux_rows)
+        if self.aux_on_board:
+            body["aux_on_board"] = True
         return body
 
 

@@ -60,7 +60,7 @@ def add_chunk(sender: PrefillSender, local: LocalRank, msg: SendChunk) -> RoomVi
                     "(decode's pages): no chunk may reach past them, and the final one must end there"
                 )
         if msg.final:
-            sender._take_aux_row(local, msg)
+            sender._take_aux_row(local, msg, room.board_slot)
     except ApiError as exc:
         sender.abort(room, f"chunk refused: {exc}")
         raise

@@ -78,7 +78,7 @@ class PrefillSender:
         if sends and feeds is not None and replica not in feeds:
             raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
         ctx.rooms.refuse_reuse(Role.PREFILL, msg.rank, msg.room)
-        self._take_aux_row(local, msg)
+        self._take_aux_row(local, msg, msg.board_slot)
         targets: dict[str, Target] = {}
         for route in decode_targets(ctx.spec, local.rank.tp_rank) if sends else []:
             stage = ctx.ranks.decode_stage(local)
@@ -121,26 +121,35 @@ class PrefillSender:
         self._maybe_start(room)
         return room.view()
 
-    def _take_aux_row(self, local: LocalRank, msg: SendRequest) -> None:
-        """An engine that keeps its aux rows private hands the room's with the send: into the
-        agent's own row ``aux_index``, from where the room moves it like any aux row."""
+    def _take_aux_row(self, local: LocalRank, msg: SendRequest, slot: int | None) -> None:
+        """An engine that keeps its aux rows private hands the room's with the send (in the body,
+        or in the room's board ``slot``): into the agent's own row ``aux_index``, from where the
+        room moves it like any aux row."""
         engine = local.engine
         inline = engine is not None and engine.aux_inline
-        if msg.aux_rows and not inline:
+        if (msg.aux_rows or msg.aux_on_board) and not inline:
             raise malformed(
-                f"aux_rows given, but the agent maps {msg.rank}'s aux buffers: send aux_rows only after registering "
-                "private aux rows (aux_slots)"
+                f"aux_rows or aux_on_board given, but the agent maps {msg.rank}'s aux buffers: send the row only after "
+                "registering private aux rows (aux_slots)"
             )
         if not inline or msg.aux_index is None:
             return
         assert engine is not None
-        sizes = [len(row) for row in msg.aux_rows]
+        rows = msg.aux_rows
+        if msg.aux_on_board:
+            if local.board is None or slot is None:
+                raise malformed(
+                    f"aux_on_board, but the agent maps no room board slot of room {msg.room} on {msg.rank} (no board "
+                    "mapped, or the room named no board_slot): send the row in aux_rows"
+                )
+            rows = local.board.read_rows(slot)
+        sizes = [len(row) for row in rows]
         if sizes != list(engine.layout.aux_items):
             raise malformed(
                 f"{msg.rank} registered private aux rows of {list(engine.layout.aux_items)} bytes: the send must "
                 f"carry its row (aux_rows), one entry per item of those sizes; got {sizes}"
             )
-        engine.put_aux_row(msg.aux_index, msg.aux_rows)
+        engine.put_aux_row(msg.aux_index, rows)
 
     def early_view(self, rank_id: str, room_id: int) -> RoomView | None:
         """A prefill room not sent yet whose decode side already announced itself: upstream's

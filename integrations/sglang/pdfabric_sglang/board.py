@@ -34,6 +34,7 @@ class EngineBoard:
         self.board, self.share = board, share
         self._free = collections.deque(range(share.slots))
         self.reads = 0  # rooms concluded from the board (tests and benchmarks read it)
+        self.rows_written = 0  # aux rows senders handed over on the board, not in the send's body
 
     @classmethod
     def create(cls, aux_row_bytes: Sequence[int], slots: int | None = None) -> EngineBoard | None:
@@ -65,6 +66,11 @@ class EngineBoard:
 
     def give(self, slot: int) -> None:
         self._free.append(slot)
+
+    def write_rows(self, slot: int, rows: Sequence[bytes]) -> None:
+        """A sender's private aux row into its room's slot, for the agent to read (``aux_on_board``)."""
+        self.board.write_rows(slot, rows)
+        self.rows_written += 1
 
     def reader(self, slot: int, room: int) -> Callable[[], BoardEnd | None]:
         """What a room's poll calls: its end from ``slot``, or None."""

@@ -10,6 +10,7 @@ so no byte of it moves before."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -192,11 +193,12 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
             self.decode_replica,
             engine_memory=True,
             peer_dp=self.decode_dp,
-            aux_rows=self._aux_row() if final else (),
             page_offset=offset,
             final=final,
             board_slot=self.board_slot if offset == 0 else None,  # the room's, named when it opens
         )
+        if final:
+            msg = self._with_aux_row(msg)
         self.handed, self.final_handed = len(self.pages), final
         if self.submitted_at is None:
             self.submitted_at = self.first_chunk_at
@@ -215,12 +217,18 @@ class PdfabricKVSender(RoomClient, BaseKVSender):
 
         return wait
 
-    def _aux_row(self) -> tuple[bytes, ...]:
-        """The room's metadata row, read here when the engine keeps its rows private (SGLang wrote
-        it with ``set_buf`` before handing over the last chunk)."""
+    def _with_aux_row(self, msg: SendChunk) -> SendChunk:
+        """The final chunk with the room's metadata row, when the engine keeps its rows private
+        (SGLang wrote it with ``set_buf`` before handing over the last chunk): written into the
+        room's board slot when it has one (the agent reads it there), else carried in the body."""
         if self.aux_index is None or not self.mgr.registration.aux_inline:
-            return ()
-        return read_aux_row(self.mgr.kv_args, self.aux_index)
+            return msg
+        row = read_aux_row(self.mgr.kv_args, self.aux_index)
+        board = self.mgr.board
+        if board is None or self.board_slot is None:
+            return dataclasses.replace(msg, aux_rows=row)
+        board.write_rows(self.board_slot, row)
+        return dataclasses.replace(msg, aux_on_board=True)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk  # an empty last chunk still submits the room
