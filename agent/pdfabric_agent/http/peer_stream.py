@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from pdfabric_agent.http.jsonbody import decode_json
-from pdfabric_agent.protocol.errors import ApiError, malformed
+from pdfabric_agent.protocol.errors import ApiError, internal_error, malformed
 from pdfabric_agent.protocol.labels import Refusal
 
 log = logging.getLogger("pdfabric.agent")
@@ -48,13 +48,12 @@ async def _answer(
         status, answer = 200, await call(path, body, caller)
     except ApiError as exc:
         refused(exc)
-        status, answer = exc.status, {"error": exc.message, "reason": exc.reason.value}
-    except Exception as exc:  # as the POST's 500: logged, the caller told
+        status, answer = exc.status, exc.body()
+    except Exception as exc:  # as the POST's 500: logged, counted, the caller told
         log.exception("unexpected error on a stream frame %s from %s", frame.get("path"), caller, exc_info=exc)
-        status, answer = (
-            500,
-            {"error": f"internal error ({type(exc).__name__}), logged by the agent", "reason": Refusal.INTERNAL.value},
-        )
+        error = internal_error(exc)
+        refused(error)
+        status, answer = error.status, error.body()
     if not ws.closed:
         await ws.send_str(_frame(frame_id, status, answer))
 

@@ -33,7 +33,7 @@ from pdfabric_agent.http.jsonbody import BODY_CAP, body_cap, read_json
 from pdfabric_agent.http.peer_stream import serve_stream
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.chunks import SendChunk
-from pdfabric_agent.protocol.errors import ApiError, malformed
+from pdfabric_agent.protocol.errors import ApiError, internal_error, malformed
 from pdfabric_agent.protocol.fields import field_opt_str
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.peer_wire import (
@@ -101,7 +101,7 @@ def _line(doc: dict[str, Any]) -> bytes:
 
 def _refuse(agent_cluster: str, exc: ApiError) -> web.Response:
     metrics.api_refusals.labels(agent_cluster, exc.reason.value).inc()
-    return web.json_response({"error": exc.message, "reason": exc.reason.value}, status=exc.status)
+    return web.json_response(exc.body(), status=exc.status)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -119,9 +119,7 @@ def _authorization(request: web.Request) -> str | None:
 def _unexpected(cluster: str, request: web.Request, exc: Exception) -> web.Response:
     """An error no check anticipated: logged, counted, JSON 500 (bad input is always a 4xx)."""
     log.exception("unexpected error on %s %s", request.method, request.path, exc_info=exc)
-    metrics.api_refusals.labels(cluster, Refusal.INTERNAL.value).inc()
-    body = {"error": f"internal error ({type(exc).__name__}), logged by the agent", "reason": Refusal.INTERNAL.value}
-    return web.json_response(body, status=500)
+    return _refuse(cluster, internal_error(exc))
 
 
 def _http_refusal(exc: web.HTTPException) -> ApiError:

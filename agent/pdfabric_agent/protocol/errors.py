@@ -14,6 +14,16 @@ class ApiError(Exception):
         self.reason = reason
         self.message = message
 
+    def body(self) -> dict[str, str]:
+        """The refusal as every answer carries it (a POST's body, a stream frame's)."""
+        return {"error": self.message, "reason": self.reason.value}
+
+
+def internal_error(exc: Exception) -> ApiError:
+    """An error no check anticipated, as the caller is told (the agent logs it; bad input is always
+    a 4xx)."""
+    return ApiError(500, Refusal.INTERNAL, f"internal error ({type(exc).__name__}), logged by the agent")
+
 
 def malformed(message: str) -> ApiError:
     return ApiError(400, Refusal.MALFORMED, message)
