@@ -1,9 +1,11 @@
-"""PDCluster specs and agent settings the e2e fault and completion tests share."""
+"""PDCluster specs and agent settings the e2e tests share."""
 
 from __future__ import annotations
 
 from typing import Any
 
+# The smallest 1P1D cluster: for tests of the agents' doors and peer protocol, whose rooms are tiny.
+TINY: dict[str, Any] = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "model": {"layers": 1, "kvHeads": 1, "headDim": 8}}
 SMALL: dict[str, Any] = {
     "prefill": {"tp": 1},
     "decode": {"tp": 1},

@@ -24,10 +24,11 @@ from pdfabric_agent.protocol import tls
 from pdfabric_devcluster.agents import peer_request
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_operator import pki
+from tests.e2e.specs import TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SPEC = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "model": {"layers": 1, "kvHeads": 1, "headDim": 8}}
+SPEC = TINY
 P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
 
 
