@@ -131,13 +131,7 @@ class RoomBoard:
         struct.pack_into("<Q", self.memory, at, seq)
         rows = 0
         if aux_rows:
-            sizes = [len(r) for r in aux_rows]
-            if sizes != list(self.aux_row_bytes):
-                raise ValueError(f"aux rows of {sizes} bytes on a board for rows of {list(self.aux_row_bytes)}")
-            pos = at + SLOT_HEADER_BYTES
-            for row in aux_rows:
-                self.memory[pos : pos + len(row)] = row
-                pos += len(row)
+            self._put_rows(at, aux_rows)
             rows = len(aux_rows)
         first = math.nan if first_byte_at is None else first_byte_at
         SLOT_HEADER.pack_into(self.memory, at, seq, room, moved, first, rows)
@@ -147,17 +141,24 @@ class RoomBoard:
         """The engine: a prefill room's private aux row into its slot, before the send that says
         so (``SendRequest.aux_on_board``). The agent writes no rows into a sender's slot, so the
         two never write the same bytes; the send's request orders this write before the read."""
+        self._put_rows(self._at(slot), rows)
+
+    def read_rows(self, slot: int) -> tuple[bytes, ...]:
+        """The agent: the aux row an engine wrote into ``slot`` (``write_rows``)."""
+        return self._rows(self._at(slot))
+
+    def _put_rows(self, at: int, rows: Sequence[bytes]) -> None:
+        """An aux row, one bytes per item of the board's row sizes, after the slot's header at ``at``."""
         sizes = [len(r) for r in rows]
         if sizes != list(self.aux_row_bytes):
             raise ValueError(f"aux rows of {sizes} bytes on a board for rows of {list(self.aux_row_bytes)}")
-        pos = self._at(slot) + SLOT_HEADER_BYTES
+        pos = at + SLOT_HEADER_BYTES
         for row in rows:
             self.memory[pos : pos + len(row)] = row
             pos += len(row)
 
-    def read_rows(self, slot: int) -> tuple[bytes, ...]:
-        """The agent: the aux row an engine wrote into ``slot`` (``write_rows``)."""
-        pos, rows = self._at(slot) + SLOT_HEADER_BYTES, []
+    def _rows(self, at: int) -> tuple[bytes, ...]:
+        pos, rows = at + SLOT_HEADER_BYTES, []
         for size in self.aux_row_bytes:
             rows.append(bytes(self.memory[pos : pos + size]))
             pos += size
@@ -180,13 +181,7 @@ class RoomBoard:
         seq, held, moved, first, rows = SLOT_HEADER.unpack_from(self.memory, at)
         if held != room or seq & 1:
             return None
-        aux: tuple[bytes, ...] | None = None
-        if rows:
-            pos, parts = at + SLOT_HEADER_BYTES, []
-            for size in self.aux_row_bytes:
-                parts.append(bytes(self.memory[pos : pos + size]))
-                pos += size
-            aux = tuple(parts)
+        aux = self._rows(at) if rows else None
         if struct.unpack_from("<Q", self.memory, at)[0] != seq:
             return None  # rewritten while read
         return BoardEnd(moved, None if math.isnan(first) else first, aux)

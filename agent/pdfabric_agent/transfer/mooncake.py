@@ -90,13 +90,16 @@ class MooncakeBackend(TransferBackend):
         return None
 
     def _send(self, peer: str, blocks: Sequence[Block]) -> None:
-        rc = self._engine.batch_transfer_sync_write(
-            peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
-        )
+        rc = self._engine.batch_transfer_sync_write(peer, *_columns(blocks))
+        self._check(peer, blocks, rc)
+        self._sessions.add(peer)
+
+    def _check(self, peer: str, blocks: Sequence[Block], rc: int) -> None:
+        """A batch's return code; a failed one leaves the peer's session suspect (its next batch
+        goes the synchronous way, which repairs the session or says why it cannot)."""
         if rc != 0:
             self._sessions.discard(peer)
             raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
-        self._sessions.add(peer)
 
     def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
         """Mooncake's async write (``batch_transfer_async_write`` returns once the batch is queued
@@ -108,19 +111,14 @@ class MooncakeBackend(TransferBackend):
             return None
         if self._staging is not None:
             return None  # GPU sources on tcp are copied through host memory first (staging.py)
-        batch = self._engine.batch_transfer_async_write(
-            peer, [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
-        )
+        batch = self._engine.batch_transfer_async_write(peer, *_columns(blocks))
         if not batch:  # 0: not submitted (Mooncake's failure value)
             self._sessions.discard(peer)
             return None
         self.started += 1
 
         def wait() -> str | None:
-            rc = self._engine.get_batch_transfer_status([batch])
-            if rc != 0:
-                self._sessions.discard(peer)  # the next batch goes the synchronous way
-                raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
+            self._check(peer, blocks, self._engine.get_batch_transfer_status([batch]))
             return None
 
         return wait
@@ -142,6 +140,11 @@ class MooncakeBackend(TransferBackend):
             with contextlib.suppress(Exception):
                 self._engine.unregister_memory(addr)
         self._registered.clear()
+
+
+def _columns(blocks: Sequence[Block]) -> tuple[list[int], list[int], list[int]]:
+    """Sources, destinations and lengths: the three lists Mooncake's batch calls take."""
+    return [b.src for b in blocks], [b.dst for b in blocks], [b.length for b in blocks]
 
 
 @functools.cache
