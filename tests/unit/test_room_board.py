@@ -93,6 +93,35 @@ def _writer(path: str, slots: int, rounds: int) -> None:
         b.write_success(0, room, room * 1000, float(room), aux(room))
 
 
+def _map(path: Path) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, board_bytes(1, ROWS))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not ORDERED_STORES, reason="the board is used on x86-64 only")
+def test_a_reader_in_another_process_never_sees_seq_go_back(tmp_path: Path) -> None:
+    # seq as struct's "<Q" is stored and loaded a byte at a time: a reader saw a value torn between
+    # two writes (about one read in a hundred here), which is how CI once accepted a slot rewritten
+    # under its reader. Every read of the word must be a value the writer stored, so never lower.
+    path = tmp_path / "board"
+    path.write_bytes(bytes(board_bytes(1, ROWS)))
+    b = RoomBoard.format(_map(path), 1, ROWS, NONCE)
+    writer = multiprocessing.get_context("spawn").Process(target=_writer, args=(str(path), 1, 100_000))
+    writer.start()
+    last, reads, back = 0, 0, []
+    while writer.is_alive() or reads == 0:
+        seq = b.sequence(0)
+        if seq < last:
+            back.append((last, seq))
+        last, reads = seq, reads + 1
+    writer.join()
+    assert writer.exitcode == 0 and b.sequence(0) == 2 * 100_000
+    assert back == [], f"{len(back)} of {reads} reads went back, e.g. {back[:3]}"
+
+
 @pytest.mark.skipif(not ORDERED_STORES, reason="the board is used on x86-64 only")
 def test_a_reader_in_another_process_never_accepts_a_torn_slot(tmp_path: Path) -> None:
     path = tmp_path / "board"

@@ -11,10 +11,14 @@ names its ``board_slot``, freed once the engine has concluded the room.
 A slot is a 64-byte header (``seq``, room, bytes moved, when its first byte moved, row count) and
 the room's private aux rows (SGLang's CPU metadata row, which travels with the view). The agent is
 the one writer; ``seq`` is odd while it writes (a seqlock), so a reader that sees it odd or changed
-reads nothing. Only Success is written: a failure, its reason and everything else still reach the
-engine by the feed, which also carries every Success, so a board entry overwritten by a late end of
-a room whose slot was reused costs that room the fast path, never its answer. The order of plain
-stores and loads the seqlock relies on holds on x86-64 (TSO); elsewhere the board is not used.
+reads nothing. ``seq`` and the room are loaded and stored as whole aligned 8-byte words (a ``Q``
+view of the memory): ``struct`` zeroes what it packs into and moves a little-endian ``Q`` a byte at
+a time, so a reader saw torn values and once (in CI) accepted a slot rewritten under it.
+
+Only Success is written: a failure, its reason and everything else still reach the engine by the
+feed, which also carries every Success, so a board entry overwritten by a late end of a room whose
+slot was reused costs that room the fast path, never its answer. The order of plain stores and
+loads the seqlock relies on holds on x86-64 (TSO); elsewhere the board is not used.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from pdfabric_agent.protocol.fields import MAX_STR, check_object, check_str, fie
 MAGIC = b"PDFBOARD"
 HEADER = struct.Struct("<8sII16s")  # magic, slots, slot bytes, nonce
 HEADER_BYTES = 64
-SLOT_HEADER = struct.Struct("<QQQdI")  # seq, room, bytes moved, first byte (monotonic; NaN: none), rows
-SEQ_ROOM = struct.Struct("<QQ")  # the slot header's first two fields: all a poll of a room still moving reads
+# A slot's header is seq (word 0), room (word 1), then SLOT_FIELDS: bytes moved, first byte (monotonic; NaN: none), rows
+SLOT_FIELDS = struct.Struct("<QdI")
+SLOT_FIELDS_AT = 16
 SLOT_HEADER_BYTES = 64
 MAX_SLOTS = 1 << 16
 NONCE_BYTES = 16
@@ -97,8 +102,11 @@ class RoomBoard:
         self.slots = slots
         self.aux_row_bytes = tuple(aux_row_bytes)
         self.slot_bytes = slot_bytes(aux_row_bytes)
-        if len(self.memory) < board_bytes(slots, aux_row_bytes):
+        size = board_bytes(slots, aux_row_bytes)
+        if len(self.memory) < size:
             raise ValueError(f"a board of {slots} slots needs {board_bytes(slots, aux_row_bytes)} bytes")
+        # Whole-word loads and stores of seq and room (slots are 64-byte aligned in a page-aligned map).
+        self.words = self.memory[:size].cast("Q")
 
     @staticmethod
     def format(memory: Any, slots: int, aux_row_bytes: Sequence[int], nonce: bytes) -> RoomBoard:
@@ -126,16 +134,18 @@ class RoomBoard:
     ) -> None:
         """The agent: room ``room`` ended Success (its private aux row, when it has one)."""
         at = self._at(slot)
-        seq = struct.unpack_from("<Q", self.memory, at)[0]
+        word = at // 8
+        seq = self.words[word]
         seq += 1 + (seq & 1)  # odd: being written
-        struct.pack_into("<Q", self.memory, at, seq)
+        self.words[word] = seq
         rows = 0
         if aux_rows:
             self._put_rows(at, aux_rows)
             rows = len(aux_rows)
         first = math.nan if first_byte_at is None else first_byte_at
-        SLOT_HEADER.pack_into(self.memory, at, seq, room, moved, first, rows)
-        struct.pack_into("<Q", self.memory, at, seq + 1)  # even: stable
+        self.words[word + 1] = room
+        SLOT_FIELDS.pack_into(self.memory, at + SLOT_FIELDS_AT, moved, first, rows)
+        self.words[word] = seq + 1  # even: stable
 
     def write_rows(self, slot: int, rows: Sequence[bytes]) -> None:
         """The engine: a prefill room's private aux row into its slot, before the send that says
@@ -174,20 +184,24 @@ class RoomBoard:
         for every request in flight on every scheduler iteration."""
         return functools.partial(self.read_at, self._at(slot), room)
 
+    def sequence(self, slot: int) -> int:
+        """A slot's ``seq``: twice the ends written into it, odd while one is being written."""
+        return self.words[self._at(slot) // 8]
+
     def read_at(self, at: int, room: int) -> BoardEnd | None:
-        seq, held = SEQ_ROOM.unpack_from(self.memory, at)
-        if held != room or seq & 1 or seq == 0:
-            return None  # the common answer: only the two fields read
-        seq, held, moved, first, rows = SLOT_HEADER.unpack_from(self.memory, at)
-        if held != room or seq & 1:
-            return None
+        word = at // 8
+        seq = self.words[word]
+        if seq & 1 or seq == 0 or self.words[word + 1] != room:
+            return None  # the common answer: two words read
+        moved, first, rows = SLOT_FIELDS.unpack_from(self.memory, at + SLOT_FIELDS_AT)
         aux = self._rows(at) if rows else None
-        if struct.unpack_from("<Q", self.memory, at)[0] != seq:
+        if self.words[word] != seq:
             return None  # rewritten while read
         return BoardEnd(moved, None if math.isnan(first) else first, aux)
 
     def release(self) -> None:
         """Unmap (the mapping's owner: the engine at exit, the agent when another registration replaces it)."""
+        self.words.release()
         self.memory.release()
         close = getattr(self._source, "close", None)
         if close is not None:
