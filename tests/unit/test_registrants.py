@@ -10,8 +10,10 @@ import pytest
 
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import MemoryRegistration, ReceiveRequest, SendRequest
-from pdfabric_agent.rooms.feed import RoomFeed
+from pdfabric_agent.rooms import feed as feed_mod
+from pdfabric_agent.rooms.feed import RoomFeed, Subscription
 from pdfabric_agent.rooms.registrants import check_registrant
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
@@ -53,6 +55,39 @@ def test_a_registrant_whose_feed_is_gone_is_replaced(gone: str) -> None:
     if gone == "other-rank":
         feed.subscribe("decode-0-tp0", "a")  # DP group 0's feed: another rank
     feed.subscribe(RANK.rank_id, "b")
+    check_registrant(held("a"), "b", feed)  # type: ignore[arg-type]
+
+
+def test_a_feed_the_agent_dropped_holds_the_rank_while_its_engine_reconnects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent drops a live engine's feed for falling behind (it closes the connection, not the
+    engine): the instance still holds its rank until it subscribes again, or until RECONNECT_HOLD_S
+    passed without it (its process died meanwhile)."""
+    monkeypatch.setattr(feed_mod, "MAX_BACKLOG", 2)
+    now = [100.0]
+    feed = RoomFeed(clock=lambda: now[0])
+
+    def drop() -> Subscription:
+        sub = feed.subscribe(RANK.rank_id, "a")
+        for room in range(3):
+            sub.put(RoomView(rank=RANK.rank_id, room=room, state=RoomState.TRANSFERRING))
+        assert sub.dropped
+        sub.close()  # the server ends the stream once the subscription says so
+        return sub
+
+    drop()
+    now[0] += feed_mod.RECONNECT_HOLD_S - 1
+    with pytest.raises(ApiError, match="still follows its room feed"):
+        check_registrant(held("a"), "b", feed)  # type: ignore[arg-type]
+    feed.subscribe(RANK.rank_id, "a").close()  # it reconnected, then its process exited: free at once
+    check_registrant(held("a"), "b", feed)  # type: ignore[arg-type]
+
+    drop()
+    now[0] += feed_mod.RECONNECT_HOLD_S
+    check_registrant(held("a"), "b", feed)  # type: ignore[arg-type]  # never came back
+
+    sub = feed.subscribe(RANK.rank_id, "a", lambda: False)  # dropped after its connection closed
+    sub.dropped = True
+    sub.close()
     check_registrant(held("a"), "b", feed)  # type: ignore[arg-type]
 
 

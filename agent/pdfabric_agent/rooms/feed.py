@@ -15,17 +15,24 @@ with): while its connection is open, that instance is the rank's live registrant
 
 A subscriber that does not keep up (its queue holds ``MAX_BACKLOG`` views) is dropped: the engine
 reconnects and resynchronises from a fresh snapshot, and the agent never buffers without bound.
+The agent closed that connection, not the engine, so the engine is taken to be alive: its
+instance keeps holding the rank for ``RECONNECT_HOLD_S`` or until it subscribes again, and
+another engine cannot take the rank in the moment between.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 
 from pdfabric_agent.protocol.views import RoomView
 
 MAX_BACKLOG = 1 << 16  # views queued for one subscriber before it is dropped
+# How long a dropped subscriber's instance still holds its rank: the engine's feed thread
+# reconnects at once (docs/sglang.md); a process that died meanwhile frees the rank after this.
+RECONNECT_HOLD_S = 10.0
 
 
 class Subscription:
@@ -72,15 +79,20 @@ class Subscription:
 class RoomFeed:
     """The subscriptions of this agent's engine ranks, and the publishing of room views to them."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._subs: dict[str, set[Subscription]] = {}
+        self._clock = clock
+        self._dropped: dict[tuple[str, str], float] = {}  # (rank, instance) -> when the agent dropped its feed
 
     def subscribe(self, rank: str, instance: str = "", connected: Callable[[], bool] | None = None) -> Subscription:
         sub = Subscription(self, rank, instance, connected)
         self._subs.setdefault(rank, set()).add(sub)
+        self._dropped.pop((rank, instance), None)  # back: its open connection holds the rank now
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
+        if sub.dropped and sub.connected():  # the agent ends a live engine's feed: it reconnects
+            self._dropped[(sub.rank, sub.instance)] = self._clock()
         subs = self._subs.get(sub.rank)
         if subs is not None:
             subs.discard(sub)
@@ -92,8 +104,17 @@ class RoomFeed:
         return rank in self._subs
 
     def held_by(self, rank: str, instance: str) -> bool:
-        """Whether engine ``instance`` follows ``rank``'s feed on a connection still open."""
-        return any(sub.instance == instance and sub.connected() for sub in self._subs.get(rank, ()))
+        """Whether engine ``instance`` follows ``rank``'s feed on a connection still open, or the
+        agent dropped its feed less than ``RECONNECT_HOLD_S`` ago (it is reconnecting)."""
+        if any(sub.instance == instance and sub.connected() for sub in self._subs.get(rank, ())):
+            return True
+        dropped = self._dropped.get((rank, instance))
+        if dropped is None:
+            return False
+        if self._clock() - dropped < RECONNECT_HOLD_S:
+            return True
+        del self._dropped[(rank, instance)]
+        return False
 
     def publish(self, view: RoomView, *, after_s: float = 0.0) -> None:
         """To every subscriber of the view's rank: now, or ``after_s`` later (from the event loop)."""

@@ -8,9 +8,10 @@ that connection (the kernel closes its sockets), so a restarted engine registers
 second engine that claims a live rank (two SGLang DP ranks computing one rank id, a copy of a
 deployment started twice) is refused with ``rank_taken`` and the reason, instead of silently
 taking the first one's rooms. Open rooms refuse any new registration as well (``conflict``): their
-plans point into the memory they were submitted with. The hold lasts while a feed connection is open:
-in the moments a live engine reconnects its feed (the agent dropped it for falling behind, or
-restarted) its rank is not held.
+plans point into the memory they were submitted with. The hold lasts while a feed connection is open,
+and for a while after the agent itself dropped a live engine's feed for falling behind (the engine
+reconnects; ``feed.RECONNECT_HOLD_S``). After an agent restart nothing is held until the engine
+registers again.
 
 A registrant without an instance id (an engine that names none) is the instance ``""``: two such
 engines are told apart by nothing but their open rooms, as before instance ids.
@@ -30,7 +31,7 @@ def check_registrant(local: LocalRank, instance: str, feed: RoomFeed) -> None:
     if local.engine is None or instance == holder or not feed.held_by(rank_id, holder):
         return
     raise rank_taken(
-        f"{rank_id} is registered by engine instance {holder or '(unnamed)'!r}, which still follows its room feed; "
-        f"instance {instance or '(unnamed)'!r} may register it once that engine exits. Two engines computing one rank "
+        f"{rank_id} is registered by engine instance {holder or '(unnamed)'!r}, which still follows its room feed "
+        f"(or reconnects to it); instance {instance or '(unnamed)'!r} may register it once that engine exits. Two engines computing one rank "
         f"id: check each engine's PDFABRIC_REPLICA and its SGLang DP group (docs/sglang.md)"
     )
