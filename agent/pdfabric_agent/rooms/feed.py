@@ -28,11 +28,14 @@ import time
 from collections.abc import Callable
 
 from pdfabric_agent.protocol.views import RoomView
+from pdfabric_agent.protocol.wire import FEED_HEARTBEAT_S
 
 MAX_BACKLOG = 1 << 16  # views queued for one subscriber before it is dropped
-# How long a dropped subscriber's instance still holds its rank: the engine's feed thread
-# reconnects at once (docs/sglang.md); a process that died meanwhile frees the rank after this.
-RECONNECT_HOLD_S = 10.0
+# How long a dropped subscriber's instance still holds its rank: the engine's feed reconnects
+# 0.05 s after a feed that had been up ends, at most 2 s after one that had not (client.feed); a
+# process that died meanwhile frees the rank after this, within the 3 heartbeats (6 s) a restarted
+# engine waits for a taken rank (pdfabric_sglang.manager.TAKEN_WAIT_S).
+RECONNECT_HOLD_S = FEED_HEARTBEAT_S
 
 
 class Subscription:
