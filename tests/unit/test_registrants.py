@@ -13,7 +13,7 @@ from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import MemoryRegistration, ReceiveRequest, SendRequest
 from pdfabric_agent.rooms import feed as feed_mod
-from pdfabric_agent.rooms.feed import RoomFeed, Subscription
+from pdfabric_agent.rooms.feed import RoomFeed
 from pdfabric_agent.rooms.registrants import check_registrant
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
@@ -66,13 +66,12 @@ def test_a_feed_the_agent_dropped_holds_the_rank_while_its_engine_reconnects(mon
     now = [100.0]
     feed = RoomFeed(clock=lambda: now[0])
 
-    def drop() -> Subscription:
+    def drop() -> None:
         sub = feed.subscribe(RANK.rank_id, "a")
         for room in range(3):
             sub.put(RoomView(rank=RANK.rank_id, room=room, state=RoomState.TRANSFERRING))
         assert sub.dropped
         sub.close()  # the server ends the stream once the subscription says so
-        return sub
 
     drop()
     now[0] += feed_mod.RECONNECT_HOLD_S - 1

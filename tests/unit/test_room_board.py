@@ -83,34 +83,37 @@ def test_wrong_rows_and_slots_outside_the_board_are_refused() -> None:
         RoomBoard(bytearray(10), 4, ROWS)
 
 
-def _writer(path: str, slots: int, rounds: int) -> None:
+def _map(path: str | Path, slots: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
-    memory = mmap.mmap(fd, board_bytes(slots, ROWS))
-    os.close(fd)
-    b = RoomBoard(memory, slots, ROWS)
+    try:
+        return mmap.mmap(fd, board_bytes(slots, ROWS))
+    finally:
+        os.close(fd)
+
+
+def _writer(path: str, slots: int, rounds: int) -> None:
+    b = RoomBoard(_map(path, slots), slots, ROWS)
     for i in range(rounds):
         room = 1 + i % 2  # two rooms alternate in slot 0, each with its own row and byte count
         b.write_success(0, room, room * 1000, float(room), aux(room))
 
 
-def _map(path: Path) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, board_bytes(1, ROWS))
-    finally:
-        os.close(fd)
+def _board_and_writer(tmp_path: Path, rounds: int) -> tuple[RoomBoard, multiprocessing.process.BaseProcess]:
+    """A one-slot board file mapped here, and a started process writing ``rounds`` ends into it."""
+    path = tmp_path / "board"
+    path.write_bytes(bytes(board_bytes(1, ROWS)))
+    b = RoomBoard.format(_map(path, 1), 1, ROWS, NONCE)
+    writer = multiprocessing.get_context("spawn").Process(target=_writer, args=(str(path), 1, rounds))
+    writer.start()
+    return b, writer
 
 
 @pytest.mark.skipif(not ORDERED_STORES, reason="the board is used on x86-64 only")
 def test_a_reader_in_another_process_never_sees_seq_go_back(tmp_path: Path) -> None:
-    # seq as struct's "<Q" is stored and loaded a byte at a time: a reader saw a value torn between
-    # two writes (about one read in a hundred here), which is how CI once accepted a slot rewritten
+    # seq as struct's "<Q" is stored and loaded a byte at a time: a reader saw values torn between
+    # two writes (700-900 reads in 300,000 here), which is how CI once accepted a slot rewritten
     # under its reader. Every read of the word must be a value the writer stored, so never lower.
-    path = tmp_path / "board"
-    path.write_bytes(bytes(board_bytes(1, ROWS)))
-    b = RoomBoard.format(_map(path), 1, ROWS, NONCE)
-    writer = multiprocessing.get_context("spawn").Process(target=_writer, args=(str(path), 1, 100_000))
-    writer.start()
+    b, writer = _board_and_writer(tmp_path, 100_000)
     last, reads, back = 0, 0, []
     while writer.is_alive() or reads == 0:
         seq = b.sequence(0)
@@ -124,14 +127,7 @@ def test_a_reader_in_another_process_never_sees_seq_go_back(tmp_path: Path) -> N
 
 @pytest.mark.skipif(not ORDERED_STORES, reason="the board is used on x86-64 only")
 def test_a_reader_in_another_process_never_accepts_a_torn_slot(tmp_path: Path) -> None:
-    path = tmp_path / "board"
-    path.write_bytes(bytes(board_bytes(1, ROWS)))
-    fd = os.open(path, os.O_RDWR)
-    memory = mmap.mmap(fd, board_bytes(1, ROWS))
-    os.close(fd)
-    b = RoomBoard.format(memory, 1, ROWS, NONCE)
-    writer = multiprocessing.get_context("spawn").Process(target=_writer, args=(str(path), 1, 200_000))
-    writer.start()
+    b, writer = _board_and_writer(tmp_path, 200_000)
     seen = {1: 0, 2: 0}
     while writer.is_alive() or sum(seen.values()) == 0:
         for room in (1, 2):

@@ -104,7 +104,7 @@ class RoomBoard:
         self.slot_bytes = slot_bytes(aux_row_bytes)
         size = board_bytes(slots, aux_row_bytes)
         if len(self.memory) < size:
-            raise ValueError(f"a board of {slots} slots needs {board_bytes(slots, aux_row_bytes)} bytes")
+            raise ValueError(f"a board of {slots} slots needs {size} bytes")
         # Whole-word loads and stores of seq and room (slots are 64-byte aligned in a page-aligned map).
         self.words = self.memory[:size].cast("Q")
 

@@ -95,7 +95,10 @@ class RoomFeed:
 
     def unsubscribe(self, sub: Subscription) -> None:
         if sub.dropped and sub.connected():  # the agent ends a live engine's feed: it reconnects
-            self._dropped[(sub.rank, sub.instance)] = self._clock()
+            now = self._clock()
+            # Holds that ran out go here (drops are rare), so instances that never came back leave nothing.
+            self._dropped = {k: t for k, t in self._dropped.items() if now - t < RECONNECT_HOLD_S}
+            self._dropped[(sub.rank, sub.instance)] = now
         subs = self._subs.get(sub.rank)
         if subs is not None:
             subs.discard(sub)
@@ -112,12 +115,7 @@ class RoomFeed:
         if any(sub.instance == instance and sub.connected() for sub in self._subs.get(rank, ())):
             return True
         dropped = self._dropped.get((rank, instance))
-        if dropped is None:
-            return False
-        if self._clock() - dropped < RECONNECT_HOLD_S:
-            return True
-        del self._dropped[(rank, instance)]
-        return False
+        return dropped is not None and self._clock() - dropped < RECONNECT_HOLD_S
 
     def publish(self, view: RoomView, *, after_s: float = 0.0) -> None:
         """To every subscriber of the view's rank: now, or ``after_s`` later (from the event loop)."""

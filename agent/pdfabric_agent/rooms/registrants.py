@@ -32,6 +32,7 @@ def check_registrant(local: LocalRank, instance: str, feed: RoomFeed) -> None:
         return
     raise rank_taken(
         f"{rank_id} is registered by engine instance {holder or '(unnamed)'!r}, which still follows its room feed "
-        f"(or reconnects to it); instance {instance or '(unnamed)'!r} may register it once that engine exits. Two engines computing one rank "
-        f"id: check each engine's PDFABRIC_REPLICA and its SGLang DP group (docs/sglang.md)"
+        f"(or reconnects to it); instance {instance or '(unnamed)'!r} may register it once that engine exits. "
+        f"Two engines computing one rank id: check each engine's PDFABRIC_REPLICA and its SGLang DP group "
+        f"(docs/sglang.md)"
     )
