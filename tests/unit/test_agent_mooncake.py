@@ -4,6 +4,7 @@ relies on, with no agent around them."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,11 +102,52 @@ def test_a_rejected_started_batch_raises_and_the_next_goes_synchronously(engines
     a, b, pa, pb = engines
     a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
     outside = pb.addr + 64 * SIZE  # no buffer of b's there: b's engine rejects the write
-    wait = a.start_batch(b.endpoint(), [Block(pa.addr, outside, 4096)])
+    pa.view()[0:8192] = os.urandom(8192)
+    good = [Block(pa.addr, pb.addr + 16384, 4096), Block(pa.addr + 4096, pb.addr + 32768, 4096)]
+    wait = a.start_batch(b.endpoint(), [good[0], Block(pa.addr, outside, 4096), good[1]])
     assert wait is not None
     with pytest.raises(TransferError, match="returned -1"):
         wait()
+    # The failure is reported only once the batch's other transfers ended: none lands after it.
+    dst = pb.view()
+    assert bytes(dst[16384:20480]) + bytes(dst[32768:36864]) == bytes(pa.view()[0:8192])
     assert a.start_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)]) is None  # suspect: write_batch says why
     a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
     wait = a.start_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
     assert wait is not None and wait() is None
+
+
+def test_a_started_batch_is_waited_for_without_spinning_a_core(tmp_path: Path) -> None:
+    """The wait of a started batch sleeps between its status checks: while 64 MiB cross loopback,
+    the waiting thread uses a small part of a core (Mooncake's own wait, ``get_batch_transfer_status``,
+    spins one whole core for the batch's whole time, which on a node's busy cores slows the very
+    transport threads that move the bytes), and every byte lands."""
+    size = 64 << 20
+    a = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
+    b = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
+    pa = Pool.allocate("unit-big-a", size, Device.CPU, shm_dir=str(tmp_path))
+    pb = Pool.allocate("unit-big-b", size, Device.CPU, shm_dir=str(tmp_path))
+    try:
+        a.register(pa)
+        b.register(pb)
+        src = pa.view()
+        src[:] = os.urandom(1 << 20) * 64
+        a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])  # opens the session
+        quarter = size // 4
+        blocks = [Block(pa.addr + i * quarter, pb.addr + i * quarter, quarter) for i in range(4)]
+        ratios = []
+        for _ in range(3):
+            wait = a.start_batch(b.endpoint(), blocks)
+            assert wait is not None
+            wall, cpu = time.perf_counter(), time.thread_time()
+            assert wait() is None
+            ratios.append((time.thread_time() - cpu) / (time.perf_counter() - wall))
+        assert bytes(pb.view()) == bytes(src)
+        # Measured: 0.15-0.2 here; spinning (the code before) 1.0, less only while the kernel
+        # runs another thread on the core.
+        assert min(ratios) < 0.5, f"the waiting thread used {min(ratios):.0%} of a core at best"
+    finally:
+        for backend in (a, b):
+            backend.close()
+        pa.close()
+        pb.close()

@@ -9,6 +9,7 @@ import functools
 import importlib.metadata
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 from pdfabric_agent.memory.plan import Block
@@ -21,6 +22,19 @@ from pdfabric_core.policy.types import Device, Transport
 # Benchmarks only (like PDFABRIC_COALESCE): 0 sends GPU sources on tcp through Mooncake's own device
 # copy instead of the agent's staging (transfer/staging.py), to measure one against the other.
 STAGING_ENV = "PDFABRIC_TCP_STAGING"
+# How long a started batch's waiter sleeps between checks of its transfers. Mooncake's own wait
+# (``get_batch_transfer_status``, and its synchronous write) spins a core until the batch lands,
+# which on a node's busy cores takes CPU from the transport threads that move the bytes.
+WAIT_POLL_S = 50e-6
+
+
+def transfer_timeout_s() -> float:
+    """Mooncake's per-transfer timeout (``MC_TRANSFER_TIMEOUT``, which the agent sets from the spec;
+    Mooncake takes at least 5 s, 30 s when unset); a batch may take one more second per GB."""
+    try:
+        return float(max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))))
+    except ValueError:
+        return 30.0
 
 
 class MooncakeBackend(TransferBackend):
@@ -102,26 +116,58 @@ class MooncakeBackend(TransferBackend):
             raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
 
     def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
-        """Mooncake's async write (``batch_transfer_async_write`` returns once the batch is queued
-        to the engine's transport threads; ``get_batch_transfer_status`` waits for it), for a peer
-        whose session a synchronous write opened and kept, with no GPU source to stage. Otherwise,
-        or when the submit itself fails, None: ``write_batch`` goes the synchronous way, which
-        opens or repairs the session and says why it failed."""
+        """Each block submitted as a transfer of its own (``transfer_submit_write`` returns once it
+        is queued to the engine's transport threads), for a peer whose session a synchronous write
+        opened and kept, with no GPU source to stage; the returned call waits for all of them,
+        checking each (``transfer_check_status``) with a short sleep between rounds instead of
+        Mooncake's spinning wait. Otherwise, or when the first submit fails, None: ``write_batch``
+        goes the synchronous way, which opens or repairs the session and says why it failed."""
         if not blocks or len(blocks) > self.max_batch_entries or peer not in self._sessions:
             return None
         if self._staging is not None:
             return None  # GPU sources on tcp are copied through host memory first (staging.py)
-        batch = self._engine.batch_transfer_async_write(peer, *_columns(blocks))
-        if not batch:  # 0: not submitted (Mooncake's failure value)
+        transfers: list[int] = []
+        for b in blocks:
+            transfer = self._engine.transfer_submit_write(peer, b.src, b.dst, b.length)
+            if not transfer:  # 0: not submitted (Mooncake's failure value)
+                break
+            transfers.append(transfer)
+        if not transfers:
             self._sessions.discard(peer)
             return None
         self.started += 1
+        rest = blocks[len(transfers) :]
+        deadline_s = transfer_timeout_s() + sum(b.length for b in blocks) / 1e9
 
         def wait() -> str | None:
-            self._check(peer, blocks, self._engine.get_batch_transfer_status([batch]))
+            self._check(peer, blocks, self._land(transfers, deadline_s))
+            if rest:  # a later submit failed: the synchronous way repairs the session or says why
+                self._send(peer, rest)
             return None
 
         return wait
+
+    def _land(self, transfers: list[int], deadline_s: float) -> int:
+        """Wait until every transfer ended: 0 when all completed; -1 when one failed (the others are
+        still waited for, so that no byte of a failed batch lands after it was reported) or the
+        batch outlived ``deadline_s`` (as Mooncake's own wait: its transfers are not cancellable)."""
+        check = self._engine.transfer_check_status
+        start = time.monotonic()
+        pending, rc = transfers, 0
+        while True:
+            still = []
+            for transfer in pending:
+                status = check(transfer)  # 1 completed, -1 failed (both freed), 0 or -2 (timed out) pending
+                if status == -1:
+                    rc = -1
+                elif status != 1:
+                    still.append(transfer)
+            if not still:
+                return rc
+            if time.monotonic() - start > deadline_s:
+                return -1
+            pending = still
+            time.sleep(WAIT_POLL_S)
 
     def probe(self, peer: str, timeout_s: float = 1.0) -> bool:
         """True when the peer engine's handshake listener accepts a connection. This Mooncake
