@@ -68,12 +68,24 @@ def test_probe_sees_a_live_listener_and_a_dead_port(engines: tuple) -> None:  # 
     assert a.probe("not-an-endpoint") is False
 
 
-def test_start_batch_only_on_an_open_session_and_lands_byte_exact(engines: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+# Both ways a batch is started and waited for: one transfer per block with sleeping checks (tcp, where
+# the CPU moves the bytes) and one batch with Mooncake's spinning wait (rdma and NVLink, run here on
+# tcp's engine: the calls and their answers are the same).
+POLL_WAITS = pytest.mark.parametrize("poll_waits", [True, False], ids=["per-block-polled", "one-batch-spun"])
+
+
+@POLL_WAITS
+def test_start_batch_only_on_an_open_session_and_lands_byte_exact(
+    engines: tuple,  # type: ignore[type-arg]
+    tmp_path: Path,
+    poll_waits: bool,
+) -> None:
     """The async half (``start_batch``): never to a peer no synchronous write reached (its first
     submit would run Mooncake's handshake on the caller's thread, the agent's event loop); after one,
     it starts the batch and the returned call waits until every byte landed."""
     _, b, _, pb = engines
     c = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
+    c._poll_waits = poll_waits
     pc = Pool.allocate("unit-c", SIZE, Device.CPU, shm_dir=str(tmp_path))
     try:
         c.register(pc)
@@ -98,8 +110,14 @@ def test_start_batch_only_on_an_open_session_and_lands_byte_exact(engines: tuple
         pc.close()
 
 
-def test_a_rejected_started_batch_raises_and_the_next_goes_synchronously(engines: tuple) -> None:  # type: ignore[type-arg]
+@POLL_WAITS
+def test_a_rejected_started_batch_raises_and_the_next_goes_synchronously(
+    engines: tuple,  # type: ignore[type-arg]
+    poll_waits: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     a, b, pa, pb = engines
+    monkeypatch.setattr(a, "_poll_waits", poll_waits)
     a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
     outside = pb.addr + 64 * SIZE  # no buffer of b's there: b's engine rejects the write
     pa.view()[0:8192] = os.urandom(8192)
@@ -108,9 +126,9 @@ def test_a_rejected_started_batch_raises_and_the_next_goes_synchronously(engines
     assert wait is not None
     with pytest.raises(TransferError, match="returned -1"):
         wait()
-    # The failure is reported only once the batch's other transfers ended: none lands after it.
-    dst = pb.view()
-    assert bytes(dst[16384:20480]) + bytes(dst[32768:36864]) == bytes(pa.view()[0:8192])
+    if poll_waits:  # reported only once the batch's other transfers ended: none lands after it
+        dst = pb.view()
+        assert bytes(dst[16384:20480]) + bytes(dst[32768:36864]) == bytes(pa.view()[0:8192])
     assert a.start_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)]) is None  # suspect: write_batch says why
     a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])
     wait = a.start_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])

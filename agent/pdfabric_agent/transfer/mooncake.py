@@ -22,9 +22,7 @@ from pdfabric_core.policy.types import Device, Transport
 # Benchmarks only (like PDFABRIC_COALESCE): 0 sends GPU sources on tcp through Mooncake's own device
 # copy instead of the agent's staging (transfer/staging.py), to measure one against the other.
 STAGING_ENV = "PDFABRIC_TCP_STAGING"
-# How long a started batch's waiter sleeps between checks of its transfers. Mooncake's own wait
-# (``get_batch_transfer_status``, and its synchronous write) spins a core until the batch lands,
-# which on a node's busy cores takes CPU from the transport threads that move the bytes.
+# How long a started batch's waiter sleeps between checks of its transfers (tcp: start_batch).
 WAIT_POLL_S = 50e-6
 
 
@@ -65,6 +63,7 @@ class MooncakeBackend(TransferBackend):
         # on Mooncake's handshake (which a first submit runs in the caller's thread).
         self._sessions: set[str] = set()
         self.started = 0  # batches started by start_batch (tests, benchmarks)
+        self._poll_waits = TRANSPORTS[transport].cpu_moves_bytes
 
     @property
     def device_memory(self) -> bool:
@@ -116,20 +115,36 @@ class MooncakeBackend(TransferBackend):
             raise TransferError(f"Mooncake batch write of {len(blocks)} blocks to {peer} returned {rc}")
 
     def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
-        """Each block submitted as a transfer of its own (``transfer_submit_write`` returns once it
-        is queued to the engine's transport threads), for a peer whose session a synchronous write
-        opened and kept, with no GPU source to stage; the returned call waits for all of them,
-        checking each (``transfer_check_status``) with a short sleep between rounds instead of
-        Mooncake's spinning wait. Otherwise, or when the first submit fails, None: ``write_batch``
-        goes the synchronous way, which opens or repairs the session and says why it failed."""
+        """A batch started without waiting, for a peer whose session a synchronous write opened and
+        kept, with no GPU source to stage; the returned call waits until every byte landed.
+        Otherwise, or when the (first) submit fails, None: ``write_batch`` goes the synchronous way,
+        which opens or repairs the session and says why it failed.
+
+        Where the CPU moves the bytes (tcp), each block is a transfer of its own
+        (``transfer_submit_write``) and the wait checks them (``transfer_check_status``) with a
+        short sleep between rounds; elsewhere the batch is one submit
+        (``batch_transfer_async_write``) and Mooncake's spinning ``get_batch_transfer_status``
+        waits for it (``TransportTraits.cpu_moves_bytes`` says why)."""
         if not blocks or len(blocks) > self.max_batch_entries or peer not in self._sessions:
             return None
         if self._staging is not None:
             return None  # GPU sources on tcp are copied through host memory first (staging.py)
+        if not self._poll_waits:
+            batch = self._engine.batch_transfer_async_write(peer, *_columns(blocks))
+            if not batch:  # 0: not submitted (Mooncake's failure value)
+                self._sessions.discard(peer)
+                return None
+            self.started += 1
+
+            def wait_batch() -> str | None:
+                self._check(peer, blocks, self._engine.get_batch_transfer_status([batch]))
+                return None
+
+            return wait_batch
         transfers: list[int] = []
         for b in blocks:
             transfer = self._engine.transfer_submit_write(peer, b.src, b.dst, b.length)
-            if not transfer:  # 0: not submitted (Mooncake's failure value)
+            if not transfer:
                 break
             transfers.append(transfer)
         if not transfers:

@@ -60,6 +60,11 @@ class TransportTraits:
     backends: frozenset[Backend]
     # The agent's GPU gather/scatter kernels (fastpath/) can carry it: peers on this node only.
     kernel_path: bool = False
+    # The host CPU moves every byte (the engine's transport threads copy through sockets): a wait
+    # that spins takes CPU from the transfer itself, so the Mooncake backend waits for a batch by
+    # sleeping between checks of one transfer per block. Where a NIC or the GPUs move the bytes,
+    # one batch submit costs a third of a submit per block and the wait spins, as Mooncake's own.
+    cpu_moves_bytes: bool = False
 
 
 TRANSPORTS: dict[Transport, TransportTraits] = {
@@ -75,6 +80,7 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             mooncake_protocol="tcp",
             mooncake_env=(("MC_FORCE_TCP", "1"),),
             backends=frozenset(Backend),
+            cpu_moves_bytes=True,
         ),
         TransportTraits(
             Transport.RDMA,
