@@ -103,6 +103,13 @@ class MooncakeBackend(TransferBackend):
         return None
 
     def _send(self, peer: str, blocks: Sequence[Block]) -> None:
+        """Write and wait: on tcp to an open session the sleeping per-block way (``start_batch``);
+        else Mooncake's synchronous write, which opens or repairs the session."""
+        if self._poll_waits and peer in self._sessions:
+            wait = self._start_polled(peer, blocks)
+            if wait is not None:
+                wait()
+                return
         rc = self._engine.batch_transfer_sync_write(peer, *_columns(blocks))
         self._check(peer, blocks, rc)
         self._sessions.add(peer)
@@ -129,36 +136,45 @@ class MooncakeBackend(TransferBackend):
             return None
         if self._staging is not None:
             return None  # GPU sources on tcp are copied through host memory first (staging.py)
-        if not self._poll_waits:
-            batch = self._engine.batch_transfer_async_write(peer, *_columns(blocks))
-            if not batch:  # 0: not submitted (Mooncake's failure value)
-                self._sessions.discard(peer)
-                return None
-            self.started += 1
+        wait = self._start_polled(peer, blocks) if self._poll_waits else self._start_batch(peer, blocks)
+        if wait is None:
+            return None
+        self.started += 1
 
-            def wait_batch() -> str | None:
-                self._check(peer, blocks, self._engine.get_batch_transfer_status([batch]))
-                return None
+        def waited() -> str | None:
+            wait()
+            return None  # the backend's own path
 
-            return wait_batch
+        return waited
+
+    def _start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], None] | None:
+        """One submit; the returned call is Mooncake's spinning wait. None when it was refused."""
+        batch = self._engine.batch_transfer_async_write(peer, *_columns(blocks))
+        if not batch:  # 0: not submitted (Mooncake's failure value)
+            self._sessions.discard(peer)
+            return None
+        return lambda: self._check(peer, blocks, self._engine.get_batch_transfer_status([batch]))
+
+    def _start_polled(self, peer: str, blocks: Sequence[Block]) -> Callable[[], None] | None:
+        """Each block submitted as a transfer of its own; the returned call waits for them all
+        (``_land``), then writes what a failed submit left the synchronous way. None (and the
+        session suspect) when the first submit failed."""
         transfers: list[int] = []
         for b in blocks:
             transfer = self._engine.transfer_submit_write(peer, b.src, b.dst, b.length)
-            if not transfer:
+            if not transfer:  # 0: not submitted (Mooncake's failure value)
                 break
             transfers.append(transfer)
         if not transfers:
             self._sessions.discard(peer)
             return None
-        self.started += 1
         rest = blocks[len(transfers) :]
         deadline_s = transfer_timeout_s() + sum(b.length for b in blocks) / 1e9
 
-        def wait() -> str | None:
+        def wait() -> None:
             self._check(peer, blocks, self._land(transfers, deadline_s))
             if rest:  # a later submit failed: the synchronous way repairs the session or says why
                 self._send(peer, rest)
-            return None
 
         return wait
 
