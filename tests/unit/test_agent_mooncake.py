@@ -176,3 +176,74 @@ def test_a_tcp_batch_is_waited_for_without_spinning_a_core(tmp_path: Path) -> No
             backend.close()
         pa.close()
         pb.close()
+
+
+class ScriptedEngine:
+    """Mooncake's per-transfer calls, scripted (unit tests of the per-block wait's bookkeeping: a
+    submit that fails midway and a transfer that never ends cannot be provoked on the real engine)."""
+
+    def __init__(self, refuse_from: int | None = None, ends: int = 1) -> None:
+        self.refuse_from, self.ends = refuse_from, ends
+        self.submitted: list[tuple[int, int, int]] = []
+        self.synchronous: list[list[int]] = []
+
+    def transfer_submit_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        if self.refuse_from is not None and len(self.submitted) >= self.refuse_from:
+            return 0
+        self.submitted.append((src, dst, length))
+        return len(self.submitted)
+
+    def transfer_check_status(self, transfer: int) -> int:
+        return self.ends
+
+    def batch_transfer_sync_write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        self.synchronous.append(srcs)
+        return 0
+
+
+def scripted(engine: ScriptedEngine) -> MooncakeBackend:
+    backend = MooncakeBackend.__new__(MooncakeBackend)  # no real engine behind it
+    backend._engine = engine  # type: ignore[assignment]
+    backend._sessions, backend._poll_waits, backend._staging = {"peer"}, True, None
+    backend.max_batch_entries, backend.started = 8, 0
+    return backend
+
+
+def test_blocks_a_failed_submit_left_go_the_synchronous_way_once_the_others_landed() -> None:
+    engine = ScriptedEngine(refuse_from=2)
+    backend = scripted(engine)
+    blocks = [Block(i * 100, i * 1000, 10) for i in range(5)]
+    wait = backend.start_batch("peer", blocks)
+    assert wait is not None and [s for s, _, _ in engine.submitted] == [0, 100]
+    # The rest is tried the per-block way first; refused again at its first block, it goes
+    # Mooncake's synchronous way, which opens (or repairs) the session or says why it cannot.
+    assert wait() is None
+    assert engine.synchronous == [[200, 300, 400]]  # exactly what was not submitted, once
+    assert "peer" in backend._sessions  # the synchronous write reopened it
+
+
+def test_a_first_refused_submit_leaves_the_batch_to_write_batch() -> None:
+    engine = ScriptedEngine(refuse_from=0)
+    backend = scripted(engine)
+    assert backend.start_batch("peer", [Block(0, 0, 10)]) is None
+    assert "peer" not in backend._sessions and backend.started == 0
+
+
+def test_a_transfer_that_never_ends_fails_the_batch_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pdfabric_agent.transfer.mooncake.transfer_timeout_s", lambda: 0.05)
+    backend = scripted(ScriptedEngine(ends=0))  # 0: still in flight, every time it is asked
+    wait = backend.start_batch("peer", [Block(0, 0, 10), Block(10, 10, 10)])
+    assert wait is not None
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="returned -1"):
+        wait()
+    assert 0.05 <= time.monotonic() - started < 2.0
+    assert "peer" not in backend._sessions  # suspect: the next batch goes the synchronous way
+
+
+def test_a_failed_transfer_fails_the_batch() -> None:
+    backend = scripted(ScriptedEngine(ends=-1))
+    wait = backend.start_batch("peer", [Block(0, 0, 10)])
+    assert wait is not None
+    with pytest.raises(TransferError, match="1 blocks to peer returned -1"):
+        wait()
