@@ -3,6 +3,7 @@ relies on, with no agent around them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -20,21 +21,32 @@ from pdfabric_core.policy.types import Device, Transport
 SIZE = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MooncakeBackend, MooncakeBackend, Pool, Pool]]:
+Pair = tuple[MooncakeBackend, MooncakeBackend, Pool, Pool]
+
+
+@contextlib.contextmanager
+def engine_pair(shm: str, size: int, name: str) -> Iterator[Pair]:
+    """Two tcp engines on loopback, each with a CPU pool of ``size`` bytes registered."""
     os.environ.update(mooncake_env(Transport.TCP, 10))
-    shm = str(tmp_path_factory.mktemp("pools"))
     a = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
     b = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
-    pa = Pool.allocate("unit-a", SIZE, Device.CPU, shm_dir=shm)
-    pb = Pool.allocate("unit-b", SIZE, Device.CPU, shm_dir=shm)
-    a.register(pa)
-    b.register(pb)
-    yield a, b, pa, pb
-    for backend in (a, b):
-        backend.close()
-    pa.close()
-    pb.close()
+    pa = Pool.allocate(f"{name}-a", size, Device.CPU, shm_dir=shm)
+    pb = Pool.allocate(f"{name}-b", size, Device.CPU, shm_dir=shm)
+    try:
+        a.register(pa)
+        b.register(pb)
+        yield a, b, pa, pb
+    finally:
+        for backend in (a, b):
+            backend.close()
+        pa.close()
+        pb.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    with engine_pair(str(tmp_path_factory.mktemp("pools")), SIZE, "unit") as pair:
+        yield pair
 
 
 def test_is_a_transfer_backend(engines: tuple[MooncakeBackend, ...]) -> None:
@@ -141,13 +153,7 @@ def test_a_tcp_batch_is_waited_for_without_spinning_a_core(tmp_path: Path) -> No
     (Mooncake's own waits spin one whole core for the batch's whole time, which on a node's busy
     cores slows the very transport threads that move the bytes), and every byte lands."""
     size = 64 << 20
-    a = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
-    b = MooncakeBackend(Transport.TCP, host="127.0.0.1", max_batch_entries=8)
-    pa = Pool.allocate("unit-big-a", size, Device.CPU, shm_dir=str(tmp_path))
-    pb = Pool.allocate("unit-big-b", size, Device.CPU, shm_dir=str(tmp_path))
-    try:
-        a.register(pa)
-        b.register(pb)
+    with engine_pair(str(tmp_path), size, "unit-big") as (a, b, pa, pb):
         src = pa.view()
         src[:] = os.urandom(1 << 20) * 64
         a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr, 8)])  # opens the session
@@ -171,11 +177,6 @@ def test_a_tcp_batch_is_waited_for_without_spinning_a_core(tmp_path: Path) -> No
         # runs another thread on the core.
         for how, measured in ratios.items():
             assert min(measured) < 0.5, f"{how}: the waiting thread used {min(measured):.0%} of a core at best"
-    finally:
-        for backend in (a, b):
-            backend.close()
-        pa.close()
-        pb.close()
 
 
 class ScriptedEngine:
@@ -205,6 +206,7 @@ def scripted(engine: ScriptedEngine) -> MooncakeBackend:
     backend = MooncakeBackend.__new__(MooncakeBackend)  # no real engine behind it
     backend._engine = engine  # type: ignore[assignment]
     backend._sessions, backend._poll_waits, backend._staging = {"peer"}, True, None
+    backend._timeout_s = 30.0
     backend.max_batch_entries, backend.started = 8, 0
     return backend
 
@@ -229,9 +231,9 @@ def test_a_first_refused_submit_leaves_the_batch_to_write_batch() -> None:
     assert "peer" not in backend._sessions and backend.started == 0
 
 
-def test_a_transfer_that_never_ends_fails_the_batch_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pdfabric_agent.transfer.mooncake.transfer_timeout_s", lambda: 0.05)
+def test_a_transfer_that_never_ends_fails_the_batch_at_its_deadline() -> None:
     backend = scripted(ScriptedEngine(ends=0))  # 0: still in flight, every time it is asked
+    backend._timeout_s = 0.05
     wait = backend.start_batch("peer", [Block(0, 0, 10), Block(10, 10, 10)])
     assert wait is not None
     started = time.monotonic()

@@ -22,13 +22,14 @@ from pdfabric_core.policy.types import Device, Transport
 # Benchmarks only (like PDFABRIC_COALESCE): 0 sends GPU sources on tcp through Mooncake's own device
 # copy instead of the agent's staging (transfer/staging.py), to measure one against the other.
 STAGING_ENV = "PDFABRIC_TCP_STAGING"
-# How long a started batch's waiter sleeps between checks of its transfers (tcp: start_batch).
+# How long a tcp batch's waiter sleeps between checks of its transfers (``_land``).
 WAIT_POLL_S = 50e-6
 
 
 def transfer_timeout_s() -> float:
-    """Mooncake's per-transfer timeout (``MC_TRANSFER_TIMEOUT``, which the agent sets from the spec;
-    Mooncake takes at least 5 s, 30 s when unset); a batch may take one more second per GB."""
+    """Mooncake's per-transfer timeout (``MC_TRANSFER_TIMEOUT``, which the agent sets from the spec
+    before its first engine starts; Mooncake reads it once, takes at least 5 s, 30 s when unset); a
+    batch may take one more second per GB."""
     try:
         return float(max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))))
     except ValueError:
@@ -64,6 +65,7 @@ class MooncakeBackend(TransferBackend):
         self._sessions: set[str] = set()
         self.started = 0  # batches started by start_batch (tests, benchmarks)
         self._poll_waits = TRANSPORTS[transport].cpu_moves_bytes
+        self._timeout_s = transfer_timeout_s()  # read once, as the engine it mirrors does
 
     @property
     def device_memory(self) -> bool:
@@ -169,7 +171,7 @@ class MooncakeBackend(TransferBackend):
             self._sessions.discard(peer)
             return None
         rest = blocks[len(transfers) :]
-        deadline_s = transfer_timeout_s() + sum(b.length for b in blocks) / 1e9
+        deadline_s = self._timeout_s + sum(b.length for b in blocks) / 1e9
 
         def wait() -> None:
             self._check(peer, blocks, self._land(transfers, deadline_s))
