@@ -51,6 +51,8 @@ TICK_S = 0.1  # deadline and probe resolution; cheap (a scan of the active rooms
 # The engine door listens on loopback only: engines in the agent pod's network namespace reach it,
 # nothing on the network does (issue 12 runs the engines beside the agent in the same pod).
 ENGINE_DOOR_HOST = "127.0.0.1"
+# The closed transfer backends, kept alive until the process exits (exit_without_destructors).
+_CLOSED_BACKENDS: list[object] = []
 
 
 def remove_stale_pools(shm_dir: str, cluster_uid: str) -> None:
@@ -339,6 +341,7 @@ async def serve(cfg: AgentConfig) -> int:
                 metrics.engine_up.labels(cluster, rank_id, spec.backend, agent.transport).set(0)
                 lr.backend.close()
                 lr.pools.close()
+                _CLOSED_BACKENDS.append(lr.backend)
         for runner in runners:
             await runner.cleanup()
         for pool in probe_pools.values():
@@ -362,7 +365,20 @@ def main() -> None:
     except ConfigError as exc:
         print(f"pdfabric-agent: {exc}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(asyncio.run(serve(cfg)))
+    exit_without_destructors(asyncio.run(serve(cfg)))
+
+
+def exit_without_destructors(code: int) -> None:
+    """Exit once serve() has shut down in order (engines stopped, memory unregistered, pool files
+    unlinked, listeners closed), skipping what is left: the transfer engines' destructors. Mooncake's
+    takes about a second per engine, one engine per rank, one after another (measured here: 3 s for
+    a 4-rank agent, 7 s for 8), and frees nothing the kernel does not free at exit; a pod's stop
+    should not wait for them."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
