@@ -5,6 +5,10 @@ SHELL := bash
 
 PYTHON = $(shell bash hack/venv.sh 2>/dev/null | tail -n1)
 PYTEST_ARGS ?=
+# make test's workers (pytest-xdist): a test module is one unit of work, handed out longest first
+# (tests/parallel.py). On 2 cores most tests wait on processes, not the CPU (docs/testing.md).
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: help
 help: ## list targets
@@ -59,9 +63,14 @@ lint: venv ## ruff (lint + format check), the import layering contracts and mypy
 	@$(PYTHON) -m mypy core/pdfabric_core operator/pdfabric_operator agent/pdfabric_agent integrations/sglang/pdfabric_sglang
 
 .PHONY: test
-test: deps ## everything CI runs: lint, unit, integration, e2e
+test: deps ## everything CI runs: lint, unit, integration, e2e, images (docs/testing.md)
 	@$(MAKE) --no-print-directory lint
-	@$(PYTHON) -m pytest $(PYTEST_ARGS)
+	@$(PYTHON) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+.PHONY: test-fast
+test-fast: venv ## the inner loop: lint, unit and every test that needs no control plane (a few minutes warm)
+	@$(MAKE) --no-print-directory lint
+	@$(PYTHON) -m pytest $(XDIST) -m "not controlplane and not slow and not images" $(PYTEST_ARGS)
 
 .PHONY: test-unit
 test-unit: venv ## pure logic only (no cluster)

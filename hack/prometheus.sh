@@ -4,6 +4,10 @@
 set -euo pipefail
 cache_root="${PDFABRIC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdfabric}"
 dir="$cache_root/prometheus"
+# One fetch at a time (parallel test workers): the others wait for it, then find it unpacked.
+mkdir -p "$cache_root"
+exec 9>"$cache_root/.prometheus.lock"
+flock 9
 if [[ -x "$dir/usr/bin/prometheus" ]]; then echo "$dir/usr/bin"; exit 0; fi
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 cd "$work"

@@ -2,6 +2,10 @@
 
 Tests under tests/integration and tests/e2e are marked automatically by directory. The cluster's
 logs are kept (path printed) when any test of the session failed, and removed otherwise.
+
+Run by `make test`, the suite is spread over pytest-xdist workers (tests/parallel.py says how) and
+held to a wall-clock budget, ``pdfabric_pytest_budget_s`` in pyproject.toml: the run prints its
+total against it and fails when over, so growth shows the day it happens (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -20,11 +24,101 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO_ROOT / ".artifacts"
 
 
+BUDGET_INI = "pdfabric_pytest_budget_s"
+_STARTED = pytest.StashKey[float]()
+_CPU = pytest.StashKey[tuple[int, int]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        BUDGET_INI, "pytest's own wall-clock seconds a run may take; over it the run fails (0: none)", default="0"
+    )
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, all) jiffies of the machine's cores so far (/proc/stat), or zeros."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_STARTED] = time.monotonic()
+    if not hasattr(config, "workerinput"):
+        from pdfabric_devcluster.timings import TIMINGS_ENV
+
+        config.stash[_CPU] = _cpu_jiffies()
+        timings = ARTIFACTS / "pytest" / f"timings-{os.getpid()}.jsonl"
+        timings.parent.mkdir(parents=True, exist_ok=True)
+        timings.unlink(missing_ok=True)
+        os.environ[TIMINGS_ENV] = str(timings)  # the workers inherit it
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count:
+        # Each worker picks loopback ports from its own slice (procs.free_port).
+        from pdfabric_devcluster.procs import PORT_SLICE_ENV
+
+        os.environ[PORT_SLICE_ENV] = f"{worker[2:]}/{count}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO_ROOT).parts
         if len(parts) > 1 and parts[1] in ("integration", "e2e"):
             item.add_marker(getattr(pytest.mark, parts[1]))
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.controlplane)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from tests import parallel
+
+        groups = [
+            parallel.group_of(item.nodeid, getattr(getattr(item, "callspec", None), "indices", None)) for item in items
+        ]
+        for item, group in zip(items, groups, strict=True):
+            item.add_marker(pytest.mark.xdist_group(group))
+        order = parallel.longest_first([item.nodeid for item in items], groups, parallel.load_durations())
+        items[:] = [items[i] for i in order]
+
+
+def _budget_s(config: pytest.Config) -> float:
+    return float(str(config.getini(BUDGET_INI)) or 0)
+
+
+def _over_budget(config: pytest.Config) -> tuple[float, float] | None:
+    if hasattr(config, "workerinput") or _STARTED not in config.stash:  # a worker: the controller judges
+        return None
+    took, budget = time.monotonic() - config.stash[_STARTED], _budget_s(config)
+    return (took, budget) if budget and took > budget else None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or _STARTED not in config.stash:
+        return
+    from pdfabric_devcluster.timings import TIMINGS_ENV, totals
+
+    took, budget = time.monotonic() - config.stash[_STARTED], _budget_s(config)
+    terminalreporter.write_sep("=", f"pytest took {took:.0f} s" + (f" of its {budget:.0f} s budget" if budget else ""))
+    (busy0, all0), (busy1, all1) = config.stash.get(_CPU, (0, 0)), _cpu_jiffies()
+    if all1 > all0:
+        terminalreporter.write_line(f"the machine's cores were busy {100 * (busy1 - busy0) / (all1 - all0):.0f}% of it")
+    for kind, (count, seconds) in sorted(totals(Path(os.environ.get(TIMINGS_ENV, "/nonexistent"))).items()):
+        terminalreporter.write_line(f"{kind}: {count} x, {seconds:.0f} s in all")
+    if (over := _over_budget(config)) is not None:
+        terminalreporter.write_line(
+            f"FAILED: the suite took {over[0]:.0f} s, over its budget of {over[1]:.0f} s ({BUDGET_INI} in "
+            "pyproject.toml). Find what grew in the slowest durations above and docs/testing.md's table; "
+            "make it cheaper, or raise the budget in the same commit with the reason.",
+            red=True,
+        )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _over_budget(session.config) is not None and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ outside the repository), and the error and deadline helper of everything that dr
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import time
@@ -24,13 +25,22 @@ def ensure_binaries(*, quiet: bool = False) -> Path:
     env_dir = os.environ.get("PDFABRIC_BIN_DIR")
     if env_dir:
         return Path(env_dir)
-    proc = subprocess.run(
-        ["bash", str(CONTROLPLANE_DIR / "build.sh")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if quiet else None,
-        text=True,
-        check=False,
+    # One build at a time (parallel test workers on a machine without the binaries): the others
+    # wait for it, then find them cached.
+    cache = Path(
+        os.environ.get("PDFABRIC_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdfabric"
     )
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".controlplane.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run(
+            ["bash", str(CONTROLPLANE_DIR / "build.sh")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if quiet else None,
+            text=True,
+            check=False,
+        )
     if proc.returncode != 0:
         raise ClusterError(
             f"building the control plane failed (exit {proc.returncode}); run hack/controlplane/build.sh"

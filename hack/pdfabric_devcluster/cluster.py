@@ -21,6 +21,7 @@ from pdfabric_devcluster.binaries import CONTROLPLANE_DIR, ClusterError, ensure_
 from pdfabric_devcluster.nodes import NODE_DOWN_ANNOTATION, GpuNodeShape, build_gpu_node, default_node_shapes
 from pdfabric_devcluster.pki import Pki
 from pdfabric_devcluster.procs import free_port
+from pdfabric_devcluster.timings import record
 
 SERVICE_CIDR = "10.96.0.0/16"  # allocation range for Service IPs only; nothing is sent there
 
@@ -80,6 +81,7 @@ class LocalCluster:
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - t0
+        record("control plane start", self.startup_seconds)
         self._write_state()
         return self
 

@@ -49,6 +49,7 @@ from pdfabric_devcluster.agents import (
     write_tls_dir,
 )
 from pdfabric_devcluster.procs import console_argv, free_port
+from pdfabric_devcluster.timings import timed
 from pdfabric_operator import pki
 
 if TYPE_CHECKING:
@@ -169,7 +170,8 @@ class Fabric:
         stop_all(self.agents.values())
 
     def close(self) -> None:
-        self.stop()  # first: nothing below may leave agents running
+        with timed("agent fabric stop"):
+            self.stop()  # first: nothing below may leave agents running
         try:
             from pdfabric_agent.process.main import remove_stale_pools
 
@@ -182,7 +184,8 @@ class Fabric:
     def __enter__(self) -> Self:
         # Agents with spec.engine are ready once their engines load and answer: slower.
         try:
-            self.start(wait_s=240 if self.spec.engine is not None else 60)
+            with timed("agent fabric start"):
+                self.start(wait_s=240 if self.spec.engine is not None else 60)
         except BaseException:
             # __exit__ does not run when __enter__ raises: one agent that never got ready left
             # the others (and their engines) running for the machine's life.

@@ -33,6 +33,19 @@ def _ephemeral_low() -> int:
 
 _HANDED_OUT: set[int] = set()
 _RNG = random.Random()
+# "k/n": this process picks from the k-th of n equal slices of the range. Test sessions run in
+# parallel (pytest-xdist workers) each take a slice: a port one worker picked is not bound until
+# its process starts (an SGLang server binds 30 s later), and the other worker must not pick it then.
+PORT_SLICE_ENV = "PDFABRIC_PORT_SLICE"
+
+
+def _port_span(low: int) -> range:
+    span = range(20000, low) if low - 20000 >= 2000 else range(0)
+    k, _, n = os.environ.get(PORT_SLICE_ENV, "0/1").partition("/")
+    if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)) or not span:
+        return span
+    width = len(span) // int(n)
+    return range(span.start + int(k) * width, span.start + (int(k) + 1) * width)
 
 
 def free_port() -> int:
@@ -40,10 +53,9 @@ def free_port() -> int:
     ephemeral range: a port the kernel hands out (bind to 0, or the source port of any outgoing
     connection, several per second on a busy machine) could be taken between this check and the
     listener's bind; above 20000, clear of the ports Mooncake picks for its listeners (12001 and
-    random ones below 17000 in its logs here).
+    random ones below 17000 in its logs here); within this process's slice (``PORT_SLICE_ENV``).
     Never the same port twice in this process."""
-    low = _ephemeral_low()
-    span = range(20000, low) if low - 20000 >= 2000 else range(0)
+    span = _port_span(_ephemeral_low())
     for _ in range(256 if span else 0):
         port = _RNG.choice(span)
         if port in _HANDED_OUT:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pdfabric_devcluster.binaries import CONTROLPLANE_DIR, ClusterError, wait_for
 from pdfabric_devcluster.procs import free_port
+from pdfabric_devcluster.timings import record
 
 SCRAPE_INTERVAL_S = 1
 
@@ -42,6 +43,7 @@ class Prometheus:
         self.targets: frozenset[str] = frozenset()  # the addresses last set
 
     def start(self) -> Prometheus:
+        started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.set_targets([])
         config = {
@@ -76,6 +78,7 @@ class Prometheus:
                 start_new_session=True,
             )
         wait_for(self._ready, timeout=30, interval=0.2, what="prometheus /-/ready")
+        record("prometheus start", time.monotonic() - started)
         return self
 
     def _ready(self) -> bool:

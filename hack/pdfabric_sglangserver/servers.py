@@ -14,23 +14,30 @@ PYTHONPATH: test code, documented there.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdfabric_devcluster.procs import answers_200, post_json
+from pdfabric_devcluster.timings import record, timed
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin"  # the sgl_kernel stand-in
 MOONCAKE_CPU = HERE / "mooncake_cpu"  # a sitecustomize for Mooncake-backend servers on CPU
 PAGE_SIZE = 16
 START_TIMEOUT_S = 420.0  # 72-123 s on 2 idle cores; CI's machine is busier
+# A server's processes hold about 1.5 GB here once loaded. Two test workers start servers side by
+# side (make test), so a start first waits, up to MEMORY_WAIT_S, until this much memory is free.
+SERVER_MEMORY_GIB = 3.0
+MEMORY_WAIT_S = 600.0
 
 CPU_FLAGS = (
     "--device", "cpu",
@@ -91,6 +98,18 @@ def server_argv(
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
 
 
+@functools.cache
+def other_model_modules() -> str:
+    """SGLang's model modules other than Llama's, comma-separated, for ``SGLANG_DISABLED_MODEL_ARCHS``:
+    SGLang imports every module of ``sglang.srt.models`` when a scheduler starts (about 250; 2-4 s of
+    CPU per scheduler process here, each failing import logged), and these servers load one Llama."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    models = Path(next(iter(spec.submodule_search_locations))) / "srt" / "models"
+    return ",".join(sorted(p.stem for p in models.glob("*.py") if p.stem not in ("llama", "registry", "__init__")))
+
+
 def parallel_flags(tp: int = 1, pp: int = 1) -> list[str]:
     """SGLang's flags for a server of ``tp`` x ``pp`` scheduler ranks (none for one rank)."""
     return [*(["--tp-size", str(tp)] if tp > 1 else []), *(["--pp-size", str(pp)] if pp > 1 else [])]
@@ -128,6 +147,7 @@ def server_env(
         "PYTHONPATH": os.pathsep.join(paths),
         # No GPU here: keep torch from looking for one in every helper process.
         "CUDA_VISIBLE_DEVICES": "",
+        "SGLANG_DISABLED_MODEL_ARCHS": other_model_modules(),
     }
 
 
@@ -142,6 +162,7 @@ class SGLangServer:
     argv: list[str]
     env: dict[str, str]
     bootstrap_port: int = 0
+    started_at: float | None = field(default_factory=time.monotonic)  # until first healthy
 
     @property
     def url(self) -> str:
@@ -158,6 +179,9 @@ class SGLangServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"SGLang server {self.name} not healthy within {timeout_s:g} s:\n{self.tail()}")
             time.sleep(1.0)
+        if self.started_at is not None:  # the first time only: later waits follow a restart's own
+            record("sglang server start (to healthy)", time.monotonic() - self.started_at)
+            self.started_at = None
 
     def tail(self, n: int = 4000) -> str:
         try:
@@ -170,6 +194,10 @@ class SGLangServer:
 
     def stop(self) -> None:
         """SIGTERM the server's process group (its scheduler and detokenizer with it), then kill."""
+        with timed("sglang server stop"):
+            self._stop()
+
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
                 try:
@@ -198,12 +226,35 @@ class SGLangServer:
         self.proc = fresh.proc
 
 
+def available_gib() -> float:
+    """MemAvailable of /proc/meminfo in GiB (infinite where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / (1 << 20)
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
+def wait_for_memory(need_gib: float = SERVER_MEMORY_GIB, timeout_s: float = MEMORY_WAIT_S) -> None:
+    """Until ``need_gib`` is available, or ``timeout_s`` passed (then start anyway: the OOM killer,
+    if it comes, says more than a refusal would)."""
+    started = time.monotonic()
+    while available_gib() < need_gib and time.monotonic() - started < timeout_s:
+        time.sleep(2.0)
+    if time.monotonic() - started >= 1.0:
+        record("sglang server start: waited for memory", time.monotonic() - started)
+
+
 def start_server(
     name: str, argv: list[str], env: dict[str, str], log: Path, port: int, bootstrap_port: int = 0
 ) -> SGLangServer:
     """Start a server in its own process group (so one signal reaches all of SGLang's processes), in
     its log's folder: ``python -m`` puts the working directory on sys.path, and a checkout's
-    ``*.egg-info`` there would announce plugins the server cannot import."""
+    ``*.egg-info`` there would announce plugins the server cannot import. First waits for the memory
+    a server needs (``wait_for_memory``)."""
+    wait_for_memory()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             argv, env=env, cwd=log.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -76,35 +76,62 @@ def variant_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     return dirs
 
 
+class OneRankServers:
+    """A one-rank server of each model variant, started when a shape first needs it: the answers its
+    PD shapes must equal. The default model's is the session's; of the others one runs at a time
+    (a server holds about 1.5 GB, and make test runs this module's shapes on two workers at once)."""
+
+    def __init__(self, single: SGLangServer, variant_dirs: dict[Variant, Path], logs: pytest.TempPathFactory) -> None:
+        self.single, self.variant_dirs, self.logs = single, variant_dirs, logs
+        self.other: tuple[Variant, SGLangServer] | None = None
+
+    def of(self, variant: Variant) -> SGLangServer:
+        if variant == DEFAULT:
+            return self.single
+        if self.other is not None and self.other[0] == variant:
+            return self.other[1]
+        self.close()
+        log, port = self.logs.mktemp(f"single-{variant.name}") / "single.log", free_port()
+        argv = server_argv(self.variant_dirs[variant], port, extra=variant.server_flags)
+        server = start_server(f"single-{variant.name}", argv, server_env(dict(os.environ)), log, port)
+        self.other = (variant, server)
+        server.wait_healthy()
+        return server
+
+    def close(self) -> None:
+        if self.other is not None:
+            self.other[1].stop()
+            self.other = None
+
+
 @pytest.fixture(scope="module")
 def one_rank_servers(
     single: SGLangServer, variant_dirs: dict[Variant, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[Variant, SGLangServer]]:
-    """A one-rank server of each model variant: the answers its PD shapes must equal."""
-    servers = {DEFAULT: single}
+) -> Iterator[OneRankServers]:
+    servers = OneRankServers(single, variant_dirs, tmp_path_factory)
     try:
-        for variant, path in variant_dirs.items():
-            if variant != DEFAULT:
-                log, port = tmp_path_factory.mktemp(f"single-{variant.name}") / "single.log", free_port()
-                argv, env = server_argv(path, port, extra=variant.server_flags), server_env(dict(os.environ))
-                servers[variant] = start_server(f"single-{variant.name}", argv, env, log, port)
-        for server in servers.values():
-            server.wait_healthy()
         yield servers
     finally:
-        for variant, server in servers.items():
-            if variant != DEFAULT:
-                server.stop()
+        servers.close()
 
 
-@pytest.fixture(scope="module", params=[(s, b) for s in SHAPES for b in BACKENDS], ids=lambda p: f"{p[0].name}-{p[1]}")
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: s.name)
+def shape(request: pytest.FixtureRequest) -> Shape:
+    """The unit make test's workers split this module by (tests/parallel.py): a shape's two
+    backends and its one-rank server stay on one worker."""
+    shape: Shape = request.param
+    return shape
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
 def shaped(
     request: pytest.FixtureRequest,
+    shape: Shape,
     variant_dirs: dict[Variant, Path],
     installed_site: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Shape, PD]]:
-    shape, backend = request.param
+    backend = request.param
     logs = tmp_path_factory.mktemp(f"{shape.name}-{backend}")
     pair = pair_started_here(backend, variant_dirs[shape.model], installed_site, logs, shape)
     with behind_router(backend, pair, logs) as pd:
@@ -112,8 +139,8 @@ def shaped(
 
 
 @pytest.fixture
-def reference(shaped: tuple[Shape, PD], one_rank_servers: dict[Variant, SGLangServer]) -> SGLangServer:
-    return one_rank_servers[shaped[0].model]
+def reference(shaped: tuple[Shape, PD], one_rank_servers: OneRankServers) -> SGLangServer:
+    return one_rank_servers.of(shaped[0].model)
 
 
 def test_shaped_pd_answers_equal_a_one_rank_server(
