@@ -68,12 +68,12 @@ def table(modules: dict[str, Module], setups: list[tuple[float, str]], summary: 
     for name, mod in modules.items():
         tiers[tier(name)][0] += mod.total
         tiers[tier(name)][1] += len(mod.tests)
-    out += ["| tier | tests | seconds (sum over workers) |", "| --- | ---: | ---: |"]
+    out += ["| tier | timed tests | seconds (sum over workers) |", "| --- | ---: | ---: |"]
     for name, (seconds, count) in sorted(tiers.items(), key=lambda kv: -kv[1][0]):
         out.append(f"| {name} | {int(count)} | {seconds:.0f} |")
     out += [
         "",
-        "| module | tests | setup s | call s | teardown s | total s |",
+        "| module | timed tests | setup s | call s | teardown s | total s |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, mod in sorted(modules.items(), key=lambda kv: -kv[1].total):
