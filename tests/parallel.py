@@ -39,7 +39,8 @@ def group_of(nodeid: str, param_indices: Mapping[str, int] | None = None) -> str
     fixture = SPLIT.get(module)
     if fixture is None or not param_indices or fixture not in param_indices:
         return module
-    return f"{module}[{param_indices[fixture]}]"
+    # Not "[...]": xdist reads a node id ending in "]" after its "@group" as one without a group.
+    return f"{module}#{param_indices[fixture]}"
 
 
 def load_durations(path: Path = DURATIONS) -> dict[str, float]:

@@ -18,8 +18,8 @@ SERVERS = "tests/e2e/test_sglang_servers.py"
     [
         ("tests/unit/test_a.py::test_x", None, "tests/unit/test_a.py"),
         ("tests/unit/test_a.py::TestK::test_x[1]", {"case": 1}, "tests/unit/test_a.py"),
-        (f"{SERVERS}::test_pd_moves[pdfabric]", {"pd": 1}, f"{SERVERS}[1]"),
-        (f"{SERVERS}::test_pd_moves[mooncake]", {"pd": 0}, f"{SERVERS}[0]"),
+        (f"{SERVERS}::test_pd_moves[pdfabric]", {"pd": 1}, f"{SERVERS}#1"),
+        (f"{SERVERS}::test_pd_moves[mooncake]", {"pd": 0}, f"{SERVERS}#0"),
         (f"{SERVERS}::test_the_models_tokens_depend_on_the_kv", None, SERVERS),  # no server set
     ],
     ids=["module", "parametrised-not-split", "split-1", "split-0", "split-module-without-the-fixture"],
@@ -28,6 +28,15 @@ def test_a_test_runs_in_its_modules_unit_or_its_split_value(
     nodeid: str, indices: dict[str, int] | None, want: str
 ) -> None:
     assert parallel.group_of(nodeid, indices) == want
+
+
+def test_a_split_unit_is_a_group_xdist_reads() -> None:
+    """xdist's loadgroup takes what follows the last "@" as the group only when no "]" comes after
+    it (a parameter value may hold "@"): a group name ending in "]" silently ran every test of a
+    split module as a unit of its own, and both workers started the same SGLang servers."""
+    group = parallel.group_of(f"{SERVERS}::test_pd_moves[mooncake]", {"pd": 0})
+    nodeid = f"{SERVERS}::test_pd_moves[mooncake]@{group}"
+    assert nodeid.rfind("@") > nodeid.rfind("]")
 
 
 def test_units_go_longest_first_each_kept_whole_and_in_order() -> None:
@@ -40,7 +49,7 @@ def test_units_go_longest_first_each_kept_whole_and_in_order() -> None:
         f"{SERVERS}::test_a[mooncake]",
         f"{SERVERS}::test_a[pdfabric]",
     ]
-    groups = [parallel.group_of(n) for n in nodeids[:5]] + [f"{SERVERS}[0]", f"{SERVERS}[1]"]
+    groups = [parallel.group_of(n) for n in nodeids[:5]] + [f"{SERVERS}#0", f"{SERVERS}#1"]
     durations = {"tests/unit/test_quick.py": 1.0, "tests/e2e/test_slow.py": 300.0, SERVERS: 500.0}
     order = [nodeids[i] for i in parallel.longest_first(nodeids, groups, durations)]
     # slow (300) before each servers half (250 each) before mid (unknown integration: 60) before quick (1)
