@@ -8,14 +8,15 @@ PYTEST_ARGS ?=
 # make test's workers (pytest-xdist): a test module is one unit of work, handed out longest first
 # (tests/parallel.py). On 2 cores most tests wait on processes, not the CPU (docs/testing.md).
 PYTEST_WORKERS ?= 2
-XDIST = -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST = -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 .PHONY: help
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
 .PHONY: deps
-deps: venv binaries ## everything the demo and the tests need (cached outside the repo)
+deps: ## everything the demo and the tests need (cached outside the repo; built side by side)
+	@$(MAKE) --no-print-directory -j3 venv binaries prometheus
 
 .PHONY: venv
 venv: ## Python environment with torch, kopf, mooncake (reinstalled only when pins change)
@@ -24,6 +25,10 @@ venv: ## Python environment with torch, kopf, mooncake (reinstalled only when pi
 .PHONY: binaries
 binaries: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from Go modules
 	@bash hack/controlplane/build.sh >/dev/null
+
+.PHONY: prometheus
+prometheus: venv ## Debian's prometheus package, unpacked (after the venv: both may run apt-get)
+	@bash hack/prometheus.sh >/dev/null
 
 IMAGES ?= operator agent
 

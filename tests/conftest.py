@@ -63,7 +63,6 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[PORT_SLICE_ENV] = f"{worker[2:]}/{count}"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO_ROOT).parts
@@ -71,15 +70,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, parts[1]))
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.controlplane)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order xdist hands the modules out in
         from tests import parallel
 
-        groups = [
-            parallel.group_of(item.nodeid, getattr(getattr(item, "callspec", None), "indices", None)) for item in items
-        ]
-        for item, group in zip(items, groups, strict=True):
-            item.add_marker(pytest.mark.xdist_group(group))
-        order = parallel.longest_first([item.nodeid for item in items], groups, parallel.load_durations())
+        order = parallel.longest_first([item.nodeid for item in items], parallel.load_durations())
         items[:] = [items[i] for i in order]
 
 

@@ -14,8 +14,10 @@ PYTHONPATH: test code, documented there.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -163,6 +165,9 @@ class SGLangServer:
     env: dict[str, str]
     bootstrap_port: int = 0
     started_at: float | None = field(default_factory=time.monotonic)  # until first healthy
+    # A reference server's 200 answers by request: greedy answers of one server are the same for
+    # the same request, so the answer every PD backend must equal is computed once (None: off).
+    memo: dict[str, tuple[int, dict[str, Any]]] | None = None
 
     @property
     def url(self) -> str:
@@ -190,7 +195,13 @@ class SGLangServer:
             return ""
 
     def generate(self, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
-        return post_json(self.url + "/generate", body, timeout_s)
+        key = json.dumps(body, sort_keys=True) if self.memo is not None else ""
+        if self.memo is not None and key in self.memo:
+            return copy.deepcopy(self.memo[key])
+        answer = post_json(self.url + "/generate", body, timeout_s)
+        if self.memo is not None and answer[0] == 200:
+            self.memo[key] = copy.deepcopy(answer)
+        return answer
 
     def stop(self) -> None:
         """SIGTERM the server's process group (its scheduler and detokenizer with it), then kill."""

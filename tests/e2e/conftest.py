@@ -31,6 +31,7 @@ def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     server = start_server(
         "single", server_argv(model_dir, port), server_env(dict(os.environ)), logs / "single.log", port
     )
+    server.memo = {}  # the answers PD must equal, computed once per session (SGLangServer.memo)
     try:
         server.wait_healthy()
         yield server

@@ -94,6 +94,7 @@ class OneRankServers:
         log, port = self.logs.mktemp(f"single-{variant.name}") / "single.log", free_port()
         argv = server_argv(self.variant_dirs[variant], port, extra=variant.server_flags)
         server = start_server(f"single-{variant.name}", argv, server_env(dict(os.environ)), log, port)
+        server.memo = {}  # both backends of a shape compare against the same answers
         self.other = (variant, server)
         server.wait_healthy()
         return server
@@ -117,8 +118,7 @@ def one_rank_servers(
 
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda s: s.name)
 def shape(request: pytest.FixtureRequest) -> Shape:
-    """The unit make test's workers split this module by (tests/parallel.py): a shape's two
-    backends and its one-rank server stay on one worker."""
+    """The shape: its two backends' pairs are compared with its one-rank server (OneRankServers)."""
     shape: Shape = request.param
     return shape
 
