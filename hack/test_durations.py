@@ -52,7 +52,7 @@ def parse(text: str) -> tuple[dict[str, Module], list[tuple[float, str]], list[s
             module.phases[phase] += seconds
             if phase == "setup":
                 setups.append((seconds, nodeid))
-        elif SUMMARY.match(line):
+        elif SUMMARY.match(line.strip("= ")) or SUMMARY.match(line):
             summary.append(line.strip("= "))
     return modules, sorted(setups, reverse=True)[:10], summary
 
