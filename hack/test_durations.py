@@ -23,8 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DURATIONS = ROOT / "tests" / "durations.json"
 LINE = re.compile(r"^\s*(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(\S+)")
+# The run's own summary lines, without the "=" rules around some of them.
 SUMMARY = re.compile(
-    r"^(pytest took \d+ s.*|the machine's cores were busy.*|[a-z][\w ()-]*: \d+ x, \d+ s in all|=+ .*(passed|failed).* =+)$"
+    r"^(pytest took \d+ s.*|the machine's cores were busy.*|[a-z][\w ()-]*: \d+ x, \d+ s in all|\d+ (passed|failed)\b.* in [\d.]+s.*)$"
 )
 
 
@@ -52,8 +53,8 @@ def parse(text: str) -> tuple[dict[str, Module], list[tuple[float, str]], list[s
             module.phases[phase] += seconds
             if phase == "setup":
                 setups.append((seconds, nodeid))
-        elif SUMMARY.match(line.strip("= ")) or SUMMARY.match(line):
-            summary.append(line.strip("= "))
+        elif SUMMARY.match(bare := line.strip("= ")):
+            summary.append(bare)
     return modules, sorted(setups, reverse=True)[:10], summary
 
 

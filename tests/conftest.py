@@ -26,6 +26,7 @@ ARTIFACTS = REPO_ROOT / ".artifacts"
 
 BUDGET_INI = "pdfabric_pytest_budget_s"
 _STARTED = pytest.StashKey[float]()
+_TOOK = pytest.StashKey[float]()
 _CPU = pytest.StashKey[tuple[int, int]]()
 
 
@@ -81,10 +82,17 @@ def _budget_s(config: pytest.Config) -> float:
     return float(str(config.getini(BUDGET_INI)) or 0)
 
 
+def _took_s(config: pytest.Config) -> float:
+    """The run's wall time, taken once (at sessionfinish): the verdict and the summary use the same."""
+    if _TOOK not in config.stash:
+        config.stash[_TOOK] = time.monotonic() - config.stash[_STARTED]
+    return config.stash[_TOOK]
+
+
 def _over_budget(config: pytest.Config) -> tuple[float, float] | None:
     if hasattr(config, "workerinput") or _STARTED not in config.stash:  # a worker: the controller judges
         return None
-    took, budget = time.monotonic() - config.stash[_STARTED], _budget_s(config)
+    took, budget = _took_s(config), _budget_s(config)
     return (took, budget) if budget and took > budget else None
 
 
@@ -93,7 +101,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         return
     from pdfabric_devcluster.timings import TIMINGS_ENV, totals
 
-    took, budget = time.monotonic() - config.stash[_STARTED], _budget_s(config)
+    took, budget = _took_s(config), _budget_s(config)
     terminalreporter.write_sep("=", f"pytest took {took:.0f} s" + (f" of its {budget:.0f} s budget" if budget else ""))
     (busy0, all0), (busy1, all1) = config.stash.get(_CPU, (0, 0)), _cpu_jiffies()
     if all1 > all0:
