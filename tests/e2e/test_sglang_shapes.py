@@ -31,6 +31,7 @@ from pdfabric_sglangserver.model import DEFAULT, Variant, write_model_dir
 from pdfabric_sglangserver.pd import PD, Shape, behind_router, pair_started_here, tokens
 from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy, server_argv, server_env, start_server
 from tests.deadlines import wait_until
+from tests.e2e.upstream import skip_known_wrong
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -41,8 +42,9 @@ PIPELINE = Shape(prefill_pp=2, model=Variant(layers=3))  # stage 0 holds layer 0
 RETRACTED = Shape(model=Variant(dtype="float32"))
 SHAPES = [REPLICATED_HEADS, PIPELINE, RETRACTED]
 BACKENDS = ["mooncake", "pdfabric"]
-# What SGLang's own Mooncake backend gets wrong here (the control, not a pdfabric claim); kept
-# running, non-strict, to see when upstream passes:
+# What SGLang's own Mooncake backend gets wrong here (the control, not a pdfabric claim): `make test`
+# skips these pairs (they could neither pass nor fail it, and each costs a server pair of its own);
+# `make test-upstream` runs them, non-strict, to see when upstream passes (tests/e2e/upstream.py):
 UPSTREAM_WRONG = {
     # Both prefill ranks hold the one KV head: wrong tokens from the second token on (2 of 2 runs
     # here, at 88 tokens in bfloat16 and at 300 in float32).
@@ -132,6 +134,8 @@ def shaped(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Shape, PD]]:
     backend = request.param
+    if (shape, backend) in UPSTREAM_WRONG:
+        skip_known_wrong(UPSTREAM_WRONG[shape, backend])
     logs = tmp_path_factory.mktemp(f"{shape.name}-{backend}")
     pair = pair_started_here(backend, variant_dirs[shape.model], installed_site, logs, shape)
     with behind_router(backend, pair, logs) as pd:
