@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
+from pdfabric_agent.memory.plan import Bases
+from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.process.rankmap_file import RankMapFile
 from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest
 from pdfabric_agent.rooms.agent import Agent
@@ -143,6 +146,45 @@ def test_a_dropped_agent_drains_then_its_waiting_rooms_fail_saying_it_left(tmp_p
         with pytest.raises(ApiError):
             agent.ctx.ranks.agent_for("prefill-1-tp0-cp0")
         await agent.close()
+
+    asyncio.run(go())
+
+
+def test_a_replica_scaled_away_takes_new_rooms_while_it_leaves_then_is_refused(tmp_path: Path) -> None:
+    """A router that has not yet heard of a scale-down still pairs engines with the replica the new
+    map dropped (seen in the live-scaling e2e: a prefill refused decode-1's room info, 'decode-1-tp0
+    is not fed by prefill-1-tp0-cp0', while the status still listed decode-1). Both sides take such a
+    room while that replica's agent leaves, as they drain the rooms it had open, and refuse it after."""
+    clock = Clock()
+    (tmp_path / "p").mkdir()
+    (tmp_path / "d").mkdir()
+    prefill = make_agent(tmp_path / "p", "n1", [Rank(Role.PREFILL, 0, 0)])
+    prefill.clock = prefill.ctx.clock = clock
+    decode = decode_agent(tmp_path / "d", clock)
+    record_posts(decode, [])
+    layout = PoolLayout.from_geometry(prefill.spec.model, 1, kv_pages=4, state_slots=1, aux_slots=1)
+
+    def room_info(room: int) -> RoomInfo:
+        bases = Bases(1 << 30, 2 << 30, 3 << 30)
+        return RoomInfo(room, "decode-1-tp0", "prefill-0-tp0-cp0", "peer:3", layout, bases, [0], [0], 0)
+
+    async def go() -> None:
+        prefill.adopt(rankmap(A1, A2, A3, decode=2))
+        prefill.adopt(rankmap(A1, A2))  # decode-1 scaled away: a3 leaving
+        assert prefill.accept_dst(room_info(5), sender_agent="a3").early
+        decode.adopt(rankmap(A1, A2, P1, prefill=2))
+        decode.adopt(rankmap(A1, A2))  # prefill-1 scaled away: p1 leaving
+        view = decode.submit_receive(ReceiveRequest(D, 9, [0], [], None, 1))
+        assert view.state.title == RoomState.BOOTSTRAPPING.title
+        clock.now += prefill.leave_grace_s + 0.1
+        await prefill.tick()
+        await decode.tick()
+        with pytest.raises(ApiError, match="decode-1-tp0 is not fed by prefill-0-tp0-cp0"):
+            prefill.accept_dst(room_info(6), sender_agent="a3")
+        with pytest.raises(ApiError, match=r"outside 0\.\.0"):
+            decode.submit_receive(ReceiveRequest(D, 10, [0], [], None, 1))
+        await prefill.close()
+        await decode.close()
 
     asyncio.run(go())
 

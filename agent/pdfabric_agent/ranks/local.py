@@ -102,6 +102,14 @@ class NodeRanks:
         gone = [name for name, x in self.leaving.items() if now >= x.until]
         return [self.leaving.pop(name).entry for name in gone]
 
+    def peer_replicas(self, role: Role) -> int:
+        """How many replicas of ``role`` a room may name: the spec's, and those of agents still
+        leaving. A router that has not yet heard of a scale-down still sends requests to a replica
+        the new map dropped; its rooms run while it drains, as the rooms it had open do."""
+        group = self.spec.prefill if role is Role.PREFILL else self.spec.decode
+        leaving = [r.replica + 1 for x in self.leaving.values() for r in x.entry.ranks if r.role is role]
+        return max([group.replicas, *leaving])
+
     def peer_agents(self) -> set[str]:
         """Every agent the peer door admits: the map's, and those still leaving."""
         return {a.name for a in self.rankmap.agents} | set(self.leaving)

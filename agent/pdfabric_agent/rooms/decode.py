@@ -87,7 +87,7 @@ class DecodeArrivals:
     def submit_receive(self, msg: ReceiveRequest) -> RoomView:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.DECODE)
-        msg.check_bounds(local.layout, ctx.spec.prefill.replicas, ctx.spec.prefill.dp)
+        msg.check_bounds(local.layout, ctx.ranks.peer_replicas(Role.PREFILL), ctx.spec.prefill.dp)
         check_slot(local.board, msg.board_slot)
         ctx.rooms.refuse_reuse(Role.DECODE, msg.rank, msg.room)
         expected, owed = {}, {}
@@ -342,8 +342,9 @@ class DecodeArrivals:
         request fails now instead of at its bootstrap deadline. Nothing was announced or written,
         so nothing waits for the answers. Returns the prefill ranks told."""
         ctx = self.ctx
-        if not 0 <= peer_replica < ctx.spec.prefill.replicas:
-            raise out_of_range(f"peer_replica {peer_replica} is outside 0..{ctx.spec.prefill.replicas - 1}")
+        replicas = ctx.ranks.peer_replicas(Role.PREFILL)
+        if not 0 <= peer_replica < replicas:
+            raise out_of_range(f"peer_replica {peer_replica} is outside 0..{replicas - 1}")
         if not 0 <= peer_dp < ctx.spec.prefill.dp:
             raise out_of_range(f"peer_dp {peer_dp} is outside 0..{ctx.spec.prefill.dp - 1}")
         sources = expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank)

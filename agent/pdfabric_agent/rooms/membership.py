@@ -10,7 +10,8 @@ and rooms. Each one re-reads the mounted map (``process/rankmap_file.py``) and a
   being replaced too). The refusal is counted and said on /readyz.
 - An added agent is a peer at once: the peer door admits its certificate, rooms may name its ranks.
 - A dropped agent stays a peer for ``leave_grace_s`` (the longest a room may take), so the rooms it
-  has open drain while its pod stops (its engines finish their requests on SIGTERM). Rooms that
+  has open drain while its pod stops (its engines finish their requests on SIGTERM), and new rooms
+  may still name its ranks (a router that has not heard of the scale-down). Rooms that
   still involve it then fail with a reason that says it left, and it is forgotten: its health,
   its metric series.
 """

@@ -68,7 +68,7 @@ class PrefillSender:
         layout = (
             dataclasses.replace(local.layout, kv_pages=local.layout.kv_pages * shards) if shards > 1 else local.layout
         )
-        msg.check_bounds(layout, ctx.spec.decode.replicas, ctx.spec.decode.dp)
+        msg.check_bounds(layout, ctx.ranks.peer_replicas(Role.DECODE), ctx.spec.decode.dp)
         check_slot(local.board, msg.board_slot)
         if isinstance(msg, SendChunk) and not msg.opens:
             return add_chunk(self, local, msg)
@@ -293,7 +293,7 @@ class PrefillSender:
         local = ctx.ranks.local(prefill_rank, Role.PREFILL)
         valid = {
             Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local), dp_rank=dp).rank_id
-            for r in range(ctx.spec.decode.replicas)
+            for r in range(ctx.ranks.peer_replicas(Role.DECODE))
             for dp in range(ctx.spec.decode.dp)
             for route in decode_targets(ctx.spec, local.rank.tp_rank)
         }
