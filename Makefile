@@ -70,8 +70,7 @@ lint: venv ## ruff (lint + format check), the import layering contracts and mypy
 .PHONY: test
 test: deps ## everything CI runs: lint, unit, integration, e2e, images (docs/testing.md)
 	@$(MAKE) --no-print-directory lint
-	@$(PYTHON) -m pytest $(XDIST) -m "not serial" $(PYTEST_ARGS)
-	@$(PYTHON) -m pytest -m serial $(PYTEST_ARGS) || [[ $$? -eq 5 ]]  # 5: none selected
+	@$(PYTHON) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 .PHONY: test-upstream
 test-upstream: deps ## SGLang's own backends where they are known wrong (the controls make test skips; tests/e2e/upstream.py)

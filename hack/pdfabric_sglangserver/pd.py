@@ -227,9 +227,12 @@ def pair_started_by_agents(model_dir: Path, installed_site: Path, shape: Shape =
 def behind_router(backend: str, pair: contextlib.AbstractContextManager[PairParts], logs: Path) -> Iterator[PD]:
     """``pair``'s servers with SGLang's router in front, once it routes."""
     with pair as (endpoints, prefill, decode, fabric):
-        # Health checks every 5 s (60 s by default): a restarted worker is taken back sooner.
-        health = ("--health-check-interval-secs", "5")
-        with sglang_router(endpoints, logs / "router.log", extra=health, wait_s=120) as router:
+        # Health checks every 5 s (60 s by default): a restarted worker is taken back sooner. No
+        # retries: a request answers with the failure its servers gave, at once. SGLang's router
+        # retries a PD request whose decode server died, and that retry is held until the client
+        # gives up (seen with both backends), which cost each kill case a minute per backend.
+        flags = ("--health-check-interval-secs", "5", "--disable-retries")
+        with sglang_router(endpoints, logs / "router.log", extra=flags, wait_s=120) as router:
             router.wait_healthy(120, ready=True)
             yield PD(backend, prefill, decode, router, fabric, endpoints["prefill"][0]["bootstrapPort"])
 

@@ -33,11 +33,7 @@ from tests.e2e import node_pods
 from tests.e2e.pd_runs import PROMPTS, REF_MODEL
 from tests.integration import pdcluster_harness as h
 
-# serial: on a machine loaded by a second test worker, the agents' rank maps change at different
-# moments during a step and a room between a new prefill and a decode its map does not yet feed
-# fails ("decode-1-tp0 is not fed by prefill-1-tp0-cp0": 2 of 1,392 prompts, 2026-12-06). A product
-# race that load widens, left open; until it is fixed this runs with nothing beside it.
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 operator_kubeconfig, gpu_nodes = h.operator_kubeconfig, h.gpu_nodes
 

@@ -134,9 +134,11 @@ def test_decode_radix_prefix_moves_only_the_pages_after_it(pd: PD, single: SGLan
         assert moved == 3 * page_bytes, f"{moved / page_bytes:g} pages moved for the second prompt, want 3"
 
 
-# How long a client waits for a request whose server was killed: SGLang's router holds one whose
-# decode or prefill died until the client gives up (here: both backends), so this is what each of
-# those requests costs; 2-3x what the slowest live request takes on a busy machine.
+# How long a client waits for a request whose server was killed: 2-3x what the slowest live request
+# takes on a busy machine. The router runs without retries (pdfabric_sglangserver.pd.behind_router)
+# and answers one whose decode died at once; one whose prefill died while its decode waits for the
+# KV answers when the decode side gives up (for a prefill server started here rather than by its
+# agent, nothing tells the agent the engine died: its deadline), or the client gives up first.
 KILLED_ANSWER_S = 60.0
 
 
@@ -158,8 +160,7 @@ def test_decode_server_killed_mid_traffic_fails_its_requests_then_serves_after_r
     pd: PD, single: SGLangServer
 ) -> None:
     """Long generations are in decode when its server dies: none answers 200 (SGLang's router
-    answers such a request with an error, or holds it until the client gives up: seen for both
-    backends), and the restarted server (same port) serves equal answers again."""
+    answers each with an error), and the restarted server (same port) serves equal answers again."""
     long_prompts = [[(i * 11 + j) % 250 + 1 for j in range(30)] for i in range(4)]
     # SGLang's own test knob: decode sleeps 50 ms per forward, so 400 tokens take over 20 s and
     # the kill lands mid-generation however fast the machine (a quiet CI machine once finished
