@@ -5,6 +5,10 @@ an engine-side table (client/feed.py) keeps an end final and marks rooms a resta
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +75,35 @@ def test_the_engines_table_keeps_an_end_final_and_marks_what_a_restarted_agent_l
     assert table.view(3) == view(3) and table.view(1) == view(1, RoomState.SUCCESS)
     table.forget(1)
     assert table.view(1) is None and len(table) == 2
+
+
+def test_closing_the_engines_table_ends_its_read_at_once() -> None:
+    """An engine stops its ranks' feeds on shutdown: close() returns without waiting for the
+    agent's next heartbeat (a feed that says nothing for a while)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def agent() -> None:  # answers the feed's GET as the agent streams it (chunked), then is quiet
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.recv(65536)
+        body = json.dumps(FeedHello(rank=D, sends=True).to_json()).encode() + b"\n\n"  # hello, snapshot end
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+        conn.sendall(head + b"%x\r\n" % len(body) + body + b"\r\n")
+
+    server = threading.Thread(target=agent, daemon=True)
+    server.start()
+    events = RoomEvents(f"127.0.0.1:{listener.getsockname()[1]}", "token", D).start(wait_s=5.0)
+    try:
+        assert events.synced.is_set()
+        started = time.monotonic()
+        events.close()
+        assert time.monotonic() - started < 0.5
+        assert not events._thread.is_alive()
+    finally:
+        for conn in accepted:
+            conn.close()
+        listener.close()
 
 
 def test_a_rank_that_sends_nothing_answers_every_room_at_once() -> None:
