@@ -17,13 +17,13 @@ from pdfabric_agent.process.rankmap_file import RankMapFile
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
-from pdfabric_agent.protocol.wire import ReceiveRequest
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.membership import MembershipRefused
 from pdfabric_agent.runtime import metrics
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
-from tests.unit.agents import TCP_RAW, D, make_agent, record_posts
+from tests.unit.agents import TCP_RAW, D, P, make_agent, record_posts
 
 A1 = AgentEntry("a1", "n1", (Rank(Role.PREFILL, 0, 0),))
 A2 = AgentEntry("a2", "n2", (Rank(Role.DECODE, 0, 0),))
@@ -162,6 +162,7 @@ def test_a_replica_scaled_away_takes_new_rooms_while_it_leaves_then_is_refused(t
     prefill.clock = prefill.ctx.clock = clock
     decode = decode_agent(tmp_path / "d", clock)
     record_posts(decode, [])
+    record_posts(prefill, [])
     layout = PoolLayout.from_geometry(prefill.spec.model, 1, kv_pages=4, state_slots=1, aux_slots=1)
 
     def room_info(room: int) -> RoomInfo:
@@ -170,8 +171,9 @@ def test_a_replica_scaled_away_takes_new_rooms_while_it_leaves_then_is_refused(t
 
     async def go() -> None:
         prefill.adopt(rankmap(A1, A2, A3, decode=2))
-        prefill.adopt(rankmap(A1, A2))  # decode-1 scaled away: a3 leaving
+        prefill.adopt(rankmap(A1, A2))  # decode-1 scaled away: a3 leaving (the map feeds it no more)
         assert prefill.accept_dst(room_info(5), sender_agent="a3").early
+        assert not prefill.submit_send(SendRequest(P, 5, [0], [], None, 1)).state.finished
         decode.adopt(rankmap(A1, A2, P1, prefill=2))
         decode.adopt(rankmap(A1, A2))  # prefill-1 scaled away: p1 leaving
         view = decode.submit_receive(ReceiveRequest(D, 9, [0], [], None, 1))
@@ -183,6 +185,8 @@ def test_a_replica_scaled_away_takes_new_rooms_while_it_leaves_then_is_refused(t
             prefill.accept_dst(room_info(6), sender_agent="a3")
         with pytest.raises(ApiError, match=r"outside 0\.\.0"):
             decode.submit_receive(ReceiveRequest(D, 10, [0], [], None, 1))
+        with pytest.raises(ApiError, match=r"outside 0\.\.0"):
+            prefill.submit_send(SendRequest(P, 6, [0], [], None, 1))
         await prefill.close()
         await decode.close()
 

@@ -69,6 +69,7 @@ class Leaving:
 
     entry: AgentEntry
     until: float
+    rankmap: RankMap  # the map it was dropped from: which prefill replicas fed it there
 
 
 class NodeRanks:
@@ -91,7 +92,7 @@ class NodeRanks:
         added = sorted(after - set(before))
         dropped = sorted(set(before) - after)
         for name in dropped:
-            self.leaving[name] = Leaving(before[name], leave_until)
+            self.leaving[name] = Leaving(before[name], leave_until, self.rankmap)
         for name in after:
             self.leaving.pop(name, None)
         self.rankmap, self.spec = rankmap, spec
@@ -109,6 +110,18 @@ class NodeRanks:
         group = self.spec.prefill if role is Role.PREFILL else self.spec.decode
         leaving = [r.replica + 1 for x in self.leaving.values() for r in x.entry.ranks if r.role is role]
         return max([group.replicas, *leaving])
+
+    def feeds(self, prefill_replica: int, decode_replica: int) -> bool:
+        """Whether that prefill replica feeds that decode replica: as the rank map says (a replica
+        it says nothing of feeds every one), or, for a replica still leaving, as the map it was
+        dropped from said."""
+        maps = [self.rankmap]
+        maps += [
+            x.rankmap
+            for x in self.leaving.values()
+            if any(r.role is Role.DECODE and r.replica == decode_replica for r in x.entry.ranks)
+        ]
+        return any(decode_replica in m.feeds.get(prefill_replica, (decode_replica,)) for m in maps)
 
     def peer_agents(self) -> set[str]:
         """Every agent the peer door admits: the map's, and those still leaving."""

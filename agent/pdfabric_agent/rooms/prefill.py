@@ -74,8 +74,7 @@ class PrefillSender:
             return add_chunk(self, local, msg)
         sends = self.sends_anything(local)
         replica = msg.peer_replica
-        feeds = ctx.rankmap.feeds.get(local.rank.replica)
-        if sends and feeds is not None and replica not in feeds:
+        if sends and not ctx.ranks.feeds(local.rank.replica, replica):
             raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
         ctx.rooms.refuse_reuse(Role.PREFILL, msg.rank, msg.room)
         self._take_aux_row(local, msg, msg.board_slot)
