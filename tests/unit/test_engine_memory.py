@@ -276,3 +276,51 @@ def test_a_registration_of_private_aux_rows_says_what_to_fix(
     with pytest.raises(ApiError) as err:
         MemoryRegistration.parse(doc)
     assert err.value.status == 400 and says in err.value.message
+
+
+def test_a_path_swapped_between_a_file_and_a_link_while_it_is_checked_is_refused_never_an_error(
+    tmp_path: Path,
+) -> None:
+    """realpath reads the link the name was a moment ago: readlink then fails (EINVAL) on the file
+    swapped in. That is the engine's bad file, a 4xx (issue 40: it was a 500)."""
+    import os
+    import threading
+
+    from pdfabric_agent.ranks.engine_board import open_engine_file
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    good = shm / "good"
+    good.write_bytes(b"x" * 4096)
+    name = shm / "swapped"
+    stop = threading.Event()
+
+    def swap() -> None:
+        i = 0
+        while not stop.is_set():
+            tmp = shm / f".tmp{i % 2}"
+            tmp.unlink(missing_ok=True)
+            if i % 2:
+                os.symlink(good, tmp)
+            else:
+                os.link(good, tmp)
+            os.replace(tmp, name)
+            i += 1
+
+    name.write_bytes(b"x")
+    t = threading.Thread(target=swap, daemon=True)
+    t.start()
+    outcomes: dict[str, int] = {}
+    try:
+        for _ in range(20000):
+            try:
+                fd, _st = open_engine_file(str(name), str(shm))
+                os.close(fd)
+                outcomes["opened"] = outcomes.get("opened", 0) + 1
+            except ApiError as exc:
+                assert exc.status == 422, exc
+                outcomes["refused"] = outcomes.get("refused", 0) + 1
+    finally:
+        stop.set()
+        t.join(5)
+    assert outcomes.get("opened"), outcomes

@@ -20,7 +20,12 @@ def open_engine_file(path: str, shm_dir: str) -> tuple[int, os.stat_result]:
     """An open descriptor of the engine's file ``path`` and its stat; refuses (422) a file outside
     the agent's shared-memory directory, one that cannot be opened, or anything but a non-empty
     regular file. The caller closes the descriptor."""
-    real = os.path.realpath(path)
+    try:
+        # A link swapped while realpath walks it makes readlink fail (EINVAL on what is no longer
+        # a link, ELOOP, ENOENT): the engine's file is then not one the agent can check.
+        real = os.path.realpath(path)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise layout_mismatch(f"cannot resolve {path}: {exc}") from None
     if os.path.dirname(real) != os.path.realpath(shm_dir):
         raise layout_mismatch(
             f"{path} is not in the agent's shared-memory directory {shm_dir}: "
