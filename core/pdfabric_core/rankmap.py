@@ -20,6 +20,49 @@ if TYPE_CHECKING:
 
 RANKMAP_VERSION = 1
 RANKMAP_KEY = "rankmap.json"
+# Replica, rank and device numbers a map may carry: far above any CRD bound, far below what would
+# make a rank id or an index overflow anything downstream.
+MAX_INDEX = 1 << 20
+
+
+class RankMapError(ValueError):
+    """A rank map that does not parse, with where and what: the one exception its reader raises for
+    any text (a map written by hand, truncated, of another shape or nested past any sense)."""
+
+
+def _field(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+    """``d[key]`` when it is a `kind` (an int is never a bool); `default` when absent and given."""
+    if key not in d:
+        if default is not ...:
+            return default
+        raise RankMapError(f"{where} has no {key!r}")
+    value = d[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise RankMapError(f"{where}.{key} must be {_kind_name(kind)}, not {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", str: "a string", dict: "an object", list: "a list", type(None): "null"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _index(value: Any, where: str) -> int:
+    """A replica, rank or device number: an integer in [0, MAX_INDEX)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RankMapError(f"{where} must be an integer, not {type(value).__name__}")
+    if not 0 <= value < MAX_INDEX:
+        raise RankMapError(f"{where} must be in [0, {MAX_INDEX}), not {value}")
+    return value
+
+
+def _index_field(d: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+    if key not in d and default is not None:
+        return default
+    if key not in d:
+        raise RankMapError(f"{where} has no {key!r}")
+    return _index(d[key], f"{where}.{key}")
 
 
 @dataclass(frozen=True, order=True)
@@ -81,19 +124,21 @@ class Rank:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Rank:
-        try:
-            role = Role(d["role"])
-        except ValueError:
-            raise ValueError(f"rank role must be prefill or decode, got {d['role']!r}") from None
+    def from_dict(cls, d: Any, where: str = "rank") -> Rank:
+        """The rank `d` describes (``to_dict``'s inverse); RankMapError saying what is wrong."""
+        if not isinstance(d, dict):
+            raise RankMapError(f"{where} must be an object, not {type(d).__name__}")
+        role = _field(d, "role", str, where)
+        if role not in {r.value for r in Role}:
+            raise RankMapError(f"{where}.role must be prefill or decode, not {role!r}")
         return cls(
-            role,
-            int(d["replica"]),
-            int(d["tpRank"]),
-            int(d.get("cpRank", 0)),
-            int(d.get("ppRank", 0)),
-            int(d.get("gpu", 0)),
-            int(d.get("dpRank", 0)),
+            Role(role),
+            _index_field(d, "replica", where),
+            _index_field(d, "tpRank", where),
+            _index_field(d, "cpRank", where, 0),
+            _index_field(d, "ppRank", where, 0),
+            _index_field(d, "gpu", where, 0),
+            _index_field(d, "dpRank", where, 0),
         )
 
 
@@ -130,8 +175,16 @@ class AgentEntry:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> AgentEntry:
-        return cls(str(d["name"]), str(d["node"]), tuple(Rank.from_dict(r) for r in d["ranks"]), d.get("domain"))
+    def from_dict(cls, d: Any, where: str = "agent") -> AgentEntry:
+        if not isinstance(d, dict):
+            raise RankMapError(f"{where} must be an object, not {type(d).__name__}")
+        ranks = _field(d, "ranks", list, where)
+        return cls(
+            _field(d, "name", str, where),
+            _field(d, "node", str, where),
+            tuple(Rank.from_dict(r, f"{where}.ranks[{i}]") for i, r in enumerate(ranks)),
+            _field(d, "domain", (str, type(None)), where, None),
+        )
 
 
 @dataclass(frozen=True)
@@ -196,18 +249,35 @@ class RankMap:
 
     @classmethod
     def from_json(cls, text: str) -> RankMap:
-        d = json.loads(text)
-        version = int(d.get("version", 0))
+        """The map `text` holds; RankMapError (a ValueError) naming the first thing wrong, for any
+        text at all: the agents re-read this file while they serve, and a bad write must not be
+        able to end them (process/rankmap_file.py)."""
+        try:
+            d = json.loads(text)
+        except RecursionError:
+            raise RankMapError("rank map is nested too deeply to be one") from None
+        except ValueError as exc:  # JSONDecodeError, and text that is not valid Unicode
+            raise RankMapError(f"rank map is not JSON: {exc}") from None
+        if not isinstance(d, dict):
+            raise RankMapError(f"rank map must be a JSON object, not {type(d).__name__}")
+        version = _field(d, "version", int, "rank map", 0)
         if version != RANKMAP_VERSION:
-            raise ValueError(f"rank map version {version} is not supported (this agent reads {RANKMAP_VERSION})")
-        c = d["cluster"]
+            raise RankMapError(f"rank map version {version} is not supported (this agent reads {RANKMAP_VERSION})")
+        c = _field(d, "cluster", dict, "rank map")
+        agents = _field(d, "agents", list, "rank map")
+        feeds: dict[int, tuple[int, ...]] = {}
+        for key, value in _field(d, "feeds", dict, "rank map", {}).items():
+            where = f"rank map feeds[{key!r}]"
+            if not (key.isascii() and key.isdigit() and len(key) < 8) or not isinstance(value, list):
+                raise RankMapError(f"{where}: feeds map a prefill replica number to a list of decode replicas")
+            feeds[_index(int(key), where)] = tuple(_index(x, f"{where}[{i}]") for i, x in enumerate(value))
         return cls(
-            namespace=c["namespace"],
-            cluster=c["name"],
-            cluster_uid=c["uid"],
-            transport=d["transport"],
-            spec=d["spec"],
-            agents=tuple(AgentEntry.from_dict(a) for a in d["agents"]),
-            feeds={int(k): tuple(int(x) for x in v) for k, v in d.get("feeds", {}).items()},
+            namespace=_field(c, "namespace", str, "rank map cluster"),
+            cluster=_field(c, "name", str, "rank map cluster"),
+            cluster_uid=_field(c, "uid", str, "rank map cluster"),
+            transport=_field(d, "transport", str, "rank map"),
+            spec=_field(d, "spec", dict, "rank map"),
+            agents=tuple(AgentEntry.from_dict(a, f"rank map agents[{i}]") for i, a in enumerate(agents)),
+            feeds=feeds,
             version=version,
         )

@@ -1,14 +1,20 @@
-"""Rank enumeration and the rank's role vocabulary."""
+"""Rank enumeration, the rank's role vocabulary, and the rank map's parser: any text at all gives a
+RankMap or a RankMapError that says what is wrong (agents re-read the file while they serve)."""
 
 from __future__ import annotations
 
+import json
+import re
+from typing import Any
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import Rank, replica_ranks
+from pdfabric_core.rankmap import Rank, RankMap, RankMapError, replica_ranks
 from tests.builders import pdcluster
+from tests.unit.rankmaps import MALFORMED, a_rankmap, with_value
 
 
 @pytest.mark.parametrize(
@@ -47,7 +53,7 @@ def test_rank_role_is_the_enum_and_equals_its_string() -> None:
 
 
 def test_unknown_role_is_refused() -> None:
-    with pytest.raises(ValueError, match="rank role must be prefill or decode"):
+    with pytest.raises(ValueError, match=re.escape("rank.role must be prefill or decode")):
         Rank.from_dict({"role": "encode", "replica": 0, "tpRank": 0})
 
 
@@ -99,3 +105,52 @@ def test_dp_groups_are_ranks_of_their_own_and_group_0_keeps_the_ids_without_dp()
 def test_what_names_no_rank_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="not a pdfabric rank id"):
         Rank.from_id(bad)
+
+
+def test_a_rankmap_reads_back_what_it_wrote() -> None:
+    rm = a_rankmap()
+    assert RankMap.from_json(rm.to_json()) == rm
+
+
+@pytest.mark.parametrize(("text", "says"), MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_rankmap_is_a_rankmap_error_that_says_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(RankMapError, match=re.escape(says)):
+        RankMap.from_json(text)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _paths(doc: Any, at: list[Any]) -> list[list[Any]]:
+    found = [at] if at else []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            found += _paths(v, [*at, k])
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            found += _paths(v, [*at, i])
+    return found
+
+
+VALID_PATHS = _paths(json.loads(a_rankmap().to_json()), [])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(VALID_PATHS), JSON)
+def test_any_value_anywhere_in_a_rankmap_gives_a_rankmap_or_a_rankmap_error(path: list[Any], value: Any) -> None:
+    try:
+        rm = RankMap.from_json(with_value(path, value))
+    except RankMapError:
+        return
+    assert RankMap.from_json(rm.to_json()) == rm  # what parses is a map that writes itself back
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON | st.text(max_size=64))
+def test_any_json_or_text_gives_a_rankmap_error(doc: Any) -> None:
+    with pytest.raises(RankMapError):
+        RankMap.from_json(doc if isinstance(doc, str) else json.dumps(doc))

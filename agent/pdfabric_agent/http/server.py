@@ -22,7 +22,7 @@ import enum
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, TypeVar
 
 from aiohttp import ClientConnectionResetError, web
@@ -57,6 +57,7 @@ from pdfabric_agent.protocol.wire import (
 )
 from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.inputs import RereadInput, refused_inputs
 from pdfabric_core.engines.state import EngineState
 
 log = logging.getLogger("pdfabric.server")
@@ -76,6 +77,7 @@ class Readiness:
     engines: Callable[[], Sequence[EngineState]] | None = None
     rankmap: str = ""  # the digest of the rank map the agent runs on (the operator compares it)
     rankmap_refused: str = ""  # why the agent did not adopt the newest rank map it read, if it did not
+    inputs: list[RereadInput] = field(default_factory=list)  # the files it re-reads (runtime/inputs.py)
 
     def body(self) -> tuple[dict[str, Any], bool]:
         """/readyz: the agent's own readiness (``ready``, which the operator reads) and, with
@@ -85,8 +87,13 @@ class Readiness:
             body |= {"transport": self.transport, "requested": self.requested}
         if self.rankmap:
             body["rankmap"] = self.rankmap
-        if self.rankmap_refused:
-            body["rankmapRefused"] = self.rankmap_refused
+        refused = refused_inputs(self.inputs)
+        if refused:
+            body["inputsRefused"] = refused
+        # The operator reads rankmapRefused: a map that does not parse is one it did not take.
+        rankmap_refused = refused.get("rankmap") or self.rankmap_refused
+        if rankmap_refused:
+            body["rankmapRefused"] = rankmap_refused
         if self.engines is None:
             return body, self.ready
         states = list(self.engines())

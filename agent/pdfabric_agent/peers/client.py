@@ -24,6 +24,7 @@ from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.peer_wire import PING_PATH, STREAM_PATH, Answer, PeerMessage
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
+from pdfabric_agent.runtime.inputs import RereadFile
 from pdfabric_agent.runtime.tasks import Liveness
 from pdfabric_core.rankmap import RankMap
 
@@ -50,14 +51,15 @@ class PeerRefused(RuntimeError):
 PEER_ERRORS = (PeerRefused, aiohttp.ClientError, TimeoutError, OSError)
 
 
-def _read_peers_file(path: str) -> dict[str, str]:
-    """{agent name: "host:port"} from a PDFABRIC_PEERS_FILE; {} while it is missing or half-written."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return {}
-    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+PEERS_FILE_INPUT = "peers-file"
+
+
+def parse_peers_file(text: str) -> dict[str, str]:
+    """{agent name: "host:port"} from a PDFABRIC_PEERS_FILE's text; ValueError for anything else."""
+    data = json.loads(text)
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise ValueError('the peers file must be a JSON object of agent name to "host:port"')
+    return data
 
 
 class PeerClient:
@@ -75,7 +77,11 @@ class PeerClient:
         self._missed: dict[str, int] = {}  # agent -> consecutive missed heartbeats
         self._rechecks: dict[str, asyncio.Task[bool]] = {}  # agent -> the ping a new room waits for
         self._recheck_after: dict[str, float] = {}
-        self._file_peers: dict[str, str] = {}  # PDFABRIC_PEERS_FILE, as last read
+        self._file_peers: dict[str, str] = {}  # PDFABRIC_PEERS_FILE, as last taken
+        # Read again when a peer is not in it yet (runtime/inputs.py: a bad write keeps what was read).
+        self.peers_file = (
+            RereadFile(PEERS_FILE_INPUT, cfg.peers_file, parse_peers_file, rankmap.cluster) if cfg.peers_file else None
+        )
         self._streams: dict[str, PeerStream] = {}
         self._stream_locks: dict[str, asyncio.Lock] = {}
         self._stream_retry_after: dict[str, float] = {}
@@ -90,9 +96,9 @@ class PeerClient:
     def address(self, agent_name: str) -> str:
         if agent_name in self.cfg.peers:
             return self.cfg.peers[agent_name]
-        if self.cfg.peers_file:
+        if self.peers_file is not None:
             if agent_name not in self._file_peers:  # a peer that came up after this agent: read again
-                self._file_peers = _read_peers_file(self.cfg.peers_file)
+                self._file_peers = self.peers_file.check() or self._file_peers
             if agent_name in self._file_peers:
                 return self._file_peers[agent_name]
         return f"{self.peer_host(agent_name)}:{self.peer_port}"

@@ -37,6 +37,7 @@ from pdfabric_agent.rooms.membership import MembershipRefused
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig, ConfigError, load_config, require_peer_tls
+from pdfabric_agent.runtime.inputs import InputRefusals
 from pdfabric_agent.transfer.registry import make_backend
 from pdfabric_core.engines.launch import EngineLaunch
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
@@ -168,7 +169,9 @@ def follow_rankmap(agent: Agent, source: RankMapFile, readiness: Readiness) -> N
         return
     try:
         adopted = agent.adopt(newer)
-    except MembershipRefused as exc:
+    except Exception as exc:
+        if not isinstance(exc, MembershipRefused):
+            log.exception("rank map %s: adopting it failed", newer.digest)
         readiness.rankmap_refused = f"rank map {newer.digest}: {exc}"
         metrics.rankmap_reloads.labels(agent.cluster, "refused").inc()
         log.warning("not adopting %s", readiness.rankmap_refused)
@@ -222,6 +225,7 @@ async def serve(cfg: AgentConfig) -> int:
     readiness = Readiness()
     try:
         rankmap_file = RankMapFile(cfg.rankmap_path)
+        readiness.inputs.append(rankmap_file)
         rankmap = rankmap_file.rankmap
         spec = parse_spec(rankmap.spec)
         entry = rankmap.own_entry(cfg.pod_name, cfg.node_name)
@@ -251,6 +255,8 @@ async def serve(cfg: AgentConfig) -> int:
 
     agent: Agent | None = None
     peer_tls: tls.PeerTls | None = None
+    tls_refusals = InputRefusals(tls.INPUT_NAME, cluster)
+    readiness.inputs.append(tls_refusals)
     probe_pools: dict[str, Pool] = {}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -285,6 +291,8 @@ async def serve(cfg: AgentConfig) -> int:
         runners.append(prunner)
         peer_port = cfg.peer_port or spec.agent.peer_port
         peer_tls = tls.PeerTls.of(cfg.peer_tls_dir)
+        if agent.peers.peers_file is not None:
+            readiness.inputs.append(agent.peers.peers_file)
         for reload_outcome in ("loaded", "refused"):  # at 0 from the start: the first refusal is an increase
             metrics.peer_certificate_reloads.labels(cluster, reload_outcome)
         for reload_outcome in ("adopted", "refused"):
@@ -329,6 +337,10 @@ async def serve(cfg: AgentConfig) -> int:
                 outcome = peer_tls.reload_if_changed()  # the operator renewed the certificate
                 if outcome is not None:
                     metrics.peer_certificate_reloads.labels(cluster, outcome).inc()
+                    if peer_tls.problem:
+                        tls_refusals.refuse(peer_tls.problem)
+                    else:
+                        tls_refusals.taken()
     finally:
         readiness.ready = False
         readiness.reason, readiness.message = "ShuttingDown", "the agent is stopping"

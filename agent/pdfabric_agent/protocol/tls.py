@@ -24,6 +24,7 @@ from typing import Any
 
 log = logging.getLogger("pdfabric.agent")
 
+INPUT_NAME = "peer-certificate"
 RELOAD_CHECK_S = 10.0  # the kubelet syncs a Secret volume within about a minute
 
 CERT_FILE = "tls.crt"
@@ -70,6 +71,7 @@ class PeerTls:
         self.client = client_context(tls_dir)
         self._stamps = self._stat()
         self.reloads = 0
+        self.problem = ""  # why the last changed set did not load ("" once one did)
 
     @classmethod
     def of(cls, tls_dir: str) -> PeerTls:
@@ -106,11 +108,13 @@ class PeerTls:
             for ctx in (self.server, self.client):
                 ctx.load_cert_chain(cert, key)
                 ctx.load_verify_locations(cafile=ca)
-        except (OSError, ssl.SSLError) as exc:
-            log.warning("peer certificate in %s changed but does not load yet: %s", self.tls_dir, exc)
+        except Exception as exc:
+            self.problem = f"the peer certificate in {self.tls_dir} changed but does not load: {exc}"
+            log.warning("%s", self.problem)
             return "refused"
         self._stamps = stamps
         self.reloads += 1
+        self.problem = ""
         log.info("peer certificate reloaded from %s", self.tls_dir)
         return "loaded"
 

@@ -249,6 +249,12 @@ peer_stream_frames = Counter(
     ["pdcluster"],
     registry=REGISTRY,
 )
+input_refusals = Counter(
+    "pdfabric_input_refusals",
+    "Reads of a file the agent re-reads while it serves (input rankmap, peer-certificate, peers-file) that it refused: unreadable or not parsing. The agent keeps what it runs on; /readyz says why under inputsRefused until a read is taken. Counted once per failing content.",
+    ["pdcluster", "input"],
+    registry=REGISTRY,
+)
 peer_certificate_reloads = Counter(
     "pdfabric_peer_certificate_reloads",
     "Changed peer certificate files the agent saw (the operator renewed them in place): outcome loaded, or refused and tried again.",
