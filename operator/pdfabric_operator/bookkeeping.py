@@ -49,3 +49,5 @@ class Result:
     # The Ready and Placed conditions as written (the per-PDCluster gauges the alerts read).
     ready: bool = False
     placed: bool = False
+    # Replicas per role a scale step asked for that found no room (the planner's shortfall).
+    unplaced: dict[str, int] = field(default_factory=dict)

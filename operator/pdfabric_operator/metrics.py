@@ -43,6 +43,11 @@ ERRORS = Counter("pdfabric_operator_errors_total", "Reconcile errors by type.", 
 PLACEMENT_FAILURES = Counter(
     "pdfabric_operator_placement_failures_total", "Reconciles that found no placement, by reason.", ["reason"]
 )
+PLACEMENT_SHORTFALLS = Counter(
+    "pdfabric_operator_placement_shortfalls_total",
+    "Reconciles of a running PDCluster that placed fewer replicas than asked (the rest wait for room), by reason.",
+    ["reason"],
+)
 FALLBACKS = Counter("pdfabric_operator_transport_fallbacks_total", "Placements that used the declared TCP fallback.")
 API_REQUESTS = Counter(
     "pdfabric_operator_api_requests_total",
@@ -60,6 +65,11 @@ PDCLUSTER_PLACED = Gauge(
     "1 while the PDCluster's Placed condition is True (the declared TCP fallback included), else 0.",
     ["pdcluster_namespace", "pdcluster"],
 )
+PDCLUSTER_UNPLACED = Gauge(
+    "pdfabric_operator_pdcluster_unplaced_replicas",
+    "Replicas of a role the PDCluster's spec asks for that no node has room for (all of them while it is not placed).",
+    ["pdcluster_namespace", "pdcluster", "role"],
+)
 
 for _r in ReconcileResult:
     RECONCILES.labels(_r.value)
@@ -67,5 +77,6 @@ for _e in ErrorType:
     ERRORS.labels(_e.value)
 for _reason in PlacementReason:
     PLACEMENT_FAILURES.labels(_reason.value)
+    PLACEMENT_SHORTFALLS.labels(_reason.value)
 for _verb in ("get", "create", "update", "patch", "delete"):
     API_REQUESTS.labels(_verb)

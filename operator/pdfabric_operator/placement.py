@@ -60,6 +60,33 @@ class AgentPlacement:
 
 
 @dataclass(frozen=True)
+class Shortfall:
+    """A scale step of a running cluster the nodes cannot take in full: the replicas asked, those
+    placed (every running one that still fits, plus what fits of the new), and the planner's reason
+    and message for the rest, which stay unplaced as a Deployment's Pending pods do."""
+
+    prefill_asked: int
+    decode_asked: int
+    prefill_placed: int
+    decode_placed: int
+    reason: PlacementReason
+    message: str
+
+    def role_words(self, role: str) -> str:
+        """'3 of 4 decode replicas placed', or '' when the role is placed in full."""
+        asked, placed = (
+            (self.prefill_asked, self.prefill_placed) if role == "prefill" else (self.decode_asked, self.decode_placed)
+        )
+        return f"{placed} of {asked} {role} replicas placed" if placed < asked else ""
+
+    @property
+    def words(self) -> str:
+        """e.g. '3 of 4 decode replicas placed: decode-3 needs 1 GPUs but ...'."""
+        roles = [w for w in (self.role_words("prefill"), self.role_words("decode")) if w]
+        return f"{', '.join(roles)}: {self.message}"
+
+
+@dataclass(frozen=True)
 class Placement:
     transport: Transport  # what the agents run
     requested_transport: Transport
@@ -67,6 +94,9 @@ class Placement:
     feeds: Mapping[int, tuple[int, ...]]
     domain: str | None = None
     fallback_reason: str | None = None  # why the requested transport was not placed
+    # Set when fewer replicas than asked are placed (a running cluster scaled past its nodes);
+    # everything downstream is built for the placed counts (planner.placed_spec).
+    shortfall: Shortfall | None = None
 
     @property
     def is_fallback(self) -> bool:

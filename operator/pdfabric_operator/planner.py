@@ -21,24 +21,39 @@ PlacementFailure whose reason and message say exactly what is missing. The algor
    nodes free for large units; ties go to nodes without RDMA devices or an NVLink domain (kept for
    the clusters that need them), then by name. nvlink tries each NVLink domain (current one first,
    then the largest) and needs every unit inside that one domain.
-6. No fit: a PlacementFailure, or with placement.fallback TCP a tcp placement flagged as fallback.
+6. No fit: with placement.fallback TCP a tcp placement flagged as fallback; else, for a cluster
+   that runs (a previous placement: the last plan, or after a restart the rank map on record),
+   step 8; for one that does not run yet, a PlacementFailure (a cluster missing a role serves
+   nothing, so a new one is placed whole or not at all).
 7. Pods: one per (node, unit), its ranks' GPUs numbered from 0 within the pod. A scale step adds
    or removes whole units, so it adds or removes pods and leaves the others as they were.
+8. What fits of a step (an HPA's overshoot, a lost node): the most replicas, prefill <= spec and
+   decode <= spec, that steps 3 to 5 place, as a Placement whose `shortfall` says asked vs placed
+   and carries the step-6 reason and message. From the replicas that run (capped by the spec):
+   if those no longer fit (nodes lost), both roles shrink in proportion, by bisection; then decode
+   grows towards the spec, then prefill, each by bisection (fit is monotone for identical units).
+   A few dozen packs, whatever the counts: 1,024 replicas plan in tens of milliseconds. Intra-node
+   NVLink groups grow and shrink whole. Each transport of step 6 is searched; the one placing
+   more replicas wins, the requested on a tie. Stickiness keeps every running unit on its node,
+   and the caller builds every child from the spec clipped to the placed counts (placed_spec), so
+   an overshoot changes no pod and not the rank map. Not even one replica of each role: step 6's
+   failure.
 
-Steps 1 and 6 are here; units, free capacity and the packing (2 to 5, 7) are packing.py; the
+Steps 1, 6 and 8 are here; units, free capacity and the packing (2 to 5, 7) are packing.py; the
 inputs and the answer (GpuNode, PlacedPod, Placement, PlacementFailure) are placement.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, Locality, tcp_fallback_allowed, transport_traits
-from pdfabric_core.policy.types import Transport
+from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator.packing import NoFit, agent_placements, free_capacity, pack, plan_feeds, plan_units
-from pdfabric_operator.placement import GpuNode, PlacedPod, Placement, PlacementFailure, PlacementReason
+from pdfabric_operator.placement import GpuNode, PlacedPod, Placement, PlacementFailure, PlacementReason, Shortfall
 from pdfabric_operator.scheduling import Taint, affinity_allows, node_pod_tolerations, untolerated
 
 
@@ -79,30 +94,173 @@ def plan_placement(
     cluster_uid: str,
     previous: Mapping[str, Sequence[Rank]] | None = None,
 ) -> Placement | PlacementFailure:
-    """Place every rank of `spec` (see the module doc for the algorithm)."""
-    requested = spec.transfer.effective_transport
+    """Place every rank of `spec`, or for a running cluster as many replicas as fit (see the
+    module doc for the algorithm)."""
     previous = previous or {}
+    outcome = _plan_all(spec, nodes, placed, cluster_uid, previous)
+    if isinstance(outcome, Placement) or not previous:
+        return outcome
+    return _plan_partial(spec, nodes, placed, cluster_uid, previous, outcome) or outcome
+
+
+def placed_spec(spec: PDClusterSpec, placement: Placement) -> PDClusterSpec:
+    """`spec` with the replica counts the placement holds: what every child is built from, so a
+    scale step that could not be placed leaves the rank map, pods and services as they were."""
+    if placement.shortfall is None:
+        return spec
+    return with_replicas(spec, placement.shortfall.prefill_placed, placement.shortfall.decode_placed)
+
+
+def with_replicas(spec: PDClusterSpec, prefill: int, decode: int) -> PDClusterSpec:
+    return dataclasses.replace(
+        spec,
+        prefill=dataclasses.replace(spec.prefill, replicas=prefill),
+        decode=dataclasses.replace(spec.decode, replicas=decode),
+    )
+
+
+def _plan_all(
+    spec: PDClusterSpec,
+    nodes: Sequence[GpuNode],
+    placed: Sequence[PlacedPod],
+    uid: str,
+    previous: Mapping[str, Sequence[Rank]],
+) -> Placement | PlacementFailure:
+    """Every replica of `spec` on the requested transport, else on the declared TCP fallback."""
+    requested = spec.transfer.effective_transport
     try:
-        return _plan(spec, requested, requested, nodes, placed, cluster_uid, previous)
+        return _plan(spec, requested, requested, nodes, placed, uid, previous)
     except NoFit as nofit:
         if not tcp_fallback_allowed(spec.placement.fallback, requested):
             return PlacementFailure(nofit.reason, nofit.message, requested)
         try:
-            fallback = _plan(spec, FALLBACK_TRANSPORT, requested, nodes, placed, cluster_uid, previous)
+            fallback = _plan(spec, FALLBACK_TRANSPORT, requested, nodes, placed, uid, previous)
         except NoFit as tcp_nofit:
             return PlacementFailure(
                 nofit.reason,
                 f"{nofit.message}; the declared TCP fallback does not fit either: {tcp_nofit.message}",
                 requested,
             )
-        return Placement(
-            fallback.transport,
-            requested,
-            fallback.agents,
-            fallback.feeds,
-            None,
-            f"{nofit.reason}: {nofit.message}",
-        )
+        return dataclasses.replace(fallback, fallback_reason=f"{nofit.reason}: {nofit.message}")
+
+
+def _placed_replicas(previous: Mapping[str, Sequence[Rank]], role: Role) -> int:
+    return len({r.replica for ranks in previous.values() for r in ranks if r.role == role})
+
+
+def _plan_partial(
+    spec: PDClusterSpec,
+    nodes: Sequence[GpuNode],
+    placed: Sequence[PlacedPod],
+    uid: str,
+    previous: Mapping[str, Sequence[Rank]],
+    failure: PlacementFailure,
+) -> Placement | None:
+    """The most replicas of a running cluster that fit, each transport in the fallback order (the
+    one placing more wins, the requested on a tie); None when not even one of each role fits.
+
+    Starts from what runs (capped by the spec), shrinks if that no longer fits (nodes lost), then
+    grows decode and then prefill towards the spec, each by bisection: a few dozen pack() calls
+    whatever the replica counts. Intra-node NVLink groups count as one prefill replica and the
+    decode replicas it feeds, so they grow and shrink whole."""
+    requested = spec.transfer.effective_transport
+    transports = [requested]
+    if requested is not FALLBACK_TRANSPORT and tcp_fallback_allowed(spec.placement.fallback, requested):
+        transports.append(FALLBACK_TRANSPORT)
+    start = (
+        max(1, min(spec.prefill.replicas, _placed_replicas(previous, Role.PREFILL))),
+        max(1, min(spec.decode.replicas, _placed_replicas(previous, Role.DECODE))),
+    )
+    best: Placement | None = None
+    for transport in transports:
+        found = _most_that_fit(spec, transport, start, nodes, placed, uid, previous)
+        if found is not None and (best is None or sum(_replicas(found)) > sum(_replicas(best))):
+            best = found
+    if best is None:
+        return None
+    p, d = _replicas(best)
+    fallback_reason = f"{failure.reason}: {failure.message}" if best.is_fallback else None
+    shortfall = Shortfall(spec.prefill.replicas, spec.decode.replicas, p, d, failure.reason, failure.message)
+    return dataclasses.replace(best, fallback_reason=fallback_reason, shortfall=shortfall)
+
+
+def _most_that_fit(
+    spec: PDClusterSpec,
+    transport: Transport,
+    start: tuple[int, int],
+    nodes: Sequence[GpuNode],
+    placed: Sequence[PlacedPod],
+    uid: str,
+    previous: Mapping[str, Sequence[Rank]],
+) -> Placement | None:
+    requested = spec.transfer.effective_transport
+    tried: dict[tuple[int, int], Placement | None] = {}
+
+    def fits(counts: tuple[int, int]) -> Placement | None:
+        if counts not in tried:
+            try:
+                clipped = with_replicas(spec, *counts)
+                tried[counts] = _plan(clipped, transport, requested, nodes, placed, uid, previous)
+            except NoFit:
+                tried[counts] = None
+        return tried[counts]
+
+    counts: tuple[int, int] | None
+    if transport_traits(transport).locality is Locality.NODE:
+        k = spec.decode_per_prefill
+        groups = _largest_fit(lambda g: fits((g, g * k)) is not None, start[0], spec.prefill.replicas)
+        counts = (groups, groups * k) if groups else None
+    else:
+        asked = (spec.prefill.replicas, spec.decode.replicas)
+        counts = _largest_pair(lambda pd: fits(pd) is not None, start, asked)
+    return fits(counts) if counts is not None else None
+
+
+def _replicas(placement: Placement) -> tuple[int, int]:
+    ranks = [r for a in placement.agents for r in a.ranks]
+    return (
+        len({r.replica for r in ranks if r.role == Role.PREFILL}),
+        len({r.replica for r in ranks if r.role == Role.DECODE}),
+    )
+
+
+def _largest_fit(fits: Callable[[int], bool], start: int, most: int) -> int:
+    """The largest n in [1, most] with fits(n), bisecting down from `start` if it does not fit
+    and up from it if it does (fit is taken as monotone: fewer identical units fit where more do);
+    0 when not even 1 fits."""
+    if not fits(start):
+        if start <= 1 or not fits(1):
+            return 0
+        most, start = start - 1, 1
+    lo, hi = start, most  # fits(lo) holds
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _largest_pair(
+    fits: Callable[[tuple[int, int]], bool], start: tuple[int, int], asked: tuple[int, int]
+) -> tuple[int, int] | None:
+    """Replica counts (prefill, decode) that fit: `start` or, if it no longer fits, both shrunk
+    in proportion as little as needed; then decode grown towards asked, then prefill."""
+    p0, d0 = start
+    if not fits(start):
+        steps = max(p0, d0)
+
+        def scaled(s: int) -> tuple[int, int]:
+            return (max(1, -(-p0 * s // steps)), max(1, -(-d0 * s // steps)))
+
+        s = _largest_fit(lambda s: fits(scaled(s)), 1, steps - 1) if steps > 1 else 0
+        if s == 0:
+            return None
+        p0, d0 = scaled(s)
+    d = _largest_fit(lambda d: fits((p0, d)), d0, asked[1])
+    p = _largest_fit(lambda p: fits((p, d)), p0, asked[0])
+    return (p, d)
 
 
 def _plan(

@@ -7,7 +7,10 @@ loop, so it never iterates a dict the loop is mutating. Steps:
 2. Plan against the snapshot plus the in-memory ledger of placements this operator just made
    (the watch cache lags our own creates; without the ledger two clusters planned in the same
    second would both take the same GPUs).
-3. No fit: delete every child, publish the reason. Fit: ensure the engine-token and peer-CA
+3. No fit: delete every child, publish the reason (a cluster that runs never gets here for want of
+   room: the planner then places what fits of a scale step and reports the rest, see planner.py).
+   Fit: build every child from the spec clipped to the replicas placed (planner.placed_spec), so
+   a step the nodes cannot take leaves the rank map and the pods exactly as they were; ensure the engine-token and peer-CA
    Secrets, Service, NetworkPolicy, rank-map ConfigMap, then agent pods (replace a pod whose build hash differs,
    delete pods no longer wanted with their certificates, create missing ones, each after issuing
    its own peer certificate: a new pod is a new key; deterministic names make an interrupted run
@@ -43,11 +46,11 @@ from pdfabric_operator.conditions import agent_fallbacks, ready_condition
 from pdfabric_operator.engine_restarts import engine_restarts
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.ledger import LEDGER, Ledger
-from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, ReconcileResult
+from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, PLACEMENT_SHORTFALLS, ReconcileResult
 from pdfabric_operator.observed import AgentView, Observed
 from pdfabric_operator.peer_certs import issue_peer_tls, renew_peer_tls
 from pdfabric_operator.placement import Placement, PlacementFailure
-from pdfabric_operator.planner import plan_placement, usable_nodes
+from pdfabric_operator.planner import placed_spec, plan_placement, usable_nodes
 from pdfabric_operator.snapshot import OwnPod, Snapshot
 from pdfabric_operator.status import compute_status, status_patch
 
@@ -126,7 +129,7 @@ def reconcile_once(
         placed = ledger.merged(snap.placed, ref.uid)
         outcome = plan_placement(spec, snap.nodes, placed, cluster_uid=ref.uid, previous=previous)
         if isinstance(outcome, Placement):
-            ledger.record(ref.uid, _usage(spec, outcome))
+            ledger.record(ref.uid, _usage(placed_spec(spec, outcome), outcome))
             memory.last_plan = outcome.ranks_by_node()
         else:
             ledger.forget(ref.uid)
@@ -141,6 +144,7 @@ def reconcile_once(
         PLACEMENT_FAILURES.labels(outcome.reason.value).inc()
         out.result = ReconcileResult.UNPLACED
         out.problem = (outcome.reason, outcome.message)
+        out.unplaced = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas}
         for p in own:
             if not p.deleting and kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name}")
@@ -155,15 +159,26 @@ def reconcile_once(
                 "FallbackTCP",
                 f"running tcp instead of {outcome.requested_transport.value}: {outcome.fallback_reason}",
             )
+        if outcome.shortfall is not None:  # the step's rest waits for room, as Pending pods do
+            short = outcome.shortfall
+            PLACEMENT_SHORTFALLS.labels(short.reason.value).inc()
+            out.problem = (short.reason.value, short.words)
+            out.unplaced = {
+                "prefill": short.prefill_asked - short.prefill_placed,
+                "decode": short.decode_asked - short.decode_placed,
+            }
+        # Every child is built for the replicas placed: a step that could not be placed changes
+        # none of the hashes (rank map, pods, services, router) of what runs.
+        built = placed_spec(spec, outcome)
         memory.children_absent = False
-        rankmap = build_rankmap(ref, raw_spec, outcome)
-        policy = build_network_policy(ref, spec, monitoring_namespace, operator_namespace) if network_policy else None
-        ensure_shared_children(kube, ref, spec, rankmap, policy, memory, recheck_children_after, out)
+        rankmap = build_rankmap(ref, _placed_raw_spec(raw_spec, outcome), outcome)
+        policy = build_network_policy(ref, built, monitoring_namespace, operator_namespace) if network_policy else None
+        ensure_shared_children(kube, ref, built, rankmap, policy, memory, recheck_children_after, out)
         if not memory.children_checked_at or memory.engine_services_hash != memory.last_rankmap_hash:
-            ensure_engine_services(kube, ref, spec, outcome, out)
+            ensure_engine_services(kube, ref, built, outcome, out)
             memory.engine_services_hash = memory.last_rankmap_hash
-        router = ensure_router(kube, ref, spec, outcome, memory, out)
-        desired = {pod["metadata"]["name"]: pod for pod in build_agent_pods(ref, spec, outcome)}
+        router = ensure_router(kube, ref, built, outcome, memory, out)
+        desired = {pod["metadata"]["name"]: pod for pod in build_agent_pods(ref, built, outcome)}
         existing = {p.name: p for p in own}
         # Pods whose ranks moved (or that failed, or are no longer wanted) go at once: the plan
         # needs them elsewhere. Pods that only drifted (image, resources, ports) roll one at a
@@ -234,7 +249,7 @@ def reconcile_once(
                     message=said.message if said is not None else "",
                 )
             )
-        out.events += engine_restarts(memory, spec, own, snap.reports)
+        out.events += engine_restarts(memory, built, own, snap.reports)
 
     # 4. Status.
     status = compute_status(
@@ -262,6 +277,22 @@ def reconcile_once(
     memory.membership_settled = all(x["status"] == "True" for x in members)
     out.patched = _write_status(kube, ref, status, stored_status, stored_rv, memory)
     return out
+
+
+def _placed_raw_spec(raw_spec: Mapping[str, Any], placement: Placement) -> Mapping[str, Any]:
+    """The spec as written, with the replica counts placed: what the rank map embeds, so an
+    overshoot's rank map is byte for byte the one before it."""
+    short = placement.shortfall
+    if short is None:
+        return raw_spec
+    clipped = dict(raw_spec)
+    for role, asked, placed in (
+        ("prefill", short.prefill_asked, short.prefill_placed),
+        ("decode", short.decode_asked, short.decode_placed),
+    ):
+        if placed < asked:  # a role placed in full stays as written (replicas may be left out)
+            clipped[role] = {**(raw_spec.get(role) or {}), "replicas": placed}
+    return clipped
 
 
 def _tell_pods_of_rankmap(kube: Kube, pods: Sequence[OwnPod], digest: str) -> list[str]:

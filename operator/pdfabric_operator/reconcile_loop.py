@@ -24,6 +24,7 @@ from pdfabric_operator.metrics import (
     ERRORS,
     PDCLUSTER_PLACED,
     PDCLUSTER_READY,
+    PDCLUSTER_UNPLACED,
     RECONCILE_DURATION,
     RECONCILES,
     ReconcileResult,
@@ -141,6 +142,8 @@ async def reconcile_loop(
                 RECONCILES.labels(res.result.value).inc()
                 PDCLUSTER_READY.labels(ref.namespace, ref.name).set(res.ready)
                 PDCLUSTER_PLACED.labels(ref.namespace, ref.name).set(res.placed)
+                for role in ("prefill", "decode"):
+                    PDCLUSTER_UNPLACED.labels(ref.namespace, ref.name, role).set(res.unplaced.get(role, 0))
                 if res.actions:
                     logger.info(f"reconciled ({res.result.value}): {'; '.join(res.actions)}")
                 # One Event per new problem (kubectl describe shows it), not one per reconcile.
@@ -181,6 +184,9 @@ async def reconcile_loop(
         for gauge in (PDCLUSTER_READY, PDCLUSTER_PLACED):  # gone, or reconciled by another replica now
             with contextlib.suppress(KeyError):
                 gauge.remove(ref.namespace, ref.name)
+        for role in ("prefill", "decode"):
+            with contextlib.suppress(KeyError):
+                PDCLUSTER_UNPLACED.remove(ref.namespace, ref.name, role)
 
 
 async def sync_pdroles(

@@ -26,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from pdfabric_operator import constants as c
 from pdfabric_operator.builders.names import ClusterRef, labels_for
 from pdfabric_operator.kube import Kube, Refused, server_message
+from pdfabric_operator.role_status import Refusal, role_status, status_patch
 
 ROLES = ("prefill", "decode")
 _MERGE = "application/merge-patch+json"
@@ -36,14 +37,6 @@ _FIELD_MANAGER = [("fieldManager", "pdfabric-operator")]
 
 def role_name(cluster: str, role: str) -> str:
     return f"{cluster}-{role}"
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A scale the PDCluster's validation refused: tried again only once the PDCluster changes."""
-
-    replicas: int
-    cluster_generation: int
 
 
 @dataclass(frozen=True)
@@ -114,63 +107,6 @@ def build_role(ref: ClusterRef, role: str, replicas: int) -> dict[str, Any]:
         },
         "spec": {"cluster": ref.name, "role": role, "replicas": replicas},
     }
-
-
-def role_status(
-    *,
-    role: str,
-    cluster: str,
-    cluster_replicas: int,
-    role_replicas: int,
-    ready: int,
-    selector: str,
-    generation: int,
-    refused: Refusal | None,
-    refused_message: str,
-) -> dict[str, Any]:
-    """The PDRole's status (conditions without lastTransitionTime; `status_patch` stamps it)."""
-    if role_replicas == cluster_replicas:
-        cond = ("True", "InSync", f"PDCluster {cluster} has spec.{role}.replicas {cluster_replicas}")
-    elif refused is not None and refused.replicas == role_replicas:
-        cond = ("False", "ScaleRefused", refused_message)
-    else:
-        cond = (
-            "False",
-            "Pending",
-            f"PDCluster {cluster} has spec.{role}.replicas {cluster_replicas}, not yet {role_replicas}",
-        )
-    status: dict[str, Any] = {
-        "replicas": cluster_replicas,
-        "readyReplicas": ready,
-        "selector": selector,
-        "observedGeneration": generation,
-        "refused": None,
-        "conditions": [{"type": c.COND_SYNCED, "status": cond[0], "reason": cond[1], "message": cond[2]}],
-    }
-    if refused is not None and cond[1] == "ScaleRefused":
-        status["refused"] = {
-            "replicas": refused.replicas,
-            "clusterGeneration": refused.cluster_generation,
-            "message": refused_message,
-        }
-    return status
-
-
-def status_patch(desired: Mapping[str, Any], stored: Mapping[str, Any], now: str) -> dict[str, Any] | None:
-    """Merge patch for the PDRole's .status, or None when the stored one says the same already."""
-    old = {x.get("type"): x for x in stored.get("conditions") or []}
-    conditions = []
-    for cond in desired["conditions"]:
-        prev = old.get(cond["type"]) or {}
-        since = prev.get("lastTransitionTime") if prev.get("status") == cond["status"] else None
-        conditions.append({**cond, "lastTransitionTime": since or now})
-    full = {**desired, "conditions": conditions}
-    same = (
-        all(stored.get(k) == v for k, v in full.items() if k != "conditions")
-        and [{k: v for k, v in x.items() if k != "lastTransitionTime"} for x in stored.get("conditions") or []]
-        == desired["conditions"]
-    )
-    return None if same else full
 
 
 # --- what the watch cache holds of a PDRole ------------------------------------------------------
@@ -337,6 +273,8 @@ def _sync_one(
         generation=view.generation,
         refused=view.refused,
         refused_message=str((view.status.get("refused") or {}).get("message") or ""),
+        placed=_int_or_none((status.get(role) or {}).get("placed")),
+        unplaced=status.get("unplaced"),
     )
     patch = status_patch(desired, view.status, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     if patch is not None:

@@ -7,6 +7,7 @@ costs no writes. A condition's lastTransitionTime moves only when its status fli
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,8 @@ from pdfabric_operator.conditions import (
 )
 from pdfabric_operator.engine_status import engine_status, no_engines, router_status
 from pdfabric_operator.observed import Observed
-from pdfabric_operator.placement import AgentPlacement, PlacementFailure
+from pdfabric_operator.placement import AgentPlacement, PlacementFailure, Shortfall
+from pdfabric_operator.planner import placed_spec
 
 # Keys of .status this writer owns; anything else there (kopf's own bookkeeping) is left alone.
 OWNED_KEYS = (
@@ -38,6 +40,7 @@ OWNED_KEYS = (
     "prefillReady",
     "decodeReady",
     "agents",
+    "unplaced",
     "placement",
     "nvlinkDomain",
     "expectedBytesPerRequest",
@@ -101,6 +104,12 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
         return status
     if isinstance(outcome, PlacementFailure):
         status.update(_unplaced(p_desired, d_desired))
+        status["unplaced"] = {
+            "prefill": p_desired,
+            "decode": d_desired,
+            "reason": str(outcome.reason),
+            "message": outcome.message,
+        }
         status["conditions"] = [
             condition(c.COND_READY, False, "NotPlaced", outcome.message),
             condition(c.COND_PLACED, False, outcome.reason, outcome.message),
@@ -110,6 +119,10 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
         return status
 
     placement = outcome
+    short = placement.shortfall
+    # A scale step the nodes could not take: the replicas placed are the ones to be ready.
+    p_placed = short.prefill_placed if short else p_desired
+    d_placed = short.decode_placed if short else d_desired
     pods = {agent_name(cluster, a.unit, a.node): a for a in placement.agents}
     wanted = {name: a.node for name, a in pods.items()}
     # An agent awaiting its turn in a rolling update still serves its ranks: Ready stays True
@@ -117,17 +130,18 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
     ready_names = {v.name for v in obs.agents if v.ready and (v.current or v.serving) and wanted.get(v.name) == v.node}
     updated = sum(1 for v in obs.agents if v.current and wanted.get(v.name) == v.node)
     ready_agents = len(ready_names)
-    p_ready = _ready_replicas(Role.PREFILL, p_desired, pods, ready_names)
-    d_ready = _ready_replicas(Role.DECODE, d_desired, pods, ready_names)
-    all_ready = ready_agents == len(wanted) and p_ready == p_desired and d_ready == d_desired
+    p_ready = _ready_replicas(Role.PREFILL, p_placed, pods, ready_names)
+    d_ready = _ready_replicas(Role.DECODE, d_placed, pods, ready_names)
+    all_ready = ready_agents == len(wanted) and p_ready == p_placed and d_ready == d_placed
     status.update(
         {
             "transport": placement.transport.value,
-            "prefill": {"desired": p_desired, "ready": p_ready},
-            "decode": {"desired": d_desired, "ready": d_ready},
+            "prefill": {"desired": p_desired, "placed": p_placed, "ready": p_ready},
+            "decode": {"desired": d_desired, "placed": d_placed, "ready": d_ready},
             "prefillReady": f"{p_ready}/{p_desired}",
             "decodeReady": f"{d_ready}/{d_desired}",
             "agents": {"desired": len(wanted), "ready": ready_agents},
+            "unplaced": _unplaced_replicas(short),
             "placement": [
                 {
                     "node": a.node,
@@ -185,9 +199,19 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
             degraded = condition(
                 c.COND_DEGRADED, False, "AsRequested", f"running {placement.transport.value} as requested"
             )
+    if short is not None:
+        # Running what fits of a scale step: Placed stays True (every placed replica runs), the
+        # shortfall is its reason and Degraded's, as a Deployment keeps Available with a Pending pod.
+        placed = condition(c.COND_PLACED, True, "PartiallyPlaced", short.words)
+        degraded = condition(c.COND_DEGRADED, True, short.reason, short.words)
     rolling = f"; rolling update: {updated}/{len(wanted)} agents updated" if updated < len(wanted) else ""
+    if short is not None:
+        rolling += f"; {short.words}"
+    ready_reason = (
+        "PartiallyPlaced" if short is not None else "RollingUpdate" if updated < len(wanted) else "AgentsReady"
+    )
     ready = (
-        condition(c.COND_READY, True, "RollingUpdate" if rolling else "AgentsReady", agents_msg + rolling)
+        condition(c.COND_READY, True, ready_reason, agents_msg + rolling)
         if all_ready
         else condition(c.COND_READY, False, "AgentsNotReady", agents_msg + rolling)
     )
@@ -196,7 +220,8 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
         status.update(no_engines())
         status["conditions"] = [ready, placed, transport_ready, degraded, *members]
         return status
-    engines = engine_status(obs, cluster, placement)
+    # The engines of the replicas placed are the ones wanted.
+    engines = engine_status(dataclasses.replace(obs, spec=placed_spec(spec, placement)), cluster, placement)
     status.update(engines)
     counts = engines["engines"]
     engines_ok = all(counts[r]["ready"] == counts[r]["desired"] for r in ("prefill", "decode"))
@@ -215,24 +240,32 @@ def _status(obs: Observed, cluster: str) -> dict[str, Any]:
     elif all_ready and not router_ok:
         ready = condition(c.COND_READY, False, "RouterNotReady", f"{agents_msg}; {engines_msg}{router_msg}{rolling}")
     elif all_ready:
-        ready = condition(
-            c.COND_READY,
-            True,
-            "RollingUpdate" if rolling else "AgentsReady",
-            f"{agents_msg}; {engines_msg}{router_msg}{rolling}",
-        )
+        ready = condition(c.COND_READY, True, ready_reason, f"{agents_msg}; {engines_msg}{router_msg}{rolling}")
     status["conditions"] = [ready, placed, transport_ready, degraded, engines_ready, *members]
     return status
+
+
+def _unplaced_replicas(short: Shortfall | None) -> dict[str, Any] | None:
+    """Replicas asked and not placed, per role, and the planner's reason: None when all are placed."""
+    if short is None:
+        return None
+    return {
+        "prefill": short.prefill_asked - short.prefill_placed,
+        "decode": short.decode_asked - short.decode_placed,
+        "reason": str(short.reason),
+        "message": short.message,
+    }
 
 
 def _unplaced(p_desired: int, d_desired: int) -> dict[str, Any]:
     return {
         "transport": None,
-        "prefill": {"desired": p_desired, "ready": 0},
-        "decode": {"desired": d_desired, "ready": 0},
+        "prefill": {"desired": p_desired, "placed": 0, "ready": 0},
+        "decode": {"desired": d_desired, "placed": 0, "ready": 0},
         "prefillReady": f"0/{p_desired}",
         "decodeReady": f"0/{d_desired}",
         "agents": {"desired": 0, "ready": 0},
+        "unplaced": None,
         "placement": [],
         "nvlinkDomain": None,
         **no_engines(),

@@ -11,16 +11,8 @@ import yaml
 
 from pdfabric_operator import constants as c
 from pdfabric_operator.builders.names import ClusterRef
-from pdfabric_operator.roles import (
-    Refusal,
-    SyncDecision,
-    build_role,
-    decide,
-    role_selector,
-    role_status,
-    role_view,
-    status_patch,
-)
+from pdfabric_operator.role_status import Refusal, role_status, status_patch
+from pdfabric_operator.roles import SyncDecision, build_role, decide, role_selector, role_view
 from tests.unit.charts import operator_grants, run_helm, schema_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,6 +141,34 @@ def test_status_says_in_sync_refused_or_pending() -> None:
     # Scaled again after a refusal: no longer the refused value, not yet carried.
     pending = _status(role_replicas=4, refused=Refusal(3, 5))
     assert pending["conditions"][0]["reason"] == "Pending" and pending["refused"] is None
+
+
+def test_status_says_how_many_replicas_are_placed_and_why_not_the_rest() -> None:
+    """Issue 40: a scale step the nodes cannot take in full: the PDRole says what runs and the
+    planner's word on the rest, as a Deployment's Pending pods do."""
+    full = _status(placed=2, unplaced=None)
+    assert full["placedReplicas"] == 2
+    assert full["conditions"][1] == {
+        "type": "Placed", "status": "True", "reason": "Placed", "message": "all 2 decode replicas placed",
+    }  # fmt: skip
+    short = _status(
+        cluster_replicas=4,
+        role_replicas=4,
+        placed=3,
+        unplaced={"prefill": 0, "decode": 1, "reason": "InsufficientGPUs", "message": "decode-3 needs 1 GPUs"},
+    )
+    assert short["replicas"] == 4 and short["placedReplicas"] == 3
+    assert short["conditions"][0]["reason"] == "InSync"
+    assert short["conditions"][1] == {
+        "type": "Placed",
+        "status": "False",
+        "reason": "InsufficientGPUs",
+        "message": "3 of 4 decode replicas placed: decode-3 needs 1 GPUs",
+    }
+    # The PDCluster's status not yet caught up with the scale: Pending, not Placed.
+    assert _status(cluster_replicas=4, role_replicas=4, placed=3)["conditions"][1]["reason"] == "Pending"
+    # An older operator's status without placed counts: all of them.
+    assert _status()["placedReplicas"] == 2 and _status()["conditions"][1]["status"] == "True"
 
 
 def test_status_patch_only_on_change_and_keeps_transition_times() -> None:

@@ -668,3 +668,60 @@ def test_membership_is_unsettled_only_while_an_agent_that_answered_runs_an_older
     cond = next(x for x in kube.status["conditions"] if x["type"] == "RankMapCurrent")
     assert (cond["status"], cond["reason"]) == ("False", "AgentsBehind")
     assert settled(rankmap=current)
+
+
+@pytest.mark.parametrize("decode", [4, 1024])
+def test_a_scale_step_past_the_nodes_keeps_every_pod_and_the_rank_map_and_reports_the_rest(decode: int) -> None:
+    """Issue 40: decode scaled one past four one-GPU nodes (or to 1,024) of a running engine
+    cluster: no pod deleted or created, no child rewritten, the rank map byte for byte the same;
+    status says what is placed and why not the rest; scaling back clears it."""
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node(n, 1) for n in "abcd"]
+    fits = pdcluster().transport("tcp").engine().router().decode(replicas=3)
+    _run(kube, ref, fits, Snapshot(nodes, [], []), memory, ledger)
+    reports = {"pod-uid": _report()}
+    kube.objects[("Deployment", "ns", "pd-router")]["status"] = {"readyReplicas": 1}
+    steady = _run(kube, ref, fits, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    children = {k: dict(v) for k, v in kube.objects.items() if k[0] != "Pod"}
+    pods = {p.name: p.pod_hash for p in kube.pods("u1")}
+    rankmap = memory.last_rankmap_hash
+    kube.calls.clear()
+    over = pdcluster().transport("tcp").engine().router().decode(replicas=decode)
+    res = _run(kube, ref, over, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    writes = [c for c in kube.calls if c[0] not in ("get", "patch")]
+    assert writes == [], writes
+    assert {p.name: p.pod_hash for p in kube.pods("u1")} == pods
+    assert {k: v for k, v in kube.objects.items() if k[0] != "Pod"} == children
+    assert memory.last_rankmap_hash == rankmap
+    assert (res.result, res.ready, res.placed) == (steady.result, steady.ready, True)
+    assert res.unplaced == {"prefill": 0, "decode": decode - 3}
+    assert res.problem is not None and res.problem[0] == "InsufficientGPUs"
+    status = kube.status
+    assert status["decode"] == {"desired": decode, "placed": 3, "ready": 3}
+    assert status["decodeReady"] == f"3/{decode}"
+    assert status["unplaced"]["decode"] == decode - 3 and status["unplaced"]["reason"] == "InsufficientGPUs"
+    conditions = {x["type"]: x for x in status["conditions"]}
+    assert conditions["Placed"]["status"] == "True" and conditions["Placed"]["reason"] == "PartiallyPlaced"
+    assert conditions["Placed"]["message"].startswith(f"3 of {decode} decode replicas placed: ")
+    assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "InsufficientGPUs"
+    assert f"3 of {decode} decode replicas placed" in conditions["Ready"]["message"]
+    assert status["engines"]["decode"]["desired"] == 3, "the engines of the replicas placed"
+    # Scaled back: the shortfall is gone, nothing else changes.
+    kube.calls.clear()
+    res = _run(kube, ref, fits, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
+    assert [c for c in kube.calls if c[0] not in ("get", "patch")] == []
+    assert res.unplaced == {} and kube.status.get("unplaced") is None
+    assert {x["type"]: x["reason"] for x in kube.status["conditions"]}["Placed"] == "Placed"
+
+
+def test_ready_holds_while_every_placed_replica_serves_and_some_wait_for_room() -> None:
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node(n, 1) for n in "abcd"]
+    _run(kube, ref, pdcluster().decode(replicas=3), Snapshot(nodes, [], []), memory, ledger)
+    res = _run(kube, ref, pdcluster().decode(replicas=4), Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    assert res.result is ReconcileResult.READY and res.ready
+    ready = kube.status["conditions"][0]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "PartiallyPlaced")
+    assert ready["message"].startswith("4/4 agents ready on tcp; 3 of 4 decode replicas placed: ")
