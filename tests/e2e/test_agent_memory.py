@@ -164,12 +164,17 @@ def test_swapping_a_symlink_during_registration_gets_4xx_and_never_maps_outside(
     stop = threading.Event()
 
     def swap() -> None:
+        """The name is a link out, a link in, or the good file itself (a hard link), in turn: a
+        resolve that reads a link the name no longer is fails (EINVAL), which was a 500."""
         for i in itertools.count():
             if stop.is_set():
                 return
             tmp = f"{link}.{i % 2}"
             try:
-                os.symlink(files["outside"] if i % 2 else files["good"], tmp)
+                if i % 3 == 2:
+                    os.link(files["good"], tmp)
+                else:
+                    os.symlink(files["outside"] if i % 3 else files["good"], tmp)
                 os.replace(tmp, link)
             except OSError:
                 pass
@@ -178,7 +183,7 @@ def test_swapping_a_symlink_during_registration_gets_4xx_and_never_maps_outside(
     t.start()
     statuses = []
     try:
-        for _ in range(150):
+        for _ in range(300):
             statuses.append(register(lc, registration(D0, link, pages=8))[0])
     finally:
         stop.set()
