@@ -246,3 +246,84 @@ def test_a_users_own_pdrole_of_the_name_is_left_alone(cluster: Any, namespace: s
     h.delete_all_pdclusters(cluster, namespace)
     assert not _role_exists(cluster, namespace, "pd-prefill")
     assert _role(cluster, namespace, "pd-decode")["spec"]["replicas"] == 7, "the user's own stays"
+
+
+def _pod_uids(cluster: Any, namespace: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in agent_pods(cluster, namespace, "pd")}
+
+
+def _rankmap(cluster: Any, namespace: str) -> tuple[str, str]:
+    cm = cluster.get_json("configmap", "pd-rankmap", "-n", namespace)
+    return cm["metadata"]["resourceVersion"], cm["data"]["rankmap.json"]
+
+
+def test_a_scale_past_the_nodes_keeps_what_runs_and_reports_the_rest(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator: Any
+) -> None:
+    """Issue 40: decode scaled one past four one-GPU nodes (what an HPA overshoot does), then to
+    1,024: no pod deleted, none made that cannot be placed, the rank map untouched; the PDCluster
+    and the PDRole say what is placed and why not the rest; scaling back clears it."""
+    gpu_nodes("n", 4, gpus=1)
+    builder = pdcluster().prefill(replicas=1).decode(replicas=3).placement(nodeSelector=selector(namespace))
+    apply_pdc(cluster, builder.manifest(), namespace)
+    wait_ready(cluster, namespace, "pd")
+    wait_until(lambda: _synced(cluster, namespace, "pd-decode", 3), timeout=30, what="pdrole pd-decode")
+    pods, rankmap = _pod_uids(cluster, namespace), _rankmap(cluster, namespace)
+    assert len(pods) == 4
+
+    for asked in (4, 1024):
+        cluster.kubectl("scale", "pdrole/pd-decode", "--replicas", str(asked), "-n", namespace)
+
+        def reported(asked: int = asked) -> dict[str, Any] | None:
+            obj = pdc(cluster, namespace, "pd")
+            status = obj.get("status") or {}
+            role = _role(cluster, namespace, "pd-decode").get("status") or {}
+            placed = condition({"status": role}, "Placed") or {}
+            if (
+                status.get("observedGeneration") == obj["metadata"]["generation"]
+                and (status.get("unplaced") or {}).get("decode") == asked - 3
+                and role.get("replicas") == asked
+                and placed.get("reason") == "InsufficientGPUs"
+            ):
+                return obj
+            return None
+
+        obj = wait_until(reported, timeout=30, what=f"the shortfall of decode {asked} reported")
+        status = obj["status"]
+        assert status["decode"] == {"desired": asked, "placed": 3, "ready": 3}, status["decode"]
+        assert status["decodeReady"] == f"3/{asked}"
+        assert status["unplaced"]["reason"] == "InsufficientGPUs" and "0 free" in status["unplaced"]["message"]
+        placed = condition(obj, "Placed")
+        assert placed and placed["status"] == "True" and placed["reason"] == "PartiallyPlaced", placed
+        assert placed["message"].startswith(f"3 of {asked} decode replicas placed: ")
+        degraded = condition(obj, "Degraded")
+        assert degraded and (degraded["status"], degraded["reason"]) == ("True", "InsufficientGPUs")
+        ready = condition(obj, "Ready")
+        assert ready and (ready["status"], ready["reason"]) == ("True", "PartiallyPlaced"), ready
+        role = _role(cluster, namespace, "pd-decode")
+        assert (role["status"]["replicas"], role["status"]["placedReplicas"]) == (asked, 3)
+        role_placed = condition(role, "Placed")
+        assert role_placed and role_placed["status"] == "False"
+        assert role_placed["message"].startswith(f"3 of {asked} decode replicas placed: ")
+        # What ran runs on: same pods (uids), no pending one, the rank map not rewritten.
+        assert _pod_uids(cluster, namespace) == pods
+        assert _rankmap(cluster, namespace) == rankmap
+        events = cluster.get_json(
+            "events", "-n", namespace, "--field-selector", "involvedObject.kind=PDCluster,reason=InsufficientGPUs"
+        )["items"]
+        assert events and all(e["type"] == "Warning" for e in events)
+
+    cluster.kubectl("scale", "pdrole/pd-decode", "--replicas", "3", "-n", namespace)
+    wait_until(
+        lambda: (
+            "unplaced" not in (pdc(cluster, namespace, "pd").get("status") or {})
+            and (condition(_role(cluster, namespace, "pd-decode"), "Placed") or {}).get("status") == "True"
+        ),
+        timeout=30,
+        what="the shortfall cleared",
+    )
+    obj = wait_ready(cluster, namespace, "pd")
+    assert condition(obj, "Placed")["reason"] == "Placed"  # type: ignore[index]
+    assert _role(cluster, namespace, "pd-decode")["status"]["placedReplicas"] == 3
+    assert _pod_uids(cluster, namespace) == pods
+    assert _rankmap(cluster, namespace) == rankmap
