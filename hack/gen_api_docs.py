@@ -130,14 +130,17 @@ def render() -> str:
         "Conditions: `Ready` (placed and every agent Ready; `RollingUpdate`, still True, while pods of the "
         "same ranks wait for their turn in a rolling update and serve; False with `PodRejected` when the API "
         "server refuses an agent pod, `PodUnschedulable` when the kube-scheduler does not bind one, "
-        "`InvalidSpec`), `Placed` (reason names what is missing when False: "
+        "`InvalidSpec`; `PartiallyPlaced`, still True, while every placed replica serves and some of a "
+        "scale step wait for room), `Placed` (reason names what is missing when False: "
         "`NoGPUNodes`, `InsufficientGPUs`, `NoRDMANodes`, `NoNVLinkDomain`, `NVLinkDomainTooSmall`, "
         "`NoNodeForIntraNodeGroup`, `PodUnschedulable` with the scheduler's message; `FallbackTCP` when the "
-        "declared fallback was used), `TransportReady` "
+        "declared fallback was used; `PartiallyPlaced`, True, when a running cluster was scaled past its "
+        "nodes: it keeps what runs, places what fits and the message says how many of each role and why, "
+        "as `status.unplaced` does), `TransportReady` "
         "(agents ready on the requested transport; `AgentFallback` when an agent's own /readyz says it carries "
         "KV over another transport than the rank map asked for), `Degraded` (`TransportFallback`, "
         "`AgentTransportFallback`, `NodeLost`: ranks leaving a node that is gone, NotReady, cordoned or "
-        "tainted against the pods). A new fallback or placement problem is also a Warning Event "
+        "tainted against the pods; the planner's reason, e.g. `InsufficientGPUs`, while replicas wait for room). A new fallback or placement problem is also a Warning Event "
         "on the PDCluster.",
         "",
         "| Field | Type | Default | Constraints | Description |",

@@ -707,6 +707,12 @@ def test_a_scale_step_past_the_nodes_keeps_every_pod_and_the_rank_map_and_report
     assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "InsufficientGPUs"
     assert f"3 of {decode} decode replicas placed" in conditions["Ready"]["message"]
     assert status["engines"]["decode"]["desired"] == 3, "the engines of the replicas placed"
+    # An operator restarted meanwhile plans from the rank map on record: the same, no writes.
+    kube.calls.clear()
+    restarted = ClusterMemory()
+    _run(kube, ref, over, Snapshot(nodes, [], kube.pods("u1"), reports=reports), restarted, Ledger())
+    assert [c for c in kube.calls if c[0] not in ("get", "patch")] == []
+    assert restarted.last_rankmap_hash == rankmap
     # Scaled back: the shortfall is gone, nothing else changes.
     kube.calls.clear()
     res = _run(kube, ref, fits, Snapshot(nodes, [], kube.pods("u1"), reports=reports), memory, ledger)
