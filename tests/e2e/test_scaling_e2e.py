@@ -1,5 +1,7 @@
 """Live scaling of a serving PDCluster (issue 26): decode 1 -> 3, prefill 1 -> 2, decode 3 -> 1
-while prompts stream, in two shapes (a node per replica; every rank on one node).
+while prompts stream, in two shapes (a node per replica; every rank on one node). In the node per
+replica shape, once every node is full, decode is scaled one past the nodes and then to 1,024 (an
+HPA's overshoot, issue 40): what runs keeps running, untouched, and the rest waits for room.
 
 Real parts: the control plane, the operator under the chart's RBAC reading the agents' /readyz,
 the node pods' real command run by PodRunner with its kubelet loop (pods the operator adds
@@ -43,6 +45,8 @@ NEW_TOKENS = 8
 STEPS = [(1, 3), (2, 3), (2, 1)]  # (prefill, decode) replicas after each step, from 1 and 1
 # shape -> (nodes, GPUs each): a node per replica (at most 2 + 3), or all on one node
 SHAPES = {"node-per-replica": (5, 1), "one-node": (1, 8)}
+# shape -> the (prefill, decode) step that fills every node, and the decode counts then asked for
+OVERSHOOT = {"node-per-replica": ((2, 3), (4, 1024))}
 
 
 def colocated() -> dict[int, list[int]]:
@@ -177,6 +181,44 @@ def settled(cluster: Any, namespace: str, prefill: int, decode: int, seen: list[
     )
 
 
+def short_of(cluster: Any, namespace: str, prefill: int, decode: int, asked: int) -> bool:
+    """The status says prefill and decode serve at these counts, decode asked for `asked`, and
+    the rest waits for room (Ready held, Placed PartiallyPlaced, status.unplaced)."""
+    obj = h.pdc(cluster, namespace, "pd")
+    st = obj.get("status", {})
+    ready, placed = h.condition(obj, "Ready"), h.condition(obj, "Placed")
+    return bool(
+        ready is not None
+        and ready["status"] == "True"
+        and placed is not None
+        and placed["reason"] == "PartiallyPlaced"
+        and st.get("observedGeneration") == obj["metadata"]["generation"]
+        and st.get("prefillReady") == f"{prefill}/{prefill}"
+        and st.get("decodeReady") == f"{decode}/{asked}"
+        and (st.get("unplaced") or {}).get("decode") == asked - decode
+    )
+
+
+def overshoot(cluster: Any, namespace: str, runner: PodRunner, prefill: int, decode: int, asked: int) -> None:
+    """Scale decode to `asked` through its PDRole: no pod replaced, added or restarted, the rank
+    map as it was, the rest reported."""
+    before = units(cluster, namespace)
+    lives = {u: life(runner, x["name"]) for u, x in before.items()}
+    digest = rankmap_digest(cluster, namespace)
+    cluster.kubectl("scale", "pdrole/pd-decode", "--replicas", str(asked), "-n", namespace)
+    wait_until(
+        lambda: short_of(cluster, namespace, prefill, decode, asked),
+        timeout=60,
+        what=f"decode {asked} asked, {decode} placed",
+    )
+    time.sleep(2)  # the stream runs on while the rest waits
+    assert units(cluster, namespace) == before
+    assert {u: life(runner, x["name"]) for u, x in before.items()} == lives
+    assert rankmap_digest(cluster, namespace) == digest
+    placed = h.condition(h.pdc(cluster, namespace, "pd"), "Placed") or {}
+    assert placed.get("message", "").startswith(f"{decode} of {asked} decode replicas placed: "), placed
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_scaling_each_role_drops_no_prompt_and_restarts_no_pod_whose_ranks_stayed(
     shape: str, cluster: Any, namespace: str, gpu_nodes: Any, operator: Any, runner: PodRunner
@@ -232,6 +274,9 @@ def test_scaling_each_role_drops_no_prompt_and_restarts_no_pod_whose_ranks_staye
                     answer = generate(p_ep, d_url, PROMPTS[0], NEW_TOKENS, timeout_s=60)
                     assert (answer.error, answer.tokens) == ("", want[0]), (p_pod, d_pod)
                 time.sleep(2)  # the stream runs on the new shape for a while
+                full, asks = OVERSHOOT.get(shape, ((0, 0), ()))
+                for asked in asks if full == (prefill, decode) else ():
+                    overshoot(cluster, namespace, runner, prefill, decode, asked)
     sent = stream.sent
     behind = sum(1 for status, _ in observed if status == "False")
     print(  # the numbers a closing note quotes (pytest -rP shows them)
