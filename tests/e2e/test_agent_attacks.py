@@ -4,7 +4,9 @@ on mutual TLS):
 - a flood of half-open TLS handshakes against agents held to 1,024 descriptors (the soft limit
   common under containerd) must not fail a room or blacklist a peer;
 - a prefill agent stopped (SIGSTOP) in the middle of a write, then resumed, must blame no peer:
-  its own pause is not the decode agent's failure, and the next room succeeds.
+  its own pause is not the decode agent's failure, and the next room succeeds;
+- a flood from the decode agent's own address (another process of its node, or behind its NAT)
+  must not keep decode out of the prefill's door (issue 40: its first room was reset at the bound).
 """
 
 from __future__ import annotations
@@ -71,6 +73,30 @@ def test_rooms_stay_exact_under_a_handshake_flood_at_1024_descriptors() -> None:
         assert blacklisted == 0
         assert held < DESCRIPTORS // 2  # the flood holds a bounded share of the agent's descriptors
         assert churn > 0  # the flood was really refused and came back
+
+
+def test_a_flood_from_the_peers_own_address_lets_its_rooms_through() -> None:
+    """1,100 half-open connections to the prefill's peer door from 127.0.0.1, the address the
+    decode agent dials from, started before decode's first connection to prefill: every room is
+    exact and no peer is blacklisted."""
+    with LocalFabric(SPEC) as lc:
+        prefill, decode = lc.agents[lc.agent_of(P)], lc.agents[lc.agent_of(D)]
+        hold_descriptors(prefill, DESCRIPTORS)
+        rooms: list[tuple[int, str, list[str], float]] = []
+        with HandshakeFlood(prefill.peer_address, 1100, source="127.0.0.1") as flood:
+            time.sleep(2)  # at full strength
+            for room in range(200, 205):
+                result = transfer_room(lc, room, pages=1 + room % 8, state_slots=1, timeout_s=15)
+                rooms.append((room, result.decode[D].state.title, result.errors[D], round(result.elapsed_s, 2)))
+            churn = flood.ended
+            held = open_descriptors(prefill)
+        blacklisted = lc.metric_sum("pdfabric_peers_blacklisted")
+        print(f"flood from the peer's address: rooms {rooms}, {churn} flood connections reset, {held} fds held")
+        assert [r for r in rooms if r[1] != "Success" or r[2]] == [], rooms
+        assert blacklisted == 0
+        assert held < DESCRIPTORS // 2
+        assert churn > 0
+        assert decode.alive() and prefill.alive()
 
 
 BIG = {**SPEC, "model": {"layers": 4, "kvHeads": 8, "headDim": 128, "pageSizeTokens": 16, "auxRowBytes": [8, 8]}}

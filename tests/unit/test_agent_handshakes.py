@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from pdfabric_agent.http.guard import Limits
+from pdfabric_agent.http.handshakes import HELLO_BYTES
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.runtime import metrics
 from pdfabric_devcluster.agents import write_tls_dir
@@ -73,12 +74,18 @@ def good_get(port: int, client_tls: str, timeout: float = 5.0) -> tuple[int, byt
     return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
 
 
-def half_open(port: int, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
-    """`n` connections from `source` that start a ClientHello and never finish it."""
+# A handshake record header announcing 16 KiB, then a ClientHello's worth of its bytes: the TLS
+# server waits for the rest of the record, and the client has spoken (handshakes.HELLO_BYTES).
+SPOKEN = b"\x16\x03\x01\x40\x00" + b"\x01" + b"\x00" * (HELLO_BYTES + 32)
+
+
+def half_open(port: int, n: int, source: str = "127.0.0.1", *, spoken: bool = False) -> list[socket.socket]:
+    """`n` connections from `source` that start a ClientHello and never finish it: with its first
+    three bytes (silent), or `spoken`, a ClientHello's worth of it."""
     socks = []
     for _ in range(n):
         s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
-        s.sendall(b"\x16\x03\x01")
+        s.sendall(SPOKEN if spoken else b"\x16\x03\x01")
         socks.append(s)
     return socks
 
@@ -139,11 +146,13 @@ def test_half_open_handshakes_are_bounded_and_a_peer_still_gets_through(
             s.close()
 
 
-def test_at_the_bound_a_new_connection_is_reset_while_every_handshake_is_young(tls_dirs: tuple[str, str]) -> None:
+def test_at_the_bound_a_new_connection_is_reset_while_every_handshake_is_young_and_spoke(
+    tls_dirs: tuple[str, str],
+) -> None:
     patient = Limits(header_timeout_s=10, max_handshakes=4, slow_handshake_s=5)
     served = tls_served(tls_dirs[0], patient)
     before = refusals("too_many_connections")
-    socks = half_open(served.port, patient.max_handshakes)
+    socks = half_open(served.port, patient.max_handshakes, spoken=True)
     try:
         wait_until(
             lambda: served.handshaking == patient.max_handshakes,
@@ -176,11 +185,46 @@ def test_a_flood_from_one_address_cannot_keep_a_peer_at_another_out(tls_dirs: tu
         )
         assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
         assert ended_by_peer(flood[0], 1.0)  # the oldest of the flood made room
-        refill, more = half_open(served.port, 2, source="127.0.0.2")  # the free slot, then one too many
+        # The free slot, then one too many: every slot young and spoken (the flood's silent ones
+        # would make room for a client that speaks, below), so the flood's new one is reset.
+        for s in flood[1:]:
+            s.sendall(SPOKEN[3:])
+        refill, more = half_open(served.port, 2, source="127.0.0.2", spoken=True)
         with refill, more:
-            assert ended_by_peer(more) and not ended_by_peer(refill, 0.1)  # every slot young: reset
+            assert ended_by_peer(more) and not ended_by_peer(refill, 0.1)
     finally:
         for s in flood:
+            s.close()
+        served.close()
+
+
+def test_a_silent_flood_from_the_peers_own_address_cannot_keep_the_peer_out(tls_dirs: tuple[str, str]) -> None:
+    """Every slot young and held from 127.0.0.1, the peer's own address, by clients that sent three
+    bytes: the peer's connection (its ClientHello came with its connect) takes the place of the
+    oldest silent one and is served; a new client that spoke takes the next; a new silent one is
+    reset at once, as before; a spoken one's place is never taken while it is young."""
+    patient = Limits(header_timeout_s=10, max_handshakes=4, slow_handshake_s=5)
+    served = tls_served(tls_dirs[0], patient)
+    (spoke,) = half_open(served.port, 1, spoken=True)
+    silent = half_open(served.port, patient.max_handshakes - 1)
+    try:
+        wait_until(
+            lambda: served.handshaking == patient.max_handshakes,
+            timeout=2,
+            what="served.handshaking == patient.max_handshakes",
+        )
+        assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
+        assert ended_by_peer(silent[0], 1.0)  # the oldest silent one made room
+        (refill,) = half_open(served.port, 1)  # the slot the peer's finished handshake freed
+        (quiet,) = half_open(served.port, 1)
+        with refill, quiet:
+            assert ended_by_peer(quiet, 1.0) and not ended_by_peer(silent[1], 0.1)
+            (speaking,) = half_open(served.port, 1, spoken=True)
+            with speaking:
+                assert ended_by_peer(silent[1], 1.0) and not ended_by_peer(speaking, 0.1)
+        assert not ended_by_peer(spoke, 0.1)  # the oldest of all, but it spoke
+    finally:
+        for s in (spoke, *silent):
             s.close()
         served.close()
 

@@ -88,7 +88,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "PDFABRIC_MAX_CONNECTIONS": ("256", "Connections per listener; past it the slowest make room, else 429."),
     "PDFABRIC_MAX_HANDSHAKES": (
         "64",
-        "TLS handshakes in progress on the peer door; past it the oldest slow one (0.5 s) is reset, else the new one.",
+        "TLS handshakes in progress on the peer door; past it a new connection replaces the oldest of the address holding the most, else the oldest whose client has not sent its ClientHello, else the oldest slow one (0.5 s); else it is reset.",
     ),
     "PDFABRIC_LOG_LEVEL": ("INFO", "Python log level."),
     # The serving engines the agent runs (spec.engine; supervisor.py). None of these variables,
