@@ -23,6 +23,7 @@ headless Service's DNS names (the certificates still carry those names, and peer
 from __future__ import annotations
 
 import base64
+import datetime
 import os
 import secrets
 import signal
@@ -212,16 +213,26 @@ class Fabric:
             client = self._clients[key] = AgentClient(*key)
         return client
 
-    def issue_peer_tls(self, agent: str, path: Path, *, ca: pki.KeyPair | None = None) -> str:
+    def issue_peer_tls(
+        self, agent: str, path: Path, *, ca: pki.KeyPair | None = None, valid_for: datetime.timedelta | None = None
+    ) -> str:
         """A peer TLS directory for agent name ``agent`` (in the rank map or not), from this
         fabric's CA or from ``ca`` (another cluster's), named and addressed as the operator names
-        agents; for tests that call peer doors as someone else."""
+        agents, valid for ``valid_for`` (the operator's default without); for tests that call peer
+        doors as someone else."""
         ca = ca or self.ca
         if ca is None:
             raise RuntimeError("this fabric's CA is the operator's; pass ca=")
         rm = self.rankmap
         host = DEFAULT_PEER_HOST_TEMPLATE.format(name=agent, cluster=rm.cluster, namespace=rm.namespace)
-        leaf = pki.issue_agent(ca, namespace=rm.namespace, cluster=rm.cluster, agent=agent, dns_name=host)
+        leaf = pki.issue_agent(
+            ca,
+            namespace=rm.namespace,
+            cluster=rm.cluster,
+            agent=agent,
+            dns_name=host,
+            valid_for=valid_for or pki.AGENT_VALID_FOR,
+        )
         return str(write_tls_dir(path, leaf, ca))
 
     def peer_post(

@@ -6,6 +6,10 @@ authenticated when the stream opened; the answer ``{"id", "status", "body"}`` ca
 POST would answer, refusals included. Frames are handled concurrently, as separate POSTs would be,
 at most ``MAX_IN_FLIGHT`` at once per stream (more are refused 429).
 
+The caller stays checked while the stream lives: every ``ADMISSION_CHECK_S`` and before each frame,
+its certificate must not have expired since the handshake and the rank map must still list it;
+else the stream closes (1008, with the reason) within one check, failing the frames it held.
+
 Why: after the last chunk a room waits for its done report, and on two busy cores an HTTPS POST
 between idle agents costs about 1.5 ms where a frame on an open stream costs about 0.7."""
 
@@ -27,6 +31,8 @@ log = logging.getLogger("pdfabric.agent")
 
 MAX_IN_FLIGHT = 1024  # frames of one stream being handled at once
 HEARTBEAT_S = 10.0  # a stream whose peer stopped answering pings closes (its calls fail, it reconnects)
+
+ADMISSION_CHECK_S = 1.0  # an expired certificate or a caller the rank map dropped: closed this soon
 
 PeerCall = Callable[[str, dict[str, Any], str], Awaitable[dict[str, Any]]]  # (path, body, caller) -> answer
 
@@ -58,14 +64,44 @@ async def _answer(
         await ws.send_str(_frame(frame_id, status, answer))
 
 
+async def _close_when_refused(
+    ws: web.WebSocketResponse, still_admitted: Callable[[], ApiError | None], refused: Callable[[ApiError], None]
+) -> None:
+    while not ws.closed:
+        await asyncio.sleep(ADMISSION_CHECK_S)
+        if not ws.closed and await _closed_if_refused(ws, still_admitted, refused):
+            return
+
+
+async def _closed_if_refused(
+    ws: web.WebSocketResponse, still_admitted: Callable[[], ApiError | None], refused: Callable[[ApiError], None]
+) -> bool:
+    exc = still_admitted()
+    if exc is None:
+        return False
+    refused(exc)
+    log.warning("closing the peer stream: %s", exc.message)
+    # 1008: policy violation; the reason is capped by the protocol at 123 bytes.
+    await ws.close(code=1008, message=exc.message.encode()[:123])
+    return True
+
+
 async def serve_stream(
-    request: web.Request, caller: str, call: PeerCall, max_frame: int, refused: Callable[[ApiError], None]
+    request: web.Request,
+    caller: str,
+    call: PeerCall,
+    max_frame: int,
+    refused: Callable[[ApiError], None],
+    still_admitted: Callable[[], ApiError | None],
 ) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(max_msg_size=max_frame, heartbeat=HEARTBEAT_S)
     await ws.prepare(request)
     tasks: set[asyncio.Task[None]] = set()
+    watch = asyncio.ensure_future(_close_when_refused(ws, still_admitted, refused))
     async for msg in ws:
         if msg.type is not WSMsgType.TEXT:
+            break
+        if await _closed_if_refused(ws, still_admitted, refused):
             break
         try:
             frame = decode_json(msg.data.encode())
@@ -82,6 +118,7 @@ async def serve_stream(
         task = asyncio.ensure_future(_answer(ws, frame, caller, call, refused))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+    watch.cancel()
     for task in tasks:
         task.cancel()
     return ws

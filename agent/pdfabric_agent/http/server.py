@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, TypeVar
@@ -155,14 +156,23 @@ PEER_AGENT = web.RequestKey("peer_agent", str)  # the authenticated caller on th
 def peer_identity(agent: Agent, request: web.Request) -> str:
     """The calling agent, from its verified client certificate (the TLS handshake already refused
     a missing one or one from another CA): its name must be an agent of this cluster's rank map."""
-    name = tls.peer_agent(request.transport.get_extra_info("peercert") if request.transport else None)
+    peercert = request.transport.get_extra_info("peercert") if request.transport else None
+    name = tls.peer_agent(peercert)
     if name is None:
         raise ApiError(401, Refusal.UNAUTHORIZED, "the peer door needs a client certificate from the cluster CA")
+    check_peer(agent, name, tls.peer_expiry(peercert), time.time())
+    return name
+
+
+def check_peer(agent: Agent, name: str, expires: float | None, now: float) -> None:
+    """A caller the handshake admitted may still call: its certificate has not expired since (a
+    kept-alive connection or a stream outlives the handshake) and the rank map still lists it."""
+    if expires is not None and now >= expires:
+        raise ApiError(401, Refusal.UNAUTHORIZED, f"the certificate of {name!r} expired; the connection must end")
     if name not in agent.ctx.ranks.peer_agents():
         raise ApiError(
             403, Refusal.UNAUTHORIZED, f"certificate of {name!r}, which is no agent of this cluster's rank map"
         )
-    return name
 
 
 def build_api_app(agent: Agent, door: Door) -> web.Application:
@@ -297,7 +307,17 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
 
     async def peer_stream(request: web.Request) -> web.StreamResponse:
         refused = lambda exc: metrics.api_refusals.labels(cluster, exc.reason.value).inc()  # noqa: E731
-        return await serve_stream(request, request[PEER_AGENT], framed, request.app[BODY_CAP], refused)
+        caller = request[PEER_AGENT]
+        expires = tls.peer_expiry(request.transport.get_extra_info("peercert") if request.transport else None)
+
+        def still_admitted() -> ApiError | None:
+            try:
+                check_peer(agent, caller, expires, time.time())
+            except ApiError as exc:
+                return exc
+            return None
+
+        return await serve_stream(request, caller, framed, request.app[BODY_CAP], refused, still_admitted)
 
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"agent": agent.entry.name})

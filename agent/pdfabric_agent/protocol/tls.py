@@ -128,3 +128,15 @@ def peer_agent(peercert: Any) -> str | None:
             if len(attr) == 2 and attr[0] == "commonName" and isinstance(attr[1], str):
                 return attr[1]
     return None
+
+
+def peer_expiry(peercert: Any) -> float | None:
+    """When a verified peer certificate expires (``notAfter``, seconds since the epoch); None when
+    it does not say. The handshake refused an expired one; this is for connections that outlive it."""
+    not_after = peercert.get("notAfter") if isinstance(peercert, dict) else None
+    if not isinstance(not_after, str):
+        return None
+    try:
+        return float(ssl.cert_time_to_seconds(not_after))
+    except ValueError:
+        return None
