@@ -27,6 +27,7 @@ from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCanc
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import AbortRequest, ReceiveRequest, SendRequest
 from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.rooms.registry import MAX_GIVEN_UP, MAX_GIVEN_UP_REASON
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from tests.unit.agents import Backend, D, P, make_agent
@@ -273,3 +274,18 @@ def test_a_failure_report_says_fenced_as_a_boolean_and_defaults_to_not_fenced() 
     with pytest.raises(ApiError) as err:
         DoneReport.parse({**head, "fenced": "yes"})
     assert err.value.status == 400 and "fenced" in err.value.message
+
+
+def test_a_burst_of_cancels_for_rooms_that_never_come_is_remembered_bounded(pair: tuple[Agent, Agent]) -> None:
+    """20,000 cancels with long reasons (issue 40: they grew an agent by 14 MB): the newest
+    MAX_GIVEN_UP are remembered, each reason cut; a send of a remembered room fails at once with it."""
+    prefill, _ = pair
+    reason = "r" * 10_000
+    for room in range(20_000):
+        assert prefill.accept_cancel(RoomCancel(room, D, P, reason), sender_agent="a2").fenced
+    given_up = prefill.rooms.cancelled
+    assert len(given_up) == MAX_GIVEN_UP
+    assert min(room for _, room in given_up) == 20_000 - MAX_GIVEN_UP  # the oldest went first
+    assert all(len(why) <= MAX_GIVEN_UP_REASON for _, why in given_up.values())
+    failed = prefill.submit_send(SendRequest(P, 19_999, [0], [], None, 0))
+    assert failed.state is RoomState.FAILED and failed.reason.startswith(f"{D} gave the room up: rrr")

@@ -257,13 +257,14 @@ def test_a_closed_tls_connection_releases_its_descriptor_within_the_shutdown_bou
         raw = socket.create_connection(("127.0.0.1", served.port), timeout=5)
         clients.append(ctx.wrap_socket(raw, server_hostname=HOST))
     wait_until(lambda: served.open_connections == 10, timeout=3, what="served.open_connections == 10")
-    assert open_fds() == before + 20  # each connection: the client's socket and the agent's
+    opened = open_fds()  # relative to this count: a descriptor of an earlier test may close meanwhile
+    assert opened >= before + 20  # each connection: the client's socket and the agent's
     try:
         # idle timeout, then the shutdown bound, with margin for the 0.25 s sweep
         wait_until(
-            lambda: open_fds() == before + 10,
+            lambda: open_fds() <= opened - 10,
             timeout=LIMITS.idle_timeout_s + LIMITS.tls_shutdown_s + 2,
-            what="open_fds() == before + 10",
+            what="the agent's 10 descriptors released",
         )
         assert served.open_connections == 0
     finally:

@@ -12,14 +12,17 @@ launcher, which gives up
   directory that leads to a hidden one, except the one that leads on: everything else stays
   readable, including what is created later inside those entries (/tmp, the venv, /dev, /proc).
   What is created later directly in a directory on the way (a new file in / or /etc) is not;
-- ptrace of processes outside the sandbox (Landlock's own rule): an engine cannot read the
-  agent's memory or its /proc/<pid>/mem, environ, maps or fds.
+- ptrace of processes outside the sandbox (Landlock's own rule): an engine cannot ptrace the
+  agent, nor read the /proc/<pid> files that need ptrace access (mem, environ, maps, fd).
 
 The agent also makes itself non-dumpable at start (``keep_private``): its /proc/<pid> files then
-belong to root, so the same holds for an engine that is not sandboxed (Disabled, or BestEffort
-where the kernel has no Landlock) and for any other process of the agent's user. Both rules give
-way to CAP_SYS_PTRACE (a root shell that keeps its capabilities reads everything): the node pods
-drop every capability (the "restricted" Pod Security level).
+belong to root, which keeps them from an engine that is not sandboxed (Disabled, or BestEffort
+where the kernel has no Landlock) and from any other process of the agent's user, as long as that
+process lacks CAP_SYS_PTRACE. What this does not hide: from root with its capabilities (a process
+outside the sandbox in a container that keeps them, or a shell on the node) the agent's environ,
+maps and memory stay readable; an adversarial run as root read them (issue 40). The node pods run
+as a non-root user and drop every capability (the "restricted" Pod Security level), which is what
+makes both rules hold there.
 
 and then execs the engine. Listing a hidden directory's names stays possible (only file reads
 are handled), and so does everything the engine contract needs (the engine token, the pools,

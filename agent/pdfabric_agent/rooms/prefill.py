@@ -255,7 +255,7 @@ class PrefillSender:
             infos.pop(msg.decode_rank, None)
             if not infos:
                 ctx.rooms.early.pop(key, None)
-            ctx.rooms.cancelled.setdefault(key, (ctx.clock(), reason))
+            ctx.rooms.give_up(key, ctx.clock(), reason, replace=False)
             self._announce(msg.prefill_rank, msg.room)
             return CancelAnswer(fenced=True)
         target = room.targets.get(msg.decode_rank)
@@ -278,7 +278,7 @@ class PrefillSender:
         given up). Returns the decode ranks told."""
         ctx = self.ctx
         key = (rank_id, room_id)
-        ctx.rooms.cancelled[key] = (ctx.clock(), reason)
+        ctx.rooms.give_up(key, ctx.clock(), reason)
         told = 0
         for decode_rank in sorted(ctx.rooms.early.pop(key, {})):
             report = DoneReport.failure(room_id, decode_rank, rank_id, reason, fenced=True)

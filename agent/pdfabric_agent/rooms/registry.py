@@ -70,9 +70,25 @@ class Room:
     reason: str = ""
     finished_at: float = 0.0
     moved: KindBytes = field(default_factory=zero_bytes)
-    finished_event: asyncio.Event = field(default_factory=asyncio.Event)  # for long polls
     marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for the latency breakdown
     board_slot: int | None = None  # where its engine's room board takes its end (protocol/board.py)
+    _finished_event: asyncio.Event | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def finished_event(self) -> asyncio.Event:
+        """Set once the room is final, for long polls and a sender waiting on its next delivery;
+        made when first waited on: most rooms never are, and an event (about 760 bytes) would be
+        kept with every finished room for its TTL (PDFABRIC_ROOM_TTL_S)."""
+        if self._finished_event is None:
+            self._finished_event = asyncio.Event()
+            if self.state.finished:
+                self._finished_event.set()
+        return self._finished_event
+
+    def wake_waiters(self) -> None:
+        """The room is final: whoever waits on ``finished_event`` goes on."""
+        if self._finished_event is not None:
+            self._finished_event.set()
 
     def view(self) -> RoomView:
         return RoomView(
@@ -133,6 +149,14 @@ class DecodeRoom(Room):
 
 
 AnyRoom = PrefillRoom | DecodeRoom
+
+
+# Rooms remembered as given up before their send, at most (the oldest forgotten first), and the
+# reason kept with each: a peer's burst of cancels for rooms that never come (20,000 frames grew an
+# agent by 14 MB, issue 40) costs a bounded few MB; a forgotten room's late send waits for room info
+# until its bootstrap deadline, as if no cancel had come.
+MAX_GIVEN_UP = 4096
+MAX_GIVEN_UP_REASON = 256
 
 
 @dataclass(frozen=True)
@@ -223,12 +247,22 @@ class RoomRegistry:
         """The room is final: wake long polls, stop scanning it, queue it for forgetting."""
         room.finished_at = self.clock()
         room.marks["ended"] = room.finished_at  # the latency breakdown's last phase
-        room.finished_event.set()
+        room.wake_waiters()
         if self._open.get((role, room.rank, room.room)) is room:
             del self._open[(role, room.rank, room.room)]
         self._finished.append((room.finished_at, role, (room.rank, room.room), room))
         for hook in self.on_retire:
             hook(role, room)
+
+    def give_up(self, key: RoomKey, at: float, reason: str, *, replace: bool = True) -> None:
+        """Remember the room as given up before it was sent (a send of it then fails at once), for
+        the early room info's TTL; bounded by ``MAX_GIVEN_UP``. ``replace``: a later reason wins."""
+        if key in self.cancelled and not replace:
+            return
+        self.cancelled.pop(key, None)  # to the newest end
+        self.cancelled[key] = (at, reason[:MAX_GIVEN_UP_REASON])
+        while len(self.cancelled) > MAX_GIVEN_UP:
+            del self.cancelled[next(iter(self.cancelled))]
 
     def forget(self, now: float, ttl_s: float, early_ttl_s: float) -> None:
         """Drop finished rooms after their TTL and room info nobody claimed in time."""
