@@ -80,6 +80,11 @@ def ensure_shared_children(
     elif (have["metadata"].get("annotations") or {}).get(c.ANN_RANKMAP_HASH) != want_hash:
         kube.replace(cm, have["metadata"]["resourceVersion"])
         out.actions.append("update configmap")
+    elif have.get("data") != cm["data"]:
+        # Written over by someone else (its hash annotation kept): the agents refuse a map that does
+        # not parse and keep theirs (runtime/inputs.py), a new pod would start on it; put it back.
+        kube.replace(cm, have["metadata"]["resourceVersion"])
+        out.actions.append("restore configmap (its data was not the rank map)")
     memory.children_checked_at = time.monotonic()
     memory.last_rankmap_hash = want_hash
 

@@ -731,3 +731,26 @@ def test_ready_holds_while_every_placed_replica_serves_and_some_wait_for_room() 
     ready = kube.status["conditions"][0]
     assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "PartiallyPlaced")
     assert ready["message"].startswith("4/4 agents ready on tcp; 3 of 4 decode replicas placed: ")
+
+
+def test_a_rank_map_configmap_written_over_is_put_back_at_the_next_check() -> None:
+    """Someone writes the ConfigMap's data (a bad kubectl edit; its hash annotation stays): the
+    agents keep their map and say so; the operator restores the rank map at its next check."""
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    _run(kube, ref, builder, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
+    key = next(k for k in kube.objects if k[0] == "ConfigMap")
+    good = dict(kube.objects[key]["data"])
+    kube.objects[key]["data"] = {"rankmap.json": "[1, 2]"}
+    snap = Snapshot(nodes, [], kube.pods("u1"))
+    kept = _run(kube, ref, builder, snap, memory, ledger)
+    assert kept.actions == [], "between checks nothing is read"
+    out = reconcile_once(
+        kube, ref, builder.raw_spec(), 1, dict(kube.status), snap, memory, recheck_children_after=0, ledger=ledger,
+        stored_rv=str(kube.rv),
+    )  # fmt: skip
+    assert out.actions == ["restore configmap (its data was not the rank map)"]
+    assert kube.objects[key]["data"] == good
