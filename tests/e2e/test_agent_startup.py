@@ -16,6 +16,7 @@ import pytest
 from pdfabric_devcluster.agents import AgentProcess
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import REPO_ROOT
+from pdfabric_devcluster.transfer import transfer_room
 
 # Real agent processes over the real engine; every test here starts at least one cluster.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -195,3 +196,20 @@ def test_a_fabric_whose_agent_never_gets_ready_leaves_no_agent_running() -> None
     with pytest.raises(RuntimeError, match="exited 3"), lc:
         pass
     assert not any(a.alive() for a in lc.agents.values())
+
+
+def test_agents_whose_peers_streamed_to_them_stop_at_once() -> None:
+    """After a room, each agent holds its peer's stream open on its peer door; at SIGTERM it closes
+    them (1001, going away) instead of waiting on the callers: both stop in well under the 10 s
+    a stream close waited for before."""
+    spec = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "model": MODEL}
+    with LocalFabric(spec) as lc:
+        result = transfer_room(lc, 1, pages=2)
+        assert all(not errors for errors in result.errors.values()), result.errors
+        started = time.monotonic()
+        for agent in lc.agents.values():
+            agent.terminate()
+        for agent in lc.agents.values():
+            agent.wait(20)
+        took = time.monotonic() - started
+    assert took < 5, f"the agents took {took:.1f} s to stop"

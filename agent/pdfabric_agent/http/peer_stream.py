@@ -21,7 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from pdfabric_agent.http.jsonbody import decode_json
 from pdfabric_agent.protocol.errors import ApiError, internal_error, malformed
@@ -33,6 +33,10 @@ MAX_IN_FLIGHT = 1024  # frames of one stream being handled at once
 HEARTBEAT_S = 10.0  # a stream whose peer stopped answering pings closes (its calls fail, it reconnects)
 
 ADMISSION_CHECK_S = 1.0  # an expired certificate or a caller the rank map dropped: closed this soon
+
+# The streams open on a peer door, closed when its app shuts down (``close_streams``): a stream's
+# handler runs until its caller closes it, and the server's shutdown would wait for it.
+OPEN_STREAMS = web.AppKey("pdfabric_open_streams", set[web.WebSocketResponse])
 
 PeerCall = Callable[[str, dict[str, Any], str], Awaitable[dict[str, Any]]]  # (path, body, caller) -> answer
 
@@ -96,6 +100,9 @@ async def serve_stream(
 ) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(max_msg_size=max_frame, heartbeat=HEARTBEAT_S)
     await ws.prepare(request)
+    streams = request.app.get(OPEN_STREAMS)
+    if streams is not None:
+        streams.add(ws)
     tasks: set[asyncio.Task[None]] = set()
     watch = asyncio.ensure_future(_close_when_refused(ws, still_admitted, refused))
     async for msg in ws:
@@ -121,4 +128,16 @@ async def serve_stream(
     watch.cancel()
     for task in tasks:
         task.cancel()
+    if streams is not None:
+        streams.discard(ws)
     return ws
+
+
+async def close_streams(app: web.Application) -> None:
+    """The app's ``on_shutdown``: every open stream closed (1001, going away) at once, so the agent
+    stops without waiting on its callers (its peers' streams reopen to its successor)."""
+    streams = list(app.get(OPEN_STREAMS, ()))
+    await asyncio.gather(
+        *(ws.close(code=WSCloseCode.GOING_AWAY, message=b"the agent is stopping") for ws in streams),
+        return_exceptions=True,
+    )

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdfabric_agent.http.guard import CLUSTER, LIMITS, Limits
 from pdfabric_agent.http.jsonbody import BODY_CAP, body_cap, read_json
-from pdfabric_agent.http.peer_stream import serve_stream
+from pdfabric_agent.http.peer_stream import OPEN_STREAMS, close_streams, serve_stream
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.errors import ApiError, internal_error, malformed
@@ -346,6 +346,8 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         for message in (RoomInfo, DoneReport, LaunchNotice, RoomCancel):
             app.router.add_post(message.PATH, peer_post)
         app.router.add_get(STREAM_PATH, peer_stream)
+        app[OPEN_STREAMS] = set()
+        app.on_shutdown.append(close_streams)
         app.router.add_get(PING_PATH, ping)
         app.router.add_get(PROBE_PATH, probe_regions)
     app.router.add_route("*", "/{tail:.*}", not_found)
