@@ -310,10 +310,11 @@ def _tell_pods_of_rankmap(kube: Kube, pods: Sequence[OwnPod], digest: str) -> li
 def _plan_on_record(kube: Kube, ref: ClusterRef, own: Sequence[OwnPod]) -> dict[str, tuple[Rank, ...]]:
     """The last placement: the rank map if it is this cluster's, else the live agent pods' ranks."""
     cm = kube.get("ConfigMap", ref.namespace, rankmap_name(ref.name))
-    if cm is not None:
+    text = ((cm or {}).get("data") or {}).get(RANKMAP_KEY)
+    if isinstance(text, str):
         try:
-            rankmap = RankMap.from_json(cm["data"][RANKMAP_KEY])
-        except (KeyError, ValueError):
+            rankmap = RankMap.from_json(text)
+        except ValueError:  # RankMapError: not a rank map (written over), the pods say then
             rankmap = None
         if rankmap is not None and rankmap.cluster_uid == ref.uid:
             return _by_node((a.node, a.ranks) for a in rankmap.agents)

@@ -754,3 +754,22 @@ def test_a_rank_map_configmap_written_over_is_put_back_at_the_next_check() -> No
     )  # fmt: skip
     assert out.actions == ["restore configmap (its data was not the rank map)"]
     assert kube.objects[key]["data"] == good
+
+
+@pytest.mark.parametrize("data", [None, {}, {"rankmap.json": "[1, 2]"}], ids=["no-data", "no-key", "not-a-map"])
+def test_an_operator_restarted_over_a_rank_map_configmap_written_over_plans_from_the_pods(data: Any) -> None:
+    """A fresh operator reads its last plan from the rank-map ConfigMap; one whose data someone
+    removed or wrote over is no plan (it raised TypeError without data): the running pods are,
+    none of them moves, and the ConfigMap is put back."""
+    kube, ledger = FakeKube(), Ledger()
+    ref = ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(tp=4).decode(tp=4)
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, builder, Snapshot(nodes, [], []), ClusterMemory(), ledger)
+    pods = kube.pods("u1")
+    key = next(k for k in kube.objects if k[0] == "ConfigMap")
+    good = dict(kube.objects[key]["data"])
+    kube.objects[key]["data"] = data
+    out = _run(kube, ref, builder, Snapshot(nodes, [], pods), ClusterMemory(), Ledger())
+    assert not [a for a in out.actions if "pod" in a.split()[:2]], out.actions
+    assert kube.objects[key]["data"] == good
