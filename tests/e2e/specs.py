@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.builders import SMALL_MODEL
+
 # The smallest 1P1D cluster: for tests of the agents' doors and peer protocol, whose rooms are tiny.
 TINY: dict[str, Any] = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "model": {"layers": 1, "kvHeads": 1, "headDim": 8}}
+# 1P1D on tcp with the builders' small model (every kind of memory moves): the attack tests' cluster.
+TCP_SMALL_MODEL: dict[str, Any] = {
+    "prefill": {"tp": 1},
+    "decode": {"tp": 1},
+    "transfer": {"transport": "tcp", "timeoutSeconds": 10},
+    "model": SMALL_MODEL,
+}
 SMALL: dict[str, Any] = {
     "prefill": {"tp": 1},
     "decode": {"tp": 1},

@@ -19,18 +19,13 @@ import pytest
 
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.transfer import transfer_room
-from tests.builders import SMALL_MODEL
 from tests.deadlines import wait_until
+from tests.e2e.specs import TCP_SMALL_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
-SPEC = {
-    "prefill": {"tp": 1},
-    "decode": {"tp": 1},
-    "transfer": {"transport": "tcp", "timeoutSeconds": 10},
-    "model": SMALL_MODEL,
-}
+SPEC = TCP_SMALL_MODEL
 FUZZED = 8
 
 

@@ -90,6 +90,11 @@ def half_open(port: int, n: int, source: str = "127.0.0.1", *, spoken: bool = Fa
     return socks
 
 
+def at_the_bound(served: Served, limits: Limits) -> None:
+    """Wait until the served door holds as many handshakes as its bound allows."""
+    wait_until(lambda: served.handshaking == limits.max_handshakes, timeout=2, what="the handshake bound reached")
+
+
 def refusals(reason: str) -> float:
     return metrics.api_refusals.labels(CLUSTER, reason)._value.get()
 
@@ -131,11 +136,7 @@ def test_half_open_handshakes_are_bounded_and_a_peer_still_gets_through(
 ) -> None:
     socks = half_open(served.port, 40)
     try:
-        wait_until(
-            lambda: served.handshaking == LIMITS.max_handshakes,
-            timeout=2,
-            what="served.handshaking == LIMITS.max_handshakes",
-        )
+        at_the_bound(served, LIMITS)
         time.sleep(LIMITS.slow_handshake_s)  # the held ones are now slow: a new connection evicts one
         assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
         assert served.handshaking <= LIMITS.max_handshakes
@@ -154,11 +155,7 @@ def test_at_the_bound_a_new_connection_is_reset_while_every_handshake_is_young_a
     before = refusals("too_many_connections")
     socks = half_open(served.port, patient.max_handshakes, spoken=True)
     try:
-        wait_until(
-            lambda: served.handshaking == patient.max_handshakes,
-            timeout=2,
-            what="served.handshaking == patient.max_handshakes",
-        )
+        at_the_bound(served, patient)
         with socket.create_connection(("127.0.0.1", served.port), timeout=5) as extra:
             extra.sendall(b"\x16\x03\x01")
             assert ended_by_peer(extra)
@@ -178,11 +175,7 @@ def test_a_flood_from_one_address_cannot_keep_a_peer_at_another_out(tls_dirs: tu
     served = tls_served(tls_dirs[0], patient)
     flood = half_open(served.port, patient.max_handshakes, source="127.0.0.2")
     try:
-        wait_until(
-            lambda: served.handshaking == patient.max_handshakes,
-            timeout=2,
-            what="served.handshaking == patient.max_handshakes",
-        )
+        at_the_bound(served, patient)
         assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
         assert ended_by_peer(flood[0], 1.0)  # the oldest of the flood made room
         # The free slot, then one too many: every slot young and spoken (the flood's silent ones
@@ -208,11 +201,7 @@ def test_a_silent_flood_from_the_peers_own_address_cannot_keep_the_peer_out(tls_
     (spoke,) = half_open(served.port, 1, spoken=True)
     silent = half_open(served.port, patient.max_handshakes - 1)
     try:
-        wait_until(
-            lambda: served.handshaking == patient.max_handshakes,
-            timeout=2,
-            what="served.handshaking == patient.max_handshakes",
-        )
+        at_the_bound(served, patient)
         assert good_get(served.port, tls_dirs[1]) == (200, b'{"peer": "agent-1"}')
         assert ended_by_peer(silent[0], 1.0)  # the oldest silent one made room
         (refill,) = half_open(served.port, 1)  # the slot the peer's finished handshake freed
