@@ -57,12 +57,8 @@ def _index(value: Any, where: str) -> int:
     return value
 
 
-def _index_field(d: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
-    if key not in d and default is not None:
-        return default
-    if key not in d:
-        raise RankMapError(f"{where} has no {key!r}")
-    return _index(d[key], f"{where}.{key}")
+def _index_field(d: Mapping[str, Any], key: str, where: str, default: Any = ...) -> int:
+    return _index(_field(d, key, object, where, default), f"{where}.{key}")
 
 
 @dataclass(frozen=True, order=True)

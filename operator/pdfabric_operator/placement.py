@@ -72,11 +72,20 @@ class Shortfall:
     reason: PlacementReason
     message: str
 
+    def asked_placed(self, role: str) -> tuple[int, int]:
+        """The replicas of `role` ("prefill" or "decode") asked and placed."""
+        if role == "prefill":
+            return self.prefill_asked, self.prefill_placed
+        return self.decode_asked, self.decode_placed
+
+    @property
+    def unplaced(self) -> dict[str, int]:
+        """Replicas asked and not placed, per role."""
+        return {role: asked - placed for role in ("prefill", "decode") for asked, placed in [self.asked_placed(role)]}
+
     def role_words(self, role: str) -> str:
         """'3 of 4 decode replicas placed', or '' when the role is placed in full."""
-        asked, placed = (
-            (self.prefill_asked, self.prefill_placed) if role == "prefill" else (self.decode_asked, self.decode_placed)
-        )
+        asked, placed = self.asked_placed(role)
         return f"{placed} of {asked} {role} replicas placed" if placed < asked else ""
 
     @property

@@ -163,10 +163,7 @@ def reconcile_once(
             short = outcome.shortfall
             PLACEMENT_SHORTFALLS.labels(short.reason.value).inc()
             out.problem = (short.reason.value, short.words)
-            out.unplaced = {
-                "prefill": short.prefill_asked - short.prefill_placed,
-                "decode": short.decode_asked - short.decode_placed,
-            }
+            out.unplaced = short.unplaced
         # Every child is built for the replicas placed: a step that could not be placed changes
         # none of the hashes (rank map, pods, services, router) of what runs.
         built = placed_spec(spec, outcome)
@@ -286,10 +283,8 @@ def _placed_raw_spec(raw_spec: Mapping[str, Any], placement: Placement) -> Mappi
     if short is None:
         return raw_spec
     clipped = dict(raw_spec)
-    for role, asked, placed in (
-        ("prefill", short.prefill_asked, short.prefill_placed),
-        ("decode", short.decode_asked, short.decode_placed),
-    ):
+    for role in ("prefill", "decode"):
+        asked, placed = short.asked_placed(role)
         if placed < asked:  # a role placed in full stays as written (replicas may be left out)
             clipped[role] = {**(raw_spec.get(role) or {}), "replicas": placed}
     return clipped

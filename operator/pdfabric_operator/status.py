@@ -249,12 +249,7 @@ def _unplaced_replicas(short: Shortfall | None) -> dict[str, Any] | None:
     """Replicas asked and not placed, per role, and the planner's reason: None when all are placed."""
     if short is None:
         return None
-    return {
-        "prefill": short.prefill_asked - short.prefill_placed,
-        "decode": short.decode_asked - short.decode_placed,
-        "reason": str(short.reason),
-        "message": short.message,
-    }
+    return {**short.unplaced, "reason": str(short.reason), "message": short.message}
 
 
 def _unplaced(p_desired: int, d_desired: int) -> dict[str, Any]:

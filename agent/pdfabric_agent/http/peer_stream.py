@@ -85,8 +85,8 @@ async def _closed_if_refused(
         return False
     refused(exc)
     log.warning("closing the peer stream: %s", exc.message)
-    # 1008: policy violation; the reason is capped by the protocol at 123 bytes.
-    await ws.close(code=1008, message=exc.message.encode()[:123])
+    # The reason is capped by the protocol at 123 bytes.
+    await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=exc.message.encode()[:123])
     return True
 
 
@@ -100,9 +100,8 @@ async def serve_stream(
 ) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(max_msg_size=max_frame, heartbeat=HEARTBEAT_S)
     await ws.prepare(request)
-    streams = request.app.get(OPEN_STREAMS)
-    if streams is not None:
-        streams.add(ws)
+    streams = request.app[OPEN_STREAMS]
+    streams.add(ws)
     tasks: set[asyncio.Task[None]] = set()
     watch = asyncio.ensure_future(_close_when_refused(ws, still_admitted, refused))
     async for msg in ws:
@@ -128,15 +127,15 @@ async def serve_stream(
     watch.cancel()
     for task in tasks:
         task.cancel()
-    if streams is not None:
-        streams.discard(ws)
+    streams.discard(ws)
     return ws
 
 
 async def close_streams(app: web.Application) -> None:
     """The app's ``on_shutdown``: every open stream closed (1001, going away) at once, so the agent
     stops without waiting on its callers (its peers' streams reopen to its successor)."""
-    streams = list(app.get(OPEN_STREAMS, ()))
+    open_streams = app[OPEN_STREAMS]
+    streams = list(open_streams)  # a closing stream's handler leaves the set meanwhile
     await asyncio.gather(
         *(ws.close(code=WSCloseCode.GOING_AWAY, message=b"the agent is stopping") for ws in streams),
         return_exceptions=True,

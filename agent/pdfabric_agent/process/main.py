@@ -337,10 +337,7 @@ async def serve(cfg: AgentConfig) -> int:
                 outcome = peer_tls.reload_if_changed()  # the operator renewed the certificate
                 if outcome is not None:
                     metrics.peer_certificate_reloads.labels(cluster, outcome).inc()
-                    if peer_tls.problem:
-                        tls_refusals.refuse(peer_tls.problem)
-                    else:
-                        tls_refusals.taken()
+                    tls_refusals.said(peer_tls.problem)
     finally:
         readiness.ready = False
         readiness.reason, readiness.message = "ShuttingDown", "the agent is stopping"

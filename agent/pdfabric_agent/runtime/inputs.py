@@ -72,6 +72,13 @@ class InputRefusals:
             log.info("%s read again and taken", self.input_name)
         self.problem = ""
 
+    def said(self, problem: str) -> None:
+        """What the last read found: ``problem`` refused, or "" taken."""
+        if problem:
+            self.refuse(problem)
+        else:
+            self.taken()
+
 
 class RereadFile(Generic[T]):
     """A file read again on ``check()``: the parsed value when its content changed and parses,
@@ -95,7 +102,7 @@ class RereadFile(Generic[T]):
     def read_first(self) -> T:
         """The first read, at start: no value to keep yet, so a failure is the caller's to raise."""
         text = self._text()
-        self._seen = hashlib.sha256(text.encode()).hexdigest()
+        self._seen = _digest(text)
         return self.parse(text)
 
     def check(self) -> T | None:
@@ -104,12 +111,9 @@ class RereadFile(Generic[T]):
         except Exception as exc:
             self.refusals.refuse(f"{self.path} unreadable: {_said(exc)}")
             return None
-        seen = hashlib.sha256(text.encode()).hexdigest()
+        seen = _digest(text)
         if seen == self._seen:  # unchanged: back to what that content was (a read error has passed)
-            if self._parse_problem:
-                self.refusals.refuse(self._parse_problem)
-            else:
-                self.refusals.taken()
+            self.refusals.said(self._parse_problem)
             return None
         self._seen = seen
         try:
@@ -128,6 +132,10 @@ class RereadFile(Generic[T]):
         if len(data) > MAX_FILE_BYTES:
             raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
         return data.decode("utf-8")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _said(exc: BaseException) -> str:
