@@ -1,6 +1,6 @@
 """SGLang's own DSA pool (DeepSeek-V3.2's ``DSATokenToKVPool``: per layer the packed fp8 latent, and
 the indexer's page-indexed keys with their scales) built on CPU with its tensors in a shared-memory
-directory the agents map (``cpu_pools.shared_cpu_allocations``, as the plugin allocates SGLang's
+directory the agents map (``pdfabric_agent.client.shm.shared_cpu_allocations``, as the plugin allocates SGLang's
 CPU pools), and the ``KVArgs`` SGLang's scheduler fills for it: the latent from the pool's own
 ``get_contiguous_buf_infos``, the indexer state from SGLang's ``setup_state_kv_args``.
 
@@ -37,9 +37,10 @@ def dsa_model(layers: int) -> dict[str, Any]:
 
 def dsa_pool(shm_dir: str, *, layers: int, pages: int) -> Any:
     """SGLang's DSATokenToKVPool with an fp8 KV cache (the packed latent) of ``pages`` pages."""
-    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
+
+    from pdfabric_agent.client.shm import shared_cpu_allocations
 
     with get_parallel().override(attn_dcp_size=1), shared_cpu_allocations(shm_dir):
         return DSATokenToKVPool(

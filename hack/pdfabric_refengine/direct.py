@@ -16,9 +16,10 @@ class DirectRank:
     """One rank's buffers registered with its agent through the engine API (no SGLang)."""
 
     def __init__(self, role: str, ka: Any, gpu: int | None) -> None:
-        from pdfabric_sglang.kvargs import FabricConfig, rank_id_for, registration
+        from pdfabric_sglang.kvargs import rank_id_for, registration
 
         from pdfabric_agent.client.api import AgentClient
+        from pdfabric_agent.client.engine_env import FabricConfig
         from pdfabric_core.policy.types import Role
 
         cfg = FabricConfig()

@@ -17,7 +17,7 @@ Everything else comes from the environment a PDCluster's engine process gets (do
 ``PDFABRIC_PORT``, ``PDFABRIC_BOOTSTRAP_PORT``, ``PDFABRIC_TP``, ``PDFABRIC_CP``,
 ``PDFABRIC_SHM_DIR`` as defaults of the flags; ``PDFABRIC_AGENT_ADDRESS``,
 ``PDFABRIC_ENGINE_TOKEN_FILE``, ``PDFABRIC_REPLICA`` and ``PDFABRIC_RANK`` for the rank managers
-(pdfabric_sglang.kvargs.FabricConfig). ``/health`` answers once every rank is registered with its
+(pdfabric_agent.client.engine_env.FabricConfig). ``/health`` answers once every rank is registered with its
 agent (the startup and readiness probes' path).
 
 The tokenizer is bytes: the reference model's 256 token ids are the bytes of UTF-8 text, and the

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfabric_sglang.cpu_pools import remove_orphans
-
+from pdfabric_agent.client.shm import remove_orphans
 from pdfabric_devcluster.agents import LocalEngine
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import free_port, post_json

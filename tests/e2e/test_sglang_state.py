@@ -133,8 +133,9 @@ class Side:
             mp.setenv("PDFABRIC_AGENT_ADDRESS", lc.agents[lc.agent_of(rank.rank_id)].address)
             args = kv_args(pool, engine_rank=rank.tp_rank, page_size=TOKENS, kv_head_num=heads, total_kv_head_num=HEADS)
             if kind == "swa-mxfp8":  # SGLang's own pool, its buffers in the agents' shared memory
-                from pdfabric_sglang.cpu_pools import shared_cpu_allocations
                 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+
+                from pdfabric_agent.client.shm import shared_cpu_allocations
 
                 with shared_cpu_allocations(lc.shm_dir):
                     state = MHATokenToKVPoolMXFP8(size=7 * TOKENS, page_size=TOKENS, dtype=torch.float8_e4m3fn,

@@ -1,4 +1,4 @@
-"""The SGLang plugin's agent calls (pdfabric_sglang.agent_calls): calls run on one worker in the
+"""The SGLang plugin's agent calls (pdfabric_agent.client.calls): calls run on one worker in the
 order they were made; ``call_now`` writes on the caller's thread only when no call is queued or
 running, and a call made while it writes comes after its answer."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pdfabric_sglang.agent_calls import AgentCalls
+from pdfabric_agent.client.calls import AgentCalls
 
 
 def test_call_now_writes_on_the_callers_thread_and_answers_on_the_worker() -> None:

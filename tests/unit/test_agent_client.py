@@ -171,7 +171,7 @@ def test_an_answer_that_is_no_room_view_is_refused_as_malformed(server: Threadin
 
 
 def test_a_submit_written_on_one_thread_is_answered_on_another(server: ThreadingHTTPServer) -> None:
-    """The calls channel (pdfabric_sglang.agent_calls): one shared connection; the scheduler's
+    """The calls channel (pdfabric_agent.client.calls): one shared connection; the scheduler's
     thread writes the request, the worker reads the answer (a refusal arrives there)."""
     c = AgentClient(f"127.0.0.1:{server.server_address[1]}", "tok", "uid-1", shared=True)
     answers: list[object] = []

@@ -202,8 +202,9 @@ def test_the_status_predicts_deepseek_v32s_dedup_at_prefill_cp8_to_decode_tp8() 
 
 def test_the_kpool_compress_tail_beside_the_indexer_is_refused_by_its_name() -> None:
     """SGLang's DSA pool with index_kpool > 1 and compression appends a request-row tail (``dsa_tail``)."""
-    from pdfabric_sglang.shares import UnshareableBuffer
     from pdfabric_sglang.state_kinds import state_parts
+
+    from pdfabric_agent.client.shares import UnshareableBuffer
 
     args = types.SimpleNamespace(state_types=["dsa", "dsa_tail"], state_item_lens=[[INDEX_PAGE], [512]])
     with pytest.raises(UnshareableBuffer, match=r"\['dsa_tail'\] would not move"):

@@ -214,7 +214,8 @@ def test_what_mla_registration_does_not_move_is_refused_by_its_name(
     tmp_path: Path, extra: dict[str, Any], named: str
 ) -> None:
     from pdfabric_sglang.kvargs import registration
-    from pdfabric_sglang.shares import UnshareableBuffer
+
+    from pdfabric_agent.client.shares import UnshareableBuffer
 
     pool, args = sglang_mla_args(tmp_path, **extra)
     try:

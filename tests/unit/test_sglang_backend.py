@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pdfabric_sglang.agent_calls import AgentCalls
 
 from pdfabric_agent.client.api import AgentRefused
+from pdfabric_agent.client.calls import AgentCalls
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import RoomState, RoomView
@@ -146,9 +146,9 @@ def test_an_unreachable_prefill_is_retried() -> None:
 
 def test_cpu_allocations_land_in_shared_memory_files(tmp_path: Path) -> None:
     import torch
-    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
-    from pdfabric_sglang.shares import process_mappings, share_of
 
+    from pdfabric_agent.client.shares import process_mappings, share_of
+    from pdfabric_agent.client.shm import shared_cpu_allocations
     from pdfabric_agent.protocol.wire import ShareKind
 
     with shared_cpu_allocations(str(tmp_path)):
@@ -177,7 +177,8 @@ def test_files_of_gone_processes_are_removed_by_the_next_allocation(tmp_path: Pa
     import sys
 
     import torch
-    from pdfabric_sglang.cpu_pools import PREFIX, shared_cpu_allocations
+
+    from pdfabric_agent.client.shm import PREFIX, shared_cpu_allocations
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
@@ -624,7 +625,7 @@ def test_the_manager_registers_sglangs_metadata_rows_inline_unless_they_are_on_t
     args.kv_data_lens, args.kv_item_lens = [kv[0].nbytes] * 2, [256] * 2
     with pytest.raises(ValueError, match="private memory"):  # KV is never inline
         registration(P, args, is_mla=False, gpu=None, aux_inline=True)
-    pool = tmp_path / "kv"  # the KV pool in a shared-memory file, as cpu_pools allocates it
+    pool = tmp_path / "kv"  # the KV pool in a shared-memory file, as client.shm allocates it
     pool.write_bytes(bytes(2 * 4 * 256))
     with open(pool, "r+b") as fh, mmap.mmap(fh.fileno(), 2 * 4 * 256) as mem:
         shared = np.frombuffer(mem, np.uint8).reshape(2, 4, 256)

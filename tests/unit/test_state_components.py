@@ -371,9 +371,10 @@ def test_an_swa_state_on_an_mha_model_is_page_state() -> None:
 def test_what_is_not_moved_is_refused_by_its_sglang_name(
     names: list[str], extra: dict[str, Any], is_mla: bool, words: str
 ) -> None:
-    from pdfabric_sglang.shares import UnshareableBuffer
     from pdfabric_sglang.state_kinds import state_parts
     from sglang.srt.disaggregation.base.conn import StateType
+
+    from pdfabric_agent.client.shares import UnshareableBuffer
 
     args = kvargs([StateType(n) for n in names], [[32, 32] for _ in names])
     for k, v in extra.items():
@@ -396,9 +397,10 @@ def test_on_sglangs_cpu_engine_the_plugin_allocates_the_mamba_state_where_the_ag
 
     import torch
     from pdfabric_sglang import plugin
-    from pdfabric_sglang.shares import process_mappings, share_of
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    from pdfabric_agent.client.shares import process_mappings, share_of
 
     assert plugin.pdfabric_is_the_backend() is False  # no serving process here: no runtime context, no raise
     module, cls, attr = plugin.MAMBA_POOL_INIT.rsplit(".", 2)

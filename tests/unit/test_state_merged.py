@@ -52,8 +52,9 @@ def test_sglangs_mxfp8_swa_pool_registers_pages_and_scales_as_one_page_component
 
 
 def test_the_fa4_interleaved_scales_are_refused_by_name() -> None:
-    from pdfabric_sglang.shares import UnshareableBuffer
     from pdfabric_sglang.state_kinds import state_parts
+
+    from pdfabric_agent.client.shares import UnshareableBuffer
 
     args, _ = mxfp8_args(128)
     with pytest.raises(UnshareableBuffer, match=r"block_scale_swa at page size 128.*interleaved"):

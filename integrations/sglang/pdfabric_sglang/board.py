@@ -18,8 +18,8 @@ import os
 import secrets
 from collections.abc import Callable, Sequence
 
+from pdfabric_agent.client.shm import remove_orphans, shared_file, shm_dir
 from pdfabric_agent.protocol.board import ORDERED_STORES, BoardEnd, BoardShare, RoomBoard, board_bytes
-from pdfabric_sglang.cpu_pools import remove_orphans, shared_file, shm_dir
 
 log = logging.getLogger("pdfabric.sglang")
 

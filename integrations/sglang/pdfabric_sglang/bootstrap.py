@@ -15,7 +15,8 @@ from typing import Any
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
 from pdfabric_agent.client.api import AgentClient
-from pdfabric_sglang.kvargs import FOLLOW_BOOTSTRAP_ROOM, FabricConfig
+from pdfabric_agent.client.engine_env import FabricConfig
+from pdfabric_sglang.kvargs import FOLLOW_BOOTSTRAP_ROOM
 from pdfabric_sglang.peers import QUERY_DP_RANKS_PATH, REGISTER_DP_RANK_PATH, REPLICA_PATH
 
 HEALTH_PATH = "/health"

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import secrets
-import socket
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from pdfabric_agent.client.engine_env import FabricConfig
+from pdfabric_agent.client.shares import UnshareableBuffer, process_mappings, share_of
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.draft import DraftKv
 from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration
@@ -19,19 +19,11 @@ from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_core.policy.kv_shard import kv_shard_size
 from pdfabric_core.policy.types import MEM_POOL_ENV, KvKind, MemPool, Role
 from pdfabric_core.rankmap import Rank
-from pdfabric_sglang.shares import UnshareableBuffer, process_mappings, share_of
 from pdfabric_sglang.state_kinds import state_buffers, state_parts
 
 KVArgs = Any  # SGLang's KVArgs, or any object with its attributes
 FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"  # SGLang's load balance method of PD prefill by default
 
-# The variables the agent gives its engines, by their one spelling (pdfabric_core.engines.launch.EngineEnv).
-ENV_AGENT = EngineEnv.AGENT_ADDRESS.value
-ENV_TOKEN_FILE = EngineEnv.TOKEN_FILE.value
-ENV_REPLICA = EngineEnv.REPLICA.value
-ENV_CP_RANK = EngineEnv.CP_RANK.value
-ENV_RANK = EngineEnv.RANK.value
-ENV_BOOTSTRAP_TIMEOUT = EngineEnv.BOOTSTRAP_TIMEOUT_S.value
 # SGLang's own switch for where MetadataBuffers live (disaggregation/utils.py): on the GPU only with
 # INTRA_NODE_NVLINK; private CPU memory otherwise.
 ENV_METADATA_POOL = MEM_POOL_ENV
@@ -40,24 +32,6 @@ ENV_METADATA_POOL = MEM_POOL_ENV
 def metadata_on_gpu(env: dict[str, str] | None = None) -> bool:
     """Whether SGLang allocates its MetadataBuffers on the GPU (its rule, read from its variable)."""
     return (os.environ if env is None else env).get(ENV_METADATA_POOL, "").upper() == MemPool.INTRA_NODE_NVLINK
-
-
-class FabricConfig:
-    """Where the engine finds its agent, and who it is in the PDCluster (from the environment the
-    PDCluster's pod, or the engine's own deployment, sets)."""
-
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ if env is None else env)
-        self.address = env.get(ENV_AGENT, "127.0.0.1:7400")
-        token_file = env.get(ENV_TOKEN_FILE)
-        if not token_file:
-            raise RuntimeError(f"pdfabric: set {ENV_TOKEN_FILE} to the file holding the agent's engine token")
-        with open(token_file, encoding="utf-8") as fh:
-            self.token = fh.read().strip()
-        self.replica = int(env.get(ENV_REPLICA, "0"))
-        self.cp_rank = int(env.get(ENV_CP_RANK, "0"))
-        self.rank = env.get(ENV_RANK) or None
-        self.bootstrap_timeout_s = float(env.get(ENV_BOOTSTRAP_TIMEOUT, "300"))
 
 
 def rank_id_for(role: Role, cfg: FabricConfig, args: KVArgs, attention: AttentionRanks | None = None) -> str:
@@ -106,12 +80,6 @@ def attention_of(parallel: Any) -> AttentionRanks:
         int(parallel.num_dp_ranks),
         getattr(parallel.load_balance_method, "value", parallel.load_balance_method) == FOLLOW_BOOTSTRAP_ROOM,
     )
-
-
-def engine_instance() -> str:
-    """An id of this engine process, unique across restarts: its registrations and room feed carry
-    it, so the agent tells a restarted engine from a second live one (agent rooms/registrants.py)."""
-    return f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(6)}"
 
 
 def registration(

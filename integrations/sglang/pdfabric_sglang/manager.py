@@ -16,22 +16,19 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
+from pdfabric_agent.client.calls import AgentCalls
+from pdfabric_agent.client.engine_env import ENV_CP_RANK, ENV_RANK, ENV_REPLICA, FabricConfig, engine_instance
 from pdfabric_agent.client.feed import RoomEvents
+from pdfabric_agent.client.shares import UnshareableBuffer
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
 from pdfabric_agent.protocol.wire import FEED_HEARTBEAT_S, ReceiveRequest, SendRequest
 from pdfabric_core.policy.kv_shard import kv_shard_size
 from pdfabric_core.policy.types import Role
-from pdfabric_sglang.agent_calls import AgentCalls
 from pdfabric_sglang.board import EngineBoard
 from pdfabric_sglang.kvargs import (
-    ENV_CP_RANK,
-    ENV_RANK,
-    ENV_REPLICA,
     AttentionRanks,
-    FabricConfig,
     attention_of,
-    engine_instance,
     gpu_of,
     metadata_on_gpu,
     rank_id_for,
@@ -39,7 +36,6 @@ from pdfabric_sglang.kvargs import (
 )
 from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
 from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, AGENT_ERRORS, MEMORY_NOT_REGISTERED
-from pdfabric_sglang.shares import UnshareableBuffer
 
 if TYPE_CHECKING:
     from pdfabric_sglang.receiver import PdfabricKVReceiver
@@ -139,7 +135,7 @@ class PdfabricKVManager(BaseKVManager):
         info_client.close()
         self.cluster_uid = info["cluster"]["uid"]
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
-        # The submits and aborts of the calls' channel (agent_calls.py): one connection, in order.
+        # The submits and aborts of the calls' channel (pdfabric_agent.client.calls): one connection, in order.
         self.calls_client = AgentClient(
             self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S, shared=True
         )

@@ -8,7 +8,7 @@ function, ``HookRegistry``'s class REPLACE and AROUND hooks), changing nothing e
 
 With pdfabric as the backend on SGLang's CPU engine, the MHA KV pool's buffers (an SWA hybrid's
 sub-pools among them) and a hybrid model's Mamba state are allocated in shared memory so the node
-agent can map them (``cpu_pools``). SGLang's ``MetadataBuffers`` stay as
+agent can map them (``pdfabric_agent.client.shm``). SGLang's ``MetadataBuffers`` stay as
 SGLang makes them (private CPU memory, or GPU memory with INTRA_NODE_NVLINK): private rows travel
 with each room (``kvargs.registration``'s ``aux_inline``).
 """
@@ -70,7 +70,7 @@ def pdfabric_is_the_backend() -> bool:
 
 
 def _allocating_in_shm(original: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
-    from pdfabric_sglang.cpu_pools import shared_cpu_allocations
+    from pdfabric_agent.client.shm import shared_cpu_allocations
 
     with shared_cpu_allocations():
         return original(obj, *args, **kwargs)  # type: ignore[no-any-return]

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdfabric_agent.client.shares import UnshareableBuffer
 from pdfabric_agent.protocol.buffers import StateParts
 from pdfabric_core.policy.types import StateKind
-from pdfabric_sglang.shares import UnshareableBuffer
 
 KIND_OF = {"mamba": StateKind.SLOT, "swa": StateKind.PAGE, "dsa": StateKind.PAGE, "request_row": StateKind.ROW}
 # SGLang's state types that may sit beside an MLA latent (a hybrid MLA pool is refused before).

@@ -24,7 +24,7 @@ from typing import Any
 from pdfabric_core.engines.launch import EngineEnv
 
 ENV_SHM_DIR = EngineEnv.SHM_DIR.value
-PREFIX = "pdfabric-sglang-"
+PREFIX = "pdfabric-engine-"
 
 _lock = threading.Lock()
 _created: list[str] = []
