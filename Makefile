@@ -61,11 +61,11 @@ generate: venv ## regenerate generated files: chart CRDs, docs/api.md, docs/metr
 	@$(PYTHON) hack/gen_dashboards.py
 
 .PHONY: lint
-lint: venv ## ruff (lint + format check), the import layering contracts and mypy (strict: core, operator, agent, the SGLang plugin)
+lint: venv ## ruff (lint + format check), the import layering contracts and mypy (strict: core, operator, agent, the SGLang plugin, the vLLM connector)
 	@$(PYTHON) -m ruff check .
 	@$(PYTHON) -m ruff format --check .
-	@if [[ -f .importlinter ]]; then PYTHONPATH=core:operator:agent:integrations/sglang $(dir $(PYTHON))lint-imports --config .importlinter; fi
-	@$(PYTHON) -m mypy core/pdfabric_core operator/pdfabric_operator agent/pdfabric_agent integrations/sglang/pdfabric_sglang
+	@if [[ -f .importlinter ]]; then PYTHONPATH=core:operator:agent:integrations/sglang:integrations/vllm $(dir $(PYTHON))lint-imports --config .importlinter; fi
+	@$(PYTHON) -m mypy core/pdfabric_core operator/pdfabric_operator agent/pdfabric_agent integrations/sglang/pdfabric_sglang integrations/vllm/pdfabric_vllm
 
 .PHONY: test
 test: deps ## everything CI runs: lint, unit, integration, e2e, images (docs/testing.md)

@@ -47,6 +47,9 @@ class Variant:
     kv_heads: int = 2
     dtype: str = "bfloat16"
     layers: int = 2
+    # vLLM's CPU attention takes head_dim 32 and more (16 is refused at the first request); the
+    # hidden and MLP widths follow it (4 query heads).
+    head_dim: int = 16
 
     @property
     def config(self) -> dict[str, object]:
@@ -55,11 +58,15 @@ class Variant:
             "num_key_value_heads": self.kv_heads,
             "torch_dtype": self.dtype,
             "num_hidden_layers": self.layers,
+            "head_dim": self.head_dim,
+            "hidden_size": 4 * self.head_dim,
+            "intermediate_size": 8 * self.head_dim,
         }
 
     @property
     def name(self) -> str:
-        return f"l{self.layers}-kv{self.kv_heads}-{self.dtype}"
+        hd = f"-hd{self.head_dim}" if self.head_dim != CONFIG["head_dim"] else ""
+        return f"l{self.layers}-kv{self.kv_heads}-{self.dtype}{hd}"
 
     @property
     def server_flags(self) -> list[str]:
@@ -76,7 +83,7 @@ def spec_model(page_size: int, variant: Variant = DEFAULT) -> dict[str, object]:
     return {
         "layers": variant.layers,
         "kvHeads": variant.kv_heads,
-        "headDim": CONFIG["head_dim"],
+        "headDim": variant.head_dim,
         "dtype": variant.dtype,
         "pageSizeTokens": page_size,
     }

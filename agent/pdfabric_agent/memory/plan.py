@@ -272,7 +272,8 @@ def plan_transfer(
     src_aux, dst_aux = src.aux, dst.aux
     if src_layout.kv_buffers != dst_layout.kv_buffers:
         raise ValueError(
-            f"{src_layout.kv_buffers} KV buffers per layer here, {dst_layout.kv_buffers} at the peer (MHA against MLA)"
+            f"{src_layout.kv_buffers} KV buffers per layer here, {dst_layout.kv_buffers} at the peer (MHA against MLA, "
+            "or K and V apart against fused: SGLang's pages against vLLM's)"
         )
     if src_layout.page_order is not dst_layout.page_order:
         raise ValueError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import mmap
@@ -120,6 +121,13 @@ class PoolLayout:
     @property
     def page_bytes(self) -> int:
         return self.local_heads * self.head_bytes
+
+    def fused(self) -> PoolLayout:
+        """This MHA layout as an engine that keeps a layer's K and V in one buffer holds it (vLLM:
+        ``MemoryRegistration.fused``): one buffer per layer, a head's share of a page twice as long."""
+        if self.kv_buffers != 2:
+            raise ValueError(f"only K and V buffers fuse; this layout has {self.kv_buffers} KV buffer per layer")
+        return dataclasses.replace(self, kv_buffers=1, head_bytes=2 * self.head_bytes)
 
     @property
     def kv_bytes(self) -> int:

@@ -252,6 +252,12 @@ class MemoryRegistration:
     slot; per aux item a buffer of ``aux_row_bytes[i]`` per row. The agent checks them against the
     PDCluster's model (``memory.engine_layout``) before it maps or registers anything.
 
+    vLLM keeps a layer's K and V in one buffer (``fused``; ``k``, ``v`` and ``latent`` empty): each
+    page holds every local head's K and V side by side, ``[head][K tokens | V tokens]`` (head-major,
+    its CPU backend) or ``[token][head][K | V]`` (token-major); ``kv_page_bytes`` is the whole page,
+    K and V. A head's share of a page is then one contiguous run (per token when token-major), as a
+    split buffer's head is, twice as long.
+
     Aux buffers the agent cannot map (SGLang's ``MetadataBuffers`` are private CPU memory) stay
     the engine's: it registers no ``aux`` buffers but ``aux_slots`` rows of ``aux_row_bytes``, the
     agent keeps aux rows of its own, a send carries its row (``SendRequest.aux_rows``) and a decode
@@ -284,6 +290,11 @@ class MemoryRegistration:
     # SGLang's --enable-kv-cache-sharding: the ranks this rank's KV pages are striped over (its
     # pool holds logical page l at l // kv_shard_size when it owns it); 1: every page is here.
     kv_shard_size: int = 1
+    fused: list[BufferShare] = dataclasses.field(default_factory=list)  # vLLM: K and V of a layer in one
+
+    @property
+    def kv_fused(self) -> bool:
+        return bool(self.fused)
 
     @property
     def aux_inline(self) -> bool:
@@ -302,6 +313,8 @@ class MemoryRegistration:
         """The target model's KV buffers in (layer, buffer) order: each layer's K then V, or its latent."""
         if self.kv_kind is KvKind.MLA:
             return list(self.latent)
+        if self.fused:
+            return list(self.fused)
         return [b for pair in zip(self.k, self.v, strict=True) for b in pair]
 
     def kv_buffers(self) -> list[BufferShare]:
@@ -327,9 +340,16 @@ class MemoryRegistration:
         except ValueError:
             raise malformed(f"field 'kv_kind' must be one of {[k.value for k in KvKind]}") from None
         k, v, latent = shares_field(body, "k"), shares_field(body, "v"), shares_field(body, "latent")
+        fused = shares_field(body, "fused")
         state = shares_field(body, "state")
-        if (kind is KvKind.MLA) == bool(k or v) or (kind is KvKind.MLA) != bool(latent) or len(k) != len(v):
-            raise malformed("give K and V buffers of every layer (kv_kind MHA) or latent buffers (MLA), not both")
+        mla = kind is KvKind.MLA
+        if fused and (mla or k or v):
+            raise malformed("fused K and V buffers (one per layer) are MHA's, and come instead of K and V buffers")
+        if mla == bool(k or v or fused) or mla != bool(latent) or len(k) != len(v):
+            raise malformed(
+                "give K and V buffers of every layer (kv_kind MHA), fused K and V buffers (MHA, one per layer) "
+                "or latent buffers (MLA), one of them"
+            )
         return cls(
             rank=rank,
             page_order=order,
@@ -349,6 +369,7 @@ class MemoryRegistration:
             draft=DraftKv.parse(body.get("draft")),
             board=BoardShare.parse(body.get("board")),
             kv_shard_size=field_opt_int(body, "kv_shard_size", minimum=1) or 1,
+            fused=fused,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -374,6 +395,7 @@ class MemoryRegistration:
             **({"draft": self.draft.to_json()} if self.draft else {}),
             **({"board": self.board.to_json()} if self.board else {}),
             **({"kv_shard_size": self.kv_shard_size} if self.kv_shard_size > 1 else {}),
+            **({"fused": [b.to_json() for b in self.fused]} if self.fused else {}),
         }
 
 

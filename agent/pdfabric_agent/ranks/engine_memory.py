@@ -106,12 +106,23 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
             f"{reg.kv_kind.value} KV buffers registered, but the PDCluster's model has kvKind {geo.kv_kind.value}"
         )
     kv = reg.target_kv_buffers() if len(reg.k) == len(reg.v) else []
-    if len(kv) != geo.kv_buffers * len(layers):
-        per_layer = "one latent buffer" if geo.kv_kind is KvKind.MLA else "one K and one V buffer"
-        raise layout_mismatch(
-            f"{len(reg.k)} K, {len(reg.v)} V and {len(reg.latent)} latent buffers registered, but {where} holds "
-            f"layers {layers.start}..{layers.stop - 1} of the model's {geo.layers}: {per_layer} per layer"
+    # Fused: a layer's K and V in one buffer (vLLM), one head's share of a page twice as long.
+    per_buffer = 2 if reg.kv_fused else 1
+    kv_buffers = 1 if reg.kv_fused else geo.kv_buffers
+    if len(kv) != kv_buffers * len(layers):
+        per_layer = (
+            "one latent buffer"
+            if geo.kv_kind is KvKind.MLA
+            else "one fused K and V buffer"
+            if reg.kv_fused
+            else "one K and one V buffer"
         )
+        raise layout_mismatch(
+            f"{len(reg.k)} K, {len(reg.v)} V, {len(reg.fused)} fused and {len(reg.latent)} latent buffers registered, "
+            f"but {where} holds layers {layers.start}..{layers.stop - 1} of the model's {geo.layers}: {per_layer} per layer"
+        )
+    if reg.kv_fused and reg.draft is not None:
+        raise layout_mismatch("a draft model's KV beside fused K and V buffers (vLLM's) is not supported")
     shards = kv_shard_size(spec) if rank.role is Role.PREFILL else 1
     if reg.kv_shard_size != shards:
         raise layout_mismatch(
@@ -123,12 +134,13 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         raise layout_mismatch(
             f"pages of {reg.page_tokens} tokens registered; the PDCluster's model has pageSizeTokens {geo.page_size_tokens}"
         )
-    want_page = geo.kv_page_bytes(group.tp)
+    want_page = geo.kv_page_bytes(group.tp) * per_buffer
     if reg.kv_page_bytes != want_page:
+        fused = ", K and V together" if reg.kv_fused else ""
         raise layout_mismatch(
             f"{reg.kv_page_bytes} KV bytes per page registered; {where} has {want_page} "
-            f"({geo.describe_page(group.tp)}){_packing_hint(geo, reg.kv_page_bytes)}: check spec.model against the "
-            "engine's model, TP size and KV dtype"
+            f"({geo.describe_page(group.tp)}{fused}){_packing_hint(geo, reg.kv_page_bytes)}: check spec.model "
+            "against the engine's model, TP size and KV dtype"
         )
     draft = draft_buffers(reg, geo.draft_layers, geo.draft_layers_on(group.pp, rank.pp_rank), where)
     kv_pages = _slots(kv + draft, reg.kv_page_bytes, "KV", "pages")
@@ -144,7 +156,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
     return PoolLayout(
         layers=len(layers),
         local_heads=heads,
-        head_bytes=geo.head_page_bytes,
+        head_bytes=geo.head_page_bytes * per_buffer,
         kv_pages=kv_pages,
         state_layers=geo.state_layers,
         state_layer_bytes=geo.state_bytes_per_request // geo.state_layers,
@@ -156,7 +168,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
         aux_slots=aux_slots,
         page_tokens=reg.page_tokens,
         page_order=reg.page_order,
-        kv_buffers=geo.kv_buffers,
+        kv_buffers=kv_buffers,
         draft_layers=geo.draft_layers_on(group.pp, rank.pp_rank),
     )
 
@@ -217,7 +229,7 @@ class EngineMemory:
         the engine keeps private (``aux_slots``) get rows of the agent's own on ``aux_device``."""
         mapper = _Mapper(shm_dir, gpu, reg.rank, _spans(reg))
         try:
-            names = ("latent",) if reg.kv_kind is KvKind.MLA else ("k", "v")
+            names = ("latent",) if reg.kv_kind is KvKind.MLA else ("kv",) if reg.kv_fused else ("k", "v")
             kv = [
                 mapper.map(share, f"{names[i % len(names)]}{i // len(names)}")
                 for i, share in enumerate(reg.kv_buffers())

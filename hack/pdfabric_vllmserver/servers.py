@@ -1,0 +1,185 @@
+"""vLLM's real server (``python -m vllm.entrypoints.openai.api_server``) as the tests start it, from
+its own environment (``hack/vllm/venv.sh``: vLLM and SGLang pin different torch releases), on a small
+Llama with seeded weights (``pdfabric_sglangserver.model``, head_dim 32: vLLM's CPU attention takes
+no smaller), float32, eager, a KV cache of ``NUM_BLOCKS`` pages of ``BLOCK_SIZE`` tokens.
+
+As a PD server, ``--kv-transfer-config`` names pdfabric's connector (``pdfabric_vllm.connector``,
+on the server's PYTHONPATH with the engine-side client) or vLLM's NixlConnector (the control:
+``kv_buffer_device: cpu``, UCX over tcp/cma/shared memory, a side-channel port per server)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdfabric_devcluster.procs import answers_200, free_port, post_json
+from pdfabric_sglangserver.model import Variant
+from pdfabric_sglangserver.servers import wait_for_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_SCRIPT = ROOT / "hack" / "vllm" / "venv.sh"
+MODEL = Variant(dtype="float32", head_dim=32)  # vLLM's CPU attention refuses head_dim 16
+BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
+NUM_BLOCKS = 256  # 8,192 tokens of KV per server: far more than the tests use, 8 MiB per layer
+MAX_MODEL_LEN = 1024
+START_TIMEOUT_S = 300.0  # 40-80 s on 2 idle cores
+ENGINE_SOURCES = ("core", "agent", "integrations/vllm")  # what a pdfabric server imports from here
+CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    # One OpenMP thread per server, unbound: vLLM binds its worker's threads to every core it finds,
+    # and with several servers on two cores their spinning threads took turns (a 12-token answer 3 s).
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
+# NIXL's UCX: tcp, cross-memory attach and shared memory; its InfiniBand module unloaded (libnl's
+# destructor crashes the process at exit without RDMA devices).
+NIXL_ENV = {"UCX_TLS": "tcp,cma,self,sm", "UCX_MODULES": "^ib*"}
+
+
+def vllm_python() -> str:
+    """The vLLM environment's python, made (once, cached outside the repo) when missing."""
+    out = subprocess.run(["bash", str(VENV_SCRIPT)], check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def pdfabric_kv_config(role: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "PdfabricConnector",
+        "kv_connector_module_path": "pdfabric_vllm.connector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+    }
+
+
+def nixl_kv_config(role: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+    }
+
+
+def server_argv(python: str, model_dir: Path, port: int, kv_config: Mapping[str, Any] | None = None) -> list[str]:
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "model",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
+        "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+        "--max-num-seqs", "32", "--disable-log-stats", "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(dict(kv_config))]
+    return argv
+
+
+@dataclass
+class VllmServer:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    argv: list[str]
+    env: dict[str, str]
+    started_at: float = field(default_factory=time.monotonic)
+    start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        return answers_200(self.url + "/health", 5)
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server {self.name} exited {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM server {self.name} not healthy within {timeout_s:g} s:\n{self.tail()}")
+            time.sleep(1.0)
+        if self.start_s is None:
+            self.start_s = time.monotonic() - self.started_at
+
+    def tail(self, n: int = 6000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def complete(self, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
+        return post_json(self.url + "/v1/completions", dict(body), timeout_s)
+
+    def kill(self) -> None:
+        """End it as a crash would (every process of its group)."""
+        _signal_group(self.proc, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        wait_for_memory()
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.log.parent, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def start_server(
+    name: str, python: str, model_dir: Path, log: Path, *, kv_config: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None, pythonpath: Sequence[str] = (),
+) -> VllmServer:  # fmt: skip
+    """Start a server in its own process group, in its log's folder, once the memory it needs is free."""
+    wait_for_memory()
+    port = free_port()
+    full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    full_env.pop("PYTHONPATH", None)
+    if pythonpath:
+        full_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    argv = server_argv(python, model_dir, port, kv_config)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv, env=full_env, cwd=log.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return VllmServer(name, port, proc, log, argv, full_env)
+
+
+def completion(prompt: Sequence[int], new_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy /v1/completions body of exactly ``new_tokens`` tokens that returns its token ids."""
+    return {
+        "model": "model", "prompt": list(prompt), "max_tokens": new_tokens, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True, **extra,
+    }  # fmt: skip
+
+
+def token_ids(answer: Mapping[str, Any]) -> list[int]:
+    choices = answer.get("choices") or [{}]
+    return list(choices[0].get("token_ids") or [])
