@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from pathlib import Path
 
 import pytest
 

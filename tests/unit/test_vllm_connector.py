@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 import torch
+from pdfabric_vllm.memory import page_order, registration
+from pdfabric_vllm.orders import ReceiveOrder, ReleaseOrder, SendOrder
+from pdfabric_vllm.params import ParamsError, RemotePrefill
+from pdfabric_vllm.scheduler import SchedulerSide
 
 from pdfabric_agent.client.shares import UnshareableBuffer
 from pdfabric_agent.client.shm import shared_cpu_allocations
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.wire import MemoryRegistration, ShareKind
 from pdfabric_core.policy.types import Role
-from pdfabric_vllm.memory import page_order, registration
-from pdfabric_vllm.orders import ReceiveOrder, ReleaseOrder, SendOrder
-from pdfabric_vllm.params import ParamsError, RemotePrefill
-from pdfabric_vllm.scheduler import SchedulerSide
 
 BLOCK = 32
 
