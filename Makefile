@@ -16,11 +16,15 @@ help: ## list targets
 
 .PHONY: deps
 deps: ## everything the demo and the tests need (cached outside the repo; built side by side)
-	@$(MAKE) --no-print-directory -j3 venv binaries prometheus
+	@$(MAKE) --no-print-directory -j4 venv binaries prometheus vllm-venv
 
 .PHONY: venv
 venv: ## Python environment with torch, kopf, mooncake (reinstalled only when pins change)
 	@bash hack/venv.sh >/dev/null
+
+.PHONY: vllm-venv
+vllm-venv: ## vLLM's CPU build, NIXL and vllm-router in an environment of their own, for the vLLM tests (hack/vllm/venv.sh)
+	@bash hack/vllm/venv.sh >/dev/null
 
 .PHONY: binaries
 binaries: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from Go modules

@@ -1,0 +1,132 @@
+"""A PD deployment of vLLM's real servers as the tests run it: a prefill and a decode server over
+pdfabric (real agents on loopback tcp, ``pdfabric_devcluster.fabric.LocalFabric``) or over vLLM's
+own NixlConnector (the control), vLLM's router (``vllm-router --vllm-pd-disaggregation``) in
+front. The router speaks vLLM's P/D protocol (prefill with ``do_remote_decode`` and one token,
+its ``kv_transfer_params`` to decode), which carries pdfabric's room as it carries NIXL's blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdfabric_agent.client.shm import remove_orphans
+from pdfabric_devcluster.fabric import LocalFabric
+from pdfabric_devcluster.procs import answers_200, free_port, post_json
+from pdfabric_sglangserver.model import spec_model
+from pdfabric_vllmserver.servers import (
+    BLOCK_SIZE,
+    ENGINE_SOURCES,
+    MODEL,
+    NIXL_ENV,
+    ROOT,
+    VllmServer,
+    nixl_kv_config,
+    pdfabric_kv_config,
+    start_server,
+)
+
+CONNECTORS = ("pdfabric", "nixl")
+ROUTER_START_S = 60.0
+
+
+def fabric_spec() -> dict[str, Any]:
+    """The PDCluster of one prefill and one decode replica of the test model, over tcp."""
+    return {
+        "prefill": {"tp": 1},
+        "decode": {"tp": 1},
+        "transfer": {"transport": "tcp", "timeoutSeconds": 20},
+        "model": spec_model(BLOCK_SIZE, MODEL),
+    }
+
+
+@dataclass
+class VllmPD:
+    connector: str
+    prefill: VllmServer
+    decode: VllmServer
+    router_url: str
+    fabric: LocalFabric | None  # pdfabric's agents (None for NIXL)
+
+    def complete(self, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
+        return post_json(self.router_url + "/v1/completions", dict(body), timeout_s)
+
+
+@contextlib.contextmanager
+def pair(
+    connector: str, python: str, model_dir: Path, logs: Path
+) -> Iterator[tuple[VllmServer, VllmServer, LocalFabric | None]]:
+    """Prefill and decode servers over ``connector``, healthy; the agents too for pdfabric."""
+    fabric: LocalFabric | None = None
+    servers: dict[str, VllmServer] = {}
+    try:
+        envs: dict[str, dict[str, str]] = {}
+        pythonpath: list[str] = []
+        if connector == "pdfabric":
+            fabric = LocalFabric(fabric_spec()).__enter__()
+            token = logs / "engine-token"
+            token.write_text(fabric.token)
+            pythonpath = [str(ROOT / p) for p in ENGINE_SOURCES]
+            for role, rank in (("prefill", "prefill-0-tp0-cp0"), ("decode", "decode-0-tp0")):
+                envs[role] = {
+                    "PDFABRIC_ENGINE_TOKEN_FILE": str(token),
+                    "PDFABRIC_AGENT_ADDRESS": fabric.agents[fabric.agent_of(rank)].address,
+                    "PDFABRIC_REPLICA": "0",
+                    "PDFABRIC_SHM_DIR": fabric.shm_dir,
+                }
+        else:
+            envs = {
+                role: {**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for role in ("prefill", "decode")
+            }
+        for role in ("prefill", "decode"):
+            config = pdfabric_kv_config(role) if connector == "pdfabric" else nixl_kv_config(role)
+            servers[role] = start_server(
+                f"{connector}-{role}", python, model_dir, logs / f"{role}.log",
+                kv_config=config, env=envs[role], pythonpath=pythonpath,
+            )  # fmt: skip
+        for server in servers.values():
+            server.wait_healthy()
+        yield servers["prefill"], servers["decode"], fabric
+    finally:
+        for server in servers.values():
+            server.stop()
+        if fabric is not None:
+            remove_orphans(fabric.shm_dir)  # the servers' KV files, if a server was killed
+            fabric.close()
+
+
+@contextlib.contextmanager
+def router(python: str, prefill: VllmServer, decode: VllmServer, log: Path) -> Iterator[str]:
+    """vllm-router in P/D mode before the pair; yields its URL once it answers /health."""
+    port = free_port()
+    argv = [
+        str(Path(python).parent / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+        "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+        "--kv-connector", "nixl", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ROUTER_START_S
+        while not answers_200(url + "/health", 2):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-router did not start: {log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def behind_router(connector: str, python: str, model_dir: Path, logs: Path) -> Iterator[VllmPD]:
+    with (
+        pair(connector, python, model_dir, logs) as (prefill, decode, fabric),
+        router(python, prefill, decode, logs / "router.log") as url,
+    ):
+        yield VllmPD(connector, prefill, decode, url, fabric)

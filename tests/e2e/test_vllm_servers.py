@@ -1,0 +1,198 @@
+"""vLLM's own servers run PD over pdfabric: ``vllm.entrypoints.openai.api_server`` (vLLM's CPU
+engine, its scheduler, its KV connector machinery) as a prefill and a decode server with
+pdfabric's connector, real agents on loopback tcp between them, vLLM's router in front. vLLM's
+NixlConnector runs the same cases as the control (``CONNECTORS``).
+
+The model is the SGLang tests' seeded Llama with head_dim 32 (``pdfabric_vllmserver.servers.MODEL``),
+whose tokens depend on the whole context: greedy answers through PD equal to one vLLM server's,
+token for token, prove the KV arrived (decode recomputes only the prompt's last token)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pdfabric_vllmserver.pd import CONNECTORS, VllmPD, behind_router
+from pdfabric_vllmserver.servers import BLOCK_SIZE, MODEL, VllmServer, completion, start_server, token_ids, vllm_python
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPTS = [
+    [104, 101, 108, 108, 111],
+    list(range(32, 120)),
+    [7, 1, 5] * 40,
+    list(range(40, 250)) * 2,
+    [(i * 37) % 251 for i in range(700)],
+    [65] * 33,
+]
+CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 9 * i)] for i in range(16)]
+NEW_TOKENS = 12
+# One page of the test model in vLLM's fused layout: 2 KV heads x 32 tokens x (K + V) 64 floats.
+PAGE_BYTES = 2 * BLOCK_SIZE * 2 * MODEL.head_dim * 4
+LAYERS = MODEL.layers
+EXPOSED: dict[str, list[float]] = {}  # connector -> decode's time to its first token after prefill answered
+
+
+@pytest.fixture(scope="module")
+def python() -> str:
+    return vllm_python()
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pdfabric_sglangserver.model import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("vllm-model"), MODEL)
+
+
+@pytest.fixture(scope="module")
+def single(python: str, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """One vLLM server serving the model alone: the answers PD must equal."""
+    server = start_server("single", python, vllm_model, tmp_path_factory.mktemp("vllm-single") / "single.log")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module", params=CONNECTORS)
+def pd(
+    request: pytest.FixtureRequest,
+    python: str,
+    vllm_model: Path,
+    single: VllmServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[VllmPD]:
+    connector: str = request.param
+    with behind_router(connector, python, vllm_model, tmp_path_factory.mktemp(f"vllm-{connector}")) as pd:
+        yield pd
+
+
+def answer(server: VllmServer | VllmPD, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    status, body = server.complete(completion(prompt, new_tokens))
+    assert status == 200, body
+    return token_ids(body)
+
+
+def decode_kv_bytes(pd: VllmPD) -> float:
+    assert pd.fabric is not None
+    return pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv")
+
+
+def wait_kv_bytes(pd: VllmPD, before: float, want: int) -> float:
+    deadline = time.monotonic() + 10
+    while (moved := decode_kv_bytes(pd) - before) < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return moved
+
+
+def test_the_models_tokens_depend_on_the_kv(single: VllmServer) -> None:
+    """The premise of every equality below: two prompts that end alike but differ before go on
+    differently, so decode's tokens depend on the KV it was given."""
+    assert answer(single, [5, 6, 7, 8, 9, 9]) != answer(single, [100, 120, 30, 40, 9, 9])
+
+
+def test_pd_answers_equal_a_single_server_token_for_token(pd: VllmPD, single: VllmServer) -> None:
+    for prompt in PROMPTS:
+        want = answer(single, prompt)
+        status, got = pd.complete(completion(prompt, NEW_TOKENS))
+        assert status == 200, (pd.connector, got, pd.decode.tail(), pd.prefill.tail())
+        assert token_ids(got) == want, (pd.connector, len(prompt))
+        assert len(want) == NEW_TOKENS
+
+
+def test_pd_16_concurrent_requests_equal_a_single_server(pd: VllmPD, single: VllmServer) -> None:
+    want = [answer(single, p) for p in CONCURRENT]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda p: pd.complete(completion(p, NEW_TOKENS), 240), CONCURRENT))
+    assert [s for s, _ in answers] == [200] * len(CONCURRENT), [a for s, a in answers if s != 200][:2]
+    assert [token_ids(a) for _, a in answers] == want
+
+
+def test_pd_moves_the_prompts_pages_through_the_agents(pd: VllmPD) -> None:
+    """pdfabric's decode agent counted exactly the prompt's pages (NIXL has no such counter)."""
+    if pd.fabric is None:
+        pytest.skip("vLLM's NixlConnector exports no per-request byte counter here")
+    before = decode_kv_bytes(pd)
+    prompt = [(i * 19) % 240 + 7 for i in range(100)]  # 100 tokens: 4 pages of 32
+    want = -(-100 // BLOCK_SIZE) * PAGE_BYTES * LAYERS
+    assert pd.complete(completion(prompt, 4))[0] == 200
+    assert wait_kv_bytes(pd, before, want) == want
+
+
+def test_decode_prefix_cache_takes_only_the_pages_after_it(pd: VllmPD, single: VllmServer) -> None:
+    """Decode's prefix cache holds a 96-token prompt (3 pages); the same prompt with 40 tokens more
+    is prefilled whole, decode loads only the pages after its cached prefix, and answers the single
+    server's tokens."""
+    base = [(i * 29) % 241 + 3 for i in range(96)]
+    longer = base + [(i * 17) % 233 + 5 for i in range(40)]
+    before = decode_kv_bytes(pd) if pd.fabric else 0.0
+    for prompt in (base, longer):
+        want = answer(single, prompt)
+        mid = decode_kv_bytes(pd) if pd.fabric else 0.0
+        status, got = pd.complete(completion(prompt, NEW_TOKENS))
+        assert status == 200, (pd.connector, got)
+        assert token_ids(got) == want, (pd.connector, len(prompt))
+    if pd.fabric is not None:
+        # The second prompt's 136 tokens are 5 pages; 3 are decode's already: 2 move.
+        assert wait_kv_bytes(pd, mid, 2 * PAGE_BYTES * LAYERS) == 2 * PAGE_BYTES * LAYERS
+        assert decode_kv_bytes(pd) - before == (3 + 2) * PAGE_BYTES * LAYERS
+
+
+def kv_usage(server: VllmServer) -> float:
+    """vLLM's own gauge of the KV cache in use (0..1), from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")
+    )
+
+
+def wait_no_kv_in_use(server: VllmServer, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (usage := kv_usage(server)) > 0:
+        assert time.monotonic() < deadline, f"{server.name} still holds {usage:.2%} of its KV cache"
+        time.sleep(0.3)
+
+
+def test_a_decode_request_given_up_while_its_kv_is_awaited_frees_its_pages(pd: VllmPD, single: VllmServer) -> None:
+    """A decode request whose KV never comes (its params name a room no prefill holds) waits in
+    WAITING_FOR_REMOTE_KVS; its client gives up, vLLM aborts it, the connector gives the room up and
+    vLLM frees its pages once the agent says no source writes into them. Both servers then hold no
+    KV, and serve on."""
+    if pd.fabric is None:
+        pytest.skip("the room of a prefill that never sends is pdfabric's (NIXL names remote blocks)")
+    prompt = list(range(10, 110))
+    params = {
+        "do_remote_prefill": True,
+        "pdfabric": {"room": 4242, "prefill_replica": 0, "prefill_dp": 0, "num_tokens": 100},
+    }
+    status, _ = pd.decode.complete(completion(prompt, 4, kv_transfer_params=params), timeout_s=3.0)
+    assert status != 200  # the client gave up after 3 s
+    wait_no_kv_in_use(pd.decode)
+    wait_no_kv_in_use(pd.prefill)
+    assert token_ids(pd.complete(completion(prompt, NEW_TOKENS))[1]) == answer(single, prompt)
+
+
+def test_exposed_time_after_prefill_is_measured_the_same_way_for_both(pd: VllmPD) -> None:
+    """How long decode takes to its first token once prefill answered (the KV's transfer and one
+    step), the router's two steps taken by hand, for the closing table of both connectors."""
+    samples = []
+    for i in range(5):
+        prompt = [(i * 31 + j * 7) % 250 + 1 for j in range(300)]
+        status, first = pd.prefill.complete(completion(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+        assert status == 200, first
+        started = time.monotonic()
+        status, got = pd.decode.complete(completion(prompt, 1, kv_transfer_params=first["kv_transfer_params"]))
+        samples.append(time.monotonic() - started)
+        assert status == 200, got
+    EXPOSED[pd.connector] = samples
+    print(f"\n{pd.connector}: decode's first token after prefill answered, 300-token prompts: "
+          + ", ".join(f"{s * 1000:.0f} ms" for s in samples))  # fmt: skip
