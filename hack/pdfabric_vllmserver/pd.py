@@ -34,14 +34,31 @@ CONNECTORS = ("pdfabric", "nixl")
 ROUTER_START_S = 60.0
 
 
-def fabric_spec() -> dict[str, Any]:
-    """The PDCluster of one prefill and one decode replica of the test model, over tcp."""
-    return {
-        "prefill": {"tp": 1},
-        "decode": {"tp": 1},
-        "transfer": {"transport": "tcp", "timeoutSeconds": 20},
-        "model": spec_model(BLOCK_SIZE, MODEL),
-    }
+@dataclass(frozen=True)
+class Shape:
+    """Each server's TP size (a worker process per rank)."""
+
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"p-tp{self.prefill_tp}-d-tp{self.decode_tp}"
+
+    def tp(self, role: str) -> int:
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def fabric_spec(self) -> dict[str, Any]:
+        """The PDCluster of one prefill and one decode replica of the test model, over tcp."""
+        return {
+            "prefill": {"tp": self.prefill_tp},
+            "decode": {"tp": self.decode_tp},
+            "transfer": {"transport": "tcp", "timeoutSeconds": 20},
+            "model": spec_model(BLOCK_SIZE, MODEL),
+        }
+
+
+ONE_RANK = Shape()
 
 
 @dataclass
@@ -58,16 +75,17 @@ class VllmPD:
 
 @contextlib.contextmanager
 def pair(
-    connector: str, python: str, model_dir: Path, logs: Path
+    connector: str, python: str, model_dir: Path, logs: Path, shape: Shape = ONE_RANK
 ) -> Iterator[tuple[VllmServer, VllmServer, LocalFabric | None]]:
-    """Prefill and decode servers over ``connector``, healthy; the agents too for pdfabric."""
+    """Prefill and decode servers over ``connector``, healthy; the agents too for pdfabric. A server
+    of several TP ranks is one server whose workers each register with their replica's agent."""
     fabric: LocalFabric | None = None
     servers: dict[str, VllmServer] = {}
     try:
         envs: dict[str, dict[str, str]] = {}
         pythonpath: list[str] = []
         if connector == "pdfabric":
-            fabric = LocalFabric(fabric_spec()).__enter__()
+            fabric = LocalFabric(shape.fabric_spec()).__enter__()
             token = logs / "engine-token"
             token.write_text(fabric.token)
             pythonpath = [str(ROOT / p) for p in ENGINE_SOURCES]
@@ -86,7 +104,7 @@ def pair(
             config = pdfabric_kv_config(role) if connector == "pdfabric" else nixl_kv_config(role)
             servers[role] = start_server(
                 f"{connector}-{role}", python, model_dir, logs / f"{role}.log",
-                kv_config=config, env=envs[role], pythonpath=pythonpath,
+                kv_config=config, env=envs[role], pythonpath=pythonpath, tp=shape.tp(role),
             )  # fmt: skip
         for server in servers.values():
             server.wait_healthy()
@@ -124,9 +142,11 @@ def router(python: str, prefill: VllmServer, decode: VllmServer, log: Path) -> I
 
 
 @contextlib.contextmanager
-def behind_router(connector: str, python: str, model_dir: Path, logs: Path) -> Iterator[VllmPD]:
+def behind_router(
+    connector: str, python: str, model_dir: Path, logs: Path, shape: Shape = ONE_RANK
+) -> Iterator[VllmPD]:
     with (
-        pair(connector, python, model_dir, logs) as (prefill, decode, fabric),
+        pair(connector, python, model_dir, logs, shape) as (prefill, decode, fabric),
         router(python, prefill, decode, logs / "router.log") as url,
     ):
         yield VllmPD(connector, prefill, decode, url, fabric)

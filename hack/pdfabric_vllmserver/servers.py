@@ -71,7 +71,9 @@ def nixl_kv_config(role: str) -> dict[str, Any]:
     }
 
 
-def server_argv(python: str, model_dir: Path, port: int, kv_config: Mapping[str, Any] | None = None) -> list[str]:
+def server_argv(
+    python: str, model_dir: Path, port: int, kv_config: Mapping[str, Any] | None = None, tp: int = 1
+) -> list[str]:
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", "model",
@@ -80,6 +82,8 @@ def server_argv(python: str, model_dir: Path, port: int, kv_config: Mapping[str,
         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
         "--max-num-seqs", "32", "--disable-log-stats", "--uvicorn-log-level", "warning",
     ]  # fmt: skip
+    if tp > 1:  # a worker process per rank, as on GPUs
+        argv += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv_config))]
     return argv
@@ -154,7 +158,7 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 def start_server(
     name: str, python: str, model_dir: Path, log: Path, *, kv_config: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None, pythonpath: Sequence[str] = (),
+    env: Mapping[str, str] | None = None, pythonpath: Sequence[str] = (), tp: int = 1,
 ) -> VllmServer:  # fmt: skip
     """Start a server in its own process group, in its log's folder, once the memory it needs is free."""
     wait_for_memory()
@@ -163,7 +167,7 @@ def start_server(
     full_env.pop("PYTHONPATH", None)
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
-    argv = server_argv(python, model_dir, port, kv_config)
+    argv = server_argv(python, model_dir, port, kv_config, tp)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(

@@ -17,47 +17,17 @@ from pathlib import Path
 import pytest
 
 from pdfabric_vllmserver.pd import CONNECTORS, VllmPD, behind_router
-from pdfabric_vllmserver.servers import BLOCK_SIZE, MODEL, VllmServer, completion, start_server, token_ids, vllm_python
+from pdfabric_vllmserver.servers import BLOCK_SIZE, MODEL, VllmServer, completion, token_ids
+from tests.e2e.vllm_servers import CONCURRENT, NEW_TOKENS, PROMPTS, answer, python, single, vllm_model
+
+__all__ = ["python", "single", "vllm_model"]  # the shared fixtures, used by name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-PROMPTS = [
-    [104, 101, 108, 108, 111],
-    list(range(32, 120)),
-    [7, 1, 5] * 40,
-    list(range(40, 250)) * 2,
-    [(i * 37) % 251 for i in range(700)],
-    [65] * 33,
-]
-CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 9 * i)] for i in range(16)]
-NEW_TOKENS = 12
 # One page of the test model in vLLM's fused layout: 2 KV heads x 32 tokens x (K + V) 64 floats.
 PAGE_BYTES = 2 * BLOCK_SIZE * 2 * MODEL.head_dim * 4
 LAYERS = MODEL.layers
 EXPOSED: dict[str, list[float]] = {}  # connector -> decode's time to its first token after prefill answered
-
-
-@pytest.fixture(scope="module")
-def python() -> str:
-    return vllm_python()
-
-
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdfabric_sglangserver.model import write_model_dir
-
-    return write_model_dir(tmp_path_factory.mktemp("vllm-model"), MODEL)
-
-
-@pytest.fixture(scope="module")
-def single(python: str, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """One vLLM server serving the model alone: the answers PD must equal."""
-    server = start_server("single", python, vllm_model, tmp_path_factory.mktemp("vllm-single") / "single.log")
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module", params=CONNECTORS)
@@ -71,12 +41,6 @@ def pd(
     connector: str = request.param
     with behind_router(connector, python, vllm_model, tmp_path_factory.mktemp(f"vllm-{connector}")) as pd:
         yield pd
-
-
-def answer(server: VllmServer | VllmPD, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    status, body = server.complete(completion(prompt, new_tokens))
-    assert status == 200, body
-    return token_ids(body)
 
 
 def decode_kv_bytes(pd: VllmPD) -> float:

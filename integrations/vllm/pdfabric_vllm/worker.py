@@ -31,7 +31,10 @@ from pdfabric_vllm.orders import Orders, ReceiveOrder, SendOrder
 
 log = logging.getLogger("pdfabric.vllm")
 
-AGENT_CALL_TIMEOUT_S = 2.0  # an agent answers in milliseconds; a hung one must not hold a step
+AGENT_CALL_TIMEOUT_S = 2.0  # a poll from vLLM's step (the feed down): a hung agent must not hold the step
+# A submit or abort, on the calls' own thread: the first rooms of a pair may wait for the agents'
+# peer connection (a TLS handshake on a busy machine took over 2 s).
+SUBMIT_TIMEOUT_S = 10.0
 AGENT_ERRORS = (AgentRefused, OSError, ValueError)
 FEED_WAIT_S = 2.0
 REGISTER_WAIT_S = 30.0  # a restarted engine waits this long for its previous process's rooms to end
@@ -43,6 +46,7 @@ class Send:
     since: float = field(default_factory=time.monotonic)
     submitted: bool = False
     refused: str = ""
+    aborted: bool = False
 
 
 @dataclass
@@ -66,7 +70,7 @@ class WorkerSide:
             )
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
         self.calls_client = AgentClient(
-            self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S, shared=True
+            self.config.address, self.config.token, self.cluster_uid, SUBMIT_TIMEOUT_S, shared=True
         )
         self.calls = AgentCalls(f"pdfabric-calls-{self.rank_id}")
         self.instance = engine_instance()
@@ -203,31 +207,55 @@ class WorkerSide:
         """Hand over the sends whose decode announced itself; conclude what ended."""
         now = time.monotonic()
         for room, pending in list(self.sends.items()):
-            view = None if pending.refused else self._view(room)
-            if pending.refused or (view is not None and view.state is RoomState.FAILED):
-                self._end_send(room, pending, pending.refused or (view.reason if view else ""))
+            if pending.refused and not pending.aborted:
+                # As for a receive: the agent may be reading these pages; they wait for its word.
+                pending.aborted = True
+                self._abort(room, pending.refused, None)
+                continue
+            view = self._view(room)
+            if pending.aborted:
+                if (view is None and self._unknown(room)) or (view is not None and view.finished):
+                    self._end_send(room, pending, pending.refused)
+            elif view is not None and view.state is RoomState.FAILED:
+                self._end_send(room, pending, view.reason or "failed")
             elif view is not None and pending.submitted and view.finished:
                 self._end_send(room, pending, "")
                 self.bytes_moved += sum(view.moved.values())
             elif not pending.submitted and view is not None and (view.decode_ranks_ready or view.sends is False):
                 self._send(pending, view)
             elif not pending.submitted and now - pending.since > self.config.bootstrap_timeout_s:
-                reason = f"decode did not announce room {room} within {self.config.bootstrap_timeout_s:g} s"
-                self._abort(room, reason, None)
-                self._end_send(room, pending, reason)
+                pending.refused = f"decode did not announce room {room} within {self.config.bootstrap_timeout_s:g} s"
         for room, recv in list(self.receives.items()):
+            if recv.refused and not recv.aborted:
+                # The agent may have taken the room all the same (an answer that timed out): give
+                # it up there, and hand the pages back once nothing writes into them.
+                recv.aborted = True
+                self._abort(room, recv.refused, None)
+                continue
             view = self._view(room)
-            if recv.refused:
-                self._end_receive(room, recv, recv.refused)
+            if recv.aborted:
+                if view is None and self._unknown(room):
+                    self._end_receive(room, recv, recv.refused or "aborted")
+                elif view is not None and view.finished and (view.succeeded or view.sources_quiet is not False):
+                    self._end_receive(room, recv, recv.refused or view.reason or "aborted")
             elif view is None or not view.finished:
                 continue
-            elif recv.aborted or not view.succeeded:
-                # Its pages are vLLM's again only once no source writes into them any more.
-                if view.succeeded or view.sources_quiet is not False:
-                    self._end_receive(room, recv, view.reason or "aborted")
+            elif not view.succeeded:
+                if view.sources_quiet is not False:  # vLLM's again once no source writes into them
+                    self._end_receive(room, recv, view.reason or "failed")
             else:
                 self.bytes_moved += sum(view.moved.values())
                 self._end_receive(room, recv, "")
+
+    def _unknown(self, room: int) -> bool:
+        """Whether the agent says it has no such room (nothing can write into its pages)."""
+        try:
+            self.client.poll(self.rank_id, room)
+        except AgentRefused as exc:
+            return exc.status == 404
+        except (OSError, ValueError):
+            return True  # the agent is down: its transfer engine writes nothing
+        return False
 
     def _end_send(self, room: int, pending: Send, failure: str) -> None:
         del self.sends[room]
@@ -242,7 +270,7 @@ class WorkerSide:
         self._done_receiving.add(recv.order.req_id)
         if failure:
             self.rooms_failed += 1
-            if not recv.aborted:
+            if not recv.aborted or recv.refused:
                 self._load_errors.update(recv.order.pages)
             log.warning("pdfabric: room %d of %s (decode) failed: %s", room, recv.order.req_id, failure)
         self._forget(room)

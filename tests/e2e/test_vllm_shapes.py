@@ -1,0 +1,51 @@
+"""Heterogeneous TP between vLLM's prefill and decode servers: prefill TP 1 -> decode TP 2 and
+TP 2 -> 1, each server a worker process per rank, each worker its own pdfabric engine rank; the
+agents split or gather the KV heads of vLLM's fused pages. vLLM's NixlConnector runs the same
+shapes as the control. Answers through vLLM's router equal a single vLLM server's, token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pdfabric_vllmserver.pd import CONNECTORS, Shape, VllmPD, behind_router
+from pdfabric_vllmserver.servers import VllmServer, completion, token_ids
+from tests.e2e.vllm_servers import CONCURRENT, NEW_TOKENS, PROMPTS, answer, python, single, vllm_model
+
+__all__ = ["python", "single", "vllm_model"]  # the shared fixtures, used by name
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+SHAPES = [Shape(1, 2), Shape(2, 1)]
+CASES = [pytest.param((c, s), id=f"{c}-{s.name}") for s in SHAPES for c in CONNECTORS]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def pd(
+    request: pytest.FixtureRequest,
+    python: str,
+    vllm_model: Path,
+    single: VllmServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[VllmPD]:
+    connector, shape = request.param
+    logs = tmp_path_factory.mktemp(f"vllm-{connector}-{shape.name}")
+    with behind_router(connector, python, vllm_model, logs, shape) as pd:
+        yield pd
+
+
+def test_shaped_pd_answers_equal_a_single_server(pd: VllmPD, single: VllmServer) -> None:
+    for prompt in PROMPTS:
+        status, got = pd.complete(completion(prompt, NEW_TOKENS))
+        assert status == 200, (pd.connector, got, pd.decode.tail(), pd.prefill.tail())
+        assert token_ids(got) == answer(single, prompt), (pd.connector, len(prompt))
+    prompts = CONCURRENT[:6]
+    want = [answer(single, p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: pd.complete(completion(p, NEW_TOKENS), 240), prompts))
+    assert [(s, token_ids(a)) for s, a in answers] == [(200, w) for w in want]
+    if pd.fabric is not None:  # every decode rank's agent counted its share of the KV
+        assert pd.fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", kind="kv") > 0
