@@ -4,7 +4,7 @@
 # and the pure-Python wheels the GPU machine's Python lacks in .gpu-deps/wheels (the test harness's
 # certificates need cryptography: `pip download cryptography cffi pycparser --python-version 3.12
 # --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-deps/wheels`):
-#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent] [tcp] [dmabuf] [chunks]      (default: the first three)
+#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent] [tcp] [dmabuf] [chunks] [vllm]      (default: the first three)
 # (tcp: engine GPU KV over tcp, its benchmark then its GPU tests; one GPU is enough)
 # (dmabuf: engine GPU memory exported as dma-bufs and handed over, its GPU tests with their prints; one GPU)
 # (chunks: the transfer a chunked prefill leaves exposed after its last chunk, kernel path; one GPU)
@@ -37,6 +37,9 @@ for step in $steps; do
         | tee "$OUT/gpu-dmabuf-tests.txt" | tail -40 || rc=1 ;;
     chunks) timeout 400 python3 benchmarks/gpu/chunk_exposed.py --json "$OUT/chunk_exposed.json" 2>&1 | grep -v ' INFO \|^[IW][0-9]' \
         | tee "$OUT/chunk_exposed.txt" | tail -30 || rc=1 ;;
+    vllm)  # vLLM's connector worker side, its KV cache on the GPU (no vLLM needed: it builds vLLM's layout)
+      PDFABRIC_GPU_RESULTS=$OUT timeout 300 python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_vllm_connector_gpu.py 2>&1 \
+        | tee "$OUT/gpu-vllm-tests.txt" | tail -40 || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done
