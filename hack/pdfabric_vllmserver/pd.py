@@ -23,6 +23,7 @@ from pdfabric_vllmserver.servers import (
     ENGINE_SOURCES,
     MODEL,
     NIXL_ENV,
+    PD_ENV,
     ROOT,
     VllmServer,
     nixl_kv_config,
@@ -104,7 +105,7 @@ def pair(
             config = pdfabric_kv_config(role) if connector == "pdfabric" else nixl_kv_config(role)
             servers[role] = start_server(
                 f"{connector}-{role}", python, model_dir, logs / f"{role}.log",
-                kv_config=config, env=envs[role], pythonpath=pythonpath, tp=shape.tp(role),
+                kv_config=config, env={**PD_ENV, **envs[role]}, pythonpath=pythonpath, tp=shape.tp(role),
             )  # fmt: skip
         for server in servers.values():
             server.wait_healthy()

@@ -44,6 +44,9 @@ CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
 }
+# A PD server logs vLLM's stats every 2 s while it works, its connector's among them ("KV Transfer
+# metrics: ..."), at INFO.
+PD_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "2"}
 # NIXL's UCX: tcp, cross-memory attach and shared memory; its InfiniBand module unloaded (libnl's
 # destructor crashes the process at exit without RDMA devices).
 NIXL_ENV = {"UCX_TLS": "tcp,cma,self,sm", "UCX_MODULES": "^ib*"}
@@ -80,12 +83,14 @@ def server_argv(
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--max-num-seqs", "32", "--disable-log-stats", "--uvicorn-log-level", "warning",
+        "--max-num-seqs", "32", "--uvicorn-log-level", "warning",
     ]  # fmt: skip
     if tp > 1:  # a worker process per rank, as on GPUs
         argv += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv_config))]
+    else:
+        argv += ["--disable-log-stats"]
     return argv
 
 

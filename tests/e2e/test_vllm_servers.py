@@ -9,10 +9,12 @@ token for token, prove the KV arrived (decode recomputes only the prompt's last 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,6 +91,20 @@ def test_pd_moves_the_prompts_pages_through_the_agents(pd: VllmPD) -> None:
     assert wait_kv_bytes(pd, before, want) == want
 
 
+def test_the_connectors_stats_reach_vllms_own_logger(pd: VllmPD) -> None:
+    """vLLM's stats logger prints each connector's transfer stats of the interval: pdfabric's rooms,
+    bytes and durations (get_kv_connector_stats, aggregated over the workers by vLLM)."""
+    if pd.fabric is None:
+        pytest.skip("pdfabric's stats; NIXL logs its own")
+    assert pd.complete(completion(list(range(3, 90)), 4))[0] == 200
+    deadline = time.monotonic() + 15
+    while "KV Transfer metrics: Rooms=" not in pd.decode.tail(200_000):
+        assert time.monotonic() < deadline, pd.decode.tail(3000)
+        time.sleep(0.5)
+    line = [x for x in pd.decode.tail(200_000).splitlines() if "KV Transfer metrics: Rooms=" in x][-1]
+    assert "Failed rooms=0" in line and "KV MB moved=" in line, line
+
+
 def test_decode_prefix_cache_takes_only_the_pages_after_it(pd: VllmPD, single: VllmServer) -> None:
     """Decode's prefix cache holds a 96-token prompt (3 pages); the same prompt with 40 tokens more
     is prefilled whole, decode loads only the pages after its cached prefix, and answers the single
@@ -160,3 +176,51 @@ def test_exposed_time_after_prefill_is_measured_the_same_way_for_both(pd: VllmPD
     EXPOSED[pd.connector] = samples
     print(f"\n{pd.connector}: decode's first token after prefill answered, 300-token prompts: "
           + ", ".join(f"{s * 1000:.0f} ms" for s in samples))  # fmt: skip
+
+
+# How long a client waits for a request whose prefill server was killed: past the agents' room
+# deadline (transfer.timeoutSeconds 20, after which decode's room fails and vLLM answers an error).
+KILLED_ANSWER_S = 60.0
+
+
+def test_prefill_server_killed_fails_its_requests_then_serves_after_restart(pd: VllmPD, single: VllmServer) -> None:
+    """Four clients send prompts one after another; the prefill server dies among them. Every request
+    answers (none hangs); those before the kill equal the single server's, those after it fail
+    with an error and none answers wrong tokens; the decode server lives on; the restarted prefill
+    serves equal answers again."""
+    prompts = [[(i * 7 + j * 3) % 250 + 1 for j in range(150)] for i in range(8)]
+    want = {tuple(p): answer(single, p) for p in prompts}
+    stop = threading.Event()
+
+    def client(k: int) -> list[tuple[list[int], int, dict[str, Any]]]:
+        seen = []
+        i = k
+        while not stop.is_set():
+            prompt = prompts[i % len(prompts)]
+            status, body = pd.complete(completion(prompt, NEW_TOKENS), KILLED_ANSWER_S)
+            seen.append((prompt, status, body))
+            i += 4
+        return seen
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client, k) for k in range(4)]
+        time.sleep(2.0)  # requests answered before the kill
+        pd.prefill.kill()
+        time.sleep(1.0)  # requests sent to a dead prefill
+        stop.set()
+        answers = [a for f in futures for a in f.result(timeout=KILLED_ANSWER_S * 3)]
+    ok = [(p, b) for p, s, b in answers if s == 200]
+    failed = [s for _, s, _ in answers if s != 200]
+    assert ok and failed, (len(ok), failed)
+    assert all(token_ids(b) == want[tuple(p)] for p, b in ok)  # no wrong answer
+    assert pd.decode.proc.poll() is None  # the decode server lives on
+    pd.prefill.restart()
+    pd.prefill.wait_healthy()
+    deadline = time.monotonic() + 120
+    while True:  # the router takes the prefill back once its health checks pass
+        status, body = pd.complete(completion(prompts[0], NEW_TOKENS), KILLED_ANSWER_S)
+        if status == 200:
+            assert token_ids(body) == want[tuple(prompts[0])]
+            break
+        assert time.monotonic() < deadline, (status, body)
+        time.sleep(2.0)

@@ -140,3 +140,23 @@ def test_the_engines_feed_has_a_rooms_end_before_the_source_has_its_answer(tmp_p
 
     asyncio.run(go())
     assert order == ["feed SUCCESS", "answer SUCCESS"]
+
+
+def test_a_changed_view_wakes_who_waits_for_one() -> None:
+    """``RoomEvents.wait_change``: an engine step with nothing to compute waits on the table for a
+    room's news, woken by the next change, never longer than it asked."""
+    import threading
+    import time as _time
+
+    from pdfabric_agent.client.feed import RoomEvents
+    from pdfabric_agent.protocol.views import RoomState, RoomView
+
+    events = RoomEvents("127.0.0.1:1", "token", "decode-0-tp0")
+    started = _time.monotonic()
+    assert not events.wait_change(0.05) and _time.monotonic() - started >= 0.05
+    timer = threading.Timer(0.05, events.put, [RoomView(rank="decode-0-tp0", room=3, state=RoomState.SUCCESS)])
+    timer.start()
+    started = _time.monotonic()
+    assert events.wait_change(5.0) and _time.monotonic() - started < 2.0
+    assert not events.wait_change(0.0)  # seen: the next wait is for the next change
+    timer.join()

@@ -168,3 +168,19 @@ def test_what_the_agent_cannot_take_is_refused_by_name(tmp_path: Path) -> None:
         registration("decode-0-tp0", {"l0": shared, "l1": shared}, None)
     with pytest.raises(UnshareableBuffer, match="one page geometry"):
         registration("decode-0-tp0", {"l0": shared, "l1": shared[:, :1].contiguous()}, None)
+
+
+def test_the_stats_add_up_over_workers_and_intervals() -> None:
+    from pdfabric_vllm import stats
+
+    a, b = stats.empty(), stats.empty()
+    assert stats.is_empty(a)
+    stats.record(a, failed=False, kv_bytes=1_000_000, seconds=0.010)
+    stats.record(b, failed=True, kv_bytes=0, seconds=0.030)
+    stats.record(b, failed=False, kv_bytes=500_000, seconds=0.020)
+    merged = stats.merge(a, b)
+    assert (merged["rooms"], merged["failed_rooms"], merged["kv_bytes"]) == (3, 1, 1_500_000)
+    assert stats.reduce(merged) == {
+        "Rooms": 3, "Failed rooms": 1, "KV MB moved": 1.5, "Avg room ms": 20.0, "P90 room ms": 20.0,
+    }  # fmt: skip
+    assert stats.reduce(stats.empty())["Avg room ms"] == 0.0

@@ -50,6 +50,9 @@ class RoomEvents:
         self._views: dict[int, RoomView] = {}
         self._touched: dict[int, float] = {}  # room -> when its view last changed here
         self._lock = threading.Lock()
+        # Set whenever a view changes here: an engine with nothing else to do waits on it instead
+        # of asking again at once (``wait_change``).
+        self._changed = threading.Event()
         self._stop = threading.Event()
         self._conn: http.client.HTTPConnection | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"pdfabric-feed-{rank}")
@@ -97,12 +100,19 @@ class RoomEvents:
     def __len__(self) -> int:
         return len(self._views)
 
+    def wait_change(self, timeout_s: float) -> bool:
+        """Until a view changed since the last call, at most ``timeout_s``; whether one did."""
+        changed = self._changed.wait(timeout_s)
+        self._changed.clear()
+        return changed
+
     def _merge(self, view: RoomView, now: float) -> None:
         old = self._views.get(view.room)
         if old is not None and old.finished and not view.finished:
             return  # an end is final: a late view from before it changes nothing
         self._views[view.room] = view
         self._touched[view.room] = now
+        self._changed.set()
 
     def _lost_since(self, started: float, seen: set[int]) -> None:
         """After a resync: rooms the new snapshot lacks, untouched since before it, were lost."""

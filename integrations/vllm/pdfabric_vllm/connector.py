@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -16,8 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from pdfabric_core.policy.types import Role
+from pdfabric_vllm import stats
 from pdfabric_vllm.memory import kv_allocation
 from pdfabric_vllm.orders import Orders
 from pdfabric_vllm.scheduler import SchedulerSide
@@ -33,6 +36,28 @@ log = logging.getLogger("pdfabric.vllm")
 
 class PdfabricMetadata(Orders, KVConnectorMetadata):
     """A step's orders as vLLM's connector metadata."""
+
+
+@dataclass
+class PdfabricStats(KVConnectorStats):
+    """vLLM's connector stats over ``stats``' plain dict: the rooms that ended per interval."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = stats.empty()
+
+    def is_empty(self) -> bool:
+        return stats.is_empty(self.data)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        stats.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats.reduce(self.data)
 
 
 def role_of(vllm_config: Any) -> Role:
@@ -100,7 +125,7 @@ class PdfabricConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, Orders) and connector_metadata:
+        if isinstance(connector_metadata, Orders):
             self._worker().take(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -117,6 +142,14 @@ class PdfabricConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker().finished()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self.worker.take_stats() if self.worker is not None else None
+        return PdfabricStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PdfabricStats(data=dict(data)) if data else PdfabricStats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors() if self.worker is not None else set()
@@ -138,7 +171,7 @@ class PdfabricConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         orders = self._scheduler().build_connector_meta(scheduler_output)
-        return PdfabricMetadata(orders.sends, orders.receives, orders.releases, orders.aborts)
+        return PdfabricMetadata(orders.sends, orders.receives, orders.releases, orders.aborts, orders.idle)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler().update_connector_output(connector_output)

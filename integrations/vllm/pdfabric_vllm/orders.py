@@ -59,6 +59,9 @@ class Orders:
     receives: list[ReceiveOrder] = field(default_factory=list)
     releases: list[ReleaseOrder] = field(default_factory=list)
     aborts: list[AbortOrder] = field(default_factory=list)
+    # The step computes nothing (vLLM steps only to hear how the rooms stand): the workers may wait
+    # a moment for a room's news instead of answering at once and being asked again.
+    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.sends or self.receives or self.releases or self.aborts)

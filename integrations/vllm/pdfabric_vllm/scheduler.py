@@ -85,6 +85,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output: Any) -> Orders:
         orders, self._orders = self._orders, Orders()
+        orders.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 0)
         return orders
 
     def update_connector_output(self, output: Any) -> None:

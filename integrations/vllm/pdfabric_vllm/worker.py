@@ -26,6 +26,7 @@ from pdfabric_agent.protocol.views import MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import MemoryRegistration, ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
+from pdfabric_vllm import stats
 from pdfabric_vllm.memory import registration
 from pdfabric_vllm.orders import Orders, ReceiveOrder, SendOrder
 
@@ -38,6 +39,10 @@ SUBMIT_TIMEOUT_S = 10.0
 AGENT_ERRORS = (AgentRefused, OSError, ValueError)
 FEED_WAIT_S = 2.0
 REGISTER_WAIT_S = 30.0  # a restarted engine waits this long for its previous process's rooms to end
+# In a step that computes nothing, how long ``finished`` waits for a room's news: vLLM steps such
+# an engine again at once (its 1 ms pause aside), and two servers doing so kept both cores busy,
+# the agents' own work queued behind them (a room's end was seen 250-500 ms late now and then).
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Send:
 @dataclass
 class Receive:
     order: ReceiveOrder
+    since: float = field(default_factory=time.monotonic)
     aborted: bool = False
     refused: str = ""
 
@@ -81,8 +87,8 @@ class WorkerSide:
         self._done_sending: set[str] = set()
         self._done_receiving: set[str] = set()
         self._load_errors: set[int] = set()
-        self.bytes_moved = 0
-        self.rooms_failed = 0
+        self._stats = stats.empty()  # since vLLM last asked (get_kv_connector_stats)
+        self._idle_step = False
 
     # ------------------------------------------------------------------ registration
     def register(self, kv_caches: dict[str, Any], gpu: int | None) -> MemoryAnswer:
@@ -114,6 +120,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ orders
     def take(self, orders: Orders) -> None:
+        self._idle_step = orders.idle
         for send in orders.sends:
             self.sends[send.room] = Send(send)
         for recv in orders.receives:
@@ -219,8 +226,7 @@ class WorkerSide:
             elif view is not None and view.state is RoomState.FAILED:
                 self._end_send(room, pending, view.reason or "failed")
             elif view is not None and pending.submitted and view.finished:
-                self._end_send(room, pending, "")
-                self.bytes_moved += sum(view.moved.values())
+                self._end_send(room, pending, "", sum(view.moved.values()))
             elif not pending.submitted and view is not None and (view.decode_ranks_ready or view.sends is False):
                 self._send(pending, view)
             elif not pending.submitted and now - pending.since > self.config.bootstrap_timeout_s:
@@ -244,8 +250,7 @@ class WorkerSide:
                 if view.sources_quiet is not False:  # vLLM's again once no source writes into them
                     self._end_receive(room, recv, view.reason or "failed")
             else:
-                self.bytes_moved += sum(view.moved.values())
-                self._end_receive(room, recv, "")
+                self._end_receive(room, recv, "", sum(view.moved.values()))
 
     def _unknown(self, room: int) -> bool:
         """Whether the agent says it has no such room (nothing can write into its pages)."""
@@ -257,19 +262,19 @@ class WorkerSide:
             return True  # the agent is down: its transfer engine writes nothing
         return False
 
-    def _end_send(self, room: int, pending: Send, failure: str) -> None:
+    def _end_send(self, room: int, pending: Send, failure: str, kv_bytes: int = 0) -> None:
         del self.sends[room]
         self._done_sending.add(pending.order.req_id)
+        stats.record(self._stats, failed=bool(failure), kv_bytes=kv_bytes, seconds=time.monotonic() - pending.since)
         if failure:
-            self.rooms_failed += 1
             log.warning("pdfabric: room %d of %s (prefill) failed: %s", room, pending.order.req_id, failure)
         self._forget(room)
 
-    def _end_receive(self, room: int, recv: Receive, failure: str) -> None:
+    def _end_receive(self, room: int, recv: Receive, failure: str, kv_bytes: int = 0) -> None:
         del self.receives[room]
         self._done_receiving.add(recv.order.req_id)
+        stats.record(self._stats, failed=bool(failure), kv_bytes=kv_bytes, seconds=time.monotonic() - recv.since)
         if failure:
-            self.rooms_failed += 1
             if not recv.aborted or recv.refused:
                 self._load_errors.update(recv.order.pages)
             log.warning("pdfabric: room %d of %s (decode) failed: %s", room, recv.order.req_id, failure)
@@ -280,10 +285,21 @@ class WorkerSide:
             self.events.forget(room)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        events = self.events
+        if self._idle_step and (self.sends or self.receives) and events is not None and events.synced.is_set():
+            events.wait_change(IDLE_WAIT_S)
+        self._idle_step = False
         self.progress()
         sent, self._done_sending = self._done_sending, set()
         received, self._done_receiving = self._done_receiving, set()
         return sent or None, received or None
+
+    def take_stats(self) -> stats.Stats | None:
+        """The rooms that ended since the last call, for vLLM's connector stats; None when none did."""
+        if stats.is_empty(self._stats):
+            return None
+        data, self._stats = self._stats, stats.empty()
+        return data
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
