@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pdfabric_devcluster.procs import answers_200, post_json
 from pdfabric_devcluster.timings import record, timed
@@ -155,7 +155,11 @@ def server_env(
 
 @dataclass
 class SGLangServer:
-    """One running server: its URL, process and log."""
+    """One running server: its URL, process and log. (vLLM's servers in the tests are the same
+    processes with their own start and request: ``pdfabric_vllmserver.servers.VllmServer``.)"""
+
+    LABEL: ClassVar[str] = "sglang server"  # what the suite's timings call its starts and stops
+    ENGINE: ClassVar[str] = "SGLang"
 
     name: str
     port: int
@@ -180,12 +184,14 @@ class SGLangServer:
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang server {self.name} exited {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(f"{self.ENGINE} server {self.name} exited {self.proc.returncode}:\n{self.tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"SGLang server {self.name} not healthy within {timeout_s:g} s:\n{self.tail()}")
+                raise TimeoutError(
+                    f"{self.ENGINE} server {self.name} not healthy within {timeout_s:g} s:\n{self.tail()}"
+                )
             time.sleep(1.0)
         if self.started_at is not None:  # the first time only: later waits follow a restart's own
-            record("sglang server start (to healthy)", time.monotonic() - self.started_at)
+            record(f"{self.LABEL} start (to healthy)", time.monotonic() - self.started_at)
             self.started_at = None
 
     def tail(self, n: int = 4000) -> str:
@@ -205,7 +211,7 @@ class SGLangServer:
 
     def stop(self) -> None:
         """SIGTERM the server's process group (its scheduler and detokenizer with it), then kill."""
-        with timed("sglang server stop"):
+        with timed(f"{self.LABEL} stop"):
             self._stop()
 
     def _stop(self) -> None:

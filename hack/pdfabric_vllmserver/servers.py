@@ -9,20 +9,17 @@ on the server's PYTHONPATH with the engine-side client) or vLLM's NixlConnector 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pdfabric_devcluster.procs import answers_200, free_port, post_json
+from pdfabric_devcluster.procs import free_port, post_json
 from pdfabric_sglangserver.model import Variant
-from pdfabric_sglangserver.servers import wait_for_memory
+from pdfabric_sglangserver.servers import SGLangServer, wait_for_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_SCRIPT = ROOT / "hack" / "vllm" / "venv.sh"
@@ -30,7 +27,6 @@ MODEL = Variant(dtype="float32", head_dim=32)  # vLLM's CPU attention refuses he
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 NUM_BLOCKS = 256  # 8,192 tokens of KV per server: far more than the tests use, 8 MiB per layer
 MAX_MODEL_LEN = 1024
-START_TIMEOUT_S = 300.0  # 40-80 s on 2 idle cores
 ENGINE_SOURCES = ("core", "agent", "integrations/vllm")  # what a pdfabric server imports from here
 CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -49,6 +45,11 @@ CPU_ENV = {
 PD_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "2"}
 # NIXL's UCX: tcp, cross-memory attach and shared memory; its InfiniBand module unloaded (libnl's
 # destructor crashes the process at exit without RDMA devices).
+# NIXL's UCX progress threads keep a core busy each while their server is up (a TP 2 pair: three);
+# on two cores they starved every other test of the suite (a prefill restart beside them took
+# 170 s). The control's servers run at a lower CPU priority; its answers are unchanged, its times
+# are taken when the machine is otherwise quiet (docs/vllm.md).
+NIXL_NICE = 10
 NIXL_ENV = {"UCX_TLS": "tcp,cma,self,sm", "UCX_MODULES": "^ib*"}
 
 
@@ -95,58 +96,18 @@ def server_argv(
 
 
 @dataclass
-class VllmServer:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-    argv: list[str]
-    env: dict[str, str]
-    started_at: float = field(default_factory=time.monotonic)
-    start_s: float | None = None
+class VllmServer(SGLangServer):
+    """One running vLLM server: the test harness's server process (health, log, stop, kill), with
+    vLLM's start and its OpenAI completions endpoint."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def healthy(self) -> bool:
-        return answers_200(self.url + "/health", 5)
-
-    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.healthy():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server {self.name} exited {self.proc.returncode}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM server {self.name} not healthy within {timeout_s:g} s:\n{self.tail()}")
-            time.sleep(1.0)
-        if self.start_s is None:
-            self.start_s = time.monotonic() - self.started_at
-
-    def tail(self, n: int = 6000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+    LABEL: ClassVar[str] = "vllm server"
+    ENGINE: ClassVar[str] = "vLLM"
 
     def complete(self, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
         return post_json(self.url + "/v1/completions", dict(body), timeout_s)
 
-    def kill(self) -> None:
-        """End it as a crash would (every process of its group)."""
-        _signal_group(self.proc, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            _signal_group(self.proc, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.proc, signal.SIGKILL)
-                self.proc.wait(10)
-
     def restart(self) -> None:
+        """Stop and start the same command (same port): a crashed or killed server coming back."""
         self.stop()
         wait_for_memory()
         with open(self.log, "ab") as out:
@@ -156,14 +117,9 @@ class VllmServer:
             )  # fmt: skip
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-
-
 def start_server(
     name: str, python: str, model_dir: Path, log: Path, *, kv_config: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None, pythonpath: Sequence[str] = (), tp: int = 1,
+    env: Mapping[str, str] | None = None, pythonpath: Sequence[str] = (), tp: int = 1, nice: int = 0,
 ) -> VllmServer:  # fmt: skip
     """Start a server in its own process group, in its log's folder, once the memory it needs is free."""
     wait_for_memory()
@@ -173,6 +129,8 @@ def start_server(
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
     argv = server_argv(python, model_dir, port, kv_config, tp)
+    if nice:
+        argv = ["nice", "-n", str(nice), *argv]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(

@@ -23,6 +23,7 @@ import pytest
 from pdfabric_devcluster.procs import post_json
 from pdfabric_sglangserver.pd import PD, behind_router, pair_started_by_agents, pair_started_here, tokens
 from pdfabric_sglangserver.servers import PAGE_SIZE, SGLangServer, greedy
+from tests.e2e.prompts import CONCURRENT, NEW_TOKENS, PROMPTS
 from tests.e2e.upstream import skip_known_wrong
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -30,17 +31,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_ENGINE = "pdfabric-spec-engine"  # pdfabric, the servers run by the PDCluster's agents
 BACKENDS = ["mooncake", "pdfabric", SPEC_ENGINE]
-# 6 prompts of 5..700 tokens (byte ids below 256), and 16 more for the concurrent case.
-PROMPTS = [
-    [104, 101, 108, 108, 111],
-    list(range(32, 120)),
-    [7, 1, 5] * 40,
-    list(range(40, 250)) * 2,
-    [(i * 37) % 251 for i in range(700)],
-    [65] * 33,
-]
-CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 9 * i)] for i in range(16)]
-NEW_TOKENS = 12
 # The servers the PDCluster's agents run are the same SGLang servers with the same plugin and agents
 # as the pdfabric backend's; what differs is who starts, registers and restarts them. The cases
 # below that exercise only what both share run on the pdfabric backend alone (each server set

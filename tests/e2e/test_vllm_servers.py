@@ -1,7 +1,8 @@
 """vLLM's own servers run PD over pdfabric: ``vllm.entrypoints.openai.api_server`` (vLLM's CPU
-engine, its scheduler, its KV connector machinery) as a prefill and a decode server with
-pdfabric's connector, real agents on loopback tcp between them, vLLM's router in front. vLLM's
-NixlConnector runs the same cases as the control (``CONNECTORS``).
+engine, its scheduler, its KV connector machinery) as a prefill server (TP 1) and a decode server
+(TP 2, a worker process per rank: the agents split each page's heads) with pdfabric's connector,
+real agents on loopback tcp between them, vLLM's router in front. vLLM's NixlConnector runs the
+same cases as the control (``CONNECTORS``). The other TP direction: test_vllm_shapes.py.
 
 The model is the SGLang tests' seeded Llama with head_dim 32 (``pdfabric_vllmserver.servers.MODEL``),
 whose tokens depend on the whole context: greedy answers through PD equal to one vLLM server's,
@@ -18,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from pdfabric_vllmserver.pd import CONNECTORS, VllmPD, behind_router
+from pdfabric_vllmserver.pd import CONNECTORS, Shape, VllmPD, behind_router
 from pdfabric_vllmserver.servers import BLOCK_SIZE, MODEL, VllmServer, completion, token_ids
-from tests.e2e.vllm_servers import CONCURRENT, NEW_TOKENS, PROMPTS, answer, python, single, vllm_model
+from tests.e2e.prompts import CONCURRENT, NEW_TOKENS, PROMPTS
+from tests.e2e.vllm_servers import answer, python, single, vllm_model
 
 __all__ = ["python", "single", "vllm_model"]  # the shared fixtures, used by name
 
@@ -32,16 +34,19 @@ LAYERS = MODEL.layers
 EXPOSED: dict[str, list[float]] = {}  # connector -> decode's time to its first token after prefill answered
 
 
+SHAPE = Shape(prefill_tp=1, decode_tp=2)
+
+
 @pytest.fixture(scope="module", params=CONNECTORS)
 def pd(
     request: pytest.FixtureRequest,
     python: str,
     vllm_model: Path,
-    single: VllmServer,
+    single: VllmServer,  # started first, to come up beside the pair
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[VllmPD]:
     connector: str = request.param
-    with behind_router(connector, python, vllm_model, tmp_path_factory.mktemp(f"vllm-{connector}")) as pd:
+    with behind_router(connector, python, vllm_model, tmp_path_factory.mktemp(f"vllm-{connector}"), SHAPE) as pd:
         yield pd
 
 
@@ -81,7 +86,8 @@ def test_pd_16_concurrent_requests_equal_a_single_server(pd: VllmPD, single: Vll
 
 
 def test_pd_moves_the_prompts_pages_through_the_agents(pd: VllmPD) -> None:
-    """pdfabric's decode agent counted exactly the prompt's pages (NIXL has no such counter)."""
+    """pdfabric's decode agent counted exactly the prompt's pages, half of each page's heads for each
+    of its two ranks (NIXL has no such counter)."""
     if pd.fabric is None:
         pytest.skip("vLLM's NixlConnector exports no per-request byte counter here")
     before = decode_kv_bytes(pd)

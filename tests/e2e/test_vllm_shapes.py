@@ -1,7 +1,8 @@
-"""Heterogeneous TP between vLLM's prefill and decode servers: prefill TP 1 -> decode TP 2 and
-TP 2 -> 1, each server a worker process per rank, each worker its own pdfabric engine rank; the
-agents split or gather the KV heads of vLLM's fused pages. vLLM's NixlConnector runs the same
-shapes as the control. Answers through vLLM's router equal a single vLLM server's, token for token."""
+"""Heterogeneous TP between vLLM's prefill and decode servers, the direction test_vllm_servers.py
+does not run: prefill TP 2 -> decode TP 1, each prefill rank a worker process and its own pdfabric
+engine rank, the agents gathering both ranks' KV heads into decode's fused pages. vLLM's
+NixlConnector runs the same case as the control. Answers through vLLM's router equal a single
+vLLM server's, token for token."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 
 from pdfabric_vllmserver.pd import CONNECTORS, Shape, VllmPD, behind_router
 from pdfabric_vllmserver.servers import VllmServer, completion, token_ids
-from tests.e2e.vllm_servers import CONCURRENT, NEW_TOKENS, PROMPTS, answer, python, single, vllm_model
+from tests.e2e.prompts import CONCURRENT, NEW_TOKENS, PROMPTS
+from tests.e2e.vllm_servers import answer, python, single, vllm_model
 
 __all__ = ["python", "single", "vllm_model"]  # the shared fixtures, used by name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-SHAPES = [Shape(1, 2), Shape(2, 1)]
+SHAPES = [Shape(2, 1)]  # 1 -> 2 is test_vllm_servers.py's pair
 CASES = [pytest.param((c, s), id=f"{c}-{s.name}") for s in SHAPES for c in CONNECTORS]
 
 

@@ -1,5 +1,5 @@
 """What the vLLM test modules share: the vLLM environment's python, the model directory, a single
-vLLM server (the answers PD must equal, remembered per prompt), and the prompts."""
+vLLM server (the answers PD must equal, remembered per prompt)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,7 @@ import pytest
 
 from pdfabric_vllmserver.pd import VllmPD
 from pdfabric_vllmserver.servers import MODEL, VllmServer, completion, start_server, token_ids, vllm_python
-
-PROMPTS = [
-    [104, 101, 108, 108, 111],
-    list(range(32, 120)),
-    [7, 1, 5] * 40,
-    list(range(40, 250)) * 2,
-    [(i * 37) % 251 for i in range(700)],
-    [65] * 33,
-]
-CONCURRENT = [[(i * 13 + j * 7) % 250 + 1 for j in range(20 + 9 * i)] for i in range(16)]
-NEW_TOKENS = 12
+from tests.e2e.prompts import NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +27,10 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def single(python: str, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """One vLLM server serving the model alone: the answers PD must equal."""
+    """One vLLM server serving the model alone: the answers PD must equal. Started, not waited for:
+    it comes up while the PD pair does (``answer`` waits for it)."""
     server = start_server("single", python, vllm_model, tmp_path_factory.mktemp("vllm-single") / "single.log")
     try:
-        server.wait_healthy()
         yield server
     finally:
         server.stop()
@@ -54,6 +44,8 @@ def answer(server: VllmServer | VllmPD, prompt: list[int], new_tokens: int = NEW
     key = (id(server), tuple(prompt), new_tokens)
     if isinstance(server, VllmServer) and key in _answers:
         return _answers[key]
+    if isinstance(server, VllmServer):
+        server.wait_healthy()
     status, body = server.complete(completion(prompt, new_tokens))
     assert status == 200, body
     if isinstance(server, VllmServer):

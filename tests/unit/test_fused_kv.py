@@ -56,7 +56,7 @@ def test_a_fused_registration_is_one_buffer_per_layer_of_double_heads() -> None:
     ("change", "says"),
     [
         ({"kv_page_bytes": HEADS * HEAD_UNIT // 2}, "K and V together"),
-        ({"fused": [BufferShare(ShareKind.SHM, 4 * HEADS * HEAD_UNIT, 0, path="/dev/shm/x")] * 3}, "3 fused"),
+        ({"fused": [BufferShare(ShareKind.SHM, 4 * HEADS * HEAD_UNIT, 0, path="/dev/shm/x")] * 3}, "3 fused K and V"),
     ],
 )
 def test_a_fused_registration_that_does_not_fit_the_model_is_refused(change: dict[str, object], says: str) -> None:

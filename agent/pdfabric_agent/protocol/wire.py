@@ -252,11 +252,8 @@ class MemoryRegistration:
     slot; per aux item a buffer of ``aux_row_bytes[i]`` per row. The agent checks them against the
     PDCluster's model (``memory.engine_layout``) before it maps or registers anything.
 
-    vLLM keeps a layer's K and V in one buffer (``fused``; ``k``, ``v`` and ``latent`` empty): each
-    page holds every local head's K and V side by side, ``[head][K tokens | V tokens]`` (head-major,
-    its CPU backend) or ``[token][head][K | V]`` (token-major); ``kv_page_bytes`` is the whole page,
-    K and V. A head's share of a page is then one contiguous run (per token when token-major), as a
-    split buffer's head is, twice as long.
+    vLLM keeps a layer's K and V in one buffer (``fused``, alone): each page holds every local head's
+    K and V side by side (``[head][K | V]`` or ``[token][head][K | V]``), ``kv_page_bytes`` both.
 
     Aux buffers the agent cannot map (SGLang's ``MetadataBuffers`` are private CPU memory) stay
     the engine's: it registers no ``aux`` buffers but ``aux_slots`` rows of ``aux_row_bytes``, the
@@ -311,10 +308,8 @@ class MemoryRegistration:
 
     def target_kv_buffers(self) -> list[BufferShare]:
         """The target model's KV buffers in (layer, buffer) order: each layer's K then V, or its latent."""
-        if self.kv_kind is KvKind.MLA:
-            return list(self.latent)
-        if self.fused:
-            return list(self.fused)
+        if self.kv_kind is KvKind.MLA or self.fused:  # one buffer per layer: the latent, or K and V fused
+            return list(self.latent or self.fused)
         return [b for pair in zip(self.k, self.v, strict=True) for b in pair]
 
     def kv_buffers(self) -> list[BufferShare]:

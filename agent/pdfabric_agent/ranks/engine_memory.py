@@ -117,9 +117,10 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
             if reg.kv_fused
             else "one K and one V buffer"
         )
+        fused = f"{len(reg.fused)} fused K and V, " if reg.kv_fused else ""
         raise layout_mismatch(
-            f"{len(reg.k)} K, {len(reg.v)} V, {len(reg.fused)} fused and {len(reg.latent)} latent buffers registered, "
-            f"but {where} holds layers {layers.start}..{layers.stop - 1} of the model's {geo.layers}: {per_layer} per layer"
+            f"{fused}{len(reg.k)} K, {len(reg.v)} V and {len(reg.latent)} latent buffers registered, but {where} holds "
+            f"layers {layers.start}..{layers.stop - 1} of the model's {geo.layers}: {per_layer} per layer"
         )
     if reg.kv_fused and reg.draft is not None:
         raise layout_mismatch("a draft model's KV beside fused K and V buffers (vLLM's) is not supported")
