@@ -15,7 +15,11 @@ help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
 .PHONY: deps
-deps: ## everything the demo and the tests need (cached outside the repo; built side by side)
+deps: ## everything the demo needs (cached outside the repo; built side by side)
+	@$(MAKE) --no-print-directory -j3 venv binaries prometheus
+
+.PHONY: test-deps
+test-deps: ## everything the tests need: the demo's, and vLLM's environment, built side by side
 	@$(MAKE) --no-print-directory -j4 venv binaries prometheus vllm-venv
 
 .PHONY: venv
@@ -72,7 +76,7 @@ lint: venv ## ruff (lint + format check), the import layering contracts and mypy
 	@$(PYTHON) -m mypy core/pdfabric_core operator/pdfabric_operator agent/pdfabric_agent integrations/sglang/pdfabric_sglang integrations/vllm/pdfabric_vllm
 
 .PHONY: test
-test: deps ## everything CI runs: lint, unit, integration, e2e, images (docs/testing.md)
+test: test-deps ## everything CI runs: lint, unit, integration, e2e, images (docs/testing.md)
 	@$(MAKE) --no-print-directory lint
 	@$(PYTHON) -m pytest $(XDIST) $(PYTEST_ARGS)
 
@@ -97,7 +101,7 @@ test-integration: deps ## real control plane
 	@$(PYTHON) -m pytest -m integration $(PYTEST_ARGS)
 
 .PHONY: test-e2e
-test-e2e: deps ## control plane + real agents + Prometheus
+test-e2e: test-deps ## control plane + real agents + Prometheus, SGLang's and vLLM's real servers
 	@$(PYTHON) -m pytest -m e2e $(PYTEST_ARGS)
 
 .PHONY: bench
