@@ -6,6 +6,7 @@ them."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 Stats = dict[str, Any]
@@ -42,5 +43,5 @@ def reduce(data: Stats) -> dict[str, int | float]:
         "Failed rooms": data["failed_rooms"],
         "KV MB moved": round(data["kv_bytes"] / 1e6, 3),
         "Avg room ms": round(1000 * sum(seconds) / len(seconds), 3) if seconds else 0.0,
-        "P90 room ms": round(1000 * seconds[int(0.9 * (len(seconds) - 1))], 3) if seconds else 0.0,
+        "P90 room ms": round(1000 * seconds[math.ceil(0.9 * len(seconds)) - 1], 3) if seconds else 0.0,  # nearest rank
     }
