@@ -23,7 +23,6 @@ from pdfabric_vllmserver.servers import (
     ENGINE_SOURCES,
     MODEL,
     NIXL_ENV,
-    NIXL_NICE,
     PD_ENV,
     ROOT,
     VllmServer,
@@ -107,7 +106,6 @@ def pair(
             servers[role] = start_server(
                 f"{connector}-{role}", python, model_dir, logs / f"{role}.log",
                 kv_config=config, env={**PD_ENV, **envs[role]}, pythonpath=pythonpath, tp=shape.tp(role),
-                nice=NIXL_NICE if connector == "nixl" else 0,
             )  # fmt: skip
         for server in servers.values():
             server.wait_healthy()

@@ -35,7 +35,7 @@ from pdfabric_sglang.kvargs import (
     registration,
 )
 from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
-from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, AGENT_ERRORS, MEMORY_NOT_REGISTERED
+from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, AGENT_ERRORS, MEMORY_NOT_REGISTERED, SUBMIT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from pdfabric_sglang.receiver import PdfabricKVReceiver
@@ -137,7 +137,7 @@ class PdfabricKVManager(BaseKVManager):
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
         # The submits and aborts of the calls' channel (pdfabric_agent.client.calls): one connection, in order.
         self.calls_client = AgentClient(
-            self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S, shared=True
+            self.config.address, self.config.token, self.cluster_uid, SUBMIT_TIMEOUT_S, shared=True
         )
         published = attention_ranks()
         self.rank_id = rank_id_for(self.role, self.config, args, published)
