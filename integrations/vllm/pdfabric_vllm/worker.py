@@ -214,10 +214,7 @@ class WorkerSide:
         """Hand over the sends whose decode announced itself; conclude what ended."""
         now = time.monotonic()
         for room, pending in list(self.sends.items()):
-            if pending.refused and not pending.aborted:
-                # As for a receive: the agent may be reading these pages; they wait for its word.
-                pending.aborted = True
-                self._abort(room, pending.refused, None)
+            if self._give_up_refused(room, pending):
                 continue
             view = self._view(room)
             if pending.aborted:
@@ -232,11 +229,7 @@ class WorkerSide:
             elif not pending.submitted and now - pending.since > self.config.bootstrap_timeout_s:
                 pending.refused = f"decode did not announce room {room} within {self.config.bootstrap_timeout_s:g} s"
         for room, recv in list(self.receives.items()):
-            if recv.refused and not recv.aborted:
-                # The agent may have taken the room all the same (an answer that timed out): give
-                # it up there, and hand the pages back once nothing writes into them.
-                recv.aborted = True
-                self._abort(room, recv.refused, None)
+            if self._give_up_refused(room, recv):
                 continue
             view = self._view(room)
             if recv.aborted:
@@ -251,6 +244,16 @@ class WorkerSide:
                     self._end_receive(room, recv, view.reason or "failed")
             else:
                 self._end_receive(room, recv, "", sum(view.moved.values()))
+
+    def _give_up_refused(self, room: int, pending: Send | Receive) -> bool:
+        """A room whose submit went unanswered: the agent may have taken it all the same (an answer
+        that timed out), so it is given up there, and its pages wait for the agent's word that
+        nothing reads or writes them. True the step this happens."""
+        if not pending.refused or pending.aborted:
+            return False
+        pending.aborted = True
+        self._abort(room, pending.refused, None)
+        return True
 
     def _unknown(self, room: int) -> bool:
         """Whether the agent says it has no such room (nothing can write into its pages)."""
