@@ -17,7 +17,10 @@
    traffic Prometheus saw for them;
 7. spec.engine running SGLang's own server (PDCluster sglang: SGLang's CPU engine on a small
    random-weight Llama, pdfabric as its transfer backend, SGLang's router in front): answers equal
-   a single SGLang server's token for token, and the bytes Prometheus saw.
+   a single SGLang server's token for token, and the bytes Prometheus saw;
+8. spec.engine running vLLM's own server (PDCluster vllm: vLLM's CPU build on a small seeded Llama,
+   pdfabric's KV connector, vLLM's router in front): answers equal a single vLLM server's token for
+   token, and the bytes Prometheus saw.
 Local processes stop at the end; the cluster stays up for `kubectl` (stop it: make cluster-down).
 """
 
@@ -126,6 +129,7 @@ def main() -> int:
         code = run_demo(cluster, runner, prometheus, metrics_port)
         code = code or serve_demo(cluster, runner, prometheus, backend)
         code = code or sglang_demo(cluster, runner, prometheus, site)
+        code = code or vllm_demo(cluster, runner, prometheus)
         return code or finish(cluster)
     finally:
         runner.stop()
@@ -339,6 +343,61 @@ def serve_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus,
 
 
 SGLANG_PROMPTS = ["Hello, PD!", "SGLang's own server moves its KV through pdfabric", "prefill and decode " * 8]
+VLLM_PROMPTS = ["Hello, PD!", "vLLM's own server moves its KV through pdfabric", "prefill and decode " * 8]
+
+
+def serve_pdcluster(
+    cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, name: str, manifest: dict
+) -> SGLangRouter:
+    """Apply an engine PDCluster, wait until it is Ready with its router (the node pods' engines
+    start as the agents run them, the router's pod once the engines have URLs), point Prometheus at
+    its agents, and return its router (SGLang's or vLLM's: the same process handle)."""
+    path = WORKDIR / f"pdcluster-{name}.json"
+    path.write_text(json.dumps(manifest, indent=1))
+    print(f"  the PDCluster: {path}")
+    show(cluster, "apply", "-n", NAMESPACE, "-f", str(path))
+
+    def routers() -> list[SGLangRouter]:
+        return [r for pod, r in runner.routers.items() if pod.startswith(f"{name}-")]
+
+    def rolled() -> bool:
+        runner.sync()
+        if runner.engines:
+            with contextlib.suppress(ClusterError):  # an engine URL of a pod not started yet
+                runner.start_routers()
+        ready = (c := pdc_condition(cluster, name, "Ready")) and c["status"] == "True"
+        return bool(ready and routers())
+
+    # Ready once the agents' servers answer (a minute or two on this machine's 2 cores).
+    wait_for(rolled, timeout=600, interval=1, what=f"PDCluster {name} Ready: its agents, servers and router")
+    pods = {n: p for n, p in runner.sync().items() if n.startswith(f"{name}-")}
+    show(cluster, "get", "pdc", name, "-n", NAMESPACE)
+    (router,) = routers()
+    router.wait_healthy(300, ready=True)
+    targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
+    prometheus.set_targets(targets)
+    prometheus.wait_targets_up()
+    return router
+
+
+def print_equal(text: str, ids: list[int], got: list[int], want: list[int]) -> bool:
+    same = got == want
+    print(f"  prompt {text!r} ({len(ids)} tokens)")
+    print(f"    PD     tokens {got}")
+    print(f"    single tokens {want}  {'equal' if same else 'DIFFERENT'}")
+    return same
+
+
+def print_traffic(prometheus: Prometheus, name: str, engine: str) -> None:
+    time.sleep(2.5)  # two more scrapes
+    print_queries(
+        prometheus,
+        {
+            f"KV bytes into {engine}'s decode server": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="kv"}})',
+            "metadata (aux) bytes": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="aux"}})',
+            "successful rank-requests": f'sum(pdfabric_requests_total{{pdcluster="{name}",outcome="success"}})',
+        },
+    )
 
 
 def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, site: str) -> int:
@@ -356,39 +415,14 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
         )
         return 0
     model_dir = write_model_dir(WORKDIR / "sglang-model")
-    pdc = example_pdcluster(model_dir)
-    manifest = WORKDIR / "pdcluster-sglang.json"
-    manifest.write_text(json.dumps(pdc, indent=1))
-    print(f"  the PDCluster: {manifest}")
-    show(cluster, "apply", "-n", NAMESPACE, "-f", str(manifest))
     # The reference answers: one SGLang server serving the same model alone, started meanwhile.
     port = free_port()
     single = start_server(
         "single", server_argv(model_dir, port), server_env(dict(os.environ)), WORKDIR / "sglang-single.log", port
     )
     try:
-
-        def routers() -> list[SGLangRouter]:
-            return [r for name, r in runner.routers.items() if name.startswith("sglang-")]
-
-        def rolled() -> bool:
-            runner.sync()
-            if runner.engines:
-                with contextlib.suppress(ClusterError):  # an engine URL of a pod not started yet
-                    runner.start_routers()
-            ready = (c := pdc_condition(cluster, "sglang", "Ready")) and c["status"] == "True"
-            return bool(ready and routers())
-
-        # Ready once the agents' SGLang servers answer (a minute or two on this machine's 2 cores).
-        wait_for(rolled, timeout=600, interval=1, what="PDCluster sglang Ready: its agents, servers and router")
-        pods = {n: p for n, p in runner.sync().items() if n.startswith("sglang-")}
-        show(cluster, "get", "pdc", "sglang", "-n", NAMESPACE)
-        (router,) = routers()
-        router.wait_healthy(300, ready=True)
+        router = serve_pdcluster(cluster, runner, prometheus, "sglang", example_pdcluster(model_dir))
         single.wait_healthy()
-        targets = [(f"127.0.0.1:{p.metrics_port}", {"pod": n, "namespace": NAMESPACE}) for n, p in pods.items()]
-        prometheus.set_targets(targets)
-        prometheus.wait_targets_up()
 
         step("prompts through SGLang's router to SGLang's prefill and decode servers, beside a single SGLang server")
         from transformers import AutoTokenizer
@@ -402,25 +436,58 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
             if status != 200 or want_status != 200:
                 print(f"  {text!r}: FAILED: HTTP {status} {json.dumps(body)[:400]} / single {want_status}")
                 return 1
-            same = body["output_ids"] == want["output_ids"]
-            equal += same
-            print(f"  prompt {text!r} ({len(ids)} tokens)")
-            print(f"    PD     tokens {body['output_ids']}")
-            print(f"    single tokens {want['output_ids']}  {'equal' if same else 'DIFFERENT'}")
+            equal += print_equal(text, ids, body["output_ids"], want["output_ids"])
         print(
             f"  {equal}/{len(SGLANG_PROMPTS)} answers of SGLang's PD servers equal the single server's token for token"
         )
         if equal != len(SGLANG_PROMPTS):
             return 1
-        time.sleep(2.5)  # two more scrapes
-        print_queries(
-            prometheus,
-            {
-                "KV bytes into SGLang's decode server": 'sum(pdfabric_transfer_bytes_total{pdcluster="sglang",role="decode",kind="kv"})',
-                "metadata (aux) bytes": 'sum(pdfabric_transfer_bytes_total{pdcluster="sglang",role="decode",kind="aux"})',
-                "successful rank-requests": 'sum(pdfabric_requests_total{pdcluster="sglang",outcome="success"})',
-            },
-        )
+        print_traffic(prometheus, "sglang", "SGLang")
+    finally:
+        single.stop()
+    return 0
+
+
+def vllm_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus) -> int:
+    """A PDCluster whose engines are vLLM's real server (vLLM's CPU build, a small seeded Llama):
+    the agents start prefill and decode servers with pdfabric's KV connector, vLLM's router pairs
+    them, and each answer equals a single vLLM server's."""
+    from pdfabric_devcluster.agents import LocalImage
+    from pdfabric_devcluster.procs import post_json
+    from pdfabric_sglangserver.model import write_model_dir
+    from pdfabric_vllmserver.pd import example_pdcluster
+    from pdfabric_vllmserver.servers import MODEL, completion, start_server, token_ids, vllm_python
+
+    step("spec.engine running vLLM's own server: PDCluster vllm")
+    python = vllm_python()
+    model_dir = write_model_dir(WORKDIR / "vllm-model", MODEL)
+    manifest = example_pdcluster(model_dir)
+    # The engine's and the router's images are vLLM's environment on this machine.
+    for image in (manifest["spec"]["engine"]["image"], manifest["spec"]["router"]["image"]):
+        runner.images[image] = LocalImage(python=python)
+    # The reference answers: one vLLM server serving the same model alone, started meanwhile.
+    single = start_server("single", python, model_dir, WORKDIR / "vllm-single.log")
+    try:
+        router = serve_pdcluster(cluster, runner, prometheus, "vllm", manifest)
+        single.wait_healthy()
+
+        step("prompts through vLLM's router to vLLM's prefill and decode servers, beside a single vLLM server")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        equal = 0
+        for text in VLLM_PROMPTS:
+            ids = tok(text)["input_ids"]
+            status, body = post_json(router.url + "/v1/completions", completion(ids, NEW_TOKENS), 120)
+            want_status, want = single.complete(completion(ids, NEW_TOKENS))
+            if status != 200 or want_status != 200:
+                print(f"  {text!r}: FAILED: HTTP {status} {json.dumps(body)[:400]} / single {want_status}")
+                return 1
+            equal += print_equal(text, ids, token_ids(body), token_ids(want))
+        print(f"  {equal}/{len(VLLM_PROMPTS)} answers of vLLM's PD servers equal the single server's token for token")
+        if equal != len(VLLM_PROMPTS):
+            return 1
+        print_traffic(prometheus, "vllm", "vLLM")
     finally:
         single.stop()
     return 0

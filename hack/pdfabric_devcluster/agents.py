@@ -40,30 +40,42 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 DEFAULT_PEER_HOST_TEMPLATE = SETTINGS["PDFABRIC_PEER_HOST_TEMPLATE"][0] or ""
-# What an engine image has on its PYTHONPATH besides pdfabric's own packages: the SGLang plugin
-# and the reference engine.
-ENGINE_PACKAGES = ("integrations/sglang", "hack")
+# What an engine image has on its PYTHONPATH besides pdfabric's own packages: the engines'
+# integrations (SGLang's plugin, vLLM's connector) and the reference engine.
+ENGINE_PACKAGES = ("integrations/sglang", "integrations/vllm", "hack")
 
 
-def python_bin(bin_dir: Path) -> Path:
-    """A PATH entry whose python and python3 run this interpreter (an engine image's python).
+@dataclass(frozen=True)
+class LocalImage:
+    """An image's Python as this machine has it: the interpreter its ``python`` runs (an
+    environment of its own, e.g. vLLM's, whose console scripts such as vllm-router are on its
+    PATH too) and what more it has on its PYTHONPATH (e.g. pdfabric installed with its entry points)."""
+
+    python: str = sys.executable
+    pythonpath: tuple[str, ...] = ()
+
+
+def python_bin(bin_dir: Path, python: str = sys.executable) -> Path:
+    """A PATH entry whose python and python3 run ``python`` (an engine image's python).
     Scripts, not symlinks: a symlinked venv python elsewhere would not find its pyvenv.cfg."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in ("python", "python3"):
         script = bin_dir / name
         if not script.exists():
-            script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+            script.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n')
             script.chmod(0o755)
     return bin_dir
 
 
-def engine_image_env(bin_dir: Path, base: Mapping[str, str], pythonpath: Iterable[str] = ()) -> dict[str, str]:
+def engine_image_env(bin_dir: Path, base: Mapping[str, str], image: LocalImage = LocalImage()) -> dict[str, str]:
     """An engine image's environment on this machine, over an agent's ``base`` (whose PYTHONPATH
-    already has the sources): python on PATH, the engine packages and ``pythonpath`` on PYTHONPATH."""
+    already has the sources): the image's python on PATH (and its environment's scripts, when it is
+    not this one), the engine packages and the image's own on PYTHONPATH."""
     own = [str(REPO_ROOT / p) for p in ENGINE_PACKAGES]
+    scripts = [str(Path(image.python).parent)] if image.python != sys.executable else []
     return {
-        "PATH": os.pathsep.join([str(python_bin(bin_dir)), base.get("PATH", "")]),
-        "PYTHONPATH": os.pathsep.join([base.get("PYTHONPATH", ""), *own, *pythonpath]),
+        "PATH": os.pathsep.join([str(python_bin(bin_dir, image.python)), *scripts, base.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join([base.get("PYTHONPATH", ""), *own, *image.pythonpath]),
     }
 
 
@@ -80,7 +92,8 @@ def engines_env(
         if "bootstrapPort" in launch:
             launch["bootstrapPort"] = free_port()
         where.append((launch["name"], launch["port"], launch.get("bootstrapPort", 0)))
-    return {ENGINES_ENV: json.dumps(launches), **engine_image_env(bin_dir, base, pythonpath)}, where
+    image = LocalImage(pythonpath=tuple(pythonpath))
+    return {ENGINES_ENV: json.dumps(launches), **engine_image_env(bin_dir, base, image)}, where
 
 
 def loopback_env(

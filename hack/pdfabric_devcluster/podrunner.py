@@ -17,12 +17,13 @@ runs ``sync`` and ``refresh_volumes`` every second in the background: pods the o
 start, pods it deletes stop, a new rank map reaches the running agents (live membership).
 
 With spec.engine the container's agent runs the engines itself (PDFABRIC_ENGINES). The image is
-this machine's environment then: ``python``/``python3`` on PATH is this interpreter, the
+this machine's environment then: ``python``/``python3`` on PATH is this interpreter (or, for an
+image ``images`` names, that image's own environment's, e.g. vLLM's, its scripts on PATH too), the
 repository's packages (and ``pythonpath``, e.g. an installed distribution's entry points) are on
 PYTHONPATH, and each engine port of the launch message becomes the loopback port its container
 port got (the pod network on one shared loopback). ``engine(pod, name)`` finds an engine.
-``start_routers`` runs spec.router's pods' command too (SGLang's router), their engine URLs
-resolved to those loopback ports (``local_url``), as the cluster DNS would resolve them.
+``start_routers`` runs spec.router's pods' command too (SGLang's or vLLM's router), their engine
+URLs resolved to those loopback ports (``local_url``), as the cluster DNS would resolve them.
 """
 
 from __future__ import annotations
@@ -36,13 +37,20 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pdfabric_core.engines.launch import ENGINES_ENV, expand
-from pdfabric_devcluster.agents import AgentProcess, LocalEngine, engine_image_env, loopback_env, stop_all
+from pdfabric_devcluster.agents import (
+    AgentProcess,
+    LocalEngine,
+    LocalImage,
+    engine_image_env,
+    loopback_env,
+    stop_all,
+)
 from pdfabric_devcluster.binaries import ClusterError
 from pdfabric_devcluster.cluster import LocalCluster
 from pdfabric_devcluster.procs import console_argv, console_scripts, free_port
@@ -53,13 +61,22 @@ SHM_PATH = "/dev/shm"
 
 class PodRunner:
     def __init__(
-        self, cluster: LocalCluster, namespace: str, selector: str, workdir: Path, *, pythonpath: Sequence[str] = ()
+        self,
+        cluster: LocalCluster,
+        namespace: str,
+        selector: str,
+        workdir: Path,
+        *,
+        pythonpath: Sequence[str] = (),
+        images: Mapping[str, LocalImage] | None = None,
     ) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.selector = selector
         self.workdir = workdir
         self.pythonpath = list(pythonpath)
+        # Images whose Python is not this interpreter (vLLM's environment), by image name.
+        self.images = dict(images or {})
         self.pods: dict[str, AgentProcess] = {}  # by pod name
         self.engines: dict[tuple[str, str], LocalEngine] = {}  # (pod, engine name)
         self._empty_dirs: dict[tuple[str, ...], Path] = {}
@@ -216,7 +233,7 @@ class PodRunner:
                 elif i and argv_in[i - 1] == "--prometheus-port":
                     argv[i] = str(metrics)
             env = {k: v for k, v in os.environ.items() if not k.startswith("PDFABRIC_")}
-            env.update(engine_image_env(self.workdir / "bin", env, self.pythonpath))
+            env.update(self._image_env(container["image"], env))
             log = self.workdir / name / "router.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "wb") as fh:
@@ -268,7 +285,7 @@ class PodRunner:
         if ENGINES_ENV in env:
             launches = self._local_launches(env[ENGINES_ENV], local_ports)
             env[ENGINES_ENV] = json.dumps(launches)
-            env.update(engine_image_env(self.workdir / "bin", env, self.pythonpath))
+            env.update(self._image_env(container["image"], env))
         agent = AgentProcess(
             meta["name"], spec["nodeName"], self._command(container), env, ports["api"], ports["metrics"],
             root / "container.log", uid=meta["uid"], peer_port=ports["peer"],
@@ -278,6 +295,14 @@ class PodRunner:
                 meta["name"], launch["name"], launch["port"], launch.get("bootstrapPort", 0), agent
             )
         return agent.start()
+
+    def _image_env(self, image: str, base: Mapping[str, str]) -> dict[str, str]:
+        """``image``'s environment over ``base``: its own python where ``images`` names one, else
+        this interpreter with ``pythonpath``."""
+        if image in self.images:
+            tag = "".join(ch if ch.isalnum() else "-" for ch in image)
+            return engine_image_env(self.workdir / "bin" / tag, base, self.images[image])
+        return engine_image_env(self.workdir / "bin", base, LocalImage(pythonpath=tuple(self.pythonpath)))
 
     @staticmethod
     def _local_launches(text: str, local_ports: dict[int, int]) -> list[dict[str, Any]]:

@@ -151,3 +151,14 @@ def behind_router(
         router(python, prefill, decode, logs / "router.log") as url,
     ):
         yield VllmPD(connector, prefill, decode, url, fabric)
+
+
+EXAMPLE = ROOT / "examples" / "vllm" / "pdcluster-vllm-cpu.yaml"
+
+
+def example_pdcluster(model_dir: Path) -> dict[str, Any]:
+    """examples/vllm's PDCluster with this machine's model directory filled in."""
+    import yaml
+
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text().replace("${MODEL_DIR}", str(model_dir)))
+    return doc

@@ -636,6 +636,43 @@ def test_router_deployment_names_every_engine_as_its_worker() -> None:
     assert other["metadata"]["annotations"] != dep["metadata"]["annotations"]
 
 
+def test_a_vllm_router_pairs_by_url_and_waits_for_its_workers_as_long_as_the_engines_start() -> None:
+    """vllm-router: no bootstrap ports (prefill's answer tells decode where the KV is), vLLM's P/D
+    protocol, and since it listens only once its workers are healthy, their startup allowance to
+    wait and a startup probe as long before the liveness probe counts."""
+    builder = pdcluster().prefill(replicas=1, tp=1).decode(replicas=1, tp=1)
+    builder = builder.engine(prefill={"command": ["vllm"], "startupSeconds": 900}).router(kind="vllm")
+    dep = build_router_deployment(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    assert dep is not None
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    prefill, decode = (f"{agent_name('pd', u, 'n1')}.pd-agents.{REF.namespace}.svc" for u in ("prefill-0", "decode-0"))
+    assert c["command"] == ["vllm-router"]
+    assert c["args"] == [
+        "--vllm-pd-disaggregation",
+        "--prefill", f"http://{prefill}:30000",
+        "--decode", f"http://{decode}:31000",
+        "--kv-connector", "nixl",
+        "--host", "0.0.0.0", "--port", "8000",
+        "--prometheus-host", "0.0.0.0", "--prometheus-port", "29000",
+        "--worker-startup-timeout-secs", "1800",  # decode's default outlasts prefill's 900
+    ]  # fmt: skip
+    probe = c["startupProbe"]
+    assert probe["httpGet"] == {"path": "/liveness", "port": "http"}
+    assert probe["periodSeconds"] * probe["failureThreshold"] > 1800
+    # The user's command stands over the kind's.
+    custom = builder.router(kind="vllm", command=["/opt/router/bin/vllm-router"]).spec()
+    dep = build_router_deployment(REF, custom, _placed(builder, [gpu_node("n1", 8)]))
+    assert dep is not None and dep["spec"]["template"]["spec"]["containers"][0]["command"] == [
+        "/opt/router/bin/vllm-router"
+    ]
+
+
+def test_an_sglang_router_has_no_startup_probe() -> None:
+    builder = pdcluster().engine().router()
+    dep = build_router_deployment(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)]))
+    assert dep is not None and "startupProbe" not in dep["spec"]["template"]["spec"]["containers"][0]
+
+
 def test_no_router_without_spec_router() -> None:
     builder = pdcluster().engine()
     assert build_router_deployment(REF, builder.spec(), _placed(builder, [gpu_node("n1", 8)])) is None

@@ -151,6 +151,28 @@ def test_sglang_router_args_name_each_prefill_with_its_bootstrap_port_and_each_d
         sglang_router_args({"prefill": endpoints["prefill"], "decode": []})
 
 
+def test_vllm_router_args_name_each_engine_by_url_and_vllms_pd_protocol() -> None:
+    from pdfabric_core.engines.router import router_worker_args
+    from pdfabric_core.spec import RouterKind
+
+    endpoints = {
+        "prefill": [{"url": "http://pd-a.pd-agents.ns.svc:30000", "bootstrapPort": 8998}],
+        "decode": [{"url": "http://pd-b.pd-agents.ns.svc:31000"}, {"url": "http://pd-b.pd-agents.ns.svc:31001"}],
+    }
+    assert router_worker_args(RouterKind.VLLM, endpoints) == [
+        "--vllm-pd-disaggregation",
+        "--prefill", "http://pd-a.pd-agents.ns.svc:30000",  # no bootstrap server in vLLM
+        "--decode", "http://pd-b.pd-agents.ns.svc:31000",
+        "--decode", "http://pd-b.pd-agents.ns.svc:31001",
+        "--kv-connector", "nixl",
+    ]  # fmt: skip
+    assert router_worker_args(RouterKind.SGLANG, endpoints)[:4] == [
+        "--pd-disaggregation", "--prefill", "http://pd-a.pd-agents.ns.svc:30000", "8998"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        router_worker_args(RouterKind.VLLM, {"prefill": [], "decode": endpoints["decode"]})
+
+
 @pytest.mark.parametrize(
     ("mem_pool", "user_env", "want"),
     [

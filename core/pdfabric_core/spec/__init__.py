@@ -4,6 +4,7 @@ The CRD (crds/pdcluster.yaml) is the API's single source; this package parses th
 and checks what the CRD's CEL checks. By concern:
 
 - model.py: one frozen dataclass per section, with the CRD's defaults (`PDClusterSpec`);
+- serving.py: those of what runs in the pods besides the agent (spec.engine, spec.router, the pod overrides);
 - parse.py: a stored `.spec` -> `PDClusterSpec` (`parse_spec`), the CRD key of a field (`crd_key`);
 - validate.py: the cross-field rules (`validate_spec`);
 - pod_overrides.py: what users may add to the operator's pods, and what stays reserved.
@@ -16,22 +17,25 @@ from pdfabric_core.spec.model import (
     DTYPE_BYTES,
     ENGINE_PORT_SPAN,
     AgentSpec,
-    DecodeEngineSpec,
     DecodeSpec,
-    EngineRoleSpec,
-    EngineSandbox,
-    EngineSpec,
     ModelGeometry,
     PDClusterSpec,
     PlacementSpec,
-    PodOverrides,
-    PrefillEngineSpec,
     PrefillSpec,
-    RouterSpec,
     SpecError,
     TransferSpec,
 )
 from pdfabric_core.spec.parse import parse_spec
+from pdfabric_core.spec.serving import (
+    DecodeEngineSpec,
+    EngineRoleSpec,
+    EngineSandbox,
+    EngineSpec,
+    PodOverrides,
+    PrefillEngineSpec,
+    RouterKind,
+    RouterSpec,
+)
 from pdfabric_core.spec.validate import validate_spec
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "PodOverrides",
     "PrefillEngineSpec",
     "PrefillSpec",
+    "RouterKind",
     "RouterSpec",
     "SpecError",
     "TransferSpec",

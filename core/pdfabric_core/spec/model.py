@@ -8,7 +8,6 @@ parse.py turns a stored spec into them; validate.py holds the cross-field rules.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from pdfabric_core.policy.types import (
     Transport,
     packed_fp8_token_bytes,
 )
+from pdfabric_core.spec.serving import EngineSpec, PodOverrides, RouterSpec
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -252,23 +252,6 @@ class PlacementSpec:
 
 
 @dataclass(frozen=True)
-class PodOverrides:
-    """What users add to the pods the operator builds (agent.pod: the node pods; router.pod: the
-    router's): Kubernetes objects as written, merged with the operator's (docs/pods.md)."""
-
-    labels: Mapping[str, str] = field(default_factory=dict)
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] = field(default_factory=dict)
-    priority_class_name: str = ""
-    service_account_name: str = ""
-    image_pull_secrets: tuple[Mapping[str, Any], ...] = ()
-    volumes: tuple[Mapping[str, Any], ...] = ()
-    volume_mounts: tuple[Mapping[str, Any], ...] = ()
-    env: tuple[Mapping[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
 class AgentSpec:
     # Left out (""): the image the transport needs, CPU or CUDA (PDClusterSpec.agent_image, images.py).
     image: str = ""
@@ -277,73 +260,7 @@ class AgentSpec:
     peer_port: int = 7401
     resources: Mapping[str, Any] = field(default_factory=dict)
     run_as_user: int = 65532  # the node pods' user and group (0: root, for engine images that need it)
-    pod: PodOverrides = PodOverrides()  # parsed by parse_spec (a section inside a section)
-
-
-@dataclass(frozen=True)
-class EngineRoleSpec:
-    """The engines of one role: the process the agent runs per replica of the role on a node, with
-    its ranks' GPUs (docs/engines.md)."""
-
-    command: tuple[str, ...] = ()
-    args: tuple[str, ...] = ()
-    env: tuple[Mapping[str, Any], ...] = ()  # Kubernetes EnvVar objects, as written
-    resources: Mapping[str, Any] = field(default_factory=dict)  # extra (CPU, memory); GPUs are the operator's
-    port: int = 30000  # the first engine of the role in a pod; the k-th serves on port + k
-    health_path: str = "/health"
-    startup_seconds: int = 1800
-
-
-@dataclass(frozen=True)
-class PrefillEngineSpec(EngineRoleSpec):
-    bootstrap_port: int = 8998  # SGLang's --disaggregation-bootstrap-port default, + k for the k-th
-
-
-@dataclass(frozen=True)
-class DecodeEngineSpec(EngineRoleSpec):
-    port: int = 31000
-
-
-class EngineSandbox(enum.StrEnum):
-    """spec.engine.sandbox: whether the agent starts its engines in a Landlock sandbox that hides
-    the peer credentials from them (pdfabric_agent.engines.sandbox)."""
-
-    REQUIRED = "Required"  # no Landlock in the node's kernel: the engines are not started
-    BEST_EFFORT = "BestEffort"  # no Landlock: started without it, and reported
-    DISABLED = "Disabled"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """spec.engine: the serving engines the agents run in the node pods (None: fabric-only)."""
-
-    image: str
-    prefill: PrefillEngineSpec = PrefillEngineSpec()
-    decode: DecodeEngineSpec = DecodeEngineSpec()
-    shared_memory: str = ""  # sizeLimit of the pod's /dev/shm; "": unlimited
-    sandbox: EngineSandbox = EngineSandbox.BEST_EFFORT
-
-    def role(self, role: str) -> EngineRoleSpec:
-        return self.prefill if role == "prefill" else self.decode
-
-
-ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    """spec.router: SGLang's PD router, run by the operator as a Deployment in front of the
-    engines, its workers the engines' endpoints (pdfabric_core.engines.router.sglang_router_args)."""
-
-    image: str
-    command: tuple[str, ...] = ROUTER_COMMAND
-    args: tuple[str, ...] = ()  # after the workers and the listen address, e.g. --policy cache_aware
-    port: int = 8000
-    metrics_port: int = 29000  # sglang-router's --prometheus-port (its own default)
-    replicas: int = 1
-    resources: Mapping[str, Any] = field(default_factory=dict)
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    pod: PodOverrides = PodOverrides()  # parsed by _parse_router
+    pod: PodOverrides = field(default_factory=PodOverrides)  # parsed by parse_spec (a section in a section)
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,14 @@ from collections.abc import Mapping
 from dataclasses import MISSING, Field, fields, is_dataclass, replace
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from pdfabric_core.spec.model import (
-    NONE_VALUE_KEY,
-    OWN_PARSER_KEY,
+from pdfabric_core.spec.model import NONE_VALUE_KEY, OWN_PARSER_KEY, ModelGeometry, PDClusterSpec, SpecError
+from pdfabric_core.spec.serving import (
     DecodeEngineSpec,
     EngineSandbox,
     EngineSpec,
-    ModelGeometry,
-    PDClusterSpec,
     PodOverrides,
     PrefillEngineSpec,
     RouterSpec,
-    SpecError,
 )
 from pdfabric_core.spec.validate import validate_spec
 
@@ -165,7 +161,9 @@ def _parse_router(raw: Any) -> RouterSpec | None:
     if not isinstance(raw, Mapping):
         raise ValueError(f"router must be an object, got {raw!r}")
     if not raw.get("image"):
-        raise ValueError("router.image is required (an image with SGLang's router, sglang-router)")
+        raise ValueError(
+            "router.image is required (an image with the router of router.kind: sglang-router or vllm-router)"
+        )
     return RouterSpec(
         image=str(raw["image"]),
         pod=_parse_pod(raw.get("pod"), "router.pod."),

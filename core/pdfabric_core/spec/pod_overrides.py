@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdfabric_core.spec.model import FORBIDDEN_ENGINE_ENV, PodOverrides, SpecError
+from pdfabric_core.spec.model import FORBIDDEN_ENGINE_ENV, SpecError
+from pdfabric_core.spec.serving import PodOverrides
 
 # What a PDCluster's pod overrides (agent.pod, router.pod) may not touch: the operator's own
 # labels and annotations (selectors, the pod index and kopf's bookkeeping read them), the volumes

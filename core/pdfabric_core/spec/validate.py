@@ -21,15 +21,9 @@ from pdfabric_core.policy.types import (
     Transport,
 )
 from pdfabric_core.quantity import QuantityError, parse_quantity
-from pdfabric_core.spec.model import (
-    DTYPE_BYTES,
-    ENGINE_PORT_SPAN,
-    FORBIDDEN_ENGINE_ENV,
-    EngineSpec,
-    PDClusterSpec,
-    SpecError,
-)
+from pdfabric_core.spec.model import DTYPE_BYTES, ENGINE_PORT_SPAN, FORBIDDEN_ENGINE_ENV, PDClusterSpec, SpecError
 from pdfabric_core.spec.pod_overrides import RESERVED_NODE_ENV, check_env_secret, validate_pod
+from pdfabric_core.spec.serving import EngineSpec
 
 MAX_DRAFT_LAYERS = 64  # the CRD's maximum of model.draftLayers
 
@@ -85,8 +79,8 @@ def validate_spec(spec: PDClusterSpec) -> None:
     if spec.router is not None:
         if spec.engine is None:
             raise SpecError("router needs engine: it routes to the engines the node pods run (spec.engine)")
-        if not 1 <= spec.router.port <= 65535 or spec.router.replicas < 1 or not spec.router.command:
-            raise SpecError("router.port must be within 1..65535, router.replicas at least 1, router.command not empty")
+        if not 1 <= spec.router.port <= 65535 or spec.router.replicas < 1:
+            raise SpecError("router.port must be within 1..65535, router.replicas at least 1")
         if spec.router.metrics_port == spec.router.port:
             raise SpecError(
                 "router.metricsPort must differ from router.port: the router serves requests and metrics on two listeners"

@@ -1,24 +1,42 @@
-"""spec.router: SGLang's PD router as a Deployment in front of the engines, its workers the
-engines' endpoints, and the Service clients send requests to."""
+"""spec.router: an engine's PD router (SGLang's or vLLM's, spec.router.kind) as a Deployment in
+front of the engines, its workers the engines' endpoints, and the Service clients send requests to."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from pdfabric_core.engines.router import sglang_router_args
-from pdfabric_core.spec import PDClusterSpec
+from pdfabric_core.engines.router import router_worker_args
+from pdfabric_core.spec import PDClusterSpec, RouterKind
 from pdfabric_operator import constants as c
 from pdfabric_operator.builders.names import ClusterRef, object_meta, router_name, short_hash
 from pdfabric_operator.builders.pod_spec import apply_pod_overrides, pod_metadata, unprivileged_container
 from pdfabric_operator.builders.services import engine_endpoints
 from pdfabric_operator.placement import Placement
 
-ROUTER_USER = 65532  # SGLang's router reads and writes no files: any non-root user serves
+ROUTER_USER = 65532  # neither router reads or writes files: any non-root user serves
+STARTUP_PROBE_PERIOD_S = 10
+
+
+def _startup(spec: PDClusterSpec) -> tuple[list[str], dict[str, Any] | None]:
+    """vLLM's router listens only once every worker answers its health check, which it waits for
+    up to --worker-startup-timeout-secs (600 s unless told) and then exits: it is told the engines'
+    own startup allowance, and a startup probe holds the liveness probe off as long. SGLang's
+    router listens at once (its /readiness says when it holds healthy workers)."""
+    assert spec.router is not None and spec.engine is not None
+    if spec.router.kind != RouterKind.VLLM:
+        return [], None
+    wait_s = max(spec.engine.prefill.startup_seconds, spec.engine.decode.startup_seconds)
+    probe = {
+        "httpGet": {"path": "/liveness", "port": "http"},
+        "periodSeconds": STARTUP_PROBE_PERIOD_S,
+        "failureThreshold": -(-wait_s // STARTUP_PROBE_PERIOD_S) + 3,
+    }
+    return ["--worker-startup-timeout-secs", str(wait_s)], probe
 
 
 def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Placement) -> dict[str, Any] | None:
-    """spec.router's Deployment: SGLang's router with every engine as a worker, None without
+    """spec.router's Deployment: its kind's router with every engine as a worker, None without
     spec.router. Its arguments change only with the placement (the endpoints are stable names),
     and then it rolls with a surge (a new router is Ready before an old one goes)."""
     router = spec.router
@@ -26,16 +44,18 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
         return None
     name = router_name(ref.name)
     labels = {c.LABEL_CLUSTER_UID: ref.uid, c.LABEL_COMPONENT: c.COMPONENT_ROUTER}
+    startup_args, startup_probe = _startup(spec)
     args = [
-        *sglang_router_args(engine_endpoints(ref.name, ref.namespace, spec, placement)),
+        *router_worker_args(router.kind, engine_endpoints(ref.name, ref.namespace, spec, placement)),
         "--host", "0.0.0.0", "--port", str(router.port),
         "--prometheus-host", "0.0.0.0", "--prometheus-port", str(router.metrics_port),
+        *startup_args,
         *router.args,
     ]  # fmt: skip
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image,
-        "command": list(router.command),
+        "command": list(router.launch_command),
         "args": args,
         "ports": [
             {"name": "http", "containerPort": router.port, "protocol": "TCP"},
@@ -51,6 +71,8 @@ def build_router_deployment(ref: ClusterRef, spec: PDClusterSpec, placement: Pla
         },
         "securityContext": unprivileged_container(),
     }
+    if startup_probe is not None:
+        container["startupProbe"] = startup_probe
     if router.resources:
         container["resources"] = dict(router.resources)
     pod_spec: dict[str, Any] = {
