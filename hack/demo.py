@@ -388,16 +388,18 @@ def print_equal(text: str, ids: list[int], got: list[int], want: list[int]) -> b
     return same
 
 
-def print_traffic(prometheus: Prometheus, name: str, engine: str) -> None:
+def print_traffic(prometheus: Prometheus, name: str, engine: str, *, aux: bool) -> None:
+    """What Prometheus saw of the PDCluster's traffic (aux: the engine hands decode metadata rows;
+    vLLM's connector moves KV only)."""
     time.sleep(2.5)  # two more scrapes
-    print_queries(
-        prometheus,
-        {
-            f"KV bytes into {engine}'s decode server": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="kv"}})',
-            "metadata (aux) bytes": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="aux"}})',
-            "successful rank-requests": f'sum(pdfabric_requests_total{{pdcluster="{name}",outcome="success"}})',
-        },
-    )
+    queries = {
+        f"KV bytes into {engine}'s decode server": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="kv"}})',
+        "metadata (aux) bytes": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="aux"}})',
+        "successful rank-requests": f'sum(pdfabric_requests_total{{pdcluster="{name}",outcome="success"}})',
+    }
+    if not aux:
+        del queries["metadata (aux) bytes"]
+    print_queries(prometheus, queries)
 
 
 def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus, site: str) -> int:
@@ -442,7 +444,7 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
         )
         if equal != len(SGLANG_PROMPTS):
             return 1
-        print_traffic(prometheus, "sglang", "SGLang")
+        print_traffic(prometheus, "sglang", "SGLang", aux=True)
     finally:
         single.stop()
     return 0
@@ -487,7 +489,7 @@ def vllm_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus) 
         print(f"  {equal}/{len(VLLM_PROMPTS)} answers of vLLM's PD servers equal the single server's token for token")
         if equal != len(VLLM_PROMPTS):
             return 1
-        print_traffic(prometheus, "vllm", "vLLM")
+        print_traffic(prometheus, "vllm", "vLLM", aux=False)
     finally:
         single.stop()
     return 0
