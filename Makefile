@@ -15,12 +15,12 @@ help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
 .PHONY: deps
-deps: ## everything the demo needs (cached outside the repo; built side by side)
-	@$(MAKE) --no-print-directory -j3 venv binaries prometheus
+deps: ## everything the demo needs, vLLM's environment too (cached outside the repo; built side by side)
+	@$(MAKE) --no-print-directory -j4 venv binaries prometheus vllm-venv
 
 .PHONY: test-deps
 test-deps: ## everything the tests need: the demo's, and vLLM's environment, built side by side
-	@$(MAKE) --no-print-directory -j4 venv binaries prometheus vllm-venv
+	@$(MAKE) --no-print-directory -j4 venv binaries prometheus vllm-venv vllm-official
 
 .PHONY: venv
 venv: ## Python environment with torch, kopf, mooncake (reinstalled only when pins change)
@@ -29,6 +29,10 @@ venv: ## Python environment with torch, kopf, mooncake (reinstalled only when pi
 .PHONY: vllm-venv
 vllm-venv: ## vLLM's CPU build, NIXL and vllm-router in an environment of their own, for the vLLM tests (hack/vllm/venv.sh)
 	@bash hack/vllm/venv.sh >/dev/null
+
+.PHONY: vllm-official
+vllm-official: vllm-venv ## the official vLLM release's wheel over that environment, for its classes (hack/vllm/official.sh)
+	@bash hack/vllm/official.sh >/dev/null
 
 .PHONY: binaries
 binaries: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from Go modules

@@ -110,6 +110,12 @@ class PdfabricConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.pd_role, get_tensor_model_parallel_rank(), 0)
         self._device = vllm_config.device_config.device
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks when ``enable_sleep_mode`` is set, and refuses the server): sleep
+        remaps the KV cache under the agent's registration, which this connector does not redo."""
+        return False
+
     # ------------------------------------------------------------------ worker side
     def _worker(self) -> WorkerSide:
         assert self.worker is not None, "a worker call on the scheduler's connector"
