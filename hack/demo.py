@@ -33,6 +33,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from pdfabric_refengine.geometry import SPEC_MODEL
 
@@ -380,12 +382,36 @@ def serve_pdcluster(
     return router
 
 
-def print_equal(text: str, ids: list[int], got: list[int], want: list[int]) -> bool:
-    same = got == want
-    print(f"  prompt {text!r} ({len(ids)} tokens)")
-    print(f"    PD     tokens {got}")
-    print(f"    single tokens {want}  {'equal' if same else 'DIFFERENT'}")
-    return same
+Answer = tuple[int, dict]  # HTTP status, body
+
+
+def compare_prompts(
+    engine: str,
+    model_dir: Path,
+    texts: list[str],
+    pd: Callable[[list[int]], Answer],
+    single: Callable[[list[int]], Answer],
+    tokens: Callable[[dict], list[int]],
+) -> bool:
+    """Each prompt through PD and through the single server, their tokens printed side by side;
+    True when every answer is equal token for token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    equal = 0
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        (status, body), (want_status, want) = pd(ids), single(ids)
+        if status != 200 or want_status != 200:
+            print(f"  {text!r}: FAILED: HTTP {status} {json.dumps(body)[:400]} / single {want_status}")
+            return False
+        got, expected = tokens(body), tokens(want)
+        equal += got == expected
+        print(f"  prompt {text!r} ({len(ids)} tokens)")
+        print(f"    PD     tokens {got}")
+        print(f"    single tokens {expected}  {'equal' if got == expected else 'DIFFERENT'}")
+    print(f"  {equal}/{len(texts)} answers of {engine}'s PD servers equal the single server's token for token")
+    return equal == len(texts)
 
 
 def print_traffic(prometheus: Prometheus, name: str, engine: str, *, aux: bool) -> None:
@@ -427,22 +453,12 @@ def sglang_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus
         single.wait_healthy()
 
         step("prompts through SGLang's router to SGLang's prefill and decode servers, beside a single SGLang server")
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        equal = 0
-        for text in SGLANG_PROMPTS:
-            ids = tok(text)["input_ids"]
-            status, body = router.generate(greedy(ids, NEW_TOKENS), timeout_s=120)
-            want_status, want = single.generate(greedy(ids, NEW_TOKENS))
-            if status != 200 or want_status != 200:
-                print(f"  {text!r}: FAILED: HTTP {status} {json.dumps(body)[:400]} / single {want_status}")
-                return 1
-            equal += print_equal(text, ids, body["output_ids"], want["output_ids"])
-        print(
-            f"  {equal}/{len(SGLANG_PROMPTS)} answers of SGLang's PD servers equal the single server's token for token"
-        )
-        if equal != len(SGLANG_PROMPTS):
+        if not compare_prompts(
+            "SGLang", model_dir, SGLANG_PROMPTS,
+            lambda ids: router.generate(greedy(ids, NEW_TOKENS), timeout_s=120),
+            lambda ids: single.generate(greedy(ids, NEW_TOKENS)),
+            lambda body: list(body["output_ids"]),
+        ):  # fmt: skip
             return 1
         print_traffic(prometheus, "sglang", "SGLang", aux=True)
     finally:
@@ -474,20 +490,12 @@ def vllm_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus) 
         single.wait_healthy()
 
         step("prompts through vLLM's router to vLLM's prefill and decode servers, beside a single vLLM server")
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        equal = 0
-        for text in VLLM_PROMPTS:
-            ids = tok(text)["input_ids"]
-            status, body = post_json(router.url + "/v1/completions", completion(ids, NEW_TOKENS), 120)
-            want_status, want = single.complete(completion(ids, NEW_TOKENS))
-            if status != 200 or want_status != 200:
-                print(f"  {text!r}: FAILED: HTTP {status} {json.dumps(body)[:400]} / single {want_status}")
-                return 1
-            equal += print_equal(text, ids, token_ids(body), token_ids(want))
-        print(f"  {equal}/{len(VLLM_PROMPTS)} answers of vLLM's PD servers equal the single server's token for token")
-        if equal != len(VLLM_PROMPTS):
+        if not compare_prompts(
+            "vLLM", model_dir, VLLM_PROMPTS,
+            lambda ids: post_json(router.url + "/v1/completions", completion(ids, NEW_TOKENS), 120),
+            lambda ids: single.complete(completion(ids, NEW_TOKENS)),
+            token_ids,
+        ):  # fmt: skip
             return 1
         print_traffic(prometheus, "vllm", "vLLM", aux=False)
     finally:

@@ -49,3 +49,9 @@ def colocated(prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[li
 
     model = build_model(0)
     return [colocated_generate(model, p, new_tokens) for p in prompts]
+
+
+def router_pods_scheduled(cluster: Any, namespace: str) -> list[dict[str, Any]]:
+    """spec.router's pods the kube-scheduler has placed (start_routers runs those)."""
+    out = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=router")["items"]
+    return [p for p in out if p["spec"].get("nodeName")]

@@ -48,11 +48,7 @@ def test_the_operators_router_serves_prompts_through_pd(
     h.wait_until(lambda: all(p.ready() for p in pods.values()), timeout=180, what="the agents and their engines ready")
     runner.wait_engines_healthy(timeout=30)
 
-    def router_scheduled() -> list[Any]:
-        out = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=router")["items"]
-        return [p for p in out if p["spec"].get("nodeName")]
-
-    h.wait_until(router_scheduled, timeout=60, what="the router pod scheduled")
+    h.wait_until(lambda: eng.router_pods_scheduled(cluster, namespace), timeout=60, what="the router pod scheduled")
     (router,) = runner.start_routers()
     router.wait_healthy(60, ready=True)  # the operator's readiness probe: a healthy worker of each kind
     obj = h.wait_ready(cluster, namespace, "pd", timeout=60)  # the engines and a router replica

@@ -75,11 +75,9 @@ def test_the_vllm_example_answers_equal_a_single_vllm_server_under_the_operator(
     h.wait_until(lambda: all(p.ready() for p in pods.values()), timeout=START_S, what="the agents and vLLM servers")
     runner.wait_engines_healthy(timeout=30)
 
-    def router_scheduled() -> list[Any]:
-        out = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=router")["items"]
-        return [p for p in out if p["spec"].get("nodeName")]
-
-    h.wait_until(router_scheduled, timeout=60, what="the router pod scheduled")
+    h.wait_until(
+        lambda: node_pods.router_pods_scheduled(cluster, namespace), timeout=60, what="the router pod scheduled"
+    )
     (router,) = runner.start_routers()
     router.wait_healthy(120, ready=True)  # vllm-router listens once both workers answer /health
     obj = h.wait_ready(cluster, namespace, NAME, timeout=60)
