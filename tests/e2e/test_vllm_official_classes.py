@@ -76,6 +76,12 @@ def test_connector_through_vllms_own_classes(version: str, agents: Path) -> None
     assert in_overlay == (version == "0.33.0"), report["vllm_path"]
     assert report["decode"]["computed_after_receive"] == 69
     assert [f["policy"] for f in report["load_failure"]] == ["fail", "recompute"]
+    # Preempted after its KV arrived: recomputed here (beyond vLLM's prefix cache), no second receive.
+    preemption = report["preemption"]
+    assert preemption["preempted"] == "d-run" and preemption["receives"] == 2
+    assert preemption["matched"][0] == [0, [40, True]] and preemption["matched"][-1] == [32, [0, False]]
+    assert preemption["recomputed_tokens"] == preemption["resumed_tokens"] - preemption["local_prefix_hit"] > 1
+    assert preemption["waiting_blocks_kept"] and sorted(preemption["finish"]) == ["c-local", "d-run", "d-wait"]
     assert report["sleep_mode"] == ("refused" if version == "0.33.0" else "not asked")
     assert report["worker"]["byte_exact"]
     assert report["worker"]["kv_bytes"] == 2 * 3 * 2 * 32 * 2 * 32 * 4  # layers, blocks, heads, tokens, K|V

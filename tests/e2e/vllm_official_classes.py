@@ -9,7 +9,8 @@ vLLM's router sends them; each step is vLLM's ``schedule()`` and ``update_from_o
 ``ModelRunnerOutput`` (sampled tokens, ``KVConnectorOutput``) standing in for the model runner, the
 one part of vLLM that cannot run here. Checked: what vLLM does with the connector's answers (a
 decode request waits for its KV in blocks vLLM allocated, proceeds from the matched tokens, fails or
-recomputes on a load error as its policy says; prefill's blocks are held until sent; aborts free).
+recomputes on a load error as its policy says; prefill's blocks are held until sent; aborts free;
+one preempted after its KV arrived recomputes its prompt here, with no second transfer).
 
 With agents (``--agents``: a JSON file the pytest module writes from a ``LocalFabric``), the worker
 side too: both roles' connectors built by vLLM's factory with the worker role, their KV caches
@@ -58,6 +59,7 @@ MODEL_CONFIG = {
     "vocab_size": 320, "bos_token_id": 256, "eos_token_id": 257,
 }  # fmt: skip
 PROMPT_TOKENS = 70  # three blocks, the last partial
+PREEMPT_BLOCKS = 7  # the preemption case's pool: the null block and six (decode_preempted)
 EOS = 257
 
 
@@ -97,24 +99,24 @@ def vllm_config(model: str, kv_role: str, load_failure_policy: str = "fail") -> 
     )
 
 
-def kv_cache_config() -> KVCacheConfig:
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     """One group of full-attention layers in one backing allocation, layer-outermost (vLLM's CPU
     layout, LBHNC): layer ``l``'s block ``b`` at ``l * layer_stride + b * block_stride``."""
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
     page = spec.page_size_bytes
     backing = KVCacheTensor(
-        size=page * NUM_BLOCKS * LAYERS, layers=LAYER_NAMES, layer_stride=page * NUM_BLOCKS, block_stride=page
+        size=page * num_blocks * LAYERS, layers=LAYER_NAMES, layer_stride=page * num_blocks, block_stride=page
     )
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[backing], kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)]
+        num_blocks=num_blocks, kv_cache_tensors=[backing], kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)]
     )
 
 
-def scheduler(config: VllmConfig) -> Scheduler:
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what vLLM's engine core sets from the workers' profile
+def scheduler(config: VllmConfig, num_blocks: int = NUM_BLOCKS) -> Scheduler:
+    config.cache_config.num_gpu_blocks = num_blocks  # what vLLM's engine core sets from the workers' profile
     return Scheduler(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(),
+        kv_cache_config=kv_cache_config(num_blocks),
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
         log_stats=True,
@@ -126,10 +128,16 @@ init_none_hash(sha256)
 BLOCK_HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
 
 
-def request(req_id: str, kv_transfer_params: dict[str, Any] | None, max_tokens: int = 4, first: int = 0) -> Request:
+def request(
+    req_id: str,
+    kv_transfer_params: dict[str, Any] | None,
+    max_tokens: int = 4,
+    first: int = 0,
+    tokens: int = PROMPT_TOKENS,
+) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
     params.extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
-    prompt = [(first + i) % 250 for i in range(PROMPT_TOKENS)]
+    prompt = [(first + i) % 250 for i in range(tokens)]
     return Request(
         request_id=req_id, prompt_token_ids=prompt, sampling_params=params, pooling_params=None,
         block_hasher=BLOCK_HASHER,
@@ -334,6 +342,125 @@ def decode_aborts(model: str, params: dict[str, Any]) -> dict[str, Any]:
     return {"abort_order": True, "release_order": True}
 
 
+def decode_preempted(model: str) -> dict[str, Any]:
+    """Preempted after its KV arrived: one transfer per request (the connector clears
+    ``do_remote_prefill`` once it ordered the receive, as vLLM's NixlConnector does), so a decode
+    request vLLM preempts recomputes its prompt when rescheduled (beyond what vLLM's prefix cache
+    kept of it): the connector matches nothing, orders no second receive and no release or abort,
+    vLLM frees and reallocates its blocks as any request's, and it finishes. Preempted by vLLM's own
+    mechanics: a pool of 6 blocks (and the null block) that three requests of two blocks fill, so a
+    running request's next block is not there and vLLM preempts the last running one. A request
+    still waiting for its KV is not running, so not preempted: its blocks stay the receive's."""
+    sched = scheduler(vllm_config(model, "kv_consumer"), PREEMPT_BLOCKS)
+    conn = connector_of(sched)
+    # What vLLM asks the connector and what it answers, per request (a spy on vLLM's calls).
+    matched: list[tuple[str, int, tuple[int | None, bool]]] = []
+    allocated: list[tuple[str, int]] = []
+    answer, after_alloc = conn.get_num_new_matched_tokens, conn.update_state_after_alloc
+
+    def spy_matched(req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        got = answer(req, num_computed_tokens)
+        matched.append((req.request_id, num_computed_tokens, got))
+        return got
+
+    def spy_alloc(req: Request, blocks: Any, num_external_tokens: int) -> None:
+        allocated.append((req.request_id, num_external_tokens))
+        after_alloc(req, blocks, num_external_tokens)
+
+    conn.get_num_new_matched_tokens = spy_matched  # type: ignore[method-assign]
+    conn.update_state_after_alloc = spy_alloc  # type: ignore[method-assign]
+    orders: list[PdfabricMetadata] = []
+    outputs: list[EngineCoreOutput] = []
+
+    def run(kv: KVConnectorOutput | None = None) -> SchedulerOutput:
+        out, step_outputs = step(sched, kv)
+        orders.append(metadata(out))
+        outputs.extend(step_outputs)
+        return out
+
+    total = free_blocks(sched)
+    check(total == 2 * 3, "a pool of six blocks", total)
+    prompt = 40  # two blocks, the second with room for 24 more tokens
+    # A local request that reaches its third block at its fifth token (prompt 60: block 2 ends at 64).
+    local = request("c-local", None, max_tokens=8, first=150, tokens=60)
+    running = request("d-run", RemotePrefill(1001, 0, 0, prompt).to_params(), max_tokens=6, tokens=prompt)
+    waiting = request("d-wait", RemotePrefill(1002, 0, 0, prompt).to_params(), max_tokens=2, first=100, tokens=prompt)
+    for req in (local, running, waiting):
+        sched.add_request(req)
+    out = run()
+    check(out.num_scheduled_tokens == {"c-local": 60}, "the local prompt computed", out.num_scheduled_tokens)
+    for req in (running, waiting):
+        check(req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "decode waits for its KV", req.request_id, req.status)
+    run_blocks, wait_blocks = block_ids(sched, "d-run"), block_ids(sched, "d-wait")
+    check(
+        [(r.req_id, r.room, list(r.pages)) for r in orders[-1].receives]
+        == [("d-run", 1001, run_blocks), ("d-wait", 1002, wait_blocks)],
+        "each receive ordered into vLLM's blocks",
+        orders[-1].receives,
+    )
+    check(free_blocks(sched) == 0, "the pool is full", free_blocks(sched))
+    run(KVConnectorOutput(finished_recving={"d-run"}))
+    out = run()
+    check(running.status == RequestStatus.RUNNING, "d-run runs from its KV", running.status)
+    check(out.num_scheduled_tokens.get("d-run") == 1, "its last prompt token", out.num_scheduled_tokens)
+    # Decode until the local request needs a block: vLLM preempts the last running request, d-run.
+    preempted_at = None
+    for _ in range(8):
+        before = block_ids(sched, "c-local")
+        out = run()
+        if running.status != RequestStatus.RUNNING:
+            preempted_at = len(orders)
+            break
+    check(preempted_at is not None, "vLLM preempted d-run", running.status)
+    check(running.status == RequestStatus.PREEMPTED and running.num_preemptions == 1, "preempted", running.status)
+    check(running.num_computed_tokens == 0, "preemption resets its computed tokens", running.num_computed_tokens)
+    check("d-run" in (out.preempted_req_ids or ()), "vLLM tells the workers", out.preempted_req_ids)
+    check(out.num_scheduled_tokens == {"c-local": 1}, "the local request goes on", out.num_scheduled_tokens)
+    grown = block_ids(sched, "c-local")
+    check(grown[:-1] == before and grown[-1] in run_blocks, "with a block of d-run's", before, grown, run_blocks)
+    check(free_blocks(sched) == 1, "d-run's other block free (its prefix cached)", free_blocks(sched))
+    check(waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "d-wait is not preempted", waiting.status)
+    check(block_ids(sched, "d-wait") == wait_blocks, "its receive's blocks stay put", block_ids(sched, "d-wait"))
+    # d-wait's KV lands in those blocks; everything runs to its end.
+    run(KVConnectorOutput(finished_recving={"d-wait"}))
+    resumed: dict[str, Any] = {}
+    for _ in range(24):
+        tokens_before, wait_started = running.num_tokens, waiting.num_computed_tokens > 0
+        out = run()
+        if "d-wait" in out.num_scheduled_tokens and not wait_started:
+            check(out.num_scheduled_tokens["d-wait"] == 1, "d-wait runs from its KV", out.num_scheduled_tokens)
+            check(block_ids(sched, "d-wait")[:2] == wait_blocks, "in its receive's blocks", block_ids(sched, "d-wait"))
+        if "d-run" in out.num_scheduled_tokens and not resumed:
+            resumed = {"tokens": tokens_before, "scheduled": out.num_scheduled_tokens["d-run"]}
+            resumed["blocks"] = block_ids(sched, "d-run")
+        if not sched.requests:
+            break
+    receives = [(r.req_id, r.room) for m in orders for r in m.receives]
+    check(receives == [("d-run", 1001), ("d-wait", 1002)], "one receive per request, no second", receives)
+    check(not any(m.releases or m.aborts for m in orders), "no release, no abort", orders)
+    done = {o.request_id: str(o.finish_reason) for o in outputs if o.finish_reason is not None}
+    check(sorted(done) == ["c-local", "d-run", "d-wait"], "all three finish", done, sched.requests.keys())
+    check(running.num_output_tokens == 6, "d-run gave its 6 tokens", running.output_token_ids)
+    check(free_blocks(sched) == total, "every block back", free_blocks(sched), total)
+    check(not conn.has_pending_push_work(), "nothing pending")
+    # What the connector was asked and ordered.
+    asked = [(n, got) for req_id, n, got in matched if req_id == "d-run"]
+    check(len(asked) >= 2 and asked[0] == (0, (prompt, True)), "d-run's KV matched remotely once", asked)
+    hit, again = asked[-1]
+    check(again == (0, False), "rescheduled, it matches nothing remote", asked)
+    check(resumed and resumed["scheduled"] == resumed["tokens"] - hit, "it computes all but its local prefix", resumed)
+    check(resumed["scheduled"] > 1, "more than a receive would leave it", resumed)
+    kept = hit // BLOCK_SIZE
+    check(resumed["blocks"][:kept] == run_blocks[:kept], "its prefix from its own cached blocks", resumed, run_blocks)
+    return {
+        "preempted": "d-run", "preempted_at_step": preempted_at, "receives": len(receives),
+        "local_prefix_hit": hit, "resumed_tokens": resumed["tokens"], "recomputed_tokens": resumed["scheduled"],
+        "blocks_before": run_blocks, "blocks_after": resumed["blocks"],
+        "matched": asked, "update_state_after_alloc": [n for req_id, n in allocated if req_id == "d-run"],
+        "waiting_blocks_kept": wait_blocks, "finish": done,
+    }  # fmt: skip
+
+
 def sleep_mode_refused(model: str) -> str:
     """vLLM 0.33 asks the connector whether it follows sleep mode's KV cache remap (it does not:
     its agent registration would go stale) and refuses the server; 0.32 does not ask."""
@@ -483,6 +610,7 @@ def main() -> None:
     report["decode"] = decode_receives(model, params)
     report["load_failure"] = [decode_load_failure(model, params, policy) for policy in ("fail", "recompute")]
     report["abort"] = decode_aborts(model, params)
+    report["preemption"] = decode_preempted(model)
     report["sleep_mode"] = sleep_mode_refused(model)
     report["scheduler_seconds"] = round(time.monotonic() - started, 2)
     if args.agents:
