@@ -23,9 +23,11 @@ headless Service's DNS names (the certificates still carry those names, and peer
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import os
 import secrets
+import shutil
 import signal
 import tempfile
 import uuid
@@ -166,6 +168,14 @@ class Fabric:
 
     def log(self, name: str) -> str:
         return self.agents[name].log_tail()
+
+    def keep_logs(self, folder: Path) -> None:
+        """Copy each agent's log into ``folder`` (``agent-<name>.log``), for a look after the fabric's
+        own folder is gone."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, agent in self.agents.items():
+            with contextlib.suppress(OSError):
+                shutil.copyfile(agent.log_path, folder / f"agent-{name}.log")
 
     def stop(self) -> None:
         stop_all(self.agents.values())

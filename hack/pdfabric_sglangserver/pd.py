@@ -192,6 +192,7 @@ def pair_started_here(
             server.stop()
         if fabric is not None:
             remove_orphans(fabric.shm_dir)  # the servers' pools (SGLang ends its scheduler with SIGKILL)
+            fabric.keep_logs(logs)  # beside the servers' logs
             fabric.close()
 
 

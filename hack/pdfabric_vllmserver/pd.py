@@ -115,6 +115,7 @@ def pair(
             server.stop()
         if fabric is not None:
             remove_orphans(fabric.shm_dir)  # the servers' KV files, if a server was killed
+            fabric.keep_logs(logs)  # beside the servers' logs
             fabric.close()
 
 

@@ -22,6 +22,12 @@ log = logging.getLogger("pdfabric.sglang")
 
 T = TypeVar("T")
 
+# How long a call on the calls' thread waits for the agent's answer. The engine's loop never waits
+# on it, and past it the room fails (the engine's failure policy applies), so it is generous: a
+# loopback call to the node's agent took over 2 s on this 2-core machine under the whole suite, and
+# once (a decode submit in the vLLM e2e, 2026-12-06) over 10 s, the engine's own loop stalled as long.
+SUBMIT_TIMEOUT_S = 30.0
+
 
 class AgentCalls:
     def __init__(self, name: str, *, inline: bool = False) -> None:

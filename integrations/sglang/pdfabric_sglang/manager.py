@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
-from pdfabric_agent.client.calls import AgentCalls
+from pdfabric_agent.client.calls import SUBMIT_TIMEOUT_S, AgentCalls
 from pdfabric_agent.client.engine_env import ENV_CP_RANK, ENV_RANK, ENV_REPLICA, FabricConfig, engine_instance
 from pdfabric_agent.client.feed import RoomEvents
 from pdfabric_agent.client.shares import UnshareableBuffer
@@ -35,7 +35,7 @@ from pdfabric_sglang.kvargs import (
     registration,
 )
 from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
-from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, AGENT_ERRORS, MEMORY_NOT_REGISTERED, SUBMIT_TIMEOUT_S
+from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, AGENT_ERRORS, MEMORY_NOT_REGISTERED
 
 if TYPE_CHECKING:
     from pdfabric_sglang.receiver import PdfabricKVReceiver

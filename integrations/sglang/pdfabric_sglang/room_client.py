@@ -35,9 +35,6 @@ SUCCESS: int = int(KVPoll.Success)
 # A poll, submit or abort on the scheduler thread waits at most this long for the agent (it answers
 # in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
 AGENT_CALL_TIMEOUT_S = 2.0
-# A submit or abort on the calls' own worker (AgentCalls): SGLang's loop never waits for it, and an
-# answer that comes late is not a refusal (a busy machine once took over 2 s: the room failed).
-SUBMIT_TIMEOUT_S = 10.0
 AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting or timed out; garbled
 MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
-from pdfabric_agent.client.calls import AgentCalls
+from pdfabric_agent.client.calls import SUBMIT_TIMEOUT_S, AgentCalls
 from pdfabric_agent.client.engine_env import FabricConfig, engine_instance
 from pdfabric_agent.client.feed import RoomEvents
 from pdfabric_agent.client.shares import UnshareableBuffer
@@ -33,9 +33,6 @@ from pdfabric_vllm.orders import Orders, ReceiveOrder, SendOrder
 log = logging.getLogger("pdfabric.vllm")
 
 AGENT_CALL_TIMEOUT_S = 2.0  # a poll from vLLM's step (the feed down): a hung agent must not hold the step
-# A submit or abort, on the calls' own thread: the first rooms of a pair may wait for the agents'
-# peer connection (a TLS handshake on a busy machine took over 2 s).
-SUBMIT_TIMEOUT_S = 10.0
 AGENT_ERRORS = (AgentRefused, OSError, ValueError)
 FEED_WAIT_S = 2.0
 REGISTER_WAIT_S = 30.0  # a restarted engine waits this long for its previous process's rooms to end
