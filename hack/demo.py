@@ -418,13 +418,14 @@ def print_traffic(prometheus: Prometheus, name: str, engine: str, *, aux: bool) 
     """What Prometheus saw of the PDCluster's traffic (aux: the engine hands decode metadata rows;
     vLLM's connector moves KV only)."""
     time.sleep(2.5)  # two more scrapes
-    queries = {
-        f"KV bytes into {engine}'s decode server": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="kv"}})',
-        "metadata (aux) bytes": f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="aux"}})',
-        "successful rank-requests": f'sum(pdfabric_requests_total{{pdcluster="{name}",outcome="success"}})',
-    }
-    if not aux:
-        del queries["metadata (aux) bytes"]
+
+    def moved(kind: str) -> str:
+        return f'sum(pdfabric_transfer_bytes_total{{pdcluster="{name}",role="decode",kind="{kind}"}})'
+
+    queries = {f"KV bytes into {engine}'s decode server": moved("kv")}
+    if aux:
+        queries["metadata (aux) bytes"] = moved("aux")
+    queries["successful rank-requests"] = f'sum(pdfabric_requests_total{{pdcluster="{name}",outcome="success"}})'
     print_queries(prometheus, queries)
 
 
@@ -470,19 +471,16 @@ def vllm_demo(cluster: LocalCluster, runner: PodRunner, prometheus: Prometheus) 
     """A PDCluster whose engines are vLLM's real server (vLLM's CPU build, a small seeded Llama):
     the agents start prefill and decode servers with pdfabric's KV connector, vLLM's router pairs
     them, and each answer equals a single vLLM server's."""
-    from pdfabric_devcluster.agents import LocalImage
     from pdfabric_devcluster.procs import post_json
     from pdfabric_sglangserver.model import write_model_dir
-    from pdfabric_vllmserver.pd import example_pdcluster
+    from pdfabric_vllmserver.pd import example_images, example_pdcluster
     from pdfabric_vllmserver.servers import MODEL, completion, start_server, token_ids, vllm_python
 
     step("spec.engine running vLLM's own server: PDCluster vllm")
     python = vllm_python()
     model_dir = write_model_dir(WORKDIR / "vllm-model", MODEL)
     manifest = example_pdcluster(model_dir)
-    # The engine's and the router's images are vLLM's environment on this machine.
-    for image in (manifest["spec"]["engine"]["image"], manifest["spec"]["router"]["image"]):
-        runner.images[image] = LocalImage(python=python)
+    runner.images.update(example_images(manifest, python))  # vLLM's environment on this machine
     # The reference answers: one vLLM server serving the same model alone, started meanwhile.
     single = start_server("single", python, model_dir, WORKDIR / "vllm-single.log")
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdfabric_agent.client.shm import remove_orphans
+from pdfabric_devcluster.agents import LocalImage
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import answers_200, free_port, post_json
 from pdfabric_sglangserver.model import spec_model
@@ -163,3 +164,10 @@ def example_pdcluster(model_dir: Path) -> dict[str, Any]:
 
     doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text().replace("${MODEL_DIR}", str(model_dir)))
     return doc
+
+
+def example_images(doc: Mapping[str, Any], python: str) -> dict[str, LocalImage]:
+    """What PodRunner runs the example's engine and router images as on this machine: vLLM's own
+    environment (vLLM and this project pin different torch releases)."""
+    vllm = LocalImage(python=python)
+    return {doc["spec"]["engine"]["image"]: vllm, doc["spec"]["router"]["image"]: vllm}

@@ -45,7 +45,8 @@ CPU_ENV = {
 PD_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "2"}
 # NIXL's UCX: tcp, cross-memory attach and shared memory; its InfiniBand module unloaded (libnl's
 # destructor crashes the process at exit without RDMA devices).
-# NIXL's UCX progress threads keep a core busy each while their server is up (a TP 2 pair: three).
+# NIXL's servers spin while up, two threads per worker (its own and NIXL's progress thread): a TP 1
+# pair used 1.99 of two cores with no request, with or without UCX's shared-memory transports.
 # At a lower CPU priority its servers missed vLLM's 5 s handshake deadline (hard-coded) on a busy
 # machine; they run at the suite's priority, and the control runs one pair (docs/vllm.md).
 NIXL_ENV = {"UCX_TLS": "tcp,cma,self,sm", "UCX_MODULES": "^ib*"}

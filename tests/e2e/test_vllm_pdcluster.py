@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from pdfabric_devcluster.agents import LocalImage
 from pdfabric_devcluster.fabric import Fabric
 from pdfabric_devcluster.podrunner import PodRunner
 from pdfabric_devcluster.procs import post_json
-from pdfabric_vllmserver.pd import example_pdcluster
+from pdfabric_vllmserver.pd import example_images, example_pdcluster
 from pdfabric_vllmserver.servers import BLOCK_SIZE, MODEL, VllmServer, completion, token_ids
 from tests.e2e import node_pods
 from tests.e2e.prompts import CONCURRENT, NEW_TOKENS, PROMPTS
@@ -51,8 +50,7 @@ def example(vllm_model: Path, namespace: str) -> dict[str, Any]:
 def runner(cluster: Any, namespace: str, tmp_path: Path, python: str, example: dict[str, Any]) -> Iterator[PodRunner]:
     """The pods' commands as local processes, the engine's and router's images being vLLM's
     environment here (vLLM and this project pin different torch releases)."""
-    vllm = LocalImage(python=python)
-    images = {example["spec"]["engine"]["image"]: vllm, example["spec"]["router"]["image"]: vllm}
+    images = example_images(example, python)
     pods = PodRunner(cluster, namespace, "app.kubernetes.io/component=agent", tmp_path / "pods", images=images)
     yield pods
     pods.stop()

@@ -2,8 +2,9 @@
 does not run: prefill TP 2 -> decode TP 1, each prefill rank a worker process and its own pdfabric
 engine rank, the agents gathering both ranks' KV heads into decode's fused pages. Answers through
 vLLM's router equal a single vLLM server's, token for token. vLLM's NixlConnector runs its control
-on test_vllm_servers.py's pair only: its UCX progress threads keep a core busy each while its
-servers are up, which a second pair's worth starved the suite on two cores."""
+on test_vllm_servers.py's pair only: its servers spin while up (two threads per worker:
+benchmarks/bench_vllm_exposed.py's idle cores), which a second pair's worth starved the suite on two
+cores."""
 
 from __future__ import annotations
 
