@@ -12,8 +12,12 @@ namespace reach the metrics port (``builders.services.build_network_policy``).
 With spec.engine the same body lists the agent's engines (``engines``: pdfabric_core.engines'
 EngineState, ``enginesReady``) and says the agent's own readiness (``ready``), apart from the
 pod's Ready (which also waits for the engines). Engines come and go (restarts, health), so the
-operator reads every pod of such a cluster on every reconcile, concurrently, 1 s each; a body
-that does not come is no word at all (its engines count as not ready).
+operator reads every pod of such a cluster on every reconcile, concurrently, 1 s each. A read
+that times out leaves the agent's last word standing for SILENT_READS_TOLERATED reads in a row (a
+kubelet's readiness probe likewise fails a pod only at its third failure): on a busy node one
+slow answer would otherwise list every engine of that pod as not ready, for a reconcile, to the PD
+routers that follow the status. After that, or when nobody answers at all (refused), it is no word
+(its engines count as not ready); a pod that fails or goes is not asked any more.
 
 ``PDFABRIC_AGENT_ADDRESSES`` (operator setting) names a JSON file {pod name: "host:port"} that
 replaces pod IP and metrics port, for agents run as local processes (hack/pdfabric_devcluster).
@@ -36,6 +40,7 @@ from pdfabric_core.engines.state import EngineState
 log = logging.getLogger("pdfabric.operator.agents")
 
 READ_TIMEOUT_S = 1.0
+SILENT_READS_TOLERATED = 2  # the third unanswered read in a row is no word (failureThreshold 3)
 MAX_BODY = 64 * 1024  # a /readyz body is a few hundred bytes
 
 
@@ -130,13 +135,19 @@ def overrides(path: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
+SLOW = "slow"  # what _read gives for an agent that did not answer in READ_TIMEOUT_S (busy, not gone)
+
+
 async def _read(session: aiohttp.ClientSession, url: str) -> Any:
-    """The JSON body /readyz answers with, whatever its status (503 while not ready); None if none."""
+    """The JSON body /readyz answers with, whatever its status (503 while not ready); SLOW if it
+    did not come in time; None if none (refused, reset, not JSON)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=READ_TIMEOUT_S)) as resp:
             raw = await resp.content.read(MAX_BODY)
         return json.loads(raw)
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+    except TimeoutError:  # aiohttp's timeouts are TimeoutErrors too
+        return SLOW
+    except (aiohttp.ClientError, OSError, ValueError):
         return None
 
 
@@ -168,11 +179,52 @@ async def read_transports(
     return {uid: r for uid, r in parsed.items() if r is not None}
 
 
+@dataclass(frozen=True)
+class AgentReads:
+    """One round of /readyz reads: the pods that answered (by uid) and those too slow to."""
+
+    reports: dict[str, AgentReport]
+    slow: frozenset[str]
+
+
+async def read_agents(pods: Iterable[AgentAddress], metrics_port: int, overrides_path: str = "") -> AgentReads:
+    """Every pod's /readyz now, read concurrently; a pod that does not answer (or has no address
+    yet) has no report, and is among ``slow`` when its read timed out."""
+    bodies = await _read_all(_urls(pods, metrics_port, overrides_path))
+    parsed = {uid: parse_report(body) for uid, body in bodies.items()}
+    return AgentReads(
+        {uid: r for uid, r in parsed.items() if r is not None},
+        frozenset(uid for uid, body in bodies.items() if body is SLOW),
+    )
+
+
 async def read_reports(
     pods: Iterable[AgentAddress], metrics_port: int, overrides_path: str = ""
 ) -> dict[str, AgentReport]:
     """Every pod's /readyz now (by pod uid), read concurrently; a pod that does not answer (or
     has no address yet) is left out."""
-    bodies = await _read_all(_urls(pods, metrics_port, overrides_path))
-    parsed = {uid: parse_report(body) for uid, body in bodies.items()}
-    return {uid: r for uid, r in parsed.items() if r is not None}
+    return (await read_agents(pods, metrics_port, overrides_path)).reports
+
+
+def heard(
+    asked: Iterable[str], reads: AgentReads, last: Mapping[str, AgentReport], silent: dict[str, int]
+) -> dict[str, AgentReport]:
+    """The word to act on for each pod ``asked`` (by uid): its answer this time; else, when its
+    read timed out, its ``last`` word while it has been slow for at most SILENT_READS_TOLERATED
+    reads in a row; else none (refused: nobody listens). ``silent`` counts each pod's slow reads
+    in a row and forgets pods no longer asked."""
+    asked = list(asked)
+    out: dict[str, AgentReport] = {}
+    for uid in asked:
+        if uid in reads.reports:
+            silent.pop(uid, None)
+            out[uid] = reads.reports[uid]
+        elif uid in reads.slow:
+            silent[uid] = silent.get(uid, 0) + 1
+            if silent[uid] <= SILENT_READS_TOLERATED and uid in last:
+                out[uid] = last[uid]
+        else:
+            silent.pop(uid, None)
+    for gone in set(silent) - set(asked):
+        del silent[gone]
+    return out

@@ -25,6 +25,7 @@ class OperatorState:
         self.generations: dict[str, int] = {}
         self.transports: dict[str, dict[str, AgentTransport]] = {}  # cluster uid -> pod uid -> the agent's word
         self.reports: dict[str, dict[str, AgentReport]] = {}  # cluster uid -> pod uid -> its /readyz, last read
+        self.silences: dict[str, dict[str, int]] = {}  # cluster uid -> pod uid -> its /readyz unanswered in a row
         self.node_prints: dict[str, tuple[Any, ...]] = {}
         self.roles: dict[str, RolesMemory] = {}  # cluster uid -> its PDRoles' sync memory (roles.py)
         self.role_generations: dict[str, int] = {}  # PDRole uid -> the generation last seen

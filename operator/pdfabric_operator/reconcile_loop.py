@@ -15,7 +15,7 @@ from typing import cast
 import kopf
 
 from pdfabric_core.spec import SpecError, parse_spec
-from pdfabric_operator.agentstate import AgentAddress, AgentReport, read_reports
+from pdfabric_operator.agentstate import AgentAddress, AgentReport, heard, read_agents, read_reports
 from pdfabric_operator.bookkeeping import ClusterMemory
 from pdfabric_operator.builders.names import ClusterRef
 from pdfabric_operator.kube import error_type
@@ -69,7 +69,10 @@ async def with_agents(snap: Snapshot, body: kopf.Body, uid: str) -> Snapshot:
     try:
         if spec.engine is not None:
             live = [AgentAddress(p.uid, p.name, p.ip) for p in snap.own if not p.deleting and not p.failed]
-            reports = await read_reports(live, port, STATE.config.agent_addresses)
+            reads = await read_agents(live, port, STATE.config.agent_addresses)
+            reports = heard((p.uid for p in live), reads, said, STATE.silences.setdefault(uid, {}))
+            said.clear()
+            said.update(reports)
             known.update({k: r.transport for k, r in reports.items() if r.transport is not None})
         else:
             # Fabric-only: read an agent again only while its word may change: not Ready (its
@@ -179,6 +182,7 @@ async def reconcile_loop(
         STATE.wakers.pop(uid, None)
         STATE.transports.pop(uid, None)
         STATE.reports.pop(uid, None)
+        STATE.silences.pop(uid, None)
         STATE.roles.pop(uid, None)
         CLUSTERS.set(len(STATE.wakers))
         for gauge in (PDCLUSTER_READY, PDCLUSTER_PLACED):  # gone, or reconciled by another replica now

@@ -73,18 +73,27 @@ class Stream:
     runner: PodRunner
     sent: list[Sent] = field(default_factory=list)
     pairs: list[tuple[tuple[str, PrefillEndpoint], tuple[str, str]]] = field(default_factory=list)
+    last_status: dict[str, Any] = field(default_factory=dict)  # its endpoints and conditions, last read
     stop: threading.Event = field(default_factory=threading.Event)
+    broke: list[str] = field(default_factory=list)  # why a worker stopped early (it sends no more)
 
     def refresh(self) -> None:
         while not self.stop.is_set():
             try:
                 status = h.pdc(self.cluster, self.namespace, "pd").get("status", {})
                 self.pairs = endpoint_pairs(status, self.runner)
+                self.last_status = {k: status.get(k) for k in ("endpoints", "conditions")}
             except Exception:  # the API server busy for a moment: keep the last view
                 pass
             self.stop.wait(0.5)
 
     def work(self, worker: int) -> None:
+        try:
+            self._work(worker)
+        except Exception as exc:  # a thread's exception is otherwise lost: the test reports it
+            self.broke.append(f"worker {worker}, after {len(self.sent)} prompts: {exc!r}")
+
+    def _work(self, worker: int) -> None:
         for n in itertools.count(worker, 2):
             if self.stop.is_set():
                 return
@@ -93,7 +102,7 @@ class Stream:
             while True:
                 pairs = self.pairs
                 if not pairs:  # never while a step runs: the old replicas serve until the new ones do
-                    raise AssertionError("the status listed no ready (prefill, decode) pair")
+                    raise AssertionError(f"the status listed no ready (prefill, decode) pair: {self.last_status}")
                 (p_pod, prefill), (d_pod, decode_url) = pairs[(n + retries) % len(pairs)]
                 answer = generate(prefill, decode_url, PROMPTS[prompt], NEW_TOKENS, timeout_s=60)
                 if answer.ok or not _not_taken(answer) or retries == 3:
@@ -284,6 +293,7 @@ def test_scaling_each_role_drops_no_prompt_and_restarts_no_pod_whose_ranks_staye
         f"{sum(s.retries for s in sent)} resent after a refused connection, {len({s.pair for s in sent})} pairs used; "
         f"RankMapCurrent read {len(observed)} times during the steps, False {behind} times"
     )
+    assert not stream.broke, stream.broke
     failed = [(s.pair, s.answer.error[:200]) for s in sent if not s.answer.ok]
     assert not failed, failed
     assert all(s.answer.tokens == want[s.prompt] for s in sent)

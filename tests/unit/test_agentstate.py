@@ -7,18 +7,23 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from aiohttp.test_utils import TestServer
 
 from pdfabric_agent.http.server import Readiness, build_metrics_app
 from pdfabric_core.engines.state import EngineState
 from pdfabric_core.policy.types import Role
+from pdfabric_operator import agentstate
 from pdfabric_operator.agentstate import (
     AgentAddress,
+    AgentReads,
     AgentReport,
     AgentTransport,
+    heard,
     parse_engines,
     parse_readyz,
     parse_report,
+    read_agents,
     read_reports,
     read_transports,
 )
@@ -121,3 +126,60 @@ def test_reads_every_pods_report_each_time_whatever_the_status_code(tmp_path: Pa
             await server.close()
 
     asyncio.run(run())
+
+
+def test_a_slow_agent_keeps_its_last_word_for_two_reads_a_refused_one_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A /readyz read that times out is told apart from one nobody answers; the operator acts on
+    a slow agent's last word for SILENT_READS_TOLERATED reads in a row (a kubelet's failureThreshold
+    of 3), then on none."""
+    from aiohttp import web
+
+    monkeypatch.setattr(agentstate, "READ_TIMEOUT_S", 0.2)
+    slow = asyncio.Event()
+
+    async def readyz(request: web.Request) -> web.Response:
+        if slow.is_set():
+            await asyncio.sleep(2)
+        return web.json_response({"ready": True, "engines": [_engine("decode-0")]})
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_get("/readyz", readyz)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            pods = [AgentAddress("uid-a", "agent-a", "127.0.0.1"), AgentAddress("uid-b", "agent-b", "127.0.0.2")]
+            # uid-b: a loopback address where nobody listens on this port (refused at once).
+            last: dict[str, AgentReport] = {}
+            silent: dict[str, int] = {}
+            reads = await read_agents(pods, server.port)
+            assert set(reads.reports) == {"uid-a"} and reads.slow == frozenset()
+            last = heard(["uid-a", "uid-b"], reads, last, silent)
+            assert set(last) == {"uid-a"} and silent == {}
+            slow.set()
+            kept = []
+            for _ in range(3):
+                reads = await read_agents(pods, server.port)
+                assert reads.reports == {} and reads.slow == {"uid-a"}
+                last = heard(["uid-a", "uid-b"], reads, last, silent)
+                kept.append(set(last))
+            assert kept == [{"uid-a"}, {"uid-a"}, set()]  # the third slow read in a row is no word
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_heard_acts_on_answers_and_forgets_pods_no_longer_asked() -> None:
+    word = AgentReport(True, None, {})
+    newer = AgentReport(False, None, {})
+    silent: dict[str, int] = {"gone": 1}
+    slow_a = AgentReads({}, frozenset({"a"}))
+    assert heard(["a"], slow_a, {"a": word}, silent) == {"a": word} and silent == {"a": 1}  # "gone" forgotten
+    assert heard(["a"], AgentReads({"a": newer}, frozenset()), {"a": word}, silent) == {"a": newer}
+    assert silent == {}  # an answer ends the run of slow reads
+    assert heard(["a"], slow_a, {}, silent) == {}  # slow with no word before: none to keep
+    assert heard(["a"], AgentReads({}, frozenset()), {"a": word}, silent) == {} and silent == {}  # refused
+    assert agentstate.SILENT_READS_TOLERATED == 2
