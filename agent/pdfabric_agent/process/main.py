@@ -277,8 +277,7 @@ async def serve(cfg: AgentConfig) -> int:
         paths = tuple(sorted({p for lr in ranks.values() for p in lr.backend.paths} | {TCP_SIDE_CHANNEL}))
         for role in roles:
             metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
-        agent = Agent(cfg, rankmap, spec, ranks, choice.transport.value)
-        agent.requested = requested
+        agent = Agent(cfg, rankmap, spec, ranks, choice.transport, requested=requested)
         agent.publish_peers()
         readiness.requested, readiness.transport = requested.value, choice.transport.value
         readiness.rankmap = rankmap.digest

@@ -75,7 +75,11 @@ class Agent:
         ranks: Mapping[str, LocalRank],
         transport: Transport | str,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        requested: Transport | str | None = None,
     ) -> None:
+        """``transport``: what the agent carries KV over; ``requested``: what the rank map asked
+        for, when the agent fell back from it (placement.fallback)."""
         self.cfg = cfg
         self.transport = Transport(transport)
         self.cluster = rankmap.cluster
@@ -98,7 +102,7 @@ class Agent:
         self.rooms = self.ctx.rooms
         self.peers = self.ctx.peers
         self.peers.is_leaving = self.ctx.ranks.leaving.__contains__
-        self.requested = self.transport  # the transport the rank map asked for (main sets it after a fallback)
+        self.requested = self.transport if requested is None else Transport(requested)
         metrics.precreate_peers(rankmap, spec, self.entry.name)  # every (rank, peer agent) pair at zero
         self.ctx.rooms.on_retire.append(self._room_ended)
         self.sender = PrefillSender(self.ctx)
