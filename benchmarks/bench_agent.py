@@ -31,7 +31,7 @@ sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "operator", "agent", "ha
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
 from pdfabric_agent.memory.plan import Bases, TransferSide, decode_targets, plan_transfer, sender_duties  # noqa: E402
-from pdfabric_agent.memory.pools import PoolLayout  # noqa: E402
+from pdfabric_agent.protocol.info import PoolInfo  # noqa: E402
 from pdfabric_agent.runtime import metrics  # noqa: E402
 from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
@@ -63,10 +63,10 @@ def agent_room(lc: LocalFabric, room: int, src: list[int], dst: list[int]) -> tu
     return elapsed, phases["written:decode-0-tp0"] - phases["transferring"]
 
 
-def map_pool(info: dict[str, Any]) -> tuple[mmap.mmap, int]:
-    fd = os.open(info["handle"], os.O_RDWR)
+def map_pool(info: PoolInfo) -> tuple[mmap.mmap, int]:
+    fd = os.open(info.handle, os.O_RDWR)
     try:
-        m = mmap.mmap(fd, info["size"])
+        m = mmap.mmap(fd, info.size)
     finally:
         os.close(fd)
     return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
@@ -78,26 +78,26 @@ def raw_blocks(
     """Two engines of this process on the agents' own pool files, and the room's block list."""
     from mooncake.engine import TransferEngine
 
-    pinfo = lc.client("prefill-0-tp0-cp0").info()["ranks"]["prefill-0-tp0-cp0"]
-    dinfo = lc.client("decode-0-tp0").info()["ranks"]["decode-0-tp0"]
-    (sm, sa), (dm, da) = map_pool(pinfo["kv"]), map_pool(dinfo["kv"])
+    pinfo = lc.client("prefill-0-tp0-cp0").info().rank("prefill-0-tp0-cp0")
+    dinfo = lc.client("decode-0-tp0").info().rank("decode-0-tp0")
+    (sm, sa), (dm, da) = map_pool(pinfo.pools["kv"]), map_pool(dinfo.pools["kv"])
     a, b = TransferEngine(), TransferEngine()
-    for eng, addr, size in ((a, sa, pinfo["kv"]["size"]), (b, da, dinfo["kv"]["size"])):
+    for eng, addr, size in ((a, sa, pinfo.pools["kv"].size), (b, da, dinfo.pools["kv"].size)):
         if eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0 or eng.register_memory(addr, size) != 0:
             raise RuntimeError("raw engine setup failed")
-    layout = PoolLayout.from_dict(pinfo["layout"])
+    layout = pinfo.layout
     duties = sender_duties(lc.spec, decode_targets(lc.spec, 0)[0], 0, len(dst))
     assert duties is not None
 
     def blocks(dst_base: int) -> list[Any]:
-        plan = plan_transfer(duties, TransferSide(layout, Bases(sa, 0, 0), src, [], None), TransferSide(PoolLayout.from_dict(dinfo["layout"]), Bases(dst_base, 0, 0), dst, [], None), coalesce=coalesce)  # fmt: skip
+        plan = plan_transfer(duties, TransferSide(layout, Bases(sa, 0, 0), src, [], None), TransferSide(dinfo.layout, Bases(dst_base, 0, 0), dst, [], None), coalesce=coalesce)  # fmt: skip
         return plan.kv
 
     # Receiver in this process (b, the decode pool file mapped here) and receiver in the decode
     # agent itself (its engine, its own address of the same pool): the latter is what the agent
     # path pays too, a second process on the same two cores.
     local = (f"127.0.0.1:{b.get_rpc_port()}", blocks(da))
-    in_agent = (dinfo["endpoint"], blocks(dinfo["kv"]["addr"]))
+    in_agent = (dinfo.endpoint, blocks(dinfo.pools["kv"].addr))
     return a, (sm, dm, b), local, in_agent
 
 

@@ -24,7 +24,7 @@ class DirectRank:
 
         cfg = FabricConfig()
         probe = AgentClient(cfg.address, cfg.token, "")
-        uid = probe.info()["cluster"]["uid"]
+        uid = probe.info().cluster_uid
         probe.close()
         self.client = AgentClient(cfg.address, cfg.token, uid)
         self.rank_id = rank_id_for(Role(role), cfg, ka)

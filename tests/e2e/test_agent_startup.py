@@ -70,7 +70,7 @@ def test_declared_fallback_runs_tcp_and_says_so() -> None:
         status, body = wait_readyz(lc, name)
         assert (status, body["ready"]) == (200, True)
         assert "NoRdmaDevice" in body["message"] and "fell back to tcp" in body["message"]
-        assert lc.client(name).info()["transport"] == "tcp"
+        assert lc.client(name).info().transport == "tcp"
     finally:
         lc.close()
 
@@ -127,7 +127,7 @@ def test_engine_calls_from_the_network_are_impossible() -> None:
         )
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((addr, agent.api_port), timeout=5).close()
-        assert lc.client(name).info()["agent"] == name  # on loopback, with the engine token
+        assert lc.client(name).info().agent == name  # on loopback, with the engine token
     finally:
         lc.close()
 

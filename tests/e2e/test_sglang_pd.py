@@ -117,8 +117,8 @@ def test_bad_registration_and_aborted_room_reach_sglang_as_failures(
                 assert (view.state.title, view.reason) == ("Failed", "aborted by SGLang")
                 # Once no room is open, the new registration replaces the old one.
                 PdfabricKVManager(again, DisaggregationMode.DECODE, None, False)
-                info = lc.client("decode-0-tp0").info()["ranks"]["decode-0-tp0"]["engine_memory"]
-                assert info["buffers"] == 2 * 2 + 3 and info["devices"] == ["cpu"]
+                memory = lc.client("decode-0-tp0").info().rank("decode-0-tp0").engine_memory
+                assert memory is not None and memory.buffers == 2 * 2 + 3 and memory.devices == ("cpu",)
             finally:
                 server.close()
                 mgr.close()

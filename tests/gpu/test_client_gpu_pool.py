@@ -18,6 +18,7 @@ SIZES = {"kv": 3 << 20, "state": 8192, "aux": 4096 + 64}
 
 def _owner(q_out, q_in) -> None:
     from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
+    from pdfabric_agent.protocol.info import RankInfo
     from pdfabric_core.policy.types import Device
 
     torch.cuda.set_device(0)
@@ -28,7 +29,7 @@ def _owner(q_out, q_in) -> None:
     data = os.urandom(SIZES["kv"])
     pools["kv"].write(0, data)
     torch.cuda.synchronize(0)
-    q_out.put((rank.describe(), hashlib.sha256(data).hexdigest()))
+    q_out.put((RankInfo.of("prefill", "", "mooncake", rank), hashlib.sha256(data).hexdigest()))
     offset, payload = q_in.get(timeout=60)  # the client wrote this; read it back here
     q_out.put(pools["state"].read(offset, len(payload)) == payload)
     q_in.get(timeout=60)
@@ -44,7 +45,7 @@ def test_gpu_pools_map_into_another_process() -> None:
     proc.start()
     try:
         rank, digest = q_out.get(timeout=120)
-        assert all(rank[k]["handle"] and rank[k]["gpu"] == 0 for k in SIZES)
+        assert all(rank.pools[k].handle and rank.pools[k].gpu == 0 for k in SIZES)
         pools = map_rank_pools("r", rank)
         try:
             assert isinstance(pools.kv, GpuPool) and len(pools.kv) == SIZES["kv"]

@@ -13,8 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdfabric_agent.client.api import AgentClient, AgentRefused
+from pdfabric_agent.protocol.info import AgentInfo
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest
+
+INFO = AgentInfo("ns", "pd", "uid-1", "a1", "tcp", "mooncake", {})
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -43,8 +46,10 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path.startswith("/v1/rooms/"):
             rank, room = self.path.split("?")[0].split("/")[3:5]
             self._answer(200, {"rank": rank, "room": int(room), "state": "Success", "reason": self.path})
+        elif getattr(self.server, "bad_info", False):
+            self._answer(200, {**INFO.to_json(), "cluster": "pd"})
         else:
-            self._answer(200, {"agent": "a1"})
+            self._answer(200, INFO.to_json())
         if self.server.drop_after_answer:  # type: ignore[attr-defined]
             self.close_connection = True  # the idle keep-alive connection goes away under the client
 
@@ -77,7 +82,7 @@ def client_for(srv: ThreadingHTTPServer, token: str = "tok") -> AgentClient:
 def test_calls_share_one_connection(server: ThreadingHTTPServer) -> None:
     c = client_for(server)
     for _ in range(5):
-        assert c.info() == {"agent": "a1"}
+        assert c.info() == INFO
     assert c.poll("decode-0-tp0", 7, wait_s=0.5).reason == "/v1/rooms/decode-0-tp0/7?wait_s=0.5"
     assert server.connections == 1  # type: ignore[attr-defined]
     c.close()
@@ -87,13 +92,13 @@ def test_connection_dropped_while_idle_is_replaced(server: ThreadingHTTPServer) 
     server.drop_after_answer = True  # type: ignore[attr-defined]
     c = client_for(server)
     for _ in range(3):
-        assert c.info() == {"agent": "a1"}
+        assert c.info() == INFO
     assert server.connections == 3  # type: ignore[attr-defined]
 
 
 def test_each_thread_has_its_own_connection(server: ThreadingHTTPServer) -> None:
     c = client_for(server)
-    results: list[dict] = []
+    results: list[AgentInfo] = []
     threads = [threading.Thread(target=lambda: results.extend(c.info() for _ in range(3))) for _ in range(3)]
     for t in threads:
         t.start()
@@ -111,7 +116,12 @@ def test_refusals_carry_status_reason_and_message(server: ThreadingHTTPServer) -
     with pytest.raises(AgentRefused) as info:
         client_for(server, token="wrong").info()
     assert (info.value.status, info.value.reason) == (401, "unauthorized")
-    assert c.info() == {"agent": "a1"}  # the connection survives a refusal
+    assert c.info() == INFO  # the connection survives a refusal
+    server.bad_info = True  # type: ignore[attr-defined]
+    with pytest.raises(AgentRefused) as info:
+        c.info()
+    assert (info.value.status, info.value.reason) == (200, "malformed")
+    assert "/v1/info cluster is not a JSON object" in info.value.message
 
 
 def test_unreachable_agent_raises_oserror() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.info import AgentInfo, PoolInfo, RankInfo
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomState, RoomView
 from pdfabric_core.spec import parse_spec
@@ -100,6 +101,37 @@ def test_the_memory_answer_reads_back_as_written() -> None:
     assert answer.to_json()["memory"] == answer.memory_json()  # what /v1/info shows per rank
     with pytest.raises(ValueError, match="devices must be a list"):
         MemoryAnswer.parse({"rank": "d", "memory": {"layout": layout.to_dict(), "buffers": 1, "devices": "cpu"}})
+
+
+def test_the_agent_info_reads_back_as_written_and_names_a_rank_it_does_not_serve() -> None:
+    layout = PoolLayout.from_geometry(parse_spec(TCP_RAW).model, 1, kv_pages=16, state_slots=2, aux_slots=4)
+    pools = {k: PoolInfo(4096 * i, 1 << 20, "cpu", f"/dev/shm/pool-{k}") for i, k in enumerate(("kv", "state", "aux"))}
+    memory = MemoryAnswer("decode-0-tp0", layout, 7, ("cpu",), board=True)
+    info = AgentInfo(
+        "ns",
+        "pd",
+        "uid-1",
+        "pd-decode-0",
+        "tcp",
+        "mooncake",
+        {
+            "decode-0-tp0": RankInfo("decode", "127.0.0.1:1234", "mooncake", layout, pools, memory),
+            "decode-0-tp1": RankInfo("decode", "127.0.0.1:1235", "mooncake", layout, pools),
+        },
+    )
+    doc = info.to_json()
+    assert doc["cluster"] == {"namespace": "ns", "name": "pd", "uid": "uid-1"}
+    assert doc["ranks"]["decode-0-tp0"]["kv"]["handle"] == "/dev/shm/pool-kv"  # the wire as engines read it
+    assert doc["ranks"]["decode-0-tp0"]["engine_memory"] == memory.memory_json()
+    assert AgentInfo.parse(doc) == info
+    assert info.rank("decode-0-tp1").engine_memory is None
+    with pytest.raises(
+        RuntimeError, match=r"does not serve rank decode-0-tp2 \(it serves \['decode-0-tp0', 'decode-0-tp1'\]\); set X"
+    ):
+        info.rank("decode-0-tp2", "set X")
+    bad = {**doc, "ranks": {"decode-0-tp0": {**doc["ranks"]["decode-0-tp0"], "kv": {"size": "big"}}}}
+    with pytest.raises(ValueError, match="rank decode-0-tp0 kv pool: 'addr' is None"):
+        AgentInfo.parse(bad)
 
 
 @pytest.mark.parametrize(

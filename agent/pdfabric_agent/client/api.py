@@ -19,12 +19,13 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pdfabric_agent.client.http1 import Connection, Response, StaleConnection
 from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.protocol.info import AgentInfo, RankInfo
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
 from pdfabric_agent.protocol.wire import (
     INFO_PATH,
@@ -138,27 +139,28 @@ def _map(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def map_rank_pools(rank_id: str, rank: Mapping[str, Any], gpu: int | None = None) -> MappedPools:
-    """``AgentClient.map_pools`` from a rank's entry of /v1/info (its pools' ``describe()``)."""
+def map_rank_pools(rank_id: str, rank: RankInfo, gpu: int | None = None) -> MappedPools:
+    """``AgentClient.map_pools`` from a rank's entry of /v1/info (its pools)."""
     mapped: dict[str, mmap.mmap | GpuPool] = {}
     ipc = None
     try:
-        for kind in ("kv", "state", "aux"):
-            d = rank[kind]
-            if d["device"] == "cpu":
-                mapped[kind] = _map(d["handle"], d["size"])
+        for kind, pool in rank.pools.items():
+            if pool.device == "cpu":
+                mapped[kind] = _map(pool.handle, pool.size)
                 continue
-            if not d.get("handle"):
+            if not pool.handle:
                 raise RuntimeError(
-                    f"{rank_id} {kind} pool on {d['device']} has no CUDA IPC export "
+                    f"{rank_id} {kind} pool on {pool.device} has no CUDA IPC export "
                     "(allocated with expandable segments?); it cannot be mapped by a client"
                 )
             from pdfabric_agent.memory.ipc import PeerMappings, PoolExport
 
-            device = d["gpu"] if gpu is None else gpu
+            device = pool.gpu if gpu is None else gpu
+            if device is None:
+                raise RuntimeError(f"{rank_id} {kind} pool on {pool.device} names no GPU; pass gpu=")
             if ipc is None:
                 ipc = PeerMappings(device)
-            mapped[kind] = GpuPool(ipc.map(PoolExport.from_json(json.loads(d["handle"]))), d["size"], device)
+            mapped[kind] = GpuPool(ipc.map(PoolExport.from_json(json.loads(pool.handle))), pool.size, device)
     except BaseException:
         for m in mapped.values():
             if isinstance(m, mmap.mmap):
@@ -166,7 +168,7 @@ def map_rank_pools(rank_id: str, rank: Mapping[str, Any], gpu: int | None = None
         if ipc is not None:
             ipc.close()
         raise
-    return MappedPools(PoolLayout.from_dict(rank["layout"]), mapped["kv"], mapped["state"], mapped["aux"], ipc)
+    return MappedPools(rank.layout, mapped["kv"], mapped["state"], mapped["aux"], ipc)
 
 
 class _ThreadConnection(threading.local):
@@ -255,15 +257,20 @@ class AgentClient:
             raise AgentRefused(resp.status, "malformed", f"the agent answered {path} with a non-object")
         return doc
 
-    def info(self) -> dict[str, Any]:
-        return self._call("GET", INFO_PATH)
+    def info(self) -> AgentInfo:
+        """GET /v1/info, parsed (``AgentRefused`` "malformed" for an answer that is not one)."""
+        doc = self._call("GET", INFO_PATH)
+        try:
+            return AgentInfo.parse(doc)
+        except ValueError as exc:
+            raise AgentRefused(200, "malformed", str(exc)) from None
 
     def map_pools(self, rank_id: str, gpu: int | None = None) -> MappedPools:
         """Map a rank's pools here: CPU pools are shared-memory files; GPU pools are opened through
         CUDA IPC on ``gpu`` (default: the agent's index of the pool's GPU; pass this process's
         index of the same GPU when CUDA_VISIBLE_DEVICES differs). GPU pools need torch's CUDA
         driver bindings in this process (the agent's fast-path modules)."""
-        return map_rank_pools(rank_id, self.info()["ranks"][rank_id], gpu)
+        return map_rank_pools(rank_id, self.info().rank(rank_id), gpu)
 
     def send(
         self,

@@ -39,12 +39,9 @@ import asyncio
 import socket
 import ssl
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdfabric_agent.protocol.labels import Refusal
-
-if TYPE_CHECKING:
-    from pdfabric_agent.http.guard import Guard
 
 HANDSHAKE_ERRORS = (ssl.SSLError, OSError, TimeoutError, EOFError)
 
@@ -78,11 +75,44 @@ def bytes_received(transport: asyncio.BaseTransport) -> int | None:
     return int(_TCPI_BYTES_RECEIVED.unpack_from(info, _TCPI_BYTES_RECEIVED_AT)[0])
 
 
+class HandshakeLimits(Protocol):
+    """The listener's bounds a handshake is held to (``guard.Limits``)."""
+
+    @property
+    def max_handshakes(self) -> int: ...
+
+    @property
+    def slow_handshake_s(self) -> float: ...
+
+    @property
+    def header_timeout_s(self) -> float: ...
+
+    @property
+    def tls_shutdown_s(self) -> float: ...
+
+
+class Listener(Protocol):
+    """What the handshakes use of their listener's connection bound (``guard.Guard``): stated here
+    because the guard starts the handshakes, so this module must not import it."""
+
+    @property
+    def limits(self) -> HandshakeLimits: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def refused(self, reason: Refusal) -> None: ...
+
+    def protocol(self) -> asyncio.Protocol:
+        """The request handler a completed handshake hands its TLS connection to."""
+        ...
+
+
 class Handshakes:
     """One TLS listener's handshakes in progress, in accept order, and by source address; and the
     lobby: new connections that found the bound full before their client spoke."""
 
-    def __init__(self, guard: Guard, context: ssl.SSLContext) -> None:
+    def __init__(self, guard: Listener, context: ssl.SSLContext) -> None:
         self.guard = guard
         self.context = context
         self.pending: dict[TlsGate, None] = {}

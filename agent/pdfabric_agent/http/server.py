@@ -36,6 +36,7 @@ from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.errors import ApiError, internal_error, malformed
 from pdfabric_agent.protocol.fields import field_opt_str
+from pdfabric_agent.protocol.info import AgentInfo, RankInfo
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.peer_wire import (
     PING_PATH,
@@ -195,25 +196,28 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
             return _unexpected(cluster, request, exc)
 
     async def info(request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "cluster": {"namespace": agent.rankmap.namespace, "name": cluster, "uid": agent.rankmap.cluster_uid},
-                "agent": agent.entry.name,
-                "transport": agent.transport,
-                "backend": agent.backend_name,
-                "ranks": {
-                    rank_id: {
-                        "role": lr.rank.role,
-                        "endpoint": lr.backend.endpoint(),
-                        "path": lr.backend.path,
-                        **lr.pools.describe(),
-                        # The engine's own buffers once registered; the pools stay for the synthetic engine.
-                        "engine_memory": lr.engine.answer(rank_id).memory_json() if lr.engine is not None else None,
-                    }
-                    for rank_id, lr in agent.ranks.items()
-                },
-            }
+        ranks = {
+            # The engine's own buffers once registered; the pools stay for the synthetic engine.
+            rank_id: RankInfo.of(
+                lr.rank.role.value,
+                lr.backend.endpoint(),
+                lr.backend.path,
+                lr.pools,
+                lr.engine.answer(rank_id) if lr.engine is not None else None,
+            )
+            for rank_id, lr in agent.ranks.items()
+        }
+        rm = agent.rankmap
+        answer = AgentInfo(
+            rm.namespace,
+            cluster,
+            rm.cluster_uid,
+            agent.entry.name,
+            agent.transport.value,
+            agent.backend_name.value,
+            ranks,
         )
+        return web.json_response(answer.to_json())
 
     async def parsed(request: web.Request, message: type[M]) -> M:
         """The boundary: a JSON object for this cluster, parsed into its typed message."""

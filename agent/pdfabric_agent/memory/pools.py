@@ -308,15 +308,6 @@ class RankPools:
     def all(self) -> tuple[Pool, Pool, Pool]:
         return (self.kv, self.state, self.aux)
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "layout": self.layout.to_dict(),
-            **{
-                kind: {"addr": p.addr, "size": p.size, "device": p.device.value, "handle": p.handle, "gpu": p.gpu}
-                for kind, p in (("kv", self.kv), ("state", self.state), ("aux", self.aux))
-            },
-        }
-
     def close(self) -> None:
         for pool in self.all():
             pool.close()

@@ -59,7 +59,8 @@ def answer_object(doc: Any, what: str) -> Mapping[str, Any]:
     return doc
 
 
-def _typed(doc: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+def typed_field(doc: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """Field ``name`` of an answer, of type ``kind``, or ValueError naming it and ``what`` it is of."""
     value = doc.get(name)
     # bool is an int in Python, never on this wire
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
@@ -68,7 +69,7 @@ def _typed(doc: Mapping[str, Any], name: str, kind: type | tuple[type, ...], wha
 
 
 def _optional(doc: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    return None if doc.get(name) is None else _typed(doc, name, kind, what)
+    return None if doc.get(name) is None else typed_field(doc, name, kind, what)
 
 
 def _kind_bytes(value: Any, what: str) -> KindBytes:
@@ -170,10 +171,10 @@ class RoomView:
             raise ValueError(f"{what}: {exc.message}") from None
         submitted = _optional(d, "submitted_at", (int, float), what)
         return cls(
-            rank=_typed(d, "rank", str, what),
-            room=_typed(d, "room", int, what),
+            rank=typed_field(d, "rank", str, what),
+            room=typed_field(d, "room", int, what),
             state=answer_state(d.get("state"), what),
-            reason=_typed(d, "reason", str, what) if "reason" in d else "",
+            reason=typed_field(d, "reason", str, what) if "reason" in d else "",
             moved=_kind_bytes(d["bytes"], f"{what}'s bytes") if "bytes" in d else zero_bytes(),
             submitted_at=None if submitted is None else float(submitted),
             phases_s={str(k): float(v) for k, v in phases.items()},
@@ -207,7 +208,9 @@ class FeedHello:
     def parse(cls, doc: Any) -> Self:
         what = "the room feed's first line"
         d = answer_object(doc, what)
-        return cls(_typed(d, "hello", str, what), _typed(d, "sends", bool, what), _typed(d, "reason", str, what))
+        return cls(
+            typed_field(d, "hello", str, what), typed_field(d, "sends", bool, what), typed_field(d, "reason", str, what)
+        )
 
     def view_of(self, room: int) -> RoomView | None:
         """The view every room of a rank that sends nothing has (the agent's early view)."""
@@ -255,5 +258,5 @@ class MemoryAnswer:
         board, refused = memory.get("board", False), memory.get("board_refused", "")
         if not isinstance(board, bool) or not isinstance(refused, str):
             raise ValueError(f"{what}: board must be true or false and board_refused a string")
-        buffers = _typed(memory, "buffers", int, what)
-        return cls(_typed(d, "rank", str, what), layout, buffers, tuple(devices), board, refused)
+        buffers = typed_field(memory, "buffers", int, what)
+        return cls(typed_field(d, "rank", str, what), layout, buffers, tuple(devices), board, refused)

@@ -13,20 +13,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.errors import ApiError, conflict, malformed, out_of_range
 from pdfabric_agent.protocol.views import RoomState, RoomView
+from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
+from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.registry import PrefillRoom
+from pdfabric_agent.rooms.targets import TargetSender
 from pdfabric_core.rankmap import Rank
 
-if TYPE_CHECKING:
-    from pdfabric_agent.rooms.prefill import PrefillSender
+
+class ChunkedSender(Protocol):
+    """What ``add_chunk`` uses of the prefill side (``prefill.PrefillSender``): stated here because
+    the prefill side calls this module, so this module must not import it."""
+
+    @property
+    def ctx(self) -> AgentContext: ...
+
+    @property
+    def targets(self) -> TargetSender: ...
+
+    def take_aux_row(self, local: LocalRank, msg: SendRequest, slot: int | None) -> None: ...
+
+    def abort(self, room: PrefillRoom, reason: str) -> None: ...
 
 
-def add_chunk(sender: PrefillSender, local: LocalRank, msg: SendChunk) -> RoomView:
+def add_chunk(sender: ChunkedSender, local: LocalRank, msg: SendChunk) -> RoomView:
     """The next chunk of an open room (``page_offset`` > 0)."""
     ctx = sender.ctx
     room = ctx.rooms.prefill.get((msg.rank, msg.room))
@@ -60,7 +75,7 @@ def add_chunk(sender: PrefillSender, local: LocalRank, msg: SendChunk) -> RoomVi
                     "(decode's pages): no chunk may reach past them, and the final one must end there"
                 )
         if msg.final:
-            sender._take_aux_row(local, msg, room.board_slot)
+            sender.take_aux_row(local, msg, room.board_slot)
     except ApiError as exc:
         sender.abort(room, f"chunk refused: {exc}")
         raise

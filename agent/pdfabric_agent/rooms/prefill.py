@@ -77,7 +77,7 @@ class PrefillSender:
         if sends and not ctx.ranks.feeds(local.rank.replica, replica):
             raise out_of_range(f"prefill replica {local.rank.replica} does not feed decode replica {replica}")
         ctx.rooms.refuse_reuse(Role.PREFILL, msg.rank, msg.room)
-        self._take_aux_row(local, msg, msg.board_slot)
+        self.take_aux_row(local, msg, msg.board_slot)
         targets: dict[str, Target] = {}
         for route in decode_targets(ctx.spec, local.rank.tp_rank) if sends else []:
             stage = ctx.ranks.decode_stage(local)
@@ -120,7 +120,7 @@ class PrefillSender:
         self._maybe_start(room)
         return room.view()
 
-    def _take_aux_row(self, local: LocalRank, msg: SendRequest, slot: int | None) -> None:
+    def take_aux_row(self, local: LocalRank, msg: SendRequest, slot: int | None) -> None:
         """An engine that keeps its aux rows private hands the room's with the send (in the body,
         or in the room's board ``slot``): into the agent's own row ``aux_index``, from where the
         room moves it like any aux row."""

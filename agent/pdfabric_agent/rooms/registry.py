@@ -8,30 +8,49 @@ still sees the outcome) and then forgotten, without the tick walking that histor
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdfabric_agent.memory.completion import CompletionMark
+from pdfabric_agent.memory.plan import TransferPlan
 from pdfabric_agent.protocol.errors import conflict, unknown_room
 from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState, RoomView
-from pdfabric_agent.protocol.wire import KindBytes, zero_bytes
+from pdfabric_agent.protocol.wire import BytesByPath, KindBytes, zero_bytes
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.tasks import later
 from pdfabric_core.policy.types import Role
 
-if TYPE_CHECKING:
-    from pdfabric_agent.rooms.targets import Delivery
-
 log = logging.getLogger("pdfabric.agent")
 
 RoomKey = tuple[str, int]  # (local rank id, room id)
+
+
+class Delivery(abc.ABC):
+    """How one target's bytes go, decided once, when its room turned ready (``TargetSender.start``):
+    the rank's kernel path or its transfer engine; the target's task then only ``write``s. Declared
+    here, beside the ``Target`` whose queue holds them; the kinds are made in ``targets``, above."""
+
+    plan: TransferPlan
+    by_path: BytesByPath  # what moved, by the path that moved it
+    # A write that failed may still run on (a launched kernel): the target then stays writing.
+    may_run_on = False
+    final = True  # the room's last delivery to the target (state and aux go with it)
+
+    @abc.abstractmethod
+    async def write(self) -> None: ...
+
+    async def settle(self) -> None:
+        """A room that ended before this delivery's turn: wait for what of it already started
+        (then nothing writes into the target any more); raises when that failed."""
+        return None  # nothing starts before its turn unless a subclass says so
 
 
 @dataclass

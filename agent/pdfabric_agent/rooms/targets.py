@@ -9,7 +9,6 @@ the decode side plans it. A one-shot room is one delivery, planned as it always 
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -23,7 +22,7 @@ from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.registry import Delivery, PrefillRoom, Target
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.transfer.base import TransferError
@@ -32,25 +31,6 @@ from pdfabric_core.policy.types import Role
 
 class DecodeFailed(RuntimeError):
     """The decode side answered that its room failed: this room fails too (one outcome)."""
-
-
-class Delivery(abc.ABC):
-    """How one target's bytes go, decided once, when its room turned ready (``TargetSender.start``):
-    the rank's kernel path or its transfer engine; the target's task then only ``write``s."""
-
-    plan: TransferPlan
-    by_path: BytesByPath  # what moved, by the path that moved it
-    # A write that failed may still run on (a launched kernel): the target then stays writing.
-    may_run_on = False
-    final = True  # the room's last delivery to the target (state and aux go with it)
-
-    @abc.abstractmethod
-    async def write(self) -> None: ...
-
-    async def settle(self) -> None:
-        """A room that ended before this delivery's turn: wait for what of it already started
-        (then nothing writes into the target any more); raises when that failed."""
-        return None  # nothing starts before its turn unless a subclass says so
 
 
 class EngineDelivery(Delivery):

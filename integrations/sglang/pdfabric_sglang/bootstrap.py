@@ -77,7 +77,7 @@ class PdfabricKVBootstrapServer(BaseKVBootstrapServer):
         dp_size, follow = server_dp_groups()
         doc = {
             "replica": config.replica,
-            "cluster": client.info()["cluster"]["uid"],
+            "cluster": client.info().cluster_uid,
             "http_port": serving_port(),
             "dp_size": dp_size,
             "follow_bootstrap_room": follow,

@@ -1,7 +1,8 @@
 """``PdfabricKVManager``: one per engine rank. It registers the rank's ``KVArgs`` buffers with the
 agent (``/v1/memory``), hands rooms to it, opens SGLang's bootstrap rooms as single-use agent rooms
 (``open_room``, the same on both sides after a rebootstrap), resolves prefill bootstrap addresses
-(``peers.PrefillPeers``) and answers SGLang's deferred decode KV release from the agent's view."""
+(``peers.PrefillPeers``) and answers SGLang's deferred decode KV release from the agent's view. The
+bounds on agent calls from the scheduler thread are here, with the clients that make them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
@@ -35,10 +36,6 @@ from pdfabric_sglang.kvargs import (
     registration,
 )
 from pdfabric_sglang.peers import PrefillPeer, PrefillPeers, post_generate
-from pdfabric_sglang.room_client import AGENT_CALL_TIMEOUT_S, AGENT_ERRORS, MEMORY_NOT_REGISTERED
-
-if TYPE_CHECKING:
-    from pdfabric_sglang.receiver import PdfabricKVReceiver
 
 log = logging.getLogger("pdfabric.sglang")
 
@@ -47,6 +44,11 @@ FEED_WAIT_S = 2.0  # at start, how long the manager waits for its room feed's fi
 # the agent's view within a heartbeat of its feed (its connection closed).
 TAKEN_WAIT_S = 3 * FEED_HEARTBEAT_S
 RANK_TAKEN = Refusal.RANK_TAKEN.value
+MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
+# A poll, submit or abort on the scheduler thread waits at most this long for the agent (it answers
+# in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
+AGENT_CALL_TIMEOUT_S = 2.0
+AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting or timed out; garbled
 REMEMBERED_ROOMS = 1 << 16  # bootstrap rooms whose openings a manager counts (rebootstrap comes soon after)
 _ROOM_STRIDE = 0x9E3779B97F4A7C15  # odd: successive openings of one room land far apart
 
@@ -116,6 +118,16 @@ def dsa_layer_split_pool(args: KVArgs) -> bool:
     return cp > 1
 
 
+class RecomputedRoom(Protocol):
+    """What a rebootstrap uses of SGLang's decode receiver (``receiver.PdfabricKVReceiver``): stated
+    here because receivers are made over their manager, so this module must not import them."""
+
+    @property
+    def bootstrap_addr(self) -> str: ...
+
+    def fail(self, reason: str) -> None: ...
+
+
 class PdfabricKVManager(BaseKVManager):
     # Failed decode rooms keep their pages until the agent says every source's writes are over.
     enable_deferred_decode_kv_release = True
@@ -133,7 +145,7 @@ class PdfabricKVManager(BaseKVManager):
         info_client = AgentClient(self.config.address, self.config.token, "")
         info = info_client.info()
         info_client.close()
-        self.cluster_uid = info["cluster"]["uid"]
+        self.cluster_uid = info.cluster_uid
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
         # The submits and aborts of the calls' channel (pdfabric_agent.client.calls): one connection, in order.
         self.calls_client = AgentClient(
@@ -144,11 +156,7 @@ class PdfabricKVManager(BaseKVManager):
         # This rank's DP group and its server's (one group where SGLang published none): how a
         # request's prefill DP group is found (sender.py, receiver.py, bootstrap.py).
         self.parallel = published or AttentionRanks(0, 0, 1)
-        if self.rank_id not in info["ranks"]:
-            raise RuntimeError(
-                f"pdfabric: agent {info['agent']} does not serve rank {self.rank_id} "
-                f"(it serves {sorted(info['ranks'])}); check {ENV_REPLICA}/{ENV_CP_RANK} or set {ENV_RANK}"
-            )
+        info.rank(self.rank_id, f"check {ENV_REPLICA}/{ENV_CP_RANK} or set {ENV_RANK}")
         self.bootstrap_timeout_s = self.config.bootstrap_timeout_s
         sharded = kv_sharding_refusal(bool(is_mla_backend))
         if sharded is not None:
@@ -193,7 +201,7 @@ class PdfabricKVManager(BaseKVManager):
         self.prefill_info_table: dict[str, PrefillPeer] = self.peers.table
         self._room_openings: OrderedDict[int, int] = OrderedDict()  # bootstrap room -> openings - 1
         self._recompute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdfabric-recompute")
-        log.info("pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer.buffers, info["agent"])
+        log.info("pdfabric: %s registered %d buffers with agent %s", self.rank_id, answer.buffers, info.agent)
         # The scheduler thread never waits on the agent: submits and aborts go on a worker, and
         # polls read the table the agent's room feed keeps (asking the agent only while it is down).
         self.calls = AgentCalls(f"pdfabric-calls-{self.rank_id}")
@@ -288,7 +296,7 @@ class PdfabricKVManager(BaseKVManager):
         """The agent room of the latest opening of ``bootstrap_room``."""
         return reopened_room(bootstrap_room, self._room_openings.get(bootstrap_room, 0))
 
-    def submit_prefill_recompute(self, receiver: PdfabricKVReceiver, payload: dict[str, Any]) -> None:
+    def submit_prefill_recompute(self, receiver: RecomputedRoom, payload: dict[str, Any]) -> None:
         """Rebootstrap: decode re-receives a retracted request, so its prefill must compute the
         prefix again and send it to the receiver's fresh room (``open_room``). SGLang's decode ranks
         all call this; one of them (attention TP 0, CP 0, PP stage 0) posts the request to the

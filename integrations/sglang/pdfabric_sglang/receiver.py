@@ -5,7 +5,7 @@ state slots; an abort tells the prefill side even before the room was submitted.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -13,17 +13,14 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from pdfabric_agent.protocol.wire import ReceiveRequest
 from pdfabric_sglang.kvargs import write_aux_row
+from pdfabric_sglang.manager import AGENT_CALL_TIMEOUT_S, PdfabricKVManager
 from pdfabric_sglang.peers import PrefillPeer
 from pdfabric_sglang.room_client import (
-    AGENT_CALL_TIMEOUT_S,
     BOOTSTRAPPING,
     FAILED,
     WAITING_FOR_INPUT,
     RoomClient,
 )
-
-if TYPE_CHECKING:
-    from pdfabric_sglang.manager import PdfabricKVManager
 
 
 class PdfabricKVReceiver(RoomClient, BaseKVReceiver):

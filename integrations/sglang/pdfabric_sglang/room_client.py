@@ -1,8 +1,8 @@
 """What a sender and a receiver share (``RoomClient``): one SGLang request's room at the node
 agent, its state read from the agent's typed room view and concluded once, the agent calls guarded
 so that an agent that refuses, is down or restarting fails the request with the reason, never the
-server. SGLang's ``KVPoll`` codes as typed ints, and the bounds on agent calls from the scheduler
-thread."""
+server. SGLang's ``KVPoll`` codes as typed ints. Above the manager: a room calls its manager, never
+the other way round."""
 
 from __future__ import annotations
 
@@ -10,20 +10,16 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from pdfabric_agent.client.api import AgentRefused
 from pdfabric_agent.protocol.board import BoardEnd
-from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.rankmap import Rank
-
-if TYPE_CHECKING:
-    from pdfabric_sglang.manager import PdfabricKVManager
+from pdfabric_sglang.manager import AGENT_ERRORS, PdfabricKVManager
 
 log = logging.getLogger("pdfabric.sglang")
 
@@ -32,11 +28,6 @@ FAILED: int = int(KVPoll.Failed)
 BOOTSTRAPPING: int = int(KVPoll.Bootstrapping)
 WAITING_FOR_INPUT: int = int(KVPoll.WaitingForInput)
 SUCCESS: int = int(KVPoll.Success)
-# A poll, submit or abort on the scheduler thread waits at most this long for the agent (it answers
-# in milliseconds; a hung agent must not stall the server's loop for the client's default 10 s).
-AGENT_CALL_TIMEOUT_S = 2.0
-AGENT_ERRORS = (AgentRefused, OSError, ValueError)  # refused; down, restarting or timed out; garbled
-MEMORY_NOT_REGISTERED = Refusal.MEMORY_NOT_REGISTERED.value
 
 
 @functools.lru_cache(maxsize=4096)

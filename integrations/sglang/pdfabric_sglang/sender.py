@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -23,9 +23,9 @@ from sglang.srt.environ import envs
 from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_sglang.kvargs import read_aux_row
+from pdfabric_sglang.manager import AGENT_CALL_TIMEOUT_S, PdfabricKVManager
 from pdfabric_sglang.peers import REGISTER_DP_RANK_PATH, post_generate
 from pdfabric_sglang.room_client import (
-    AGENT_CALL_TIMEOUT_S,
     BOOTSTRAPPING,
     FAILED,
     WAITING_FOR_INPUT,
@@ -33,9 +33,6 @@ from pdfabric_sglang.room_client import (
     group_of,
     log,
 )
-
-if TYPE_CHECKING:
-    from pdfabric_sglang.manager import PdfabricKVManager
 
 
 class PdfabricKVSender(RoomClient, BaseKVSender):

@@ -64,13 +64,9 @@ class WorkerSide:
         self.role = role
         self.config = FabricConfig(env)
         info = AgentClient(self.config.address, self.config.token, "").info()
-        self.cluster_uid = str(info["cluster"]["uid"])
+        self.cluster_uid = info.cluster_uid
         self.rank_id = self.config.rank or Rank(role, self.config.replica, tp_rank, dp_rank=dp).rank_id
-        if self.rank_id not in info.get("ranks", {}):
-            raise RuntimeError(
-                f"pdfabric: agent {info.get('agent')} at {self.config.address} does not serve rank {self.rank_id} "
-                f"(it serves {sorted(info.get('ranks', {}))}); set PDFABRIC_REPLICA or PDFABRIC_RANK"
-            )
+        info.rank(self.rank_id, f"the agent at {self.config.address}: set PDFABRIC_REPLICA or PDFABRIC_RANK")
         self.client = AgentClient(self.config.address, self.config.token, self.cluster_uid, AGENT_CALL_TIMEOUT_S)
         self.calls_client = AgentClient(
             self.config.address, self.config.token, self.cluster_uid, SUBMIT_TIMEOUT_S, shared=True
