@@ -126,7 +126,7 @@ def post_json(served: Served, path: str, body: bytes, *, extra: str = "") -> tup
 
 
 def no_rooms(agent: Agent) -> bool:
-    return not (agent.rooms.prefill or agent.rooms.decode or agent.rooms.early)
+    return not (agent.rooms.prefill or agent.rooms.decode or agent.rooms.unsent)
 
 
 # ---------------------------------------------------------------- slow clients

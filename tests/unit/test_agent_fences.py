@@ -99,10 +99,10 @@ def test_an_aborted_room_whose_info_waits_at_the_source_frees_its_pages_at_once(
     async def go() -> None:
         decode.submit_receive(ReceiveRequest(D, 1, [3, 4], [1], 1, 0))
         await settle()
-        assert (P, 1) in prefill.rooms.early  # the decode side was first
+        assert prefill.rooms.unsent.announced((P, 1))  # the decode side was first
         await decode.abort(AbortRequest(D, 1, "aborted by SGLang"))
         assert any(isinstance(m, RoomCancel) for m in posts)
-        assert (P, 1) not in prefill.rooms.early
+        assert not prefill.rooms.unsent.announced((P, 1))
         # Freed when the abort answered: the engine's next room takes the same destinations.
         decode.submit_receive(ReceiveRequest(D, 2, [3, 4], [1], 1, 0))
         # The prefill engine sends the given-up room late: it fails at once, nothing written.
@@ -283,9 +283,9 @@ def test_a_burst_of_cancels_for_rooms_that_never_come_is_remembered_bounded(pair
     reason = "r" * 10_000
     for room in range(20_000):
         assert prefill.accept_cancel(RoomCancel(room, D, P, reason), sender_agent="a2").fenced
-    given_up = prefill.rooms.cancelled
+    given_up = prefill.rooms.unsent.given_up_reasons()
     assert len(given_up) == MAX_GIVEN_UP
     assert min(room for _, room in given_up) == 20_000 - MAX_GIVEN_UP  # the oldest went first
-    assert all(len(why) <= MAX_GIVEN_UP_REASON for _, why in given_up.values())
+    assert all(len(why) <= MAX_GIVEN_UP_REASON for why in given_up.values())
     failed = prefill.submit_send(SendRequest(P, 19_999, [0], [], None, 0))
     assert failed.state is RoomState.FAILED and failed.reason.startswith(f"{D} gave the room up: rrr")

@@ -13,7 +13,7 @@ from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, Target
+from pdfabric_agent.rooms.registry import MAX_GIVEN_UP, DecodeRoom, PrefillRoom, Target, UnsentRooms
 from pdfabric_core.policy.types import Role
 from tests.unit.agents import make_agent
 
@@ -86,8 +86,34 @@ def test_finished_rooms_are_forgotten_after_the_ttl_but_a_newer_use_stays(agent:
 def test_unclaimed_room_info_expires(agent: Agent) -> None:
     layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=4, state_slots=1, aux_slots=1)
     info = RoomInfo(4, "decode-0-tp0", "prefill-0-tp0-cp0", "peer:1", layout, Bases(1, 1, 1), [0], [], None)
-    agent.rooms.early[("prefill-0-tp0-cp0", 4)] = {"decode-0-tp0": (100.0, info)}
+    agent.rooms.unsent.announce(("prefill-0-tp0-cp0", 4), info, 100.0)
     tick(agent, 104)
-    assert ("prefill-0-tp0-cp0", 4) in agent.rooms.early
+    assert agent.rooms.unsent.announced(("prefill-0-tp0-cp0", 4)) == {"decode-0-tp0": info}
     tick(agent, 106)
-    assert agent.rooms.early == {}
+    assert not agent.rooms.unsent
+
+
+def test_unsent_rooms_keep_announced_info_until_taken_and_given_up_rooms_with_their_reason(agent: Agent) -> None:
+    layout = PoolLayout.from_geometry(agent.spec.model, 1, kv_pages=4, state_slots=1, aux_slots=1)
+
+    def info(room: int, decode_rank: str) -> RoomInfo:
+        return RoomInfo(room, decode_rank, "p", "peer:1", layout, Bases(1, 1, 1), [0], [], None)
+
+    unsent = UnsentRooms()
+    assert not unsent
+    unsent.announce(("p", 1), info(1, "d0"), 10.0)
+    unsent.announce(("p", 1), info(1, "d1"), 12.0)
+    assert set(unsent.announced(("p", 1))) == {"d0", "d1"} and unsent.announced_keys({"p"}) == [("p", 1)]
+    unsent.withdraw(("p", 1), "d0")
+    assert set(unsent.announced(("p", 1))) == {"d1"}
+    assert set(unsent.take_announced(("p", 1))) == {"d1"} and not unsent  # the send took it
+    unsent.give_up(("p", 2), 20.0, "first")
+    unsent.give_up(("p", 2), 21.0, "second", replace=False)
+    assert unsent.given_up(("p", 2)) == "first" and unsent.keys("p") == {("p", 2)}
+    unsent.announce(("p", 3), info(3, "d0"), 20.0)
+    unsent.expire(30.5, 10.0)  # given up at 20.0, announced at 20.0: past the 10 s TTL
+    assert not unsent
+    for room in range(MAX_GIVEN_UP + 5):
+        unsent.give_up(("p", room), 40.0, "why")
+    assert len(unsent.given_up_reasons()) == MAX_GIVEN_UP and unsent.given_up(("p", 4)) is None  # the oldest went
+    assert unsent.take_given_up(("p", MAX_GIVEN_UP + 4)) == "why" and unsent.given_up(("p", MAX_GIVEN_UP + 4)) is None

@@ -97,10 +97,10 @@ class PrefillSender:
             board_slot=msg.board_slot,
         )
         ctx.rooms.add(Role.PREFILL, room)
-        cancelled = ctx.rooms.cancelled.pop((msg.rank, msg.room), None)
-        if cancelled is not None:
+        given_up = ctx.rooms.unsent.take_given_up((msg.rank, msg.room))
+        if given_up is not None:
             self.targets.count_unstarted(room, Outcome.FAILED)
-            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, cancelled[1])
+            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, given_up)
             return room.view()
         if not sends:
             # A CP rank that does not send (only CP rank 0 without all-CP-ranks transfer), or a TP
@@ -114,7 +114,7 @@ class PrefillSender:
                 self.targets.count_unstarted(room, Outcome.FAILED)
                 ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
                 return room.view()
-        for decode_rank, (_, info) in ctx.rooms.early.pop((msg.rank, msg.room), {}).items():
+        for decode_rank, info in ctx.rooms.unsent.take_announced((msg.rank, msg.room)).items():
             if decode_rank in targets:
                 targets[decode_rank].dst = info
         self._maybe_start(room)
@@ -156,12 +156,10 @@ class PrefillSender:
         ctx = self.ctx
         if (rank_id, room_id) in ctx.rooms.prefill:
             return None
-        cancelled = ctx.rooms.cancelled.get((rank_id, room_id))
-        if cancelled is not None:
+        given_up = ctx.rooms.unsent.given_up((rank_id, room_id))
+        if given_up is not None:
             ctx.ranks.served(rank_id)
-            return RoomView(
-                rank=rank_id, room=room_id, state=RoomState.FAILED, reason=cancelled[1], decode_ranks_ready=()
-            )
+            return RoomView(rank=rank_id, room=room_id, state=RoomState.FAILED, reason=given_up, decode_ranks_ready=())
         local = ctx.ranks.served(rank_id)
         if local.rank.role is not Role.PREFILL:
             return None  # a decode rank's rooms are its own (the poll looks them up)
@@ -175,7 +173,7 @@ class PrefillSender:
                 decode_ranks_ready=(),
                 sends=False,
             )
-        infos = ctx.rooms.early.get((rank_id, room_id))
+        infos = ctx.rooms.unsent.announced((rank_id, room_id))
         if not infos:
             return None
         needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
@@ -186,7 +184,7 @@ class PrefillSender:
             state=state,
             decode_ranks_ready=tuple(sorted(infos)),
             # What decode holds already (one request: every decode rank says the same).
-            decode_prefix_tokens=max(info.prefix_tokens for _, info in infos.values()),
+            decode_prefix_tokens=max(info.prefix_tokens for info in infos.values()),
         )
 
     def _announce(self, rank_id: str, room_id: int) -> None:
@@ -200,8 +198,7 @@ class PrefillSender:
     def unsent_views(self, rank_id: str) -> list[RoomView]:
         """The views of every room of this rank not sent yet that its engine can act on (a feed's
         snapshot): announced by decode, or given up by it."""
-        keys = {key for key in (*self.ctx.rooms.early, *self.ctx.rooms.cancelled) if key[0] == rank_id}
-        views = (self.early_view(rank_id, room_id) for _, room_id in sorted(keys))
+        views = (self.early_view(rank_id, room_id) for _, room_id in sorted(self.ctx.rooms.unsent.keys(rank_id)))
         return [v for v in views if v is not None]
 
     def sends_anything(self, local: LocalRank) -> bool:
@@ -223,11 +220,12 @@ class PrefillSender:
         self._check_dst_layout(info)
         key = (info.prefill_rank, info.room)
         room = ctx.rooms.prefill.get(key)
-        if key in ctx.rooms.cancelled and room is None:
-            raise conflict(f"room {info.room} on {info.prefill_rank} was given up: {ctx.rooms.cancelled[key][1]}")
+        given_up = ctx.rooms.unsent.given_up(key)
+        if given_up is not None and room is None:
+            raise conflict(f"room {info.room} on {info.prefill_rank} was given up: {given_up}")
         if room is None:
             # The decode side was first: keep it for the send.
-            ctx.rooms.early.setdefault(key, {})[info.decode_rank] = (ctx.clock(), info)
+            ctx.rooms.unsent.announce(key, info, ctx.clock())
             self._announce(info.prefill_rank, info.room)
             return RoomInfoTaken(early=True)
         target = room.targets.get(info.decode_rank)
@@ -251,11 +249,8 @@ class PrefillSender:
         reason = f"{msg.decode_rank} gave the room up: {msg.reason}"
         room = ctx.rooms.prefill.get(key)
         if room is None:
-            infos = ctx.rooms.early.get(key, {})
-            infos.pop(msg.decode_rank, None)
-            if not infos:
-                ctx.rooms.early.pop(key, None)
-            ctx.rooms.give_up(key, ctx.clock(), reason, replace=False)
+            ctx.rooms.unsent.withdraw(key, msg.decode_rank)
+            ctx.rooms.unsent.give_up(key, ctx.clock(), reason, replace=False)
             self._announce(msg.prefill_rank, msg.room)
             return CancelAnswer(fenced=True)
         target = room.targets.get(msg.decode_rank)
@@ -267,7 +262,7 @@ class PrefillSender:
     def forget_room_info(self, rank_ids: set[str], reason: str) -> int:
         """The engine of these ranks exited: every room it had not sent is given up
         (``give_up_unsent``). Returns the decode ranks told."""
-        keys = [key for key in self.ctx.rooms.early if key[0] in rank_ids]
+        keys = self.ctx.rooms.unsent.announced_keys(rank_ids)
         return sum(self.give_up_unsent(rank_id, room_id, reason) for rank_id, room_id in keys)
 
     def give_up_unsent(self, rank_id: str, room_id: int, reason: str) -> int:
@@ -278,9 +273,9 @@ class PrefillSender:
         given up). Returns the decode ranks told."""
         ctx = self.ctx
         key = (rank_id, room_id)
-        ctx.rooms.give_up(key, ctx.clock(), reason)
+        ctx.rooms.unsent.give_up(key, ctx.clock(), reason)
         told = 0
-        for decode_rank in sorted(ctx.rooms.early.pop(key, {})):
+        for decode_rank in sorted(ctx.rooms.unsent.take_announced(key)):
             report = DoneReport.failure(room_id, decode_rank, rank_id, reason, fenced=True)
             ctx.tasks.spawn(self.targets.post_failure(ctx.ranks.agent_for(decode_rank), report))
             told += 1

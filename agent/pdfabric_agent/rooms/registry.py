@@ -13,7 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +178,79 @@ MAX_GIVEN_UP = 4096
 MAX_GIVEN_UP_REASON = 256
 
 
+class UnsentRooms:
+    """Prefill rooms not sent yet that a decode side spoke of first, for the early room info's TTL:
+    the room info each decode rank announced (kept for the send, which takes it), and the rooms a
+    decode side or the engine gave up before their send (a send of one then fails at once with
+    the reason, instead of waiting for room info that will not come; at most ``MAX_GIVEN_UP``)."""
+
+    def __init__(self) -> None:
+        self._announced: dict[RoomKey, dict[str, tuple[float, RoomInfo]]] = {}  # decode rank -> (when, info)
+        self._given_up: dict[RoomKey, tuple[float, str]] = {}  # (when, why), oldest first
+
+    def announce(self, key: RoomKey, info: RoomInfo, at: float) -> None:
+        self._announced.setdefault(key, {})[info.decode_rank] = (at, info)
+
+    def announced(self, key: RoomKey) -> dict[str, RoomInfo]:
+        """The room info announced for the room so far, by decode rank."""
+        return {rank: info for rank, (_, info) in self._announced.get(key, {}).items()}
+
+    def take_announced(self, key: RoomKey) -> dict[str, RoomInfo]:
+        """The room info announced for the room, no longer kept (its send took it, or it ended)."""
+        return {rank: info for rank, (_, info) in self._announced.pop(key, {}).items()}
+
+    def withdraw(self, key: RoomKey, decode_rank: str) -> None:
+        """One decode rank's room info is void (it gave the room up)."""
+        infos = self._announced.get(key)
+        if infos is not None:
+            infos.pop(decode_rank, None)
+            if not infos:
+                del self._announced[key]
+
+    def give_up(self, key: RoomKey, at: float, reason: str, *, replace: bool = True) -> None:
+        """Remember the room as given up before its send; ``replace``: a later reason wins."""
+        if key in self._given_up and not replace:
+            return
+        self._given_up.pop(key, None)  # to the newest end
+        self._given_up[key] = (at, reason[:MAX_GIVEN_UP_REASON])
+        while len(self._given_up) > MAX_GIVEN_UP:
+            del self._given_up[next(iter(self._given_up))]
+
+    def given_up(self, key: RoomKey) -> str | None:
+        """Why the room was given up before its send; None if it was not."""
+        entry = self._given_up.get(key)
+        return None if entry is None else entry[1]
+
+    def take_given_up(self, key: RoomKey) -> str | None:
+        """``given_up``, no longer remembered (its send came, and fails with it)."""
+        entry = self._given_up.pop(key, None)
+        return None if entry is None else entry[1]
+
+    def announced_keys(self, rank_ids: Collection[str]) -> list[RoomKey]:
+        return [key for key in self._announced if key[0] in rank_ids]
+
+    def keys(self, rank_id: str) -> set[RoomKey]:
+        """Every room of ``rank_id`` announced or given up."""
+        return {key for key in (*self._announced, *self._given_up) if key[0] == rank_id}
+
+    def given_up_reasons(self) -> dict[RoomKey, str]:
+        return {key: why for key, (_, why) in self._given_up.items()}
+
+    def expire(self, now: float, ttl_s: float) -> None:
+        for key, infos in list(self._announced.items()):
+            for decode_rank, (at, _) in list(infos.items()):
+                if now - at > ttl_s:
+                    del infos[decode_rank]
+            if not infos:
+                del self._announced[key]
+        for key, (at, _) in list(self._given_up.items()):
+            if now - at > ttl_s:
+                del self._given_up[key]
+
+    def __bool__(self) -> bool:
+        return bool(self._announced or self._given_up)
+
+
 @dataclass(frozen=True)
 class MetricLabels:
     """The labels every room outcome is counted under."""
@@ -188,20 +261,15 @@ class MetricLabels:
 
 
 class RoomRegistry:
-    """The rooms of this agent's ranks, by role, and the decode room info that came before its
-    prefill room (``early``)."""
+    """The rooms of this agent's ranks, by role, and the prefill rooms a decode side spoke of
+    before their send (``unsent``)."""
 
     def __init__(self, labels: MetricLabels, clock: Callable[[], float]) -> None:
         self.labels = labels
         self.clock = clock
         self.prefill: dict[RoomKey, PrefillRoom] = {}
         self.decode: dict[RoomKey, DecodeRoom] = {}
-        # (prefill rank, room) -> decode rank -> (arrival time, room info): the decode side was
-        # first, or the previous use of this room id finished.
-        self.early: dict[RoomKey, dict[str, tuple[float, RoomInfo]]] = {}
-        # (prefill rank, room) -> (when, why): a decode side gave the room up before it was sent;
-        # a send of it fails at once instead of waiting for room info that will not come.
-        self.cancelled: dict[RoomKey, tuple[float, str]] = {}
+        self.unsent = UnsentRooms()
         self._open: dict[tuple[Role, str, int], AnyRoom] = {}
         self._finished: collections.deque[tuple[float, Role, RoomKey, AnyRoom]] = collections.deque()
         self.on_retire: list[Callable[[Role, AnyRoom], None]] = []  # called once per room, when final
@@ -273,16 +341,6 @@ class RoomRegistry:
         for hook in self.on_retire:
             hook(role, room)
 
-    def give_up(self, key: RoomKey, at: float, reason: str, *, replace: bool = True) -> None:
-        """Remember the room as given up before it was sent (a send of it then fails at once), for
-        the early room info's TTL; bounded by ``MAX_GIVEN_UP``. ``replace``: a later reason wins."""
-        if key in self.cancelled and not replace:
-            return
-        self.cancelled.pop(key, None)  # to the newest end
-        self.cancelled[key] = (at, reason[:MAX_GIVEN_UP_REASON])
-        while len(self.cancelled) > MAX_GIVEN_UP:
-            del self.cancelled[next(iter(self.cancelled))]
-
     def forget(self, now: float, ttl_s: float, early_ttl_s: float) -> None:
         """Drop finished rooms after their TTL and room info nobody claimed in time."""
         while self._finished and now - self._finished[0][0] > ttl_s:
@@ -290,15 +348,7 @@ class RoomRegistry:
             rooms = self._rooms(role)
             if rooms.get(key) is room:  # a newer use of the same room id stays
                 del rooms[key]
-        for key, infos in list(self.early.items()):
-            for decode_rank, (at, _) in list(infos.items()):
-                if now - at > early_ttl_s:
-                    del infos[decode_rank]
-            if not infos:
-                del self.early[key]
-        for key, (at, _) in list(self.cancelled.items()):
-            if now - at > early_ttl_s:
-                del self.cancelled[key]
+        self.unsent.expire(now, early_ttl_s)
 
     @property
     def open_count(self) -> int:
