@@ -126,12 +126,9 @@ class Agent:
 
     # ---------------------------------------------------------------- membership
     def pair_paths(self) -> dict[str, tuple[str, str]]:
-        """Per local rank: (path to a peer on this node, path to a peer on another node), the
-        kernel path when the rank's backend has one, else the engine's."""
-        return {
-            rid: (lr.backend.paths[0], lr.backend.paths[-1]) if lr.backend.kernel else (lr.backend.path,) * 2
-            for rid, lr in self.ranks.items()
-        }
+        """Per local rank: (path to a peer on this node, path to a peer on another node), as its
+        backend declares them."""
+        return {rid: lr.backend.pair_paths for rid, lr in self.ranks.items()}
 
     def publish_peers(self) -> None:
         """The per-peer series of every pair the rank map names, and how many agents it lists."""

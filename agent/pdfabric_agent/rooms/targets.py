@@ -191,8 +191,9 @@ class TargetSender:
         target.deliveries.put_nowait(delivery)
 
     def start(self, room: PrefillRoom, local: LocalRank, target: Target, pages: range) -> Delivery:
-        """The one choice of a delivery's path: launched on the rank's kernel path now, or written
-        through its engine by the target's task. From here the target may be written."""
+        """The one choice of a delivery's byte mover: launched on the rank's kernel path now (what
+        it does not take then goes the engine way: ``RoomWriter.land``), or written through its
+        engine by the target's task. From here the target may be written."""
         final = room.sealed
         try:
             plan, peer = self._prepare(room, local, target, pages)

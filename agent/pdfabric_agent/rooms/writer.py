@@ -88,20 +88,28 @@ class RoomWriter:
         room.moved[kind.value] += moved
         by_path.setdefault(path, zero_bytes())[kind.value] += moved
 
-    # ------------------------------------------------------------ engine (and kernel, one call each)
+    # ------------------------------------------------------------ what a launch did not take: kernel call, else engine
     async def write(
-        self, local: LocalRank, peer: str, blocks: Sequence[Block], kind: Kind, room: PrefillRoom, by_path: BytesByPath
+        self,
+        local: LocalRank,
+        kernel: KernelPath,
+        peer: str,
+        blocks: Sequence[Block],
+        kind: Kind,
+        room: PrefillRoom,
+        by_path: BytesByPath,
     ) -> None:
+        """Blocks a launch did not take: in one waited kernel call if it takes them, else through
+        the rank's engine in batches."""
         if not blocks:
             return
         loop = asyncio.get_running_loop()
-        backend, kernel = local.backend, local.backend.kernel
-        if kernel is not None:
-            # A kernel path takes any number of blocks in one launch; None: it moved nothing.
-            used = await loop.run_in_executor(self.ctx.workers, kernel.try_write_blocks, peer, blocks)
-            if used is not None:
-                self.count(room, by_path, used, kind, sum(b.length for b in blocks), len(blocks))
-                return
+        backend = local.backend
+        # A kernel path takes any number of blocks in one launch; None: it moved nothing.
+        used = await loop.run_in_executor(self.ctx.workers, kernel.try_write_blocks, peer, blocks)
+        if used is not None:
+            self.count(room, by_path, used, kind, sum(b.length for b in blocks), len(blocks))
+            return
         # The engine's batch limit (the tcp engine fails oversized batches) applies from here on.
         for chunk in chunk_batch(blocks, min(backend.max_batch_entries, self.ctx.spec.transfer.max_batch_entries)):
             if room.state.finished:  # aborted or cancelled meanwhile: what is not sent yet never lands
@@ -111,22 +119,27 @@ class RoomWriter:
             self.count(room, by_path, used or backend.path, kind, sum(b.length for b in chunk), len(chunk))
 
     async def write_kv(
-        self, local: LocalRank, peer: str, plan: TransferPlan, room: PrefillRoom, by_path: BytesByPath
+        self,
+        local: LocalRank,
+        kernel: KernelPath,
+        peer: str,
+        plan: TransferPlan,
+        room: PrefillRoom,
+        by_path: BytesByPath,
     ) -> None:
+        """The KV pages a launch did not take: as page lists in one waited kernel call, else as blocks."""
         kvp = plan.kv_pages
         if kvp is None or not kvp.num_pages:
-            await self.write(local, peer, plan.kv, Kind.KV, room, by_path)
+            await self.write(local, kernel, peer, plan.kv, Kind.KV, room, by_path)
             return
         loop = asyncio.get_running_loop()
-        kernel = local.backend.kernel
-        if kernel is not None:
-            # The route's page lists as they are: every layer and K/V in one kernel launch.
-            used = await loop.run_in_executor(self.ctx.workers, kernel.try_write_pages, peer, kvp)
-            if used is not None:
-                self.count(room, by_path, used, Kind.KV, kvp.nbytes, kvp.units)
-                return
+        # The route's page lists as they are: every layer and K/V in one kernel launch.
+        used = await loop.run_in_executor(self.ctx.workers, kernel.try_write_pages, peer, kvp)
+        if used is not None:
+            self.count(room, by_path, used, Kind.KV, kvp.nbytes, kvp.units)
+            return
         blocks = plan.kv or await loop.run_in_executor(self.ctx.workers, kvp.blocks, self.ctx.cfg.coalesce)
-        await self.write(local, peer, blocks, Kind.KV, room, by_path)
+        await self.write(local, kernel, peer, blocks, Kind.KV, room, by_path)
 
     def engine_batches(self, local: LocalRank, plan: TransferPlan) -> list[Batch] | None:
         """The plan's KV, state and aux blocks as engine batches, built here when the KV table is
@@ -217,9 +230,9 @@ class RoomWriter:
                 if h is not None:
                     launch.launched.append(Launched(h, Kind.KV, kvp.nbytes, kvp.units))
                 else:
-                    launch.later.append(lambda: self.write_kv(local, peer, plan, room, by_path))
+                    launch.later.append(lambda: self.write_kv(local, kernel, peer, plan, room, by_path))
             elif plan.kv:
-                launch.later.append(lambda: self.write(local, peer, plan.kv, Kind.KV, room, by_path))
+                launch.later.append(lambda: self.write(local, kernel, peer, plan.kv, Kind.KV, room, by_path))
             for kind, blocks in ((Kind.STATE, plan.state), (Kind.AUX, plan.aux)):
                 if not blocks:
                     continue
@@ -227,7 +240,7 @@ class RoomWriter:
                 if h is not None:
                     launch.launched.append(Launched(h, kind, sum(b.length for b in blocks), len(blocks)))
                 else:
-                    launch.later.append(functools.partial(self.write, local, peer, blocks, kind, room, by_path))
+                    launch.later.append(functools.partial(self.write, local, kernel, peer, blocks, kind, room, by_path))
             room.marks[f"launched:{target.decode_rank}"] = self.ctx.clock()
             self._keep_marks(target, launch, plan)
             if final and target.all_marked and target.marked:

@@ -87,6 +87,12 @@ class TransferBackend(abc.ABC):
         return (self.path,)
 
     @property
+    def pair_paths(self) -> tuple[str, str]:
+        """The path that moves bytes to a peer on this node and to one on another node: the
+        kernel path's first and the engine's last when there is a kernel path, else the engine's."""
+        return (self.paths[0], self.paths[-1]) if self.kernel is not None else (self.path, self.path)
+
+    @property
     def device_memory(self) -> bool:
         """``register`` and ``write_batch`` take GPU memory (CUDA device pointers, an engine's
         buffers mapped by CUDA IPC among them); False: host memory only."""
