@@ -23,9 +23,9 @@ from pdfabric_agent.http.guard import Limits
 from pdfabric_agent.http.jsonbody import BODY_FLOOR, MAX_DEPTH, body_cap, check_shape, decode_json
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.views import RoomView
-from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
+from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from pdfabric_core.spec import parse_spec

@@ -20,10 +20,10 @@ from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.ranks.local import LocalRank
-from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.chunks import add_chunk, until_deadline
 from pdfabric_agent.rooms.registry import PrefillRoom, Target
 from pdfabric_agent.rooms.targets import EngineDelivery
+from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from tests.unit.agents import Backend, kernel_agent, record_posts

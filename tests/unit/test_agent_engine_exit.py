@@ -16,8 +16,8 @@ import pytest
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.views import RoomState
-from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, Target
+from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import AgentEntry, Rank
 from tests.unit.agents import make_agent, peer_answer

@@ -20,8 +20,8 @@ from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
-from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.targets import DecodeFailed
+from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import parse_spec

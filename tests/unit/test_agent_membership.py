@@ -1,4 +1,4 @@
-"""Live membership (rooms/membership.py): a running agent adopts a newer rank map, admits the
+"""Live membership (service/membership.py): a running agent adopts a newer rank map, admits the
 agents it adds at once, drains the ones it drops, and refuses a map it cannot run on."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
-from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.rooms.membership import MembershipRefused
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.service.agent import Agent
+from pdfabric_agent.service.membership import MembershipRefused
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
 from tests.unit.agents import TCP_RAW, D, P, make_agent, record_posts

@@ -17,7 +17,7 @@ from pdfabric_agent.protocol.peer_answers import RoomInfoTaken
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
-from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.service.agent import Agent
 from pdfabric_agent.transfer.registry import path_labels
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank

@@ -12,8 +12,8 @@ from pdfabric_agent.memory.plan import Bases
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
-from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.rooms.registry import MAX_GIVEN_UP, DecodeRoom, PrefillRoom, Target, UnsentRooms
+from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Role
 from tests.unit.agents import make_agent
 

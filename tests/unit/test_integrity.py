@@ -20,7 +20,7 @@ from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
-from pdfabric_agent.rooms.agent import Agent
+from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Device, Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec, parse_spec

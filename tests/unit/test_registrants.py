@@ -1,4 +1,4 @@
-"""One live engine instance per rank (rooms/registrants.py): a second registration of a rank whose
+"""One live engine instance per rank (service/registrants.py): a second registration of a rank whose
 registrant still follows its room feed is refused with the reason; once that engine's feed is gone
 (its process exited: the connection closed), a new instance takes the rank, as a restart does."""
 
@@ -14,7 +14,7 @@ from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import MemoryRegistration, ReceiveRequest, SendRequest
 from pdfabric_agent.rooms import feed as feed_mod
 from pdfabric_agent.rooms.feed import RoomFeed
-from pdfabric_agent.rooms.registrants import check_registrant
+from pdfabric_agent.service.registrants import check_registrant
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 

@@ -38,5 +38,5 @@ class FabricConfig:
 
 def engine_instance() -> str:
     """An id of this engine process, unique across restarts: its registrations and room feed carry
-    it, so the agent tells a restarted engine from a second live one (agent rooms/registrants.py)."""
+    it, so the agent tells a restarted engine from a second live one (agent service/registrants.py)."""
     return f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(6)}"

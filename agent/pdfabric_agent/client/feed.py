@@ -42,7 +42,7 @@ class RoomEvents:
         host, _, port = address.rpartition(":")
         self.host, self.port, self.token, self.rank = host or "127.0.0.1", int(port), token, rank
         # The engine instance that registered the rank: while this feed is open, the agent keeps the
-        # rank for it (rooms/registrants.py).
+        # rank for it (service/registrants.py).
         self.instance = instance
         self.hello: FeedHello | None = None
         self.synced = threading.Event()

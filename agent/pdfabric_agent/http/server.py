@@ -57,9 +57,9 @@ from pdfabric_agent.protocol.wire import (
     ReceiveRequest,
     SendRequest,
 )
-from pdfabric_agent.rooms.agent import Agent
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.inputs import RereadInput, refused_inputs
+from pdfabric_agent.service.agent import Agent
 from pdfabric_core.engines.state import EngineState
 
 log = logging.getLogger("pdfabric.server")

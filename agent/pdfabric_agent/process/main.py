@@ -32,12 +32,12 @@ from pdfabric_agent.process.rankmap_file import CHECK_EVERY_S, RankMapFile
 from pdfabric_agent.protocol import tls
 from pdfabric_agent.protocol.peer_wire import PROBE_PATH
 from pdfabric_agent.ranks.local import LocalRank
-from pdfabric_agent.rooms.agent import Agent
-from pdfabric_agent.rooms.membership import MembershipRefused
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig, ConfigError, load_config, require_peer_tls
 from pdfabric_agent.runtime.inputs import InputRefusals
+from pdfabric_agent.service.agent import Agent
+from pdfabric_agent.service.membership import MembershipRefused
 from pdfabric_agent.transfer.registry import make_backend
 from pdfabric_core.engines.launch import EngineLaunch
 from pdfabric_core.policy.buffer_device import kv_buffer_device, metadata_buffer_device
@@ -163,7 +163,7 @@ def engine_exit_handler(agent: Agent) -> Callable[[EngineLaunch, str], None]:
 
 
 def follow_rankmap(agent: Agent, source: RankMapFile, readiness: Readiness) -> None:
-    """Adopt the mounted rank map when the operator changed it (rooms/membership.py)."""
+    """Adopt the mounted rank map when the operator changed it (service/membership.py)."""
     newer = source.newer()
     if newer is None:
         return

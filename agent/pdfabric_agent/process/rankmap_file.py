@@ -1,4 +1,4 @@
-"""The mounted rank map, read again while the agent runs (live membership, rooms/membership.py).
+"""The mounted rank map, read again while the agent runs (live membership, service/membership.py).
 
 The kubelet rewrites a ConfigMap volume in place when the ConfigMap changes (an atomic swap of the
 directory the file name points through), on its next sync of the pod; the operator touches the

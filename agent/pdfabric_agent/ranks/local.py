@@ -28,7 +28,7 @@ class LocalRank:
     backend: TransferBackend
     pools: RankPools
     engine: EngineMemory | None = None
-    engine_instance: str = ""  # the engine process that registered ``engine`` (rooms/registrants.py)
+    engine_instance: str = ""  # the engine process that registered ``engine`` (service/registrants.py)
 
     @property
     def board(self) -> RoomBoard | None:

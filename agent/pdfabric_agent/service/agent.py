@@ -50,13 +50,13 @@ from pdfabric_agent.ranks.engine_memory import MemoryRules
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.decode import DecodeArrivals
-from pdfabric_agent.rooms.membership import Adopted, check_adoptable
 from pdfabric_agent.rooms.prefill import PrefillSender
-from pdfabric_agent.rooms.registration import register_engine_memory
 from pdfabric_agent.rooms.registry import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_agent.runtime.tasks import Liveness, TaskSet
+from pdfabric_agent.service.membership import Adopted, check_adoptable
+from pdfabric_agent.service.registration import register_engine_memory
 from pdfabric_core.policy.types import Device, Role, Transport
 from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec

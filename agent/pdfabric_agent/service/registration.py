@@ -12,8 +12,8 @@ from pdfabric_agent.protocol.views import MemoryAnswer
 from pdfabric_agent.protocol.wire import MemoryRegistration
 from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registrants import check_registrant
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.service.registrants import check_registrant
 
 
 def register_engine_memory(
