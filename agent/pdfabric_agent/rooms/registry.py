@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric_agent.memory.completion import CompletionMark
-from pdfabric_agent.memory.plan import TransferPlan
+from pdfabric_agent.memory.plan import Duties, TransferPlan
 from pdfabric_agent.protocol.errors import conflict, unknown_room
 from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_wire import RoomInfo
@@ -61,6 +61,9 @@ class Target:
     decode_tp: int
     agent: str
     dst: RoomInfo | None = None  # the decode side's room info, once it arrived
+    # What this rank sends the target, worked out once from its room info (``TargetSender.duties``):
+    # every chunk of the room is planned from it.
+    duties: Duties | None = None
     done: bool = False
     # A write into this target may be in flight: from just before it is submitted until its call
     # returns. A cancelled wait leaves it set, since the worker or the kernel may still be writing.

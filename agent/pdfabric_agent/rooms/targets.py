@@ -109,18 +109,22 @@ class TargetSender:
         room.marks.setdefault(f"planned:{target.decode_rank}", self.ctx.clock())
         return planned
 
-    def _duties(self, local: LocalRank, target: Target) -> Duties:
-        assert target.dst is not None
-        rank = local.rank
-        duties = pair_duties(
-            self.ctx.spec, rank.tp_rank, rank.cp_rank, rank.pp_rank, target.decode_tp, len(target.dst.kv_pages)
-        )
-        assert duties is not None  # sends_anything already filtered non-sending CP ranks
-        return duties
+    def duties(self, local: LocalRank, target: Target) -> Duties:
+        """What this rank sends the target: worked out when first asked, once its room info is
+        there (it arrives once), and kept on the target for every chunk and the whole room."""
+        if target.duties is None:
+            assert target.dst is not None
+            rank = local.rank
+            duties = pair_duties(
+                self.ctx.spec, rank.tp_rank, rank.cp_rank, rank.pp_rank, target.decode_tp, len(target.dst.kv_pages)
+            )
+            assert duties is not None  # sends_anything already filtered non-sending CP ranks
+            target.duties = duties
+        return target.duties
 
     def share(self, local: LocalRank, target: Target) -> range:
         """The request positions this rank sends the target (decode's pages): its source pages."""
-        return self._duties(local, target).pages
+        return self.duties(local, target).pages
 
     def plan_chunk(self, room: PrefillRoom, local: LocalRank, target: Target, pages: range) -> tuple[TransferPlan, str]:
         """The source pages ``pages`` of a room sent in chunks (positions in this rank's page list)
@@ -128,7 +132,7 @@ class TargetSender:
         aux row only once the room is sealed (its final chunk)."""
         dst = target.dst
         assert dst is not None
-        duties = self._duties(local, target)
+        duties = self.duties(local, target)
         share = duties.pages  # the request positions this rank sends, in its page order
         if pages.stop > len(share) or (room.sealed and pages.stop != len(share)):
             raise ValueError(
@@ -161,10 +165,7 @@ class TargetSender:
     def plan_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> tuple[TransferPlan, str]:
         dst = target.dst
         assert dst is not None  # _maybe_start starts only rooms whose every target has room info
-        spec = self.ctx.spec
-        rank = local.rank
-        duties = pair_duties(spec, rank.tp_rank, rank.cp_rank, rank.pp_rank, target.decode_tp, len(dst.kv_pages))
-        assert duties is not None  # sends_anything already filtered non-sending CP ranks
+        duties = self.duties(local, target)
         with_state = bool(duties.state_layers or duties.state_skipped)
         plan = plan_transfer(
             duties,
