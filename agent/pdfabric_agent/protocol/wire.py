@@ -90,13 +90,13 @@ class RoomSubmit:
     peer_dp: int = 0
     board_slot: int | None = None  # the slot of the rank's room board the agent writes the end into
 
-    @classmethod
-    def peer_field(cls) -> str:
-        return f"{cls.PEER_ROLE}_replica"
+    PEER_FIELD: ClassVar[str]  # the field names of `peer_replica` and `peer_dp`, from PEER_ROLE
+    PEER_DP_FIELD: ClassVar[str]
 
-    @classmethod
-    def peer_dp_field(cls) -> str:
-        return f"{cls.PEER_ROLE}_dp"
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "PEER_ROLE" in cls.__dict__:
+            cls.PEER_FIELD, cls.PEER_DP_FIELD = f"{cls.PEER_ROLE}_replica", f"{cls.PEER_ROLE}_dp"
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> Self:
@@ -106,9 +106,9 @@ class RoomSubmit:
             kv_pages=field_index_list(body, "kv_pages"),
             state_indices=field_index_list(body, "state_indices"),
             aux_index=field_opt_int(body, "aux_index"),
-            peer_replica=field_int(body, cls.peer_field()),
+            peer_replica=field_int(body, cls.PEER_FIELD),
             engine_memory=field_flag(body, "engine_memory"),
-            peer_dp=field_opt_int(body, cls.peer_dp_field()) or 0,
+            peer_dp=field_opt_int(body, cls.PEER_DP_FIELD) or 0,
             board_slot=field_opt_int(body, "board_slot", maximum=MAX_BOARD_SLOTS - 1),
         )
 
@@ -120,9 +120,9 @@ class RoomSubmit:
         )
         check_index(self.aux_index, layout.aux_slots, name="aux_index")
         if self.peer_replica >= peer_replicas:
-            raise out_of_range(f"{self.peer_field()} {self.peer_replica} outside 0..{peer_replicas - 1}")
+            raise out_of_range(f"{self.PEER_FIELD} {self.peer_replica} outside 0..{peer_replicas - 1}")
         if self.peer_dp >= peer_dps:
-            raise out_of_range(f"{self.peer_dp_field()} {self.peer_dp} outside 0..{peer_dps - 1} (the spec's dp)")
+            raise out_of_range(f"{self.PEER_DP_FIELD} {self.peer_dp} outside 0..{peer_dps - 1} (the spec's dp)")
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -130,14 +130,14 @@ class RoomSubmit:
             "room": self.room,
             "kv_pages": indices_json(self.kv_pages),
             "state_indices": list(self.state_indices),
-            self.peer_field(): self.peer_replica,
+            self.PEER_FIELD: self.peer_replica,
         }
         if self.aux_index is not None:
             body["aux_index"] = self.aux_index
         if self.engine_memory:
             body["engine_memory"] = True
         if self.peer_dp:
-            body[self.peer_dp_field()] = self.peer_dp
+            body[self.PEER_DP_FIELD] = self.peer_dp
         if self.board_slot is not None:
             body["board_slot"] = self.board_slot
         return body

@@ -62,13 +62,14 @@ class PrefillSender:
         the first goes to its open room (``chunks.add_chunk``)."""
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
+        decode_replicas = ctx.ranks.peer_replicas(Role.DECODE)
         shards = kv_shard_size(ctx.spec)
         # Under KV cache sharding the pages are the request's logical ones, striped over the shard
         # group: the pool holds 1 / shards of them (the planner checks the ones this rank owns).
         layout = (
             dataclasses.replace(local.layout, kv_pages=local.layout.kv_pages * shards) if shards > 1 else local.layout
         )
-        msg.check_bounds(layout, ctx.ranks.peer_replicas(Role.DECODE), ctx.spec.decode.dp)
+        msg.check_bounds(layout, decode_replicas, ctx.spec.decode.dp)
         check_slot(local.board, msg.board_slot)
         if isinstance(msg, SendChunk) and not msg.opens:
             return add_chunk(self, local, msg)
