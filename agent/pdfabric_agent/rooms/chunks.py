@@ -44,7 +44,7 @@ class ChunkedSender(Protocol):
 def add_chunk(sender: ChunkedSender, local: LocalRank, msg: SendChunk) -> RoomView:
     """The next chunk of an open room (``page_offset`` > 0)."""
     ctx = sender.ctx
-    room = ctx.rooms.prefill.get((msg.rank, msg.room))
+    room = ctx.rooms.prefill_room(msg.rank, msg.room)
     if room is None:
         raise conflict(
             f"room {msg.room} on {msg.rank} is not open: its first chunk (page_offset 0) opens it, got page_offset "

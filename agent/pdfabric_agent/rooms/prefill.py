@@ -155,7 +155,7 @@ class PrefillSender:
         """A prefill room not sent yet whose decode side already announced itself: upstream's
         Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
         ctx = self.ctx
-        if (rank_id, room_id) in ctx.rooms.prefill:
+        if ctx.rooms.prefill_room(rank_id, room_id) is not None:
             return None
         given_up = ctx.rooms.unsent.given_up((rank_id, room_id))
         if given_up is not None:
@@ -220,7 +220,7 @@ class PrefillSender:
         self._check_peer(info.prefill_rank, info.decode_rank, sender_agent)
         self._check_dst_layout(info)
         key = (info.prefill_rank, info.room)
-        room = ctx.rooms.prefill.get(key)
+        room = ctx.rooms.prefill_room(*key)
         given_up = ctx.rooms.unsent.given_up(key)
         if given_up is not None and room is None:
             raise conflict(f"room {info.room} on {info.prefill_rank} was given up: {given_up}")
@@ -248,7 +248,7 @@ class PrefillSender:
         self._check_peer(msg.prefill_rank, msg.decode_rank, sender_agent)
         key = (msg.prefill_rank, msg.room)
         reason = f"{msg.decode_rank} gave the room up: {msg.reason}"
-        room = ctx.rooms.prefill.get(key)
+        room = ctx.rooms.prefill_room(*key)
         if room is None:
             ctx.rooms.unsent.withdraw(key, msg.decode_rank)
             ctx.rooms.unsent.give_up(key, ctx.clock(), reason, replace=False)

@@ -284,6 +284,14 @@ class RoomRegistry:
         room: AnyRoom | None = self._rooms(role).get((rank_id, room_id))
         return room
 
+    def prefill_room(self, rank_id: str, room_id: int) -> PrefillRoom | None:
+        """The prefill room (open, or ended and still remembered); None before its send."""
+        return self.prefill.get((rank_id, room_id))
+
+    def rooms_of(self, role: Role, rank_id: str) -> list[AnyRoom]:
+        """Every room of one local rank: open, or ended and still remembered."""
+        return [room for (rank, _), room in self._rooms(role).items() if rank == rank_id]
+
     def lookup(self, role: Role, rank_id: str, room_id: int) -> AnyRoom:
         room = self.get(role, rank_id, room_id)
         if room is None:

@@ -314,8 +314,7 @@ class Agent:
         """Every room of the rank the agent holds (open, or ended and still remembered), and for a
         prefill rank its rooms not sent yet that decode announced or gave up."""
         local = self.ctx.ranks.served(rank_id)
-        rooms = self.rooms.prefill if local.rank.role is Role.PREFILL else self.rooms.decode
-        views = [room.view() for (rank, _), room in rooms.items() if rank == rank_id]
+        views = [room.view() for room in self.rooms.rooms_of(local.rank.role, rank_id)]
         if local.rank.role is Role.PREFILL:
             views += self.sender.unsent_views(rank_id)
         return views
