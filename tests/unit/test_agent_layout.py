@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.import_graph import strongly_connected
+
 REPO = Path(__file__).resolve().parents[2]
 AGENT = REPO / "agent" / "pdfabric_agent"
 MAX_LINES = 400
@@ -96,38 +98,8 @@ def imports_of(path: Path, modules: dict[str, Path]) -> Iterator[str]:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
+    """The strongly connected components of more than one module."""
+    return [c for c in strongly_connected(graph) if len(c) > 1]
 
 
 def test_no_import_cycle_in_the_repository() -> None:
