@@ -34,6 +34,11 @@ HEARTBEAT_MISSES = 2  # upstream: two missed heartbeats fail the rooms
 RECHECK_S = 1.0  # a peer blacklisted for silence is pinged again for a new room at most this often
 STREAM_RETRY_S = 60.0  # an agent that answered without a stream gets POSTs this long before another try
 STREAM_HEARTBEAT_S = 10.0  # a stream whose peer stops answering pings closes, failing its waiting calls
+# How long a decode agent's room info push may take. A busy node can stall the agent's own loop
+# for seconds (5.1 s seen on two cores under the test suite), during which the peer's answer
+# waits: a 5 s timeout failed rooms the peer had taken. A hung peer still fails the room within
+# it, or at the room's own deadline when that comes first.
+ROOM_INFO_PUSH_S = 15.0
 
 
 class PeerRefused(RuntimeError):

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.memory.plan import expected_sources, pair_duties
-from pdfabric_agent.peers.client import PEER_ERRORS, PeerRefused
+from pdfabric_agent.peers.client import PEER_ERRORS, ROOM_INFO_PUSH_S, PeerRefused
 from pdfabric_agent.protocol.errors import malformed, out_of_range
 from pdfabric_agent.protocol.labels import Completion, Integrity, Kind, Outcome
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, SourceAnswer
@@ -155,7 +155,7 @@ class DecodeArrivals:
             msg = dataclasses.replace(info, prefill_rank=prefill_rank)
             pushed = ctx.clock()
             try:
-                await ctx.peers.post(agent_name, msg, 5.0)
+                await ctx.peers.post(agent_name, msg, ROOM_INFO_PUSH_S)
             except PeerRefused:
                 raise
             except PEER_ERRORS as exc:
