@@ -196,7 +196,7 @@ def test_prefill_server_killed_fails_its_requests_then_serves_after_restart(pd: 
     serves equal answers again."""
     prompts = [[(i * 7 + j * 3) % 250 + 1 for j in range(150)] for i in range(8)]
     want = {tuple(p): answer(single, p) for p in prompts}
-    stop = threading.Event()
+    stop, answered = threading.Event(), threading.Event()
 
     def client(k: int) -> list[tuple[list[int], int, dict[str, Any]]]:
         seen = []
@@ -205,12 +205,19 @@ def test_prefill_server_killed_fails_its_requests_then_serves_after_restart(pd: 
             prompt = prompts[i % len(prompts)]
             status, body = pd.complete(completion(prompt, NEW_TOKENS), KILLED_ANSWER_S)
             seen.append((prompt, status, body))
+            if status == 200:
+                answered.set()
             i += 4
         return seen
 
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(client, k) for k in range(4)]
-        time.sleep(2.0)  # requests answered before the kill
+        # Requests answered before the kill: waited for, not slept on (a loaded machine once took
+        # NIXL's pair past a fixed 2 s, and every request then failed after the kill).
+        if not answered.wait(KILLED_ANSWER_S):
+            stop.set()
+            pytest.fail(f"{pd.connector}: no request answered within {KILLED_ANSWER_S:g} s before the kill")
+        time.sleep(0.5)  # more in flight
         pd.prefill.kill()
         time.sleep(1.0)  # requests sent to a dead prefill
         stop.set()
