@@ -4,10 +4,13 @@ the body the agent's server writes, read once per pod, addresses from the pod or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pdfabric_agent.http.server import Readiness, build_metrics_app
@@ -93,9 +96,22 @@ def test_parse_report_reads_the_agents_own_readiness_and_its_engines() -> None:
     assert parse_engines({"engines": "prefill-0"}) is None
 
 
-def test_reads_every_pods_report_each_time_whatever_the_status_code(tmp_path: Path) -> None:
-    from aiohttp import web
+@contextlib.asynccontextmanager
+async def readyz_server(
+    readyz: Callable[[web.Request], Awaitable[web.Response]],
+) -> AsyncIterator[TestServer]:
+    """A loopback HTTP server answering GET /readyz with ``readyz``."""
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield server
+    finally:
+        await server.close()
 
+
+def test_reads_every_pods_report_each_time_whatever_the_status_code(tmp_path: Path) -> None:
     body = {"ready": True, "enginesReady": False, "engines": [_engine("decode-0", ready=False, phase="Starting")]}
     hits: list[str] = []
 
@@ -104,11 +120,7 @@ def test_reads_every_pods_report_each_time_whatever_the_status_code(tmp_path: Pa
         return web.json_response(body, status=503)  # not ready: the kubelet's answer, still a body
 
     async def run() -> None:
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        try:
+        async with readyz_server(readyz) as server:
             overrides = tmp_path / "addresses.json"
             overrides.write_text(json.dumps({"agent-a": f"127.0.0.1:{server.port}"}))
             pods = [
@@ -122,8 +134,6 @@ def test_reads_every_pods_report_each_time_whatever_the_status_code(tmp_path: Pa
                 engines = got["uid-a"].engines
                 assert engines is not None and engines["decode-0"].phase == "Starting"
             assert hits == ["/readyz", "/readyz"]  # read again every time, not once per pod
-        finally:
-            await server.close()
 
     asyncio.run(run())
 
@@ -134,8 +144,6 @@ def test_a_slow_agent_keeps_its_last_word_for_two_reads_a_refused_one_at_once(
     """A /readyz read that times out is told apart from one nobody answers; the operator acts on
     a slow agent's last word for SILENT_READS_TOLERATED reads in a row (a kubelet's failureThreshold
     of 3), then on none."""
-    from aiohttp import web
-
     monkeypatch.setattr(agentstate, "READ_TIMEOUT_S", 0.2)
     slow = asyncio.Event()
 
@@ -145,11 +153,7 @@ def test_a_slow_agent_keeps_its_last_word_for_two_reads_a_refused_one_at_once(
         return web.json_response({"ready": True, "engines": [_engine("decode-0")]})
 
     async def run() -> None:
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        try:
+        async with readyz_server(readyz) as server:
             pods = [AgentAddress("uid-a", "agent-a", "127.0.0.1"), AgentAddress("uid-b", "agent-b", "127.0.0.2")]
             # uid-b: a loopback address where nobody listens on this port (refused at once).
             last: dict[str, AgentReport] = {}
@@ -166,8 +170,6 @@ def test_a_slow_agent_keeps_its_last_word_for_two_reads_a_refused_one_at_once(
                 last = heard(["uid-a", "uid-b"], reads, last, silent)
                 kept.append(set(last))
             assert kept == [{"uid-a"}, {"uid-a"}, set()]  # the third slow read in a row is no word
-        finally:
-            await server.close()
 
     asyncio.run(run())
 
