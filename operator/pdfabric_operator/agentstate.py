@@ -135,7 +135,9 @@ def overrides(path: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
-SLOW = "slow"  # what _read gives for an agent that did not answer in READ_TIMEOUT_S (busy, not gone)
+# What _read gives for an agent that did not answer in READ_TIMEOUT_S (busy, not gone): an object
+# of its own, so that no JSON body an agent sends can pass for it.
+SLOW = object()
 
 
 async def _read(session: aiohttp.ClientSession, url: str) -> Any:
