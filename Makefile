@@ -89,7 +89,8 @@ test-upstream: deps ## SGLang's own backends where they are known wrong (the con
 	@PDFABRIC_UPSTREAM_CONTROLS=1 $(PYTHON) -m pytest -rxX $(PYTEST_ARGS) \
 		"tests/e2e/test_sglang_shapes.py::test_shaped_pd_answers_equal_a_one_rank_server[mooncake-p-tp2-d-tp1-l2-kv1-float32]" \
 		"tests/e2e/test_sglang_shapes.py::test_shaped_pd_answers_equal_a_one_rank_server[mooncake-p-tp1pp2-d-tp1-l3-kv2-bfloat16]" \
-		"tests/e2e/test_sglang_servers.py::test_an_abort_in_flight_ends_the_request_and_the_servers_serve_on[mooncake-prefill]"
+		"tests/e2e/test_sglang_servers.py::test_an_abort_in_flight_ends_the_request_and_the_servers_serve_on[mooncake-prefill]" \
+		"tests/e2e/test_sglang_servers.py::test_an_abort_in_flight_ends_the_request_and_the_servers_serve_on[mooncake-decode]"
 
 .PHONY: test-fast
 test-fast: venv ## the inner loop: lint, unit and every test that needs no control plane (a few minutes warm)
