@@ -15,8 +15,9 @@ from typing import Any
 
 from pdfabric_agent.client.api import AgentClient
 from pdfabric_agent.memory.pools import PageOrder
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.views import MemoryAnswer
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 
 
 class GpuEngineRank:

@@ -17,7 +17,7 @@ from pdfabric_agent.memory.pools import PoolLayout, RankPools
 from pdfabric_agent.peers.client import PeerRefused
 from pdfabric_agent.protocol.peer_wire import PeerMessage, RoomCancel, RoomInfo
 from pdfabric_agent.ranks.local import LocalRank
-from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.room import PrefillRoom, Target
 from pdfabric_agent.runtime.config import load_config
 from pdfabric_agent.service.agent import Agent
 from pdfabric_agent.transfer.base import KernelPath, TransferBackend

@@ -21,7 +21,7 @@ from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.chunks import add_chunk, until_deadline
-from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.room import PrefillRoom, Target
 from pdfabric_agent.rooms.targets import EngineDelivery
 from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Role
@@ -44,7 +44,7 @@ def setup(tmp_path: Path, backend: Backend, first: list[int]) -> tuple[Agent, Lo
     now = agent.clock()
     room = PrefillRoom(rank=RANK, room=1, submitted=now, deadline=now + 30, src_pages=list(first), src_state=[],
                        src_aux=None, targets={target.decode_rank: target}, sealed=False)  # fmt: skip
-    agent.rooms.add(Role.PREFILL, room)
+    agent.rooms.add(room)
     return agent, local, room, target
 
 

@@ -16,9 +16,9 @@ import pytest
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.views import RoomState
-from pdfabric_agent.rooms.registry import DecodeRoom, PrefillRoom, Target
+from pdfabric_agent.rooms.room import DecodeRoom, PrefillRoom, Target
 from pdfabric_agent.service.agent import Agent
-from pdfabric_core.policy.types import Device, Role
+from pdfabric_core.policy.types import Device
 from pdfabric_core.rankmap import AgentEntry, Rank
 from tests.unit.agents import make_agent, peer_answer
 
@@ -43,7 +43,7 @@ def prefill_room(agent: Agent, room: int) -> PrefillRoom:
         rank=PREFILL, room=room, submitted=0.0, deadline=1e12, src_pages=[0], src_state=[], src_aux=None,
         targets={"decode-1-tp0": Target("decode-1-tp0", 0, "a2")},
     )  # fmt: skip
-    agent.rooms.add(Role.PREFILL, r)
+    agent.rooms.add(r)
     return r
 
 
@@ -52,7 +52,7 @@ def decode_room(agent: Agent, room: int) -> DecodeRoom:
         rank=DECODE, room=room, submitted=0.0, deadline=1e12, dst_pages=[0], dst_state=[], dst_aux=None,
         expected={"prefill-1-tp0-cp0": "a2"},
     )  # fmt: skip
-    agent.rooms.add(Role.DECODE, r)
+    agent.rooms.add(r)
     return r
 
 
@@ -67,7 +67,7 @@ def test_an_engine_exit_fails_its_ranks_open_rooms_and_tells_the_peers(agent: Ag
 
     async def go() -> None:
         mine, done, other = prefill_room(agent, 1), prefill_room(agent, 2), decode_room(agent, 3)
-        agent.rooms.finish(done, Role.PREFILL, RoomState.SUCCESS)
+        agent.rooms.finish(done, RoomState.SUCCESS)
         assert agent.engine_exited([PREFILL], REASON) == 1
         assert (mine.state, mine.reason) == (RoomState.FAILED, REASON)
         assert done.state is RoomState.SUCCESS and other.state is RoomState.BOOTSTRAPPING

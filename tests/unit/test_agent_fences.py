@@ -26,7 +26,7 @@ from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import AbortRequest, ReceiveRequest, SendRequest
-from pdfabric_agent.rooms.registry import MAX_GIVEN_UP, MAX_GIVEN_UP_REASON
+from pdfabric_agent.rooms.unsent import MAX_GIVEN_UP, MAX_GIVEN_UP_REASON
 from pdfabric_agent.service.agent import Agent
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank

@@ -126,7 +126,7 @@ def test_a_room_id_names_one_request(decode: Agent) -> None:
     async def go() -> None:
         decode.submit_receive(ReceiveRequest(D, 6, [3], [], None, 0))
         room = decode.rooms.decode[(D, 6)]
-        decode.rooms.finish(room, Role.DECODE, room.state.SUCCESS)
+        decode.rooms.finish(room, room.state.SUCCESS)
         err = refused(lambda: decode.submit_receive(ReceiveRequest(D, 6, [5], [], None, 0)))
         assert (err.status, err.reason) == (409, "conflict") and "already ended Success" in err.message
         await decode.close()

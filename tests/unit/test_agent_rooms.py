@@ -12,9 +12,9 @@ from pdfabric_agent.memory.plan import Bases
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
-from pdfabric_agent.rooms.registry import MAX_GIVEN_UP, DecodeRoom, PrefillRoom, Target, UnsentRooms
+from pdfabric_agent.rooms.room import DecodeRoom, PrefillRoom, Target
+from pdfabric_agent.rooms.unsent import MAX_GIVEN_UP, UnsentRooms
 from pdfabric_agent.service.agent import Agent
-from pdfabric_core.policy.types import Role
 from tests.unit.agents import make_agent
 
 
@@ -36,7 +36,7 @@ def prefill_room(agent: Agent, room: int) -> PrefillRoom:
         rank="prefill-0-tp0-cp0", room=room, submitted=agent.clock(), deadline=agent.clock() + 5,
         src_pages=[0], src_state=[], src_aux=None, targets={"decode-0-tp0": Target("decode-0-tp0", 0, "a2")},
     )  # fmt: skip
-    agent.rooms.add("prefill", r)
+    agent.rooms.add(r)
     return r
 
 
@@ -45,7 +45,7 @@ def decode_room(agent: Agent, room: int) -> DecodeRoom:
         rank="decode-0-tp0", room=room, submitted=agent.clock(), deadline=agent.clock() + 5, dst_pages=[0],
         dst_state=[], dst_aux=None, expected={"prefill-0-tp0-cp0": "a1"},
     )  # fmt: skip
-    agent.rooms.add("decode", r)
+    agent.rooms.add(r)
     return r
 
 
@@ -73,10 +73,10 @@ def test_transferring_prefill_room_is_left_to_its_transfer_task(agent: Agent) ->
 
 def test_finished_rooms_are_forgotten_after_the_ttl_but_a_newer_use_stays(agent: Agent) -> None:
     old = prefill_room(agent, 3)
-    agent.rooms.finish(old, Role.PREFILL, RoomState.SUCCESS)
+    agent.rooms.finish(old, RoomState.SUCCESS)
     agent.clock.now = 105  # type: ignore[attr-defined]
     new = prefill_room(agent, 3)  # the same room id used again
-    agent.rooms.finish(new, Role.PREFILL, RoomState.SUCCESS)
+    agent.rooms.finish(new, RoomState.SUCCESS)
     tick(agent, 110.5)  # old is past its 10 s TTL, new is not
     assert agent.rooms.prefill[("prefill-0-tp0-cp0", 3)] is new
     tick(agent, 116)

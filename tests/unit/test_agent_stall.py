@@ -16,7 +16,7 @@ from pdfabric_agent.memory.plan import Bases
 from pdfabric_agent.memory.pools import PoolLayout, RankPools
 from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.ranks.local import LocalRank
-from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.room import PrefillRoom, Target
 from pdfabric_agent.runtime.tasks import Liveness
 from pdfabric_agent.transfer.base import TransferError
 from pdfabric_core.policy.types import Role
@@ -74,7 +74,7 @@ def prefill_room(agent: Any, backend: Backend, deadline_s: float) -> PrefillRoom
     now = agent.clock()
     room = PrefillRoom(rank=local.rank.rank_id, room=1, submitted=now, deadline=now + deadline_s,
                        src_pages=list(range(8)), src_state=[0], src_aux=0, targets={"decode-0-tp0": target})  # fmt: skip
-    agent.rooms.add(Role.PREFILL, room)
+    agent.rooms.add(room)
     return room
 
 

@@ -19,7 +19,8 @@ from pdfabric_agent.memory.plan import MemoryMap, TransferSide, decode_targets, 
 from pdfabric_agent.memory.pools import PageOrder, PoolLayout
 from pdfabric_agent.protocol.draft import DraftKv
 from pdfabric_agent.protocol.errors import ApiError
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 from pdfabric_agent.ranks.engine_memory import MemoryRules, engine_layout
 from pdfabric_core.policy.types import KvKind, MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank

@@ -16,7 +16,8 @@ import pytest
 from pdfabric_agent.memory.plan import MemoryMap, TransferSide, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.errors import ApiError
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_core.policy.types import MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank

@@ -14,7 +14,8 @@ import pytest
 from pdfabric_agent.memory.plan import MemoryMap, TransferSide, decode_targets, plan_transfer, sender_duties
 from pdfabric_agent.memory.pools import PageOrder, PoolLayout
 from pdfabric_agent.protocol.errors import ApiError
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 from pdfabric_agent.ranks.engine_memory import MemoryRules, engine_layout
 from pdfabric_core.policy.types import MemPool, Role, Transport
 from pdfabric_core.rankmap import Rank
@@ -121,7 +122,7 @@ def test_only_k_and_v_buffers_fuse() -> None:
 
 
 def test_a_decode_rooms_fused_layout_is_the_specs_fused() -> None:
-    """The prefill agent's check of a decode rank's room info (``_check_dst_layout``) takes the spec's
+    """The prefill agent's check of a decode rank's room info (``room_info_checks.check_dst_layout``) takes the spec's
     layout fused when the decode engine registered fused buffers, and nothing else."""
     s = spec()
     want = PoolLayout.from_geometry(s.model, 1, kv_pages=4, state_slots=0, aux_slots=0)  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.rooms.landing import check_owed, unwritten_positions
-from pdfabric_agent.rooms.registry import DecodeRoom
+from pdfabric_agent.rooms.room import DecodeRoom
 from pdfabric_core.duties import PairDuties, decode_targets, expected_sources, pair_duties, replica_duties
 from pdfabric_core.policy.kv_shard import owned_pages
 from pdfabric_core.spec import PDClusterSpec, SpecError, parse_spec
@@ -209,7 +209,7 @@ def test_the_engines_shard_group_must_be_the_specs(tmp_path: Path) -> None:
     from pdfabric_sglang.kvargs import registration
     from sglang.srt.runtime_context import get_parallel
 
-    from pdfabric_agent.protocol.wire import MemoryRegistration
+    from pdfabric_agent.protocol.memory_registration import MemoryRegistration
     from pdfabric_agent.ranks.engine_memory import MemoryRules, engine_layout
     from pdfabric_core.policy.types import MemPool, Role, Transport
     from pdfabric_core.rankmap import Rank

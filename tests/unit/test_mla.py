@@ -14,7 +14,8 @@ import pytest
 
 from pdfabric_agent.memory.pools import PageOrder, PoolLayout
 from pdfabric_agent.protocol.errors import ApiError
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_core.duties import decode_targets, expected_sources, prefill_rank_sends, sender_duties
 from pdfabric_core.policy.rank_mapping import KvRoute, kv_buffers_per_layer, tp_kv_heads

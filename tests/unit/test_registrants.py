@@ -10,8 +10,9 @@ import pytest
 
 from pdfabric_agent.protocol.errors import ApiError
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.views import RoomState, RoomView
-from pdfabric_agent.protocol.wire import MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_agent.rooms import feed as feed_mod
 from pdfabric_agent.rooms.feed import RoomFeed
 from pdfabric_agent.service.registrants import check_registrant

@@ -14,8 +14,10 @@ import pytest
 
 from pdfabric_agent.memory.plan import Bases, TransferSide, plan_transfer
 from pdfabric_agent.memory.pools import PageOrder, PoolLayout
+from pdfabric_agent.protocol.buffers import StateParts
 from pdfabric_agent.protocol.errors import ApiError
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind, StateParts
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 from pdfabric_agent.ranks.engine_memory import MemoryRules, engine_layout
 from pdfabric_core.duties import decode_targets, replica_duties, sender_duties
 from pdfabric_core.policy.state_slices import state_share

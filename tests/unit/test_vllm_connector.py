@@ -19,7 +19,8 @@ from pdfabric_vllm.scheduler import SchedulerSide
 from pdfabric_agent.client.shares import UnshareableBuffer
 from pdfabric_agent.client.shm import shared_cpu_allocations
 from pdfabric_agent.memory.pools import PageOrder
-from pdfabric_agent.protocol.wire import MemoryRegistration, ShareKind
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import ShareKind
 from pdfabric_core.policy.types import Role
 
 BLOCK = 32

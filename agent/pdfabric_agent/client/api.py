@@ -26,16 +26,9 @@ from typing import Any, TypeVar
 from pdfabric_agent.client.http1 import Connection, Response, StaleConnection
 from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.info import AgentInfo, RankInfo
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomView
-from pdfabric_agent.protocol.wire import (
-    INFO_PATH,
-    AbortRequest,
-    MemoryRegistration,
-    ReceiveRequest,
-    RoomSubmit,
-    SendRequest,
-    room_path,
-)
+from pdfabric_agent.protocol.wire import INFO_PATH, AbortRequest, ReceiveRequest, RoomSubmit, SendRequest, room_path
 
 WAIT_BACKOFF_MIN_S = 0.01  # `wait`: pause after a poll answered at once, doubling up to the max
 WAIT_BACKOFF_MAX_S = 0.5

@@ -38,6 +38,7 @@ from pdfabric_agent.protocol.errors import ApiError, internal_error, malformed
 from pdfabric_agent.protocol.fields import field_opt_str
 from pdfabric_agent.protocol.info import AgentInfo, RankInfo
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.peer_wire import (
     PING_PATH,
     PROBE_PATH,
@@ -53,7 +54,6 @@ from pdfabric_agent.protocol.wire import (
     INFO_PATH,
     ROOM_ROUTE,
     AbortRequest,
-    MemoryRegistration,
     ReceiveRequest,
     SendRequest,
 )

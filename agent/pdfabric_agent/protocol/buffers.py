@@ -1,4 +1,4 @@
-"""The engine memory a registration (``wire.MemoryRegistration``) names: how the agent reaches each
+"""The engine memory a registration (``memory_registration.MemoryRegistration``) names: how the agent reaches each
 engine buffer (``BufferShare``), and the engine's typed state (``StateParts``: its kind, SGLang's
 state type, and each state tensor's item bytes and TP sharding)."""
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pdfabric_agent.protocol.errors import layout_mismatch
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import BufferShare
 
 
 def draft_buffers(reg: MemoryRegistration, spec_layers: int, want: int, where: str) -> list[BufferShare]:

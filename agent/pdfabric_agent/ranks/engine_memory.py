@@ -25,8 +25,9 @@ from pdfabric_agent.memory.plan import MemoryMap
 from pdfabric_agent.memory.pools import DeviceBuffer, Pool, PoolLayout
 from pdfabric_agent.protocol.board import RoomBoard
 from pdfabric_agent.protocol.errors import layout_mismatch
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.views import MemoryAnswer
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration, ShareKind
+from pdfabric_agent.protocol.wire import BufferShare, ShareKind
 from pdfabric_agent.ranks.engine_board import open_board, open_engine_file
 from pdfabric_agent.ranks.engine_draft import draft_buffers
 from pdfabric_agent.ranks.engine_state import state_items
@@ -147,7 +148,7 @@ def engine_layout(reg: MemoryRegistration, spec: PDClusterSpec, rank: Rank, rule
     kv_pages = _slots(kv + draft, reg.kv_page_bytes, "KV", "pages")
     items, state_slots = state_items(reg, spec, group.tp, where)
     # The aux rows are the engine's own (SGLang's MetadataBuffers): prefill and decode must register
-    # the same, which the prefill agent checks on each room's info (PrefillSender._check_dst_layout).
+    # the same, which the prefill agent checks on each room's info (rooms.room_info_checks.check_dst_layout).
     aux_slots = reg.aux_slots or min(
         (b.nbytes // size for b, size in zip(reg.aux, reg.aux_row_bytes, strict=True)), default=0
     )

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from pdfabric_agent.protocol.errors import layout_mismatch
-from pdfabric_agent.protocol.wire import MemoryRegistration
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_core.policy.rank_mapping import local_heads
 from pdfabric_core.policy.types import StateKind
 from pdfabric_core.spec import PDClusterSpec

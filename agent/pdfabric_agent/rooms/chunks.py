@@ -21,7 +21,7 @@ from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import SendRequest
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import PrefillRoom
+from pdfabric_agent.rooms.room import PrefillRoom
 from pdfabric_agent.rooms.targets import TargetSender
 from pdfabric_core.rankmap import Rank
 
@@ -65,9 +65,7 @@ def add_chunk(sender: ChunkedSender, local: LocalRank, msg: SendChunk) -> RoomVi
                 f"chunks go in order, without gaps or overlap (send page_offset {held})"
             )
         stop = held + len(msg.kv_pages)
-        for t in room.targets.values():
-            if t.dst is None:
-                continue
+        for t in room.targets_with_room_info():
             share = len(sender.targets.share(local, t))
             if stop > share or (msg.final and stop != share):
                 raise out_of_range(
@@ -79,12 +77,11 @@ def add_chunk(sender: ChunkedSender, local: LocalRank, msg: SendChunk) -> RoomVi
     except ApiError as exc:
         sender.abort(room, f"chunk refused: {exc}")
         raise
-    room.src_pages.extend(msg.kv_pages)
-    room.marks[f"chunk:{msg.page_offset}"] = ctx.clock()
+    room.take_chunk(msg.kv_pages, msg.page_offset, ctx.clock())
     if msg.final:
-        room.src_state, room.src_aux, room.sealed = list(msg.state_indices), msg.aux_index, True
+        room.seal(msg.state_indices, msg.aux_index)
     if room.state is RoomState.TRANSFERRING:
-        room.deadline = ctx.clock() + ctx.spec.transfer.timeout_seconds
+        room.renew_deadline(ctx.clock(), ctx.spec.transfer.timeout_seconds)
         sender.targets.feed(room, local)
     return room.view()
 

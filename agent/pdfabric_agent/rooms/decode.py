@@ -13,7 +13,8 @@ marks; the room is Success once every expected source arrived.
    those rooms now instead of at their deadline.
 5. ``_fail``: a room that fails here sends a ``RoomCancel`` to each source whose writes are not
    known to be over; its answer says whether they are (``fenced``). The room's destinations go
-   back to the pool once every source is quiet (``claims``), else after the transfer timeout.
+   back to the pool once every source is quiet (``claims``), else after the transfer timeout
+   (the cancels and the quiet sources: ``source_cancels``).
 """
 
 from __future__ import annotations
@@ -21,26 +22,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 
 from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.memory.plan import expected_sources, pair_duties
 from pdfabric_agent.peers.client import PEER_ERRORS, ROOM_INFO_PUSH_S, PeerRefused
-from pdfabric_agent.protocol.errors import malformed, out_of_range
+from pdfabric_agent.protocol.errors import malformed
 from pdfabric_agent.protocol.labels import Completion, Integrity, Kind, Outcome
-from pdfabric_agent.protocol.peer_answers import CancelAnswer, SourceAnswer
-from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo, SourceReport
+from pdfabric_agent.protocol.peer_answers import SourceAnswer
+from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomInfo, SourceReport
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import BytesByPath, KindBytes, ReceiveRequest, zero_bytes
 from pdfabric_agent.ranks.engine_board import check_slot
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
-from pdfabric_agent.rooms.claims import DestinationClaims
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.landing import check_owed, checked_aux_rows, count_arrival, landing_plan, unwritten_positions
-from pdfabric_agent.rooms.registry import AnyRoom, DecodeRoom
+from pdfabric_agent.rooms.room import DecodeRoom
+from pdfabric_agent.rooms.source_cancels import SourceCancels
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.tasks import later
@@ -50,38 +50,15 @@ from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.traffic import duty_bytes
 
-log = logging.getLogger("pdfabric.agent")
-
-CANCEL_TIMEOUT_S = 2.0  # a source that does not answer a cancel in time keeps the room's hold
-ABORT_WAIT_S = 0.5  # how long an engine's abort waits for those answers
+ABORT_WAIT_S = 0.5  # how long an engine's abort waits for the sources' answers to its cancels
 
 
-class DecodeArrivals:
+class DecodeArrivals(SourceCancels):
     def __init__(self, ctx: AgentContext, completions: CompletionWatcher) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.completions = completions  # kernel senders' completion words
-        self.claims = DestinationClaims(ctx.clock)
-        ctx.rooms.on_retire.append(self._retired)
         # Path names a byte report may carry: they become metric labels, so a closed set.
         self.paths = path_labels() | {TCP_SIDE_CHANNEL}
-
-    def _retired(self, role: Role, room: AnyRoom) -> None:
-        if not isinstance(room, DecodeRoom) or room.claim is None:
-            return
-        if room.state is RoomState.SUCCESS or room.sources_quiet:
-            self.claims.release(room.rank, room.claim)
-        else:  # a source may still be writing until its own deadline (or until it says it stopped)
-            self.claims.hold(room.rank, room.claim, self.ctx.clock() + self.ctx.spec.transfer.timeout_seconds)
-
-    def _quiet(self, room: DecodeRoom, prefill_rank: str) -> None:
-        """This source writes nothing more into the room: a failed room whose sources are all
-        quiet gives its destinations back now."""
-        was_quiet = room.sources_quiet
-        room.quiet.add(prefill_rank)
-        if room.state.finished and room.sources_quiet and room.claim is not None:
-            self.claims.release(room.rank, room.claim)
-        if room.state.finished and room.sources_quiet and not was_quiet and self.ctx.feed.watched(room.rank):
-            self.ctx.feed.publish(room.view())  # its engine may release the room's pages now
 
     # ------------------------------------------------------------ client API
     def submit_receive(self, msg: ReceiveRequest) -> RoomView:
@@ -96,6 +73,8 @@ class DecodeArrivals:
             expected[prefill_rank] = ctx.ranks.agent_for(prefill_rank)
             owed[prefill_rank] = self._owed(local, (p, c, s), msg)
         now = ctx.clock()
+        # Last check before the room exists: nothing is claimed or created when it refuses.
+        claim = self.claims.claim(msg.rank, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
         room = DecodeRoom(
             rank=msg.rank,
             room=msg.room,
@@ -108,10 +87,9 @@ class DecodeArrivals:
             owed=owed,
             board_slot=msg.board_slot,
             sharded=kv_shard_size(ctx.spec) > 1,
+            claim=claim,
         )
-        # Last check before the room exists: nothing is claimed or created when it refuses.
-        room.claim = self.claims.claim(msg.rank, msg.room, msg.kv_pages, msg.state_indices, msg.aux_index)
-        ctx.rooms.add(Role.DECODE, room)
+        ctx.rooms.add(room)
         info = RoomInfo(
             room=msg.room,
             decode_rank=msg.rank,
@@ -167,12 +145,10 @@ class DecodeArrivals:
         except Exception as exc:
             self._fail(room, str(exc))
             return
-        if room.state is RoomState.BOOTSTRAPPING:
-            room.state = RoomState.WAITING_FOR_INPUT
+        room.room_info_pushed()
 
     def expire(self, room: DecodeRoom) -> None:
-        missing = sorted(set(room.expected) - room.arrived)
-        reason = f"no data from {', '.join(missing)} in time"
+        reason = f"no data from {', '.join(room.missing_sources())} in time"
         self._fail(room, reason, Outcome.TIMEOUT)
 
     # ------------------------------------------------------------ peer API
@@ -196,7 +172,7 @@ class DecodeArrivals:
             check_owed(room, msg.prefill_rank, msg.bytes_by_path, msg.kv_positions)
         if msg.writes_over:
             self._quiet(room, msg.prefill_rank)
-        if room.state.finished or msg.prefill_rank in room.arrived:
+        if room.done_with(msg.prefill_rank):
             # Late or repeated reports change nothing (and count no bytes twice); the answer is
             # the room's outcome, which the source takes as its own.
             return SourceAnswer(room.state, room.reason)
@@ -213,7 +189,7 @@ class DecodeArrivals:
             if not await self._verified(room, local, msg.prefill_rank, msg.checksum, msg.kv_positions):
                 return SourceAnswer(room.state, room.reason)
         if msg.kv_positions is not None:
-            room.positions[msg.prefill_rank] = msg.kv_positions
+            room.take_positions(msg.prefill_rank, msg.kv_positions)
         self._arrived(room, local, msg.prefill_rank, msg.bytes_by_path, rows, Completion.DONE_REPORT)
         if room.state is RoomState.SUCCESS:
             # The engine's room feed (woken by the room's end) writes before this answer is made:
@@ -252,7 +228,7 @@ class DecodeArrivals:
                 f"room {room.room} is KV-sharded: its sources complete with done reports naming kv_positions"
             )
         check_owed(room, source, msg.bytes_by_path, None)
-        if room.state.finished or source in room.arrived:
+        if room.done_with(source):
             return SourceAnswer(room.state)
         if self.ctx.spec.transfer.verify:
             raise malformed(
@@ -262,13 +238,11 @@ class DecodeArrivals:
             self.completions.watch(
                 list(msg.marks),
                 lambda: self._arrived(room, local, source, msg.bytes_by_path, [], Completion.COMPLETION_BOARD),
-                cancelled=lambda: room.state.finished or source in room.arrived,
+                cancelled=lambda: room.done_with(source),
             )
         except ValueError as exc:
             raise malformed(f"cannot watch the completion of room {room.room}: {exc}") from None
-        if room.state is not RoomState.FAILED:
-            room.state = RoomState.TRANSFERRING
-        room.marks[f"notified:{source}"] = self.ctx.clock()
+        room.source_launched(source, self.ctx.clock())
         return SourceAnswer(room.state, watching=len(msg.marks))
 
     def _arrived(
@@ -280,29 +254,19 @@ class DecodeArrivals:
         rows: Sequence[tuple[int, bytes]],
         how: Completion,
     ) -> None:
-        if room.state.finished or prefill_rank in room.arrived:
+        if room.done_with(prefill_rank):
             return  # a done report and a completion mark of one source: counted once
-        room.marks[f"arrived:{prefill_rank}"] = self.ctx.clock()
+        room.mark(f"arrived:{prefill_rank}", self.ctx.clock())
         for dst_addr, raw in rows:
             local.write(dst_addr, raw)
-        sent = zero_bytes()
-        for per_kind in by_path.values():
-            for kind in Kind:
-                n = per_kind.get(kind.value, 0)
-                room.moved[kind.value] += n
-                sent[kind.value] += n
-        room.senders[prefill_rank] = sent
-        room.arrived.add(prefill_rank)
-        room.quiet.add(prefill_rank)
-        if room.state is not RoomState.FAILED:
-            room.state = RoomState.TRANSFERRING
-        if room.arrived == set(room.expected) and room.sharded and (gap := unwritten_positions(room)):
+        sent = room.source_arrived(prefill_rank, by_path)
+        if room.all_arrived and room.sharded and (gap := unwritten_positions(room)):
             self._fail(room, gap)  # never Success for a page that did not arrive
-        elif room.arrived == set(room.expected):
+        elif room.all_arrived:
             engine = local.engine
             if engine is not None and engine.aux_inline and room.dst_aux is not None:
-                room.aux_rows = engine.aux_row(room.dst_aux)  # the engine writes it into its own row
-            self.ctx.rooms.finish(room, Role.DECODE, RoomState.SUCCESS)
+                room.keep_aux_rows(engine.aux_row(room.dst_aux))  # the engine writes it into its own row
+            self.ctx.rooms.finish(room, RoomState.SUCCESS)
         duration = room.marks[f"arrived:{prefill_rank}"] - room.submitted
         part = (room.rank, room.expected[prefill_rank], sum(sent.values()), duration)
         later(lambda: count_arrival(self.ctx, by_path, how, *part))
@@ -326,58 +290,12 @@ class DecodeArrivals:
         each whose writes are not known to be over is told (the task returned)."""
         if room.state.finished:
             return None
-        for prefill_rank, agent_name in sorted(room.expected.items()):
-            if prefill_rank not in room.arrived:
-                metrics.count_peer_part(self.ctx.labels.cluster, room.rank, agent_name, Role.DECODE, outcome)
-        self.ctx.rooms.finish(room, Role.DECODE, RoomState.FAILED, reason, outcome=outcome)
+        for _, agent_name in sorted(room.sources_not_arrived().items()):
+            metrics.count_peer_part(self.ctx.labels.cluster, room.rank, agent_name, Role.DECODE, outcome)
+        self.ctx.rooms.finish(room, RoomState.FAILED, reason, outcome=outcome)
         if room.sources_quiet:
             return None
         return self.ctx.tasks.spawn(self._cancel_sources(room, reason))
-
-    def give_up_unannounced(
-        self, local: LocalRank, room_id: int, peer_replica: int, reason: str, peer_dp: int = 0
-    ) -> int:
-        """The engine gave up a room before submitting it (SGLang aborted the request while it
-        waited for its prefill side): each prefill rank it was to come from is told, so its engine's
-        request fails now instead of at its bootstrap deadline. Nothing was announced or written,
-        so nothing waits for the answers. Returns the prefill ranks told."""
-        ctx = self.ctx
-        replicas = ctx.ranks.peer_replicas(Role.PREFILL)
-        if not 0 <= peer_replica < replicas:
-            raise out_of_range(f"peer_replica {peer_replica} is outside 0..{replicas - 1}")
-        if not 0 <= peer_dp < ctx.spec.prefill.dp:
-            raise out_of_range(f"peer_dp {peer_dp} is outside 0..{ctx.spec.prefill.dp - 1}")
-        sources = expected_sources(ctx.spec, local.rank.tp_rank, local.rank.pp_rank)
-        for p, c, s in sources:
-            prefill_rank = Rank(Role.PREFILL, peer_replica, p, c, s, dp_rank=peer_dp).rank_id
-            msg = RoomCancel(room_id, local.rank.rank_id, prefill_rank, reason)
-            ctx.tasks.spawn(self._post_cancel(ctx.ranks.agent_for(prefill_rank), msg))
-        return len(sources)
-
-    async def _post_cancel(self, agent_name: str, msg: RoomCancel) -> CancelAnswer | None:
-        """Send one cancel: the source's answer, or None when it did not take it (a room it may
-        still write into stays held; an unannounced room's engine learns at its deadline)."""
-        try:
-            return await self.ctx.peers.post(agent_name, msg, CANCEL_TIMEOUT_S)
-        except PEER_ERRORS as exc:
-            log.info("room %s: %s did not take the cancel (%s)", msg.room, agent_name, exc)
-            return None
-
-    async def _cancel_sources(self, room: DecodeRoom, reason: str) -> None:
-        ctx = self.ctx
-
-        async def cancel(prefill_rank: str, agent_name: str) -> None:
-            answer = await self._post_cancel(agent_name, RoomCancel(room.room, room.rank, prefill_rank, reason))
-            if answer is not None and answer.fenced:
-                self._quiet(room, prefill_rank)
-
-        await asyncio.gather(
-            *(
-                cancel(r, a)
-                for r, a in sorted(room.expected.items())
-                if r not in room.quiet and not ctx.peers.is_blacklisted(a)
-            )
-        )
 
     # ------------------------------------------------------------ upkeep
     async def heartbeat(self, timeout_s: float) -> None:
@@ -387,9 +305,8 @@ class DecodeArrivals:
         waiting: dict[str, list[DecodeRoom]] = {}
         for _, room in ctx.rooms.open_rooms():
             if isinstance(room, DecodeRoom) and not room.state.finished:
-                for prefill_rank, agent_name in room.expected.items():
-                    if prefill_rank not in room.arrived:
-                        waiting.setdefault(agent_name, []).append(room)
+                for agent_name in room.sources_not_arrived().values():
+                    waiting.setdefault(agent_name, []).append(room)
         names = sorted(waiting)
         sent = ctx.clock()
         results = await asyncio.gather(*(ctx.peers.ping(n, timeout_s=timeout_s) for n in names))

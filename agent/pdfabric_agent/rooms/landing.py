@@ -15,7 +15,7 @@ from pdfabric_agent.protocol.labels import Completion, Kind, Outcome
 from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import DecodeRoom
+from pdfabric_agent.rooms.room import DecodeRoom
 from pdfabric_agent.runtime import metrics
 from pdfabric_core.policy.types import Role
 

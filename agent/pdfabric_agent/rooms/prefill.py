@@ -13,6 +13,9 @@ ready, the targets are planned and written, and the decode side confirms.
    there are over (``fenced``), so the decode side can reuse the destinations.
 4. ``accept_cancel``: the decode side gave a room up: its room info is dropped (a later send of
    that room fails at once) or the room fails; the answer says whether writes are over.
+
+Rooms before their send are ``early``'s (``EarlyRooms``, this class's base); the checks room info
+must pass are ``room_info_checks``'; a room's own transitions are ``PrefillRoom``'s.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import asyncio
 import dataclasses
 
 from pdfabric_agent.memory.plan import decode_targets
-from pdfabric_agent.memory.pools import PoolLayout
 from pdfabric_agent.protocol.chunks import SendChunk
 from pdfabric_agent.protocol.errors import conflict, malformed, out_of_range
 from pdfabric_agent.protocol.labels import Outcome
@@ -33,25 +35,16 @@ from pdfabric_agent.ranks.engine_board import check_slot
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.chunks import add_chunk, until_deadline
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.early import EarlyRooms
+from pdfabric_agent.rooms.room import PrefillRoom, Target
+from pdfabric_agent.rooms.room_info_checks import aux_rows_mismatch, check_dst_layout, check_peer
 from pdfabric_agent.rooms.targets import TargetSender
-from pdfabric_core.duties import kv_shard_size, prefill_rank_sends
+from pdfabric_core.duties import kv_shard_size
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 
 
-def aux_rows_mismatch(local: LocalRank, info: RoomInfo) -> str:
-    """Why a decode rank's aux rows cannot take this rank's (different sizes), or ""."""
-    mine, theirs = local.layout.aux_items, info.layout.aux_items
-    if mine == theirs:
-        return ""
-    return (
-        f"aux rows of {info.decode_rank} are {list(theirs)} bytes, {local.rank.rank_id}'s {list(mine)}: prefill "
-        "and decode engines must hand the same metadata rows (the same SGLang version, model hidden size and settings)"
-    )
-
-
-class PrefillSender:
+class PrefillSender(EarlyRooms):
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
         self.targets = TargetSender(ctx)
@@ -97,27 +90,24 @@ class PrefillSender:
             sealed=not isinstance(msg, SendChunk) or msg.final,
             board_slot=msg.board_slot,
         )
-        ctx.rooms.add(Role.PREFILL, room)
+        ctx.rooms.add(room)
         given_up = ctx.rooms.unsent.take_given_up((msg.rank, msg.room))
         if given_up is not None:
             self.targets.count_unstarted(room, Outcome.FAILED)
-            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, given_up)
+            ctx.rooms.finish(room, RoomState.FAILED, given_up)
             return room.view()
         if not sends:
             # A CP rank that does not send (only CP rank 0 without all-CP-ranks transfer), or a TP
             # rank whose replicated heads another rank sends: no work, and SGLang waits for it.
-            room.state = RoomState.SUCCESS
-            room.reason = self.why_nothing(local)
-            ctx.rooms.retire(Role.PREFILL, room)
+            room.end(RoomState.SUCCESS, self.why_nothing(local))
+            ctx.rooms.retire(room)  # not counted as a request: the rank sends nothing
             return room.view()
         for agent_name in {t.agent for t in targets.values()}:
             if ctx.peers.is_blacklisted(agent_name):
                 self.targets.count_unstarted(room, Outcome.FAILED)
-                ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
+                ctx.rooms.finish(room, RoomState.FAILED, ctx.peers.why_blacklisted(agent_name))
                 return room.view()
-        for decode_rank, info in ctx.rooms.unsent.take_announced((msg.rank, msg.room)).items():
-            if decode_rank in targets:
-                targets[decode_rank].dst = info
+        room.take_early_room_info(ctx.rooms.unsent.take_announced((msg.rank, msg.room)))
         self._maybe_start(room)
         return room.view()
 
@@ -151,74 +141,13 @@ class PrefillSender:
             )
         engine.put_aux_row(msg.aux_index, rows)
 
-    def early_view(self, rank_id: str, room_id: int) -> RoomView | None:
-        """A prefill room not sent yet whose decode side already announced itself: upstream's
-        Bootstrapping / WaitingForInput, so a prefill engine can see decode is ready."""
-        ctx = self.ctx
-        if ctx.rooms.prefill_room(rank_id, room_id) is not None:
-            return None
-        given_up = ctx.rooms.unsent.given_up((rank_id, room_id))
-        if given_up is not None:
-            ctx.ranks.served(rank_id)
-            return RoomView(rank=rank_id, room=room_id, state=RoomState.FAILED, reason=given_up, decode_ranks_ready=())
-        local = ctx.ranks.served(rank_id)
-        if local.rank.role is not Role.PREFILL:
-            return None  # a decode rank's rooms are its own (the poll looks them up)
-        if not self.sends_anything(local):
-            # No decode rank announces a room to a rank it does not read from: ready at once.
-            return RoomView(
-                rank=rank_id,
-                room=room_id,
-                state=RoomState.WAITING_FOR_INPUT,
-                reason=self.why_nothing(local),
-                decode_ranks_ready=(),
-                sends=False,
-            )
-        infos = ctx.rooms.unsent.announced((rank_id, room_id))
-        if not infos:
-            return None
-        needed = len(decode_targets(ctx.spec, local.rank.tp_rank))
-        state = RoomState.WAITING_FOR_INPUT if len(infos) >= needed else RoomState.BOOTSTRAPPING
-        return RoomView(
-            rank=rank_id,
-            room=room_id,
-            state=state,
-            decode_ranks_ready=tuple(sorted(infos)),
-            # What decode holds already (one request: every decode rank says the same).
-            decode_prefix_tokens=max(info.prefix_tokens for info in infos.values()),
-        )
-
-    def _announce(self, rank_id: str, room_id: int) -> None:
-        """A room not sent yet changed for its engine (decode announced it, or gave it up): its
-        engine's room feed gets the view its poll would."""
-        if self.ctx.feed.watched(rank_id):
-            view = self.early_view(rank_id, room_id)
-            if view is not None:
-                self.ctx.feed.publish(view)
-
-    def unsent_views(self, rank_id: str) -> list[RoomView]:
-        """The views of every room of this rank not sent yet that its engine can act on (a feed's
-        snapshot): announced by decode, or given up by it."""
-        views = (self.early_view(rank_id, room_id) for _, room_id in sorted(self.ctx.rooms.unsent.keys(rank_id)))
-        return [v for v in views if v is not None]
-
-    def sends_anything(self, local: LocalRank) -> bool:
-        return prefill_rank_sends(self.ctx.spec, local.rank.tp_rank, local.rank.cp_rank)
-
-    def why_nothing(self, local: LocalRank) -> str:
-        if decode_targets(self.ctx.spec, local.rank.tp_rank):
-            return f"CP rank {local.rank.cp_rank} sends nothing for this spec"
-        return (
-            f"TP rank {local.rank.tp_rank}'s KV heads (or MLA latent) are replicated: another prefill rank sends them"
-        )
-
     # ------------------------------------------------------------ peer API
     def accept_dst(self, info: RoomInfo, sender_agent: str | None = None) -> RoomInfoTaken:
         """A decode agent's room info, from the agent of that decode rank, in the layout that rank
         has: its destinations are what this rank writes, so nothing in it is taken on trust."""
         ctx = self.ctx
-        self._check_peer(info.prefill_rank, info.decode_rank, sender_agent)
-        self._check_dst_layout(info)
+        check_peer(ctx, info.prefill_rank, info.decode_rank, sender_agent)
+        check_dst_layout(ctx, info)
         key = (info.prefill_rank, info.room)
         room = ctx.rooms.prefill_room(*key)
         given_up = ctx.rooms.unsent.given_up(key)
@@ -229,13 +158,7 @@ class PrefillSender:
             ctx.rooms.unsent.announce(key, info, ctx.clock())
             self._announce(info.prefill_rank, info.room)
             return RoomInfoTaken(early=True)
-        target = room.targets.get(info.decode_rank)
-        if target is None:
-            raise malformed(f"room {info.room} on {info.prefill_rank} does not send to {info.decode_rank}")
-        if room.state is not RoomState.BOOTSTRAPPING or target.dst is not None:
-            # Room info arrives once per target; a second copy must not redirect a room in flight.
-            raise conflict(f"room {info.room} on {info.prefill_rank} already has room info of {info.decode_rank}")
-        target.dst = info
+        room.take_room_info(info)
         self._maybe_start(room)
         return RoomInfoTaken(early=False)
 
@@ -245,7 +168,7 @@ class PrefillSender:
         batches not yet sent are never sent. ``fenced``: no write of this rank into that decode
         room is in flight."""
         ctx = self.ctx
-        self._check_peer(msg.prefill_rank, msg.decode_rank, sender_agent)
+        check_peer(ctx, msg.prefill_rank, msg.decode_rank, sender_agent)
         key = (msg.prefill_rank, msg.room)
         reason = f"{msg.decode_rank} gave the room up: {msg.reason}"
         room = ctx.rooms.prefill_room(*key)
@@ -254,80 +177,13 @@ class PrefillSender:
             ctx.rooms.unsent.give_up(key, ctx.clock(), reason, replace=False)
             self._announce(msg.prefill_rank, msg.room)
             return CancelAnswer(fenced=True)
-        target = room.targets.get(msg.decode_rank)
-        if target is None:
-            raise malformed(f"room {msg.room} on {msg.prefill_rank} does not send to {msg.decode_rank}")
+        room.target_of(msg.decode_rank)  # malformed before anything changes for a rank it does not send to
         self.abort(room, reason)
-        return CancelAnswer(fenced=not target.writing, state=room.state)
-
-    def forget_room_info(self, rank_ids: set[str], reason: str) -> int:
-        """The engine of these ranks exited: every room it had not sent is given up
-        (``give_up_unsent``). Returns the decode ranks told."""
-        keys = self.ctx.rooms.unsent.announced_keys(rank_ids)
-        return sum(self.give_up_unsent(rank_id, room_id, reason) for rank_id, room_id in keys)
-
-    def give_up_unsent(self, rank_id: str, room_id: int, reason: str) -> int:
-        """The engine gave up a room it has not sent (it aborted the request, or exited): the room
-        info that waited for its send is dropped and each decode side that announced itself is told
-        at once, fenced (nothing was written), instead of waiting out its deadline with the room's
-        pages; room info still to come is refused and a late send fails (the room is remembered as
-        given up). Returns the decode ranks told."""
-        ctx = self.ctx
-        key = (rank_id, room_id)
-        ctx.rooms.unsent.give_up(key, ctx.clock(), reason)
-        told = 0
-        for decode_rank in sorted(ctx.rooms.unsent.take_announced(key)):
-            report = DoneReport.failure(room_id, decode_rank, rank_id, reason, fenced=True)
-            ctx.tasks.spawn(self.targets.post_failure(ctx.ranks.agent_for(decode_rank), report))
-            told += 1
-        return told
-
-    def _check_peer(self, prefill_rank: str, decode_rank: str, sender_agent: str | None) -> None:
-        """A decode rank this local prefill rank feeds, spoken for by the agent that holds it."""
-        ctx = self.ctx
-        local = ctx.ranks.local(prefill_rank, Role.PREFILL)
-        valid = {
-            Rank(Role.DECODE, r, route.decode_tp_rank, 0, ctx.ranks.decode_stage(local), dp_rank=dp).rank_id
-            for r in range(ctx.ranks.peer_replicas(Role.DECODE))
-            for dp in range(ctx.spec.decode.dp)
-            for route in decode_targets(ctx.spec, local.rank.tp_rank)
-        }
-        if decode_rank not in valid:
-            raise malformed(f"{decode_rank} is not fed by {prefill_rank}")
-        ctx.ranks.check_speaker(decode_rank, sender_agent)
-
-    def _check_dst_layout(self, info: RoomInfo) -> None:
-        """The destination layout must be the one the spec gives that decode rank (only pool sizes
-        and the page order of its memory, which the decode side chooses, may differ: a page order
-        unlike this side's is refused when planned): else the planned offsets would be wrong."""
-        spec = self.ctx.spec
-        rank = self.ctx.ranks.rank(info.decode_rank)
-        got = info.layout
-        want = PoolLayout.from_geometry(
-            spec.model,
-            spec.decode.tp,
-            kv_pages=got.kv_pages,
-            state_slots=got.state_slots,
-            aux_slots=got.aux_slots,
-            pp=spec.decode.pp,
-            pp_stage=rank.pp_rank,
-        )
-        local = self.ctx.ranks.by_id[info.prefill_rank]
-        # The aux rows are the engines' own; until this rank's engine registered (again, after an
-        # agent restart) its rows are not known here: the room checks them when it starts.
-        if local.engine is not None and (mismatch := aux_rows_mismatch(local, info)):
-            raise malformed(mismatch)
-        want = dataclasses.replace(want, page_order=got.page_order, aux_items=got.aux_items)
-        if got.kv_buffers == 1 and want.kv_buffers == 2:
-            want = want.fused()  # the decode engine keeps K and V together (vLLM): its choice, as the order is
-        if got != want:
-            mine = vars(got)
-            diff = ", ".join(f"{k} {mine[k]} (expected {v})" for k, v in vars(want).items() if mine[k] != v)
-            raise malformed(f"room info of {info.decode_rank} has a layout the spec does not give it: {diff}")
+        return CancelAnswer(fenced=room.fenced(msg.decode_rank), state=room.state)
 
     # ------------------------------------------------------------ the send pipeline
     def _maybe_start(self, room: PrefillRoom) -> None:
-        if room.state is not RoomState.BOOTSTRAPPING or any(t.dst is None for t in room.targets.values()):
+        if not room.ready:
             return
         ctx = self.ctx
         local = ctx.ranks.by_id[room.rank]
@@ -336,9 +192,7 @@ class PrefillSender:
             if mismatch := aux_rows_mismatch(local, t.dst):
                 self.abort(room, mismatch)
                 return
-        room.state = RoomState.TRANSFERRING
-        room.marks["transferring"] = ctx.clock()
-        room.deadline = ctx.clock() + ctx.spec.transfer.timeout_seconds
+        room.start_transfer(ctx.clock(), ctx.spec.transfer.timeout_seconds)
         # Each target's path is chosen here, once per chunk fed; a kernel path launches here too,
         # inside the API call that made the room ready, so the GPU starts before that call answers.
         self.targets.feed(room, local)
@@ -347,10 +201,9 @@ class PrefillSender:
     def expire(self, room: PrefillRoom) -> None:
         """The tick found the room past its deadline (Transferring has its own deadline task)."""
         if room.state is RoomState.BOOTSTRAPPING:
-            missing = sorted(t.decode_rank for t in room.targets.values() if t.dst is None)
-            reason = f"no room info from {', '.join(missing)} in time"
+            reason = f"no room info from {', '.join(room.missing_room_info())} in time"
             self.targets.count_unstarted(room, Outcome.TIMEOUT)
-            self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+            self.ctx.rooms.finish(room, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
 
     async def _run(self, room: PrefillRoom) -> None:
         ctx = self.ctx
@@ -359,7 +212,7 @@ class PrefillSender:
             sends = [self.targets.send_target(room, local, t) for t in room.targets.values()]
             await until_deadline(room, sends[0] if len(sends) == 1 else asyncio.gather(*sends), ctx.clock)
         except TimeoutError:
-            agents = sorted({t.agent for t in room.targets.values() if not t.done})
+            agents = room.agents_not_done()
             reason = (
                 f"transfer did not complete within {ctx.spec.transfer.timeout_seconds:g} s (peers {', '.join(agents)})"
             )
@@ -370,25 +223,23 @@ class PrefillSender:
             else:
                 for agent_name in agents:
                     ctx.peers.blame(agent_name, f"room {room.room} timed out", room.submitted, silent=True)
-            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
+            ctx.rooms.finish(room, RoomState.FAILED, reason, outcome=Outcome.TIMEOUT)
             ctx.tasks.spawn(self._notify_failure(room, "transfer timed out"))
             return
         except Exception as exc:
-            ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, str(exc))
+            ctx.rooms.finish(room, RoomState.FAILED, str(exc))
             ctx.tasks.spawn(self._notify_failure(room, str(exc)))
             return
-        ctx.rooms.finish(room, Role.PREFILL, RoomState.SUCCESS)
+        ctx.rooms.finish(room, RoomState.SUCCESS)
 
     def abort(self, room: PrefillRoom, reason: str) -> None:
         """The engine gave the room up (its pages may be reused): Failed now, decode told."""
         if room.state.finished:
             return
-        self.ctx.rooms.finish(room, Role.PREFILL, RoomState.FAILED, reason)
+        self.ctx.rooms.finish(room, RoomState.FAILED, reason)
         self.ctx.tasks.spawn(self._notify_failure(room, reason))
 
     async def _notify_failure(self, room: PrefillRoom, reason: str) -> None:
-        for t in room.targets.values():
-            if t.done:
-                continue
+        for t in room.targets_not_done():
             report = DoneReport.failure(room.room, t.decode_rank, room.rank, reason, fenced=not t.writing)
             await self.targets.post_failure(t.agent, report)

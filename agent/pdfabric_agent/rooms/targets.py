@@ -22,7 +22,7 @@ from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms import integrity
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import Delivery, PrefillRoom, Target
+from pdfabric_agent.rooms.room import Delivery, PrefillRoom, Target
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.transfer.base import TransferError
@@ -106,7 +106,7 @@ class TargetSender:
             planned = self.plan_target(room, local, target) if whole else self.plan_chunk(room, local, target, pages)
         except ValueError as exc:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
-        room.marks.setdefault(f"planned:{target.decode_rank}", self.ctx.clock())
+        room.mark_first(f"planned:{target.decode_rank}", self.ctx.clock())
         return planned
 
     def duties(self, local: LocalRank, target: Target) -> Duties:
@@ -294,7 +294,7 @@ class TargetSender:
                 raise delivery.error
             moved.append(delivery.by_path)
             writing_since = ctx.clock()
-            room.marks.setdefault("first-byte", writing_since)
+            room.mark_first("first-byte", writing_since)
             try:
                 await delivery.write()
             except Exception as exc:
@@ -307,7 +307,7 @@ class TargetSender:
                     why = ctx.peers.blame(target.agent, why, writing_since)
                 raise TransferError(f"{room.rank} -> {target.decode_rank}: {why}") from None
             target.writing = not target.deliveries.empty()  # a launched next chunk still writes
-            room.marks[f"written:{target.decode_rank}"] = ctx.clock()
+            room.mark(f"written:{target.decode_rank}", ctx.clock())
             deliveries.append(delivery)
         if len(deliveries) == 1:
             plan, by_path = deliveries[0].plan, deliveries[0].by_path
@@ -323,13 +323,12 @@ class TargetSender:
             moved[:] = [by_path]  # the side-channel aux rows the report adds are counted with it
         if plan.state_skipped_bytes:
             metrics.state_bytes_skipped.labels(ctx.labels.cluster, ctx.labels.backend).inc(plan.state_skipped_bytes)
-            room.skipped_state += plan.state_skipped_bytes
+            room.count_skipped_state(plan.state_skipped_bytes)
         # Also when watched (the decode agent took the completion marks and counts the bytes when it
         # sees them): the report's answer is decode's confirmation, so the room has one outcome.
         checksum = await self._checksum(local, plan) if ctx.spec.transfer.verify else None
         await self._report_done(room, local, target, plan, by_path, checksum)
-        target.done = True
-        room.marks[f"acknowledged:{target.decode_rank}"] = ctx.clock()
+        room.acknowledged(target, ctx.clock())
 
     async def _checksum(self, local: LocalRank, plan: TransferPlan) -> str:
         """What this rank sent to the target, checksummed at the source (integrity.py)."""
@@ -373,4 +372,4 @@ class TargetSender:
         if aux_tcp_bytes:
             labels = ctx.traffic_labels(Role.PREFILL, TCP_SIDE_CHANNEL)
             metrics.transfer_bytes.labels(*labels, Kind.AUX.value).inc(aux_tcp_bytes)
-            room.moved[Kind.AUX.value] += aux_tcp_bytes
+            room.count_moved(Kind.AUX.value, aux_tcp_bytes)

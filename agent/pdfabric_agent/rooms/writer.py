@@ -30,7 +30,7 @@ from pdfabric_agent.protocol.peer_wire import LaunchNotice
 from pdfabric_agent.protocol.wire import BytesByPath, zero_bytes
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.context import AgentContext
-from pdfabric_agent.rooms.registry import PrefillRoom, Target
+from pdfabric_agent.rooms.room import PrefillRoom, Target
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.transfer.base import KernelPath, TransferError
 from pdfabric_core.policy.chunking import chunk_batch
@@ -85,7 +85,7 @@ class RoomWriter:
         metrics.transfer_blocks.labels(*labels).inc(blocks)
         if batches:
             metrics.transfer_batches.labels(*labels).inc(batches)
-        room.moved[kind.value] += moved
+        room.count_moved(kind.value, moved)
         by_path.setdefault(path, zero_bytes())[kind.value] += moved
 
     # ------------------------------------------------------------ what a launch did not take: kernel call, else engine
@@ -241,7 +241,7 @@ class RoomWriter:
                     launch.launched.append(Launched(h, kind, sum(b.length for b in blocks), len(blocks)))
                 else:
                     launch.later.append(functools.partial(self.write, local, kernel, peer, blocks, kind, room, by_path))
-            room.marks[f"launched:{target.decode_rank}"] = self.ctx.clock()
+            room.mark(f"launched:{target.decode_rank}", self.ctx.clock())
             self._keep_marks(target, launch, plan)
             if final and target.all_marked and target.marked:
                 # While the kernels run: the decode agent watches the marks instead of awaiting a report.
@@ -286,7 +286,7 @@ class RoomWriter:
                 exc,
             )
             return
-        room.marks[f"notified:{target.decode_rank}"] = self.ctx.clock()
+        room.mark(f"notified:{target.decode_rank}", self.ctx.clock())
 
     def _keep_marks(self, target: Target, launch: Launch, plan: TransferPlan) -> None:
         """Add this launch's completion marks to the target's, or note that they cannot stand for

@@ -41,17 +41,19 @@ from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.peers.client import PeerClient
 from pdfabric_agent.protocol.errors import ApiError, memory_not_registered, unknown_room
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import FeedHello, MemoryAnswer, RoomState, RoomView
-from pdfabric_agent.protocol.wire import AbortRequest, MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.protocol.wire import AbortRequest, ReceiveRequest, SendRequest
 from pdfabric_agent.ranks.engine_board import FEED_AFTER_BOARD_S, write_end
 from pdfabric_agent.ranks.engine_memory import MemoryRules
 from pdfabric_agent.ranks.local import LocalRank, NodeRanks
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.decode import DecodeArrivals
 from pdfabric_agent.rooms.prefill import PrefillSender
-from pdfabric_agent.rooms.registry import DecodeRoom, MetricLabels, PrefillRoom, RoomRegistry
+from pdfabric_agent.rooms.registry import MetricLabels, RoomRegistry
+from pdfabric_agent.rooms.room import DecodeRoom, PrefillRoom
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
 from pdfabric_agent.runtime.tasks import Liveness, TaskSet
@@ -161,14 +163,10 @@ class Agent:
             for _, room in self.rooms.open_rooms():
                 if room.state.finished:
                     continue
-                if isinstance(room, PrefillRoom) and any(
-                    t.agent == entry.name and not t.done for t in room.targets.values()
-                ):
+                if isinstance(room, PrefillRoom) and entry.name in room.agents_not_done():
                     self.sender.abort(room, reason)
                     failed += 1
-                elif isinstance(room, DecodeRoom) and any(
-                    agent == entry.name and rank not in room.arrived for rank, agent in room.expected.items()
-                ):
+                elif isinstance(room, DecodeRoom) and entry.name in room.sources_not_arrived().values():
                     self.arrivals.give_up(room, reason)
                     failed += 1
             self.peers.forget(entry.name)
@@ -319,7 +317,7 @@ class Agent:
             views += self.sender.unsent_views(rank_id)
         return views
 
-    def _room_ended(self, role: Role, room: DecodeRoom | PrefillRoom) -> None:
+    def _room_ended(self, room: DecodeRoom | PrefillRoom) -> None:
         local, watched = self.ranks.get(room.rank), self.ctx.feed.watched(room.rank)
         view = room.view() if watched or (room.board_slot is not None and local is not None) else None
         if view is not None:
@@ -340,7 +338,7 @@ class Agent:
             self._heartbeat_running = True
             self.ctx.tasks.spawn(self._heartbeat())
         for _, room in self.rooms.open_rooms():
-            if now < room.deadline or room.state.finished:
+            if not room.expired(now) or room.state.finished:
                 continue
             if isinstance(room, PrefillRoom):
                 self.sender.expire(room)

@@ -8,8 +8,8 @@ nothing stays mapped or registered after a refusal."""
 from __future__ import annotations
 
 from pdfabric_agent.protocol.errors import conflict, layout_mismatch
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.views import MemoryAnswer
-from pdfabric_agent.protocol.wire import MemoryRegistration
 from pdfabric_agent.ranks.engine_memory import EngineMemory, MemoryRules, engine_layout
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.runtime import metrics

@@ -14,7 +14,8 @@ from pdfabric_agent.client.engine_env import FabricConfig
 from pdfabric_agent.client.shares import UnshareableBuffer, process_mappings, share_of
 from pdfabric_agent.memory.pools import PageOrder
 from pdfabric_agent.protocol.draft import DraftKv
-from pdfabric_agent.protocol.wire import BufferShare, MemoryRegistration
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
+from pdfabric_agent.protocol.wire import BufferShare
 from pdfabric_core.engines.launch import EngineEnv
 from pdfabric_core.policy.kv_shard import kv_shard_size
 from pdfabric_core.policy.types import MEM_POOL_ENV, KvKind, MemPool, Role

@@ -20,7 +20,7 @@ from typing import Any
 from pdfabric_agent.client.shares import UnshareableBuffer, process_mappings, share_of
 from pdfabric_agent.client.shm import shared_cpu_allocations, shm_dir
 from pdfabric_agent.memory.pools import PageOrder
-from pdfabric_agent.protocol.wire import MemoryRegistration
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 
 
 def kv_allocation(device: Any) -> contextlib.AbstractContextManager[None] | None:

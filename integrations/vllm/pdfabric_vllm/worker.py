@@ -22,8 +22,9 @@ from pdfabric_agent.client.engine_env import FabricConfig, engine_instance
 from pdfabric_agent.client.feed import RoomEvents
 from pdfabric_agent.client.shares import UnshareableBuffer
 from pdfabric_agent.protocol.labels import Refusal
+from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.views import MemoryAnswer, RoomState, RoomView
-from pdfabric_agent.protocol.wire import MemoryRegistration, ReceiveRequest, SendRequest
+from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import Rank
 from pdfabric_vllm import stats
