@@ -30,7 +30,8 @@ PY
 )"
 sglang_reqs="$root/hack/sglang-cpu.txt"
 sglang_nodeps="$root/hack/sglang-cpu-nodeps.txt"
-stamp="$({ printf '%s' "$reqs"; cat "$sglang_reqs" "$sglang_nodeps"; } | sha256sum | cut -c1-16)"
+nixl_nodeps="$root/hack/nixl-nodeps.txt"
+stamp="$({ printf '%s' "$reqs"; cat "$sglang_reqs" "$sglang_nodeps" "$nixl_nodeps"; } | sha256sum | cut -c1-16)"
 if [[ -x "$venv/bin/python" && "$(cat "$venv/.pdfabric-deps" 2>/dev/null)" == "$stamp" ]]; then
   echo "python environment up to date: $venv" >&2
 else
@@ -41,6 +42,7 @@ else
   "$venv/bin/python" -m pip install --progress-bar off -r "$venv/.requirements.txt" >&2
   "$venv/bin/python" -m pip install --progress-bar off -r "$sglang_reqs" >&2
   "$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$sglang_nodeps" >&2
+  "$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$nixl_nodeps" >&2
   echo "$stamp" > "$venv/.pdfabric-deps"
 fi
 echo "$venv/bin/python"

@@ -219,7 +219,7 @@ POD_INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
 # Specs the API server must reject (schema or CEL) and parse_spec must reject too:
 # (id, spec patch applied over a valid default spec, fragment of the API server's message).
 INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
-    ("unknown-backend", {"backend": "nixl"}, 'supported values: "mooncake", "mori"'),
+    ("unknown-backend", {"backend": "ucx"}, 'supported values: "mooncake", "mori", "nixl"'),
     ("unknown-mem-pool", {"transfer": {"memPool": "HBM"}}, "spec.transfer.memPool"),
     ("unknown-transport", {"transfer": {"transport": "infiniband"}}, "spec.transfer.transport"),
     ("prefill-tp-zero", {"prefill": {"tp": 0}}, "spec.prefill.tp"),
@@ -286,12 +286,17 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     (
         "mori-with-intra-node-pool",
         {"backend": "mori", "transfer": {"memPool": "INTRA_NODE_NVLINK"}},
-        "backend mori supports only memPool NONE",
+        "only memPool NONE with transport",
     ),
     (
         "mori-with-nvlink",
         {"backend": "mori", "transfer": {"memPool": "NVLINK", "transport": "nvlink"}},
-        "backend mori supports only",
+        "only memPool NONE with transport",
+    ),
+    (
+        "nixl-with-intra-node-pool",
+        {"backend": "nixl", "transfer": {"memPool": "INTRA_NODE_NVLINK"}},
+        "only memPool NONE with transport",
     ),
     (
         "intra-node-group-exceeds-node",

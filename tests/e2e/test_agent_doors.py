@@ -5,6 +5,7 @@ serves the other's routes."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import socket
@@ -64,6 +65,30 @@ def test_a_rank_map_agent_with_its_certificate_is_admitted(lc: LocalFabric) -> N
     # ... and its message reaches the handler (which refuses a room it does not know).
     status, doc = lc.peer_post(decode.name, "/v1/peer/done", done_report(lc, 1), as_agent=lc.agent_of(P))
     assert (status, doc["reason"]) == (404, "unknown_room")
+
+
+def test_transfer_metadata_is_the_peer_doors_and_refused_where_no_backend_needs_it(lc: LocalFabric) -> None:
+    """Mooncake's engines handshake on their own: a peer asking for a rank's transfer metadata is
+    told so (400), an unknown rank is 404, and the engine door has no such route."""
+    decode, caller = lc.agents[lc.agent_of(D)], lc.agents[lc.agent_of(P)].tls_dir
+    status, doc = peer_request(decode, "GET", f"/v1/peer/metadata?rank={D}", tls_dir=caller)
+    assert (status, doc["reason"]) == (400, "malformed") and "hands out no transfer metadata" in doc["error"]
+    status, doc = peer_request(decode, "GET", "/v1/peer/metadata?rank=decode-9-tp0", tls_dir=caller)
+    assert (status, doc["reason"]) == (404, "unknown_rank")
+    assert engine_get(decode.address, f"/v1/peer/metadata?rank={D}", lc.token)[0] == 404
+
+
+def test_a_nixl_ranks_metadata_is_handed_to_a_peer_with_its_endpoint() -> None:
+    """On NIXL the decode rank's metadata (what a writer loads before its first write) comes from its
+    agent, for the endpoint its room info names, to a rank map agent only."""
+    with LocalFabric({**SPEC, "backend": "nixl"}) as nixl:
+        decode, caller = nixl.agents[nixl.agent_of(D)], nixl.agents[nixl.agent_of(P)].tls_dir
+        status, doc = peer_request(decode, "GET", f"/v1/peer/metadata?rank={D}", tls_dir=caller)
+        assert status == 200 and doc["rank"] == D
+        assert doc["endpoint"] == nixl.client(D).info().rank(D).endpoint
+        assert len(base64.b64decode(doc["metadata"])) > 100
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            peer_request(decode, "GET", f"/v1/peer/metadata?rank={D}")  # no client certificate
 
 
 def test_a_peer_call_without_a_client_certificate_is_refused_in_the_handshake(lc: LocalFabric) -> None:

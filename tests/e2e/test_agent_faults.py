@@ -1,5 +1,6 @@
 """Failure behaviour of real agents: refused requests change nothing; a dead or frozen peer fails
-its rooms within the timeout, is counted, blacklisted, re-probed, and the session recovers."""
+its rooms within the timeout, is counted, blacklisted, re-probed, and the session recovers (on
+Mooncake, and on NIXL where a case names it)."""
 
 from __future__ import annotations
 
@@ -143,8 +144,9 @@ def prefill_outcome(lc: LocalFabric, outcome: str) -> float:
 
 
 @pytest.mark.slow
-def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
-    with LocalFabric(BIG, env={**FAST_RECOVERY, "PDFABRIC_KV_PAGES": "128"}) as lc:
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_frozen_decode_fails_within_timeout_then_session_recovers(backend: str) -> None:
+    with LocalFabric({**BIG, "backend": backend}, env={**FAST_RECOVERY, "PDFABRIC_KV_PAGES": "128"}) as lc:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
         pages = list(range(128))
         lc.client(decode).receive(decode, 1, pages)
@@ -186,8 +188,10 @@ def test_frozen_decode_fails_within_timeout_then_session_recovers() -> None:
 
 
 @pytest.mark.slow
-def test_killed_decode_fails_fast_and_is_counted() -> None:
-    with LocalFabric(SMALL, env=FAST_RECOVERY) as lc:
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_killed_decode_fails_fast_and_is_counted(backend: str) -> None:
+    """A restarted decode agent is a new engine (NIXL: a new agent and metadata, loaded again)."""
+    with LocalFabric({**SMALL, "backend": backend}, env=FAST_RECOVERY) as lc:
         prefill, decode = "prefill-0-tp0-cp0", "decode-0-tp0"
         lc.client(decode).receive(decode, 5, [0, 1, 2])
         wait_until(

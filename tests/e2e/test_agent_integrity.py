@@ -15,15 +15,17 @@ from tests.builders import SMALL_MODEL
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 @pytest.mark.parametrize(
     ("prefill", "decode", "aux_over_tcp"),
     [({"tp": 2}, {"tp": 4}, False), ({"tp": 1, "cp": 2, "allCpRanksTransfer": True}, {"tp": 1}, True)],
     ids=["head-slices", "cp2-all-ranks-aux-tcp"],
 )
 def test_verified_rooms_arrive_exact_and_every_source_matches(
-    prefill: dict[str, Any], decode: dict[str, Any], aux_over_tcp: bool
+    prefill: dict[str, Any], decode: dict[str, Any], aux_over_tcp: bool, backend: str
 ) -> None:
     raw = {
+        "backend": backend,
         "prefill": prefill,
         "decode": decode,
         "transfer": {"transport": "tcp", "verify": True, "auxOverTcp": aux_over_tcp},

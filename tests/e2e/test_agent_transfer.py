@@ -1,5 +1,6 @@
-"""Real agent processes over the real Mooncake engine on loopback tcp: KV pages, state and aux
-arrive byte-exact for every rank-mapping case, and the byte counters equal what moved."""
+"""Real agent processes over the real Mooncake engine on loopback tcp, and over NIXL (UCX tcp) where a
+case names it: KV pages, state and aux arrive byte-exact for every rank-mapping case, and the byte
+counters equal what moved."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from tests.builders import SMALL_MODEL
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def spec(prefill: dict[str, Any], decode: dict[str, Any], **transfer: Any) -> dict[str, Any]:
+def spec(prefill: dict[str, Any], decode: dict[str, Any], backend: str = "mooncake", **transfer: Any) -> dict[str, Any]:
     transfer = {"transport": "tcp", "timeoutSeconds": 10, **transfer}
     if transfer.get("memPool", "NONE") != "NONE":
         # Custom pools imply GPU or RDMA transports; run them on tcp the way the operator places
         # them after a declared fallback (the rank map says "tcp").
         del transfer["transport"]
     return {
+        "backend": backend,
         "prefill": prefill,
         "decode": decode,
         "transfer": transfer,
@@ -98,17 +100,29 @@ def check_prediction(lc: LocalFabric, decode: dict[str, RoomView], pages: int, s
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode", "ranks_per_agent"),
+    ("prefill", "decode", "ranks_per_agent", "backend"),
     [
-        ({"tp": 2}, {"tp": 2}, 0),
-        ({"tp": 2}, {"tp": 4}, 0),
-        ({"tp": 4}, {"tp": 2}, 1),
-        ({"tp": 8}, {"tp": 2}, 0),
+        ({"tp": 2}, {"tp": 2}, 0, "mooncake"),
+        ({"tp": 2}, {"tp": 4}, 0, "mooncake"),
+        ({"tp": 4}, {"tp": 2}, 1, "mooncake"),
+        ({"tp": 8}, {"tp": 2}, 0, "mooncake"),
+        ({"tp": 2}, {"tp": 4}, 0, "nixl"),
+        ({"tp": 4}, {"tp": 2}, 1, "nixl"),
     ],
-    ids=["equal-tp2", "prefill-tp2-decode-tp4", "prefill-tp4-decode-tp2-agent-per-rank", "replicated-heads-tp8-tp2"],
+    ids=[
+        "equal-tp2",
+        "prefill-tp2-decode-tp4",
+        "prefill-tp4-decode-tp2-agent-per-rank",
+        "replicated-heads-tp8-tp2",
+        "nixl-prefill-tp2-decode-tp4",
+        "nixl-prefill-tp4-decode-tp2-agent-per-rank",
+    ],
 )
-def test_kv_state_aux_arrive_byte_exact(prefill: dict[str, Any], decode: dict[str, Any], ranks_per_agent: int) -> None:
-    with LocalFabric(spec(prefill, decode), ranks_per_agent=ranks_per_agent) as lc:
+def test_kv_state_aux_arrive_byte_exact(
+    prefill: dict[str, Any], decode: dict[str, Any], ranks_per_agent: int, backend: str
+) -> None:
+    with LocalFabric(spec(prefill, decode, backend), ranks_per_agent=ranks_per_agent) as lc:
+        assert lc.metric_sum("pdfabric_engine_up", backend=backend) > 0
         check_room(lc, room=11)
         # A room id names one request: using it again is refused (no silent reopen, no stale
         # room info taken for the new use); the next request, under a new id, is exact again.
@@ -147,13 +161,17 @@ def test_typed_state_arrives_byte_exact_in_the_agents_pools(
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode"), [({"tp": 2}, {"tp": 1}), ({"tp": 1}, {"tp": 2})], ids=["mla-tp2-tp1", "mla-tp1-tp2"]
+    ("prefill", "decode", "backend"),
+    [({"tp": 2}, {"tp": 1}, "mooncake"), ({"tp": 1}, {"tp": 2}, "mooncake"), ({"tp": 2}, {"tp": 1}, "nixl")],
+    ids=["mla-tp2-tp1", "mla-tp1-tp2", "nixl-mla-tp2-tp1"],
 )
-def test_mla_latents_arrive_byte_exact_in_the_agents_pools(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+def test_mla_latents_arrive_byte_exact_in_the_agents_pools(
+    prefill: dict[str, Any], decode: dict[str, Any], backend: str
+) -> None:
     """One latent buffer per layer (kvKind MLA), whole on every prefill rank: each decode rank
     takes it from one of them (the other completes having sent nothing), per-pair bytes as the
     prediction says."""
-    raw = spec(prefill, decode)
+    raw = spec(prefill, decode, backend)
     raw["model"] = {**SMALL_MODEL, "kvKind": "MLA", "kvLoraRank": 24, "qkRopeHeadDim": 8}
     with LocalFabric(raw) as lc:
         check_room(lc, room=21)
@@ -279,11 +297,13 @@ def test_aux_path_follows_policy(transfer: dict[str, Any], path: str) -> None:
             assert lc.metric_sum("pdfabric_transfer_batches_total", role="prefill") == 1
 
 
-def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_room_larger_than_one_batch_goes_in_chunks_of_1024(backend: str) -> None:
     # 1500 scattered pages x 2 layers x K/V = 6000 blocks: one tcp batch of that size would fail
     # and poison the session; chunked it is 6 batches, and the next room still works.
     geometry = {"layers": 2, "kvHeads": 2, "headDim": 8, "pageSizeTokens": 2, "auxRowBytes": [8]}
-    raw = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "transfer": {"transport": "tcp"}, "model": geometry}
+    raw = {"backend": backend, "prefill": {"tp": 1}, "decode": {"tp": 1}, "transfer": {"transport": "tcp"}}
+    raw["model"] = geometry
     with LocalFabric(raw, env={"PDFABRIC_KV_PAGES": "2600", "PDFABRIC_COALESCE": "0"}) as lc:
         for room in (1, 2):
             result = transfer_room(lc, room, pages=1500, aux=False)
@@ -292,10 +312,11 @@ def test_room_larger_than_one_batch_goes_in_chunks_of_1024() -> None:
         assert lc.metric_sum("pdfabric_transfer_batches_total", role="prefill") == 2 * 6
 
 
-def test_many_rooms_in_flight_do_not_mix() -> None:
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_many_rooms_in_flight_do_not_mix(backend: str) -> None:
     from pdfabric_devcluster.synthetic import fill_prefill, verify_decode
 
-    with LocalFabric(spec({"tp": 2}, {"tp": 4})) as lc:
+    with LocalFabric(spec({"tp": 2}, {"tp": 4}, backend)) as lc:
         rooms = {
             room: (list(range(8 * i, 8 * i + 8)), list(range(63 - 8 * i, 55 - 8 * i, -1)))
             for i, room in enumerate(range(70, 77))

@@ -40,6 +40,7 @@ from pdfabric_agent.protocol.info import AgentInfo, RankInfo
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.peer_wire import (
+    METADATA_PATH,
     PING_PATH,
     PROBE_PATH,
     STREAM_PATH,
@@ -329,6 +330,10 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
     async def probe_regions(request: web.Request) -> web.Response:
         return web.json_response(agent.probe_regions)  # only describes: the prober does the work
 
+    async def transfer_metadata(request: web.Request) -> web.Response:
+        rank_id = request.query.get("rank", "")
+        return web.json_response(agent.transfer_metadata(rank_id).to_json())  # only describes, as the probe
+
     async def not_found(request: web.Request) -> web.Response:
         raise ApiError(404, Refusal.MALFORMED, f"no such endpoint {request.method} {request.path}")
 
@@ -354,6 +359,7 @@ def build_api_app(agent: Agent, door: Door) -> web.Application:
         app.on_shutdown.append(close_streams)
         app.router.add_get(PING_PATH, ping)
         app.router.add_get(PROBE_PATH, probe_regions)
+        app.router.add_get(METADATA_PATH, transfer_metadata)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 

@@ -8,7 +8,8 @@ Why peers cannot abuse it:
 - every rank registers a probe region of its own (``PROBE_BYTES``), apart from its KV, state and
   aux memory: a probe write, or a peer writing garbage there, touches no KV; nothing reads it;
 - its address is served on the peer door only (``GET /v1/peer/probe``: mutual TLS, an agent of the
-  rank map), and the call makes the answering agent do nothing but describe its regions;
+  rank map), and the call makes the answering agent do nothing but describe its regions (with each
+  rank's transfer metadata where its backend needs it loaded before a write: NIXL);
 - the prober's own work is fixed here, not by anything a peer sends: a handful of writes of at
   most the region's size, at start (and while below the threshold, once per ``RETRY_S``), with the
   peer's size clamped to ``PROBE_BYTES``.
@@ -17,6 +18,8 @@ Why peers cannot abuse it:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import os
 import statistics
 import time
@@ -54,6 +57,7 @@ class Region:
     endpoint: str  # the peer rank's engine session
     addr: int
     size: int
+    metadata: bytes | None = None  # what the prober's backend loads before writing there (NIXL)
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,15 @@ def allocate(
 
 def describe(regions: Mapping[str, Pool], backends: Mapping[str, TransferBackend]) -> dict[str, Any]:
     """The body of GET /v1/peer/probe."""
-    return {
-        "ranks": {
-            rank_id: {"endpoint": backends[rank_id].endpoint(), "addr": pool.addr, "size": pool.size}
-            for rank_id, pool in regions.items()
-        }
-    }
+    ranks: dict[str, Any] = {}
+    for rank_id, pool in regions.items():
+        backend = backends[rank_id]
+        described = backend.local_metadata()
+        endpoint = backend.endpoint() if described is None else described[0]
+        ranks[rank_id] = {"endpoint": endpoint, "addr": pool.addr, "size": pool.size}
+        if described is not None:
+            ranks[rank_id]["metadata"] = base64.b64encode(described[1]).decode()
+    return {"ranks": ranks}
 
 
 def parse_regions(body: Mapping[str, Any]) -> dict[str, Region]:
@@ -97,10 +104,16 @@ def parse_regions(body: Mapping[str, Any]) -> dict[str, Region]:
     for rank_id, r in ranks.items():
         if not isinstance(r, dict):
             raise ValueError(f"probe region of {rank_id!r} is not an object")
-        endpoint, addr, size = r.get("endpoint"), r.get("addr"), r.get("size")
+        endpoint, addr, size, metadata = r.get("endpoint"), r.get("addr"), r.get("size"), r.get("metadata")
         if not isinstance(endpoint, str) or not isinstance(addr, int) or not isinstance(size, int):
             raise ValueError(f"probe region of {rank_id!r} needs endpoint, addr and size")
-        out[str(rank_id)] = Region(endpoint, addr, min(size, PROBE_BYTES))
+        if metadata is not None and not isinstance(metadata, str):
+            raise ValueError(f"probe region of {rank_id!r} has metadata that is not a string")
+        try:
+            loaded = None if metadata is None else base64.b64decode(metadata, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"probe region of {rank_id!r} has metadata that is not base64: {exc}") from None
+        out[str(rank_id)] = Region(endpoint, addr, min(size, PROBE_BYTES), loaded)
     return out
 
 
@@ -109,6 +122,8 @@ def measure(
 ) -> tuple[float, float]:
     """(GB/s, median latency in seconds) of writes from ``src`` into ``region``; raises what the
     engine raises. Runs in a worker thread (engine calls block)."""
+    if region.metadata is not None and backend.needs_metadata(region.endpoint):
+        backend.load_metadata(region.endpoint, region.metadata)
     size = min(region.size, src.size)
     small = min(LATENCY_BYTES, size)
     backend.write_batch(region.endpoint, [Block(src.addr, region.addr, small)])  # opens the session

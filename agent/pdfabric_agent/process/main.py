@@ -111,6 +111,7 @@ def build_ranks(
             host=cfg.engine_host,
             gpu=rank.gpu,
             max_batch_entries=spec.transfer.max_batch_entries,
+            timeout_s=spec.transfer.timeout_seconds,
         )
         for pool in pools.all():
             backend.register(pool)

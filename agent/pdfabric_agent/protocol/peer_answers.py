@@ -2,10 +2,13 @@
 ``RoomInfoTaken`` (room info, kept for a later send or given to the room), ``SourceAnswer`` (a done
 report or a launch notice: the decode room's state then) and ``CancelAnswer`` (whether the source's
 writes into the cancelled room are over). ``to_json`` is what the answering agent writes, ``parse``
-what the asking agent reads; ``parse`` raises ``ValueError`` naming the field."""
+what the asking agent reads; ``parse`` raises ``ValueError`` naming the field. ``TransferMetadata``
+answers the peer door's GET of a rank's transfer metadata (``peer_wire.METADATA_PATH``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -83,3 +86,35 @@ class CancelAnswer:
         if not isinstance(fenced, bool):
             raise ValueError(f"{what}: 'fenced' is {fenced!r}")
         return cls(fenced, None if d.get("state") is None else answer_state(d["state"], what))
+
+
+MAX_METADATA_BYTES = 1 << 20  # NIXL's agent metadata is about 300 bytes plus 40 per registered region
+
+
+@dataclass(frozen=True)
+class TransferMetadata:
+    """GET /v1/peer/metadata's answer: what a writer's backend loads before its first write to a
+    rank's endpoint (NIXL's agent metadata and regions), opaque to all but the backends; the
+    endpoint it belongs to, so that a writer holding an older endpoint sees that it changed."""
+
+    rank: str
+    endpoint: str
+    metadata: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "endpoint": self.endpoint, "metadata": base64.b64encode(self.metadata).decode()}
+
+    @classmethod
+    def parse(cls, doc: Any) -> Self:
+        what = "a transfer metadata answer"
+        d = answer_object(doc, what)
+        rank, endpoint, encoded = d.get("rank"), d.get("endpoint"), d.get("metadata")
+        if not isinstance(rank, str) or not isinstance(endpoint, str) or not isinstance(encoded, str):
+            raise ValueError(f"{what}: 'rank', 'endpoint' and 'metadata' must be strings")
+        if len(encoded) > MAX_METADATA_BYTES * 4 // 3 + 4:
+            raise ValueError(f"{what}: 'metadata' is over {MAX_METADATA_BYTES} bytes")
+        try:
+            metadata = base64.b64decode(encoded, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"{what}: 'metadata' is not base64 ({exc})") from None
+        return cls(rank, endpoint, metadata)

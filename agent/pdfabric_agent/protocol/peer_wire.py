@@ -44,6 +44,9 @@ from pdfabric_core.policy.types import StateKind
 # The peer door's GET routes (its POSTs are the messages' own ``PATH``).
 PING_PATH = "/v1/peer/ping"
 PROBE_PATH = "/v1/peer/probe"  # the link check's probe regions (node.probe)
+# ?rank=R: the rank's transfer metadata (``TransferMetadata``), which a writer's backend loads before
+# its first write there (NIXL); a backend whose engines handshake on their own has none (404).
+METADATA_PATH = "/v1/peer/metadata"
 # A WebSocket on which a peer's messages travel as frames ``{"id", "path", "body"}``, each answered
 # ``{"id", "status", "body"}`` as its POST would be (peers/stream.py, http/peer_stream.py).
 STREAM_PATH = "/v1/peer/stream"

@@ -1,5 +1,6 @@
 """What every part of the agent shares: settings, the spec and rank map, the local ranks, the room
-registry, the peer client, background tasks, the engine worker threads and the engines' room feed."""
+registry, the peer client and the peer ranks' transfer metadata, background tasks, the engine worker
+threads and the engines' room feed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdfabric_agent.peers.client import PeerClient
+from pdfabric_agent.peers.metadata import MetadataLoader
 from pdfabric_agent.ranks.local import NodeRanks
 from pdfabric_agent.rooms.feed import RoomFeed
 from pdfabric_agent.rooms.registry import MetricLabels, RoomRegistry
@@ -29,6 +31,7 @@ class AgentContext:
     clock: Callable[[], float]
     labels: MetricLabels
     liveness: Liveness
+    metadata: MetadataLoader  # peer ranks' transfer metadata, for a backend that needs it (NIXL)
     feed: RoomFeed = field(default_factory=RoomFeed)  # room views pushed to engines (GET /v1/events)
 
     @property

@@ -36,17 +36,28 @@ class DecodeFailed(RuntimeError):
 class EngineDelivery(Delivery):
     """Through the rank's transfer engine, batch by batch. When nothing else of the target is in
     flight, its first batch goes to a worker in the call that fed it (``eager``), as a kernel path
-    launches there, instead of when the room's task gets to it after that call answered."""
+    launches there, instead of when the room's task gets to it after that call answered. A backend
+    that must load the decode rank's metadata first (NIXL) starts nothing before it is loaded."""
 
     def __init__(
-        self, writer: RoomWriter, local: LocalRank, room: PrefillRoom, plan: TransferPlan, peer: str, eager: bool
+        self,
+        writer: RoomWriter,
+        local: LocalRank,
+        room: PrefillRoom,
+        target: Target,
+        plan: TransferPlan,
+        peer: str,
+        eager: bool,
     ) -> None:
-        self.writer, self.local, self.room, self.plan, self.peer = writer, local, room, plan, peer
+        self.writer, self.local, self.room, self.target, self.plan, self.peer = writer, local, room, target, plan, peer
         self.by_path = {}
+        eager = eager and not local.backend.needs_metadata(peer)
         self.batches = writer.engine_batches(local, plan) if eager else None
         self.first = writer.submit_batch(local, peer, self.batches[0]) if self.batches else None
 
     async def write(self) -> None:
+        target = self.target
+        await self.writer.ctx.metadata.ensure(self.local.backend, target.agent, target.decode_rank, self.peer)
         await self.writer.write_engine(
             self.local, self.peer, self.plan, self.room, self.by_path, self.batches, self.first
         )
@@ -204,7 +215,7 @@ class TargetSender:
         target.writing = True
         kernel = local.backend.kernel
         if kernel is None:
-            delivery: Delivery = EngineDelivery(self.writer, local, room, plan, peer, eager=idle)
+            delivery: Delivery = EngineDelivery(self.writer, local, room, target, plan, peer, eager=idle)
         else:
             launch = self.writer.launch(room, local, target, plan, peer, kernel, final=final)
             delivery = KernelDelivery(self.writer, local, room, target, launch)

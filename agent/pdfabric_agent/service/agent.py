@@ -39,10 +39,11 @@ from typing import Any
 
 from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.peers.client import PeerClient
-from pdfabric_agent.protocol.errors import ApiError, memory_not_registered, unknown_room
+from pdfabric_agent.peers.metadata import MetadataLoader
+from pdfabric_agent.protocol.errors import ApiError, malformed, memory_not_registered, unknown_rank, unknown_room
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.memory_registration import MemoryRegistration
-from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer
+from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer, TransferMetadata
 from pdfabric_agent.protocol.peer_wire import DoneReport, LaunchNotice, RoomCancel, RoomInfo
 from pdfabric_agent.protocol.views import FeedHello, MemoryAnswer, RoomState, RoomView
 from pdfabric_agent.protocol.wire import AbortRequest, ReceiveRequest, SendRequest
@@ -90,16 +91,19 @@ class Agent:
         self.clock = clock
         labels = MetricLabels(rankmap.cluster, spec.backend, transport)
         liveness = Liveness(clock())
+        peers = PeerClient(cfg, rankmap, spec.agent.peer_port, clock, liveness)
+        workers = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine")
         self.ctx = AgentContext(
             cfg=cfg,
             ranks=NodeRanks(rankmap, spec, self.entry.name, ranks),
             rooms=RoomRegistry(labels, clock),
-            peers=PeerClient(cfg, rankmap, spec.agent.peer_port, clock, liveness),
+            peers=peers,
             tasks=TaskSet(),
-            workers=ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="pdfabric-engine"),
+            workers=workers,
             clock=clock,
             labels=labels,
             liveness=liveness,
+            metadata=MetadataLoader(peers.get_json, workers),
         )
         self.rooms = self.ctx.rooms
         self.peers = self.ctx.peers
@@ -284,6 +288,20 @@ class Agent:
 
     def accept_cancel(self, msg: RoomCancel, sender_agent: str | None = None) -> CancelAnswer:
         return self.sender.accept_cancel(msg, sender_agent)
+
+    def transfer_metadata(self, rank_id: str) -> TransferMetadata:
+        """A local rank's transfer metadata, for a peer's backend to load before writing there
+        (GET /v1/peer/metadata: peers.metadata)."""
+        local = self.ctx.ranks.by_id.get(rank_id)
+        if local is None:
+            raise unknown_rank(f"{rank_id!r} is not a rank of agent {self.entry.name}")
+        described = local.backend.local_metadata()
+        if described is None:
+            raise malformed(
+                f"{rank_id} runs backend {local.backend.name}, whose engines handshake on their own: it hands out "
+                "no transfer metadata"
+            )
+        return TransferMetadata(rank_id, *described)
 
     async def poll(self, rank_id: str, room_id: int, wait_s: float = 0.0) -> RoomView:
         """The room's view; with wait_s > 0, answer as soon as it is final or wait_s passed (a

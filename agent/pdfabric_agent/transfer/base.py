@@ -9,7 +9,8 @@ launch gather/scatter kernels into a peer's mapped pools (``KernelPath``, the in
 fast path); ``start_batch`` answers None unless the engine can start a batch without blocking the
 caller (then the agent starts it from its event loop and only the wait goes to a worker);
 ``paths`` lists every `path` metric label the backend can report, so the agent pre-creates their
-series. This is how SGLang's disaggregation base classes give optional methods
+series; ``local_metadata`` is what a peer must load before writing here (NIXL's agent metadata),
+None where the engine handshakes on its own (Mooncake). This is how SGLang's disaggregation base classes give optional methods
 defaults: a caller asks the capability, it does not look for attribute names.
 """
 
@@ -33,6 +34,7 @@ class BackendOptions:
     host: str  # the address the engine advertises to peers
     gpu: int  # the rank's GPU (local index)
     max_batch_entries: int  # the spec's transfer.maxBatchEntries
+    timeout_s: float = 30.0  # the spec's transfer.timeoutSeconds: the longest one batch may take
 
 
 class TransferError(RuntimeError):
@@ -101,6 +103,22 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def endpoint(self) -> str:
         """Session id peers write to (Mooncake: "host:rpc_port")."""
+
+    def local_metadata(self) -> tuple[str, bytes] | None:
+        """What a peer's backend must load (``load_metadata``) before it writes to this rank, with
+        the endpoint it belongs to (read together: a registration changes both), handed out on the
+        agent's peer door; opaque to all but the backend. None: nothing (Mooncake's engines
+        handshake on their own)."""
+        return None
+
+    def needs_metadata(self, peer: str) -> bool:
+        """A write to ``peer`` needs its rank's metadata loaded first (and it is not loaded)."""
+        return False
+
+    def load_metadata(self, peer: str, metadata: bytes) -> None:
+        """Load the metadata the agent of ``peer``'s rank handed out for that endpoint; raises
+        ``TransferError`` when it is not that endpoint's."""
+        raise NotImplementedError(f"the {self.name} backend loads no peer metadata")
 
     @abc.abstractmethod
     def register(self, pool: Pool) -> None:

@@ -2,8 +2,8 @@
 
 Each backend is one module with a ``create(transport, BackendOptions) -> TransferBackend``
 factory, registered here behind a function that imports the module on first use, so its engine
-bindings (Mooncake, MORI: native wheels) load only when a spec asks for that backend. A new engine
-backend (NIXL, say) is one new module and one registration here.
+bindings (Mooncake, MORI, NIXL: native wheels) load only when a spec asks for that backend. A new engine
+backend is one new module and one registration here.
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ def backend_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_backend(name: str, transport: Transport, *, host: str, gpu: int, max_batch_entries: int) -> TransferBackend:
+def make_backend(
+    name: str, transport: Transport, *, host: str, gpu: int, max_batch_entries: int, timeout_s: float = 30.0
+) -> TransferBackend:
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown backend {name!r}: one of {', '.join(backend_names())}")
-    return factory(transport, BackendOptions(host=host, gpu=gpu, max_batch_entries=max_batch_entries))
+    return factory(transport, BackendOptions(host, gpu, max_batch_entries, timeout_s))
 
 
 def _mooncake(transport: Transport, opts: BackendOptions) -> TransferBackend:
@@ -56,5 +58,12 @@ def _mori(transport: Transport, opts: BackendOptions) -> TransferBackend:
     return mori.create(transport, opts)
 
 
+def _nixl(transport: Transport, opts: BackendOptions) -> TransferBackend:
+    from pdfabric_agent.transfer import nixl
+
+    return nixl.create(transport, opts)
+
+
 register_backend("mooncake", _mooncake, paths=("mooncake", "nvlink-kernel"))  # engine; fast path over it
 register_backend("mori", _mori, paths=("mori",))
+register_backend("nixl", _nixl, paths=("nixl-ucx",))

@@ -50,6 +50,7 @@ class Backend(enum.StrEnum):
 
     MOONCAKE = "mooncake"
     MORI = "mori"
+    NIXL = "nixl"  # NIXL over its UCX backend (tcp, rdma): the transfer library of Dynamo, llm-d and vLLM
 
 
 class KvKind(enum.StrEnum):

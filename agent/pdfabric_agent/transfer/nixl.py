@@ -1,0 +1,379 @@
+"""NIXL transfer backend: one NIXL agent per rank over its UCX backend, with no listener thread and
+no metadata server. A peer writes here only after loading this rank's agent metadata (its UCX
+address and the remote keys of every registered region), which the agent hands out through its
+own authenticated peer door (``local_metadata``, ``load_metadata``; the blob is this module's
+``RankMetadata``): NIXL's socket exchange and etcd are never used, so nothing of NIXL's listens
+but UCX's own transport, on the interface peers reach the rank at.
+
+An endpoint names the NIXL agent and the digest of its metadata (``name#digest``): registering or
+releasing memory makes a new endpoint, so a writer holding older metadata loads it again instead
+of writing with stale keys. Writes are WRITE transfers of (src, dst, length) descriptors; a
+transfer is DONE once its bytes landed in the peer's memory, which is what ``write_batch``
+promises. Waits poll ``check_xfer_state`` with a short sleep: NIXL's progress thread moves the
+bytes, so a spinning wait would only take a core from it.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdfabric_agent.memory.plan import Block
+from pdfabric_agent.memory.pools import Pool
+from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
+from pdfabric_core.policy.types import Device, Transport
+
+NIXL_BACKEND = "UCX"  # the NIXL backend plugin this module drives
+WAIT_POLL_S = 50e-6  # sleep between checks of a transfer's state
+DIGEST_CHARS = 16
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+# NIXL's memory segment type per pool device.
+SEGMENTS = {Device.CPU: "DRAM", Device.CUDA: "VRAM"}
+
+
+def ucx_env(transport: Transport, host: str = "") -> Mapping[str, str]:
+    """UCX's settings for ``transport``, set before the first NIXL agent starts (UCX reads them
+    once). tcp: UCX's tcp transport only, and without UCX's InfiniBand modules, which a node
+    without RDMA devices does not need and whose libnl destructor crashed every process at exit.
+    ``host``: the address peers reach this rank at; UCX's tcp transport then listens only on the
+    interface that holds it (by default it listens on every interface)."""
+    if transport is Transport.TCP:
+        env = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}
+        if host and (device := interface_of(host)):
+            env["UCX_NET_DEVICES"] = device
+        return env
+    if transport is Transport.RDMA:
+        return {"UCX_TLS": "rc,ud,tcp"}
+    raise ValueError(f"the nixl backend does not carry transport {transport.value}: use tcp or rdma")
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 ``address``; None when none does."""
+    try:
+        packed = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on it
+            if answer[20:24] == packed:
+                return name
+    return None
+
+
+def metadata_digest(metadata: bytes) -> str:
+    return hashlib.sha256(metadata).hexdigest()[:DIGEST_CHARS]
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    """An endpoint's NIXL agent name and metadata digest; ValueError if it is not a NIXL endpoint."""
+    name, sep, digest = endpoint.rpartition("#")
+    if not sep or not name or len(digest) != DIGEST_CHARS:
+        raise ValueError(f"{endpoint!r} is not a nixl endpoint (name#digest)")
+    return name, digest
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered region: where it is and NIXL's segment type for it."""
+
+    addr: int
+    size: int
+    segment: str
+    device_id: int = 0  # the GPU of a VRAM region
+
+    def holds(self, addr: int, length: int) -> bool:
+        return self.addr <= addr and addr + length <= self.addr + self.size
+
+
+class Regions:
+    """Registered regions by start address, for finding which one holds a block."""
+
+    def __init__(self, regions: Sequence[Region] = ()) -> None:
+        self._by_addr = sorted(regions, key=lambda r: r.addr)
+        self._starts = [r.addr for r in self._by_addr]
+
+    def find(self, addr: int, length: int) -> Region | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and self._by_addr[i].holds(addr, length):
+            return self._by_addr[i]
+        return None
+
+    def add(self, region: Region) -> Regions:
+        return Regions([*self._by_addr, region])
+
+    def without(self, addr: int) -> Regions:
+        return Regions([r for r in self._by_addr if r.addr != addr])
+
+    def __iter__(self) -> Any:
+        return iter(self._by_addr)
+
+
+@dataclass(frozen=True)
+class RankMetadata:
+    """What a writer needs of a peer rank: its NIXL agent metadata and its regions (for the segment
+    type of a destination, and to refuse a block outside them before NIXL does). ``encode`` is the
+    blob the agent's peer door hands out, opaque to everything but this module."""
+
+    nixl: bytes
+    regions: tuple[Region, ...]
+
+    def encode(self) -> bytes:
+        regions = [[r.addr, r.size, r.segment, r.device_id] for r in self.regions]
+        return json.dumps({"nixl": base64.b64encode(self.nixl).decode(), "regions": regions}).encode()
+
+    @classmethod
+    def decode(cls, blob: bytes) -> RankMetadata:
+        try:
+            doc = json.loads(blob)
+            regions = tuple(Region(int(a), int(s), str(g), int(d)) for a, s, g, d in doc["regions"])
+            return cls(base64.b64decode(doc["nixl"], validate=True), regions)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransferError(f"malformed NIXL rank metadata: {exc}") from exc
+
+
+class NixlBackend(TransferBackend):
+    name = "nixl"
+    path = "nixl-ucx"
+
+    def __init__(
+        self, transport: Transport, *, host: str, gpu: int = 0, max_batch_entries: int = 1024, timeout_s: float = 30.0
+    ) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config  # import here: loads UCX
+        except ImportError as exc:
+            raise TransferError(
+                f"backend nixl needs NIXL in the agent's environment (nixl and nixl-cu13 1.5.1, hack/nixl-nodeps.txt): {exc}"
+            ) from exc
+
+        self.transport = transport
+        self.max_batch_entries = max_batch_entries
+        self._gpu = gpu
+        # Unique across restarts: a peer must never take a new process for the old one.
+        self._name = f"{host}/{os.getpid()}/{gpu}/{uuid.uuid4().hex[:8]}"
+        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[NIXL_BACKEND])
+        self._agent = nixl_agent(self._name, config)
+        if NIXL_BACKEND not in self._agent.backends:
+            raise TransferError(f"NIXL has no {NIXL_BACKEND} backend here (plugins: {self._agent.plugin_list})")
+        self._lock = threading.Lock()  # registrations and peers change while worker threads write
+        self._regions = Regions()
+        self._registered: dict[int, Any] = {}  # pool address -> its registration descriptors
+        self._metadata: tuple[str, bytes] | None = None  # endpoint and blob, remade after a registration change
+        self._peers: dict[str, Regions] = {}  # endpoint -> the regions of a peer whose metadata NIXL holds
+        self._timeout_s = timeout_s
+
+    # ------------------------------------------------------------ this rank
+    def endpoint(self) -> str:
+        return self.local_metadata()[0]
+
+    def local_metadata(self) -> tuple[str, bytes]:
+        with self._lock:
+            if self._metadata is None:
+                blob = RankMetadata(bytes(self._agent.get_agent_metadata()), tuple(self._regions)).encode()
+                self._metadata = (f"{self._name}#{metadata_digest(blob)}", blob)
+            return self._metadata
+
+    def register(self, pool: Pool) -> None:
+        segment = SEGMENTS[pool.device]
+        descs = self._agent.get_reg_descs([(pool.addr, pool.size, self._device_id(pool), pool.name)], segment)
+        try:
+            self._agent.register_memory(descs, backends=[NIXL_BACKEND])
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL register_memory({pool.name}, {pool.size} bytes, {segment}) failed: {exc}"
+            ) from exc
+        with self._lock:
+            self._registered[pool.addr] = descs
+            self._regions = self._regions.add(Region(pool.addr, pool.size, segment, self._device_id(pool)))
+            self._metadata = None
+
+    def unregister(self, pool: Pool) -> None:
+        with self._lock:
+            descs = self._registered.pop(pool.addr, None)
+            self._regions = self._regions.without(pool.addr)
+            self._metadata = None
+        if descs is not None:
+            self._agent.deregister_memory(descs, backends=[NIXL_BACKEND])
+
+    def _device_id(self, pool: Pool) -> int:
+        return (pool.gpu if pool.gpu is not None else self._gpu) if pool.device is Device.CUDA else 0
+
+    # ------------------------------------------------------------ peers
+    def needs_metadata(self, peer: str) -> bool:
+        with self._lock:
+            return peer not in self._peers
+
+    def load_metadata(self, peer: str, metadata: bytes) -> None:
+        """Load a peer rank's metadata, checked against its endpoint: the digest must match, and
+        the NIXL agent must be the one the endpoint names. A newer endpoint of the same agent
+        replaces the older one."""
+        name, digest = split_endpoint(peer)
+        if metadata_digest(metadata) != digest:
+            raise TransferError(f"metadata for {peer} does not match its digest")
+        decoded = RankMetadata.decode(metadata)
+        with self._lock:
+            try:
+                loaded = self._agent.add_remote_agent(decoded.nixl)
+            except Exception as exc:  # NIXL refuses its own metadata, or a blob it cannot read
+                raise TransferError(f"NIXL refused the metadata for {peer}: {exc!r}") from exc
+            loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded_name != name:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(loaded_name)
+                raise TransferError(f"metadata for {peer} is NIXL agent {loaded_name!r}")
+            for old in [e for e in self._peers if split_endpoint(e)[0] == name]:
+                del self._peers[old]
+            self._peers[peer] = Regions(decoded.regions)
+
+    def _peer(self, peer: str) -> tuple[str, Regions]:
+        with self._lock:
+            regions = self._peers.get(peer)
+        if regions is None:
+            raise TransferError(f"no NIXL metadata of {peer} loaded: its agent's metadata must come first")
+        return split_endpoint(peer)[0], regions
+
+    # ------------------------------------------------------------ writes
+    def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
+        wait = self._start(peer, blocks)
+        if wait is not None:
+            wait()
+        return None
+
+    def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
+        """The batch's transfers posted now (NIXL's progress thread moves them); the returned call
+        waits until they landed. None, nothing started, for a peer whose metadata is not loaded
+        yet or when posting failed (a peer gone): ``write_batch`` then says why, where the caller
+        waits for a write."""
+        if self.needs_metadata(peer) or not blocks or len(blocks) > self.max_batch_entries:
+            return None
+        try:
+            wait = self._start(peer, blocks)
+        except TransferError:
+            return None
+
+        def waited() -> str | None:
+            if wait is not None:
+                wait()
+            return None
+
+        return waited
+
+    def _start(self, peer: str, blocks: Sequence[Block]) -> Callable[[], None] | None:
+        if len(blocks) > self.max_batch_entries:
+            raise ValueError(f"{len(blocks)} blocks exceed max_batch_entries {self.max_batch_entries}")
+        if not blocks:
+            return None
+        remote, remote_regions = self._peer(peer)
+        handles = []
+        try:
+            for (src, dst), group in self._grouped(peer, blocks, self._regions, remote_regions).items():
+                handles.append(self._post(remote, group, src, dst))
+        except TransferError:
+            if handles:  # what was posted lands or fails before this batch is reported failed
+                with contextlib.suppress(TransferError):
+                    self._land(peer, handles, time.monotonic() + self._timeout_s)
+            raise
+        deadline = time.monotonic() + self._timeout_s + sum(b.length for b in blocks) / 1e9
+        return lambda: self._land(peer, handles, deadline)
+
+    @staticmethod
+    def _grouped(
+        peer: str, blocks: Sequence[Block], local: Regions, remote: Regions
+    ) -> dict[tuple[Region, Region], list[Block]]:
+        """The blocks by (source region, destination region): one NIXL transfer takes one segment
+        type and device on each side."""
+        groups: dict[tuple[Region, Region], list[Block]] = {}
+        for b in blocks:
+            src, dst = local.find(b.src, b.length), remote.find(b.dst, b.length)
+            if src is None:
+                raise TransferError(f"source {b.src:#x}+{b.length} is in no region registered here")
+            if dst is None:
+                raise TransferError(f"destination {b.dst:#x}+{b.length} is in no region {peer} registered")
+            groups.setdefault((src, dst), []).append(b)
+        return groups
+
+    def _post(self, remote: str, blocks: list[Block], src_region: Region, dst_region: Region) -> Any:
+        agent = self._agent
+        src = agent.get_xfer_descs([(b.src, b.length, src_region.device_id) for b in blocks], src_region.segment)
+        dst = agent.get_xfer_descs([(b.dst, b.length, dst_region.device_id) for b in blocks], dst_region.segment)
+        try:
+            handle = agent.initialize_xfer("WRITE", src, dst, remote, backends=[NIXL_BACKEND])
+            state = agent.transfer(handle)
+        except Exception as exc:
+            raise TransferError(f"NIXL write of {len(blocks)} blocks to {remote} failed: {exc}") from exc
+        if state == "ERR":
+            agent.release_xfer_handle(handle)
+            raise TransferError(f"NIXL write of {len(blocks)} blocks to {remote} failed when posted")
+        return handle
+
+    def _land(self, peer: str, handles: list[Any], deadline: float) -> None:
+        """Until every transfer is DONE; raises when one failed or the deadline passed (the rest are
+        still released, which aborts what did not land)."""
+        agent, failure = self._agent, ""
+        pending = list(handles)
+        while pending:
+            still = []
+            for handle in pending:
+                try:
+                    state = agent.check_xfer_state(handle)
+                except Exception as exc:
+                    state, failure = "ERR", failure or str(exc)
+                if state == "PROC" and time.monotonic() < deadline:
+                    still.append(handle)
+                    continue
+                if state != "DONE":
+                    failure = failure or ("timed out" if state == "PROC" else f"state {state}")
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
+            pending = still
+            if pending:
+                time.sleep(WAIT_POLL_S)
+        if failure:
+            raise TransferError(f"NIXL write to {peer} failed: {failure}")
+
+    def probe(self, peer: str) -> bool:
+        """True when the peer's NIXL agent is loaded and a connection to it can be made."""
+        try:
+            remote, _ = self._peer(peer)
+            self._agent.make_connection(remote, backends=[NIXL_BACKEND])
+        except Exception:
+            return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers), {}
+            registered, self._registered = list(self._registered.values()), {}
+        for endpoint in peers:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(split_endpoint(endpoint)[0])
+        for descs in registered:
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(descs, backends=[NIXL_BACKEND])
+
+
+def create(transport: Transport, opts: BackendOptions) -> TransferBackend:
+    """The registry's factory: UCX's settings for the transport (unless set already), then the
+    backend."""
+    for key, value in ucx_env(transport, opts.host).items():
+        os.environ.setdefault(key, value)
+    return NixlBackend(
+        transport, host=opts.host, gpu=opts.gpu, max_batch_entries=opts.max_batch_entries, timeout_s=opts.timeout_s
+    )
