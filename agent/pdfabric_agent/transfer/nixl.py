@@ -10,7 +10,8 @@ releasing memory makes a new endpoint, so a writer holding older metadata loads 
 of writing with stale keys. Writes are WRITE transfers of (src, dst, length) descriptors; a
 transfer is DONE once its bytes landed in the peer's memory, which is what ``write_batch``
 promises. Waits poll ``check_xfer_state`` with a short sleep: NIXL's progress thread moves the
-bytes, so a spinning wait would only take a core from it.
+bytes, so a spinning wait would only take a core from it; that thread waits for UCX's events
+(``waiting_agent``) instead of polling, as NIXL's Python API would have it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -76,6 +78,39 @@ def interface_of(address: str) -> str | None:
             if answer[20:24] == packed:
                 return name
     return None
+
+
+# NIXL's progress thread moves UCX's bytes, on the receiving side too (UCX over tcp writes into a
+# receiver's memory only as its worker makes progress). NIXL's Python API starts it with a delay of 0,
+# under which it polls without waiting: each idle rank took about half a core (two idle agents, 4.6 s
+# of CPU in 5 s). With a delay it waits for UCX's events, at most this long: idle ranks took 1% of a
+# core, and a 64 MiB write was no slower (tcp, loopback).
+PROGRESS_DELAY_US = 1000
+_config_lock = threading.Lock()
+
+
+def waiting_agent(nixl_agent: Any, name: str) -> Any:
+    """A NIXL agent (UCX backend, progress thread, no listener thread) whose progress thread waits
+    for events (``PROGRESS_DELAY_US``). The Python API offers no argument for the delay but sets the
+    binding's ``pthrDelay`` on a config it makes: for this one construction that config is a
+    subclass of the binding's that keeps the delay."""
+    from nixl._api import nixl_agent_config
+
+    api = sys.modules[nixl_agent.__module__]
+    binding = api.nixlBind
+    base = binding.nixlAgentConfig
+
+    class WaitingConfig(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
+
+    config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[NIXL_BACKEND])
+    with _config_lock:
+        binding.nixlAgentConfig = WaitingConfig
+        try:
+            return nixl_agent(name, config)
+        finally:
+            binding.nixlAgentConfig = base
 
 
 def metadata_digest(metadata: bytes) -> str:
@@ -157,7 +192,7 @@ class NixlBackend(TransferBackend):
         self, transport: Transport, *, host: str, gpu: int = 0, max_batch_entries: int = 1024, timeout_s: float = 30.0
     ) -> None:
         try:
-            from nixl._api import nixl_agent, nixl_agent_config  # import here: loads UCX
+            from nixl._api import nixl_agent  # import here: loads UCX
         except ImportError as exc:
             raise TransferError(
                 f"backend nixl needs NIXL in the agent's environment (nixl and nixl-cu13 1.5.1, hack/nixl-nodeps.txt): {exc}"
@@ -168,8 +203,7 @@ class NixlBackend(TransferBackend):
         self._gpu = gpu
         # Unique across restarts: a peer must never take a new process for the old one.
         self._name = f"{host}/{os.getpid()}/{gpu}/{uuid.uuid4().hex[:8]}"
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[NIXL_BACKEND])
-        self._agent = nixl_agent(self._name, config)
+        self._agent = waiting_agent(nixl_agent, self._name)
         if NIXL_BACKEND not in self._agent.backends:
             raise TransferError(f"NIXL has no {NIXL_BACKEND} backend here (plugins: {self._agent.plugin_list})")
         self._lock = threading.Lock()  # registrations and peers change while worker threads write

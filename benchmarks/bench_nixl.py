@@ -1,0 +1,189 @@
+"""pdfabric on NIXL against pdfabric on Mooncake and against raw NIXL, in one run, 4 KiB to 4 MiB
+pages (loopback tcp, real agent processes).
+
+Run: ``python benchmarks/bench_nixl.py [--page-kib 4 64 1024 4096] [--mib 32] [--repeat 5]``
+
+- agent on NIXL / agent on Mooncake: a room through real agent processes with ``backend: nixl``
+  or ``mooncake``, timed by the client from ``send`` to the prefill room's Success (every batch
+  landed and the decode agent acknowledged), coalescing off so the agents move exactly the raw
+  run's blocks (source every other page, destination reversed: one block per page);
+- raw NIXL: the same blocks between the same two pool files (the agents' own, mapped here and in
+  a receiver process of its own), written by NIXL's Python API directly: one ``initialize_xfer``
+  per chunk of at most ``maxBatchEntries`` blocks, waited for by polling ``check_xfer_state``; its
+  NIXL agents made as the backend makes them (``waiting_agent``: a progress thread that waits for
+  events; NIXL's own default polls without waiting and would slow everything on two cores).
+Medians over ``--repeat`` rooms. Two cores are shared by everything here: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "operator", "agent", "hack")]
+
+from pdfabric_agent.memory.plan import Bases, Block, TransferSide, decode_targets, plan_transfer, sender_duties  # noqa: E402
+from pdfabric_agent.protocol.info import PoolInfo  # noqa: E402
+from pdfabric_agent.transfer.nixl import ucx_env, waiting_agent  # noqa: E402
+from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
+from pdfabric_core.policy.types import Transport  # noqa: E402
+from pdfabric_core.spec import PDClusterSpec  # noqa: E402
+from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
+
+PREFILL, DECODE = "prefill-0-tp0-cp0", "decode-0-tp0"
+BATCH = 1024  # the spec's default maxBatchEntries
+
+
+def spec_for(backend: str, page_kib: int) -> dict[str, Any]:
+    # One layer, 8 KV heads x 128 dims x bf16: a page of page_kib KiB holds page_kib / 2 tokens.
+    model = {"layers": 1, "kvHeads": 8, "headDim": 128, "pageSizeTokens": page_kib // 2, "auxRowBytes": [8]}
+    return {
+        "backend": backend,
+        "prefill": {"tp": 1},
+        "decode": {"tp": 1},
+        "transfer": {"transport": "tcp", "timeoutSeconds": 60},
+        "model": model,
+    }
+
+
+def scattered(n: int) -> tuple[list[int], list[int]]:
+    return [2 * i for i in range(n)], [2 * n - 1 - 2 * i for i in range(n)]
+
+
+def agent_room(lc: LocalFabric, room: int, src: list[int], dst: list[int]) -> float:
+    lc.client(DECODE).receive(DECODE, room, dst)
+    start = time.perf_counter()
+    lc.client(PREFILL).send(PREFILL, room, src)
+    view = lc.client(PREFILL).wait(PREFILL, room, 120)
+    elapsed = time.perf_counter() - start
+    if not view.succeeded:
+        raise RuntimeError(f"room {room} failed: {view.reason}")
+    lc.client(DECODE).wait(DECODE, room, 10)
+    return elapsed
+
+
+def map_pool(info: PoolInfo) -> tuple[mmap.mmap, int]:
+    fd = os.open(info.handle, os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, info.size)
+    finally:
+        os.close(fd)
+    return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def raw_receiver(handle: str, size: int, conn: Connection) -> None:
+    """A NIXL agent of its own process on the decode pool file: it sends its metadata and base
+    address, then waits until told to stop (a WRITE needs nothing of the receiver)."""
+    from nixl._api import nixl_agent
+
+    m, addr = map_pool(PoolInfo(addr=0, size=size, device="cpu", handle=handle))
+    agent = waiting_agent(nixl_agent, "raw-decode")
+    agent.register_memory(agent.get_reg_descs([(addr, size, 0, "kv")], "DRAM"))
+    conn.send((bytes(agent.get_agent_metadata()), addr))
+    conn.recv()
+    del agent, m
+
+
+class RawNixl:
+    """This process's NIXL agent on the prefill pool file, writing to the raw receiver."""
+
+    def __init__(self, lc: LocalFabric) -> None:
+        from nixl._api import nixl_agent
+
+        pinfo = lc.client(PREFILL).info().rank(PREFILL)
+        dinfo = lc.client(DECODE).info().rank(DECODE)
+        self.src_map, self.src_addr = map_pool(pinfo.pools["kv"])
+        self.pinfo, self.dinfo = pinfo, dinfo
+        self.conn, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=raw_receiver, args=(dinfo.pools["kv"].handle, dinfo.pools["kv"].size, child)
+        )
+        self.proc.start()
+        metadata, self.dst_addr = self.conn.recv()
+        self.agent = waiting_agent(nixl_agent, "raw-prefill")
+        self.agent.register_memory(self.agent.get_reg_descs([(self.src_addr, pinfo.pools["kv"].size, 0, "kv")], "DRAM"))
+        self.remote = self.agent.add_remote_agent(metadata)
+
+    def blocks(self, spec: PDClusterSpec, src: list[int], dst: list[int]) -> list[Block]:
+        duties = sender_duties(spec, decode_targets(spec, 0)[0], 0, len(dst))
+        assert duties is not None
+        src_side = TransferSide(self.pinfo.layout, Bases(self.src_addr, 0, 0), src, [], None)
+        dst_side = TransferSide(self.dinfo.layout, Bases(self.dst_addr, 0, 0), dst, [], None)
+        return list(plan_transfer(duties, src_side, dst_side, coalesce=False).kv)
+
+    def room(self, blocks: list[Block]) -> float:
+        agent = self.agent
+        start = time.perf_counter()
+        for chunk in chunk_batch(blocks, BATCH):
+            local = agent.get_xfer_descs([(b.src, b.length, 0) for b in chunk], "DRAM")
+            remote = agent.get_xfer_descs([(b.dst, b.length, 0) for b in chunk], "DRAM")
+            handle = agent.initialize_xfer("WRITE", local, remote, self.remote)
+            state = agent.transfer(handle)
+            while state == "PROC":
+                time.sleep(50e-6)
+                state = agent.check_xfer_state(handle)
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL transfer ended {state}")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(10)
+        del self.agent
+
+
+def measure(page_kib: int, mib: int, repeat: int) -> dict[str, float]:
+    pages = max(1, mib * 1024 // (2 * page_kib))  # K and V pages of the one layer
+    src, dst = scattered(pages)
+    nbytes = pages * 2 * page_kib * 1024
+    env = {"PDFABRIC_KV_PAGES": str(2 * pages), "PDFABRIC_COALESCE": "0"}
+    out: dict[str, float] = {"pages": pages, "MiB": nbytes / 2**20}
+    for backend in ("nixl", "mooncake"):
+        spec = spec_for(backend, page_kib)
+        with LocalFabric(spec, env=env) as lc:
+            agent_room(lc, 0, src, dst)  # warm: sessions, metadata, page faults
+            times = [agent_room(lc, i + 1, src, dst) for i in range(repeat)]
+            out[f"{backend}_GBps"] = nbytes / statistics.median(times) / 1e9
+            if backend == "nixl":
+                raw = RawNixl(lc)
+                try:
+                    blocks = raw.blocks(lc.spec, src, dst)
+                    raw.room(blocks)
+                    out["raw_GBps"] = nbytes / statistics.median(raw.room(blocks) for _ in range(repeat)) / 1e9
+                    out["blocks"] = len(blocks)
+                finally:
+                    raw.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--page-kib", type=int, nargs="+", default=[4, 64, 1024, 4096])
+    ap.add_argument("--mib", type=int, default=32, help="KV bytes per room")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    for key, value in ucx_env(Transport.TCP, "127.0.0.1").items():
+        os.environ.setdefault(key, value)  # the raw side runs UCX as the agents do
+    print("| page | blocks/room | MiB/room | raw NIXL GB/s | pdfabric on NIXL GB/s | pdfabric on Mooncake GB/s "
+          "| NIXL agent / raw NIXL | NIXL agent / Mooncake agent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for kib in args.page_kib:
+        r = measure(kib, args.mib, args.repeat)
+        print(
+            f"| {kib} KiB | {int(r['blocks'])} | {r['MiB']:.0f} | {r['raw_GBps']:.2f} | {r['nixl_GBps']:.2f} "
+            f"| {r['mooncake_GBps']:.2f} | {r['nixl_GBps'] / r['raw_GBps']:.2f} | {r['nixl_GBps'] / r['mooncake_GBps']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
