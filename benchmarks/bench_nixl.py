@@ -33,7 +33,7 @@ sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "operator", "agent", "ha
 
 from pdfabric_agent.memory.plan import Bases, Block, TransferSide, decode_targets, plan_transfer, sender_duties  # noqa: E402
 from pdfabric_agent.protocol.info import PoolInfo  # noqa: E402
-from pdfabric_agent.transfer.nixl import ucx_env, waiting_agent  # noqa: E402
+from pdfabric_agent.transfer.nixl_setup import ucx_env, waiting_agent  # noqa: E402
 from pdfabric_core.policy.chunking import chunk_batch  # noqa: E402
 from pdfabric_core.policy.types import Transport  # noqa: E402
 from pdfabric_core.spec import PDClusterSpec  # noqa: E402

@@ -14,7 +14,8 @@ import pytest
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
-from pdfabric_agent.transfer.nixl import NixlBackend, create, metadata_digest, split_endpoint, ucx_env
+from pdfabric_agent.transfer.nixl import NixlBackend, create, metadata_digest, split_endpoint
+from pdfabric_agent.transfer.nixl_setup import ucx_env
 from pdfabric_core.policy.types import Device, Transport
 
 SIZE = 1 << 20

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pdfabric_agent.memory.plan import Bases, MemoryMap
 from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools, region_of
 from pdfabric_agent.protocol.board import RoomBoard
-from pdfabric_agent.protocol.errors import malformed, unknown_rank, wrong_peer
+from pdfabric_agent.protocol.errors import malformed, memory_not_registered, unknown_rank, wrong_peer
 from pdfabric_agent.ranks.engine_memory import EngineMemory
 from pdfabric_agent.transfer.base import TransferBackend
 from pdfabric_core.policy.rank_mapping import decode_pp_stage
@@ -48,6 +48,12 @@ class LocalRank:
         """The agent's own pools never move: their map is made once (it is read per room)."""
         p = self.pools
         return MemoryMap.of_pools(p.layout, Bases(p.kv.addr, p.state.addr, p.aux.addr))
+
+    def check_engine_memory(self, wanted: bool) -> None:
+        """A room for the engine's own memory (``engine_memory``) needs the engine's registration:
+        after an agent restart the engine must register again before its rooms (409)."""
+        if wanted and self.engine is None:
+            raise memory_not_registered(self.rank.rank_id)
 
     def regions(self) -> tuple[Pool, ...]:
         """Every registered region of the rank's memory (integrity sums and side-channel rows)."""

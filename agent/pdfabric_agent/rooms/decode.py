@@ -64,6 +64,7 @@ class DecodeArrivals(SourceCancels):
     def submit_receive(self, msg: ReceiveRequest) -> RoomView:
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.DECODE)
+        local.check_engine_memory(msg.engine_memory)
         msg.check_bounds(local.layout, ctx.ranks.peer_replicas(Role.PREFILL), ctx.spec.prefill.dp)
         check_slot(local.board, msg.board_slot)
         ctx.rooms.refuse_reuse(Role.DECODE, msg.rank, msg.room)

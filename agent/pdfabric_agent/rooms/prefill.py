@@ -55,6 +55,7 @@ class PrefillSender(EarlyRooms):
         the first goes to its open room (``chunks.add_chunk``)."""
         ctx = self.ctx
         local = ctx.ranks.local(msg.rank, Role.PREFILL)
+        local.check_engine_memory(msg.engine_memory)
         decode_replicas = ctx.ranks.peer_replicas(Role.DECODE)
         shards = kv_shard_size(ctx.spec)
         # Under KV cache sharding the pages are the request's logical ones, striped over the shard

@@ -51,13 +51,16 @@ class EngineDelivery(Delivery):
     ) -> None:
         self.writer, self.local, self.room, self.target, self.plan, self.peer = writer, local, room, target, plan, peer
         self.by_path = {}
-        eager = eager and not local.backend.needs_metadata(peer)
+        # Asked once: a newer endpoint loaded meanwhile drops this one, and the write then says so.
+        self.metadata_loaded = not local.backend.needs_metadata(peer)
+        eager = eager and self.metadata_loaded
         self.batches = writer.engine_batches(local, plan) if eager else None
         self.first = writer.submit_batch(local, peer, self.batches[0]) if self.batches else None
 
     async def write(self) -> None:
-        target = self.target
-        await self.writer.ctx.metadata.ensure(self.local.backend, target.agent, target.decode_rank, self.peer)
+        if not self.metadata_loaded:
+            target = self.target
+            await self.writer.ctx.metadata.ensure(self.local.backend, target.agent, target.decode_rank, self.peer)
         await self.writer.write_engine(
             self.local, self.peer, self.plan, self.room, self.by_path, self.batches, self.first
         )
@@ -117,7 +120,8 @@ class TargetSender:
             planned = self.plan_target(room, local, target) if whole else self.plan_chunk(room, local, target, pages)
         except ValueError as exc:
             raise ValueError(f"cannot plan {room.rank} -> {target.decode_rank}: {exc}") from None
-        room.mark_first(f"planned:{target.decode_rank}", self.ctx.clock())
+        if pages.start == 0:  # the target's first plan: a later chunk's comes after it
+            room.mark_first(f"planned:{target.decode_rank}", self.ctx.clock())
         return planned
 
     def duties(self, local: LocalRank, target: Target) -> Duties:
@@ -305,7 +309,8 @@ class TargetSender:
                 raise delivery.error
             moved.append(delivery.by_path)
             writing_since = ctx.clock()
-            room.mark_first("first-byte", writing_since)
+            if not deliveries:  # the target's first: a later chunk's writes come after it
+                room.mark_first("first-byte", writing_since)
             try:
                 await delivery.write()
             except Exception as exc:

@@ -40,7 +40,7 @@ from typing import Any
 from pdfabric_agent.memory.completion import CompletionWatcher
 from pdfabric_agent.peers.client import PeerClient
 from pdfabric_agent.peers.metadata import MetadataLoader
-from pdfabric_agent.protocol.errors import ApiError, malformed, memory_not_registered, unknown_rank, unknown_room
+from pdfabric_agent.protocol.errors import ApiError, malformed, unknown_rank, unknown_room
 from pdfabric_agent.protocol.labels import Refusal
 from pdfabric_agent.protocol.memory_registration import MemoryRegistration
 from pdfabric_agent.protocol.peer_answers import CancelAnswer, RoomInfoTaken, SourceAnswer, TransferMetadata
@@ -265,16 +265,10 @@ class Agent:
         return failed
 
     def submit_send(self, msg: SendRequest) -> RoomView:
-        self._check_engine_memory(msg)
         return self.sender.submit_send(msg)
 
     def submit_receive(self, msg: ReceiveRequest) -> RoomView:
-        self._check_engine_memory(msg)
         return self.arrivals.submit_receive(msg)
-
-    def _check_engine_memory(self, msg: SendRequest | ReceiveRequest) -> None:
-        if msg.engine_memory and self.ctx.ranks.served(msg.rank).engine is None:
-            raise memory_not_registered(msg.rank)
 
     # Peer messages: `sender_agent` is the agent the peer door authenticated (its certificate).
     def accept_dst(self, msg: RoomInfo, sender_agent: str | None = None) -> RoomInfoTaken:

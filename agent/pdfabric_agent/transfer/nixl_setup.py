@@ -1,0 +1,85 @@
+"""How a NIXL agent is made on this node: UCX's settings per transport (set before the first agent
+starts: UCX reads them once), the network interface UCX's tcp transport listens on, and a NIXL
+agent whose progress thread waits for UCX's events instead of polling (``waiting_agent``)."""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from pdfabric_core.policy.types import Transport
+
+NIXL_BACKEND = "UCX"  # the NIXL backend plugin the nixl backend drives
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def ucx_env(transport: Transport, host: str = "") -> Mapping[str, str]:
+    """UCX's settings for ``transport``, set before the first NIXL agent starts (UCX reads them
+    once). tcp: UCX's tcp transport only, and without UCX's InfiniBand modules, which a node
+    without RDMA devices does not need and whose libnl destructor crashed every process at exit.
+    ``host``: the address peers reach this rank at; UCX's tcp transport then listens only on the
+    interface that holds it (by default it listens on every interface)."""
+    if transport is Transport.TCP:
+        env = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}
+        if host and (device := interface_of(host)):
+            env["UCX_NET_DEVICES"] = device
+        return env
+    if transport is Transport.RDMA:
+        return {"UCX_TLS": "rc,ud,tcp"}
+    raise ValueError(f"the nixl backend does not carry transport {transport.value}: use tcp or rdma")
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 ``address``; None when none does."""
+    try:
+        packed = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on it
+            if answer[20:24] == packed:
+                return name
+    return None
+
+
+# NIXL's progress thread moves UCX's bytes, on the receiving side too (UCX over tcp writes into a
+# receiver's memory only as its worker makes progress). NIXL's Python API starts it with a delay of 0,
+# under which it polls without waiting: each idle rank took about half a core (two idle agents, 4.6 s
+# of CPU in 5 s). With a delay it waits for UCX's events, at most this long: idle ranks took 1% of a
+# core, and a 64 MiB write was no slower (tcp, loopback).
+PROGRESS_DELAY_US = 1000
+_config_lock = threading.Lock()
+
+
+def waiting_agent(nixl_agent: Any, name: str) -> Any:
+    """A NIXL agent (UCX backend, progress thread, no listener thread) whose progress thread waits
+    for events (``PROGRESS_DELAY_US``). The Python API offers no argument for the delay but sets the
+    binding's ``pthrDelay`` on a config it makes: for this one construction that config is a
+    subclass of the binding's that keeps the delay."""
+    from nixl._api import nixl_agent_config
+
+    api = sys.modules[nixl_agent.__module__]
+    binding = api.nixlBind
+    base = binding.nixlAgentConfig
+
+    class WaitingConfig(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
+
+    config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[NIXL_BACKEND])
+    with _config_lock:
+        binding.nixlAgentConfig = WaitingConfig
+        try:
+            return nixl_agent(name, config)
+        finally:
+            binding.nixlAgentConfig = base
