@@ -161,7 +161,8 @@ def test_lost_node_ranks_are_replaced(cluster: Any, namespace: str, gpu_nodes: A
         if node != victim:
             assert after.get(node, 0) >= gpus
     _no_duplicates(cluster, namespace)
-    assert condition(obj, "Degraded")["status"] == "False"
+    degraded = condition(obj, "Degraded")
+    assert degraded["status"] == "False", (degraded, obj["status"].get("placement"))
     if how == "not-ready":
         cluster.set_node_down(victim, down=False)
 
