@@ -5,8 +5,9 @@ Run: ``python benchmarks/bench_nixl.py [--page-kib 4 64 1024 4096] [--mib 32] [-
 
 - agent on NIXL / agent on Mooncake: a room through real agent processes with ``backend: nixl``
   or ``mooncake``, timed by the client from ``send`` to the prefill room's Success (every batch
-  landed and the decode agent acknowledged), coalescing off so the agents move exactly the raw
-  run's blocks (source every other page, destination reversed: one block per page);
+  landed and the decode agent acknowledged), and its write phase alone (the room's phases: from
+  Transferring to the target written), coalescing off so the agents move exactly the raw run's
+  blocks (source every other page, destination reversed: one block per page);
 - raw NIXL: the same blocks between the same two pool files (the agents' own, mapped here and in
   a receiver process of its own), written by NIXL's Python API directly: one ``initialize_xfer``
   per chunk of at most ``maxBatchEntries`` blocks, waited for by polling ``check_xfer_state``; its
@@ -18,8 +19,6 @@ Medians over ``--repeat`` rooms. Two cores are shared by everything here: read t
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
 import multiprocessing as mp
 import os
 import statistics
@@ -39,45 +38,16 @@ from pdfabric_core.policy.types import Transport  # noqa: E402
 from pdfabric_core.spec import PDClusterSpec  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_agent  # noqa: E402  (its room, pool mapping and page order: the same as its own table's)
+from bench_agent import map_pool, scattered  # noqa: E402
+
 PREFILL, DECODE = "prefill-0-tp0-cp0", "decode-0-tp0"
 BATCH = 1024  # the spec's default maxBatchEntries
 
 
 def spec_for(backend: str, page_kib: int) -> dict[str, Any]:
-    # One layer, 8 KV heads x 128 dims x bf16: a page of page_kib KiB holds page_kib / 2 tokens.
-    model = {"layers": 1, "kvHeads": 8, "headDim": 128, "pageSizeTokens": page_kib // 2, "auxRowBytes": [8]}
-    return {
-        "backend": backend,
-        "prefill": {"tp": 1},
-        "decode": {"tp": 1},
-        "transfer": {"transport": "tcp", "timeoutSeconds": 60},
-        "model": model,
-    }
-
-
-def scattered(n: int) -> tuple[list[int], list[int]]:
-    return [2 * i for i in range(n)], [2 * n - 1 - 2 * i for i in range(n)]
-
-
-def agent_room(lc: LocalFabric, room: int, src: list[int], dst: list[int]) -> float:
-    lc.client(DECODE).receive(DECODE, room, dst)
-    start = time.perf_counter()
-    lc.client(PREFILL).send(PREFILL, room, src)
-    view = lc.client(PREFILL).wait(PREFILL, room, 120)
-    elapsed = time.perf_counter() - start
-    if not view.succeeded:
-        raise RuntimeError(f"room {room} failed: {view.reason}")
-    lc.client(DECODE).wait(DECODE, room, 10)
-    return elapsed
-
-
-def map_pool(info: PoolInfo) -> tuple[mmap.mmap, int]:
-    fd = os.open(info.handle, os.O_RDWR)
-    try:
-        m = mmap.mmap(fd, info.size)
-    finally:
-        os.close(fd)
-    return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
+    return {**bench_agent.spec_for(page_kib), "backend": backend}
 
 
 def raw_receiver(handle: str, size: int, conn: Connection) -> None:
@@ -151,9 +121,10 @@ def measure(page_kib: int, mib: int, repeat: int) -> dict[str, float]:
     for backend in ("nixl", "mooncake"):
         spec = spec_for(backend, page_kib)
         with LocalFabric(spec, env=env) as lc:
-            agent_room(lc, 0, src, dst)  # warm: sessions, metadata, page faults
-            times = [agent_room(lc, i + 1, src, dst) for i in range(repeat)]
-            out[f"{backend}_GBps"] = nbytes / statistics.median(times) / 1e9
+            bench_agent.agent_room(lc, 0, src, dst)  # warm: sessions, metadata, page faults
+            rooms = [bench_agent.agent_room(lc, i + 1, src, dst) for i in range(repeat)]
+            out[f"{backend}_GBps"] = nbytes / statistics.median(total for total, _ in rooms) / 1e9
+            out[f"{backend}_write_GBps"] = nbytes / statistics.median(write for _, write in rooms) / 1e9
             if backend == "nixl":
                 raw = RawNixl(lc)
                 try:
@@ -174,14 +145,17 @@ def main() -> None:
     args = ap.parse_args()
     for key, value in ucx_env(Transport.TCP, "127.0.0.1").items():
         os.environ.setdefault(key, value)  # the raw side runs UCX as the agents do
-    print("| page | blocks/room | MiB/room | raw NIXL GB/s | pdfabric on NIXL GB/s | pdfabric on Mooncake GB/s "
-          "| NIXL agent / raw NIXL | NIXL agent / Mooncake agent |")  # fmt: skip
+    print("| page | blocks/room | MiB/room | raw NIXL GB/s | pdfabric on NIXL GB/s (write phase) "
+          "| pdfabric on Mooncake GB/s (write phase) | NIXL agent / raw NIXL (write phase) "
+          "| NIXL agent / Mooncake agent |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for kib in args.page_kib:
         r = measure(kib, args.mib, args.repeat)
+        raw, nixl, mooncake = r["raw_GBps"], r["nixl_GBps"], r["mooncake_GBps"]
         print(
-            f"| {kib} KiB | {int(r['blocks'])} | {r['MiB']:.0f} | {r['raw_GBps']:.2f} | {r['nixl_GBps']:.2f} "
-            f"| {r['mooncake_GBps']:.2f} | {r['nixl_GBps'] / r['raw_GBps']:.2f} | {r['nixl_GBps'] / r['mooncake_GBps']:.2f} |"
+            f"| {kib} KiB | {int(r['blocks'])} | {r['MiB']:.0f} | {raw:.2f} | {nixl:.2f} ({r['nixl_write_GBps']:.2f}) "
+            f"| {mooncake:.2f} ({r['mooncake_write_GBps']:.2f}) | {nixl / raw:.2f} ({r['nixl_write_GBps'] / raw:.2f}) "
+            f"| {nixl / mooncake:.2f} |"
         )
 
 
