@@ -27,6 +27,7 @@ from pdfabric_vllmserver.servers import (
     PD_ENV,
     ROOT,
     VllmServer,
+    completion,
     nixl_kv_config,
     pdfabric_kv_config,
     start_server,
@@ -144,6 +145,26 @@ def router(python: str, prefill: VllmServer, decode: VllmServer, log: Path) -> I
         proc.wait(10)
 
 
+# How many tries the pair's first request gets before the pair is ready. vLLM's NixlConnector gives
+# its first handshake with a peer 5 s (a ZMQ receive timeout in nixl/base_worker.py
+# _nixl_handshake): in run 16, on two cores its own polling threads keep busy, it timed out and the
+# request failed 500 (decode's log: "NIXL transfer failure: handshake_setup_failed"); its next
+# request handshakes again. pdfabric's pair must answer its first request.
+FIRST_REQUEST_TRIES = {"pdfabric": 1, "nixl": 3}
+
+
+def warm(pd: VllmPD) -> None:
+    """The pair answers one request through the router before a test uses it (its P/D handshake
+    made), within ``FIRST_REQUEST_TRIES``; raises with every answer otherwise."""
+    answers = []
+    for _ in range(FIRST_REQUEST_TRIES[pd.connector]):
+        status, body = pd.complete(completion(list(range(1, 9)), 2))
+        if status == 200:
+            return
+        answers.append((status, body))
+    raise RuntimeError(f"the {pd.connector} pair answered no first request: {answers}")
+
+
 @contextlib.contextmanager
 def behind_router(
     connector: str, python: str, model_dir: Path, logs: Path, shape: Shape = ONE_RANK
@@ -152,7 +173,9 @@ def behind_router(
         pair(connector, python, model_dir, logs, shape) as (prefill, decode, fabric),
         router(python, prefill, decode, logs / "router.log") as url,
     ):
-        yield VllmPD(connector, prefill, decode, url, fabric)
+        pd = VllmPD(connector, prefill, decode, url, fabric)
+        warm(pd)
+        yield pd
 
 
 EXAMPLE = ROOT / "examples" / "vllm" / "pdcluster-vllm-cpu.yaml"
