@@ -7,12 +7,13 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import types
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdfabric_agent.client.api import AgentClient, AgentRefused
+from pdfabric_agent.client.api import REGISTER_TIMEOUT_S, AgentClient, AgentRefused
 from pdfabric_agent.protocol.info import AgentInfo
 from pdfabric_agent.protocol.views import RoomState, RoomView
 from pdfabric_agent.protocol.wire import ReceiveRequest
@@ -207,3 +208,21 @@ def _outcome(answer: Callable[[], RoomView]) -> object:
         return answer()
     except AgentRefused as exc:
         return exc
+
+
+def test_a_registration_waits_longer_than_the_clients_call_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine plugins' clients time their calls out at 2 s (a scheduler step must not wait); a
+    registration maps and registers every engine buffer, seconds on a busy node: it waits at least
+    REGISTER_TIMEOUT_S."""
+    client = AgentClient("127.0.0.1:1", "tok", "uid-1", 2.0)
+    seen: list[float | None] = []
+
+    def call(method: str, path: str, body: object = None, timeout_s: float | None = None) -> dict:
+        seen.append(timeout_s)
+        raise AgentRefused(409, "conflict", "busy")
+
+    monkeypatch.setattr(client, "_call", call)
+    registration = types.SimpleNamespace(PATH="/v1/memory", to_json=lambda: {"rank": "r"})
+    with pytest.raises(AgentRefused):
+        client.register_memory(registration)  # type: ignore[arg-type]
+    assert seen == [REGISTER_TIMEOUT_S] and REGISTER_TIMEOUT_S >= 30

@@ -32,6 +32,7 @@ from pdfabric_agent.protocol.wire import INFO_PATH, AbortRequest, ReceiveRequest
 
 WAIT_BACKOFF_MIN_S = 0.01  # `wait`: pause after a poll answered at once, doubling up to the max
 WAIT_BACKOFF_MAX_S = 0.5
+REGISTER_TIMEOUT_S = 30.0  # `register_memory`: at least this long, whatever the client's timeout
 
 
 class AgentRefused(RuntimeError):
@@ -293,8 +294,12 @@ class AgentClient:
 
     def register_memory(self, msg: MemoryRegistration) -> MemoryAnswer:
         """An engine's own buffers of one rank (``memory``): the agent maps and registers them and
-        moves that rank's rooms in them from now on."""
-        return _answer(MemoryAnswer.parse, self._call("POST", msg.PATH, msg.to_json()))
+        moves that rank's rooms in them from now on. It may take seconds on a busy node (every
+        buffer mapped and registered with the engine), so it waits ``REGISTER_TIMEOUT_S`` whatever
+        the client's call timeout (the engine plugins keep theirs at 2 s for the scheduler's calls;
+        SGLang's prefill server failed its start on it once, beside three others starting)."""
+        timeout_s = max(self.timeout_s, REGISTER_TIMEOUT_S)
+        return _answer(MemoryAnswer.parse, self._call("POST", msg.PATH, msg.to_json(), timeout_s=timeout_s))
 
     def abort(
         self,
