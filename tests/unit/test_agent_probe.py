@@ -59,3 +59,15 @@ def test_peers_that_refuse_this_agents_certificate_are_named_until_they_admit_it
             assert check.refused == {}
 
     asyncio.run(go())
+
+
+def test_a_ranks_transfer_metadata_travels_with_its_probe_region_and_bad_metadata_is_refused() -> None:
+    """A backend that needs its peer's metadata (NIXL) finds it in the probe description, encoded
+    and read as the metadata route's answer is."""
+    body = {"ranks": {"d0": {"endpoint": "n#e", "addr": 4096, "size": 64, "metadata": "AAEC"}}}
+    assert parse_regions(body)["d0"].metadata == b"\x00\x01\x02"
+    assert parse_regions({"ranks": {"d0": {"endpoint": "n#e", "addr": 1, "size": 1}}})["d0"].metadata is None
+    for bad, why in (("@@@", "not base64"), (7, "must be strings")):
+        body["ranks"]["d0"]["metadata"] = bad
+        with pytest.raises(ValueError, match=why):
+            parse_regions(body)

@@ -18,8 +18,6 @@ Why peers cannot abuse it:
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import os
 import statistics
 import time
@@ -31,6 +29,7 @@ from typing import Any
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.peers.client import PeerRefused
+from pdfabric_agent.protocol.peer_answers import TransferMetadata
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.transfer.base import TransferBackend
 from pdfabric_core.policy.types import Device, Role
@@ -91,8 +90,8 @@ def describe(regions: Mapping[str, Pool], backends: Mapping[str, TransferBackend
         described = backend.local_metadata()
         endpoint = backend.endpoint() if described is None else described[0]
         ranks[rank_id] = {"endpoint": endpoint, "addr": pool.addr, "size": pool.size}
-        if described is not None:
-            ranks[rank_id]["metadata"] = base64.b64encode(described[1]).decode()
+        if described is not None:  # the metadata route's encoding (TransferMetadata), one place
+            ranks[rank_id]["metadata"] = TransferMetadata(rank_id, *described).to_json()["metadata"]
     return {"ranks": ranks}
 
 
@@ -107,12 +106,13 @@ def parse_regions(body: Mapping[str, Any]) -> dict[str, Region]:
         endpoint, addr, size, metadata = r.get("endpoint"), r.get("addr"), r.get("size"), r.get("metadata")
         if not isinstance(endpoint, str) or not isinstance(addr, int) or not isinstance(size, int):
             raise ValueError(f"probe region of {rank_id!r} needs endpoint, addr and size")
-        if metadata is not None and not isinstance(metadata, str):
-            raise ValueError(f"probe region of {rank_id!r} has metadata that is not a string")
-        try:
-            loaded = None if metadata is None else base64.b64decode(metadata, validate=True)
-        except binascii.Error as exc:
-            raise ValueError(f"probe region of {rank_id!r} has metadata that is not base64: {exc}") from None
+        loaded = None
+        if metadata is not None:  # read as the metadata route's answer is: typed, bounded, base64
+            try:
+                doc = {"rank": str(rank_id), "endpoint": endpoint, "metadata": metadata}
+                loaded = TransferMetadata.parse(doc).metadata
+            except ValueError as exc:
+                raise ValueError(f"probe region of {rank_id!r}: {exc}") from None
         out[str(rank_id)] = Region(endpoint, addr, min(size, PROBE_BYTES), loaded)
     return out
 
