@@ -54,13 +54,15 @@ def test_decode_one_past_capacity_keeps_every_unit_and_places_no_extra() -> None
 def test_a_step_to_1024_replicas_plans_in_milliseconds_and_changes_nothing(prefill: int, decode: int) -> None:
     nodes = [gpu_node(n, 1) for n in "abcd"]
     before = _running(_tcp(1, 3), nodes)
-    started = time.perf_counter()
+    # CPU time of this thread, not wall time: CI runs this beside real servers that take the cores
+    # (stop 54 measured 0.6 s of wall time for what takes 0.03 s on a quiet machine).
+    started = time.thread_time()
     result = plan_placement(_tcp(prefill, decode).spec(), nodes, [], cluster_uid=UID, previous=_previous(before))
-    took = time.perf_counter() - started
+    took = time.thread_time() - started
     assert isinstance(result, Placement) and result.shortfall is not None, result
     assert result.agents == before.agents
     assert (result.shortfall.prefill_placed, result.shortfall.decode_placed) == (1, 3)
-    assert took < 0.5, f"planning {prefill}/{decode} replicas took {took:.3f} s"
+    assert took < 0.5, f"planning {prefill}/{decode} replicas took {took:.3f} s of CPU"
 
 
 def test_a_step_places_what_fits_of_it() -> None:
