@@ -299,6 +299,31 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "only memPool NONE with transport",
     ),
     (
+        "nixl-with-nvlink",
+        {"backend": "nixl", "transfer": {"memPool": "NVLINK", "transport": "nvlink"}},
+        "only memPool NONE with transport",
+    ),
+    (
+        "mori-default-pool-on-nvlink-intra",
+        {"backend": "mori", "transfer": {"transport": "nvlink-intra"}},
+        "transfer.transport must fit transfer.memPool",
+    ),
+    (
+        "nixl-nvlink-intra-decode-not-multiple",
+        {
+            "backend": "nixl",
+            "transfer": {"transport": "nvlink-intra"},
+            "prefill": {"replicas": 2},
+            "decode": {"replicas": 3},
+        },
+        "decode.replicas must be a multiple of prefill.replicas",
+    ),
+    (
+        "nixl-nvlink-intra-group-exceeds-node",
+        {"backend": "nixl", "transfer": {"transport": "nvlink-intra"}, "prefill": {"tp": 8}, "decode": {"tp": 4}},
+        "on one node, within placement.maxGpusPerNode",
+    ),
+    (
         "intra-node-group-exceeds-node",
         {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"tp": 8}, "decode": {"tp": 4}},
         "on one node, within placement.maxGpusPerNode",

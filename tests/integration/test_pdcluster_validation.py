@@ -53,6 +53,22 @@ def test_state_bytes_that_state_layers_do_not_divide_rejected(cluster: Any, name
     cluster.kubectl("delete", "pdcluster", "state-split", "-n", namespace)
 
 
+def test_nixl_on_nvlink_intra_with_the_default_pool_accepted(cluster: Any, namespace: str, crds: None) -> None:
+    """Backend nixl carries nvlink-intra on memPool NONE (UCX's CUDA IPC); the CEL rules that keep
+    the pair to nixl (mori-default-pool-on-nvlink-intra, default-pool-on-nvlink-intra) and the node
+    rules of nvlink-intra (nixl-nvlink-intra-*) are in INVALID_SPECS."""
+    manifest = pdcluster("nixl-intra").manifest()
+    manifest["spec"] = merge(manifest["spec"], {"backend": "nixl", "transfer": {"transport": "nvlink-intra"}})
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+    stored = cluster.get_json("pdcluster", "nixl-intra", "-n", namespace)["spec"]
+    assert (stored["backend"], stored["transfer"]["memPool"], stored["transfer"]["transport"]) == (
+        "nixl",
+        "NONE",
+        "nvlink-intra",
+    )
+    cluster.kubectl("delete", "pdcluster", "nixl-intra", "-n", namespace)
+
+
 def test_server_defaults_equal_spec_defaults(cluster: Any, namespace: str, crds: None) -> None:
     manifest = {"apiVersion": "pdfabric.dev/v1alpha1", "kind": "PDCluster", "metadata": {"name": "bare"}, "spec": {}}
     cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))

@@ -11,7 +11,7 @@ from typing import Any, get_type_hints
 import pytest
 import yaml
 
-from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS
+from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS, pool_transports
 from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, KvPacking, MemPool, Transport
 from pdfabric_core.spec import (
     DTYPE_BYTES,
@@ -162,6 +162,29 @@ def test_intra_node_group_counts_fed_decodes() -> None:
     assert spec.transfer.mem_pool is MemPool.INTRA_NODE_NVLINK
     assert spec.decode_per_prefill == 2
     assert spec.intra_node_group_gpus == 4
+
+
+def test_nixl_runs_nvlink_intra_on_the_default_pool() -> None:
+    """UCX's CUDA IPC between GPUs of one node: backend nixl, memPool NONE, transport nvlink-intra;
+    the node locality of nvlink-intra holds as on the INTRA_NODE_NVLINK pool."""
+    spec = parse_spec({"backend": "nixl", "transfer": {"transport": "nvlink-intra"}})
+    assert (spec.transfer.mem_pool, spec.transfer.effective_transport) == (MemPool.NONE, Transport.NVLINK_INTRA)
+    assert pool_transports(MemPool.NONE, Backend.NIXL) == {Transport.TCP, Transport.RDMA, Transport.NVLINK_INTRA}
+    for backend in (Backend.MOONCAKE, Backend.MORI):
+        assert pool_transports(MemPool.NONE, backend) == {Transport.TCP, Transport.RDMA}
+    with pytest.raises(SpecError, match=r"decode\.replicas \(3\) must be a multiple"):
+        parse_spec({"backend": "nixl", "transfer": {"transport": "nvlink-intra"}, "prefill": {"replicas": 2},
+                    "decode": {"replicas": 3}})  # fmt: skip
+
+
+def test_a_pair_another_backend_carries_names_that_backend() -> None:
+    with pytest.raises(
+        SpecError, match=r"nvlink-intra cannot run on memPool NONE with backend mooncake.*or backend nixl"
+    ):
+        parse_spec({"transfer": {"transport": "nvlink-intra"}})
+    with pytest.raises(SpecError, match=r"nvlink cannot run on memPool NONE with backend nixl; use auto or one of: "
+                       r"nvlink-intra, rdma, tcp, or change memPool"):  # fmt: skip
+        parse_spec({"backend": "nixl", "transfer": {"transport": "nvlink"}})
 
 
 def test_new_fields_parse() -> None:

@@ -18,20 +18,29 @@ NIXL_BACKEND = "UCX"  # the NIXL backend plugin the nixl backend drives
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
+# nvlink-intra: UCX's CUDA IPC moves GPU memory between processes of one node (cuda_ipc: the writer
+# opens the peer's cudaIpcMemHandle and copies device to device); cuda_copy is what tells UCX a
+# pointer is GPU memory at all; tcp carries what cuda_ipc cannot: UCX's wire-up and active messages
+# (cuda_ipc has none), NIXL's notifications, and host-memory regions (the aux rows of memPool NONE).
+NVLINK_INTRA_TLS = "cuda_ipc,cuda_copy,tcp"
+
+
 def ucx_env(transport: Transport, host: str = "") -> Mapping[str, str]:
     """UCX's settings for ``transport``, set before the first NIXL agent starts (UCX reads them
     once). tcp: UCX's tcp transport only, and without UCX's InfiniBand modules, which a node
     without RDMA devices does not need and whose libnl destructor crashed every process at exit.
-    ``host``: the address peers reach this rank at; UCX's tcp transport then listens only on the
-    interface that holds it (by default it listens on every interface)."""
-    if transport is Transport.TCP:
-        env = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}
+    nvlink-intra: CUDA IPC for GPU memory with tcp beside it (``NVLINK_INTRA_TLS``), also without
+    the InfiniBand modules. ``host``: the address peers reach this rank at; UCX's tcp transport then
+    listens only on the interface that holds it (by default it listens on every interface)."""
+    if transport is Transport.TCP or transport is Transport.NVLINK_INTRA:
+        tls = "tcp" if transport is Transport.TCP else NVLINK_INTRA_TLS
+        env = {"UCX_TLS": tls, "UCX_MODULES": "^ib"}
         if host and (device := interface_of(host)):
             env["UCX_NET_DEVICES"] = device
         return env
     if transport is Transport.RDMA:
         return {"UCX_TLS": "rc,ud,tcp"}
-    raise ValueError(f"the nixl backend does not carry transport {transport.value}: use tcp or rdma")
+    raise ValueError(f"the nixl backend does not carry transport {transport.value}: use tcp, rdma or nvlink-intra")
 
 
 def interface_of(address: str) -> str | None:

@@ -103,7 +103,8 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             requires=(Requirement.GPU, Requirement.PEER_ACCESS),
             mooncake_protocol="nvlink_intra",
             mooncake_env=(("MC_INTRANODE_NVLINK", "1"),),
-            backends=frozenset({Backend.MOONCAKE}),
+            # NIXL: UCX's CUDA IPC (cuda_ipc) on the default pool (MEM_POOLS' backend_transports).
+            backends=frozenset({Backend.MOONCAKE, Backend.NIXL}),
             kernel_path=True,
         ),
         TransportTraits(
@@ -134,6 +135,8 @@ class MemPoolTraits:
     # Aux rows go over the TCP side channel (sglang #26707, send_aux), see aux_path.
     aux_side_channel: bool
     backends: frozenset[Backend]  # MORI-IO has none of Mooncake's custom pools
+    # Transports the pool runs with one backend only, beyond ``transports`` (``pool_transports``).
+    backend_transports: tuple[tuple[Backend, frozenset[Transport]], ...] = ()
 
 
 MEM_POOLS: dict[MemPool, MemPoolTraits] = {
@@ -146,6 +149,10 @@ MEM_POOLS: dict[MemPool, MemPoolTraits] = {
             metadata_device=Device.CPU,
             aux_side_channel=False,
             backends=frozenset(Backend),
+            # NIXL runs nvlink-intra here: UCX's CUDA IPC (cuda_ipc) between processes of one node on
+            # GPU memory as it is registered, where Mooncake's intra-node NVLink needs the whole
+            # segments only the INTRA_NODE_NVLINK pool allocates (tests/gpu/test_nixl_gpu.py).
+            backend_transports=((Backend.NIXL, frozenset({Transport.NVLINK_INTRA})),),
         ),
         MemPoolTraits(
             MemPool.NVLINK,
@@ -187,6 +194,14 @@ def transport_traits(transport: Transport | str) -> TransportTraits:
 
 def mem_pool_traits(pool: MemPool | str) -> MemPoolTraits:
     return MEM_POOLS[MemPool(pool)]
+
+
+def pool_transports(pool: MemPool | str, backend: Backend | str) -> frozenset[Transport]:
+    """The transports ``pool`` runs with ``backend``: the pool's own, and those only that backend
+    carries there (``backend_transports``)."""
+    row = MEM_POOLS[MemPool(pool)]
+    extra = [ts for b, ts in row.backend_transports if b is Backend(backend)]
+    return row.transports.union(*extra)
 
 
 def implied_transport(pool: MemPool, explicit: Transport | None) -> Transport:

@@ -9,7 +9,7 @@ from typing import Any
 from pdfabric_core.images import AGENT_IMAGE_CUDA, CUDA_SUFFIX, names_cpu_agent_image, needs_gpu_image
 from pdfabric_core.policy.rank_mapping import kv_routes, validate_pp, validate_tp
 from pdfabric_core.policy.state_slices import shard_range
-from pdfabric_core.policy.transports import Locality, mem_pool_traits, transport_traits
+from pdfabric_core.policy.transports import Locality, mem_pool_traits, pool_transports, transport_traits
 from pdfabric_core.policy.types import (
     PACKED_FP8_BLOCK,
     Backend,
@@ -224,11 +224,15 @@ def _validate_agent_image(spec: PDClusterSpec) -> None:
 def _validate_transport(spec: PDClusterSpec) -> None:
     pool, explicit = spec.transfer.mem_pool, spec.transfer.transport
     pool_traits = mem_pool_traits(pool)
-    if explicit is not None and explicit not in pool_traits.transports:
-        allowed = ", ".join(sorted(t.value for t in pool_traits.transports))
+    runs = pool_transports(pool, spec.backend)
+    if explicit is not None and explicit not in runs:
+        allowed = ", ".join(sorted(t.value for t in runs))
+        carriers = " or ".join(b.value for b in Backend if explicit in pool_transports(pool, b))
         raise SpecError(
-            f"transfer.transport {explicit.value} cannot run on memPool {pool.value}; "
-            f"use auto or one of: {allowed}, or change memPool"
+            f"transfer.transport {explicit.value} cannot run on memPool {pool.value} with backend "
+            f"{spec.backend.value}; use auto or one of: {allowed}"
+            + (f", or backend {carriers}" if carriers else "")
+            + ", or change memPool"
         )
     transport = spec.transfer.effective_transport
     if spec.backend not in pool_traits.backends or spec.backend not in transport_traits(transport).backends:
