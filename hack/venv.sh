@@ -30,7 +30,7 @@ PY
 )"
 sglang_reqs="$root/hack/sglang-cpu.txt"
 sglang_nodeps="$root/hack/sglang-cpu-nodeps.txt"
-nixl_nodeps="$root/hack/nixl-nodeps.txt"
+nixl_nodeps="$root/images/nixl-nodeps.txt"
 stamp="$({ printf '%s' "$reqs"; cat "$sglang_reqs" "$sglang_nodeps" "$nixl_nodeps"; } | sha256sum | cut -c1-16)"
 if [[ -x "$venv/bin/python" && "$(cat "$venv/.pdfabric-deps" 2>/dev/null)" == "$stamp" ]]; then
   echo "python environment up to date: $venv" >&2

@@ -63,7 +63,7 @@ def test_is_a_transfer_backend_with_an_endpoint_naming_agent_and_metadata(pair: 
     a = pair[0]
     assert isinstance(a, TransferBackend)
     name, digest = split_endpoint(a.endpoint())
-    assert (a.name, a.path, name.startswith("127.0.0.1/"), len(digest)) == ("nixl", "nixl-ucx", True, 16)
+    assert (a.name, a.path, name.startswith("127.0.0.1/"), len(digest)) == ("nixl", "nixl-ucx-tcp", True, 16)
     assert os.environ["UCX_TLS"] == ucx_env(Transport.TCP)["UCX_TLS"]
 
 
@@ -161,6 +161,33 @@ def test_a_peer_that_is_gone_fails_the_write_instead_of_hanging(tmp_path: Path) 
         assert a.start_batch(endpoint, [Block(pa.addr, pb.addr, 64)]) is None  # nothing started, no raise
         with pytest.raises(TransferError, match="NIXL write"):
             a.write_batch(endpoint, [Block(pa.addr, pb.addr, 64)])
+
+
+def test_a_restarted_peers_old_agent_is_removed_once_its_transfers_are_released(tmp_path: Path) -> None:
+    """The peer's agent restarts (a new NIXL agent on the same memory): the writer loads the new
+    endpoint, and forgetting the old one removes the old NIXL agent, after a transfer still in
+    flight to it was released; forgetting an older endpoint of an agent still loaded removes nothing."""
+    with backend_pair(str(tmp_path), "nixl-restart") as (a, b, pa, pb):
+        old, old_name = b.endpoint(), split_endpoint(b.endpoint())[0]
+        pa.view()[0:8] = b"old-peer"
+        wait = a.start_batch(old, [Block(pa.addr, pb.addr, 8)])
+        assert wait is not None
+        restarted = backend()
+        try:
+            restarted.register(pb)
+            load(a, restarted)
+            a.forget_peer(old)  # a transfer to it is in flight: kept until it is released
+            assert a._agent.check_remote_metadata(old_name)
+            assert wait() is None and bytes(pb.view()[0:8]) == b"old-peer"
+            assert not a._agent.check_remote_metadata(old_name), "the old peer's NIXL agent is still loaded"
+            assert a.needs_metadata(old)
+            new = restarted.endpoint()
+            a.forget_peer(f"{split_endpoint(new)[0]}#{'0' * 16}")  # an older endpoint of the loaded agent
+            pa.view()[0:8] = b"new-peer"
+            a.write_batch(new, [Block(pa.addr, pb.addr + 64, 8)])
+            assert bytes(pb.view()[64:72]) == b"new-peer"
+        finally:
+            restarted.close()
 
 
 def listening_addresses() -> set[str]:

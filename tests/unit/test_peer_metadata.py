@@ -33,12 +33,16 @@ class Backend:
 
     def __init__(self) -> None:
         self.loaded: dict[str, bytes] = {}
+        self.forgotten: list[str] = []
 
     def needs_metadata(self, peer: str) -> bool:
         return peer not in self.loaded
 
     def load_metadata(self, peer: str, metadata: bytes) -> None:
         self.loaded[peer] = metadata
+
+    def forget_peer(self, peer: str) -> None:
+        self.forgotten.append(peer)
 
 
 def run(coro: Any) -> Any:
@@ -63,6 +67,29 @@ def test_rooms_to_one_new_endpoint_share_one_fetch_and_a_loaded_one_fetches_noth
     run(main())
     assert fetched == [("agent-d0", "/v1/peer/metadata?rank=decode-0-tp0")]
     assert backend.loaded == {"ep#1": b"meta"}
+
+
+def test_a_ranks_new_endpoint_is_loaded_and_its_old_one_forgotten() -> None:
+    """The rank's agent restarted (or its engine registered again): the new endpoint is fetched and
+    loaded, then the backend forgets the rank's old one; another rank's endpoint is left alone."""
+    endpoints = {"decode-0-tp0": "ep#1", "decode-1-tp0": "ep#9"}
+
+    async def fetch(agent: str, path: str, timeout_s: float) -> dict[str, Any]:
+        rank = path.rsplit("=", 1)[1]
+        return TransferMetadata(rank, endpoints[rank], b"meta").to_json()
+
+    backend = Backend()
+
+    async def main() -> None:
+        loader = MetadataLoader(fetch, ThreadPoolExecutor(1))
+        await loader.ensure(backend, "agent-d0", "decode-0-tp0", "ep#1")  # type: ignore[arg-type]
+        await loader.ensure(backend, "agent-d1", "decode-1-tp0", "ep#9")  # type: ignore[arg-type]
+        endpoints["decode-0-tp0"] = "ep#2"
+        await loader.ensure(backend, "agent-d0", "decode-0-tp0", "ep#2")  # type: ignore[arg-type]
+
+    run(main())
+    assert set(backend.loaded) == {"ep#1", "ep#2", "ep#9"}
+    assert backend.forgotten == ["ep#1"]
 
 
 def test_metadata_of_another_endpoint_is_refused_and_nothing_is_loaded() -> None:

@@ -5,7 +5,8 @@ A backend whose engines do not handshake on their own (NIXL) must hold the peer 
 agent hands it out on its peer door (``GET /v1/peer/metadata``, mutual TLS), never through the
 library's own listener or a metadata server. It is fetched once per (backend, endpoint): rooms to
 an endpoint not yet loaded wait on the one fetch under way; a new endpoint of the same rank (its
-engine registered memory, or its agent restarted) is a new fetch."""
+engine registered memory, or its agent restarted) is a new fetch, after which the backend forgets
+the rank's old endpoint (``forget_peer``: a restarted peer's old NIXL agent is not kept loaded)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class MetadataLoader:
         self._fetch = fetch
         self._workers = workers
         self._loading: dict[tuple[int, str], asyncio.Future[None]] = {}
+        self._loaded: dict[tuple[int, str], str] = {}  # (backend, peer rank) -> the endpoint loaded last
 
     async def ensure(self, backend: TransferBackend, agent_name: str, rank_id: str, endpoint: str) -> None:
         """Return once ``backend`` can write to ``endpoint`` (the peer rank ``rank_id`` of agent
@@ -55,6 +57,9 @@ class MetadataLoader:
                 f"{rank_id} of {agent_name} is at endpoint {answer.endpoint} now, not {endpoint} (its memory "
                 "registration changed since it sent its room info)"
             )
-        await asyncio.get_running_loop().run_in_executor(
-            self._workers, backend.load_metadata, endpoint, answer.metadata
-        )
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._workers, backend.load_metadata, endpoint, answer.metadata)
+        old = self._loaded.get((id(backend), rank_id))
+        self._loaded[id(backend), rank_id] = endpoint
+        if old is not None and old != endpoint:
+            await loop.run_in_executor(self._workers, backend.forget_peer, old)

@@ -120,6 +120,12 @@ class TransferBackend(abc.ABC):
         ``TransferError`` when it is not that endpoint's."""
         raise NotImplementedError(f"the {self.name} backend loads no peer metadata")
 
+    def forget_peer(self, peer: str) -> None:
+        """``peer`` is an old endpoint of a rank now at another (its agent restarted, or its engine
+        registered again): what the backend holds of it may go once no write to it is in flight.
+        Nothing by default (Mooncake's engines hold no per-peer state of ours)."""
+        return
+
     @abc.abstractmethod
     def register(self, pool: Pool) -> None:
         """Make pool.addr .. pool.addr + pool.size a valid source and destination."""

@@ -41,6 +41,15 @@ DIGEST_CHARS = 16
 SEGMENTS = {Device.CPU: "DRAM", Device.CUDA: "VRAM"}
 
 
+def path_of(transport: Transport) -> str:
+    """The `path` metric label of a NIXL backend over ``transport``: the UCX transports UCX may use
+    differ per transport (``ucx_env``), so the bytes of each are counted apart."""
+    return f"nixl-ucx-{transport.value}"
+
+
+PATHS = tuple(path_of(t) for t in Transport)  # every label a NIXL backend can report
+
+
 def metadata_digest(metadata: bytes) -> str:
     return hashlib.sha256(metadata).hexdigest()[:DIGEST_CHARS]
 
@@ -114,7 +123,6 @@ class RankMetadata:
 
 class NixlBackend(TransferBackend):
     name = "nixl"
-    path = "nixl-ucx"
 
     def __init__(
         self, transport: Transport, *, host: str, gpu: int = 0, max_batch_entries: int = 1024, timeout_s: float = 30.0
@@ -123,10 +131,11 @@ class NixlBackend(TransferBackend):
             from nixl._api import nixl_agent  # import here: loads UCX
         except ImportError as exc:
             raise TransferError(
-                f"backend nixl needs NIXL in the agent's environment (nixl and nixl-cu13 1.5.1, hack/nixl-nodeps.txt): {exc}"
+                f"backend nixl needs NIXL in the agent's environment (nixl and nixl-cu13 1.5.1, images/nixl-nodeps.txt): {exc}"
             ) from exc
 
         self.transport = transport
+        self.path = path_of(transport)
         self.max_batch_entries = max_batch_entries
         self._gpu = gpu
         # Unique across restarts: a peer must never take a new process for the old one.
@@ -139,6 +148,8 @@ class NixlBackend(TransferBackend):
         self._registered: dict[int, Any] = {}  # pool address -> its registration descriptors
         self._metadata: tuple[str, bytes] | None = None  # endpoint and blob, remade after a registration change
         self._peers: dict[str, Regions] = {}  # endpoint -> the regions of a peer whose metadata NIXL holds
+        self._in_flight: dict[str, int] = {}  # remote NIXL agent -> transfers posted to it, not yet released
+        self._retired: set[str] = set()  # remote NIXL agents forgotten while transfers to them were in flight
         self._timeout_s = timeout_s
 
     # ------------------------------------------------------------ this rank
@@ -203,6 +214,27 @@ class NixlBackend(TransferBackend):
             for old in [e for e in self._peers if split_endpoint(e)[0] == name]:
                 del self._peers[old]
             self._peers[peer] = Regions(decoded.regions)
+
+    def forget_peer(self, peer: str) -> None:
+        """A restarted peer's old NIXL agent is removed from this one (its UCX endpoints and keys
+        with it), at once or when the last transfer to it is released; an older endpoint of an
+        agent still loaded (its memory registered again) only drops out of the peers."""
+        try:
+            name = split_endpoint(peer)[0]
+        except ValueError:
+            return
+        with self._lock:
+            self._peers.pop(peer, None)
+            if any(split_endpoint(e)[0] == name for e in self._peers):
+                return
+            if self._in_flight.get(name):
+                self._retired.add(name)
+                return
+        self._remove_remote(name)
+
+    def _remove_remote(self, name: str) -> None:
+        with contextlib.suppress(Exception):  # already gone, or never loaded
+            self._agent.remove_remote_agent(name)
 
     def _peer(self, peer: str) -> tuple[str, Regions]:
         with self._lock:
@@ -283,11 +315,35 @@ class NixlBackend(TransferBackend):
         if state == "ERR":
             agent.release_xfer_handle(handle)
             raise TransferError(f"NIXL write of {len(blocks)} blocks to {remote} failed when posted")
+        with self._lock:
+            self._in_flight[remote] = self._in_flight.get(remote, 0) + 1
         return handle
+
+    def _released(self, remote: str, count: int) -> None:
+        """``count`` transfers to ``remote`` released; the last one removes a retired remote agent."""
+        with self._lock:
+            left = self._in_flight.get(remote, 0) - count
+            if left > 0:
+                self._in_flight[remote] = left
+                return
+            self._in_flight.pop(remote, None)
+            if remote not in self._retired:
+                return
+            self._retired.discard(remote)
+        self._remove_remote(remote)
 
     def _land(self, peer: str, handles: list[Any], deadline: float) -> None:
         """Until every transfer is DONE; raises when one failed or the deadline passed (the rest are
         still released, which aborts what did not land)."""
+        try:
+            failure = self._wait_all(handles, deadline)
+        finally:
+            self._released(split_endpoint(peer)[0], len(handles))
+        if failure:
+            raise TransferError(f"NIXL write to {peer} failed: {failure}")
+
+    def _wait_all(self, handles: list[Any], deadline: float) -> str:
+        """Every handle polled until it ends, then released: the first failure, or ""."""
         agent, failure = self._agent, ""
         pending = list(handles)
         while pending:
@@ -307,8 +363,7 @@ class NixlBackend(TransferBackend):
             pending = still
             if pending:
                 time.sleep(WAIT_POLL_S)
-        if failure:
-            raise TransferError(f"NIXL write to {peer} failed: {failure}")
+        return failure
 
     def probe(self, peer: str) -> bool:
         """True when the peer's NIXL agent is loaded and a connection to it can be made."""

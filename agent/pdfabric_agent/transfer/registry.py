@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdfabric_agent.transfer.base import BackendOptions, TransferBackend
+from pdfabric_agent.transfer.nixl import PATHS as NIXL_PATHS
 from pdfabric_core.policy.types import Transport
 
 BackendFactory = Callable[[Transport, BackendOptions], "TransferBackend"]
@@ -66,4 +67,4 @@ def _nixl(transport: Transport, opts: BackendOptions) -> TransferBackend:
 
 register_backend("mooncake", _mooncake, paths=("mooncake", "nvlink-kernel"))  # engine; fast path over it
 register_backend("mori", _mori, paths=("mori",))
-register_backend("nixl", _nixl, paths=("nixl-ucx",))
+register_backend("nixl", _nixl, paths=NIXL_PATHS)  # one label per transport; the module loads NIXL only in a backend
