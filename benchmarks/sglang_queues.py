@@ -1,5 +1,6 @@
 """SGLang's own disaggregation queues driving one prefill rank and one decode rank of a KV transfer
-backend (SGLang's Mooncake, or pdfabric through its plugin), in one process: the harness of
+backend (SGLang's Mooncake or NIXL, or pdfabric through its plugin with its agents moving the bytes
+with Mooncake or NIXL), in one process: the harness of
 ``bench_sglang_backends.py`` and of its smoke test.
 
 What is SGLang's code here (sglang.srt.disaggregation, installed): the backend's KVArgs, manager,
@@ -31,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / p) for p in ("core", "operator", "agent", "integrations/sglang", "hack")]
 os.environ.setdefault("MC_FORCE_TCP", "1")  # SGLang's Mooncake over loopback tcp (no RDMA here)
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
+from pdfabric_sglangserver.pd import FABRIC_MOVERS, NIXL_CONTROL_ENV, sglang_backend  # noqa: E402
+from pdfabric_sglangserver.servers import CONTROLS, patch_control  # noqa: E402
+
+for _key, _value in NIXL_CONTROL_ENV.items():  # SGLang's NIXL over loopback tcp
+    os.environ.setdefault(_key, _value)
 
 import torch  # noqa: E402
 
@@ -40,8 +46,8 @@ HIDDEN = 4096  # MetadataBuffers' hidden-state row: float32 x 4096, the spec's d
 
 
 def kv_classes(backend: str) -> dict[str, Any]:
-    """SGLang's classes for ``--disaggregation-transfer-backend backend``. pdfabric's come from its
-    plugin: SGLang's ``load_plugins`` when the distribution is installed, else the entry point's
+    """SGLang's classes for ``backend`` (its ``--disaggregation-transfer-backend``, ``sglang_backend``).
+    pdfabric's come from its plugin: SGLang's ``load_plugins`` when the distribution is installed, else the entry point's
     function itself (``pdfabric_sglang.plugin:register``, what load_plugins would call)."""
     from importlib.metadata import entry_points
 
@@ -54,14 +60,13 @@ def kv_classes(backend: str) -> dict[str, Any]:
     load_plugins()
     from sglang.srt.disaggregation import utils
 
-    tb = utils.TransferBackend(backend)
+    tb = utils.TransferBackend(sglang_backend(backend))
     out = {
         k: utils.get_kv_class(tb, getattr(utils.KVClassType, k))
         for k in ("KVARGS", "MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
     }
-    if backend == "mooncake":
-        # On CPU: that path pins host memory and records a torch.cuda.Event (docs: SGLANG.md).
-        out["SENDER"].supports_host_tensor_indices = False
+    if backend in CONTROLS:  # what SGLang's own backends need on CPU, as their servers have it
+        patch_control(sys.modules[out["MANAGER"].__module__])
     return out | {"backend": tb}
 
 
@@ -240,11 +245,13 @@ class PrefillSide:
         self._slots.append(req.kv.req_pool_idx)
 
 
-def fabric_spec(geo: dict[str, int]) -> dict[str, Any]:
-    """pdfabric's PDCluster spec for one prefill and one decode rank of ``geo`` on loopback tcp."""
+def fabric_spec(geo: dict[str, int], mover: str = "mooncake") -> dict[str, Any]:
+    """pdfabric's PDCluster spec for one prefill and one decode rank of ``geo`` on loopback tcp,
+    the bytes moved by ``mover``."""
     model = {"layers": geo["layers"], "kvHeads": geo["heads"], "headDim": geo["head_dim"], "dtype": "float32",
              "pageSizeTokens": geo["page"]}  # fmt: skip
     return {
+        "backend": mover,
         "prefill": {"tp": 1},
         "decode": {"tp": 1},
         "transfer": {"transport": "tcp", "timeoutSeconds": 120},
@@ -254,15 +261,17 @@ def fabric_spec(geo: dict[str, int]) -> dict[str, Any]:
 
 @contextmanager
 def backend_pair(backend: str, geo: dict[str, int], slots: int = 600) -> Iterator[tuple[PrefillSide, Any]]:
-    """A prefill and a decode rank of ``backend`` (``mooncake`` or ``pdfabric``: real agents of a
-    LocalFabric), each behind SGLang's queues, and prefill's bootstrap server."""
+    """A prefill and a decode rank of ``backend`` (SGLang's own, ``CONTROLS``, or pdfabric's,
+    ``FABRIC_MOVERS``: real agents of a LocalFabric), each behind SGLang's queues, and prefill's
+    bootstrap server."""
     from benchmarks.sglang_decode import DecodeSide
     from pdfabric_devcluster.procs import free_port
 
     port = free_port()
     publish(port)
     classes = kv_classes(backend)
-    with contextmanager(lambda: (yield None))() if backend == "mooncake" else _fabric(geo) as lc:
+    no_fabric = contextmanager(lambda: (yield None))()
+    with _fabric(geo, FABRIC_MOVERS[backend]) if backend in FABRIC_MOVERS else no_fabric as lc:
         shm = lc.shm_dir if lc is not None else tempfile.mkdtemp(prefix="bench-shm-", dir="/dev/shm")
         if lc is not None:
             os.environ["PDFABRIC_AGENT_ADDRESS"] = lc.agents[lc.agent_of("prefill-0-tp0-cp0")].address
@@ -283,10 +292,10 @@ def backend_pair(backend: str, geo: dict[str, int], slots: int = 600) -> Iterato
 
 
 @contextmanager
-def _fabric(geo: dict[str, int]) -> Iterator[Any]:
+def _fabric(geo: dict[str, int], mover: str) -> Iterator[Any]:
     from pdfabric_devcluster.fabric import LocalFabric
 
-    with LocalFabric(fabric_spec(geo), env={"PDFABRIC_BOOTSTRAP_TIMEOUT_S": "600"}) as lc:
+    with LocalFabric(fabric_spec(geo, mover), env={"PDFABRIC_BOOTSTRAP_TIMEOUT_S": "600"}) as lc:
         token = Path(lc.shm_dir) / "bench-engine-token"
         token.write_text(lc.token)
         os.environ["PDFABRIC_ENGINE_TOKEN_FILE"] = str(token)

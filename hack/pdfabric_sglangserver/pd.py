@@ -1,6 +1,7 @@
 """A PD deployment of SGLang's real servers as the tests run it: a prefill and a decode server of a
-given parallel shape (``Shape``), over SGLang's Mooncake backend (the control) or over pdfabric with
-real agents, started here or by the PDCluster's agents (``spec.engine``), SGLang's router in front.
+given parallel shape (``Shape``), over one of SGLang's own backends (Mooncake, NIXL: the controls) or
+over pdfabric with real agents (moving the bytes with Mooncake or NIXL, ``FABRIC_MOVERS``), started
+here or by the PDCluster's agents (``spec.engine``), SGLang's router in front.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdfabric_devcluster.procs import free_port, post_json
 from pdfabric_devcluster.sglang_router import SGLangRouter, sglang_router
 from pdfabric_sglangserver.model import DEFAULT, Variant, spec_model_for_servers
 from pdfabric_sglangserver.servers import (
+    CONTROLS,
     CPU_ENV,
     PAGE_SIZE,
     STANDIN,
@@ -37,6 +39,17 @@ from pdfabric_sglangserver.servers import (
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SOURCES = ("core", "agent", "integrations/sglang")  # what a server started here imports
+# The pdfabric backends of these tests by the library the agents move the bytes with (the
+# PDCluster's ``backend``); the servers run SGLang's ``pdfabric`` backend under each.
+FABRIC_MOVERS = {"pdfabric": "mooncake", "pdfabric-nixl": "nixl"}
+# SGLang's NIXL control on loopback: UCX's tcp transport on ``lo``, without UCX's InfiniBand
+# modules (whose libnl destructor crashed every process that made a UCX backend, at its exit).
+NIXL_CONTROL_ENV = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
+
+
+def sglang_backend(backend: str) -> str:
+    """The ``--disaggregation-transfer-backend`` a test backend's servers run."""
+    return "pdfabric" if backend in FABRIC_MOVERS else backend
 
 
 @dataclass(frozen=True)
@@ -62,9 +75,10 @@ class Shape:
         )
         return [*ranks, *self.model.server_flags]
 
-    def fabric_spec(self, **extra: Any) -> dict[str, Any]:
-        """The PDCluster of this shape over tcp."""
+    def fabric_spec(self, mover: str = "mooncake", **extra: Any) -> dict[str, Any]:
+        """The PDCluster of this shape over tcp, its bytes moved by ``mover``."""
         return {
+            "backend": mover,
             "prefill": {"tp": self.prefill_tp, "pp": self.prefill_pp},
             "decode": {"tp": self.decode_tp},
             "transfer": {"transport": "tcp", "timeoutSeconds": 20},
@@ -127,7 +141,7 @@ class PD:
     prefill: Server
     decode: Server
     router: SGLangRouter
-    fabric: LocalFabric | None  # pdfabric's agents (None for Mooncake)
+    fabric: LocalFabric | None  # pdfabric's agents (None for SGLang's own backends)
     bootstrap_port: int  # the prefill server's
 
     def generate(self, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
@@ -150,7 +164,7 @@ class PD:
 def pair_started_here(
     backend: str, model_dir: Path, installed_site: Path, logs: Path, shape: Shape = ONE_RANK
 ) -> Iterator[PairParts]:
-    """Prefill and decode servers started here, over SGLang's Mooncake backend or over pdfabric
+    """Prefill and decode servers started here, over one of SGLang's own backends or over pdfabric
     with agents started here (an engine deployed by something else attached to its node's agent).
     A server of several ranks is one server: SGLang starts a scheduler process per rank, and each
     rank registers with the agent of its node."""
@@ -159,8 +173,10 @@ def pair_started_here(
     envs: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
     servers: dict[str, SGLangServer] = {}
     try:
-        if backend == "pdfabric":
-            fabric = LocalFabric(shape.fabric_spec()).__enter__()
+        if backend == "nixl":
+            envs = {role: dict(NIXL_CONTROL_ENV) for role in envs}
+        if backend in FABRIC_MOVERS:
+            fabric = LocalFabric(shape.fabric_spec(FABRIC_MOVERS[backend])).__enter__()
             token = logs / "engine-token"
             token.write_text(fabric.token)
             extra_path = [str(installed_site), *(str(ROOT / p) for p in ENGINE_SOURCES)]
@@ -175,10 +191,15 @@ def pair_started_here(
         for role in ("prefill", "decode"):
             port, boot = free_port(), free_port() if role == "prefill" else 0
             argv = server_argv(
-                model_dir, port, mode=role, backend=backend, bootstrap_port=boot, extra=shape.flags(role)
+                model_dir,
+                port,
+                mode=role,
+                backend=sglang_backend(backend),
+                bootstrap_port=boot,
+                extra=shape.flags(role),
             )
             base = {**os.environ, **envs[role]}
-            env = server_env(base, extra_path, mooncake=backend == "mooncake", ranks=shape.ranks(role))
+            env = server_env(base, extra_path, control=backend in CONTROLS, ranks=shape.ranks(role))
             servers[role] = start_server(f"{backend}-{role}", argv, env, logs / f"{role}.log", port, boot)
         for server in servers.values():
             server.wait_healthy()

@@ -1,13 +1,13 @@
 """SGLang's real server (``python -m sglang.launch_server``) on this CPU machine, as tests and the demo
 start it: SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) on a small Llama with seeded weights
 (``model.write_model_dir``), as a single server or as a PD prefill or decode server over any
-transfer backend (pdfabric, or SGLang's own Mooncake backend as the control).
+transfer backend (pdfabric, or SGLang's own Mooncake and NIXL backends as the controls).
 
 What keeps SGLang's CPU path off CUDA (../shared/docs/SGLANG.md has the reasons):
 ``--disaggregation-decode-retraction-backup cpu_tensor`` on decode (its default backup host-registers
 memory), ``--disable-overlap-schedule`` on prefill (it records a CUDA event for a repeated prompt),
-and, for Mooncake only, ``MooncakeKVSender.supports_host_tensor_indices = False``
-(``mooncake_cpu/sitecustomize.py``). The ``sgl_kernel`` stand-in (``standin/``) is on every server's
+and, for SGLang's own backends, the changes of ``controls_cpu/sitecustomize.py`` (Mooncake's
+host-tensor-indices path off; NIXL's KV registered as host memory). The ``sgl_kernel`` stand-in (``standin/``) is on every server's
 PYTHONPATH: test code, documented there.
 """
 
@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, ClassVar
 
 from pdfabric_devcluster.procs import answers_200, post_json
@@ -33,7 +34,9 @@ from pdfabric_devcluster.timings import record, timed
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin"  # the sgl_kernel stand-in
-MOONCAKE_CPU = HERE / "mooncake_cpu"  # a sitecustomize for Mooncake-backend servers on CPU
+CONTROLS_CPU = HERE / "controls_cpu"  # a sitecustomize for SGLang's own backends on CPU
+CONTROLS = ("mooncake", "nixl")  # SGLang's own transfer backends, the controls of pdfabric's
+
 PAGE_SIZE = 16
 START_TIMEOUT_S = 420.0  # 72-123 s on 2 idle cores; CI's machine is busier
 # A server's processes hold about 1.5 GB here once loaded. Two test workers start servers side by
@@ -134,12 +137,12 @@ def parallel_env(ranks: int) -> dict[str, str]:
 
 
 def server_env(
-    base: Mapping[str, str], pythonpath: Sequence[str] = (), *, mooncake: bool = False, ranks: int = 1
+    base: Mapping[str, str], pythonpath: Sequence[str] = (), *, control: bool = False, ranks: int = 1
 ) -> dict[str, str]:
     """``base`` plus what SGLang's CPU engine needs here: the CPU engine, loopback transfers, the
-    stand-in (and, for the Mooncake control, its CPU sitecustomize) on PYTHONPATH, and for a server
+    stand-in (and, for SGLang's own backends, their CPU sitecustomize) on PYTHONPATH, and for a server
     of several ranks their cores (``parallel_env``)."""
-    paths = [str(STANDIN), *([str(MOONCAKE_CPU)] if mooncake else []), *pythonpath]
+    paths = [str(STANDIN), *([str(CONTROLS_CPU)] if control else []), *pythonpath]
     if base.get("PYTHONPATH"):
         paths.append(base["PYTHONPATH"])
     return {
@@ -151,6 +154,16 @@ def server_env(
         "CUDA_VISIBLE_DEVICES": "",
         "SGLANG_DISABLED_MODEL_ARCHS": other_model_modules(),
     }
+
+
+def patch_control(module: ModuleType) -> None:
+    """``controls_cpu``'s change to one of SGLang's backend modules, applied in this process (for a
+    harness that runs SGLang's classes here rather than in a server)."""
+    spec = importlib.util.spec_from_file_location("pdfabric_controls_cpu", CONTROLS_CPU / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    controls = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(controls)
+    controls.apply(module)
 
 
 @dataclass
