@@ -14,6 +14,11 @@ case "$what" in
   deps)
     python3 /src/images/requirements.py /src/pyproject.toml "$extra" > /tmp/requirements.txt
     $pip install -q -r /tmp/requirements.txt
+    # The agents' NIXL (backend: nixl) without its declared dependencies: both CUDA variants and
+    # torch, none of which it needs to import (images/nixl-nodeps.txt says why).
+    case "$extra" in
+      agent*) $pip install -q --no-deps -r /src/images/nixl-nodeps.txt ;;
+    esac
     ;;
   project)
     $pip install -q --no-deps /src

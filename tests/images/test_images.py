@@ -6,8 +6,8 @@
   in-cluster credentials places a PDCluster on the real local control plane and answers its
   liveness probe;
 - two CPU agent containers (the agent pods' command) move a room's KV, state and aux between them
-  over the Mooncake engine on loopback tcp, byte-exact, with the byte counters scraped from their
-  metrics port equal to what moved.
+  over the Mooncake engine, and again over NIXL (``backend: nixl``), on loopback tcp, byte-exact,
+  with the byte counters scraped from their metrics port equal to what moved.
 
 The first test builds the images (hack/images.sh: a few minutes cold, nothing when the inputs
 are unchanged; cached outside the repository).
@@ -254,8 +254,9 @@ def run_operator_as_deployment(
         assert state["ExitCode"] == 0, logs.stdout[-3000:] + logs.stderr[-3000:]
 
 
-def agent_spec() -> dict[str, Any]:
+def agent_spec(backend: str) -> dict[str, Any]:
     return {
+        "backend": backend,
         "prefill": {"tp": 2},
         "decode": {"tp": 2},
         "transfer": {"transport": "tcp", "timeoutSeconds": 10},
@@ -309,13 +310,14 @@ def moved(fabric: LocalFabric, role: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 @pytest.mark.timeout(BUILD_TIMEOUT + 300)
-def test_two_agent_containers_move_a_room_byte_exact(images: dict[str, str]) -> None:
+def test_two_agent_containers_move_a_room_byte_exact(images: dict[str, str], backend: str) -> None:
     ref = images["agent"]
     labels = inspect(ref)["Labels"] or {}
     assert labels["org.opencontainers.image.title"] == "pdfabric-agent"
     shm = Path(tempfile.mkdtemp(prefix="pdfabric-img-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    fabric = LocalFabric(agent_spec(), env={"PDFABRIC_SHM_DIR": str(shm)})
+    fabric = LocalFabric(agent_spec(backend), env={"PDFABRIC_SHM_DIR": str(shm)})
     names = containerize(fabric, ref)
     assert len(names) == 2, names  # one prefill, one decode agent
     try:
@@ -332,6 +334,9 @@ def test_two_agent_containers_move_a_room_byte_exact(images: dict[str, str]) -> 
             delta = {k: after[k] - before[role][k] for k in after}
             assert delta == {"kv": want.kv, "state": want.state, "aux": want.aux}, role
         assert want.kv > 0
+        assert fabric.metric_sum("pdfabric_transfer_bytes_total", role="decode", backend=backend) == sum(
+            (want.kv, want.state, want.aux)
+        ), f"the bytes were not counted on backend {backend}"
     except BaseException:
         for agent in fabric.agents.values():
             print(f"--- {agent.name}\n{agent.log_tail()}")
