@@ -158,9 +158,15 @@ def test_a_peer_that_is_gone_fails_the_write_instead_of_hanging(tmp_path: Path) 
         endpoint = b.endpoint()
         b.close()
         del b._agent
-        assert a.start_batch(endpoint, [Block(pa.addr, pb.addr, 64)]) is None  # nothing started, no raise
+        started = time.monotonic()
+        # On the event loop's thread: it never raises; what it started fails when waited for.
+        wait = a.start_batch(endpoint, [Block(pa.addr, pb.addr, 64)])
+        if wait is not None:
+            with pytest.raises(TransferError, match="NIXL write"):
+                wait()
         with pytest.raises(TransferError, match="NIXL write"):
             a.write_batch(endpoint, [Block(pa.addr, pb.addr, 64)])
+        assert time.monotonic() - started < 10, "the failure took as long as a timeout"
 
 
 def test_a_restarted_peers_old_agent_is_removed_once_its_transfers_are_released(tmp_path: Path) -> None:
@@ -219,3 +225,17 @@ def test_idle_ranks_take_no_core(pair: Pair) -> None:
     before = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - before < 0.2
+
+
+def test_ucx_env_of_nvlink_intra_is_cuda_ipc_with_tcp_beside_it() -> None:
+    """nvlink-intra: UCX's CUDA IPC for GPU memory, cuda_copy to know GPU memory, tcp for UCX's
+    wire-up and host memory, listening only on the advertised host's interface; no InfiniBand
+    modules (tests/gpu/test_nixl_gpu.py runs it on a GPU)."""
+    env = ucx_env(Transport.NVLINK_INTRA, "127.0.0.1")
+    assert env == {"UCX_TLS": "cuda_ipc,cuda_copy,tcp", "UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
+    assert "UCX_NET_DEVICES" not in ucx_env(Transport.NVLINK_INTRA)
+
+
+def test_ucx_env_refuses_a_transport_the_nixl_backend_does_not_carry() -> None:
+    with pytest.raises(ValueError, match="use tcp, rdma or nvlink-intra"):
+        ucx_env(Transport.NVLINK)

@@ -7,8 +7,9 @@ but UCX's own transport, on the interface peers reach the rank at.
 
 An endpoint names the NIXL agent and the digest of its metadata (``name#digest``): registering or
 releasing memory makes a new endpoint, so a writer holding older metadata loads it again instead
-of writing with stale keys. Writes are WRITE transfers of (src, dst, length) descriptors; a
-transfer is DONE once its bytes landed in the peer's memory, which is what ``write_batch``
+of writing with stale keys. Writes are WRITE transfers, made from descriptor lists prepared once per
+region (``nixl_grids``) or, for a batch those do not serve, from its own descriptors; a transfer is
+DONE once its bytes landed in the peer's memory, which is what ``write_batch``
 promises. Waits poll ``check_xfer_state`` with a short sleep: NIXL's progress thread moves the
 bytes, so a spinning wait would only take a core from it; that thread waits for UCX's events
 (``waiting_agent``) instead of polling, as NIXL's Python API would have it.
@@ -16,27 +17,23 @@ bytes, so a spinning wait would only take a core from it; that thread waits for 
 
 from __future__ import annotations
 
-import base64
-import bisect
 import contextlib
-import hashlib
-import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
+from pdfabric_agent.transfer.nixl_grids import Grids
+from pdfabric_agent.transfer.nixl_metadata import RankMetadata, Region, Regions, metadata_digest, split_endpoint
 from pdfabric_agent.transfer.nixl_setup import NIXL_BACKEND, ucx_env, waiting_agent
 from pdfabric_core.policy.types import Device, Transport
 
 WAIT_POLL_S = 50e-6  # sleep between checks of a transfer's state
-DIGEST_CHARS = 16
 # NIXL's memory segment type per pool device.
 SEGMENTS = {Device.CPU: "DRAM", Device.CUDA: "VRAM"}
 
@@ -48,77 +45,6 @@ def path_of(transport: Transport) -> str:
 
 
 PATHS = tuple(path_of(t) for t in Transport)  # every label a NIXL backend can report
-
-
-def metadata_digest(metadata: bytes) -> str:
-    return hashlib.sha256(metadata).hexdigest()[:DIGEST_CHARS]
-
-
-def split_endpoint(endpoint: str) -> tuple[str, str]:
-    """An endpoint's NIXL agent name and metadata digest; ValueError if it is not a NIXL endpoint."""
-    name, sep, digest = endpoint.rpartition("#")
-    if not sep or not name or len(digest) != DIGEST_CHARS:
-        raise ValueError(f"{endpoint!r} is not a nixl endpoint (name#digest)")
-    return name, digest
-
-
-@dataclass(frozen=True)
-class Region:
-    """One registered region: where it is and NIXL's segment type for it."""
-
-    addr: int
-    size: int
-    segment: str
-    device_id: int = 0  # the GPU of a VRAM region
-
-    def holds(self, addr: int, length: int) -> bool:
-        return self.addr <= addr and addr + length <= self.addr + self.size
-
-
-class Regions:
-    """Registered regions by start address, for finding which one holds a block."""
-
-    def __init__(self, regions: Sequence[Region] = ()) -> None:
-        self._by_addr = sorted(regions, key=lambda r: r.addr)
-        self._starts = [r.addr for r in self._by_addr]
-
-    def find(self, addr: int, length: int) -> Region | None:
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i >= 0 and self._by_addr[i].holds(addr, length):
-            return self._by_addr[i]
-        return None
-
-    def add(self, region: Region) -> Regions:
-        return Regions([*self._by_addr, region])
-
-    def without(self, addr: int) -> Regions:
-        return Regions([r for r in self._by_addr if r.addr != addr])
-
-    def __iter__(self) -> Any:
-        return iter(self._by_addr)
-
-
-@dataclass(frozen=True)
-class RankMetadata:
-    """What a writer needs of a peer rank: its NIXL agent metadata and its regions (for the segment
-    type of a destination, and to refuse a block outside them before NIXL does). ``encode`` is the
-    blob the agent's peer door hands out, opaque to everything but this module."""
-
-    nixl: bytes
-    regions: tuple[Region, ...]
-
-    def encode(self) -> bytes:
-        regions = [[r.addr, r.size, r.segment, r.device_id] for r in self.regions]
-        return json.dumps({"nixl": base64.b64encode(self.nixl).decode(), "regions": regions}).encode()
-
-    @classmethod
-    def decode(cls, blob: bytes) -> RankMetadata:
-        try:
-            doc = json.loads(blob)
-            regions = tuple(Region(int(a), int(s), str(g), int(d)) for a, s, g, d in doc["regions"])
-            return cls(base64.b64decode(doc["nixl"], validate=True), regions)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TransferError(f"malformed NIXL rank metadata: {exc}") from exc
 
 
 class NixlBackend(TransferBackend):
@@ -143,6 +69,7 @@ class NixlBackend(TransferBackend):
         self._agent = waiting_agent(nixl_agent, self._name)
         if NIXL_BACKEND not in self._agent.backends:
             raise TransferError(f"NIXL has no {NIXL_BACKEND} backend here (plugins: {self._agent.plugin_list})")
+        self._grids = Grids(self._agent)  # prepared descriptor lists, reused by every room
         self._lock = threading.Lock()  # registrations and peers change while worker threads write
         self._regions = Regions()
         self._registered: dict[int, Any] = {}  # pool address -> its registration descriptors
@@ -178,6 +105,7 @@ class NixlBackend(TransferBackend):
             self._metadata = None
 
     def unregister(self, pool: Pool) -> None:
+        self._grids.drop_local(pool.addr)
         with self._lock:
             descs = self._registered.pop(pool.addr, None)
             self._regions = self._regions.without(pool.addr)
@@ -214,6 +142,7 @@ class NixlBackend(TransferBackend):
             for old in [e for e in self._peers if split_endpoint(e)[0] == name]:
                 del self._peers[old]
             self._peers[peer] = Regions(decoded.regions)
+        self._grids.drop_remote(name)  # its regions may have changed under the same addresses
 
     def forget_peer(self, peer: str) -> None:
         """A restarted peer's old NIXL agent is removed from this one (its UCX endpoints and keys
@@ -233,6 +162,7 @@ class NixlBackend(TransferBackend):
         self._remove_remote(name)
 
     def _remove_remote(self, name: str) -> None:
+        self._grids.drop_remote(name)
         with contextlib.suppress(Exception):  # already gone, or never loaded
             self._agent.remove_remote_agent(name)
 
@@ -305,10 +235,16 @@ class NixlBackend(TransferBackend):
 
     def _post(self, remote: str, blocks: list[Block], src_region: Region, dst_region: Region) -> Any:
         agent = self._agent
-        src = agent.get_xfer_descs([(b.src, b.length, src_region.device_id) for b in blocks], src_region.segment)
-        dst = agent.get_xfer_descs([(b.dst, b.length, dst_region.device_id) for b in blocks], dst_region.segment)
         try:
-            handle = agent.initialize_xfer("WRITE", src, dst, remote, backends=[NIXL_BACKEND])
+            handle = self._grids.write(remote, blocks, src_region, dst_region, [NIXL_BACKEND])
+            if handle is None:  # a batch the prepared lists do not serve: descriptors of its own
+                src = agent.get_xfer_descs(
+                    [(b.src, b.length, src_region.device_id) for b in blocks], src_region.segment
+                )
+                dst = agent.get_xfer_descs(
+                    [(b.dst, b.length, dst_region.device_id) for b in blocks], dst_region.segment
+                )
+                handle = agent.initialize_xfer("WRITE", src, dst, remote, backends=[NIXL_BACKEND])
             state = agent.transfer(handle)
         except Exception as exc:
             raise TransferError(f"NIXL write of {len(blocks)} blocks to {remote} failed: {exc}") from exc
@@ -375,6 +311,7 @@ class NixlBackend(TransferBackend):
         return True
 
     def close(self) -> None:
+        self._grids.close()
         with self._lock:
             peers, self._peers = list(self._peers), {}
             registered, self._registered = list(self._registered.values()), {}
