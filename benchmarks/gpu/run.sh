@@ -4,16 +4,22 @@
 # and the pure-Python wheels the GPU machine's Python lacks in .gpu-deps/wheels (the test harness's
 # certificates need cryptography: `pip download cryptography cffi pycparser --python-version 3.12
 # --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-deps/wheels`):
-#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent] [tcp] [dmabuf] [chunks] [vllm]      (default: the first three)
+#   bash benchmarks/gpu/run.sh [tests] [fastpath] [agent] [tcp] [dmabuf] [chunks] [vllm] [nixl]      (default: the first three)
 # (tcp: engine GPU KV over tcp, its benchmark then its GPU tests; one GPU is enough)
 # (dmabuf: engine GPU memory exported as dma-bufs and handed over, its GPU tests with their prints; one GPU)
 # (chunks: the transfer a chunked prefill leaves exposed after its last chunk, kernel path; one GPU)
+# (nixl: GPU memory between two agent processes over NIXL, UCX's CUDA IPC, its GPU tests, then its
+#  benchmark beside Mooncake and raw NIXL; one GPU. NIXL and Mooncake's engine together are too
+#  large for one call beside .gpu-deps: carry .gpu-nixl instead, made with
+#  `bash benchmarks/gpu/nixl_pack.sh build .gpu-nixl`, which holds Mooncake's engine, the debs and
+#  the wheels too)
 # Output goes to stdout and, when the device tool sets $OUT, into files there.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$(mktemp -d)}
 export OUT
-eval "$(.gpu-deps/gpu-deps load .gpu-deps)"
+if [[ -d .gpu-deps ]]; then eval "$(.gpu-deps/gpu-deps load .gpu-deps)"; fi
+if [[ -d .gpu-nixl ]]; then eval "$(bash benchmarks/gpu/nixl_pack.sh load .gpu-nixl)"; fi
 if compgen -G ".gpu-deps/wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --break-system-packages --root-user-action=ignore .gpu-deps/wheels/*.whl
 fi
@@ -40,6 +46,15 @@ for step in $steps; do
     vllm)  # vLLM's connector worker side, its KV cache on the GPU (no vLLM needed: it builds vLLM's layout)
       PDFABRIC_GPU_RESULTS=$OUT timeout 300 python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_vllm_connector_gpu.py 2>&1 \
         | tee "$OUT/gpu-vllm-tests.txt" | tail -40 || rc=1 ;;
+    nixl)  # issue 43: the GPU tests (the engine-buffer case as the agent is, then with NIXL's backend
+      # saying it moves GPU memory: tests/gpu/test_nixl_gpu.py's docstring), then the benchmark
+      # (NIXL_BENCH_ARGS: its arguments, e.g. --cases nixl mooncake-engine; NIXL_BENCH_TIMEOUT: seconds)
+      PDFABRIC_GPU_RESULTS=$OUT timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_nixl_gpu.py 2>&1 \
+        | tee "$OUT/gpu-nixl-tests.txt" | tail -30 || rc=1
+      PDFABRIC_GPU_RESULTS=$OUT PDFABRIC_TEST_NIXL_DEVICE_MEMORY=1 timeout 45 python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/gpu/test_nixl_gpu.py -k engine 2>&1 | tee -a "$OUT/gpu-nixl-tests.txt" | tail -30 || rc=1
+      timeout ${NIXL_BENCH_TIMEOUT:-220} python3 benchmarks/gpu/nixl_gpu_bench.py ${NIXL_BENCH_ARGS:-} 2>&1 | tee "$OUT/nixl_gpu_bench.log" \
+        | grep -v '^\[[0-9.]*\] \[\|INFO' | tail -60 || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done
