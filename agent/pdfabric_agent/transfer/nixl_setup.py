@@ -22,6 +22,11 @@ SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 # opens the peer's cudaIpcMemHandle and copies device to device); cuda_copy is what tells UCX a
 # pointer is GPU memory at all; tcp carries what cuda_ipc cannot: UCX's wire-up and active messages
 # (cuda_ipc has none), NIXL's notifications, and host-memory regions (the aux rows of memPool NONE).
+# Seen on an H100 with NIXL 1.5.1's UCX 1.23 (benchmarks/results/gpu-2026-12-07-nixl.md): writes
+# between the agents' own GPU pools take cuda_ipc (zero-copy); a destination the receiving process
+# opened by CUDA IPC itself (an engine's buffer) has no IPC handle UCX can pass on, and UCX emulates
+# those writes over tcp, byte-exact but slow. UCX's source also refuses legacy CUDA IPC handles
+# between PID namespaces (not run here).
 NVLINK_INTRA_TLS = "cuda_ipc,cuda_copy,tcp"
 
 

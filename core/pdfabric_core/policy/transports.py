@@ -149,9 +149,11 @@ MEM_POOLS: dict[MemPool, MemPoolTraits] = {
             metadata_device=Device.CPU,
             aux_side_channel=False,
             backends=frozenset(Backend),
-            # NIXL runs nvlink-intra here: UCX's CUDA IPC (cuda_ipc) between processes of one node on
-            # GPU memory as it is registered, where Mooncake's intra-node NVLink needs the whole
-            # segments only the INTRA_NODE_NVLINK pool allocates (tests/gpu/test_nixl_gpu.py).
+            # NIXL runs nvlink-intra here: UCX's CUDA IPC (cuda_ipc) between processes of one node
+            # on the agents' own GPU pools (cuMemAlloc'd by the process that registers them: UCX
+            # cannot export memory it opened by CUDA IPC, and emulates such writes over tcp), where
+            # Mooncake's intra-node NVLink needs the whole segments only the INTRA_NODE_NVLINK pool
+            # allocates (tests/gpu/test_nixl_gpu.py, benchmarks/results/gpu-2026-12-07-nixl.md).
             backend_transports=((Backend.NIXL, frozenset({Transport.NVLINK_INTRA})),),
         ),
         MemPoolTraits(
