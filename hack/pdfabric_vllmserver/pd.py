@@ -23,6 +23,7 @@ from pdfabric_vllmserver.servers import (
     BLOCK_SIZE,
     ENGINE_SOURCES,
     MODEL,
+    NIXL_CPU,
     NIXL_ENV,
     PD_ENV,
     ROOT,
@@ -103,6 +104,7 @@ def pair(
             envs = {
                 role: {**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for role in ("prefill", "decode")
             }
+            pythonpath = [str(NIXL_CPU)]
         for role in ("prefill", "decode"):
             config = pdfabric_kv_config(role) if connector == "pdfabric" else nixl_kv_config(role)
             servers[role] = start_server(
