@@ -67,6 +67,14 @@ def test_is_a_transfer_backend_with_an_endpoint_naming_agent_and_metadata(pair: 
     assert os.environ["UCX_TLS"] == ucx_env(Transport.TCP)["UCX_TLS"]
 
 
+def test_engine_gpu_buffers_are_refused_with_the_reason_measured_on_a_gpu(pair: Pair) -> None:
+    """UCX's CUDA IPC cannot pass on memory the agent opened by CUDA IPC (an engine's buffer): on an
+    H100 it emulated such writes over tcp. The backend says so to an engine that registers GPU KV."""
+    a = pair[0]
+    assert a.device_memory is False
+    assert "only in the agent's own pools" in a.host_memory_only_because
+
+
 def test_batch_lands_byte_exact_and_nothing_else_changes(pair: Pair) -> None:
     a, b, pa, pb = pair
     src = pa.view()

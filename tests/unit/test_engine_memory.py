@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import mmap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -153,9 +154,14 @@ def test_engine_kv_is_taken_on_the_devices_of_the_transport_the_agent_runs(
          "transport (tcp, the declared fallback from nvlink; memPool NVLINK); one is shared as cuda-ipc"),
         (rules("tcp", "nvlink-intra", pool="INTRA_NODE_NVLINK", gpu=False), True, True, "KV buffers are GPU memory, "
          "but the transfer engine of this agent's transport (tcp, the declared fallback from nvlink-intra; memPool "
-         "INTRA_NODE_NVLINK) moves host memory only (Mooncake built without CUDA"),
+         "INTRA_NODE_NVLINK) moves host memory only"),
+        # The backend says why it moves host memory only, and what to do instead.
+        (replace(rules("nvlink-intra", gpu=False), host_only_because="the nixl backend moves GPU memory only in the "
+         "agent's own pools"), True, False, "moves host memory only: the nixl backend moves GPU memory only in the "
+         "agent's own pools"),
     ],
-    ids=["rdma-gpu-kv", "nvlink-intra-cpu-kv", "tcp-gpu-aux", "fallback-gpu-aux", "fallback-engine-without-cuda"],
+    ids=["rdma-gpu-kv", "nvlink-intra-cpu-kv", "tcp-gpu-aux", "fallback-gpu-aux", "fallback-engine-without-cuda",
+         "backend-says-why"],
 )  # fmt: skip
 def test_a_refusal_names_the_transport_the_agent_runs(
     tmp_path: Path, rule: MemoryRules, kv_gpu: bool, aux_gpu: bool, message: str

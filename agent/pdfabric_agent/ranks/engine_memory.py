@@ -53,10 +53,13 @@ class MemoryRules:
     requested: Transport
     mem_pool: MemPool
     engine_moves_gpu: bool  # the backend's ``device_memory``
+    host_only_because: str = ""  # the backend's ``host_memory_only_because``
 
     @classmethod
-    def of(cls, spec: PDClusterSpec, transport: Transport, requested: Transport, engine_moves_gpu: bool) -> MemoryRules:
-        return cls(transport, requested, spec.transfer.mem_pool, engine_moves_gpu)
+    def of(
+        cls, spec: PDClusterSpec, transport: Transport, requested: Transport, engine_moves_gpu: bool, why_not: str = ""
+    ) -> MemoryRules:
+        return cls(transport, requested, spec.transfer.mem_pool, engine_moves_gpu, why_not)
 
     @property
     def kv_devices(self) -> frozenset[Device]:
@@ -89,8 +92,7 @@ class MemoryRules:
             if device is Device.CUDA and not self.engine_moves_gpu:
                 raise layout_mismatch(
                     f"{kind} buffers are GPU memory, but the transfer engine of {self.where()} moves host "
-                    "memory only (Mooncake built without CUDA: mooncake-transfer-engine-non-cuda); "
-                    "run the CUDA agent image (spec.agent.image, docs/images.md)"
+                    f"memory only{': ' + self.host_only_because if self.host_only_because else ''}"
                 )
 
 

@@ -198,8 +198,10 @@ class Agent:
     # ---------------------------------------------------------------- the API
     def register_memory(self, msg: MemoryRegistration) -> MemoryAnswer:
         """An engine's own buffers become the rank's memory (``registration``)."""
-        device_memory = self.ctx.ranks.served(msg.rank).backend.device_memory
-        rules = MemoryRules.of(self.spec, self.transport, self.requested, device_memory)
+        backend = self.ctx.ranks.served(msg.rank).backend
+        rules = MemoryRules.of(
+            self.spec, self.transport, self.requested, backend.device_memory, backend.host_memory_only_because
+        )
         return register_engine_memory(self.ctx, msg, rules, shm_dir=self.cfg.shm_dir, cluster=self.cluster)
 
     async def abort(self, msg: AbortRequest) -> RoomView:

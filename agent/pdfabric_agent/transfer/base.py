@@ -100,6 +100,12 @@ class TransferBackend(abc.ABC):
         buffers mapped by CUDA IPC among them); False: host memory only."""
         return False
 
+    @property
+    def host_memory_only_because(self) -> str:
+        """Why ``device_memory`` is False, with what to do instead: the refusal an engine that
+        registers GPU buffers reads."""
+        return f"the {self.name} backend moves host memory only"
+
     @abc.abstractmethod
     def endpoint(self) -> str:
         """Session id peers write to (Mooncake: "host:rpc_port")."""

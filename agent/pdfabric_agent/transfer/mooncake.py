@@ -71,6 +71,13 @@ class MooncakeBackend(TransferBackend):
     def device_memory(self) -> bool:
         return cuda_build()
 
+    @property
+    def host_memory_only_because(self) -> str:
+        return (
+            "Mooncake is built without CUDA here (mooncake-transfer-engine-non-cuda); run the CUDA agent "
+            "image (spec.agent.image, docs/images.md)"
+        )
+
     def endpoint(self) -> str:
         return f"{self._host}:{self._engine.get_rpc_port()}"
 

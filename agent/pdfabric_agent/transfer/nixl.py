@@ -79,6 +79,17 @@ class NixlBackend(TransferBackend):
         self._retired: set[str] = set()  # remote NIXL agents forgotten while transfers to them were in flight
         self._timeout_s = timeout_s
 
+    @property
+    def host_memory_only_because(self) -> str:
+        # Measured on an H100 (benchmarks/results/gpu-2026-12-07-nixl.md): UCX's CUDA IPC carries
+        # GPU memory its own process allocated; an engine's buffer, which the agent opens by CUDA
+        # IPC, has no handle UCX can pass on, and UCX fell back to emulating the writes over tcp.
+        return (
+            "the nixl backend moves GPU memory only in the agent's own pools (UCX's CUDA IPC cannot pass on "
+            "memory the agent opened by CUDA IPC); register host buffers, or use backend mooncake for an "
+            "engine's own GPU KV"
+        )
+
     # ------------------------------------------------------------ this rank
     def endpoint(self) -> str:
         return self.local_metadata()[0]

@@ -109,6 +109,10 @@ class FastPathBackend(TransferBackend):
     def device_memory(self) -> bool:
         return self.inner.device_memory
 
+    @property
+    def host_memory_only_because(self) -> str:
+        return self.inner.host_memory_only_because
+
     def endpoint(self) -> str:
         return self.inner.endpoint()
 
