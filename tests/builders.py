@@ -309,6 +309,21 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "transfer.transport must fit transfer.memPool",
     ),
     (
+        "default-pool-on-efa",
+        {"transfer": {"transport": "efa"}},
+        "transfer.transport must fit transfer.memPool",
+    ),
+    (
+        "mori-default-pool-on-efa",
+        {"backend": "mori", "transfer": {"transport": "efa"}},
+        "transfer.transport must fit transfer.memPool",
+    ),
+    (
+        "nixl-barex-on-efa",
+        {"backend": "nixl", "transfer": {"memPool": "BAREX", "transport": "efa"}},
+        "transfer.transport must fit transfer.memPool",
+    ),
+    (
         "nixl-nvlink-intra-decode-not-multiple",
         {
             "backend": "nixl",

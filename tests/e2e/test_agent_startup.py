@@ -62,6 +62,35 @@ def test_transport_the_node_cannot_carry_is_a_readiness_reason(transport: str, r
         lc.close()
 
 
+def test_efa_without_an_efa_device_is_refused_at_start_and_falls_back_when_declared() -> None:
+    """Backend nixl over efa (NIXL's LIBFABRIC backend): on a node without an EFA device the agent
+    is not ready with reason NoEfaDevice, and nothing of the transfer API listens; with the declared
+    fallback it runs NIXL over tcp and says why."""
+    spec = {**cluster_spec(), "backend": "nixl", "transfer": {"transport": "efa"}}
+    lc = LocalFabric(spec)
+    try:
+        name = lc.agent_of("decode-0-tp0")
+        lc.start(name, ready=False)
+        status, body = wait_readyz(lc, name)
+        assert (status, body["ready"], body["reason"]) == (503, False, "NoEfaDevice"), body
+        assert "needs an EFA device" in body["message"]
+        with pytest.raises(OSError):
+            lc.client(name).info()
+    finally:
+        lc.close()
+    lc = LocalFabric({**spec, "placement": {"fallback": "TCP"}})
+    try:
+        name = lc.agent_of("decode-0-tp0")
+        lc.start(name, ready=False)
+        status, body = wait_readyz(lc, name)
+        assert (status, body["ready"]) == (200, True), body
+        assert "NoEfaDevice" in body["message"] and "fell back to tcp" in body["message"]
+        info = lc.client(name).info()
+        assert (info.transport, info.backend) == ("tcp", "nixl")
+    finally:
+        lc.close()
+
+
 def test_declared_fallback_runs_tcp_and_says_so() -> None:
     lc = LocalFabric(cluster_spec(fallback="TCP"), transport="rdma")
     try:

@@ -15,11 +15,14 @@ from tests.integration.pdcluster_harness import agent_pods, apply_pdc, children,
 # Fixtures live in the harness; binding them here makes pytest see them in this module.
 operator_kubeconfig, gpu_nodes, operator = h.operator_kubeconfig, h.gpu_nodes, h.operator
 
+EFA = "vpc.amazonaws.com/efa"  # EKS's extended resource of EFA devices
+
 # (id, node shapes: (prefix, count, options), builder, expected GPUs per agent pod (a pod per
-# placement unit), expected GPUs per node (summed over its pods), RDMA requested)
+# placement unit), expected GPUs per node (summed over its pods), the device resource each pod
+# requests ("": none))
 CASES = [
     # A pod per replica, both on one node (best fit).
-    ("tcp", [("plain", 2, {})], pdcluster().prefill(tp=4).decode(tp=4), [4, 4], [8], False),
+    ("tcp", [("plain", 2, {})], pdcluster().prefill(tp=4).decode(tp=4), [4, 4], [8], ""),
     (
         "rdma",
         # Each pod holds an RDMA device of its own: two per node let a node take two pods.
@@ -27,7 +30,21 @@ CASES = [
         pdcluster().transport("rdma").prefill(replicas=2, tp=4).decode(replicas=1, tp=4),
         [4, 4, 4],
         [4, 8],
-        True,
+        "rdma/hca",
+    ),
+    (
+        "efa",
+        # NIXL over EFA: each pod takes one of its node's EFA devices (placement.rdmaResource names them).
+        [("plain", 2, {}), ("efa", 2, {"rdma_resource": EFA, "rdma_count": 2})],
+        pdcluster()
+        .backend("nixl")
+        .transport("efa")
+        .placement(rdmaResource=EFA)
+        .prefill(replicas=2, tp=4)
+        .decode(replicas=1, tp=4),
+        [4, 4, 4],
+        [4, 8],
+        EFA,
     ),
     (
         "nvlink-intra",
@@ -36,7 +53,7 @@ CASES = [
         pdcluster().transport("nvlink-intra").prefill(replicas=2, tp=4).decode(replicas=2, tp=2),
         [6, 6],
         [6, 6],
-        False,
+        "",
     ),
     (
         "nvlink",
@@ -44,13 +61,13 @@ CASES = [
         pdcluster().transport("nvlink").prefill(replicas=1, tp=8).decode(replicas=2, tp=4),
         [4, 4, 8],
         [8, 8],
-        False,
+        "",
     ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("shapes", "builder", "gpus", "node_gpus", "rdma"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("shapes", "builder", "gpus", "node_gpus", "device"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
 def test_transport_placed_and_ready(
     cluster: Any,
@@ -61,13 +78,15 @@ def test_transport_placed_and_ready(
     builder: Any,
     gpus: list[int],
     node_gpus: list[int],
-    rdma: bool,
+    device: str,
 ) -> None:
     node_labels: dict[str, dict[str, str]] = {}
     for prefix, count, opts in shapes:
         for name in gpu_nodes(prefix, count, **opts):
             node_labels[name] = cluster.get_json("node", name)["metadata"]["labels"]
-    manifest = builder.placement(nodeSelector=selector(namespace)).manifest()
+    manifest = builder.placement(
+        nodeSelector=selector(namespace), **({"rdmaResource": device} if device else {})
+    ).manifest()
     manifest["metadata"]["name"] = "pd"
     apply_pdc(cluster, manifest, namespace)
     obj = wait_ready(cluster, namespace, "pd")
@@ -90,24 +109,24 @@ def test_transport_placed_and_ready(
     assert sorted(h.gpus_by_node(cluster, namespace, "pd").values()) == node_gpus
     assert len(h.pods_by_unit(cluster, namespace, "pd")) == len(gpus), "a pod per placement unit"
     h.assert_no_duplicates(cluster, namespace, "pd")
-    rdma_on: dict[str, int] = {}
+    devices_on: dict[str, int] = {}
     for p in pods:
         limits = p["spec"]["containers"][0]["resources"]["limits"]
-        assert ("rdma/hca" in limits) == rdma
-        if rdma:
-            assert limits["rdma/hca"] == "1", "one RDMA device per pod"
-            rdma_on[p["spec"]["nodeName"]] = rdma_on.get(p["spec"]["nodeName"], 0) + 1
+        assert [k for k in limits if k in ("rdma/hca", EFA)] == ([device] if device else [])
+        if device:
+            assert limits[device] == "1", "one RDMA (EFA) device per pod"
+            devices_on[p["spec"]["nodeName"]] = devices_on.get(p["spec"]["nodeName"], 0) + 1
         labels = node_labels[p["spec"]["nodeName"]]
-        if transport == "rdma":
-            assert p["spec"]["nodeName"].split("-")[-2] == "rdma"
+        if transport in ("rdma", "efa"):
+            assert p["spec"]["nodeName"].split("-")[-2] == transport
         if transport == "nvlink":
             assert labels.get("nvidia.com/gpu.clique") == "domain-x"
         assert p["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
         env = {e["name"]: e for e in p["spec"]["containers"][0]["env"]}
         assert env["PDFABRIC_RANKMAP"]["value"] == "/etc/pdfabric/rankmap.json"
         assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    for node, taken in rdma_on.items():
-        assert taken <= int(cluster.get_json("node", node)["status"]["allocatable"]["rdma/hca"]), node
+    for node, taken in devices_on.items():
+        assert taken <= int(cluster.get_json("node", node)["status"]["allocatable"][device]), node
     if transport == "nvlink-intra":
         # each node holds one prefill replica and exactly the decode replica it feeds
         rankmap = RankMap.from_json(
@@ -143,7 +162,7 @@ def test_transport_placed_and_ready(
     ]
     assert [cells[k] for k in ("NAME", "BACKEND", "TRANSPORT", "PREFILL", "DECODE", "READY")] == [
         "pd",
-        "mooncake",
+        spec.backend.value,
         transport,
         f"{spec.prefill.replicas}/{spec.prefill.replicas}",
         f"{spec.decode.replicas}/{spec.decode.replicas}",

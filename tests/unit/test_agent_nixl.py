@@ -14,8 +14,8 @@ import pytest
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
-from pdfabric_agent.transfer.nixl import NixlBackend, create, metadata_digest, split_endpoint
-from pdfabric_agent.transfer.nixl_setup import ucx_env
+from pdfabric_agent.transfer.nixl import NixlBackend, create, metadata_digest, path_of, split_endpoint
+from pdfabric_agent.transfer.nixl_setup import library_env, plugin_of, ucx_env
 from pdfabric_core.policy.types import Device, Transport
 
 SIZE = 1 << 20
@@ -73,6 +73,19 @@ def test_engine_gpu_buffers_are_refused_with_the_reason_measured_on_a_gpu(pair: 
     a = pair[0]
     assert a.device_memory is False
     assert "only in the agent's own pools" in a.host_memory_only_because
+
+
+def test_efa_goes_to_nixls_libfabric_backend_which_this_node_cannot_make() -> None:
+    """Transport efa is NIXL's LIBFABRIC plugin with libfabric's efa provider, its bytes on their own
+    path label; on a node without libfabric (this one) NIXL cannot make the backend, and the
+    refusal says what the plugin needs."""
+    assert (plugin_of(Transport.EFA), plugin_of(Transport.TCP)) == ("LIBFABRIC", "UCX")
+    assert library_env(Transport.EFA) == {"FI_PROVIDER": "efa"}
+    assert path_of(Transport.EFA) == "nixl-libfabric-efa" and path_of(Transport.RDMA) == "nixl-ucx-rdma"
+    with pytest.raises(
+        TransferError, match=r"could not make its LIBFABRIC backend for transport efa.*libfabric\.so\.1"
+    ):
+        NixlBackend(Transport.EFA, host="127.0.0.1")
 
 
 def test_batch_lands_byte_exact_and_nothing_else_changes(pair: Pair) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from pdfabric_agent.node.hardware import Hardware
+from pdfabric_agent.node.hardware import Hardware, detect_efa
 from pdfabric_agent.node.transport import TransportError, choose_transport, mooncake_env
 from pdfabric_core.policy.types import Transport
 from pdfabric_core.spec import PDClusterSpec, PlacementSpec
@@ -22,8 +24,9 @@ PEERS_01 = frozenset({(0, 1), (1, 0)})
         ("nvlink-intra", Hardware(gpus=2, peer_access=PEERS_01), [0, 1], Transport.NVLINK_INTRA),
         ("nvlink-intra", Hardware(gpus=1), [0], Transport.NVLINK_INTRA),
         ("nvlink", Hardware(gpus=4, fabric_memory=True), [0], Transport.NVLINK),
+        ("efa", Hardware(rdma_devices=("rdmap0s6",), efa_devices=("rdmap0s6",)), [0], Transport.EFA),
     ],
-    ids=["tcp", "rdma-with-hca", "intra-node-with-peer-access", "intra-node-single-gpu", "mnnvl-with-fabric"],
+    ids=["tcp", "rdma-with-hca", "intra-node-with-peer-access", "intra-node-single-gpu", "mnnvl-with-fabric", "efa"],
 )
 def test_carryable_transport_is_chosen(transport: str, hw: Hardware, gpus: list[int], expected: Transport) -> None:
     choice = choose_transport(FAIL, transport, hw, gpus)
@@ -44,8 +47,22 @@ def test_carryable_transport_is_chosen(transport: str, hw: Hardware, gpus: list[
         ),
         ("nvlink", Hardware(gpus=4), [0], "NoFabricMemory", "fabric memory"),
         ("carrier-pigeon", Hardware(), [0], "UnknownTransport", "not known"),
+        (
+            "efa",
+            Hardware(rdma_devices=("mlx5_0",)),
+            [0],
+            "NoEfaDevice",
+            r"RDMA devices here: mlx5_0, none of driver efa",
+        ),
     ],
-    ids=["rdma-without-hca", "intra-node-without-gpu", "intra-node-one-way-peer", "mnnvl-without-fabric", "unknown"],
+    ids=[
+        "rdma-without-hca",
+        "intra-node-without-gpu",
+        "intra-node-one-way-peer",
+        "mnnvl-without-fabric",
+        "unknown",
+        "efa-on-an-infiniband-node",
+    ],
 )
 def test_uncarryable_transport_is_a_clear_error(
     transport: str, hw: Hardware, gpus: list[int], reason: str, text: str
@@ -53,6 +70,18 @@ def test_uncarryable_transport_is_a_clear_error(
     with pytest.raises(TransportError, match=text) as info:
         choose_transport(FAIL, transport, hw, gpus)
     assert info.value.reason == reason
+
+
+def test_efa_devices_are_the_rdma_devices_of_driver_efa(tmp_path: Path) -> None:
+    """/sys/class/infiniband/<dev>/device/driver names the driver: an EFA device's is efa."""
+    root, drivers = tmp_path / "infiniband", tmp_path / "drivers"
+    for dev, driver in (("rdmap0s6", "efa"), ("mlx5_0", "mlx5_core"), ("no-driver-link", "")):
+        (root / dev / "device").mkdir(parents=True)
+        if driver:
+            (drivers / driver).mkdir(parents=True)
+            (root / dev / "device" / "driver").symlink_to(drivers / driver)
+    assert detect_efa(str(root)) == ("rdmap0s6",)
+    assert detect_efa(str(tmp_path / "absent")) == ()
 
 
 def test_declared_fallback_goes_to_tcp_and_says_why() -> None:

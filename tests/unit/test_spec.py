@@ -11,8 +11,17 @@ from typing import Any, get_type_hints
 import pytest
 import yaml
 
-from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS, pool_transports
-from pdfabric_core.policy.types import AUTO_TRANSPORT, Backend, FallbackPolicy, KvKind, KvPacking, MemPool, Transport
+from pdfabric_core.policy.transports import MEM_POOLS, TRANSPORTS, Requirement, pool_transports, transport_traits
+from pdfabric_core.policy.types import (
+    AUTO_TRANSPORT,
+    Backend,
+    Device,
+    FallbackPolicy,
+    KvKind,
+    KvPacking,
+    MemPool,
+    Transport,
+)
 from pdfabric_core.spec import (
     DTYPE_BYTES,
     DecodeEngineSpec,
@@ -169,12 +178,29 @@ def test_nixl_runs_nvlink_intra_on_the_default_pool() -> None:
     the node locality of nvlink-intra holds as on the INTRA_NODE_NVLINK pool."""
     spec = parse_spec({"backend": "nixl", "transfer": {"transport": "nvlink-intra"}})
     assert (spec.transfer.mem_pool, spec.transfer.effective_transport) == (MemPool.NONE, Transport.NVLINK_INTRA)
-    assert pool_transports(MemPool.NONE, Backend.NIXL) == {Transport.TCP, Transport.RDMA, Transport.NVLINK_INTRA}
+    assert pool_transports(MemPool.NONE, Backend.NIXL) == {
+        Transport.TCP,
+        Transport.RDMA,
+        Transport.NVLINK_INTRA,
+        Transport.EFA,
+    }
     for backend in (Backend.MOONCAKE, Backend.MORI):
         assert pool_transports(MemPool.NONE, backend) == {Transport.TCP, Transport.RDMA}
     with pytest.raises(SpecError, match=r"decode\.replicas \(3\) must be a multiple"):
         parse_spec({"backend": "nixl", "transfer": {"transport": "nvlink-intra"}, "prefill": {"replicas": 2},
                     "decode": {"replicas": 3}})  # fmt: skip
+
+
+def test_nixl_runs_efa_on_the_default_pool_and_no_other_backend_does() -> None:
+    """EFA through NIXL's LIBFABRIC backend: memPool NONE, an agent requesting the nodes' RDMA
+    resource (set to the EFA one), KV in host memory; the agent checks for an EFA device."""
+    spec = parse_spec({"backend": "nixl", "transfer": {"transport": "efa"}})
+    assert (spec.transfer.mem_pool, spec.transfer.effective_transport) == (MemPool.NONE, Transport.EFA)
+    traits = transport_traits(Transport.EFA)
+    assert traits.device_resource and traits.backends == {Backend.NIXL}
+    assert traits.requires == (Requirement.EFA_DEVICE,) and traits.engine_kv_devices == {Device.CPU}
+    with pytest.raises(SpecError, match=r"efa cannot run on memPool NONE with backend mooncake.*or backend nixl"):
+        parse_spec({"transfer": {"transport": "efa"}})
 
 
 def test_a_pair_another_backend_carries_names_that_backend() -> None:
@@ -183,7 +209,7 @@ def test_a_pair_another_backend_carries_names_that_backend() -> None:
     ):
         parse_spec({"transfer": {"transport": "nvlink-intra"}})
     with pytest.raises(SpecError, match=r"nvlink cannot run on memPool NONE with backend nixl; use auto or one of: "
-                       r"nvlink-intra, rdma, tcp, or change memPool"):  # fmt: skip
+                       r"efa, nvlink-intra, rdma, tcp, or change memPool"):  # fmt: skip
         parse_spec({"backend": "nixl", "transfer": {"transport": "nvlink"}})
 
 

@@ -29,6 +29,7 @@ class Hardware:
     fabric_memory: bool | None = False
     fabric_memory_note: str = ""  # why not, when not: for the transport check's message
     rdma_devices: tuple[str, ...] = ()
+    efa_devices: tuple[str, ...] = ()  # the RDMA devices whose driver is efa
     npu: bool = False
 
     def all_peer_access(self, gpus: Sequence[int]) -> bool:
@@ -43,6 +44,20 @@ def detect_rdma(sys_root: str = "/sys/class/infiniband") -> tuple[str, ...]:
         return tuple(sorted(os.listdir(sys_root)))
     except OSError:
         return ()
+
+
+def detect_efa(sys_root: str = "/sys/class/infiniband") -> tuple[str, ...]:
+    """The RDMA devices driven by the efa driver (AWS Elastic Fabric Adapter): their
+    ``device/driver`` link names it."""
+    found = []
+    for name in detect_rdma(sys_root):
+        try:
+            driver = os.path.basename(os.readlink(os.path.join(sys_root, name, "device", "driver")))
+        except OSError:
+            continue
+        if driver == "efa":
+            found.append(name)
+    return tuple(found)
 
 
 def detect_fabric_memory(gpus: Sequence[int]) -> tuple[bool, str]:
@@ -84,4 +99,5 @@ def detect_hardware(owned_gpus: Sequence[int]) -> Hardware:
         fabric_memory=None if gpus else False,
         fabric_memory_note="" if gpus else "no GPU is visible",
         rdma_devices=detect_rdma(),
+        efa_devices=detect_efa(),
     )

@@ -3,7 +3,7 @@
 The operator placed the agent for ``rankmap.transport`` (after any fallback the spec declared). The
 agent checks the hardware again because labels can lie: intra-node NVLink needs peer access
 between every pair of GPUs the agent owns, multi-node NVLink needs fabric memory, RDMA needs a
-device. When the check fails the agent reports a readiness reason instead of silently degrading,
+device, EFA an RDMA device of driver efa. When the check fails the agent reports a readiness reason instead of silently degrading,
 unless the spec's placement.fallback is "TCP". What each transport needs is its row in
 ``pdfabric_core.policy.transports`` (requirements, Mooncake flags); this module only checks them.
 """
@@ -40,6 +40,9 @@ def _unmet(need: Requirement, transport: Transport, hw: Hardware, gpus: Sequence
     t = transport.value
     if need is Requirement.RDMA_DEVICE and not hw.rdma_devices:
         return "NoRdmaDevice", f"transport {t} needs an RDMA device; /sys/class/infiniband is empty"
+    if need is Requirement.EFA_DEVICE and not hw.efa_devices:
+        seen = f" (RDMA devices here: {', '.join(hw.rdma_devices)}, none of driver efa)" if hw.rdma_devices else ""
+        return "NoEfaDevice", f"transport {t} needs an EFA device; /sys/class/infiniband has none{seen}"
     if need is Requirement.GPU and hw.gpus == 0:
         return "NoGpu", f"transport {t} needs GPUs; none is visible to the agent"
     if need is Requirement.PEER_ACCESS and (missing := hw.missing_peer_access(gpus)):

@@ -30,7 +30,7 @@ from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
 from pdfabric_agent.transfer.nixl_grids import Grids
 from pdfabric_agent.transfer.nixl_metadata import RankMetadata, Region, Regions, metadata_digest, split_endpoint
-from pdfabric_agent.transfer.nixl_setup import NIXL_BACKEND, ucx_env, waiting_agent
+from pdfabric_agent.transfer.nixl_setup import library_env, plugin_of, waiting_agent
 from pdfabric_core.policy.types import Device, Transport
 
 WAIT_POLL_S = 50e-6  # sleep between checks of a transfer's state
@@ -39,12 +39,18 @@ SEGMENTS = {Device.CPU: "DRAM", Device.CUDA: "VRAM"}
 
 
 def path_of(transport: Transport) -> str:
-    """The `path` metric label of a NIXL backend over ``transport``: the UCX transports UCX may use
-    differ per transport (``ucx_env``), so the bytes of each are counted apart."""
-    return f"nixl-ucx-{transport.value}"
+    """The `path` metric label of a NIXL backend over ``transport``: its plugin and the transports
+    that plugin may use differ per transport (``library_env``), so the bytes of each are counted
+    apart (``nixl-ucx-tcp``, ``nixl-libfabric-efa``)."""
+    return f"nixl-{plugin_of(transport).lower()}-{transport.value}"
 
 
 PATHS = tuple(path_of(t) for t in Transport)  # every label a NIXL backend can report
+# What a plugin needs of the node beyond NIXL's wheel, for the refusal when NIXL cannot make it.
+PLUGIN_NEEDS = {
+    "LIBFABRIC": "NIXL's LIBFABRIC plugin needs libfabric.so.1 with its efa provider, CUDA's runtime and hwloc: "
+    "the CUDA agent image on an EFA node",
+}
 
 
 class NixlBackend(TransferBackend):
@@ -66,9 +72,20 @@ class NixlBackend(TransferBackend):
         self._gpu = gpu
         # Unique across restarts: a peer must never take a new process for the old one.
         self._name = f"{host}/{os.getpid()}/{gpu}/{uuid.uuid4().hex[:8]}"
-        self._agent = waiting_agent(nixl_agent, self._name)
-        if NIXL_BACKEND not in self._agent.backends:
-            raise TransferError(f"NIXL has no {NIXL_BACKEND} backend here (plugins: {self._agent.plugin_list})")
+        self._plugin = plugin_of(transport)
+        try:
+            self._agent = waiting_agent(nixl_agent, self._name, self._plugin)
+            made = self._plugin in self._agent.backends
+        except Exception as exc:  # NIXL raises when the plugin cannot make its backend on this node
+            made, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = f"plugins found: {', '.join(self._agent.plugin_list)}"
+        if not made:
+            needs = PLUGIN_NEEDS.get(self._plugin, "")
+            raise TransferError(
+                f"NIXL could not make its {self._plugin} backend for transport {transport.value} here ({why})"
+                + (f"; {needs}" if needs else "")
+            )
         self._grids = Grids(self._agent)  # prepared descriptor lists, reused by every room
         self._lock = threading.Lock()  # registrations and peers change while worker threads write
         self._regions = Regions()
@@ -105,7 +122,7 @@ class NixlBackend(TransferBackend):
         segment = SEGMENTS[pool.device]
         descs = self._agent.get_reg_descs([(pool.addr, pool.size, self._device_id(pool), pool.name)], segment)
         try:
-            self._agent.register_memory(descs, backends=[NIXL_BACKEND])
+            self._agent.register_memory(descs, backends=[self._plugin])
         except Exception as exc:
             raise TransferError(
                 f"NIXL register_memory({pool.name}, {pool.size} bytes, {segment}) failed: {exc}"
@@ -122,7 +139,7 @@ class NixlBackend(TransferBackend):
             self._regions = self._regions.without(pool.addr)
             self._metadata = None
         if descs is not None:
-            self._agent.deregister_memory(descs, backends=[NIXL_BACKEND])
+            self._agent.deregister_memory(descs, backends=[self._plugin])
 
     def _device_id(self, pool: Pool) -> int:
         return (pool.gpu if pool.gpu is not None else self._gpu) if pool.device is Device.CUDA else 0
@@ -247,7 +264,7 @@ class NixlBackend(TransferBackend):
     def _post(self, remote: str, blocks: list[Block], src_region: Region, dst_region: Region) -> Any:
         agent = self._agent
         try:
-            handle = self._grids.write(remote, blocks, src_region, dst_region, [NIXL_BACKEND])
+            handle = self._grids.write(remote, blocks, src_region, dst_region, [self._plugin])
             if handle is None:  # a batch the prepared lists do not serve: descriptors of its own
                 src = agent.get_xfer_descs(
                     [(b.src, b.length, src_region.device_id) for b in blocks], src_region.segment
@@ -255,7 +272,7 @@ class NixlBackend(TransferBackend):
                 dst = agent.get_xfer_descs(
                     [(b.dst, b.length, dst_region.device_id) for b in blocks], dst_region.segment
                 )
-                handle = agent.initialize_xfer("WRITE", src, dst, remote, backends=[NIXL_BACKEND])
+                handle = agent.initialize_xfer("WRITE", src, dst, remote, backends=[self._plugin])
             state = agent.transfer(handle)
         except Exception as exc:
             raise TransferError(f"NIXL write of {len(blocks)} blocks to {remote} failed: {exc}") from exc
@@ -316,7 +333,7 @@ class NixlBackend(TransferBackend):
         """True when the peer's NIXL agent is loaded and a connection to it can be made."""
         try:
             remote, _ = self._peer(peer)
-            self._agent.make_connection(remote, backends=[NIXL_BACKEND])
+            self._agent.make_connection(remote, backends=[self._plugin])
         except Exception:
             return False
         return True
@@ -331,13 +348,13 @@ class NixlBackend(TransferBackend):
                 self._agent.remove_remote_agent(split_endpoint(endpoint)[0])
         for descs in registered:
             with contextlib.suppress(Exception):
-                self._agent.deregister_memory(descs, backends=[NIXL_BACKEND])
+                self._agent.deregister_memory(descs, backends=[self._plugin])
 
 
 def create(transport: Transport, opts: BackendOptions) -> TransferBackend:
-    """The registry's factory: UCX's settings for the transport (unless set already), then the
-    backend."""
-    for key, value in ucx_env(transport, opts.host).items():
+    """The registry's factory: the settings of the transport's library (unless set already), then
+    the backend."""
+    for key, value in library_env(transport, opts.host).items():
         os.environ.setdefault(key, value)
     return NixlBackend(
         transport, host=opts.host, gpu=opts.gpu, max_batch_entries=opts.max_batch_entries, timeout_s=opts.timeout_s

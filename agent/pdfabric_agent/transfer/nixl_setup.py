@@ -1,6 +1,7 @@
-"""How a NIXL agent is made on this node: UCX's settings per transport (set before the first agent
-starts: UCX reads them once), the network interface UCX's tcp transport listens on, and a NIXL
-agent whose progress thread waits for UCX's events instead of polling (``waiting_agent``)."""
+"""How a NIXL agent is made on this node: the NIXL backend plugin per transport (UCX, or LIBFABRIC
+for EFA), its library's settings (set before the first agent starts: UCX reads them once), the
+network interface UCX's tcp transport listens on, and a NIXL agent whose progress thread waits for
+events instead of polling (``waiting_agent``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from typing import Any
 
 from pdfabric_core.policy.types import Transport
 
-NIXL_BACKEND = "UCX"  # the NIXL backend plugin the nixl backend drives
+UCX = "UCX"  # NIXL's UCX backend plugin: tcp, rdma, nvlink-intra (CUDA IPC)
+# NIXL's libfabric backend plugin, for EFA. NIXL 1.5.1's plugin links libfabric.so.1, CUDA's runtime
+# and hwloc: on a node without them NIXL answers "unsupported backend" (seen here, on CPU), which the
+# backend reports; the agent's start refuses efa first on a node without an EFA device.
+LIBFABRIC = "LIBFABRIC"
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
@@ -28,6 +33,19 @@ SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 # those writes over tcp, byte-exact but slow. UCX's source also refuses legacy CUDA IPC handles
 # between PID namespaces (not run here).
 NVLINK_INTRA_TLS = "cuda_ipc,cuda_copy,tcp"
+
+
+def plugin_of(transport: Transport) -> str:
+    """The NIXL backend plugin that carries ``transport``."""
+    return LIBFABRIC if transport is Transport.EFA else UCX
+
+
+def library_env(transport: Transport, host: str = "") -> Mapping[str, str]:
+    """The settings of the library under ``transport``'s plugin: libfabric's efa provider alone for
+    EFA (libfabric would otherwise take any provider it finds, tcp among them), else ``ucx_env``."""
+    if transport is Transport.EFA:
+        return {"FI_PROVIDER": "efa"}
+    return ucx_env(transport, host)
 
 
 def ucx_env(transport: Transport, host: str = "") -> Mapping[str, str]:
@@ -75,8 +93,8 @@ PROGRESS_DELAY_US = 1000
 _config_lock = threading.Lock()
 
 
-def waiting_agent(nixl_agent: Any, name: str) -> Any:
-    """A NIXL agent (UCX backend, progress thread, no listener thread) whose progress thread waits
+def waiting_agent(nixl_agent: Any, name: str, plugin: str = UCX) -> Any:
+    """A NIXL agent (``plugin``'s backend, progress thread, no listener thread) whose progress thread waits
     for events (``PROGRESS_DELAY_US``). The Python API offers no argument for the delay but sets the
     binding's ``pthrDelay`` on a config it makes: for this one construction that config is a
     subclass of the binding's that keeps the delay."""
@@ -90,7 +108,7 @@ def waiting_agent(nixl_agent: Any, name: str) -> Any:
         def __setattr__(self, key: str, value: Any) -> None:
             super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
 
-    config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[NIXL_BACKEND])
+    config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[plugin])
     with _config_lock:
         binding.nixlAgentConfig = WaitingConfig
         try:

@@ -34,6 +34,7 @@ class Requirement(enum.StrEnum):
     GPU = "gpu"  # at least one visible GPU
     PEER_ACCESS = "peer-access"  # peer access between every pair of the agent's GPUs
     FABRIC_MEMORY = "fabric-memory"  # cuMemCreate FABRIC handles (multi-node NVLink)
+    EFA_DEVICE = "efa-device"  # an EFA device (an RDMA device of driver efa under /sys/class/infiniband)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,21 @@ TRANSPORTS: dict[Transport, TransportTraits] = {
             mooncake_env=(),
             backends=frozenset({Backend.MOONCAKE}),
         ),
+        TransportTraits(
+            Transport.EFA,
+            Locality.ANY,
+            # The EFA devices are the nodes' extended resource (vpc.amazonaws.com/efa on EKS): set
+            # placement.rdmaResource to it.
+            device_resource=True,
+            kv_device=Device.CPU,
+            engine_kv_devices=frozenset({Device.CPU}),
+            requires=(Requirement.EFA_DEVICE,),
+            mooncake_protocol="",  # Mooncake does not carry it
+            mooncake_env=(),
+            # NIXL's LIBFABRIC backend over libfabric's efa provider: written against NIXL's API
+            # and refused at the agent's start where the device is absent (never run: no EFA here).
+            backends=frozenset({Backend.NIXL}),
+        ),
     )
 }
 
@@ -154,7 +170,7 @@ MEM_POOLS: dict[MemPool, MemPoolTraits] = {
             # cannot export memory it opened by CUDA IPC, and emulates such writes over tcp), where
             # Mooncake's intra-node NVLink needs the whole segments only the INTRA_NODE_NVLINK pool
             # allocates (tests/gpu/test_nixl_gpu.py, benchmarks/results/gpu-2026-12-07-nixl.md).
-            backend_transports=((Backend.NIXL, frozenset({Transport.NVLINK_INTRA})),),
+            backend_transports=((Backend.NIXL, frozenset({Transport.NVLINK_INTRA, Transport.EFA})),),
         ),
         MemPoolTraits(
             MemPool.NVLINK,

@@ -28,6 +28,7 @@ class Transport(enum.StrEnum):
     RDMA = "rdma"
     NVLINK_INTRA = "nvlink-intra"
     NVLINK = "nvlink"  # multi-node NVLink inside one NVLink domain (gpu.clique)
+    EFA = "efa"  # AWS Elastic Fabric Adapter, through libfabric (backend nixl only)
 
 
 # spec.transfer.transport's extra value: the transport the pool implies (parsed to None).
