@@ -40,9 +40,10 @@ BOUNDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def lc() -> Iterator[LocalFabric]:
-    with LocalFabric(SMALL, env=BOUNDS) as fabric:
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def lc(request: pytest.FixtureRequest) -> Iterator[LocalFabric]:
+    """The agents over each byte mover: the bounds are the agent's, the room moves on either."""
+    with LocalFabric({**SMALL, "backend": request.param}, env=BOUNDS) as fabric:
         yield fabric
 
 

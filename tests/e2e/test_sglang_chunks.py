@@ -49,9 +49,11 @@ def pd(
 ) -> Iterator[tuple[LocalFabric, Engine, Engine, Any]]:
     from pdfabric_sglang.conn import PdfabricKVBootstrapServer
 
-    # spec.transfer.verify (param True): both sides checksum the whole room, however it was chunked.
-    transfer = {**SPEC["transfer"], "verify": bool(getattr(request, "param", False))}
-    with LocalFabric({**SPEC, "transfer": transfer, "model": MODEL}) as lc:
+    # (verify, backend): spec.transfer.verify (True: both sides checksum the whole room, however it
+    # was chunked), and the library the agents move the bytes with.
+    verify, backend = getattr(request, "param", (False, "mooncake"))
+    transfer = {**SPEC["transfer"], "verify": verify}
+    with LocalFabric({**SPEC, "backend": backend, "transfer": transfer, "model": MODEL}) as lc:
         token_file = tmp_path / "token"
         token_file.write_text(lc.token)
         dec = Engine(lc, Rank.from_id("decode-0-tp0"), monkeypatch, token_file)
@@ -65,7 +67,9 @@ def pd(
             dec.close()
 
 
-@pytest.mark.parametrize("pd", [False, True], ids=["plain", "verify"], indirect=True)
+@pytest.mark.parametrize(
+    "pd", [(False, "mooncake"), (True, "mooncake"), (False, "nixl")], ids=["plain", "verify", "nixl"], indirect=True
+)
 def test_a_four_chunk_request_moves_its_first_chunk_while_the_rest_are_produced(
     pd: tuple[LocalFabric, Engine, Engine, Any],
 ) -> None:
