@@ -67,6 +67,10 @@ def kv_classes(backend: str) -> dict[str, Any]:
     }
     if backend in CONTROLS:  # what SGLang's own backends need on CPU, as their servers have it
         patch_control(sys.modules[out["MANAGER"].__module__])
+    if backend == "nixl":  # and NIXL's progress thread waiting for events
+        import nixl._api
+
+        patch_control(sys.modules[nixl._api.nixl_agent.__module__])
     return out | {"backend": tb}
 
 

@@ -6,7 +6,7 @@ transfer backend (pdfabric, or SGLang's own Mooncake and NIXL backends as the co
 What keeps SGLang's CPU path off CUDA (../shared/docs/SGLANG.md has the reasons):
 ``--disaggregation-decode-retraction-backup cpu_tensor`` on decode (its default backup host-registers
 memory), ``--disable-overlap-schedule`` on prefill (it records a CUDA event for a repeated prompt),
-and, for SGLang's own backends, the changes of ``controls_cpu/sitecustomize.py`` (Mooncake's
+and, for SGLang's own backends, the changes of ``hack/controls_cpu/sitecustomize.py`` (Mooncake's
 host-tensor-indices path off; NIXL's KV registered as host memory). The ``sgl_kernel`` stand-in (``standin/``) is on every server's
 PYTHONPATH: test code, documented there.
 """
@@ -34,7 +34,7 @@ from pdfabric_devcluster.timings import record, timed
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin"  # the sgl_kernel stand-in
-CONTROLS_CPU = HERE / "controls_cpu"  # a sitecustomize for SGLang's own backends on CPU
+CONTROLS_CPU = HERE.parent / "controls_cpu"  # a sitecustomize for the engines' own backends on CPU
 CONTROLS = ("mooncake", "nixl")  # SGLang's own transfer backends, the controls of pdfabric's
 
 PAGE_SIZE = 16

@@ -1,7 +1,7 @@
 """SGLang's own servers run PD over pdfabric on NIXL: the server cases of ``test_sglang_servers``
 with the PDCluster's ``backend: nixl`` (the agents move the KV with NIXL over UCX's tcp transport,
 ``pdfabric-nixl``), and SGLang's own NIXL backend through the same cases as the control (``nixl``;
-on this CPU machine its KV is registered as host memory, ``controls_cpu/sitecustomize.py``).
+on this CPU machine its KV is registered as host memory, ``hack/controls_cpu/sitecustomize.py``).
 
 A module of its own so that `make test` can run it beside ``test_sglang_servers`` on another
 worker (a module is one unit of work, tests/parallel.py). The cases are that module's

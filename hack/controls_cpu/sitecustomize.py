@@ -1,6 +1,6 @@
-"""TEST HARNESS: lets SGLang's own transfer backends (the controls in the server tests) run on a
-CPU-only machine. Each change is applied when its module is first imported, in whichever SGLang
-process imports it; nothing else is touched.
+"""TEST HARNESS: lets the engines' own transfer backends (the controls in the server tests: SGLang's
+Mooncake and NIXL backends, vLLM's NixlConnector) run on a CPU-only machine. Each change is applied
+when its module is first imported, in whichever engine process imports it; nothing else is touched.
 
 - Mooncake: its sender's host-tensor-indices path pins host memory and records a
   ``torch.cuda.Event`` (prefill.py:1753), which a machine without CUDA cannot do; with the flag off
@@ -10,6 +10,11 @@ process imports it; nothing else is touched.
   UCX ... VRAM registration cannot proceed"), which ends the scheduler. Here every KV kind is
   ``DRAM``, as SGLang itself declares host KV (its decode host offload does), on both sides and in
   what decode sends prefill.
+- NIXL itself (under SGLang's NIXL backend and vLLM's NixlConnector): its Python API starts its
+  progress thread with a delay of 0, under which it polls without waiting: a SGLang prefill and
+  decode pair took both cores of this machine with no request (19.9 s of CPU in 10 s; 0.7 s with
+  the change), a vLLM pair 15.8 s (1.7 s). With a delay the thread waits for UCX's events, as
+  pdfabric's agents run NIXL (``nixl_setup.waiting_agent``); the binding's config class keeps it.
 """
 
 from __future__ import annotations
@@ -34,21 +39,13 @@ def _nixl(module: ModuleType) -> None:
 
     module._normalize_kv_mem_kinds = lambda kinds, expected_len: host(normalize(kinds, expected_len))
     module._unpack_kv_mem_kinds = lambda buf, expected_len: host(unpack(buf, expected_len))
-    _waiting_progress_thread()
 
 
 PROGRESS_DELAY_US = 1000
 
 
-def _waiting_progress_thread() -> None:
-    """NIXL's Python API starts its progress thread with a delay of 0, under which it polls UCX
-    without waiting: a prefill and a decode server took both cores of this machine with no request
-    (19.9 s of CPU in 10 s). With a delay the thread waits for UCX's events, as pdfabric's agents
-    run NIXL (``nixl_setup.waiting_agent``). The API has no argument for it: the binding's config
-    class keeps the delay."""
-    import nixl._api as api
-
-    binding = sys.modules[api.nixl_agent.__module__].nixlBind
+def _waiting_progress_thread(api: ModuleType) -> None:
+    binding = api.nixlBind
     base = binding.nixlAgentConfig
 
     class WaitingConfig(base):  # type: ignore[misc, valid-type]
@@ -61,6 +58,8 @@ def _waiting_progress_thread() -> None:
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "sglang.srt.disaggregation.mooncake.conn": _mooncake,
     "sglang.srt.disaggregation.nixl.conn": _nixl,
+    "nixl_cu13._api": _waiting_progress_thread,
+    "nixl_cu12._api": _waiting_progress_thread,
 }
 
 
