@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,22 +18,15 @@ from pdfabric_agent.transfer import nixl_grids
 from pdfabric_agent.transfer.base import BackendOptions
 from pdfabric_agent.transfer.nixl import NixlBackend, create
 from pdfabric_agent.transfer.nixl_grids import piece_indices, unit_of
+from pdfabric_agent.transfer.nixl_metadata import Region
 from pdfabric_core.policy.types import Device, Transport
 
 SIZE = 1 << 20
 PAGE = 4096
 
 
-@dataclass(frozen=True)
-class At:
-    addr: int
-    size: int = SIZE
-    segment: str = "DRAM"
-    device_id: int = 0
-
-
 def test_the_unit_divides_every_length_and_offset_on_both_sides() -> None:
-    src, dst = At(1 << 20), At(1 << 30)
+    src, dst = Region(1 << 20, SIZE, "DRAM"), Region(1 << 30, SIZE, "DRAM")
     pages = [Block(src.addr + 2 * PAGE, dst.addr + 5 * PAGE, PAGE), Block(src.addr + 8 * PAGE, dst.addr, 3 * PAGE)]
     assert unit_of(pages, src, dst) == PAGE
     slices = [Block(src.addr + 256, dst.addr + 512, 256)]  # a head slice of a page

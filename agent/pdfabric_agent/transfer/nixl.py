@@ -31,7 +31,8 @@ from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, Transf
 from pdfabric_agent.transfer.nixl_grids import Grids
 from pdfabric_agent.transfer.nixl_metadata import RankMetadata, Region, Regions, metadata_digest, split_endpoint
 from pdfabric_agent.transfer.nixl_setup import library_env, plugin_of, waiting_agent
-from pdfabric_core.policy.types import Device, Transport
+from pdfabric_core.policy.transports import transport_traits
+from pdfabric_core.policy.types import Backend, Device, Transport
 
 WAIT_POLL_S = 50e-6  # sleep between checks of a transfer's state
 # NIXL's memory segment type per pool device.
@@ -45,7 +46,8 @@ def path_of(transport: Transport) -> str:
     return f"nixl-{plugin_of(transport).lower()}-{transport.value}"
 
 
-PATHS = tuple(path_of(t) for t in Transport)  # every label a NIXL backend can report
+# Every label a NIXL backend can report: one per transport the transports table gives NIXL.
+PATHS = tuple(path_of(t) for t in Transport if Backend.NIXL in transport_traits(t).backends)
 # What a plugin needs of the node beyond NIXL's wheel, for the refusal when NIXL cannot make it.
 PLUGIN_NEEDS = {
     "LIBFABRIC": "NIXL's LIBFABRIC plugin needs libfabric.so.1 with its efa provider, CUDA's runtime and hwloc: "

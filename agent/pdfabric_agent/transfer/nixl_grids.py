@@ -12,9 +12,8 @@ link's few milliseconds for the same room.
 
 Local grids go with their region (``drop_local``); a remote agent's grids when its metadata is
 loaded again (its regions may have changed under the same addresses) or it is removed
-(``drop_remote``). A batch the grids
-do not serve (over ``MAX_INDICES`` pieces, or ``MAX_GRIDS`` made for a side already) takes the
-generic path.
+(``drop_remote``). A batch the grids do not serve (over ``MAX_INDICES`` pieces, or ``MAX_GRIDS``
+made for a side already) takes the generic path.
 """
 
 from __future__ import annotations
@@ -23,30 +22,18 @@ import contextlib
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from pdfabric_agent.memory.plan import Block
+from pdfabric_agent.transfer.nixl_metadata import Region
 
 MAX_INDICES = 65536  # pieces in one prepared transfer; beyond, fewer larger generic descriptors
 MAX_GRIDS = 16  # grids per (agent, region); a batch of yet another unit goes the generic way
 
 
-class Located(Protocol):
-    """A registered region as the grids need it (``nixl.Region``)."""
-
-    @property
-    def addr(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def segment(self) -> str: ...
-    @property
-    def device_id(self) -> int: ...
-
-
-def unit_of(blocks: Sequence[Block], src: Located, dst: Located) -> int:
+def unit_of(blocks: Sequence[Block], src: Region, dst: Region) -> int:
     """The largest piece every block of the batch is whole pieces of, at piece boundaries of both
     regions."""
     unit = 0
@@ -72,7 +59,7 @@ class Grids:
         self._lock = threading.Lock()
         self._handles: dict[tuple[str, int, int, int], Any] = {}  # (agent, addr, size, unit) -> handle
 
-    def write(self, remote: str, blocks: Sequence[Block], src: Located, dst: Located, backends: list[str]) -> Any:
+    def write(self, remote: str, blocks: Sequence[Block], src: Region, dst: Region, backends: list[str]) -> Any:
         """A WRITE of ``blocks`` to ``remote`` made from the grids (not yet posted); None where the
         grids do not serve the batch. Made under the grids' lock, so that no list is released
         while a transfer is being made from it (a made transfer holds its own descriptors)."""
@@ -90,7 +77,7 @@ class Grids:
                 return None
             return self._agent.make_prepped_xfer("WRITE", local, src_idx, there, dst_idx, backends=backends)
 
-    def _grid(self, agent: str, region: Located, unit: int) -> Any | None:
+    def _grid(self, agent: str, region: Region, unit: int) -> Any | None:
         """The grid, made on first use (the caller holds the lock)."""
         key = (agent, region.addr, region.size, unit)
         handle = self._handles.get(key)
