@@ -19,11 +19,11 @@ from pdfabric_devcluster.agents import LocalImage
 from pdfabric_devcluster.fabric import LocalFabric
 from pdfabric_devcluster.procs import answers_200, free_port, post_json
 from pdfabric_sglangserver.model import spec_model
+from pdfabric_sglangserver.servers import CONTROLS_CPU
 from pdfabric_vllmserver.servers import (
     BLOCK_SIZE,
     ENGINE_SOURCES,
     MODEL,
-    NIXL_CPU,
     NIXL_ENV,
     PD_ENV,
     ROOT,
@@ -104,7 +104,7 @@ def pair(
             envs = {
                 role: {**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for role in ("prefill", "decode")
             }
-            pythonpath = [str(NIXL_CPU)]
+            pythonpath = [str(CONTROLS_CPU)]  # NIXL's progress thread waiting for events
         for role in ("prefill", "decode"):
             config = pdfabric_kv_config(role) if connector == "pdfabric" else nixl_kv_config(role)
             servers[role] = start_server(

@@ -47,12 +47,11 @@ PD_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "2"}
 # destructor crashes the process at exit without RDMA devices).
 # NIXL's servers spun while up (NIXL's progress thread polls without a pause by default): a TP 1
 # pair used 1.99 of two cores with no request. With the thread waiting for UCX's events (the
-# controls' sitecustomize, ``NIXL_CPU``, on the control's PYTHONPATH) an idle pair took 1.7 s of CPU
-# in 10 s, 15.8 s without. At a lower CPU priority its servers missed vLLM's 5 s handshake deadline
-# (hard-coded) on a busy machine; they run at the suite's priority, and the control runs one pair
-# (docs/vllm.md).
+# controls' sitecustomize, ``pdfabric_sglangserver.servers.CONTROLS_CPU``, on the control's
+# PYTHONPATH) an idle pair took 1.7 s of CPU in 10 s, 15.8 s without. At a lower CPU priority its
+# servers missed vLLM's 5 s handshake deadline (hard-coded) on a busy machine; they run at the
+# suite's priority, and the control runs one pair (docs/vllm.md).
 NIXL_ENV = {"UCX_TLS": "tcp,cma,self,sm", "UCX_MODULES": "^ib*"}
-NIXL_CPU = ROOT / "hack" / "controls_cpu"
 
 
 def vllm_python() -> str:
