@@ -46,7 +46,6 @@ import json
 import os
 import queue
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from pdfabric_agent.client.api import AgentRefused  # noqa: E402
 from pdfabric_agent.protocol.views import RoomState  # noqa: E402
 from pdfabric_agent.transfer.nixl_setup import ucx_env, waiting_agent  # noqa: E402
 from pdfabric_core.policy.types import Transport  # noqa: E402
+from pdfabric_devcluster.ucx_tables import ucx_tables  # noqa: E402
 
 LAYERS, HEADS, TOKEN_HEAD_BYTES, BATCH = 4, 8, 256, 1024  # bf16 heads of dim 128
 P, D = "prefill-0-tp0-cp0", "decode-0-tp0"
@@ -73,7 +73,6 @@ LABELS = {
     "mooncake-tcp": "Mooncake tcp, engine GPU KV",
 }
 MARK = "@@"  # the receiver's answers on its stdout; UCX prints there too
-GPU_WRITE = re.compile(r"remote memory write.* from .*cuda")  # a GPU write's UCX protocol table
 
 
 def room_bytes(page: int) -> int:
@@ -213,39 +212,8 @@ def agent_case(case: str, page: int, rng: random.Random, repeat: int) -> dict[st
                 dst_pools.close()
         out["bytes_by_path"] = lc.bytes_by_path()
         if case == "nixl":
-            out["ucx_gpu_write_protocols"] = ucx_protocols(
-                lc.agents[lc.agent_of(P)].log_path.read_text("utf-8", "replace")
-            )
-    return out
-
-
-def ucx_protocols(text: str) -> list[str]:
-    """The tables UCX prints (UCX_PROTO_INFO=y) that select a protocol for a GPU write, header and
-    rows (tests/gpu/test_nixl_gpu.py's ``ucx_protocols``, which says how a table looks)."""
-    out: list[str] = []
-    header: list[str] = []
-    rows: list[str] = []
-    in_rows = False
-
-    def flush() -> None:
-        if header and GPU_WRITE.search(" ".join(header)):
-            out.extend(header + rows)
-
-    for line in text.splitlines():
-        if "cfg#" in line:  # a table begins: its endpoint configuration, then the operation
-            flush()
-            header, rows, in_rows = [line.strip()], [], False
-        elif not header or ("+-" in line and "|" not in line):  # outside a table, or a border
-            continue
-        elif "|" in line:
-            if "Range" in line and "Config" in line:
-                in_rows = True
-            else:
-                (rows if in_rows else header).append(line.strip())
-        else:
-            flush()
-            header, rows, in_rows = [], [], False
-    flush()
+            tables = ucx_tables(lc.agents[lc.agent_of(P)].log_path.read_text("utf-8", "replace"))
+            out["ucx_gpu_write_protocols"] = [f"{head}: {'; '.join(rows)}" for head, rows in tables]
     return out
 
 

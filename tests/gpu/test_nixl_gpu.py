@@ -30,7 +30,6 @@ import importlib.util
 import json
 import os
 import random
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from pdfabric_agent.client.api import AgentRefused  # noqa: E402
 from pdfabric_agent.protocol.views import RoomState  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 from pdfabric_devcluster.procs import source_pythonpath  # noqa: E402
+from pdfabric_devcluster.ucx_tables import ucx_tables  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
@@ -56,9 +56,6 @@ POOL_PAGES, STATE_SLOTS, AUX_SLOTS = 512, 8, 8
 AUX_ITEMS = [64, 4096]
 POISON = 0xA5
 P = "prefill-0-tp0-cp0"
-# The header of UCX's protocol table for a GPU write (UCX_PROTO_INFO=y): "remote memory write by
-# ucp_put*(...) from contiguous cuda/GPU0 to ...".
-GPU_WRITE = re.compile(r"remote memory write.* from .*cuda")
 
 
 def spec(decode_tp: int) -> dict[str, Any]:
@@ -92,46 +89,6 @@ def save(name: str, report: dict[str, Any]) -> None:
     target = os.environ.get("PDFABRIC_GPU_RESULTS")
     if target:
         (Path(target) / name).write_text(json.dumps(report, indent=1))
-
-
-def cells(line: str) -> str:
-    """A table line without UCX's log prefix and its outer bars."""
-    return line[line.find("|") :].strip().strip("|").strip()
-
-
-def ucx_tables(text: str) -> list[tuple[str, list[str]]]:
-    """The tables UCX prints (``UCX_PROTO_INFO=y``) that select a protocol for a GPU write, as
-    (header, rows): the header names the endpoint configuration and the operation with its memory
-    types, each row a size range, the protocol and its transport/device. A table is a border, the
-    header (the line with ``cfg#``, then the operation on the next line), a border, the
-    Range/Description/Config line, a border, the rows, a border."""
-    out: list[tuple[str, list[str]]] = []
-    header: list[str] = []
-    rows: list[str] = []
-    in_rows = False
-
-    def flush() -> None:
-        if header and GPU_WRITE.search(" ".join(header)):
-            out.append((" ".join(cells(h) for h in header), rows))
-
-    for line in text.splitlines():
-        if "cfg#" in line:  # a table begins: its endpoint configuration, then the operation
-            flush()
-            header, rows, in_rows = [line.strip()], [], False
-        elif not header or ("+-" in line and "|" not in line):  # outside a table, or a border
-            continue
-        elif "|" in line:
-            if "Range" in line and "Config" in line:
-                in_rows = True
-            elif in_rows:
-                rows.append(" | ".join(c.strip() for c in cells(line).split("|")))
-            else:
-                header.append(line.strip())
-        else:
-            flush()
-            header, rows, in_rows = [], [], False
-    flush()
-    return out
 
 
 def check_nixl_path(lc: LocalFabric, *, require_cuda_ipc: bool = True) -> dict[str, Any]:
