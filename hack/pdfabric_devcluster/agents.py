@@ -215,6 +215,16 @@ class AgentProcess:
         except (urllib.error.URLError, OSError):
             return 0, {}
 
+    def answered_readyz(self, timeout_s: float = 20.0) -> tuple[int, dict[str, Any]]:
+        """/readyz as soon as the agent answers: on a loaded machine one probe can miss its
+        1 s, which says nothing of what the agent runs on."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, body = self.readyz()
+            if status or time.monotonic() >= deadline:
+                return status, body
+            time.sleep(0.2)
+
     def ready(self) -> bool:
         return self.readyz()[0] == 200
 

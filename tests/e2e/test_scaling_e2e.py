@@ -159,7 +159,7 @@ def life(runner: PodRunner, pod: str) -> tuple[int, int]:
     """The agent process of `pod` and its engines' restarts: what a restart would change."""
     agent = runner.pods[pod]
     assert agent.proc is not None
-    _, body = agent.readyz()
+    _, body = agent.answered_readyz()
     return agent.proc.pid, sum(int(e.get("restarts", 0)) for e in body.get("engines", []))
 
 
@@ -274,7 +274,7 @@ def test_scaling_each_role_drops_no_prompt_and_restarts_no_pod_whose_ranks_staye
                 # Every agent runs the map the operator wrote (what RankMapCurrent said).
                 digest = rankmap_digest(cluster, namespace)
                 for x in after.values():
-                    _, body = runner.pods[x["name"]].readyz()
+                    _, body = runner.pods[x["name"]].answered_readyz()
                     assert body.get("rankmap") == digest, (x["name"], body)
                 # Every replica pair serves.
                 pairs = endpoint_pairs(h.pdc(cluster, namespace, "pd")["status"], runner)
