@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdfabric_agent.memory.block_arrays import BlockArrays
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.transfer import nixl_grids
-from pdfabric_agent.transfer.base import BackendOptions
+from pdfabric_agent.transfer.base import BackendOptions, TransferError
 from pdfabric_agent.transfer.nixl import NixlBackend, create
 from pdfabric_agent.transfer.nixl_grids import piece_indices, unit_of
 from pdfabric_agent.transfer.nixl_metadata import Region
@@ -28,16 +29,23 @@ PAGE = 4096
 def test_the_unit_divides_every_length_and_offset_on_both_sides() -> None:
     src, dst = Region(1 << 20, SIZE, "DRAM"), Region(1 << 30, SIZE, "DRAM")
     pages = [Block(src.addr + 2 * PAGE, dst.addr + 5 * PAGE, PAGE), Block(src.addr + 8 * PAGE, dst.addr, 3 * PAGE)]
-    assert unit_of(pages, src, dst) == PAGE
+    assert unit_of(BlockArrays.of(pages), src, dst) == PAGE
     slices = [Block(src.addr + 256, dst.addr + 512, 256)]  # a head slice of a page
-    assert unit_of(slices, src, dst) == 256
-    assert unit_of([Block(src.addr + 3, dst.addr, 8)], src, dst) == 1  # odd offset: bytes
+    assert unit_of(BlockArrays.of(slices), src, dst) == 256
+    assert unit_of(BlockArrays.of([Block(src.addr + 3, dst.addr, 8)]), src, dst) == 1  # odd offset: bytes
+    assert unit_of(BlockArrays.of([]), src, dst) == 0
+
+
+def ints(values: list[int]) -> np.ndarray:  # type: ignore[type-arg]
+    return np.asarray(values, dtype=np.int64)
 
 
 def test_piece_indices_cover_each_block_in_order() -> None:
-    idx = piece_indices([2 * PAGE, 8 * PAGE, 0], [PAGE, 3 * PAGE, 2 * PAGE], PAGE)
+    idx = piece_indices(ints([2 * PAGE, 8 * PAGE, 0]), ints([PAGE, 3 * PAGE, 2 * PAGE]), PAGE)
     assert idx.dtype == np.int32 and idx.tolist() == [2, 8, 9, 10, 0, 1]
-    assert piece_indices([], [], PAGE).tolist() == []
+    one = piece_indices(ints([5 * PAGE, 0, 2 * PAGE]), ints([PAGE] * 3), PAGE)  # a piece a block
+    assert one.dtype == np.int32 and one.tolist() == [5, 0, 2]
+    assert piece_indices(ints([]), ints([]), PAGE).tolist() == []
 
 
 def backend() -> NixlBackend:
@@ -107,6 +115,30 @@ def test_a_batch_the_lists_do_not_serve_takes_descriptors_of_its_own(
     a.write_batch(b.endpoint(), [Block(pa.addr, pb.addr + 4 * PAGE, 3 * PAGE)])  # 3 pieces of a page
     assert bytes(pb.view()[4 * PAGE : 7 * PAGE]) == bytes(pa.view()[0 : 3 * PAGE])
     assert grids_made(a) == before
+
+
+def test_a_batch_over_two_regions_a_side_lands_byte_exact_and_a_block_outside_them_fails(
+    pair: tuple[NixlBackend, NixlBackend, Pool, Pool], tmp_path: Path
+) -> None:
+    """An engine registers a region per tensor: one batch then writes to several, a transfer per
+    (source region, destination region)."""
+    a, b, pa, pb = pair
+    extra = Pool.allocate("grids-two", SIZE, Device.CPU, shm_dir=str(tmp_path))
+    try:
+        b.register(extra)
+        a.load_metadata(*b.local_metadata())
+        pa.view()[0 : 2 * PAGE] = os.urandom(2 * PAGE)
+        blocks = [Block(pa.addr, pb.addr + 9 * PAGE, PAGE), Block(pa.addr + PAGE, extra.addr + 3 * PAGE, PAGE)]
+        a.write_batch(b.endpoint(), blocks)
+        assert bytes(pb.view()[9 * PAGE : 10 * PAGE]) == bytes(pa.view()[0:PAGE])
+        assert bytes(extra.view()[3 * PAGE : 4 * PAGE]) == bytes(pa.view()[PAGE : 2 * PAGE])
+        outside = [*blocks, Block(pa.addr, extra.addr + SIZE - 8, 16)]  # past the end of the region
+        with pytest.raises(TransferError, match=f"destination {extra.addr + SIZE - 8:#x}\\+16 is in no region"):
+            a.write_batch(b.endpoint(), outside)
+    finally:
+        b.unregister(extra)
+        extra.close()
+        a.load_metadata(*b.local_metadata())
 
 
 def test_a_peers_lists_go_when_its_metadata_is_loaded_again(

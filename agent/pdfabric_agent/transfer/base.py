@@ -8,6 +8,7 @@ Optional capabilities are declared, never probed: ``kernel`` is None unless the 
 launch gather/scatter kernels into a peer's mapped pools (``KernelPath``, the intra-node NVLink
 fast path); ``start_batch`` answers None unless the engine can start a batch without blocking the
 caller (then the agent starts it from its event loop and only the wait goes to a worker);
+``block_arrays`` says whether the backend takes a batch as arrays, with no Block object per block;
 ``paths`` lists every `path` metric label the backend can report, so the agent pre-creates their
 series; ``local_metadata`` is what a peer must load before writing here (NIXL's agent metadata),
 None where the engine handshakes on its own (Mooncake). This is how SGLang's disaggregation base classes give optional methods
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdfabric_agent.memory.block_arrays import BlockArrays
 from pdfabric_agent.memory.completion import CompletionMark
 from pdfabric_agent.memory.plan import Block, KvPages
 from pdfabric_agent.memory.pools import Pool
@@ -153,6 +155,21 @@ class TransferBackend(abc.ABC):
         what ``write_batch`` would (raising as it would). None: nothing was started, this batch
         needs ``write_batch`` (a backend that cannot, a peer it has no session with yet)."""
         return None
+
+    @property
+    def block_arrays(self) -> bool:
+        """``write_arrays`` and ``start_arrays`` take a batch as arrays without a Block object per
+        block (the writer then plans a room's KV as arrays: ``memory/block_arrays.py``); False:
+        they only unpack the arrays for ``write_batch`` and ``start_batch``."""
+        return False
+
+    def write_arrays(self, peer: str, batch: BlockArrays) -> str | None:
+        """``write_batch`` of the same blocks."""
+        return self.write_batch(peer, batch.blocks())
+
+    def start_arrays(self, peer: str, batch: BlockArrays) -> Callable[[], str | None] | None:
+        """``start_batch`` of the same blocks."""
+        return self.start_batch(peer, batch.blocks())
 
     @abc.abstractmethod
     def probe(self, peer: str) -> bool:

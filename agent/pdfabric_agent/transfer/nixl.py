@@ -25,6 +25,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from pdfabric_agent.memory.block_arrays import BlockArrays, Int64s
 from pdfabric_agent.memory.plan import Block
 from pdfabric_agent.memory.pools import Pool
 from pdfabric_agent.transfer.base import BackendOptions, TransferBackend, TransferError
@@ -204,21 +207,31 @@ class NixlBackend(TransferBackend):
         return split_endpoint(peer)[0], regions
 
     # ------------------------------------------------------------ writes
+    @property
+    def block_arrays(self) -> bool:
+        return True  # the grids take a batch's pieces as index arrays
+
     def write_batch(self, peer: str, blocks: Sequence[Block]) -> str | None:
-        wait = self._start(peer, blocks)
+        return self.write_arrays(peer, BlockArrays.of(blocks))
+
+    def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
+        return self.start_arrays(peer, BlockArrays.of(blocks)) if blocks else None
+
+    def write_arrays(self, peer: str, batch: BlockArrays) -> str | None:
+        wait = self._start(peer, batch)
         if wait is not None:
             wait()
         return None
 
-    def start_batch(self, peer: str, blocks: Sequence[Block]) -> Callable[[], str | None] | None:
+    def start_arrays(self, peer: str, batch: BlockArrays) -> Callable[[], str | None] | None:
         """The batch's transfers posted now (NIXL's progress thread moves them); the returned call
         waits until they landed. None, nothing started, for a peer whose metadata is not loaded
-        yet or when posting failed (a peer gone): ``write_batch`` then says why, where the caller
+        yet or when posting failed (a peer gone): ``write_arrays`` then says why, where the caller
         waits for a write."""
-        if self.needs_metadata(peer) or not blocks or len(blocks) > self.max_batch_entries:
+        if self.needs_metadata(peer) or not len(batch) or len(batch) > self.max_batch_entries:
             return None
         try:
-            wait = self._start(peer, blocks)
+            wait = self._start(peer, batch)
         except TransferError:
             return None
 
@@ -229,58 +242,38 @@ class NixlBackend(TransferBackend):
 
         return waited
 
-    def _start(self, peer: str, blocks: Sequence[Block]) -> Callable[[], None] | None:
-        if len(blocks) > self.max_batch_entries:
-            raise ValueError(f"{len(blocks)} blocks exceed max_batch_entries {self.max_batch_entries}")
-        if not blocks:
+    def _start(self, peer: str, batch: BlockArrays) -> Callable[[], None] | None:
+        if len(batch) > self.max_batch_entries:
+            raise ValueError(f"{len(batch)} blocks exceed max_batch_entries {self.max_batch_entries}")
+        if not len(batch):
             return None
         remote, remote_regions = self._peer(peer)
         handles = []
         try:
-            for (src, dst), group in self._grouped(peer, blocks, self._regions, remote_regions).items():
+            for (src, dst), group in _grouped(peer, batch, self._regions, remote_regions):
                 handles.append(self._post(remote, group, src, dst))
         except TransferError:
             if handles:  # what was posted lands or fails before this batch is reported failed
                 with contextlib.suppress(TransferError):
                     self._land(peer, handles, time.monotonic() + self._timeout_s)
             raise
-        deadline = time.monotonic() + self._timeout_s + sum(b.length for b in blocks) / 1e9
+        deadline = time.monotonic() + self._timeout_s + batch.nbytes / 1e9
         return lambda: self._land(peer, handles, deadline)
 
-    @staticmethod
-    def _grouped(
-        peer: str, blocks: Sequence[Block], local: Regions, remote: Regions
-    ) -> dict[tuple[Region, Region], list[Block]]:
-        """The blocks by (source region, destination region): one NIXL transfer takes one segment
-        type and device on each side."""
-        groups: dict[tuple[Region, Region], list[Block]] = {}
-        for b in blocks:
-            src, dst = local.find(b.src, b.length), remote.find(b.dst, b.length)
-            if src is None:
-                raise TransferError(f"source {b.src:#x}+{b.length} is in no region registered here")
-            if dst is None:
-                raise TransferError(f"destination {b.dst:#x}+{b.length} is in no region {peer} registered")
-            groups.setdefault((src, dst), []).append(b)
-        return groups
-
-    def _post(self, remote: str, blocks: list[Block], src_region: Region, dst_region: Region) -> Any:
+    def _post(self, remote: str, batch: BlockArrays, src_region: Region, dst_region: Region) -> Any:
         agent = self._agent
         try:
-            handle = self._grids.write(remote, blocks, src_region, dst_region, [self._plugin])
+            handle = self._grids.write(remote, batch, src_region, dst_region, [self._plugin])
             if handle is None:  # a batch the prepared lists do not serve: descriptors of its own
-                src = agent.get_xfer_descs(
-                    [(b.src, b.length, src_region.device_id) for b in blocks], src_region.segment
-                )
-                dst = agent.get_xfer_descs(
-                    [(b.dst, b.length, dst_region.device_id) for b in blocks], dst_region.segment
-                )
+                src = agent.get_xfer_descs(_descs(batch.src, batch.length, src_region), src_region.segment)
+                dst = agent.get_xfer_descs(_descs(batch.dst, batch.length, dst_region), dst_region.segment)
                 handle = agent.initialize_xfer("WRITE", src, dst, remote, backends=[self._plugin])
             state = agent.transfer(handle)
         except Exception as exc:
-            raise TransferError(f"NIXL write of {len(blocks)} blocks to {remote} failed: {exc}") from exc
+            raise TransferError(f"NIXL write of {len(batch)} blocks to {remote} failed: {exc}") from exc
         if state == "ERR":
             agent.release_xfer_handle(handle)
-            raise TransferError(f"NIXL write of {len(blocks)} blocks to {remote} failed when posted")
+            raise TransferError(f"NIXL write of {len(batch)} blocks to {remote} failed when posted")
         with self._lock:
             self._in_flight[remote] = self._in_flight.get(remote, 0) + 1
         return handle
@@ -351,6 +344,39 @@ class NixlBackend(TransferBackend):
         for descs in registered:
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(descs, backends=[self._plugin])
+
+
+def _descs(addrs: Int64s, lengths: Int64s, region: Region) -> np.ndarray[Any, Any]:
+    """NIXL's (address, length, device) rows of a batch's blocks in one region."""
+    return np.stack((addrs, lengths, np.full(len(addrs), region.device_id, dtype=np.int64)), axis=1).astype(np.uint64)
+
+
+def _one_region(regions: Regions, addrs: Int64s, lengths: Int64s) -> Region | None:
+    """The region that holds every block, when one does (a room's KV is in one pool a side)."""
+    low = int(addrs.min())
+    return regions.find(low, int((addrs + lengths).max()) - low)
+
+
+def _grouped(
+    peer: str, batch: BlockArrays, local: Regions, remote: Regions
+) -> list[tuple[tuple[Region, Region], BlockArrays]]:
+    """The blocks by (source region, destination region): one NIXL transfer takes one segment type
+    and device on each side. Looked up block by block only when one region a side does not hold
+    them all (an engine's buffers: a region per tensor)."""
+    src, dst = _one_region(local, batch.src, batch.length), _one_region(remote, batch.dst, batch.length)
+    if src is not None and dst is not None:
+        return [((src, dst), batch)]
+    groups: dict[tuple[Region, Region], list[int]] = {}
+    for i, (s, d, n) in enumerate(zip(batch.src.tolist(), batch.dst.tolist(), batch.length.tolist(), strict=True)):
+        sr, dr = local.find(s, n), remote.find(d, n)
+        if sr is None:
+            raise TransferError(f"source {s:#x}+{n} is in no region registered here")
+        if dr is None:
+            raise TransferError(f"destination {d:#x}+{n} is in no region {peer} registered")
+        groups.setdefault((sr, dr), []).append(i)
+    if len(groups) == 1:
+        return [(next(iter(groups)), batch)]
+    return [(key, batch.pick(np.asarray(rows))) for key, rows in groups.items()]
 
 
 def create(transport: Transport, opts: BackendOptions) -> TransferBackend:

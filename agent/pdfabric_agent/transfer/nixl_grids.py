@@ -19,34 +19,33 @@ made for a side already) takes the generic path.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from pdfabric_agent.memory.plan import Block
+from pdfabric_agent.memory.block_arrays import BlockArrays, Int64s
 from pdfabric_agent.transfer.nixl_metadata import Region
 
 MAX_INDICES = 65536  # pieces in one prepared transfer; beyond, fewer larger generic descriptors
 MAX_GRIDS = 16  # grids per (agent, region); a batch of yet another unit goes the generic way
 
 
-def unit_of(blocks: Sequence[Block], src: Region, dst: Region) -> int:
+def unit_of(batch: BlockArrays, src: Region, dst: Region) -> int:
     """The largest piece every block of the batch is whole pieces of, at piece boundaries of both
     regions."""
-    unit = 0
-    for b in blocks:
-        unit = math.gcd(unit, b.length, b.src - src.addr, b.dst - dst.addr)
-    return unit
+    if not len(batch):
+        return 0
+    return int(np.gcd.reduce(np.concatenate((batch.length, batch.src - src.addr, batch.dst - dst.addr))))
 
 
-def piece_indices(starts: Sequence[int], lengths: Sequence[int], unit: int) -> np.ndarray[Any, Any]:
+def piece_indices(starts: Int64s, lengths: Int64s, unit: int) -> np.ndarray[Any, Any]:
     """The indices of the ``unit``-byte pieces a list of (offset, length) blocks covers, block by
     block, in order."""
-    first = np.asarray(starts, dtype=np.int64) // unit
-    counts = np.asarray(lengths, dtype=np.int64) // unit
+    first = starts // unit
+    counts = lengths // unit
+    if bool((counts == 1).all()):  # one piece a block (a page or a head slice each): no repeat
+        return first.astype(np.int32)
     before = np.concatenate(([0], np.cumsum(counts)[:-1]))
     return (np.repeat(first - before, counts) + np.arange(int(counts.sum()))).astype(np.int32)
 
@@ -59,16 +58,15 @@ class Grids:
         self._lock = threading.Lock()
         self._handles: dict[tuple[str, int, int, int], Any] = {}  # (agent, addr, size, unit) -> handle
 
-    def write(self, remote: str, blocks: Sequence[Block], src: Region, dst: Region, backends: list[str]) -> Any:
-        """A WRITE of ``blocks`` to ``remote`` made from the grids (not yet posted); None where the
+    def write(self, remote: str, batch: BlockArrays, src: Region, dst: Region, backends: list[str]) -> Any:
+        """A WRITE of ``batch`` to ``remote`` made from the grids (not yet posted); None where the
         grids do not serve the batch. Made under the grids' lock, so that no list is released
         while a transfer is being made from it (a made transfer holds its own descriptors)."""
-        unit = unit_of(blocks, src, dst)
-        if unit <= 0 or sum(b.length for b in blocks) // unit > MAX_INDICES:
+        unit = unit_of(batch, src, dst)
+        if unit <= 0 or batch.nbytes // unit > MAX_INDICES:
             return None
-        lengths = [b.length for b in blocks]
-        src_idx = piece_indices([b.src - src.addr for b in blocks], lengths, unit)
-        dst_idx = piece_indices([b.dst - dst.addr for b in blocks], lengths, unit)
+        src_idx = piece_indices(batch.src - src.addr, batch.length, unit)
+        dst_idx = piece_indices(batch.dst - dst.addr, batch.length, unit)
         with self._lock:
             if self._agent is None:
                 return None
