@@ -181,6 +181,25 @@ def ready_names(api: Any) -> set[str]:
     return ready
 
 
+def wait_nodes_settled(cluster: LocalCluster, count: int, timeout: float = 300) -> None:
+    """Until every node is Ready with no taint left by the node lifecycle controller: a fleet at
+    rest, so that the clusters measure the operator, not nodes still coming up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        items = json.loads(cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        settled = [
+            n
+            for n in items
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions") or [])
+            and not any(t["key"].startswith("node.kubernetes.io/") for t in n.get("spec", {}).get("taints") or [])
+        ]
+        if len(settled) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(settled)} of {count} nodes Ready and untainted after {timeout:.0f} s")
+        time.sleep(1)
+
+
 def install(cluster: LocalCluster) -> Path:
     cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/pdclusters.pdfabric.dev")
@@ -221,12 +240,15 @@ def main() -> int:
         cluster = LocalCluster(ClusterConfig(workdir=work, bin_dir=bin_dir, node_shapes=node_shapes(args.nodes)))
         cluster.start()
         print(f"control plane with {args.nodes} nodes ready in {time.monotonic() - t0:.1f} s")
+        t1 = time.monotonic()
+        wait_nodes_settled(cluster, args.nodes)
+        print(f"nodes Ready and untainted {time.monotonic() - t1:.1f} s later")
         operator: Operator | None = None
         try:
             kubeconfig = install(cluster)
             api = client.CustomObjectsApi(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
             apf_before = apf_requests(cluster)
-            operator = Operator(cluster, kubeconfig, work / "operator.log")
+            operator = Operator(cluster, kubeconfig, Path(os.environ.get("BENCH_OPLOG", str(work / "operator.log"))))
             operator.wait_live()
 
             latencies = []
@@ -270,6 +292,11 @@ def main() -> int:
         for k, v in metrics.items()
         if k.startswith("pdfabric_operator_reconciles_total{")
     }
+    causes = {
+        re.search(r'cause="(\w+)"', k).group(1): v  # type: ignore[union-attr]
+        for k, v in metrics.items()
+        if k.startswith("pdfabric_operator_reconcile_causes_total{")
+    }
     results = {
         "nodes": args.nodes,
         "gpus": args.nodes * 8,
@@ -282,6 +309,7 @@ def main() -> int:
         "api_requests_server_side": apf,
         "api_requests_reconciler": client_requests,
         "reconciles": reconciles,
+        "reconcile_causes": causes,
     }
     print(f"\n{'metric':42} {'value':>12} {'goal':>10}")
     print(f"{'apply-to-Ready latency, median (s)':42} {results['latency_s']['median']:>12.2f}")
@@ -291,6 +319,7 @@ def main() -> int:
     print(f"{'API requests (server-side, operator SA)':42} {apf:>12.0f}")
     print(f"{'API requests (reconciler, client-side)':42} {client_requests:>12.0f}")
     print(f"{'reconciles by result':42} {json.dumps({k: int(v) for k, v in reconciles.items() if v})}")
+    print(f"{'reconciles by cause':42} {json.dumps({k: int(v) for k, v in causes.items() if v})}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     ok = all_ready <= GOAL_ALL_READY_S and peak <= GOAL_RSS_MB

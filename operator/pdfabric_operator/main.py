@@ -22,9 +22,10 @@ from pdfabric_operator import constants as c
 from pdfabric_operator.builders.names import ClusterRef
 from pdfabric_operator.cleanup import clean_up
 from pdfabric_operator.indices import node_from_body, own_pod_from_body, placed_pod_from_body
+from pdfabric_operator.metrics import WakeCause
 from pdfabric_operator.operator_state import STATE
 from pdfabric_operator.placement import GpuNode, PlacedPod
-from pdfabric_operator.reconcile_loop import AgentPodIndex, reconcile_loop
+from pdfabric_operator.reconcile_loop import AgentPodIndex, GpuPodIndex, reconcile_loop
 from pdfabric_operator.roles import RoleView, role_view
 from pdfabric_operator.snapshot import OwnPod
 from pdfabric_operator.startup import configure_operator, connection_info
@@ -109,7 +110,7 @@ def pd_roles(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dic
 def pdcluster_changed(uid: str, meta: Any, **_: Any) -> None:
     # Status writes also produce events; only a spec change (new generation) needs a reconcile now.
     if STATE.generations.get(uid) != meta.get("generation"):
-        STATE.wake(uid)
+        STATE.wake(uid, WakeCause.SPEC)
 
 
 @kopf.on.event(c.GROUP, c.VERSION, c.ROLE_PLURAL)
@@ -123,19 +124,21 @@ def pdrole_changed(type: str | None, uid: str, body: kopf.Body, **_: Any) -> Non
         return
     else:
         STATE.role_generations[uid] = view.generation
-    STATE.wake(view.owner_uid)
+    STATE.wake(view.owner_uid, WakeCause.PDROLE)
 
 
 @kopf.on.event("pods", labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY})
 def agent_pod_changed(labels: Any, **_: Any) -> None:
-    STATE.wake(labels.get(c.LABEL_CLUSTER_UID))
+    STATE.wake(labels.get(c.LABEL_CLUSTER_UID), WakeCause.POD)
 
 
 @kopf.on.event("nodes")
-def node_changed(name: str, type: str | None, body: Any, **_: Any) -> None:
+def node_changed(name: str, type: str | None, body: Any, **kwargs: Any) -> None:
+    gpu_pods: GpuPodIndex = kwargs["gpu_pods"]  # an index, passed by name (see reconcile_daemon)
+    users = {p.owner_uid for p in gpu_pods.get(name, []) if p.owner_uid}
     if type == "DELETED":
         STATE.node_prints.pop(name, None)
-        STATE.wake_all()
+        STATE.wake_for_node(users)
         return
     meta = body.get("metadata") or {}
     node = node_from_body(name, meta.get("labels") or {}, body.get("spec") or {}, body.get("status") or {}, meta)
@@ -149,7 +152,7 @@ def node_changed(name: str, type: str | None, body: Any, **_: Any) -> None:
     )
     if STATE.node_prints.get(name) != fingerprint:
         STATE.node_prints[name] = fingerprint
-        STATE.wake_all()
+        STATE.wake_for_node(users)
 
 
 # --- the reconcile loop ------------------------------------------------------------------------

@@ -24,6 +24,18 @@ class ReconcileResult(enum.StrEnum):
     ERROR = "error"  # an API call failed; retried on the next wake or interval
 
 
+class WakeCause(enum.StrEnum):
+    """What started a PDCluster's reconcile (one reconcile may have several)."""
+
+    SPEC = "spec"  # a new generation of the PDCluster
+    PDROLE = "pdrole"  # a PDRole's spec (kubectl scale, an autoscaler) or its deletion
+    POD = "pod"  # an event of one of its pods
+    NODE = "node"  # a node's placement inputs changed (readiness, capacity, labels, taints)
+    RETRY = "retry"  # the last reconcile or PDRole sync failed
+    UNSETTLED = "unsettled"  # agents not yet on the rank map last written: read again soon
+    INTERVAL = "interval"  # nothing happened for PDFABRIC_RECONCILE_INTERVAL
+
+
 class ErrorType(enum.StrEnum):
     API_CONFLICT = "api_conflict"
     API_NOT_FOUND = "api_not_found"
@@ -34,6 +46,11 @@ class ErrorType(enum.StrEnum):
 
 
 RECONCILES = Counter("pdfabric_operator_reconciles_total", "PDCluster reconciles by result.", ["result"])
+RECONCILE_CAUSES = Counter(
+    "pdfabric_operator_reconcile_causes_total",
+    "What started PDCluster reconciles, by cause (a reconcile with several causes counts under each).",
+    ["cause"],
+)
 RECONCILE_DURATION = Histogram(
     "pdfabric_operator_reconcile_duration_seconds",
     "Wall time of one PDCluster reconcile (plan, apply children, write status).",
@@ -73,6 +90,8 @@ PDCLUSTER_UNPLACED = Gauge(
 
 for _r in ReconcileResult:
     RECONCILES.labels(_r.value)
+for _cause in WakeCause:
+    RECONCILE_CAUSES.labels(_cause.value)
 for _e in ErrorType:
     ERRORS.labels(_e.value)
 for _reason in PlacementReason:

@@ -11,6 +11,7 @@ from pdfabric_operator.agentstate import AgentReport, AgentTransport
 from pdfabric_operator.bookkeeping import ClusterMemory
 from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, load_configuration
+from pdfabric_operator.metrics import WakeCause
 from pdfabric_operator.roles import RolesMemory
 
 
@@ -21,6 +22,10 @@ class OperatorState:
         self.config = OperatorConfig()
         self.kube: Kube | None = None
         self.wakers: dict[str, asyncio.Event] = {}
+        self.causes: dict[str, set[WakeCause]] = {}  # cluster uid -> why it was woken since its last reconcile
+        # Clusters whose last reconcile found them Ready with every replica placed as asked: a node
+        # they hold no pod on cannot change anything for them (it only matters to one waiting for room).
+        self.satisfied: set[str] = set()
         self.memory: dict[str, ClusterMemory] = {}
         self.generations: dict[str, int] = {}
         self.transports: dict[str, dict[str, AgentTransport]] = {}  # cluster uid -> pod uid -> the agent's word
@@ -37,14 +42,22 @@ class OperatorState:
             self.kube = Kube.from_configuration(load_configuration())
         return self.kube
 
-    def wake(self, uid: str | None) -> None:
+    def wake(self, uid: str | None, cause: WakeCause) -> None:
         event = self.wakers.get(uid or "")
         if event is not None:
+            self.causes.setdefault(uid or "", set()).add(cause)
             event.set()
 
-    def wake_all(self) -> None:
-        for event in self.wakers.values():
-            event.set()
+    def wake_for_node(self, users: set[str]) -> None:
+        """A node's placement inputs changed (or it went): wake the clusters with a pod on it and
+        every cluster not satisfied (waiting for room, falling back, unplaced, still starting)."""
+        for uid in list(self.wakers):
+            if uid in users or uid not in self.satisfied:
+                self.wake(uid, WakeCause.NODE)
+
+    def take_causes(self, uid: str) -> set[WakeCause]:
+        """Why the cluster was woken since this was last asked (empty: its interval passed)."""
+        return self.causes.pop(uid, set())
 
 
 STATE = OperatorState()

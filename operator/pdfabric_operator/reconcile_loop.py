@@ -25,9 +25,11 @@ from pdfabric_operator.metrics import (
     PDCLUSTER_PLACED,
     PDCLUSTER_READY,
     PDCLUSTER_UNPLACED,
+    RECONCILE_CAUSES,
     RECONCILE_DURATION,
     RECONCILES,
     ReconcileResult,
+    WakeCause,
 )
 from pdfabric_operator.operator_state import STATE
 from pdfabric_operator.placement import GpuNode, PlacedPod
@@ -115,9 +117,12 @@ async def reconcile_loop(
     roles_memory = STATE.roles.setdefault(uid, RolesMemory())
     CLUSTERS.set(len(STATE.wakers))
     last_problem: tuple[str, str] | None = None
+    causes = {WakeCause.SPEC}  # the first reconcile: the PDCluster is new to this operator
     try:
         while not stopped:
             wake.clear()
+            for cause in causes | STATE.take_causes(uid):
+                RECONCILE_CAUSES.labels(cause.value).inc()
             if body.get("metadata", {}).get("deletionTimestamp"):
                 return
             generation = body.get("metadata", {}).get("generation", 0)
@@ -143,6 +148,11 @@ async def reconcile_loop(
                     cert_valid_for=STATE.config.peer_cert_validity,
                 )
                 RECONCILES.labels(res.result.value).inc()
+                satisfied = res.result is ReconcileResult.READY and res.placed and res.problem is None
+                if satisfied and not any(res.unplaced.values()):
+                    STATE.satisfied.add(uid)
+                else:
+                    STATE.satisfied.discard(uid)
                 PDCLUSTER_READY.labels(ref.namespace, ref.name).set(res.ready)
                 PDCLUSTER_PLACED.labels(ref.namespace, ref.name).set(res.placed)
                 for role in ("prefill", "decode"):
@@ -159,10 +169,11 @@ async def reconcile_loop(
                     kopf.event(body, type="Normal", reason=reason, message=message)
             except Exception as exc:
                 RECONCILES.labels(ReconcileResult.ERROR.value).inc()
+                STATE.satisfied.discard(uid)
                 ERRORS.labels(error_type(exc).value).inc()
                 memory.last_status = None  # re-read the stored status next time
                 logger.warning(f"reconcile failed, retrying: {exc!r}")
-                wake.set()
+                STATE.wake(uid, WakeCause.RETRY)
                 await asyncio.sleep(1.0)
             finally:
                 RECONCILE_DURATION.observe(time.monotonic() - started)
@@ -170,16 +181,21 @@ async def reconcile_loop(
             # Coalesce bursts of events (a pod creation emits several) into one reconcile.
             await asyncio.sleep(0.05)
             # While agents move to a new rank map, look again soon: their word is the status'.
-            interval = STATE.config.reconcile_interval
-            if not memory.membership_settled:
-                interval = min(interval, UNSETTLED_RECHECK_S)
+            interval, timer = STATE.config.reconcile_interval, WakeCause.INTERVAL
+            if not memory.membership_settled and interval > UNSETTLED_RECHECK_S:
+                interval, timer = UNSETTLED_RECHECK_S, WakeCause.UNSETTLED
             if roles_again:  # a second's pause: a persistent failure must not spin the loop
                 await asyncio.sleep(1.0)
-                wake.set()
-            with contextlib.suppress(TimeoutError):
+                STATE.wake(uid, WakeCause.RETRY)
+            causes = set()
+            try:
                 await asyncio.wait_for(wake.wait(), timeout=interval)
+            except TimeoutError:
+                causes = {timer}
     finally:
         STATE.wakers.pop(uid, None)
+        STATE.causes.pop(uid, None)
+        STATE.satisfied.discard(uid)
         STATE.transports.pop(uid, None)
         STATE.reports.pop(uid, None)
         STATE.silences.pop(uid, None)
