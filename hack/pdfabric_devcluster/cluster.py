@@ -26,6 +26,9 @@ from pdfabric_devcluster.timings import record
 SERVICE_CIDR = "10.96.0.0/16"  # allocation range for Service IPs only; nothing is sent there
 
 
+NODE_BATCH = 200  # nodes per kubectl create
+
+
 @dataclass
 class ClusterConfig:
     workdir: Path
@@ -344,8 +347,11 @@ class LocalCluster:
         if not nodes:
             return []
         # Nodes keep the status (capacity, allocatable) they are created with; apply would not
-        # write status, so create them.
-        self.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+        # write status, so create them, in batches: one kubectl create of 2,000 nodes outlasts its
+        # timeout on two cores.
+        for start in range(0, len(nodes), NODE_BATCH):
+            batch = nodes[start : start + NODE_BATCH]
+            self.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": batch}))
         names = [n["metadata"]["name"] for n in nodes]
         if wait:
             self.wait_nodes_ready(names)
