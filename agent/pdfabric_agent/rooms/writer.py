@@ -46,6 +46,9 @@ TCP_SIDE_CHANNEL = "tcp-side-channel"  # `path` label of aux rows sent in the do
 # Block lists up to this size are launched from the event loop (a table built in microseconds);
 # larger ones are planned in a worker thread.
 LOOP_SUBMIT_BLOCKS = 256
+# A KV table planned as arrays up to this size is planned on the event loop (about 2 ms); a larger
+# one (a long prompt of many layers) in a worker thread.
+LOOP_ARRAY_BLOCKS = 65536
 
 
 @dataclass(frozen=True)
@@ -162,8 +165,10 @@ class RoomWriter:
         kvp = plan.kv_pages
         if plan.kv or kvp is None or not kvp.num_pages:
             return self._batches(local, plan, plan.kv)
-        if local.backend.block_arrays:  # planned as arrays: a 32,768-block table in about a millisecond
-            return self._batches(local, plan, kv_arrays(kvp, self.ctx.cfg.coalesce))
+        if local.backend.block_arrays:
+            if kvp.units <= LOOP_ARRAY_BLOCKS:
+                return self._batches(local, plan, kv_arrays(kvp, self.ctx.cfg.coalesce))
+            return None
         if kvp.units <= LOOP_SUBMIT_BLOCKS:
             return self._batches(local, plan, kvp.blocks(self.ctx.cfg.coalesce))
         return None
@@ -209,7 +214,12 @@ class RoomWriter:
         if batches is None:
             kvp = plan.kv_pages
             assert kvp is not None
-            kv = await asyncio.get_running_loop().run_in_executor(self.ctx.workers, kvp.blocks, self.ctx.cfg.coalesce)
+            loop, coalesce = asyncio.get_running_loop(), self.ctx.cfg.coalesce
+            kv: Sequence[Block] | BlockArrays
+            if local.backend.block_arrays:
+                kv = await loop.run_in_executor(self.ctx.workers, kv_arrays, kvp, coalesce)
+            else:
+                kv = await loop.run_in_executor(self.ctx.workers, kvp.blocks, coalesce)
             batches = self._batches(local, plan, kv)
         for i, batch in enumerate(batches):
             if first is None or i > 0:
