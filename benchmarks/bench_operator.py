@@ -42,7 +42,7 @@ sys.path[:0] = [str(ROOT / "hack")]
 import yaml  # noqa: E402
 
 from pdfabric_devcluster import ClusterConfig, LocalCluster  # noqa: E402
-from pdfabric_devcluster.binaries import ensure_binaries  # noqa: E402
+from pdfabric_devcluster.binaries import ensure_binaries, wait_for  # noqa: E402
 from pdfabric_devcluster.nodes import GpuNodeShape  # noqa: E402
 from pdfabric_devcluster.procs import free_port  # noqa: E402
 
@@ -169,16 +169,16 @@ class NodeChurn:
     (feature discovery, maintenance tools): each is a placement input of that node."""
 
     def __init__(self, cluster: LocalCluster, nodes: int, per_s: float) -> None:
-        self.cluster, self.names, self.period = cluster, [s.names() for s in node_shapes(nodes)], 1.0 / per_s
+        self.cluster, self.period = cluster, 1.0 / per_s
+        self.names = [name for shape in node_shapes(nodes) for name in shape.names()]
         self.changes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        names = [n for group in self.names for n in group]
         while not self._stop.wait(self.period):
-            node = names[self.changes % len(names)]
+            node = self.names[self.changes % len(self.names)]
             self.cluster.kubectl("label", "node", node, f"bench-churn={self.changes}", "--overwrite")
             self.changes += 1
 
@@ -217,20 +217,20 @@ def ready_names(api: Any) -> set[str]:
 def wait_nodes_settled(cluster: LocalCluster, count: int, timeout: float = 300) -> None:
     """Until every node is Ready with no taint left by the node lifecycle controller: a fleet at
     rest, so that the clusters measure the operator, not nodes still coming up."""
-    deadline = time.monotonic() + timeout
-    while True:
-        items = json.loads(cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
-        settled = [
-            n
-            for n in items
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions") or [])
-            and not any(t["key"].startswith("node.kubernetes.io/") for t in n.get("spec", {}).get("taints") or [])
-        ]
-        if len(settled) >= count:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(settled)} of {count} nodes Ready and untainted after {timeout:.0f} s")
-        time.sleep(1)
+
+    def untainted() -> set[str]:
+        return {
+            n["metadata"]["name"]
+            for n in cluster.get_json("nodes")["items"]
+            if not any(t["key"].startswith("node.kubernetes.io/") for t in n.get("spec", {}).get("taints") or [])
+        }
+
+    wait_for(
+        lambda: len(cluster.ready_nodes() & untainted()) >= count,
+        timeout=timeout,
+        interval=1.0,
+        what=f"{count} nodes Ready and untainted",
+    )
 
 
 def install(cluster: LocalCluster) -> Path:
@@ -288,7 +288,7 @@ def main() -> int:
             kubeconfig = install(cluster)
             api = client.CustomObjectsApi(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
             apf_before = apf_requests(cluster)
-            operator = Operator(cluster, kubeconfig, Path(os.environ.get("BENCH_OPLOG", str(work / "operator.log"))))
+            operator = Operator(cluster, kubeconfig, work / "operator.log")
             operator.wait_live()
 
             latencies = []
@@ -320,6 +320,7 @@ def main() -> int:
                     raise RuntimeError(f"only {len(ready)}/{len(names)} Ready after {args.timeout:.0f} s")
                 time.sleep(0.5)
             all_ready = time.monotonic() - start
+            bulk_cpu = operator.cpu_s() - cpu_before
 
             # At rest: every PDCluster Ready, the nodes still changing. A node's change may wake the
             # PDClusters with a pod on it, not the others: node-woken reconciles per change.
@@ -330,7 +331,6 @@ def main() -> int:
             time.sleep(args.rest_s)
             woken, changes = node_woken() - woken, (churn.changes if churn is not None else 0) - changes
             churned = churn.stop() if churn is not None else 0
-            bulk_cpu = operator.cpu_s() - cpu_before
             time.sleep(2)  # let the last status writes land before counting
             apf = apf_requests(cluster) - apf_before
             metrics = operator.metrics()

@@ -25,12 +25,10 @@ GROWTH = 1.5  # how far over the bound a measured cost may go
 
 def per_cluster(results: dict[str, object]) -> dict[str, float]:
     clusters = float(results["clusters"])  # type: ignore[arg-type]
-    causes = dict(results.get("reconcile_causes") or {})  # type: ignore[call-overload]
-    # An operator that does not count causes (before 0d7137a): every reconcile by result.
-    started = causes or dict(results["reconciles"])  # type: ignore[call-overload]
+    causes = dict(results["reconcile_causes"])  # type: ignore[call-overload]
     return {
         "api_requests": float(results["api_requests_server_side"]) / clusters,  # type: ignore[arg-type]
-        "reconciles": sum(v for k, v in started.items() if k != "interval") / clusters,
+        "reconciles": sum(v for k, v in causes.items() if k != "interval") / clusters,
     }
 
 
