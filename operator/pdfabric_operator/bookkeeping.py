@@ -51,3 +51,10 @@ class Result:
     placed: bool = False
     # Replicas per role a scale step asked for that found no room (the planner's shortfall).
     unplaced: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def satisfied(self) -> bool:
+        """Ready with every replica placed as asked and nothing to report (no fallback, no
+        shortfall): a node this cluster holds no pod on cannot change anything for it."""
+        ready = self.result is ReconcileResult.READY and self.placed and self.problem is None
+        return ready and not any(self.unplaced.values())

@@ -148,8 +148,7 @@ async def reconcile_loop(
                     cert_valid_for=STATE.config.peer_cert_validity,
                 )
                 RECONCILES.labels(res.result.value).inc()
-                satisfied = res.result is ReconcileResult.READY and res.placed and res.problem is None
-                if satisfied and not any(res.unplaced.values()):
+                if res.satisfied:
                     STATE.satisfied.add(uid)
                 else:
                     STATE.satisfied.discard(uid)

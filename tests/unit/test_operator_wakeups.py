@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdfabric_operator.metrics import WakeCause
+from pdfabric_operator.bookkeeping import Result
+from pdfabric_operator.metrics import ReconcileResult, WakeCause
 from pdfabric_operator.operator_state import OperatorState
 
 
@@ -40,3 +41,13 @@ def test_causes_gather_until_taken_and_unknown_clusters_are_ignored() -> None:
     assert st.take_causes("a") == {WakeCause.POD, WakeCause.SPEC}
     assert st.take_causes("a") == set()
     assert "gone" not in st.causes
+
+
+def test_satisfied_is_ready_placed_as_asked_with_nothing_to_report() -> None:
+    ready = Result(ReconcileResult.READY, ready=True, placed=True)
+    assert ready.satisfied
+    assert not Result(ReconcileResult.PROGRESSING, placed=True).satisfied
+    assert not Result(ReconcileResult.READY, ready=True, placed=False).satisfied
+    assert not Result(ReconcileResult.READY, ready=True, placed=True, problem=("FallbackTCP", "tcp")).satisfied
+    assert not Result(ReconcileResult.READY, ready=True, placed=True, unplaced={"decode": 1}).satisfied
+    assert Result(ReconcileResult.READY, ready=True, placed=True, unplaced={"decode": 0}).satisfied
