@@ -33,6 +33,7 @@ from pdfabric_core.engines.launch import ENGINES_ENV
 from pdfabric_core.engines.state import EngineState
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
+from pdfabric_devcluster.binaries import wait_for
 from pdfabric_devcluster.procs import REPO_ROOT, answers_200, free_port, source_pythonpath
 from pdfabric_operator import pki
 
@@ -218,12 +219,13 @@ class AgentProcess:
     def answered_readyz(self, timeout_s: float = 20.0) -> tuple[int, dict[str, Any]]:
         """/readyz as soon as the agent answers: on a loaded machine one probe can miss its
         1 s, which says nothing of what the agent runs on."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status, body = self.readyz()
-            if status or time.monotonic() >= deadline:
-                return status, body
-            time.sleep(0.2)
+        answer: tuple[int, dict[str, Any]] = wait_for(
+            lambda: (got := self.readyz())[0] and got,
+            timeout=timeout_s,
+            interval=0.2,
+            what=f"agent {self.name}'s /readyz",
+        )
+        return answer
 
     def ready(self) -> bool:
         return self.readyz()[0] == 200
