@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -188,6 +189,30 @@ class NodeChurn:
         return self.changes
 
 
+def start_profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling the operator's threads (GIL holders and waiters alike) into collapsed stacks."""
+    exe = os.environ.get("PY_SPY", "py-spy")
+    cmd = [exe, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--output", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def apiserver_profile(cluster: LocalCluster, out: Path, seconds: int = 12) -> None:
+    with out.open("wb") as f:
+        subprocess.run(
+            [str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "--raw",
+             f"/debug/pprof/profile?seconds={seconds}"],
+            stdout=f, stderr=subprocess.DEVNULL, timeout=seconds + 30, check=False,
+        )  # fmt: skip
+
+
+def stop_profiler(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def apf_requests(cluster: LocalCluster) -> float:
     """Requests the API server dispatched for the `service-accounts` flow (the operator's SA)."""
     text = cluster.kubectl("get", "--raw", "/metrics").stdout
@@ -199,6 +224,24 @@ def apf_requests(cluster: LocalCluster) -> float:
         ):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def apiserver_requests(cluster: LocalCluster) -> dict[str, float]:
+    """Every request the API server answered so far, from all clients, by "VERB resource[/sub]"
+    and by "flow <flow schema>" (who asked: the operator's service account, the scheduler, ...)."""
+    out: dict[str, float] = {}
+    for line in cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        name, _, value = line.rpartition(" ")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
+        if name.startswith("apiserver_request_total{"):
+            sub = f"/{labels['subresource']}" if labels.get("subresource") else ""
+            key = f"{labels.get('verb')} {labels.get('resource')}{sub}"
+        elif name.startswith("apiserver_flowcontrol_dispatched_requests_total{"):
+            key = f"flow {labels.get('flow_schema')}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
 
 
 def ready_names(api: Any) -> set[str]:
@@ -258,6 +301,12 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="500 nodes x 8 GPUs, 100 PDClusters")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="record the operator with py-spy (on PATH or $PY_SPY) while the bulk PDClusters come up, "
+        "collapsed stacks written here, and the API server's first 12 s of it (pprof) beside them",
+    )
     parser.add_argument("--rest-s", type=float, default=5.0, help="seconds at rest after all are Ready, counted")
     parser.add_argument(
         "--churn-per-s",
@@ -277,7 +326,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pdfabric-bench-op-") as tmp:
         work = Path(tmp)
         t0 = time.monotonic()
-        cluster = LocalCluster(ClusterConfig(workdir=work, bin_dir=bin_dir, node_shapes=node_shapes(args.nodes)))
+        cluster = LocalCluster(
+            ClusterConfig(
+                workdir=work, bin_dir=bin_dir, node_shapes=node_shapes(args.nodes), profiling=args.profile is not None
+            )
+        )
         cluster.start()
         print(f"control plane with {args.nodes} nodes ready in {time.monotonic() - t0:.1f} s")
         t1 = time.monotonic()
@@ -305,8 +358,14 @@ def main() -> int:
                 latencies.append(time.monotonic() - start)
 
             bulk = names[args.latency_runs :]
-            start, cpu_before = time.monotonic(), operator.cpu_s()
+            served_before = apiserver_requests(cluster)
+            start, cpu_before, plane_before = time.monotonic(), operator.cpu_s(), cluster.process_cpu_s()
             churn = NodeChurn(cluster, args.nodes, args.churn_per_s) if args.churn_per_s > 0 else None
+            profiler = start_profiler(operator.proc.pid, args.profile) if args.profile else None
+            if args.profile:  # the API server's own CPU profile over the same seconds (pprof)
+                threading.Thread(
+                    target=apiserver_profile, args=(cluster, args.profile.with_suffix(".apiserver.pprof")), daemon=True
+                ).start()
             for i, name in enumerate(bulk, start=args.latency_runs):
                 api.create_namespaced_custom_object(
                     "pdfabric.dev", "v1alpha1", "bench", "pdclusters", pdcluster(name, TRANSPORTS[i % 4])
@@ -321,6 +380,10 @@ def main() -> int:
                 time.sleep(0.5)
             all_ready = time.monotonic() - start
             bulk_cpu = operator.cpu_s() - cpu_before
+            plane_cpu = {k: v - plane_before.get(k, 0.0) for k, v in cluster.process_cpu_s().items()}
+            served = {k: v - served_before.get(k, 0.0) for k, v in apiserver_requests(cluster).items()}
+            if profiler is not None:
+                stop_profiler(profiler)
 
             # At rest: every PDCluster Ready, the nodes still changing. A node's change may wake the
             # PDClusters with a pod on it, not the others: node-woken reconciles per change.
@@ -339,6 +402,12 @@ def main() -> int:
             cluster.stop()
 
     client_requests = sum(v for k, v in metrics.items() if k.startswith("pdfabric_operator_api_requests_total"))
+    by_request = {
+        f"{labels['verb']} {labels['resource']}": v
+        for k, v in metrics.items()
+        if k.startswith("pdfabric_operator_api_requests_total{") and v
+        for labels in [dict(re.findall(r'(\w+)="([^"]*)"', k))]
+    }
     reconciles = {
         re.search(r'result="(\w+)"', k).group(1): v  # type: ignore[union-attr]
         for k, v in metrics.items()
@@ -362,9 +431,12 @@ def main() -> int:
         "rest_node_changes": changes,
         "rest_node_woken_reconciles": woken,
         "operator_cpu_s_until_all_ready": bulk_cpu,
+        "control_plane_cpu_s_until_all_ready": plane_cpu,
+        "apiserver_requests_until_all_ready": {k: v for k, v in served.items() if v},
         "operator_peak_rss_mb": peak,
         "api_requests_server_side": apf,
         "api_requests_reconciler": client_requests,
+        "api_requests_reconciler_by_request": by_request,
         "reconciles": reconciles,
         "reconcile_causes": causes,
     }
@@ -376,6 +448,18 @@ def main() -> int:
     print(f"{'apply-to-Ready latency, max (s)':42} {results['latency_s']['max']:>12.2f}")
     print(f"{f'{len(bulk)} more PDClusters: all Ready (s)':42} {all_ready:>12.2f} {goal_s:>10.0f}")
     print(f"{'operator CPU until all Ready (s)':42} {bulk_cpu:>12.2f}")
+    print(f"{'control plane CPU until all Ready (s)':42} {sum(plane_cpu.values()):>12.2f}")
+    for name, cpu in sorted(plane_cpu.items(), key=lambda kv: -kv[1]):
+        if cpu >= 0.05:
+            print(f"{'  ' + name:42} {cpu:>12.2f}")
+    top = sorted(((k, v) for k, v in served.items() if v and not k.startswith("flow ")), key=lambda kv: -kv[1])
+    print(f"{'API server requests until all Ready (all)':42} {sum(v for _, v in top):>12.0f}")
+    for request, count in top[:12]:
+        print(f"{'  ' + request:42} {count:>12.0f}")
+    for flow, count in sorted(
+        ((k, v) for k, v in served.items() if v and k.startswith("flow ")), key=lambda kv: -kv[1]
+    ):
+        print(f"{'  ' + flow:42} {count:>12.0f}")
     if churned:
         print(f"{'node label changes meanwhile':42} {churned:>12}")
     if changes:
@@ -383,6 +467,8 @@ def main() -> int:
     print(f"{'operator peak RSS (MB)':42} {peak:>12.1f} {GOAL_RSS_MB:>10.0f}")
     print(f"{'API requests (server-side, operator SA)':42} {apf:>12.0f}")
     print(f"{'API requests (reconciler, client-side)':42} {client_requests:>12.0f}")
+    for request, count in sorted(by_request.items(), key=lambda kv: -kv[1]):
+        print(f"{'  per PDCluster: ' + request:42} {count / args.clusters:>12.2f}")
     print(f"{'reconciles by result':42} {json.dumps({k: int(v) for k, v in reconciles.items() if v})}")
     print(f"{'reconciles by cause':42} {json.dumps({k: int(v) for k, v in causes.items() if v})}")
     if args.json:

@@ -36,6 +36,8 @@ class ClusterConfig:
     bin_dir: Path | None = None
     start_timeout: float = 90.0
     verbosity: int = 1
+    # The API server's /debug/pprof (admin only): for a benchmark's profile, off otherwise.
+    profiling: bool = False
 
 
 @dataclass
@@ -141,7 +143,7 @@ class LocalCluster:
                 f"--service-account-signing-key-file={sa_key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--allow-privileged=true",
-                "--profiling=false",
+                f"--profiling={str(self.config.profiling).lower()}",
                 "--endpoint-reconciler-type=none",
                 f"--v={v}",
             ],
@@ -393,6 +395,18 @@ class LocalCluster:
 
     def delete_nodes(self, names: Iterable[str]) -> None:
         self.kubectl("delete", "node", *names, "--wait=false")
+
+    def process_cpu_s(self) -> dict[str, float]:
+        """CPU seconds (user and system) each control-plane process has used so far."""
+        out = {}
+        for proc in self.procs:
+            try:
+                stat = Path(f"/proc/{proc.popen.pid}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            out[proc.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
 
     def process_rss_mib(self) -> dict[str, float]:
         """Resident memory of each control-plane process (including children), in MiB."""

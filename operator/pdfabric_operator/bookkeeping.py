@@ -10,6 +10,7 @@ from typing import Any
 
 from pdfabric_core.rankmap import Rank
 from pdfabric_operator.metrics import ReconcileResult
+from pdfabric_operator.pki import KeyPair
 
 
 @dataclass
@@ -33,6 +34,9 @@ class ClusterMemory:
     # first time, then from each issue).
     cert_renew_at: dict[str, datetime] = field(default_factory=dict)
     router_absent: bool = False  # spec.router is off and its children were checked gone
+    # The cluster's peer CA as its Secret holds it (read or made once, not per certificate issued;
+    # forgotten when the shared-children check finds the Secret gone).
+    ca: KeyPair | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pdfabric_core.rankmap import RankMap
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator import constants as c
 from pdfabric_operator.bookkeeping import ClusterMemory, Result
-from pdfabric_operator.builders.credentials import build_engine_token_secret
+from pdfabric_operator.builders.credentials import build_engine_token_secret, keypair_from_secret
 from pdfabric_operator.builders.names import (
     ClusterRef,
     ca_secret_name,
@@ -44,39 +44,54 @@ def ensure_shared_children(
     memory: ClusterMemory,
     recheck_after: float,
     out: Result,
+    *,
+    new: bool = False,
 ) -> None:
     """`policy`: the NetworkPolicy wanted, None when the operator's settings turn it off (one
-    built before is deleted then); one that differs (the monitoring namespace changed) is replaced."""
+    built before is deleted then); one that differs (the monitoring namespace changed) is replaced.
+    `new`: the cluster was never reconciled, so its children are created without reading them
+    first; one that is there all the same (409) is read and compared as usual."""
     cm = build_rankmap_configmap(ref, rankmap)
     want_hash = cm["metadata"]["annotations"][c.ANN_RANKMAP_HASH]
     fresh = time.monotonic() - memory.children_checked_at < recheck_after
     if fresh and memory.last_rankmap_hash == want_hash:
         return
-    if kube.get("Secret", ref.namespace, engine_token_secret_name(ref.name)) is None:
-        kube.create(build_engine_token_secret(ref, secrets.token_urlsafe(32)))
+    ns = ref.namespace
+
+    def stored(kind: str, name: str) -> dict[str, Any] | None:
+        return None if new else kube.get(kind, ns, name)
+
+    token = engine_token_secret_name(ref.name)
+    if stored("Secret", token) is None and kube.create(build_engine_token_secret(ref, secrets.token_urlsafe(32))):
         out.actions.append("create engine-token secret")
-    if kube.get("Secret", ref.namespace, ca_secret_name(ref.name)) is None:
-        cluster_ca(kube, ref)
+    ca_secret = stored("Secret", ca_secret_name(ref.name))
+    if ca_secret is None:
+        memory.ca = None  # gone (or never made): made anew, and remembered
+        cluster_ca(kube, ref, memory, new=new)
         out.actions.append("create peer CA secret")
-    if kube.get("Service", ref.namespace, service_name(ref.name)) is None:
-        kube.create(build_headless_service(ref, spec))
+    else:
+        memory.ca = keypair_from_secret(ca_secret)
+    if stored("Service", service_name(ref.name)) is None and kube.create(build_headless_service(ref, spec)):
         out.actions.append("create service")
-    have_policy = kube.get("NetworkPolicy", ref.namespace, network_policy_name(ref.name))
+    have_policy = stored("NetworkPolicy", network_policy_name(ref.name))
+    if policy is not None and have_policy is None:
+        if kube.create(policy):
+            out.actions.append("create networkpolicy")
+        else:  # there already: compared below
+            have_policy = kube.get("NetworkPolicy", ns, network_policy_name(ref.name))
     # Only this cluster's own policy is replaced or deleted, never a namesake someone else made.
     owned = have_policy is not None and owned_by(have_policy, ref.uid)
     if policy is None:
-        if owned and kube.delete("NetworkPolicy", ref.namespace, network_policy_name(ref.name)):
+        if owned and kube.delete("NetworkPolicy", ns, network_policy_name(ref.name)):
             out.actions.append("delete networkpolicy (turned off)")
-    elif have_policy is None:
-        kube.create(policy)
-        out.actions.append("create networkpolicy")
-    elif owned and have_policy.get("spec") != policy["spec"]:
+    elif owned and have_policy is not None and have_policy.get("spec") != policy["spec"]:
         kube.replace(policy, have_policy["metadata"]["resourceVersion"])
         out.actions.append("update networkpolicy")
-    have = kube.get("ConfigMap", ref.namespace, cm["metadata"]["name"])
-    if have is None:
-        kube.create(cm)
+    have = stored("ConfigMap", cm["metadata"]["name"])
+    if have is None and kube.create(cm):
         out.actions.append("create configmap")
+    elif (have := have or kube.get("ConfigMap", ns, cm["metadata"]["name"])) is None:
+        pass  # created and deleted again meanwhile: the next reconcile makes it
     elif (have["metadata"].get("annotations") or {}).get(c.ANN_RANKMAP_HASH) != want_hash:
         kube.replace(cm, have["metadata"]["resourceVersion"])
         out.actions.append("update configmap")
@@ -93,22 +108,31 @@ def service_ports(svc: Mapping[str, Any]) -> list[tuple[str, int, str]]:
     return [(p.get("name", ""), p.get("port", 0), str(p.get("targetPort", ""))) for p in svc["spec"].get("ports") or []]
 
 
-def ensure_engine_services(kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result) -> None:
+def ensure_engine_services(
+    kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result, *, new: bool = False
+) -> None:
     """The per-role Services of the engines: created, updated when their ports change (a node
-    got a second engine of a role), deleted when spec.engine goes (only ours, never a namesake)."""
+    got a second engine of a role), deleted when spec.engine goes (only ours, never a namesake).
+    `new`: never reconciled, so none of ours can exist: created without a read, none looked for."""
     for role in Role:
         want = build_engine_service(ref, spec, placement, role)
         name = engine_service_name(ref.name, role.value)
-        have = kube.get("Service", ref.namespace, name)
+        if new and want is None:
+            continue
+        have = None if new else kube.get("Service", ref.namespace, name)
+        if want is not None and have is None:
+            if kube.create(want):
+                out.actions.append(f"create service {name}")
+                continue
+            have = kube.get("Service", ref.namespace, name)  # there already: compared below
         owned = have is not None and owned_by(have, ref.uid)
         if want is None:
             if owned and kube.delete("Service", ref.namespace, name):
                 out.actions.append(f"delete service {name} (no engines)")
-        elif have is None:
-            if kube.create(want):
-                out.actions.append(f"create service {name}")
-        elif owned and (
-            service_ports(have) != service_ports(want) or have["spec"].get("selector") != want["spec"]["selector"]
+        elif (
+            owned
+            and have is not None
+            and (service_ports(have) != service_ports(want) or have["spec"].get("selector") != want["spec"]["selector"])
         ):
             body = dict(
                 want, spec={**have["spec"], "ports": want["spec"]["ports"], "selector": want["spec"]["selector"]}
@@ -140,16 +164,25 @@ def delete_owned_children(kube: Kube, ref: ClusterRef, agents: Sequence[str], *,
 
 
 def ensure_router(
-    kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, memory: ClusterMemory, out: Result
+    kube: Kube,
+    ref: ClusterRef,
+    spec: PDClusterSpec,
+    placement: Placement,
+    memory: ClusterMemory,
+    out: Result,
+    *,
+    new: bool = False,
 ) -> Mapping[str, Any] | None:
     """spec.router's Deployment and Service: created, the Deployment replaced when what it was
     built from differs (the engines moved, spec.router changed: it rolls with a surge), both
     deleted when spec.router goes (ours only, never a namesake). Returns the Deployment as read,
-    for its readiness in the status; read on every reconcile only while spec.router is set."""
+    for its readiness in the status; read on every reconcile only while spec.router is set.
+    `new`: never reconciled, so none of ours can exist: created without a read, none looked for."""
     name, ns = router_name(ref.name), ref.namespace
     want = build_router_deployment(ref, spec, placement)
     if want is None:
-        if memory.router_absent:
+        if memory.router_absent or new:
+            memory.router_absent = True
             return None
         for kind in ("Deployment", "Service"):
             have = kube.get(kind, ns, name)
@@ -158,22 +191,26 @@ def ensure_router(
         memory.router_absent = True
         return None
     memory.router_absent = False
-    have = kube.get("Deployment", ns, name)
+    have = None if new else kube.get("Deployment", ns, name)
     if have is None:
         if kube.create(want):
             out.actions.append(f"create deployment {name}")
-    elif owned_by(have, ref.uid):
+        else:
+            have = kube.get("Deployment", ns, name)  # there already: compared below
+    if have is not None and owned_by(have, ref.uid):
         have_hash = (have["metadata"].get("annotations") or {}).get(c.ANN_ROUTER_HASH)
         if have_hash != want["metadata"]["annotations"][c.ANN_ROUTER_HASH]:
             kube.replace(want, have["metadata"]["resourceVersion"])
             out.actions.append(f"update deployment {name}")
     svc = build_router_service(ref, spec)
     assert svc is not None
-    have_svc = kube.get("Service", ns, name)
+    have_svc = None if new else kube.get("Service", ns, name)
     if have_svc is None:
         if kube.create(svc):
             out.actions.append(f"create service {name}")
-    elif owned_by(have_svc, ref.uid) and service_ports(have_svc) != service_ports(svc):
+            return have
+        have_svc = kube.get("Service", ns, name)
+    if have_svc is not None and owned_by(have_svc, ref.uid) and service_ports(have_svc) != service_ports(svc):
         kube.replace(
             dict(svc, spec={**have_svc["spec"], "ports": svc["spec"]["ports"]}), have_svc["metadata"]["resourceVersion"]
         )

@@ -36,6 +36,13 @@ _GROUPS = {
 }
 
 
+def _resource(path: str) -> str:
+    """The resource a request path names (.../namespaces/NS/RESOURCE[/NAME[/SUB]]): "pods",
+    "pdclusters/status"; a bounded set, so it is a fine metric label."""
+    parts = path.split("/namespaces/", 1)[-1].split("/")[1:]
+    return "/".join(parts[:1] + parts[2:3])
+
+
 def load_configuration() -> client.Configuration:
     """$PDFABRIC_KUBECONFIG, else in-cluster credentials, else $KUBECONFIG; never the global default.
 
@@ -109,7 +116,7 @@ class Kube:
         content_type: str = "application/json",
         query: list[tuple[str, str]] | None = None,
     ) -> dict[str, Any] | None:
-        API_REQUESTS.labels(verb).inc()
+        API_REQUESTS.labels(verb, _resource(path)).inc()
         method, url, headers, payload, post = self.api.param_serialize(
             method=_METHODS[verb],
             resource_path=path,

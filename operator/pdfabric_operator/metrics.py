@@ -68,8 +68,8 @@ PLACEMENT_SHORTFALLS = Counter(
 FALLBACKS = Counter("pdfabric_operator_transport_fallbacks_total", "Placements that used the declared TCP fallback.")
 API_REQUESTS = Counter(
     "pdfabric_operator_api_requests_total",
-    "Kubernetes API requests the reconciler made (kopf's watches excluded).",
-    ["verb"],
+    "Kubernetes API requests the reconciler made (kopf's watches excluded), by verb and resource.",
+    ["verb", "resource"],
 )
 CLUSTERS = Gauge("pdfabric_operator_clusters", "PDClusters this operator reconciles now.")
 PDCLUSTER_READY = Gauge(
@@ -97,5 +97,3 @@ for _e in ErrorType:
 for _reason in PlacementReason:
     PLACEMENT_FAILURES.labels(_reason.value)
     PLACEMENT_SHORTFALLS.labels(_reason.value)
-for _verb in ("get", "create", "update", "patch", "delete"):
-    API_REQUESTS.labels(_verb)

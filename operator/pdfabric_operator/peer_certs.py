@@ -15,24 +15,33 @@ from pdfabric_operator.kube import Kube
 from pdfabric_operator.snapshot import OwnPod
 
 
-def cluster_ca(kube: Kube, ref: ClusterRef) -> pki.KeyPair:
-    """The cluster's peer CA from its Secret, created the first time (once per PDCluster)."""
+def cluster_ca(kube: Kube, ref: ClusterRef, memory: ClusterMemory, *, new: bool = False) -> pki.KeyPair:
+    """The cluster's peer CA: as remembered, else from its Secret, else made and stored (once per
+    PDCluster). `new`: the cluster was never reconciled, so it is made without a read first (a
+    namesake already there, 409, is read then)."""
+    if memory.ca is None:
+        memory.ca = _stored_or_new_ca(kube, ref, new)
+    return memory.ca
+
+
+def _stored_or_new_ca(kube: Kube, ref: ClusterRef, new: bool) -> pki.KeyPair:
     name = ca_secret_name(ref.name)
-    have = kube.get("Secret", ref.namespace, name)
+    have = None if new else kube.get("Secret", ref.namespace, name)
     if have is None:
         ca = pki.new_ca(ref.namespace, ref.name, ref.uid)
         if kube.create(build_ca_secret(ref, ca)):
             return ca
-        have = kube.get("Secret", ref.namespace, name)  # another replica made it first
+        have = kube.get("Secret", ref.namespace, name)  # another replica, or an earlier run, made it
         if have is None:
             raise RuntimeError(f"Secret {ref.namespace}/{name} was created and is gone again")
     return keypair_from_secret(have)
 
 
-def issue_peer_tls(kube: Kube, ref: ClusterRef, agent: str, valid_for: timedelta, now: datetime) -> datetime:
-    """A fresh key and certificate for agent pod `agent`, in its Secret (created or replaced);
-    returns when it is to be renewed."""
-    ca = cluster_ca(kube, ref)
+def issue_peer_tls(
+    kube: Kube, ref: ClusterRef, agent: str, ca: pki.KeyPair, valid_for: timedelta, now: datetime
+) -> datetime:
+    """A fresh key and certificate for agent pod `agent`, signed by `ca`, in its Secret (created or
+    replaced); returns when it is to be renewed."""
     leaf = pki.issue_agent(
         ca,
         namespace=ref.namespace,
@@ -71,7 +80,7 @@ def renew_peer_tls(
             memory.cert_renew_at[p.name] = due
         if now < due:
             continue
-        memory.cert_renew_at[p.name] = issue_peer_tls(kube, ref, p.name, valid_for, now)
+        memory.cert_renew_at[p.name] = issue_peer_tls(kube, ref, p.name, cluster_ca(kube, ref, memory), valid_for, now)
         out.actions.append(f"renew certificate of {p.name}")
         out.notices.append(
             ("PeerCertificateRenewed", f"issued agent {p.name} a new peer certificate (Secret "

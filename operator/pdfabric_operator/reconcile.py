@@ -48,7 +48,7 @@ from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.ledger import LEDGER, Ledger
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, PLACEMENT_SHORTFALLS, ReconcileResult
 from pdfabric_operator.observed import AgentView, Observed
-from pdfabric_operator.peer_certs import issue_peer_tls, renew_peer_tls
+from pdfabric_operator.peer_certs import cluster_ca, issue_peer_tls, renew_peer_tls
 from pdfabric_operator.placement import Placement, PlacementFailure
 from pdfabric_operator.planner import placed_spec, plan_placement, usable_nodes
 from pdfabric_operator.snapshot import OwnPod, Snapshot
@@ -121,8 +121,12 @@ def reconcile_once(
     # 2. Plan, sticky to the last plan (not to the pods: a pod being replaced would make the plan
     # flip between two nodes). After a restart the rank map is the durable record of that plan.
     usable = usable_nodes(spec, snap.nodes)
+    # Never reconciled (no status written by any operator, none by this one): nothing of it can
+    # exist yet but what a run cut short made, so its children are created without reading
+    # each first (one there all the same answers 409 and is read then).
+    new = memory.last_status is None and not (stored_status or {}).get("observedGeneration")
     if memory.last_plan is None:
-        memory.last_plan = _plan_on_record(kube, ref, own)
+        memory.last_plan = _plan_on_record(kube, ref, own, new)
     previous = memory.last_plan
     lost = sorted({p.node for p in own if p.node and p.node not in usable})
     with ledger.lock:
@@ -170,11 +174,11 @@ def reconcile_once(
         memory.children_absent = False
         rankmap = build_rankmap(ref, _placed_raw_spec(raw_spec, outcome), outcome)
         policy = build_network_policy(ref, built, monitoring_namespace, operator_namespace) if network_policy else None
-        ensure_shared_children(kube, ref, built, rankmap, policy, memory, recheck_children_after, out)
+        ensure_shared_children(kube, ref, built, rankmap, policy, memory, recheck_children_after, out, new=new)
         if not memory.children_checked_at or memory.engine_services_hash != memory.last_rankmap_hash:
-            ensure_engine_services(kube, ref, built, outcome, out)
+            ensure_engine_services(kube, ref, built, outcome, out, new=new)
             memory.engine_services_hash = memory.last_rankmap_hash
-        router = ensure_router(kube, ref, built, outcome, memory, out)
+        router = ensure_router(kube, ref, built, outcome, memory, out, new=new)
         desired = {pod["metadata"]["name"]: pod for pod in build_agent_pods(ref, built, outcome)}
         existing = {p.name: p for p in own}
         # Pods whose ranks moved (or that failed, or are no longer wanted) go at once: the plan
@@ -207,7 +211,8 @@ def reconcile_once(
             if name not in existing:
                 # Every new pod gets a new key and certificate (rotation: a replaced agent's old
                 # key no longer matches what its name's Secret holds).
-                memory.cert_renew_at[name] = issue_peer_tls(kube, ref, name, cert_valid_for, now())
+                ca = cluster_ca(kube, ref, memory)
+                memory.cert_renew_at[name] = issue_peer_tls(kube, ref, name, ca, cert_valid_for, now())
                 pod["metadata"]["annotations"][c.ANN_RANKMAP_HASH] = rankmap.digest
                 try:
                     if kube.create(pod):
@@ -302,9 +307,10 @@ def _tell_pods_of_rankmap(kube: Kube, pods: Sequence[OwnPod], digest: str) -> li
     return actions
 
 
-def _plan_on_record(kube: Kube, ref: ClusterRef, own: Sequence[OwnPod]) -> dict[str, tuple[Rank, ...]]:
-    """The last placement: the rank map if it is this cluster's, else the live agent pods' ranks."""
-    cm = kube.get("ConfigMap", ref.namespace, rankmap_name(ref.name))
+def _plan_on_record(kube: Kube, ref: ClusterRef, own: Sequence[OwnPod], new: bool) -> dict[str, tuple[Rank, ...]]:
+    """The last placement: the rank map if it is this cluster's, else the live agent pods' ranks
+    (a `new` cluster's rank map is not read: none was written by a run that finished)."""
+    cm = None if new else kube.get("ConfigMap", ref.namespace, rankmap_name(ref.name))
     text = ((cm or {}).get("data") or {}).get(RANKMAP_KEY)
     if isinstance(text, str):
         try:

@@ -773,3 +773,56 @@ def test_an_operator_restarted_over_a_rank_map_configmap_written_over_plans_from
     out = _run(kube, ref, builder, Snapshot(nodes, [], pods), ClusterMemory(), Ledger())
     assert not [a for a in out.actions if "pod" in a.split()[:2]], out.actions
     assert kube.objects[key]["data"] == good
+
+
+def _issuer_is(kube: FakeKube, agent: str, ca_name: str) -> bool:
+    from cryptography import x509
+
+    leaf = x509.load_pem_x509_certificate(keypair_from_secret(kube.objects[("Secret", "ns", agent)]).cert_pem)
+    ca = keypair_from_secret(kube.objects[("Secret", "ns", ca_name)])
+    return leaf.issuer == x509.load_pem_x509_certificate(ca.cert_pem).subject
+
+
+@pytest.mark.parametrize("router", [False, True], ids=["fabric", "engines-and-router"])
+def test_a_new_cluster_makes_its_children_without_reading_any_first(router: bool) -> None:
+    # Issue 47: a PDCluster never reconciled has nothing to read back. Each child is one create,
+    # and the peer CA is made once and signs every agent's certificate without being read again.
+    kube, ledger, memory = FakeKube(), Ledger(), ClusterMemory()
+    ref = ClusterRef("ns", "pd", "u1")
+    builder = pdcluster().prefill(replicas=2, tp=2).decode(replicas=2, tp=2)
+    if router:
+        builder = builder.engine().router()
+    nodes = [gpu_node(n, 4) for n in "ab"]
+    first = _run(kube, ref, builder, Snapshot(nodes, [], []), memory, ledger)
+    assert [call for call in kube.calls if call[0] == "get"] == []
+    pods = kube.pods("u1")
+    assert len(pods) == 4 and ("create", "Secret", ca_secret_name("pd")) in kube.calls
+    assert all(_issuer_is(kube, peer_tls_secret_name(p.name), ca_secret_name("pd")) for p in pods)
+    assert ({"create deployment pd-router", "create service pd-router"} <= set(first.actions)) == router
+    # Once its status is written it is no longer new: the next look at its children reads them.
+    kube.calls.clear()
+    memory.last_rankmap_hash = None  # due for its periodic check
+    _run(kube, ref, builder, Snapshot(nodes, [], pods), memory, ledger)
+    assert ("get", "ConfigMap", "pd-rankmap") in kube.calls
+    assert [call for call in kube.calls if call[0] == "create"] == []
+
+
+def test_children_left_by_a_run_cut_short_are_read_and_corrected_not_made_twice() -> None:
+    # The operator died after making the children, before its first status write: the cluster
+    # looks new again. Each create answers 409; the child is then read and compared as usual.
+    kube, ledger = FakeKube(), Ledger()
+    ref = ClusterRef("ns", "pd", "u1")
+    nodes = [gpu_node("a", 8)]
+    _run(kube, ref, pdcluster().prefill(tp=2), Snapshot(nodes, [], []), ClusterMemory(), ledger)
+    stale_map = kube.objects[("ConfigMap", "ns", "pd-rankmap")]
+    ca_secret = kube.objects[("Secret", "ns", ca_secret_name("pd"))]
+    kube.status.clear()  # the status write of that run never happened
+    for key in [k for k in kube.objects if k[0] == "Pod"]:
+        del kube.objects[key]  # nor did its pods survive: made again, with new certificates
+    memory = ClusterMemory()
+    res = _run(kube, ref, pdcluster().prefill(tp=4), Snapshot(nodes, [], []), memory, ledger)
+    assert "update configmap" in res.actions
+    assert kube.objects[("ConfigMap", "ns", "pd-rankmap")]["data"] != stale_map["data"]
+    assert kube.objects[("Secret", "ns", ca_secret_name("pd"))] is ca_secret  # the CA on record stays
+    pods = kube.pods("u1")
+    assert pods and all(_issuer_is(kube, peer_tls_secret_name(p.name), ca_secret_name("pd")) for p in pods)
