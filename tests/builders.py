@@ -227,6 +227,11 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("draft-layers-over-64", {"model": {"draftLayers": 65}}, "spec.model.draftLayers"),
     ("prefill-replicas-negative", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ("decode-cp-not-1", {"decode": {"cp": 2}}, "decode.cp must be 1"),
+    (
+        "more-ranks-than-a-rank-map-holds",
+        {"prefill": {"replicas": 1024, "tp": 8}, "decode": {"replicas": 1024, "tp": 8}},
+        "at most 8192 ranks",
+    ),
     ("decode-pp-mismatch", {"prefill": {"pp": 4}, "decode": {"pp": 2}}, "decode.pp must be 1 or equal prefill.pp"),
     (
         "tp-sizes-do-not-divide",

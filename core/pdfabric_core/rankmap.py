@@ -191,7 +191,8 @@ class RankMap:
     transport: str  # the transport the placement was made for (after any declared fallback)
     spec: Mapping[str, Any]  # the PDCluster spec as stored (camelCase); parse with parse_spec
     agents: tuple[AgentEntry, ...]
-    # prefill replica -> decode replicas it may feed (all, unless the transport confines them)
+    # prefill replica -> decode replicas it may feed, where the transport confines them; a prefill
+    # replica not in it feeds every decode replica
     feeds: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     version: int = RANKMAP_VERSION
 
@@ -240,7 +241,7 @@ class RankMap:
                 "feeds": {str(k): list(v) for k, v in sorted(self.feeds.items())},
             },
             sort_keys=True,
-            indent=1,
+            separators=(",", ":"),  # compact: the map of thousands of ranks must fit one ConfigMap
         )
 
     @classmethod

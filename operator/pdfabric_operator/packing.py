@@ -17,12 +17,14 @@ from pdfabric_operator.placement import AgentPlacement, GpuNode, PlacedPod, Plac
 
 
 def plan_feeds(spec: PDClusterSpec, transport: Transport) -> dict[int, tuple[int, ...]]:
-    """prefill replica -> decode replicas it may feed; intra-node NVLink confines them to its node."""
+    """prefill replica -> decode replicas it may feed, where the transport confines them (intra-node
+    NVLink: those on its node). Elsewhere every prefill replica feeds every decode replica, which is
+    what the rank map's readers take a replica missing here to mean: spelled out, it would grow as
+    prefill x decode replicas (a million numbers at 1,000 of each, past a ConfigMap's size)."""
     if transport_traits(transport).locality is Locality.NODE:
         k = spec.decode_per_prefill
         return {p: tuple(range(p * k, p * k + k)) for p in range(spec.prefill.replicas)}
-    every = tuple(range(spec.decode.replicas))
-    return {p: every for p in range(spec.prefill.replicas)}
+    return {}
 
 
 @dataclass(frozen=True)

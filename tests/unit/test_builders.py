@@ -9,6 +9,7 @@ import pytest
 from cryptography import x509
 
 from pdfabric_core.rankmap import Rank, RankMap
+from pdfabric_core.spec.model import MAX_RANKS
 from pdfabric_operator import pki
 from pdfabric_operator.builders.agent_pod import agent_device_requests, build_agent_pods
 from pdfabric_operator.builders.credentials import (
@@ -791,3 +792,21 @@ def test_every_label_and_annotation_the_operator_writes_is_reserved_from_the_use
     assert all(key.startswith(RESERVED_KEY_PREFIX) for key in pod["metadata"]["annotations"])
     assert {v["name"] for v in pod["spec"]["volumes"]} <= set(RESERVED_VOLUMES)
     assert c.FINALIZER.startswith(RESERVED_KEY_PREFIX)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma", "nvlink"])
+def test_the_rank_map_of_the_largest_pdcluster_the_crd_admits_fits_one_configmap(transport: str) -> None:
+    # Issue 47: 8,192 ranks (the CRD's bound) in 1,024 agents. Spelled out, every prefill replica's
+    # feeds and an indented JSON made this 11 MB at 16,000 ranks; a ConfigMap holds 1 MiB.
+    builder = pdcluster().transport(transport).prefill(replicas=512, tp=8).decode(replicas=512, tp=8)
+    spec = builder.spec()
+    assert spec.ranks == MAX_RANKS
+    nodes = [gpu_node(f"n{i:04d}", 8, clique="d0", rdma=1) for i in range(1024)]
+    placement = plan_placement(spec, nodes, [], cluster_uid="uid-big")
+    assert isinstance(placement, Placement) and len(placement.agents) == 1024
+    ref = ClusterRef("ns", "big", "uid-big")
+    cm = build_rankmap_configmap(ref, build_rankmap(ref, builder.raw_spec(), placement))
+    size = sum(len(k) + len(v.encode()) for k, v in cm["data"].items())
+    assert size < 1024 * 1024 * 3 // 4, f"{size} bytes: a quarter of a ConfigMap's room must stay free"
+    again = RankMap.from_json(cm["data"]["rankmap.json"])
+    assert sum(len(a.ranks) for a in again.agents) == MAX_RANKS and again.feeds == {}

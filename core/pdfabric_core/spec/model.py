@@ -41,6 +41,9 @@ DEFAULT_AUX_ROW_BYTES = (64, 64, 64, 64, 512, 512, 64, 128, 16384, 64)
 # The k-th engine of a role in one pod serves on port + k (and prefill's bootstrap on
 # bootstrapPort + k): each of the three port bases owns this many ports (the CRD's most GPUs per node).
 ENGINE_PORT_SPAN = 64
+# The most ranks one PDCluster may hold (the CRD's CEL says the same): its rank map, about 75 bytes
+# a rank, must fit one ConfigMap (1 MiB) with room to spare. Larger deployments are several PDClusters.
+MAX_RANKS = 8192
 # The device plugin's allocation is the only GPU grant: engines may not widen or narrow it.
 FORBIDDEN_ENGINE_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
 
@@ -281,6 +284,14 @@ class PDClusterSpec:
     def agent_image(self) -> str:
         """The node pods' agent image: agent.image, or when left out the one the transport needs."""
         return self.agent.image or default_agent_image(self.transfer.effective_transport)
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the cluster, prefill's and decode's: one GPU each."""
+        return (
+            self.prefill.replicas * self.prefill.ranks_per_replica
+            + self.decode.replicas * self.decode.ranks_per_replica
+        )
 
     @property
     def decode_per_prefill(self) -> int:

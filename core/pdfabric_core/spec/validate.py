@@ -21,7 +21,14 @@ from pdfabric_core.policy.types import (
     Transport,
 )
 from pdfabric_core.quantity import QuantityError, parse_quantity
-from pdfabric_core.spec.model import DTYPE_BYTES, ENGINE_PORT_SPAN, FORBIDDEN_ENGINE_ENV, PDClusterSpec, SpecError
+from pdfabric_core.spec.model import (
+    DTYPE_BYTES,
+    ENGINE_PORT_SPAN,
+    FORBIDDEN_ENGINE_ENV,
+    MAX_RANKS,
+    PDClusterSpec,
+    SpecError,
+)
 from pdfabric_core.spec.pod_overrides import RESERVED_NODE_ENV, check_env_secret, validate_pod
 from pdfabric_core.spec.serving import EngineSpec
 
@@ -42,6 +49,12 @@ def validate_spec(spec: PDClusterSpec) -> None:
                 f"{role}.dp {r.dp} with spec.engine: the node pods do not launch SGLang servers of several DP "
                 f"groups yet; deploy those engines yourself (leave spec.engine out)"
             )
+    if spec.ranks > MAX_RANKS:
+        raise SpecError(
+            f"a PDCluster holds at most {MAX_RANKS} ranks (replicas x dp x tp x cp x pp of prefill, plus "
+            f"decode's), this one {spec.ranks}: its rank map must fit one ConfigMap; split the deployment into "
+            f"several PDClusters or lower replicas"
+        )
     if spec.decode.cp != 1:
         raise SpecError(f"decode.cp must be 1 (decode context parallelism is not supported), got {spec.decode.cp}")
     if spec.transfer.max_batch_entries < 1:
