@@ -391,7 +391,10 @@ def main() -> int:
                 return operator.metrics().get('pdfabric_operator_reconcile_causes_total{cause="node"}', 0.0)
 
             woken, changes = node_woken(), churn.changes if churn is not None else 0
+            rest_plane, rest_operator = cluster.process_cpu_s(), operator.cpu_s()
             time.sleep(args.rest_s)
+            rest_plane_cpu = sum(cluster.process_cpu_s().values()) - sum(rest_plane.values())
+            rest_operator_cpu = operator.cpu_s() - rest_operator
             woken, changes = node_woken() - woken, (churn.changes if churn is not None else 0) - changes
             churned = churn.stop() if churn is not None else 0
             time.sleep(2)  # let the last status writes land before counting
@@ -432,6 +435,7 @@ def main() -> int:
         "rest_node_woken_reconciles": woken,
         "operator_cpu_s_until_all_ready": bulk_cpu,
         "control_plane_cpu_s_until_all_ready": plane_cpu,
+        "at_rest_cores": {"control_plane": rest_plane_cpu / args.rest_s, "operator": rest_operator_cpu / args.rest_s},
         "apiserver_requests_until_all_ready": {k: v for k, v in served.items() if v},
         "operator_peak_rss_mb": peak,
         "api_requests_server_side": apf,
@@ -452,6 +456,8 @@ def main() -> int:
     for name, cpu in sorted(plane_cpu.items(), key=lambda kv: -kv[1]):
         if cpu >= 0.05:
             print(f"{'  ' + name:42} {cpu:>12.2f}")
+    print(f"{'at rest: control plane cores busy':42} {rest_plane_cpu / args.rest_s:>12.2f}")
+    print(f"{'at rest: operator cores busy':42} {rest_operator_cpu / args.rest_s:>12.2f}")
     top = sorted(((k, v) for k, v in served.items() if v and not k.startswith("flow ")), key=lambda kv: -kv[1])
     print(f"{'API server requests until all Ready (all)':42} {sum(v for _, v in top):>12.0f}")
     for request, count in top[:12]:

@@ -1,6 +1,9 @@
 """Operator settings from PDFABRIC_* environment variables, checked once at start.
 
 PDFABRIC_RECONCILE_INTERVAL  seconds between level-based reconciles of one PDCluster (default 20)
+PDFABRIC_RESYNC_INTERVAL     seconds between reconciles of a PDCluster that is satisfied (Ready as asked, nothing
+                             to report) and runs no engines: events wake it, this only catches drift in the
+                             children no watch covers (default 300; never below the reconcile interval)
 PDFABRIC_PEERING             kopf peering object (ClusterKopfPeering) name; "" runs standalone (default pdfabric)
 PDFABRIC_PRIORITY            peering priority; unset draws a random one, so of two replicas exactly one acts
 PDFABRIC_PEERING_LIFETIME    seconds a silent peer counts as alive (default 60): the failover delay
@@ -35,6 +38,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class OperatorConfig:
     reconcile_interval: float = 20.0
+    resync_interval: float = 300.0
     peering: str = "pdfabric"
     priority: int = 0
     metrics_port: int = 8080
@@ -75,8 +79,10 @@ class OperatorConfig:
         namespace = env.get("PDFABRIC_NAMESPACE", "")
         if namespace and not _DNS_LABEL.fullmatch(namespace):
             raise ConfigError(f"PDFABRIC_NAMESPACE must be a namespace name, got {namespace!r}")
+        reconcile_interval = number("PDFABRIC_RECONCILE_INTERVAL", 20.0, 0.1)
         return cls(
-            reconcile_interval=number("PDFABRIC_RECONCILE_INTERVAL", 20.0, 0.1),
+            reconcile_interval=reconcile_interval,
+            resync_interval=max(reconcile_interval, number("PDFABRIC_RESYNC_INTERVAL", 300.0, 0.1)),
             peering=env.get("PDFABRIC_PEERING", "pdfabric"),
             priority=priority,
             metrics_port=int(number("PDFABRIC_METRICS_PORT", 8080, 0)),

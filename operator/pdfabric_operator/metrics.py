@@ -34,6 +34,8 @@ class WakeCause(enum.StrEnum):
     RETRY = "retry"  # the last reconcile or PDRole sync failed
     UNSETTLED = "unsettled"  # agents not yet on the rank map last written: read again soon
     INTERVAL = "interval"  # nothing happened for PDFABRIC_RECONCILE_INTERVAL
+    RESYNC = "resync"  # satisfied, no engines: nothing happened for PDFABRIC_RESYNC_INTERVAL
+    CERTIFICATE = "certificate"  # satisfied, and an agent's peer certificate came due for renewal
 
 
 class ErrorType(enum.StrEnum):

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from datetime import UTC, datetime
 from typing import cast
 
 import kopf
@@ -140,7 +141,7 @@ async def reconcile_loop(
                     body.get("status"),
                     snap,
                     memory,
-                    recheck_children_after=STATE.config.reconcile_interval / 2,
+                    recheck_children_after=_period(uid in STATE.satisfied, body)[0] / 2,
                     stored_rv=body.get("metadata", {}).get("resourceVersion"),
                     network_policy=STATE.config.network_policy,
                     monitoring_namespace=STATE.config.monitoring_namespace,
@@ -180,7 +181,7 @@ async def reconcile_loop(
             # Coalesce bursts of events (a pod creation emits several) into one reconcile.
             await asyncio.sleep(0.05)
             # While agents move to a new rank map, look again soon: their word is the status'.
-            interval, timer = STATE.config.reconcile_interval, WakeCause.INTERVAL
+            interval, timer = _period(uid in STATE.satisfied, body, min(memory.cert_renew_at.values(), default=None))
             if not memory.membership_settled and interval > UNSETTLED_RECHECK_S:
                 interval, timer = UNSETTLED_RECHECK_S, WakeCause.UNSETTLED
             if roles_again:  # a second's pause: a persistent failure must not spin the loop
@@ -206,6 +207,21 @@ async def reconcile_loop(
         for role in ("prefill", "decode"):
             with contextlib.suppress(KeyError):
                 PDCLUSTER_UNPLACED.remove(ref.namespace, ref.name, role)
+
+
+def _period(satisfied: bool, body: kopf.Body, cert_due: datetime | None = None) -> tuple[float, WakeCause]:
+    """How long a PDCluster waits for an event before it reconciles anyway. A satisfied one without
+    engines waits PDFABRIC_RESYNC_INTERVAL (every change that matters to it is watched: its spec,
+    PDRoles, pods and their nodes), or until its first peer certificate is due; the rest wait
+    PDFABRIC_RECONCILE_INTERVAL (engines are read from the agents' /readyz, not watched)."""
+    config = STATE.config
+    if not satisfied or (body.get("spec") or {}).get("engine") is not None:
+        return config.reconcile_interval, WakeCause.INTERVAL
+    if cert_due is not None:
+        until_due = max(1.0, (cert_due - datetime.now(UTC)).total_seconds())
+        if until_due < config.resync_interval:
+            return until_due, WakeCause.CERTIFICATE
+    return config.resync_interval, WakeCause.RESYNC
 
 
 async def sync_pdroles(

@@ -107,6 +107,7 @@ def running_operator(
         "PDFABRIC_KUBECONFIG": str(kubeconfig),
         "PDFABRIC_PEERING": peering,
         "PDFABRIC_RECONCILE_INTERVAL": str(interval),
+        "PDFABRIC_RESYNC_INTERVAL": str(interval),  # the tests' cadence for settled clusters too
         "PDFABRIC_METRICS_PORT": "0",
         "PDFABRIC_WATCH_TIMEOUT": "30",
     }
@@ -134,6 +135,7 @@ def operator_subprocess_env(kubeconfig: Path, peering: str, **extra: str) -> dic
         "PDFABRIC_KUBECONFIG": str(kubeconfig),
         "PDFABRIC_PEERING": peering,
         "PDFABRIC_RECONCILE_INTERVAL": "1",
+        "PDFABRIC_RESYNC_INTERVAL": "1",
         "PDFABRIC_METRICS_PORT": "0",
         "PDFABRIC_WATCH_TIMEOUT": "30",
         **extra,

@@ -94,6 +94,7 @@ def test_chart_env_is_valid_operator_config() -> None:
     env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
     cfg = OperatorConfig.from_env(env)
     assert (cfg.reconcile_interval, cfg.peering, cfg.metrics_port, cfg.watch_timeout) == (7.0, "pdfabric", 8080, 300)
+    assert cfg.resync_interval == 300.0, "a settled cluster without engines reconciles every 5 minutes"
     assert 1 <= cfg.priority <= 2**30, "replicas draw a random peering priority"
     assert (cfg.network_policy, cfg.monitoring_namespace) == (True, "")
     assert cfg.peer_cert_validity.total_seconds() == 365 * 86400
