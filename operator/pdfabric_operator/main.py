@@ -26,7 +26,7 @@ from pdfabric_operator.metrics import WakeCause
 from pdfabric_operator.operator_state import STATE
 from pdfabric_operator.placement import GpuNode, PlacedPod
 from pdfabric_operator.reconcile_loop import AgentPodIndex, GpuPodIndex, reconcile_loop
-from pdfabric_operator.roles import RoleView, role_view
+from pdfabric_operator.roles import RoleView, made_as_is, role_view
 from pdfabric_operator.snapshot import OwnPod
 from pdfabric_operator.startup import configure_operator, connection_info
 
@@ -124,6 +124,12 @@ def pdrole_changed(type: str | None, uid: str, body: kopf.Body, **_: Any) -> Non
         return
     else:
         STATE.role_generations[uid] = view.generation
+        if made_as_is(view) and view.owner_uid not in STATE.satisfied:
+            # Just made by its cluster's reconcile, nothing to carry back; the cluster is still
+            # coming up (its pods' events wake it, its timer is the short one), and that
+            # reconcile writes the PDRole's status. A satisfied cluster's (a PDRole deleted and
+            # made again) is woken: nothing else would write its status before the resync.
+            return
     STATE.wake(view.owner_uid, WakeCause.PDROLE)
 
 

@@ -134,6 +134,12 @@ class RoleView:
         return Refusal(int(got["replicas"]), int(got["clusterGeneration"]))
 
 
+def made_as_is(view: RoleView) -> bool:
+    """The PDRole as its cluster's reconcile made it: never scaled (generation 1), its replicas
+    the ones recorded as synced, no status written yet."""
+    return view.generation == 1 and view.replicas == view.synced and not view.status
+
+
 def _int_or_none(text: Any) -> int | None:
     try:
         return int(str(text))

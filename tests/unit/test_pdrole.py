@@ -12,7 +12,7 @@ import yaml
 from pdfabric_operator import constants as c
 from pdfabric_operator.builders.names import ClusterRef
 from pdfabric_operator.role_status import Refusal, role_status, status_patch
-from pdfabric_operator.roles import SyncDecision, build_role, decide, role_selector, role_view
+from pdfabric_operator.roles import SyncDecision, build_role, decide, made_as_is, role_selector, role_view
 from tests.unit.charts import operator_grants, run_helm, schema_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +89,15 @@ def test_build_role_is_owned_recorded_and_labelled() -> None:
     assert obj["spec"] == {"cluster": "pd", "role": "decode", "replicas": 3}
     view = role_view({**obj, "metadata": {**obj["metadata"], "uid": "r1", "generation": 1}})
     assert (view.owner_uid, view.replicas, view.synced, view.refused) == ("uid-1", 3, 3, None)
+    # As made: its creation wakes no reconcile of a cluster still coming up (main.pdrole_changed).
+    assert made_as_is(view)
+    meta = {**obj["metadata"], "uid": "r1"}
+    scaled = role_view({**obj, "metadata": {**meta, "generation": 2}, "spec": {**obj["spec"], "replicas": 4}})
+    assert not made_as_is(scaled), "kubectl scale: carried into the PDCluster at once"
+    edited = role_view({**obj, "metadata": {**meta, "generation": 1}, "spec": {**obj["spec"], "replicas": 5}})
+    assert not made_as_is(edited), "made by hand with other replicas than recorded"
+    written = role_view({**obj, "metadata": {**meta, "generation": 1}, "status": {"replicas": 3}})
+    assert not made_as_is(written)
 
 
 def test_role_view_reads_a_refusal_and_ignores_a_garbled_record() -> None:
