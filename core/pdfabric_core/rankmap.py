@@ -7,6 +7,7 @@ normalised spec. Version it: agents refuse a map newer than they understand.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -219,9 +220,12 @@ class RankMap:
             )
         return on_node[0]
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """A short hash of the map's content: which map an agent runs, as it and the operator say."""
+        """A short hash of the map's content: which map an agent runs, as it and the operator say.
+        Computed once per map (the map is frozen): the operator stamps it on every new pod, and
+        serializing a map of thousands of ranks per pod made a large cluster's first reconcile
+        quadratic."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def agent_for_rank(self, rank_id: str) -> AgentEntry:

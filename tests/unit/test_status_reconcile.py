@@ -826,3 +826,18 @@ def test_children_left_by_a_run_cut_short_are_read_and_corrected_not_made_twice(
     assert kube.objects[("Secret", "ns", ca_secret_name("pd"))] is ca_secret  # the CA on record stays
     pods = kube.pods("u1")
     assert pods and all(_issuer_is(kube, peer_tls_secret_name(p.name), ca_secret_name("pd")) for p in pods)
+
+
+def test_a_reconcile_serializes_its_rank_map_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each new pod is stamped with the map's digest; computed per pod, a cluster of 1,024 pods
+    # serialized its 8,192-rank map 1,024 times (23 s of its first reconcile).
+    from pdfabric_core.rankmap import RankMap
+
+    calls = []
+    to_json = RankMap.to_json
+    monkeypatch.setattr(RankMap, "to_json", lambda self: calls.append(1) or to_json(self))
+    builder = pdcluster().prefill(replicas=16, tp=2).decode(replicas=16, tp=2)
+    nodes = [gpu_node(f"n{i}", 4) for i in range(16)]
+    res = _run(FakeKube(), ClusterRef("ns", "pd", "u1"), builder, Snapshot(nodes, [], []), ClusterMemory(), Ledger())
+    assert sum(a.startswith("create pod") for a in res.actions) == 32
+    assert len(calls) <= 3, f"the rank map serialized {len(calls)} times for one reconcile"
