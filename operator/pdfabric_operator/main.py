@@ -134,7 +134,25 @@ def pdrole_changed(type: str | None, uid: str, body: kopf.Body, **_: Any) -> Non
 
 
 @kopf.on.event("pods", labels={c.LABEL_CLUSTER_UID: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY})
-def agent_pod_changed(labels: Any, **_: Any) -> None:
+def agent_pod_changed(
+    type: str | None,
+    name: str,
+    namespace: str | None,
+    uid: str,
+    spec: Any,
+    status: Any,
+    labels: Any,
+    meta: Any,
+    annotations: Any,
+    **_: Any,
+) -> None:
+    # An agent pod wakes its cluster when what the reconcile reads of it changed (its OwnPod), or
+    # it went; the router's pods on every event (the reconcile reads their Deployment's readiness).
+    if labels.get(c.LABEL_COMPONENT) == c.COMPONENT_AGENT:
+        gone = type == "DELETED"
+        view = None if gone else own_pod_from_body(name, _namespaced(namespace), uid, spec, status, meta, annotations)
+        if not STATE.agent_pod_changed(uid, view):
+            return
     STATE.wake(labels.get(c.LABEL_CLUSTER_UID), WakeCause.POD)
 
 

@@ -13,6 +13,7 @@ from pdfabric_operator.config import OperatorConfig
 from pdfabric_operator.kube import Kube, load_configuration
 from pdfabric_operator.metrics import WakeCause
 from pdfabric_operator.roles import RolesMemory
+from pdfabric_operator.snapshot import OwnPod
 
 
 class OperatorState:
@@ -32,6 +33,7 @@ class OperatorState:
         self.reports: dict[str, dict[str, AgentReport]] = {}  # cluster uid -> pod uid -> its /readyz, last read
         self.silences: dict[str, dict[str, int]] = {}  # cluster uid -> pod uid -> its /readyz unanswered in a row
         self.node_prints: dict[str, tuple[Any, ...]] = {}
+        self.agent_pod_views: dict[str, OwnPod] = {}  # pod uid -> the agent pod as a reconcile last could read it
         self.roles: dict[str, RolesMemory] = {}  # cluster uid -> its PDRoles' sync memory (roles.py)
         self.role_generations: dict[str, int] = {}  # PDRole uid -> the generation last seen
         self.metrics_started = False
@@ -54,6 +56,18 @@ class OperatorState:
         for uid in list(self.wakers):
             if uid in users or uid not in self.satisfied:
                 self.wake(uid, WakeCause.NODE)
+
+    def agent_pod_changed(self, pod_uid: str, view: OwnPod | None) -> bool:
+        """Whether an agent pod's event changed anything a reconcile reads of it (`view`, None: the
+        pod is gone). Status heartbeats and writes of fields the operator does not read wake nothing:
+        at 2,000 pods they kept the operator half a core busy at rest."""
+        if view is None:
+            self.agent_pod_views.pop(pod_uid, None)
+            return True
+        if self.agent_pod_views.get(pod_uid) == view:
+            return False
+        self.agent_pod_views[pod_uid] = view
+        return True
 
     def take_causes(self, uid: str) -> set[WakeCause]:
         """Why the cluster was woken since this was last asked (empty: its interval passed)."""

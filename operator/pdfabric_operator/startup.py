@@ -24,6 +24,7 @@ def configure_operator(settings: kopf.OperatorSettings, logger: kopf.Logger) -> 
     STATE.memory.clear()
     STATE.generations.clear()
     STATE.node_prints.clear()
+    STATE.agent_pod_views.clear()
     STATE.roles.clear()
     STATE.role_generations.clear()
     LEDGER.clear()

@@ -87,3 +87,14 @@ def test_the_resync_is_never_shorter_than_the_reconcile_interval() -> None:
     env = {"PDFABRIC_RECONCILE_INTERVAL": "30", "PDFABRIC_RESYNC_INTERVAL": "10", "PDFABRIC_PRIORITY": "1"}
     assert OperatorConfig.from_env(env).resync_interval == 30.0
     assert OperatorConfig.from_env({"PDFABRIC_PRIORITY": "1"}).resync_interval == 300.0
+
+
+def test_an_agent_pod_wakes_its_cluster_only_when_what_a_reconcile_reads_of_it_changed() -> None:
+    from pdfabric_operator.snapshot import OwnPod
+
+    st = OperatorState()
+    pod = OwnPod("a", "ns", "p1", "node-1", False, False, "h1", "r")
+    assert st.agent_pod_changed("p1", pod)  # first seen
+    assert not st.agent_pod_changed("p1", OwnPod("a", "ns", "p1", "node-1", False, False, "h1", "r"))  # a heartbeat
+    assert st.agent_pod_changed("p1", OwnPod("a", "ns", "p1", "node-1", True, False, "h1", "r"))  # Ready now
+    assert st.agent_pod_changed("p1", None) and "p1" not in st.agent_pod_views  # gone, and forgotten
