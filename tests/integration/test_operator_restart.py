@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pdfabric_operator import reconcile
 from pdfabric_operator.kube import Kube
 from pdfabric_operator.operator_state import STATE
 from tests.builders import pdcluster
@@ -51,6 +52,9 @@ def test_restart_mid_reconcile_converges_without_duplicates(
 
     monkeypatch.setattr(Kube, "request", request)
     monkeypatch.setattr(Kube, "create", slow_create)
+    # One pod at a time, so the kill lands between two of them (8 in flight would make all four
+    # before the first sleep ends).
+    monkeypatch.setattr(reconcile, "CREATE_CONCURRENCY", 1)
     spec = pdcluster().prefill(replicas=2, tp=8).decode(replicas=2, tp=8).placement(nodeSelector=selector(namespace))
     peering = f"pdfabric-{namespace}"
     with running_operator(cluster, operator_kubeconfig, peering):
