@@ -45,7 +45,7 @@ import yaml  # noqa: E402
 from pdfabric_devcluster import ClusterConfig, LocalCluster  # noqa: E402
 from pdfabric_devcluster.binaries import ensure_binaries, wait_for  # noqa: E402
 from pdfabric_devcluster.nodes import GpuNodeShape  # noqa: E402
-from pdfabric_devcluster.procs import free_port  # noqa: E402
+from pdfabric_devcluster.procs import cpu_seconds, free_port  # noqa: E402
 
 # Issue 47's goals: 100 PDClusters on 500 nodes all Ready within 15 s, 500 on 2,000 within 60 s,
 # the operator under 500 MB.
@@ -162,8 +162,7 @@ class Operator:
 
     def cpu_s(self) -> float:
         """CPU seconds the operator's process has used (user and system)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def stop(self) -> float:
         peak = max(self.peak_rss_mb, self._status("VmHWM") if self.proc.poll() is None else 0.0)

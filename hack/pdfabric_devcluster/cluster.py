@@ -20,7 +20,7 @@ from typing import Any
 from pdfabric_devcluster.binaries import CONTROLPLANE_DIR, ClusterError, ensure_binaries, wait_for
 from pdfabric_devcluster.nodes import NODE_DOWN_ANNOTATION, GpuNodeShape, build_gpu_node, default_node_shapes
 from pdfabric_devcluster.pki import Pki
-from pdfabric_devcluster.procs import free_port
+from pdfabric_devcluster.procs import cpu_seconds, free_port
 from pdfabric_devcluster.timings import record
 
 SERVICE_CIDR = "10.96.0.0/16"  # allocation range for Service IPs only; nothing is sent there
@@ -401,11 +401,9 @@ class LocalCluster:
         out = {}
         for proc in self.procs:
             try:
-                stat = Path(f"/proc/{proc.popen.pid}/stat").read_text()
+                out[proc.name] = cpu_seconds(proc.popen.pid)
             except FileNotFoundError:
                 continue
-            fields = stat.rsplit(")", 1)[1].split()
-            out[proc.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return out
 
     def process_rss_mib(self) -> dict[str, float]:

@@ -94,6 +94,13 @@ def console_argv(command: list[str]) -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())", *command[1:]]
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has used so far, from /proc (FileNotFoundError
+    once it is gone)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def answers_200(url: str, timeout_s: float) -> bool:
     """GET ``url`` answers 200 within ``timeout_s`` (no answer, or another status: False)."""
     try:
