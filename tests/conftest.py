@@ -117,6 +117,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries the log tails of the servers and agents it used: any of its
+    fixtures with ``failure_logs()`` (CI keeps the output, not the logs' folders)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    for fixture, value in getattr(item, "funcargs", {}).items():
+        logs = getattr(value, "failure_logs", None)
+        if callable(logs) and not isinstance(value, type):
+            for title, text in logs().items():
+                report.sections.append((f"{fixture}: {title} (log tail)", text))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _over_budget(session.config) is not None and exitstatus == pytest.ExitCode.OK:

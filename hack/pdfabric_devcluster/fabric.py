@@ -51,7 +51,7 @@ from pdfabric_devcluster.agents import (
     stop_all,
     write_tls_dir,
 )
-from pdfabric_devcluster.procs import console_argv, free_port
+from pdfabric_devcluster.procs import FAILURE_LOG_CHARS, console_argv, free_port
 from pdfabric_devcluster.timings import timed
 from pdfabric_operator import pki
 
@@ -168,6 +168,10 @@ class Fabric:
 
     def log(self, name: str) -> str:
         return self.agents[name].log_tail()
+
+    def failure_logs(self) -> dict[str, str]:
+        """Each agent's log tail, for a failed test's report (tests/conftest.py)."""
+        return {f"agent {name}": agent.log_tail(FAILURE_LOG_CHARS) for name, agent in self.agents.items()}
 
     def keep_logs(self, folder: Path) -> None:
         """Copy each agent's log into ``folder`` (``agent-<name>.log``), for a look after the fabric's

@@ -21,6 +21,9 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PACKAGES = ("core", "operator", "agent")
+# How much of each process's log a failed test's report carries (tests/conftest.py): the last
+# lines of every server and agent of the test, enough for the error and what led to it.
+FAILURE_LOG_CHARS = 3000
 
 
 @functools.cache

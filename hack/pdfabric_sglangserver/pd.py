@@ -147,6 +147,11 @@ class PD:
     def generate(self, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
         return self.router.generate(body, timeout_s)
 
+    def failure_logs(self) -> dict[str, str]:
+        """Both servers' and the agents' log tails, for a failed test's report (tests/conftest.py)."""
+        logs = {"prefill server": self.prefill.tail(), "decode server": self.decode.tail()}
+        return {**logs, **(self.fabric.failure_logs() if self.fabric is not None else {})}
+
     def generate_direct(
         self, body: dict[str, Any], timeout_s: float = 120.0
     ) -> tuple[tuple[int, dict[str, Any]], tuple[int, dict[str, Any]]]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
-from pdfabric_devcluster.procs import answers_200, post_json
+from pdfabric_devcluster.procs import FAILURE_LOG_CHARS, answers_200, post_json
 from pdfabric_devcluster.timings import record, timed
 
 HERE = Path(__file__).resolve().parent
@@ -212,6 +212,10 @@ class SGLangServer:
             return self.log.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+    def failure_logs(self) -> dict[str, str]:
+        """Its log's tail, for a failed test's report (tests/conftest.py)."""
+        return {f"{self.ENGINE} server {self.name}": self.tail(FAILURE_LOG_CHARS)}
 
     def generate(self, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
         key = json.dumps(body, sort_keys=True) if self.memo is not None else ""

@@ -17,7 +17,7 @@ from typing import Any
 from pdfabric_agent.client.shm import remove_orphans
 from pdfabric_devcluster.agents import LocalImage
 from pdfabric_devcluster.fabric import LocalFabric
-from pdfabric_devcluster.procs import answers_200, free_port, post_json
+from pdfabric_devcluster.procs import FAILURE_LOG_CHARS, answers_200, free_port, post_json
 from pdfabric_sglangserver.model import spec_model
 from pdfabric_sglangserver.servers import CONTROLS_CPU
 from pdfabric_vllmserver.servers import (
@@ -72,9 +72,17 @@ class VllmPD:
     decode: VllmServer
     router_url: str
     fabric: LocalFabric | None  # pdfabric's agents (None for NIXL)
+    router_log: Path | None = None
 
     def complete(self, body: Mapping[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
         return post_json(self.router_url + "/v1/completions", dict(body), timeout_s)
+
+    def failure_logs(self) -> dict[str, str]:
+        """Both servers', the router's and the agents' log tails, for a failed test's report."""
+        logs = {**self.prefill.failure_logs(), **self.decode.failure_logs()}
+        if self.router_log is not None and self.router_log.exists():
+            logs["vllm-router"] = self.router_log.read_text(errors="replace")[-FAILURE_LOG_CHARS:]
+        return {**logs, **(self.fabric.failure_logs() if self.fabric is not None else {})}
 
 
 @contextlib.contextmanager
@@ -175,7 +183,7 @@ def behind_router(
         pair(connector, python, model_dir, logs, shape) as (prefill, decode, fabric),
         router(python, prefill, decode, logs / "router.log") as url,
     ):
-        pd = VllmPD(connector, prefill, decode, url, fabric)
+        pd = VllmPD(connector, prefill, decode, url, fabric, logs / "router.log")
         warm(pd)
         yield pd
 

@@ -217,27 +217,32 @@ def test_a_restarted_peers_old_agent_is_removed_once_its_transfers_are_released(
             restarted.close()
 
 
-def listening_addresses() -> set[str]:
-    """The IPv4 addresses this process listens on (its sockets in /proc/net/tcp, state LISTEN)."""
+def listening_sockets() -> dict[str, str]:
+    """This process's listening IPv4 sockets (in /proc/net/tcp, state LISTEN): inode -> address."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             link = os.readlink(f"/proc/self/fd/{fd}")
             if link.startswith("socket:["):
                 inodes.add(link[8:-1])
-    found = set()
+    found = {}
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         if fields[3] == "0A" and fields[9] in inodes:
             packed = bytes.fromhex(fields[1].split(":")[0])
-            found.add(".".join(str(b) for b in reversed(packed)))
+            found[fields[9]] = ".".join(str(b) for b in reversed(packed))
     return found
 
 
-def test_ucx_listens_only_on_the_interface_of_the_advertised_host(pair: Pair) -> None:
-    """Nothing listens without a reason: UCX's tcp transport would listen on every interface."""
+def test_ucx_listens_only_on_the_interface_of_the_advertised_host(tmp_path: Path) -> None:
+    """Nothing listens without a reason: UCX's tcp transport would listen on every interface. Only
+    the sockets a new pair opens count (an earlier test in this worker may have left its own)."""
     assert os.environ.get("UCX_NET_DEVICES") == "lo"
-    assert listening_addresses() == {"127.0.0.1"}
+    before = listening_sockets()
+    with backend_pair(str(tmp_path), "nixl-listen"):
+        opened = {inode: address for inode, address in listening_sockets().items() if inode not in before}
+    assert opened, "the pair opened no listening socket: this test no longer sees UCX's"
+    assert set(opened.values()) == {"127.0.0.1"}
 
 
 def test_idle_ranks_take_no_core(pair: Pair) -> None:
