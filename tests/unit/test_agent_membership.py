@@ -19,6 +19,7 @@ from pdfabric_agent.protocol.peer_wire import RoomInfo
 from pdfabric_agent.protocol.views import RoomState
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.peer_series import PEERS
 from pdfabric_agent.service.agent import Agent
 from pdfabric_agent.service.membership import MembershipRefused
 from pdfabric_core.policy.types import Role
@@ -42,7 +43,7 @@ def _forget_the_peers_these_tests_add() -> Iterator[None]:
     """The metric registry is the process's: the series of agents added here go with the test."""
     yield
     for name in ("a3", "p1"):
-        metrics.forget_peer(name)
+        PEERS.forget_peer(name)
 
 
 class Clock:

@@ -13,10 +13,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdfabric_agent.protocol.errors import ApiError
+from pdfabric_agent.protocol.labels import Outcome
 from pdfabric_agent.protocol.peer_wire import DoneReport
 from pdfabric_agent.protocol.wire import ReceiveRequest, SendRequest
 from pdfabric_agent.rooms.targets import DecodeFailed
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.peer_series import PEERS, PeerSeries
 from pdfabric_core.policy.types import Role
 from pdfabric_core.rankmap import AgentEntry, Rank, RankMap, replica_ranks
 from pdfabric_core.spec import parse_spec
@@ -35,6 +37,11 @@ def samples(cluster: str) -> list[tuple[str, dict[str, str], float]]:
     ]
 
 
+def pair_series(cluster: str) -> set[tuple[str, str]]:
+    """(rank, peer) of every pair with series under ``cluster``."""
+    return {(lbl["rank"], lbl["peer"]) for _, lbl, _ in samples(cluster) if "rank" in lbl}
+
+
 def value(name: str, **labels: str) -> float:
     return sum(v for n, lbl, v in samples(labels["pdcluster"]) if n == name and labels.items() <= lbl.items())
 
@@ -45,9 +52,9 @@ def test_decode_counts_a_source_under_the_rank_maps_agent_only(tmp_path: Path) -
     is counted under a1, whoever delivered it."""
     # Series other tests in this process left under cluster "c" (make test's workers run the unit
     # modules in another order than one process does): only what this test adds is judged.
-    left = {(lbl["rank"], lbl["peer"]) for _, lbl, _ in samples("c")}
+    left = pair_series("c")
     decode = make_agent(tmp_path, "n2", [Rank(Role.DECODE, 0, 0)])
-    pre = {(lbl["rank"], lbl["peer"], lbl["role"]) for _, lbl, _ in samples("c")}
+    pre = {(lbl["rank"], lbl["peer"], lbl["role"]) for _, lbl, _ in samples("c") if "rank" in lbl}
     assert (D, "a1", "decode") in pre  # pre-created at start, from the rank map
     labels = {"pdcluster": "c", "rank": D, "peer": "a1", "role": "decode"}
     before = {n: value(n, **labels) for n in PEER_METRICS}
@@ -67,7 +74,7 @@ def test_decode_counts_a_source_under_the_rank_maps_agent_only(tmp_path: Path) -
     after = {n: value(n, **labels) for n in PEER_METRICS}
     assert after["pdfabric_peer_transfer_bytes_total"] - before["pdfabric_peer_transfer_bytes_total"] == 1112
     assert value("pdfabric_peer_requests_total", **labels, outcome="success") >= 1
-    added = {(lbl["rank"], lbl["peer"]) for _, lbl, _ in samples("c")} - left
+    added = pair_series("c") - left
     peers, ranks = {peer for _, peer in added}, {rank for rank, _ in added}
     assert peers <= {"a1", "a2"} and ranks <= {P, D}, (peers, ranks)
 
@@ -142,11 +149,12 @@ def test_series_per_agent_in_a_64_rank_cluster_are_bounded_by_the_rank_map() -> 
     (bytes, 3 outcomes, a histogram of 6 buckets + +Inf + _sum + _count): 416 series per agent."""
     rankmap, spec = cluster_64()
     for entry in rankmap.agents:
-        assert metrics.precreate_peers(rankmap, spec, entry.name) == 32
+        paths = {r.rank_id: ("mooncake", "mooncake") for r in entry.ranks}
+        assert PEERS.publish(rankmap, spec, entry.name, "tcp", "tcp", paths) == 32
     per_agent: dict[str, int] = {}
     owner = {r.rank_id: a.name for a in rankmap.agents for r in a.ranks}
     for name, lbl, _ in samples("c64"):
-        if not name.endswith("_created"):
+        if "rank" in lbl and not name.endswith("_created") and name != "pdfabric_peer_transport_info":
             per_agent[owner[lbl["rank"]]] = per_agent.get(owner[lbl["rank"]], 0) + 1
     assert per_agent == {a.name: 416 for a in rankmap.agents}
     # Each prefill rank talks to its decode TP rank in every decode replica's agent, and back.
@@ -166,7 +174,7 @@ def test_transport_in_use_per_pair_is_bounded_by_the_rank_map() -> None:
     rankmap = RankMap("ns", "c64t", "uid-64t", "rdma", rankmap.spec, entries)
     prefill0 = next(a for a in entries if a.name == "prefill-0")
     paths = {r.rank_id: ("fastpath", "mooncake") for r in prefill0.ranks}
-    assert metrics.set_peer_transport(rankmap, spec, "prefill-0", "rdma", "tcp", paths) == 32
+    assert PEERS.publish(rankmap, spec, "prefill-0", "rdma", "tcp", paths) == 32
     series = [lbl for n, lbl, v in samples("c64t") if n == "pdfabric_peer_transport_info" and v == 1]
     assert len(series) == 32
     assert {(s["requested"], s["transport"]) for s in series} == {("rdma", "tcp")}
@@ -175,3 +183,78 @@ def test_transport_in_use_per_pair_is_bounded_by_the_rank_map() -> None:
     assert {(s["rank"], s["peer"]) for s in series} == {
         (r, p) for r, p, _ in metrics.peer_pairs(rankmap, spec, "prefill-0")
     }
+
+
+def pairs_gauge(cluster: str, state: str) -> float:
+    return value("pdfabric_peer_series_pairs", pdcluster=cluster, state=state)
+
+
+def test_past_the_bound_the_most_recently_active_pairs_keep_their_series() -> None:
+    """32 pairs implied, a bound of 4: none made at start; each active pair gets its series, the
+    least recently active pair's go to make room (counted), and an evicted pair active again starts
+    at zero. The gauge says 32 implied, 4 held."""
+    rankmap, spec = cluster_64()
+    rankmap = RankMap("ns", "cbound", "uid-b", "tcp", rankmap.spec, rankmap.agents)
+    view = PeerSeries(limit=4)
+    paths = {r.rank_id: ("mooncake", "mooncake") for r in rankmap.agents[0].ranks}
+    assert view.publish(rankmap, spec, "prefill-0", "tcp", "tcp", paths) == 32
+    assert pair_series("cbound") == set() and pairs_gauge("cbound", "implied") == 32
+    pairs = sorted(metrics.peer_pairs(rankmap, spec, "prefill-0"))[:6]
+    evicted = value("pdfabric_peer_series_evictions_total", pdcluster="cbound")
+    for rank, peer, role in pairs[:4]:
+        view.count("cbound", rank, peer, role, Outcome.SUCCESS, 0.01, nbytes=100)
+    assert pair_series("cbound") == {(r, p) for r, p, _ in pairs[:4]}
+    view.count("cbound", pairs[0][0], pairs[0][1], Role.PREFILL, Outcome.FAILED)  # the first, active again
+    view.count("cbound", pairs[4][0], pairs[4][1], Role.PREFILL, Outcome.SUCCESS, 0.01, nbytes=7)
+    assert pair_series("cbound") == {(r, p) for r, p, _ in (pairs[0], *pairs[2:5])}  # the second made room
+    assert value("pdfabric_peer_series_evictions_total", pdcluster="cbound") - evicted == 1
+    assert (pairs_gauge("cbound", "implied"), pairs_gauge("cbound", "held")) == (32, 4)
+    first = {"pdcluster": "cbound", "rank": pairs[0][0], "peer": pairs[0][1], "role": "prefill"}
+    assert value("pdfabric_peer_transfer_bytes_total", **first) == 100
+    assert value("pdfabric_peer_requests_total", **first, outcome="failed") == 1
+    view.count("cbound", pairs[1][0], pairs[1][1], Role.PREFILL, Outcome.SUCCESS, 0.01, nbytes=5)
+    second = {"pdcluster": "cbound", "rank": pairs[1][0], "peer": pairs[1][1], "role": "prefill"}
+    assert value("pdfabric_peer_transfer_bytes_total", **second) == 5  # from zero again
+    info = [lbl for n, lbl, _ in samples("cbound") if n == "pdfabric_peer_transport_info"]
+    assert len(info) == 4 and {lbl["path"] for lbl in info} == {"mooncake"}
+    assert view.forget_peer(pairs[1][1]) >= 1 and (pairs[1][0], pairs[1][1]) not in pair_series("cbound")
+
+
+def test_a_bound_of_zero_exports_no_per_peer_series() -> None:
+    rankmap, spec = cluster_64()
+    rankmap = RankMap("ns", "czero", "uid-z", "tcp", rankmap.spec, rankmap.agents)
+    view = PeerSeries(limit=0)
+    paths = {r.rank_id: ("mooncake", "mooncake") for r in rankmap.agents[0].ranks}
+    assert view.publish(rankmap, spec, "prefill-0", "tcp", "tcp", paths) == 32
+    view.count("czero", P, "decode-0", Role.PREFILL, Outcome.SUCCESS, 0.01, nbytes=100)
+    assert pair_series("czero") == set() and pairs_gauge("czero", "held") == 0
+
+
+def test_an_agent_of_the_largest_pdcluster_exports_a_bounded_per_peer_view() -> None:
+    """Issue 47: 8,192 ranks (512 x 512 replicas of TP 8, one agent per 8-GPU node). One decode
+    agent's ranks expect sources in all 512 prefill agents: 4,096 pairs, about 74,000 series (10 MB
+    of /metrics) made at start unbounded. With the default bound none are made at start, and
+    however many pairs carry traffic, 256 keep series."""
+    raw: dict[str, Any] = {
+        "prefill": {"tp": 8, "replicas": 512},
+        "decode": {"tp": 8, "replicas": 512},
+        "transfer": {"transport": "rdma"},
+        "model": {"layers": 2, "kvHeads": 8, "headDim": 8, "pageSizeTokens": 2},
+    }
+    spec = parse_spec(raw)
+    entries = tuple(
+        AgentEntry(f"{role}-{r}", f"node-{role}-{r}", tuple(replica_ranks(spec, role, r)))
+        for role in (Role.PREFILL, Role.DECODE)
+        for r in range(512)
+    )
+    rankmap = RankMap("ns", "cmax", "uid-max", "rdma", raw, entries)
+    view = PeerSeries()
+    decode0 = entries[512]
+    paths = {r.rank_id: ("mooncake", "mooncake") for r in decode0.ranks}
+    assert view.publish(rankmap, spec, decode0.name, "rdma", "rdma", paths) == 4096
+    assert pair_series("cmax") == set()
+    for rank, peer, role in sorted(metrics.peer_pairs(rankmap, spec, decode0.name)):
+        view.count("cmax", rank, peer, role, Outcome.SUCCESS, 0.01, nbytes=1)
+    assert len(pair_series("cmax")) == 256 == pairs_gauge("cmax", "held")
+    exported = sum(1 for _, lbl, _ in samples("cmax") if "rank" in lbl)
+    assert exported == 256 * (13 + 5 + 1), exported  # 13 series a pair, 5 _created, one transport_info

@@ -279,7 +279,6 @@ async def serve(cfg: AgentConfig) -> int:
         for role in roles:
             metrics.precreate(cluster, role, spec.backend, choice.transport.value, paths)
         agent = Agent(cfg, rankmap, spec, ranks, choice.transport, requested=requested)
-        agent.publish_peers()
         readiness.requested, readiness.transport = requested.value, choice.transport.value
         readiness.rankmap = rankmap.digest
         backends = {rid: lr.backend for rid, lr in ranks.items()}

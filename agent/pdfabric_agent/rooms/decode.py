@@ -43,6 +43,7 @@ from pdfabric_agent.rooms.room import DecodeRoom
 from pdfabric_agent.rooms.source_cancels import SourceCancels
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.peer_series import PEERS
 from pdfabric_agent.runtime.tasks import later
 from pdfabric_agent.transfer.registry import path_labels
 from pdfabric_core.duties import PairDuties, kv_shard_size
@@ -292,7 +293,7 @@ class DecodeArrivals(SourceCancels):
         if room.state.finished:
             return None
         for _, agent_name in sorted(room.sources_not_arrived().items()):
-            metrics.count_peer_part(self.ctx.labels.cluster, room.rank, agent_name, Role.DECODE, outcome)
+            PEERS.count(self.ctx.labels.cluster, room.rank, agent_name, Role.DECODE, outcome)
         self.ctx.rooms.finish(room, RoomState.FAILED, reason, outcome=outcome)
         if room.sources_quiet:
             return None

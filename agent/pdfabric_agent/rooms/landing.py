@@ -17,6 +17,7 @@ from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.room import DecodeRoom
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.peer_series import PEERS
 from pdfabric_core.policy.types import Role
 
 
@@ -73,9 +74,7 @@ def count_arrival(
 ) -> None:
     cluster = ctx.labels.cluster
     # The per-peer view: `peer` is the agent the rank map gives the source (``room.expected``).
-    if nbytes:
-        metrics.peer_bytes.labels(cluster, rank_id, peer, Role.DECODE.value).inc(nbytes)
-    metrics.count_peer_part(cluster, rank_id, peer, Role.DECODE, Outcome.SUCCESS, duration_s)
+    PEERS.count(cluster, rank_id, peer, Role.DECODE, Outcome.SUCCESS, duration_s, nbytes)
     metrics.decode_completions.labels(cluster, how.value).inc()
     for path, per_kind in sorted(by_path.items()):
         for kind in Kind:

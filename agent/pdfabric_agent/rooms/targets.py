@@ -25,6 +25,7 @@ from pdfabric_agent.rooms.context import AgentContext
 from pdfabric_agent.rooms.room import Delivery, PrefillRoom, Target
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL, Launch, RoomWriter
 from pdfabric_agent.runtime import metrics
+from pdfabric_agent.runtime.peer_series import PEERS
 from pdfabric_agent.transfer.base import TransferError
 from pdfabric_core.policy.types import Role
 
@@ -229,7 +230,7 @@ class TargetSender:
     def count_unstarted(self, room: PrefillRoom, outcome: Outcome) -> None:
         """A room that ends before its targets were written: each target's part has its outcome."""
         for t in room.targets.values():
-            metrics.count_peer_part(self.ctx.labels.cluster, room.rank, t.agent, Role.PREFILL, outcome)
+            PEERS.count(self.ctx.labels.cluster, room.rank, t.agent, Role.PREFILL, outcome)
 
     def _count_target(self, room: PrefillRoom, target: Target, outcome: Outcome, moved: list[BytesByPath]) -> None:
         """A target's part ended: the bytes it moved (side-channel aux only once acknowledged, as
@@ -241,12 +242,8 @@ class TargetSender:
             if path != TCP_SIDE_CHANNEL or outcome is Outcome.SUCCESS
             for n in per_kind.values()
         )
-        cluster = self.ctx.labels.cluster
-        if nbytes:
-            metrics.peer_bytes.labels(cluster, room.rank, target.agent, Role.PREFILL.value).inc(nbytes)
-        metrics.count_peer_part(
-            cluster, room.rank, target.agent, Role.PREFILL, outcome, self.ctx.clock() - room.submitted
-        )
+        duration_s = self.ctx.clock() - room.submitted
+        PEERS.count(self.ctx.labels.cluster, room.rank, target.agent, Role.PREFILL, outcome, duration_s, nbytes)
 
     async def send_target(self, room: PrefillRoom, local: LocalRank, target: Target) -> None:
         """Write the target's deliveries as they are fed, report and have it acknowledge; its

@@ -22,7 +22,6 @@ read back from the series ``precreate`` makes: declaring a metric on the registr
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -243,6 +242,18 @@ rankmap_peers = Gauge(
     ["pdcluster", "state"],
     registry=REGISTRY,
 )
+peer_series_pairs = Gauge(
+    "pdfabric_peer_series_pairs",
+    "(local rank, peer agent) pairs of the per-peer view: those the rank map implies for this agent (state implied) and those whose series it exports now (state held), at most PDFABRIC_PEER_SERIES_MAX.",
+    ["pdcluster", "state"],
+    registry=REGISTRY,
+)
+peer_series_evictions = Counter(
+    "pdfabric_peer_series_evictions",
+    "Pairs whose per-peer series were removed to hold the bound PDFABRIC_PEER_SERIES_MAX (the least recently active pair makes room for a newly active one; its counters start again at zero when it is active again).",
+    ["pdcluster"],
+    registry=REGISTRY,
+)
 peer_stream_frames = Counter(
     "pdfabric_peer_stream_frames_total",
     "Peer messages this agent received as frames of a peer's stream (GET /v1/peer/stream) rather than as POSTs.",
@@ -284,6 +295,9 @@ def precreate(cluster: str, role: str, backend: str, transport: str, paths: tupl
     peers_blacklisted.labels(cluster)
     session_recoveries.labels(cluster)
     peer_stream_frames.labels(cluster)
+    peer_series_evictions.labels(cluster)
+    for state in ("implied", "held"):
+        peer_series_pairs.labels(cluster, state)
     for result in ("ok", "failed"):
         peer_probes.labels(cluster, result)
     agent_ready.labels(cluster)
@@ -320,55 +334,3 @@ def peer_ranks(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tu
 def peer_pairs(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> set[tuple[str, str, Role]]:
     """(local rank id, peer agent, role) of every pair ``peer_ranks`` names: the per-peer view."""
     return {(rank_id, peer, role) for rank_id, peer, _, role in peer_ranks(rankmap, spec, agent_name)}
-
-
-def precreate_peers(rankmap: RankMap, spec: PDClusterSpec, agent_name: str) -> int:
-    """Create the per-peer series of every pair ``peer_pairs`` names, at zero; returns the pairs."""
-    pairs = peer_pairs(rankmap, spec, agent_name)
-    for rank_id, peer, role in pairs:
-        labels = (rankmap.cluster, rank_id, peer, role.value)
-        peer_bytes.labels(*labels)
-        peer_request_duration.labels(*labels)
-        for outcome in Outcome:
-            peer_requests.labels(*labels, outcome.value)
-    return len(pairs)
-
-
-def set_peer_transport(
-    rankmap: RankMap,
-    spec: PDClusterSpec,
-    agent_name: str,
-    requested: str,
-    transport: str,
-    paths: Mapping[str, tuple[str, str]],
-) -> int:
-    """``pdfabric_peer_transport_info`` at 1 for every pair ``peer_pairs`` names. ``paths``: per
-    local rank id, (path to a peer on this node, path to a peer on another node), e.g. the kernel
-    path and the engine's; equal for a backend with one path. Returns the pairs."""
-    node = {a.name: a.node for a in rankmap.agents}
-    pairs = peer_pairs(rankmap, spec, agent_name)
-    for rank_id, peer, role in pairs:
-        same_node, other_node = paths[rank_id]
-        path = same_node if node.get(peer) == node.get(agent_name) else other_node
-        peer_transport_info.labels(rankmap.cluster, rank_id, peer, role.value, requested, transport, path).set(1)
-    return len(pairs)
-
-
-def forget_peer(peer: str) -> int:
-    """Remove every per-peer series of agent `peer` (it left the rank map); returns how many."""
-    removed = 0
-    for metric in (peer_bytes, peer_request_duration, peer_requests, peer_transport_info):
-        at = metric._labelnames.index("peer")
-        for values in [v for v in list(metric._metrics) if v[at] == peer]:
-            metric.remove(*values)
-            removed += 1
-    return removed
-
-
-def count_peer_part(
-    cluster: str, rank_id: str, peer: str, role: Role, outcome: Outcome, duration_s: float | None = None
-) -> None:
-    """One room's part with one peer rank ended: its outcome, and its latency when it succeeded."""
-    peer_requests.labels(cluster, rank_id, peer, role.value, outcome.value).inc()
-    if outcome is Outcome.SUCCESS and duration_s is not None:
-        peer_request_duration.labels(cluster, rank_id, peer, role.value).observe(duration_s)

@@ -57,6 +57,7 @@ from pdfabric_agent.rooms.registry import MetricLabels, RoomRegistry
 from pdfabric_agent.rooms.room import DecodeRoom, PrefillRoom
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
+from pdfabric_agent.runtime.peer_series import PEERS
 from pdfabric_agent.runtime.tasks import Liveness, TaskSet
 from pdfabric_agent.service.membership import Adopted, check_adoptable
 from pdfabric_agent.service.registration import register_engine_memory
@@ -109,7 +110,8 @@ class Agent:
         self.peers = self.ctx.peers
         self.peers.is_leaving = self.ctx.ranks.leaving.__contains__
         self.requested = self.transport if requested is None else Transport(requested)
-        metrics.precreate_peers(rankmap, spec, self.entry.name)  # every (rank, peer agent) pair at zero
+        PEERS.limit = cfg.peer_series_max
+        self.publish_peers()  # every (rank, peer agent) pair at zero, up to the bound
         self.ctx.rooms.on_retire.append(self._room_ended)
         self.sender = PrefillSender(self.ctx)
         self.arrivals = DecodeArrivals(self.ctx, CompletionWatcher(cfg.shm_dir))
@@ -139,8 +141,7 @@ class Agent:
     def publish_peers(self) -> None:
         """The per-peer series of every pair the rank map names, and how many agents it lists."""
         rankmap, spec, me = self.rankmap, self.spec, self.entry.name
-        metrics.precreate_peers(rankmap, spec, me)
-        metrics.set_peer_transport(rankmap, spec, me, self.requested.value, self.transport.value, self.pair_paths())
+        PEERS.publish(rankmap, spec, me, self.requested.value, self.transport.value, self.pair_paths())
         metrics.rankmap_peers.labels(self.cluster, "current").set(len(rankmap.agents))
         metrics.rankmap_peers.labels(self.cluster, "leaving").set(len(self.ctx.ranks.leaving))
 
@@ -174,7 +175,7 @@ class Agent:
                     self.arrivals.give_up(room, reason)
                     failed += 1
             self.peers.forget(entry.name)
-            metrics.forget_peer(entry.name)
+            PEERS.forget_peer(entry.name)
             metrics.rankmap_peers.labels(self.cluster, "leaving").set(len(self.ctx.ranks.leaving))
             log.info("%s: forgotten%s", reason, f"; {failed} rooms still waiting on it failed" if failed else "")
 
