@@ -19,9 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdfabric_agent.http import server
-from pdfabric_agent.http.guard import Limits
+from pdfabric_agent.http.guard import Limits, peer_door_bound
 from pdfabric_agent.http.jsonbody import BODY_FLOOR, MAX_DEPTH, body_cap, check_shape, decode_json
 from pdfabric_agent.memory.pools import PoolLayout
+from pdfabric_agent.peers.client import STREAM_IDLE_S
+from pdfabric_agent.process.limits import size_peer_door
 from pdfabric_agent.protocol.views import RoomView
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.config import AgentConfig
@@ -275,6 +277,52 @@ def test_the_connection_bound_refuses_at_once_and_spares_established_clients(age
         good.close()
     finally:
         s.close()
+
+
+def test_the_peer_door_bound_follows_the_rank_map(agent: Agent) -> None:
+    """Every agent of the rank map may hold a stream and pooled connections to the peer door: a
+    decode agent of the largest PDCluster hears from 512 prefill agents, past the 256 a listener
+    holds by default, which refused the 257th peer's stream and then every call of it (429)."""
+    assert peer_door_bound(1024, Limits()) == 3 * 1024 + 64
+    assert peer_door_bound(4, Limits()) == Limits().max_connections  # never below the setting
+    assert peer_door_bound(4, Limits(max_connections=1000)) == 1000
+    limits = Limits(header_timeout_s=5, max_connections=4, slow_head_s=5.0)
+    s = Served(engine_app(agent), limits, CLUSTER)
+    try:
+        assert s.site is not None and s.site.guard is not None
+        size_peer_door(s.site.guard, agent)
+        assert s.site.guard.max_connections == peer_door_bound(len(agent.rankmap.agents), limits) > 4
+        held = [s.connect() for _ in range(6)]
+        for sock in held:
+            sock.sendall(b"GET /v1/info HT")  # young slow heads: none would make room at a bound of 4
+        wait_until(lambda: s.open_connections == 6, timeout=3, what="6 connections held past the setting's 4")
+        for sock in held:
+            sock.close()
+    finally:
+        s.close()
+
+
+def test_streams_unused_for_a_minute_are_closed_by_their_opener(agent: Agent) -> None:
+    """An agent holds streams to the peers it talks to now: one unused for STREAM_IDLE_S with no call
+    waiting, or already closed, is taken out for closing; one in use or with a call waiting stays."""
+
+    class Stream:
+        def __init__(self, *, open_: bool = True, busy: bool = False) -> None:
+            self.open, self.busy = open_, busy
+
+    peers = agent.peers
+    now = 1000.0
+    streams = {"idle": Stream(), "busy": Stream(busy=True), "recent": Stream(), "closed": Stream(open_=False)}
+    peers._streams.update(streams)  # type: ignore[arg-type]
+    peers._stream_used.update(
+        {"idle": now - STREAM_IDLE_S, "busy": now - 2 * STREAM_IDLE_S, "recent": now - 1, "closed": now}
+    )
+    assert peers.open_streams == 3
+    taken = peers.idle_streams(now)
+    assert {id(t) for t in taken} == {id(streams["idle"]), id(streams["closed"])}
+    assert set(peers._streams) == {"busy", "recent"} and set(peers._stream_used) == {"busy", "recent"}
+    assert peers.idle_streams(now) == []
+    peers._streams.clear()
 
 
 # ---------------------------------------------------------------- malformed heads

@@ -53,7 +53,7 @@ class Limits:
     header_timeout_s: float = 10.0  # accept (or first byte after an answer) to a parsed head
     body_timeout_s: float = 30.0  # a parsed head to the whole body read
     idle_timeout_s: float = 60.0  # keep-alive between requests (clients keep theirs shorter: aiohttp 15 s)
-    max_connections: int = 256  # per listener, well under a 1024-descriptor limit
+    max_connections: int = 256  # per listener; the peer door's grows with the rank map (peer_door_bound)
     max_line_bytes: int = 8190  # request line, and each header line
     max_headers: int = 32
     lingering_s: float = 2.0  # reading what is left of a refused body, so the answer is not lost to a reset
@@ -104,6 +104,18 @@ class Limits:
         }
 
 
+# The peer door holds, per peer agent at once, its stream (peers/stream.py) and a pooled connection
+# or two of its GETs and POSTs; every agent of the rank map may talk to this one (a decode agent of
+# 512 prefill replicas hears from 512), so the door's bound follows the map, never below the setting.
+CONNECTIONS_PER_PEER = 3
+PEER_DOOR_SPARE = 64
+
+
+def peer_door_bound(peer_agents: int, limits: Limits) -> int:
+    """The peer door's connection bound for a rank map of ``peer_agents`` agents."""
+    return max(limits.max_connections, CONNECTIONS_PER_PEER * peer_agents + PEER_DOOR_SPARE)
+
+
 LIMITS = web.AppKey("pdfabric_limits", Limits)
 CLUSTER = web.AppKey("pdfabric_cluster", str)
 
@@ -131,6 +143,7 @@ class Guard:
         self.cluster = cluster
         self.loop = loop
         self.conns: dict[GuardedHandler, None] = {}  # in accept order
+        self.max_connections = limits.max_connections  # the peer door's follows the rank map
         self._sweep: asyncio.TimerHandle | None = None
         self.sweep_s = max(0.05, min(0.5, limits.header_timeout_s / 4))
 
@@ -143,14 +156,14 @@ class Guard:
 
     # ---------------------------------------------------------------- admission
     def admit(self, conn: GuardedHandler) -> bool:
-        if len(self.conns) >= self.limits.max_connections and not self._evict_one():
+        if len(self.conns) >= self.max_connections and not self._evict_one():
             count(self.cluster, Refusal.TOO_MANY_CONNECTIONS)
             conn.refuse(
                 raw_refusal(
                     429,
                     "Too Many Requests",
                     Refusal.TOO_MANY_CONNECTIONS,
-                    f"this listener holds {self.limits.max_connections} connections, all busy",
+                    f"this listener holds {self.max_connections} connections, all busy",
                 )
             )
             return False

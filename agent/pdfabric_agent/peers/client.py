@@ -34,6 +34,10 @@ HEARTBEAT_MISSES = 2  # upstream: two missed heartbeats fail the rooms
 RECHECK_S = 1.0  # a peer blacklisted for silence is pinged again for a new room at most this often
 STREAM_RETRY_S = 60.0  # an agent that answered without a stream gets POSTs this long before another try
 STREAM_HEARTBEAT_S = 10.0  # a stream whose peer stops answering pings closes, failing its waiting calls
+# A stream unused this long is closed by its opener (never with a call waiting): an agent holds
+# streams to the peers it talks to now, not to every peer it ever talked to, and its peers' doors
+# hold as many (guard.peer_door_bound). The next message to that peer opens one again.
+STREAM_IDLE_S = 60.0
 # How long a decode agent's room info push may take. A busy node can stall the agent's own loop
 # for seconds (5.1 s seen on two cores under the test suite), during which the peer's answer
 # waits: a 5 s timeout failed rooms the peer had taken. A hung peer still fails the room within
@@ -88,6 +92,7 @@ class PeerClient:
             RereadFile(PEERS_FILE_INPUT, cfg.peers_file, parse_peers_file, rankmap.cluster) if cfg.peers_file else None
         )
         self._streams: dict[str, PeerStream] = {}
+        self._stream_used: dict[str, float] = {}  # agent -> when a call last took its stream
         self._stream_locks: dict[str, asyncio.Lock] = {}
         self._stream_retry_after: dict[str, float] = {}
         # Whether a newer rank map dropped the agent (its replica scaled away; the agent wires it).
@@ -149,6 +154,7 @@ class PeerClient:
         a POST to it would (``PEER_ERRORS``)."""
         stream = self._streams.get(agent_name)
         if stream is not None and stream.open:
+            self._stream_used[agent_name] = self.clock()
             return stream
         if self.clock() < self._stream_retry_after.get(agent_name, float("-inf")):
             return None
@@ -169,7 +175,24 @@ class PeerClient:
                 log.info("no peer stream to %s (HTTP %s); its messages go as POSTs", agent_name, exc.status)
                 return None
             self._streams[agent_name] = stream = PeerStream(agent_name, ws)
+            self._stream_used[agent_name] = self.clock()
             return stream
+
+    def idle_streams(self, now: float) -> list[PeerStream]:
+        """Streams unused for ``STREAM_IDLE_S`` with no call waiting, or closed: taken out now (the
+        next message to the peer opens another), for the caller to close."""
+        idle = [
+            name
+            for name, stream in self._streams.items()
+            if not stream.open or (not stream.busy and now - self._stream_used.get(name, now) >= STREAM_IDLE_S)
+        ]
+        for name in idle:
+            self._stream_used.pop(name, None)
+        return [self._streams.pop(name) for name in idle]
+
+    @property
+    def open_streams(self) -> int:
+        return sum(1 for stream in self._streams.values() if stream.open)
 
     async def get_json(self, agent_name: str, path: str, timeout_s: float = 2.0) -> dict[str, Any]:
         """GET ``path`` on the peer's door; raises ``PEER_ERRORS`` (the link check's probe regions)."""

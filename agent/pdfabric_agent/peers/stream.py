@@ -28,6 +28,11 @@ class PeerStream:
     def open(self) -> bool:
         return not self.ws.closed and not self._reader.done()
 
+    @property
+    def busy(self) -> bool:
+        """A call waits for its answer on it."""
+        return bool(self._waiting)
+
     async def call(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, dict[str, Any]]:
         """The peer's (status, answer body) for the POST of ``path`` with ``body``."""
         frame_id = next(self._ids)

@@ -22,15 +22,16 @@ from aiohttp import web
 
 from pdfabric_agent.engines import sandbox
 from pdfabric_agent.engines.supervisor import EngineSupervisor
-from pdfabric_agent.http.guard import GuardedTCPSite
+from pdfabric_agent.http.guard import Guard, GuardedTCPSite
 from pdfabric_agent.http.server import Door, Readiness, build_api_app, build_metrics_app
 from pdfabric_agent.memory.pools import Pool, PoolLayout, RankPools
 from pdfabric_agent.node import probe
 from pdfabric_agent.node.hardware import Hardware, detect_hardware
 from pdfabric_agent.node.transport import TransportChoice, TransportError, choose_transport, mooncake_env
+from pdfabric_agent.process.limits import raise_descriptor_limit, size_peer_door
+from pdfabric_agent.process.link_check import link_check
 from pdfabric_agent.process.rankmap_file import CHECK_EVERY_S, RankMapFile
 from pdfabric_agent.protocol import tls
-from pdfabric_agent.protocol.peer_wire import PROBE_PATH
 from pdfabric_agent.ranks.local import LocalRank
 from pdfabric_agent.rooms.writer import TCP_SIDE_CHANNEL
 from pdfabric_agent.runtime import metrics
@@ -186,42 +187,6 @@ class _Stopping(Exception):
     """SIGTERM arrived before the agent was ready."""
 
 
-async def link_check(readiness: Readiness, check: probe.LinkCheck, agent: Agent, stop: asyncio.Event) -> None:
-    """The pre-flight link check (probe.py) before Ready; below spec.transfer.minProbeGBps, not
-    Ready with the slow peer named, probing again every RETRY_S until fast enough or stopped."""
-
-    async def fetch(peer: str) -> dict[str, object]:
-        return await agent.peers.get_json(peer, PROBE_PATH)
-
-    said: list[str] = []
-
-    def waiting(message: str) -> None:  # said on /readyz (the operator shows it), logged once per change
-        readiness.message = message
-        if not said or said[-1].split(";")[0] != message.split(";")[0]:
-            log.warning("%s", message)
-        said.append(message)
-
-    readiness.reason, readiness.message = "Probing", f"link check of {len(check.targets)} peer ranks"
-    await check.run(fetch, agent.ctx.workers, waiting=waiting)
-    while check.refused and not stop.is_set():
-        # Peers whose rank map does not list this agent yet: not Ready (engines would be sent
-        # requests whose KV those peers refuse); they adopt the operator's new map in seconds.
-        readiness.reason = probe.REASON_PEERS_BEHIND
-        waiting(check.refusals())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
-        if not stop.is_set():
-            await check.run(fetch, agent.ctx.workers, discover_s=0, only=set(check.refused))
-    while check.slow() and not stop.is_set():
-        readiness.reason, readiness.message = probe.REASON_SLOW, check.verdict()
-        log.warning("%s", readiness.message)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), probe.RETRY_S)
-        if not stop.is_set():
-            await check.run(fetch, agent.ctx.workers, discover_s=0)
-    log.info("%s", check.summary())
-
-
 async def serve(cfg: AgentConfig) -> int:
     readiness = Readiness()
     try:
@@ -259,6 +224,7 @@ async def serve(cfg: AgentConfig) -> int:
     tls_refusals = InputRefusals(tls.INPUT_NAME, cluster)
     readiness.inputs.append(tls_refusals)
     probe_pools: dict[str, Pool] = {}
+    peer_door: Guard | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -296,7 +262,10 @@ async def serve(cfg: AgentConfig) -> int:
             metrics.peer_certificate_reloads.labels(cluster, reload_outcome)
         for reload_outcome in ("adopted", "refused"):
             metrics.rankmap_reloads.labels(cluster, reload_outcome)
-        await GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=peer_tls.server).start()
+        peer_site = GuardedTCPSite(prunner, cfg.bind_address, peer_port, ssl_context=peer_tls.server)
+        await peer_site.start()
+        peer_door = peer_site.guard
+        size_peer_door(peer_door, agent)
         await link_check(readiness, probe.LinkCheck(rankmap, spec, entry.name, backends, probe_pools), agent, stop)
         if stop.is_set():
             raise _Stopping
@@ -331,6 +300,7 @@ async def serve(cfg: AgentConfig) -> int:
                 if time.monotonic() - rankmap_checked >= CHECK_EVERY_S:
                     rankmap_checked = time.monotonic()
                     follow_rankmap(agent, rankmap_file, readiness)
+                    size_peer_door(peer_door, agent)
             if peer_tls is not None and time.monotonic() - tls_checked >= tls.RELOAD_CHECK_S:
                 tls_checked = time.monotonic()
                 outcome = peer_tls.reload_if_changed()  # the operator renewed the certificate
@@ -367,6 +337,9 @@ def main() -> None:
         logging.getLogger("pdfabric.agent").warning(
             "could not make the agent non-dumpable: its /proc files stay readable"
         )
+    before, after = raise_descriptor_limit()
+    if after != before:
+        logging.getLogger("pdfabric.agent").info("descriptor limit raised from %d to %d", before, after)
     try:
         cfg = load_config()
         require_peer_tls(cfg)

@@ -361,6 +361,8 @@ class Agent:
                 self.arrivals.expire(room)
         for agent_name in self.peers.due_probes():  # probes run beside the tick, never inside it
             self.ctx.tasks.spawn(self.peers.reprobe(agent_name))
+        for stream in self.peers.idle_streams(now):
+            self.ctx.tasks.spawn(stream.close())
         self.arrivals.claims.sweep(now)
         if now >= self._forget_due:
             self._forget_due = now + FORGET_EVERY_S
