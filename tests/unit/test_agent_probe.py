@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric_agent.node.probe import PROBE_BYTES, LinkCheck, Region, Result, parse_regions
+from pdfabric_agent.node import probe
+from pdfabric_agent.node.probe import PROBE_BYTES, LinkCheck, Region, Result, parse_regions, spread
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import AgentEntry, RankMap, replica_ranks
+from pdfabric_core.spec import parse_spec
 
 
 def test_a_peers_region_is_clamped_and_checked() -> None:
@@ -42,6 +46,7 @@ def test_peers_that_refuse_this_agents_certificate_are_named_until_they_admit_it
     check = LinkCheck.__new__(LinkCheck)
     check.cluster, check.threshold, check.backends, check.regions = "c", 0.0, {}, {}
     check.targets = [("prefill-0-tp0-cp0", "d1", "decode-1-tp0")]
+    check.measured = frozenset({"d1"})
     check.results, check.refused = {}, {}
     told: list[str] = []
     answers: list[Exception] = [PeerRefused("d1", "/v1/peer/probe", 403, "unauthorized", "not in the rank map")] * 3
@@ -71,3 +76,66 @@ def test_a_ranks_transfer_metadata_travels_with_its_probe_region_and_bad_metadat
         body["ranks"]["d0"]["metadata"] = bad
         with pytest.raises(ValueError, match=why):
             parse_regions(body)
+
+
+def test_the_agents_spread_their_writes_over_every_peer() -> None:
+    """512 decode agents, 16 written to by each of 512 prefill agents (offsets 0..511): each peer
+    is written to by 16 of them, none left out; with fewer peers than the bound, all of them."""
+    peers = [f"decode-{i:03d}" for i in range(512)]
+    chosen = [spread(peers, offset, 16) for offset in range(512)]
+    assert {len(c) for c in chosen} == {16}
+    times = {peer: sum(peer in c for c in chosen) for peer in peers}
+    assert set(times.values()) == {16}
+    assert spread(peers[:5], 3, 16) == frozenset(peers[:5])
+
+
+def largest_check(max_peers: int = probe.MAX_PEERS) -> LinkCheck:
+    """A prefill agent of the largest PDCluster the CRD admits (512 x 512 replicas of TP 8)."""
+    raw = {
+        "prefill": {"tp": 8, "replicas": 512},
+        "decode": {"tp": 8, "replicas": 512},
+        "transfer": {"transport": "rdma"},
+        "model": {"layers": 2, "kvHeads": 8, "headDim": 8, "pageSizeTokens": 2},
+    }
+    spec = parse_spec(raw)
+    entries = tuple(
+        AgentEntry(f"{role}-{r}", f"node-{role}-{r}", tuple(replica_ranks(spec, role, r)))
+        for role in (Role.PREFILL, Role.DECODE)
+        for r in range(512)
+    )
+    rankmap = RankMap("ns", "cmax-probe", "uid-max", "rdma", raw, entries)
+    local = {r.rank_id: object() for r in entries[7].ranks}  # measure() is replaced where they are used
+    return LinkCheck(rankmap, spec, "prefill-7", local, local, max_peers)  # type: ignore[arg-type]
+
+
+def test_a_prefill_agent_of_the_largest_pdcluster_asks_every_peer_and_writes_to_16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 47: 4,096 peer ranks in 512 agents; every agent is asked for its regions (it must
+    answer and admit this one), the writes go to 16 agents' ranks: 128 pairs, not 4,096."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    check = largest_check()
+    assert len(check.targets) == 4096 and len(check.measured) == 16 and check.measured_pairs == 128
+    asked: list[str] = []
+    written: list[str] = []
+
+    async def fetch(peer: str) -> dict[str, object]:
+        asked.append(peer)
+        ranks = {t[2]: {"endpoint": f"{peer}:1", "addr": 0, "size": PROBE_BYTES} for t in check.targets if t[1] == peer}
+        return {"ranks": ranks}
+
+    def measure(backend: object, src: object, region: Region) -> tuple[float, float]:
+        written.append(region.endpoint.split(":")[0])
+        return 10.0, 0.001
+
+    monkeypatch.setattr(probe, "measure", measure)
+
+    async def go() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            await check.run(fetch, pool, discover_s=0)
+
+    asyncio.run(go())
+    assert len(set(asked)) == 512 and set(written) == check.measured and len(written) == 128
+    assert len(check.results) == 128 and "with 16 of 512 peer agents" in check.summary()

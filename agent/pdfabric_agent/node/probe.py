@@ -1,6 +1,11 @@
 """The pre-flight link check: before an agent reports Ready, each of its sending ranks writes a
-few MiB through its real transfer engine into the probe region of every peer rank it will send
-to, and the agent exports GB/s and latency per (rank, peer agent). With
+few MiB through its real transfer engine into the probe region of the peer ranks it will send to,
+and the agent exports GB/s and latency per (rank, peer agent). Every peer agent it sends to is asked
+for its regions (one GET: that it answers, and admits this agent, is part of being Ready); the
+writes go to at most ``max_peers`` of them (``PDFABRIC_PROBE_PEERS_MAX``, 16): a prefill agent of
+the largest PDCluster sends to 512 decode agents, and writing 8 MiB to each of 4,096 peer ranks at
+every start is no check but a load. Each agent picks its peers spread over the sorted peer list from
+an offset of its own (its place in the rank map), so the agents between them write to every peer. With
 ``spec.transfer.minProbeGBps`` above 0 the agent stays not Ready (reason ProbeBelowThreshold,
 naming the slow peer) and probes again until every peer is fast enough.
 
@@ -43,6 +48,7 @@ LATENCY_ROUNDS = 5
 BANDWIDTH_ROUNDS = 2
 DISCOVER_S = 30.0  # how long the first probe waits for a peer's door to answer
 RETRY_S = 10.0  # below the threshold: probe the slow pairs again this often
+MAX_PEERS = 16  # peer agents written to (PDFABRIC_PROBE_PEERS_MAX)
 REASON_SLOW = "ProbeBelowThreshold"
 # Peers that refuse this agent's certificate: their rank map does not list it yet. Not Ready until
 # they all admit it (live membership: they adopt the new map within seconds), whatever the threshold.
@@ -146,6 +152,15 @@ def measure(
 Fetch = Callable[[str], Any]  # peer agent -> awaitable of its /v1/peer/probe body
 
 
+def spread(peers: list[str], offset: int, most: int) -> frozenset[str]:
+    """At most ``most`` of the sorted ``peers``, evenly spaced from ``offset``: agents with
+    consecutive offsets pick disjoint ones while there are enough, so together they reach all."""
+    if len(peers) <= most:
+        return frozenset(peers)
+    step = len(peers) / most
+    return frozenset(peers[(offset + int(j * step)) % len(peers)] for j in range(most))
+
+
 class LinkCheck:
     """The probes of one agent: which (rank, peer rank) pairs, and their last results."""
 
@@ -156,6 +171,7 @@ class LinkCheck:
         agent_name: str,
         backends: Mapping[str, TransferBackend],
         regions: Mapping[str, Pool],
+        max_peers: int = MAX_PEERS,
     ) -> None:
         self.cluster = rankmap.cluster
         self.threshold = spec.transfer.min_probe_g_bps
@@ -167,8 +183,16 @@ class LinkCheck:
             for rank, peer, peer_rank, role in metrics.peer_ranks(rankmap, spec, agent_name)
             if role is Role.PREFILL
         )
+        names = sorted(a.name for a in rankmap.agents)
+        offset = names.index(agent_name) if agent_name in names else 0
+        self.measured = spread(sorted({peer for _, peer, _ in self.targets}), offset, max_peers)
         self.results: dict[tuple[str, str], Result] = {}
         self.refused: dict[str, str] = {}  # peer agent -> its refusal of this agent's certificate
+
+    @property
+    def measured_pairs(self) -> int:
+        """The (rank, peer rank) pairs the writes go to."""
+        return sum(1 for _, peer, _ in self.targets if peer in self.measured)
 
     async def run(
         self,
@@ -215,7 +239,7 @@ class LinkCheck:
         loop = asyncio.get_running_loop()
         by_pair: dict[tuple[str, str], Result] = {}
         for rank, peer, peer_rank in self.targets:
-            if peer not in peers:
+            if peer not in peers or peer not in self.measured:
                 continue
             region = described.get(peer, {}).get(peer_rank)
             if region is None:
@@ -266,4 +290,8 @@ class LinkCheck:
         if not self.results:
             return "no peers to probe"
         worst = min(self.results.values(), key=lambda r: r.gbps)
-        return f"link check: {len(self.results)} pairs, slowest {worst.rank} -> {worst.peer} {worst.gbps:.3g} GB/s"
+        of = len({peer for _, peer, _ in self.targets})
+        return (
+            f"link check: {len(self.results)} pairs with {len(self.measured)} of {of} peer agents, "
+            f"slowest {worst.rank} -> {worst.peer} {worst.gbps:.3g} GB/s"
+        )

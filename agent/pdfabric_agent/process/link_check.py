@@ -30,7 +30,7 @@ async def link_check(readiness: Readiness, check: probe.LinkCheck, agent: Agent,
             log.warning("%s", message)
         said.append(message)
 
-    readiness.reason, readiness.message = "Probing", f"link check of {len(check.targets)} peer ranks"
+    readiness.reason, readiness.message = "Probing", f"link check of {check.measured_pairs} peer ranks"
     await check.run(fetch, agent.ctx.workers, waiting=waiting)
     while check.refused and not stop.is_set():
         # Peers whose rank map does not list this agent yet: not Ready (engines would be sent

@@ -266,7 +266,12 @@ async def serve(cfg: AgentConfig) -> int:
         await peer_site.start()
         peer_door = peer_site.guard
         size_peer_door(peer_door, agent)
-        await link_check(readiness, probe.LinkCheck(rankmap, spec, entry.name, backends, probe_pools), agent, stop)
+        await link_check(
+            readiness,
+            probe.LinkCheck(rankmap, spec, entry.name, backends, probe_pools, cfg.probe_peers_max),
+            agent,
+            stop,
+        )
         if stop.is_set():
             raise _Stopping
         erunner = web.AppRunner(build_api_app(agent, Door.ENGINE), access_log=None)

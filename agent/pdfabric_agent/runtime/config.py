@@ -77,6 +77,11 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
         "Decode pings the prefill agents of its waiting rooms this often; 2 misses fail the rooms (upstream 5 s).",
     ),
     "PDFABRIC_ROOM_TTL_S": ("600", "Finished rooms are forgotten after this long."),
+    "PDFABRIC_PROBE_PEERS_MAX": (
+        "16",
+        "Most peer agents the link check before Ready writes to; every peer agent is still asked for its "
+        "regions (it must answer and admit this agent), and the agents' choices are spread to reach every peer.",
+    ),
     "PDFABRIC_PEER_SERIES_MAX": (
         "256",
         "Most (local rank, peer agent) pairs with per-peer series; up to it every pair the rank map implies has "
@@ -149,6 +154,7 @@ class AgentConfig:
     probe_backoff_max_s: float = 300.0
     heartbeat_s: float = 5.0
     peer_series_max: int = 256
+    probe_peers_max: int = 16
     room_ttl_s: float = 600.0
     workers: int = 8
     peer_port: int | None = None
@@ -265,6 +271,7 @@ def load_config(env: Mapping[str, str] | None = None) -> AgentConfig:
         probe_backoff_max_s=_float(env, "PDFABRIC_PROBE_BACKOFF_MAX_S"),
         heartbeat_s=_float(env, "PDFABRIC_HEARTBEAT_S"),
         peer_series_max=_int(env, "PDFABRIC_PEER_SERIES_MAX", minimum=0),
+        probe_peers_max=_int(env, "PDFABRIC_PROBE_PEERS_MAX"),
         room_ttl_s=_float(env, "PDFABRIC_ROOM_TTL_S"),
         workers=_int(env, "PDFABRIC_WORKERS"),
         peer_port=_port(env, "PDFABRIC_PEER_PORT"),
