@@ -22,8 +22,8 @@ from pdfabric_agent.runtime.config import load_config
 from pdfabric_agent.service.agent import Agent
 from pdfabric_agent.transfer.base import KernelPath, TransferBackend
 from pdfabric_core.policy.types import Role, Transport
-from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
-from pdfabric_core.spec import parse_spec
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap, replica_ranks
+from pdfabric_core.spec import PDClusterSpec, parse_spec
 
 # A tcp spec whose every kind of memory moves, and the kernel path's (nvlink-intra, 16-block batches).
 TCP_RAW: dict[str, Any] = {
@@ -253,3 +253,23 @@ def run_room(
 
     asyncio.run(go())
     return sent, room
+
+
+def agent_per_replica(
+    cluster: str, replicas: int, tp: int, transport: str = "tcp"
+) -> tuple[RankMap, PDClusterSpec, tuple[AgentEntry, ...]]:
+    """``replicas`` prefill and decode replicas of TP ``tp``, one agent per replica (``prefill-3``,
+    ``decode-0``: an 8-GPU node each at TP 8), the rank map of PDCluster ``cluster``."""
+    raw: dict[str, Any] = {
+        "prefill": {"tp": tp, "replicas": replicas},
+        "decode": {"tp": tp, "replicas": replicas},
+        "transfer": {"transport": transport},
+        "model": {"layers": 2, "kvHeads": tp, "headDim": 8, "pageSizeTokens": 2},
+    }
+    spec = parse_spec(raw)
+    entries = tuple(
+        AgentEntry(f"{role}-{r}", f"node-{role}-{r}", tuple(replica_ranks(spec, role, r)))
+        for role in (Role.PREFILL, Role.DECODE)
+        for r in range(replicas)
+    )
+    return RankMap("ns", cluster, f"uid-{cluster}", transport, raw, entries), spec, entries

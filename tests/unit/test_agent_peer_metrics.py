@@ -20,9 +20,8 @@ from pdfabric_agent.rooms.targets import DecodeFailed
 from pdfabric_agent.runtime import metrics
 from pdfabric_agent.runtime.peer_series import PEERS, PeerSeries
 from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import AgentEntry, Rank, RankMap, replica_ranks
-from pdfabric_core.spec import parse_spec
-from tests.unit.agents import Backend, D, P, make_agent, run_room
+from pdfabric_core.rankmap import AgentEntry, Rank, RankMap
+from tests.unit.agents import Backend, D, P, agent_per_replica, make_agent, run_room
 
 PEER_METRICS = ("pdfabric_peer_transfer_bytes_total", "pdfabric_peer_requests_total")
 
@@ -129,19 +128,8 @@ def test_a_room_refused_for_a_blacklisted_peer_counts_its_targets_failed(tmp_pat
 
 def cluster_64() -> tuple[RankMap, Any]:
     """64 ranks: prefill TP8 x 4 replicas and decode TP8 x 4 replicas, one agent per 8-GPU node."""
-    raw: dict[str, Any] = {
-        "prefill": {"tp": 8, "replicas": 4},
-        "decode": {"tp": 8, "replicas": 4},
-        "transfer": {"transport": "tcp"},
-        "model": {"layers": 2, "kvHeads": 8, "headDim": 8, "pageSizeTokens": 2},
-    }
-    spec = parse_spec(raw)
-    entries = tuple(
-        AgentEntry(f"{role}-{r}", f"node-{role}-{r}", tuple(replica_ranks(spec, role, r)))
-        for role in (Role.PREFILL, Role.DECODE)
-        for r in range(4)
-    )
-    return RankMap("ns", "c64", "uid-64", "tcp", raw, entries), spec
+    rankmap, spec, _ = agent_per_replica("c64", 4, 8)
+    return rankmap, spec
 
 
 def test_series_per_agent_in_a_64_rank_cluster_are_bounded_by_the_rank_map() -> None:
@@ -235,19 +223,7 @@ def test_an_agent_of_the_largest_pdcluster_exports_a_bounded_per_peer_view() -> 
     agent's ranks expect sources in all 512 prefill agents: 4,096 pairs, about 74,000 series (10 MB
     of /metrics) made at start unbounded. With the default bound none are made at start, and
     however many pairs carry traffic, 256 keep series."""
-    raw: dict[str, Any] = {
-        "prefill": {"tp": 8, "replicas": 512},
-        "decode": {"tp": 8, "replicas": 512},
-        "transfer": {"transport": "rdma"},
-        "model": {"layers": 2, "kvHeads": 8, "headDim": 8, "pageSizeTokens": 2},
-    }
-    spec = parse_spec(raw)
-    entries = tuple(
-        AgentEntry(f"{role}-{r}", f"node-{role}-{r}", tuple(replica_ranks(spec, role, r)))
-        for role in (Role.PREFILL, Role.DECODE)
-        for r in range(512)
-    )
-    rankmap = RankMap("ns", "cmax", "uid-max", "rdma", raw, entries)
+    rankmap, spec, entries = agent_per_replica("cmax", 512, 8, "rdma")
     view = PeerSeries()
     decode0 = entries[512]
     paths = {r.rank_id: ("mooncake", "mooncake") for r in decode0.ranks}

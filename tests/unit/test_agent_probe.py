@@ -7,9 +7,7 @@ import pytest
 
 from pdfabric_agent.node import probe
 from pdfabric_agent.node.probe import PROBE_BYTES, LinkCheck, Region, Result, parse_regions, spread
-from pdfabric_core.policy.types import Role
-from pdfabric_core.rankmap import AgentEntry, RankMap, replica_ranks
-from pdfabric_core.spec import parse_spec
+from tests.unit.agents import agent_per_replica
 
 
 def test_a_peers_region_is_clamped_and_checked() -> None:
@@ -91,19 +89,7 @@ def test_the_agents_spread_their_writes_over_every_peer() -> None:
 
 def largest_check(max_peers: int = probe.MAX_PEERS) -> LinkCheck:
     """A prefill agent of the largest PDCluster the CRD admits (512 x 512 replicas of TP 8)."""
-    raw = {
-        "prefill": {"tp": 8, "replicas": 512},
-        "decode": {"tp": 8, "replicas": 512},
-        "transfer": {"transport": "rdma"},
-        "model": {"layers": 2, "kvHeads": 8, "headDim": 8, "pageSizeTokens": 2},
-    }
-    spec = parse_spec(raw)
-    entries = tuple(
-        AgentEntry(f"{role}-{r}", f"node-{role}-{r}", tuple(replica_ranks(spec, role, r)))
-        for role in (Role.PREFILL, Role.DECODE)
-        for r in range(512)
-    )
-    rankmap = RankMap("ns", "cmax-probe", "uid-max", "rdma", raw, entries)
+    rankmap, spec, entries = agent_per_replica("cmax-probe", 512, 8, "rdma")
     local = {r.rank_id: object() for r in entries[7].ranks}  # measure() is replaced where they are used
     return LinkCheck(rankmap, spec, "prefill-7", local, local, max_peers)  # type: ignore[arg-type]
 
