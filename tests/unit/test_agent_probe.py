@@ -3,6 +3,8 @@ well formed; the verdict names the slowest pair first."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdfabric_agent.node import probe
@@ -107,8 +109,14 @@ def test_a_prefill_agent_of_the_largest_pdcluster_asks_every_peer_and_writes_to_
     asked: list[str] = []
     written: list[str] = []
 
+    at_once = [0, 0]  # now, most
+
     async def fetch(peer: str) -> dict[str, object]:
         asked.append(peer)
+        at_once[0] += 1
+        at_once[1] = max(at_once)
+        await asyncio.sleep(0.01)  # a GET with its TLS handshake
+        at_once[0] -= 1
         ranks = {t[2]: {"endpoint": f"{peer}:1", "addr": 0, "size": PROBE_BYTES} for t in check.targets if t[1] == peer}
         return {"ranks": ranks}
 
@@ -118,10 +126,14 @@ def test_a_prefill_agent_of_the_largest_pdcluster_asks_every_peer_and_writes_to_
 
     monkeypatch.setattr(probe, "measure", measure)
 
-    async def go() -> None:
+    async def go() -> float:
+        started = time.monotonic()
         with ThreadPoolExecutor(1) as pool:
             await check.run(fetch, pool, discover_s=0)
+        return time.monotonic() - started
 
-    asyncio.run(go())
+    took = asyncio.run(go())
+    # 16 asked at a time: 32 rounds of 10 ms, not 512 in a row (5 s).
+    assert at_once[1] == probe.ASK_CONCURRENCY and took < 3.0, (at_once, took)
     assert len(set(asked)) == 512 and set(written) == check.measured and len(written) == 128
     assert len(check.results) == 128 and "with 16 of 512 peer agents" in check.summary()

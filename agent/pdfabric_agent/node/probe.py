@@ -1,7 +1,7 @@
 """The pre-flight link check: before an agent reports Ready, each of its sending ranks writes a
 few MiB through its real transfer engine into the probe region of the peer ranks it will send to,
 and the agent exports GB/s and latency per (rank, peer agent). Every peer agent it sends to is asked
-for its regions (one GET: that it answers, and admits this agent, is part of being Ready); the
+for its regions (one GET, 16 at a time: that it answers, and admits this agent, is part of being Ready); the
 writes go to at most ``max_peers`` of them (``PDFABRIC_PROBE_PEERS_MAX``, 16): a prefill agent of
 the largest PDCluster sends to 512 decode agents, and writing 8 MiB to each of 4,096 peer ranks at
 every start is no check but a load. Each agent picks its peers spread over the sorted peer list from
@@ -49,6 +49,9 @@ BANDWIDTH_ROUNDS = 2
 DISCOVER_S = 30.0  # how long the first probe waits for a peer's door to answer
 RETRY_S = 10.0  # below the threshold: probe the slow pairs again this often
 MAX_PEERS = 16  # peer agents written to (PDFABRIC_PROBE_PEERS_MAX)
+# Peers asked for their regions at once: 512 asked one after another, each a TLS handshake and a
+# GET, held a large cluster's new agent for seconds before its writes began.
+ASK_CONCURRENCY = 16
 REASON_SLOW = "ProbeBelowThreshold"
 # Peers that refuse this agent's certificate: their rank map does not list it yet. Not Ready until
 # they all admit it (live membership: they adopt the new map within seconds), whatever the threshold.
@@ -211,10 +214,10 @@ class LinkCheck:
         described: dict[str, dict[str, Region]] = {}
         errors: dict[str, str] = {}
         deadline = time.monotonic() + discover_s
-        while True:
-            for peer in peers:
-                if peer in described:
-                    continue
+        asking = asyncio.Semaphore(ASK_CONCURRENCY)
+
+        async def ask(peer: str) -> None:
+            async with asking:
                 try:
                     described[peer] = parse_regions(await fetch(peer))
                     errors.pop(peer, None)
@@ -228,6 +231,9 @@ class LinkCheck:
                 except Exception as exc:  # unreachable, malformed: asked again
                     errors[peer] = f"{type(exc).__name__}: {exc}"[:300]
                     self.refused.pop(peer, None)
+
+        while True:
+            await asyncio.gather(*(ask(peer) for peer in peers if peer not in described))
             if len(described) == len(peers) or time.monotonic() >= deadline:
                 break
             if waiting is not None:
