@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, p) for p in ("core", "operator", "agent", "hack")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
+from pdfabric_agent.runtime.peer_series import DEFAULT_LIMIT  # noqa: E402
 from pdfabric_core.rankmap import RankMap  # noqa: E402
 from pdfabric_devcluster.fabric import LocalFabric  # noqa: E402
 from pdfabric_devcluster.procs import cpu_seconds  # noqa: E402
@@ -127,10 +128,10 @@ def main() -> None:
     args = parser.parse_args()
     raw = spec(args.replicas, args.tp)
     unbounded = one_run(raw, series_max=1 << 30)
-    bounded = one_run(raw, series_max=int(os.environ.get("BOUND", "256")))
+    bounded = one_run(raw, series_max=DEFAULT_LIMIT)
     ranks = 2 * args.replicas * args.tp
     print(f"\none decode agent of {ranks} ranks ({2 * args.replicas} agents of {args.tp} ranks), tcp\n")
-    print("| measure | every pair at start (before) | bounded (256 pairs) | bounded / before |")
+    print(f"| measure | every pair at start (before) | bounded ({DEFAULT_LIMIT} pairs) | bounded / before |")
     print("|---|---|---|---|")
     for key in unbounded:
         before, after = unbounded[key], bounded[key]

@@ -34,7 +34,7 @@ from pdfabric_core.engines.state import EngineState
 from pdfabric_core.rankmap import Rank, RankMap
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_devcluster.binaries import wait_for
-from pdfabric_devcluster.procs import REPO_ROOT, answers_200, free_port, source_pythonpath
+from pdfabric_devcluster.procs import REPO_ROOT, answers_200, file_tail, free_port, source_pythonpath
 from pdfabric_operator import pki
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -241,11 +241,7 @@ class AgentProcess:
         raise TimeoutError(f"agent {self.name} not ready in {timeout_s} s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-                return fh.read()[-chars:]
-        except OSError:
-            return ""
+        return file_tail(self.log_path, chars)
 
     def scrape(self) -> Samples:
         """The agent's /metrics as {(sample name, labels): value}."""

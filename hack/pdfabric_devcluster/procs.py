@@ -97,6 +97,15 @@ def console_argv(command: list[str]) -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())", *command[1:]]
 
 
+def file_tail(path: str | Path, chars: int) -> str:
+    """The last ``chars`` characters of a process's log ("" when it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()[-chars:]
+    except OSError:
+        return ""
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds (user and system) process `pid` has used so far, from /proc (FileNotFoundError
     once it is gone)."""

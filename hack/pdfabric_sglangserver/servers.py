@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
-from pdfabric_devcluster.procs import FAILURE_LOG_CHARS, answers_200, post_json
+from pdfabric_devcluster.procs import FAILURE_LOG_CHARS, answers_200, file_tail, post_json
 from pdfabric_devcluster.timings import record, timed
 
 HERE = Path(__file__).resolve().parent
@@ -208,10 +208,7 @@ class SGLangServer:
             self.started_at = None
 
     def tail(self, n: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return file_tail(self.log, n)
 
     def failure_logs(self) -> dict[str, str]:
         """Its log's tail, for a failed test's report (tests/conftest.py)."""

@@ -17,7 +17,7 @@ from typing import Any
 from pdfabric_agent.client.shm import remove_orphans
 from pdfabric_devcluster.agents import LocalImage
 from pdfabric_devcluster.fabric import LocalFabric
-from pdfabric_devcluster.procs import FAILURE_LOG_CHARS, answers_200, free_port, post_json
+from pdfabric_devcluster.procs import FAILURE_LOG_CHARS, answers_200, file_tail, free_port, post_json
 from pdfabric_sglangserver.model import spec_model
 from pdfabric_sglangserver.servers import CONTROLS_CPU
 from pdfabric_vllmserver.servers import (
@@ -80,8 +80,8 @@ class VllmPD:
     def failure_logs(self) -> dict[str, str]:
         """Both servers', the router's and the agents' log tails, for a failed test's report."""
         logs = {**self.prefill.failure_logs(), **self.decode.failure_logs()}
-        if self.router_log is not None and self.router_log.exists():
-            logs["vllm-router"] = self.router_log.read_text(errors="replace")[-FAILURE_LOG_CHARS:]
+        if self.router_log is not None:
+            logs["vllm-router"] = file_tail(self.router_log, FAILURE_LOG_CHARS)
         return {**logs, **(self.fabric.failure_logs() if self.fabric is not None else {})}
 
 
@@ -179,11 +179,12 @@ def warm(pd: VllmPD) -> None:
 def behind_router(
     connector: str, python: str, model_dir: Path, logs: Path, shape: Shape = ONE_RANK
 ) -> Iterator[VllmPD]:
+    router_log = logs / "router.log"
     with (
         pair(connector, python, model_dir, logs, shape) as (prefill, decode, fabric),
-        router(python, prefill, decode, logs / "router.log") as url,
+        router(python, prefill, decode, router_log) as url,
     ):
-        pd = VllmPD(connector, prefill, decode, url, fabric, logs / "router.log")
+        pd = VllmPD(connector, prefill, decode, url, fabric, router_log)
         warm(pd)
         yield pd
 

@@ -188,7 +188,8 @@ class LinkCheck:
         )
         names = sorted(a.name for a in rankmap.agents)
         offset = names.index(agent_name) if agent_name in names else 0
-        self.measured = spread(sorted({peer for _, peer, _ in self.targets}), offset, max_peers)
+        self.peer_agents = sorted({peer for _, peer, _ in self.targets})
+        self.measured = spread(self.peer_agents, offset, max_peers)
         self.results: dict[tuple[str, str], Result] = {}
         self.refused: dict[str, str] = {}  # peer agent -> its refusal of this agent's certificate
 
@@ -296,8 +297,7 @@ class LinkCheck:
         if not self.results:
             return "no peers to probe"
         worst = min(self.results.values(), key=lambda r: r.gbps)
-        of = len({peer for _, peer, _ in self.targets})
         return (
-            f"link check: {len(self.results)} pairs with {len(self.measured)} of {of} peer agents, "
+            f"link check: {len(self.results)} pairs with {len(self.measured)} of {len(self.peer_agents)} peer agents, "
             f"slowest {worst.rank} -> {worst.peer} {worst.gbps:.3g} GB/s"
         )

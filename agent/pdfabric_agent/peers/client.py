@@ -190,10 +190,6 @@ class PeerClient:
             self._stream_used.pop(name, None)
         return [self._streams.pop(name) for name in idle]
 
-    @property
-    def open_streams(self) -> int:
-        return sum(1 for stream in self._streams.values() if stream.open)
-
     async def get_json(self, agent_name: str, path: str, timeout_s: float = 2.0) -> dict[str, Any]:
         """GET ``path`` on the peer's door; raises ``PEER_ERRORS`` (the link check's probe regions)."""
         session = await self._session()

@@ -115,10 +115,6 @@ class PeerSeries:
             self._report(cluster)
         return len(gone)
 
-    def held(self, cluster: str) -> list[Pair]:
-        """The pairs of ``cluster`` whose series exist, least recently active first."""
-        return [pair for pair in self._held if pair[0] == cluster]
-
     def _hold(self, pair: Pair, *, touch: bool) -> bool:
         """The pair's series exist after this (False: the bound is 0); ``touch``: it is the most
         recently active now."""

@@ -361,12 +361,12 @@ class Agent:
                 self.arrivals.expire(room)
         for agent_name in self.peers.due_probes():  # probes run beside the tick, never inside it
             self.ctx.tasks.spawn(self.peers.reprobe(agent_name))
-        for stream in self.peers.idle_streams(now):
-            self.ctx.tasks.spawn(stream.close())
         self.arrivals.claims.sweep(now)
         if now >= self._forget_due:
             self._forget_due = now + FORGET_EVERY_S
             self.rooms.forget(now, self.cfg.room_ttl_s, self.cfg.bootstrap_timeout_s)
+            for stream in self.peers.idle_streams(now):  # a 60 s bound: once a sweep is enough
+                self.ctx.tasks.spawn(stream.close())
 
     async def _heartbeat(self) -> None:
         try:
