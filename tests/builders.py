@@ -184,6 +184,7 @@ ENGINE_INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "each start a range of 64 ports",
     ),
     ("engine-range-holds-agent-port", _engine(decode={"port": 7390}), "each start a range of 64 ports"),
+    ("engine-dist-port-overlaps", _engine(decode={"distInitPort": 30020}), "each start a range of 64 ports"),
     ("engine-port-too-high", _engine(prefill={"port": 65500}), "spec.engine.prefill.port"),
     ("engine-health-path-relative", _engine(prefill={"healthPath": "health"}), "spec.engine.prefill.healthPath"),
     ("engine-startup-too-short", _engine(decode={"startupSeconds": 1}), "spec.engine.decode.startupSeconds"),
@@ -227,6 +228,19 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("draft-layers-over-64", {"model": {"draftLayers": 65}}, "spec.model.draftLayers"),
     ("prefill-replicas-negative", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ("decode-cp-not-1", {"decode": {"cp": 2}}, "decode.cp must be 1"),
+    # A replica over several nodes splits as SGLang's --nnodes does: equal (pp, tp) node blocks.
+    ("nodes-per-replica-past-tp", {"prefill": {"tp": 2, "nodesPerReplica": 4}}, "prefill.nodesPerReplica must split"),
+    (
+        "nodes-per-replica-with-cp",
+        {"prefill": {"tp": 2, "cp": 2, "nodesPerReplica": 2}},
+        "prefill.nodesPerReplica must split",
+    ),
+    (
+        "decode-nodes-per-replica-with-dp",
+        {"decode": {"tp": 2, "dp": 2, "nodesPerReplica": 2}},
+        "decode.nodesPerReplica must split",
+    ),
+    ("nodes-per-replica-over-64", {"decode": {"nodesPerReplica": 65}}, "spec.decode.nodesPerReplica"),
     (
         "more-ranks-than-a-rank-map-holds",
         {"prefill": {"replicas": 1024, "tp": 8}, "decode": {"replicas": 1024, "tp": 8}},

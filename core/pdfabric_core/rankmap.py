@@ -158,6 +158,28 @@ def replica_ranks(spec: PDClusterSpec, role: Role, replica: int, *, gpu: int = 0
     ]
 
 
+def replica_parts(spec: PDClusterSpec, role: Role, replica: int) -> list[list[Rank]]:
+    """One replica's ranks by node rank: ``nodesPerReplica`` equal blocks in rank order, the block
+    SGLang's ``--nnodes``/``--node-rank`` give each node (with dp and cp 1 the order is (pp, tp): a
+    node takes whole PP stages, or a TP slice of one stage). One block for a single-node replica."""
+    ranks = replica_ranks(spec, role, replica)
+    nodes = spec.role(role).nodes_per_replica
+    size = len(ranks) // nodes
+    return [ranks[k * size : (k + 1) * size] for k in range(nodes)]
+
+
+def node_rank(spec: PDClusterSpec, rank: Rank) -> int:
+    """The node rank (0: the leader, where the engine's HTTP server runs) holding `rank`."""
+    par = spec.role(rank.role)
+    if par.nodes_per_replica == 1:
+        return 0
+    if rank.role is Role.PREFILL:
+        index = ((rank.pp_rank * par.dp + rank.dp_rank) * par.cp + rank.cp_rank) * par.tp + rank.tp_rank
+    else:
+        index = (rank.pp_rank * par.dp + rank.dp_rank) * par.tp + rank.tp_rank
+    return index // (par.ranks_per_replica // par.nodes_per_replica)
+
+
 @dataclass(frozen=True)
 class AgentEntry:
     name: str  # agent pod name

@@ -18,12 +18,15 @@ from typing import Any
 from pdfabric_core.engines.groups import (
     EngineGroup,
     bootstrap_port,
+    dist_init_port,
     engine_groups,
     engine_launches,
+    group_node_rank,
     hoisted_env,
     serving_port,
 )
 from pdfabric_core.engines.launch import ENGINES_ENV, encode_launches
+from pdfabric_core.policy.types import Role
 from pdfabric_core.quantity import QuantityError, add_quantities
 from pdfabric_core.spec import EngineSpec, PDClusterSpec, SpecError
 from pdfabric_operator.placement import AgentPlacement
@@ -43,22 +46,30 @@ def groups_of(agents: Sequence[AgentPlacement]) -> list[tuple[AgentPlacement, En
     return [(a, g) for a in agents for g in groups(a)]
 
 
-def engine_env(spec: PDClusterSpec, agent: AgentPlacement) -> list[dict[str, Any]]:
+def engine_env(
+    spec: PDClusterSpec, agent: AgentPlacement, leaders: Mapping[tuple[Role, int], str] | None = None
+) -> list[dict[str, Any]]:
     """The container variables the engines need: the user's valueFrom variables (resolved by the
-    kubelet under PDFABRIC_ENV_<ROLE>_<NAME>) and the node's engine launches."""
-    launches = engine_launches(spec, agent.ranks)
+    kubelet under PDFABRIC_ENV_<ROLE>_<NAME>) and the node's engine launches (`leaders`: the
+    rendezvous of each replica over several nodes)."""
+    launches = engine_launches(spec, agent.ranks, leaders)
     roles = {g.role for g in groups(agent)}
     return [*hoisted_env(spec, roles), {"name": ENGINES_ENV, "value": encode_launches(launches)}]
 
 
-def engine_ports(engine: EngineSpec, agent: AgentPlacement) -> list[dict[str, Any]]:
-    """Each engine's serving port (and prefill's bootstrap port), named for the per-role Services."""
+def engine_ports(spec: PDClusterSpec, agent: AgentPlacement) -> list[dict[str, Any]]:
+    """Each engine's serving port (and prefill's bootstrap port), named for the per-role Services;
+    a group leader's rendezvous port too (node rank 0 of a replica over several nodes)."""
+    assert spec.engine is not None
+    engine = spec.engine
     ports: list[dict[str, Any]] = []
     for g in groups(agent):
         ports.append({"name": g.port_name, "containerPort": serving_port(engine, g), "protocol": "TCP"})
         boot = bootstrap_port(engine, g)
         if boot is not None:
             ports.append({"name": g.bootstrap_port_name, "containerPort": boot, "protocol": "TCP"})
+        if spec.role(g.role).nodes_per_replica > 1 and group_node_rank(spec, g) == 0:
+            ports.append({"name": g.dist_port_name, "containerPort": dist_init_port(engine, g), "protocol": "TCP"})
     return ports
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdfabric_core.policy.transports import Locality, transport_traits
@@ -32,6 +32,13 @@ class Unit:
     key: str
     ranks: tuple[Rank, ...]
     splittable: bool
+    nodes: int = 1  # > 1: a replica over that many nodes, an equal block of its ranks on each
+
+    @property
+    def parts(self) -> list[tuple[Rank, ...]]:
+        """The node blocks in node-rank order (the ranks are in replica order: rankmap.replica_parts)."""
+        size = len(self.ranks) // self.nodes
+        return [self.ranks[k * size : (k + 1) * size] for k in range(self.nodes)]
 
 
 def plan_units(spec: PDClusterSpec, transport: Transport) -> list[Unit]:
@@ -43,14 +50,14 @@ def plan_units(spec: PDClusterSpec, transport: Transport) -> list[Unit]:
                 ranks += replica_ranks(spec, Role.DECODE, d)
             units.append(Unit(f"group-{p}", tuple(ranks), splittable=False))
         return units
-    # An engine the operator runs (spec.engine) is one process on one node: its replica stays whole.
-    split = spec.engine is None
-    units = [
-        Unit(f"prefill-{r}", tuple(replica_ranks(spec, Role.PREFILL, r)), split) for r in range(spec.prefill.replicas)
-    ]
-    units += [
-        Unit(f"decode-{r}", tuple(replica_ranks(spec, Role.DECODE, r)), split) for r in range(spec.decode.replicas)
-    ]
+    # An engine the operator runs (spec.engine) is one process per node: its replica stays whole,
+    # or with nodesPerReplica one block per node, as a group placed all or none.
+    units = []
+    for role in (Role.PREFILL, Role.DECODE):
+        nodes = spec.role(role).nodes_per_replica
+        split = spec.engine is None and nodes == 1
+        for r in range(spec.role(role).replicas):
+            units.append(Unit(f"{role.value}-{r}", tuple(replica_ranks(spec, role, r)), split, nodes))
     return units
 
 
@@ -113,7 +120,9 @@ def pack(
     for unit in units:
         nodes_before = [where_before.get(_key(r)) for r in unit.ranks]
         before = Counter(n for n in nodes_before if n is not None)
-        sticky = None not in nodes_before and (unit.splittable or len(before) == 1)
+        sticky = None not in nodes_before and (
+            unit.splittable or len(before) == unit.nodes == _part_nodes(unit, where_before)
+        )
         if sticky and all(free.get(n, 0) >= c and has_slot(n) for n, c in before.items()):
             for node in before:
                 take_slot(node)
@@ -124,7 +133,10 @@ def pack(
         else:
             pending.append(unit)
     # Largest units first: best-fit decreasing wastes the fewest GPUs.
-    for unit in sorted(pending, key=lambda u: (-len(u.ranks), u.key)):
+    for unit in sorted(pending, key=lambda u: (-len(u.ranks) // u.nodes, u.key)):
+        if unit.nodes > 1:
+            _pack_group(unit, free, out, has_slot, take_slot, scarcity, what)
+            continue
         need = len(unit.ranks)
         fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need and has_slot(n))
         if fits:
@@ -172,6 +184,44 @@ def pack(
             f"or use transport nvlink/rdma",
         )
     return out
+
+
+def _part_nodes(unit: Unit, where_before: Mapping[Rank, str]) -> int:
+    """How many distinct nodes held a group's node blocks, each block on one node (else 0)."""
+    homes = []
+    for part in unit.parts:
+        nodes = {where_before.get(_key(r)) for r in part}
+        if len(nodes) != 1 or None in nodes:
+            return 0
+        homes.append(nodes.pop())
+    return len(set(homes))
+
+
+def _pack_group(
+    unit: Unit,
+    free: dict[str, int],
+    out: dict[str, dict[str, list[Rank]]],
+    has_slot: Callable[[str], bool],
+    take_slot: Callable[[str], None],
+    scarcity: Mapping[str, int],
+    what: str,
+) -> None:
+    """A replica over several nodes: each node block best-fit on a node of its own, all or none
+    (NoFit before anything is taken). Gang placement: a group with a block short of a node would
+    run nothing and hold GPUs that others could use."""
+    need = len(unit.ranks) // unit.nodes
+    fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need and has_slot(n))
+    if len(fits) < unit.nodes:
+        raise NoFit(
+            PlacementReason.INSUFFICIENT_GPUS,
+            f"{unit.key} spans {unit.nodes} nodes with {need} free GPUs each (nodesPerReplica); {what} offer "
+            f"{len(fits)} such node(s) (most free: {_describe(free)}); add GPU nodes, free GPUs, or change "
+            f"nodesPerReplica or TP/PP",
+        )
+    for part, (_, _, node) in zip(unit.parts, fits, strict=False):
+        out.setdefault(node, {}).setdefault(unit.key, []).extend(part)
+        free[node] -= need
+        take_slot(node)
 
 
 def _key(rank: Rank) -> Rank:

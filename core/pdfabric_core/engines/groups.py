@@ -4,13 +4,13 @@ the spec. The operator writes the pod with these; the agent's harnesses use the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdfabric_core.engines.launch import EngineLaunch, EnvEntry, hoisted_name
 from pdfabric_core.policy.types import MEM_POOL_ENV, MemPool, Role
-from pdfabric_core.rankmap import Rank
+from pdfabric_core.rankmap import Rank, node_rank
 
 if TYPE_CHECKING:
     from pdfabric_core.spec import EngineSpec, PDClusterSpec
@@ -39,6 +39,11 @@ class EngineGroup:
     def bootstrap_port_name(self) -> str:
         return f"p-boot-{self.index}"
 
+    @property
+    def dist_port_name(self) -> str:
+        """The rendezvous port's name on a group leader's pod: p-dist-0, d-dist-1."""
+        return f"{self.role.value[0]}-dist-{self.index}"
+
 
 def engine_groups(ranks: Sequence[Rank]) -> list[EngineGroup]:
     """The engine groups of one node's ranks, in rank order (prefill first, then by replica)."""
@@ -63,6 +68,16 @@ def bootstrap_port(engine: EngineSpec, group: EngineGroup) -> int | None:
     return engine.prefill.bootstrap_port + group.index if group.role is Role.PREFILL else None
 
 
+def dist_init_port(engine: EngineSpec, group: EngineGroup) -> int:
+    """Where the leader of a replica over several nodes (node rank 0) holds its rendezvous."""
+    return engine.role(group.role.value).dist_init_port + group.index
+
+
+def group_node_rank(spec: PDClusterSpec, group: EngineGroup) -> int:
+    """The node rank of this engine's block of its replica (0 for a replica on one node)."""
+    return node_rank(spec, group.ranks[0])
+
+
 def _launch_env(engine: EngineSpec, role: Role, mem_pool: MemPool) -> tuple[EnvEntry, ...]:
     out = []
     for var in engine.role(role.value).env:
@@ -78,12 +93,25 @@ def _launch_env(engine: EngineSpec, role: Role, mem_pool: MemPool) -> tuple[EnvE
     return tuple(out)
 
 
-def engine_launch(spec: PDClusterSpec, group: EngineGroup) -> EngineLaunch:
+def engine_launch(
+    spec: PDClusterSpec, group: EngineGroup, leaders: Mapping[tuple[Role, int], str] | None = None
+) -> EngineLaunch:
+    """`leaders`: (role, replica) -> the rendezvous host:port of each replica over several nodes."""
     assert spec.engine is not None
     engine = spec.engine
     role = engine.role(group.role.value)
     par = spec.prefill if group.role is Role.PREFILL else spec.decode
     cp_ranks = {r.cp_rank for r in group.ranks}
+    group_fields: dict[str, Any] = {}
+    if par.nodes_per_replica > 1:
+        leader = (leaders or {}).get((group.role, group.replica))
+        if leader is None:
+            raise ValueError(f"{group.name} spans {par.nodes_per_replica} nodes and no leader address was given")
+        group_fields = {
+            "nnodes": par.nodes_per_replica,
+            "node_rank": group_node_rank(spec, group),
+            "dist_init_addr": leader,
+        }
     return EngineLaunch(
         name=group.name,
         role=group.role,
@@ -100,14 +128,17 @@ def engine_launch(spec: PDClusterSpec, group: EngineGroup) -> EngineLaunch:
         pp=par.pp,
         cp=spec.prefill.cp if group.role is Role.PREFILL else 1,
         cp_rank=next(iter(cp_ranks)) if len(cp_ranks) == 1 else None,
+        **group_fields,
     )
 
 
-def engine_launches(spec: PDClusterSpec, ranks: Sequence[Rank]) -> list[EngineLaunch]:
+def engine_launches(
+    spec: PDClusterSpec, ranks: Sequence[Rank], leaders: Mapping[tuple[Role, int], str] | None = None
+) -> list[EngineLaunch]:
     """The engines of one node's ranks; [] without spec.engine (fabric-only)."""
     if spec.engine is None:
         return []
-    return [engine_launch(spec, g) for g in engine_groups(ranks)]
+    return [engine_launch(spec, g, leaders) for g in engine_groups(ranks)]
 
 
 def hoisted_env(spec: PDClusterSpec, roles: Iterable[Role] = tuple(Role)) -> list[dict[str, Any]]:

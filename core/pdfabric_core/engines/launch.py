@@ -35,6 +35,11 @@ class EngineEnv(enum.StrEnum):
     CP_RANK = "PDFABRIC_CP_RANK"  # prefill, when every rank of the engine has the same CP rank
     RANK = "PDFABRIC_RANK"  # the rank id outright, for an engine of one rank
     BOOTSTRAP_TIMEOUT_S = "PDFABRIC_BOOTSTRAP_TIMEOUT_S"  # read by the plugin when set
+    # A replica over several nodes (nodesPerReplica > 1) only: SGLang's --nnodes, --node-rank and
+    # --dist-init-addr (the leader's torch.distributed rendezvous, host:port under the headless Service).
+    NNODES = "PDFABRIC_NNODES"
+    NODE_RANK = "PDFABRIC_NODE_RANK"
+    DIST_INIT_ADDR = "PDFABRIC_DIST_INIT_ADDR"
 
 
 # Variables of the user's env that come from the API (valueFrom: a Secret, a ConfigMap) are
@@ -101,6 +106,9 @@ class EngineLaunch:
     pp: int
     cp: int
     cp_rank: int | None  # when every rank of the group has the same CP rank
+    nnodes: int = 1  # nodes the replica spans; this engine runs its node block `node_rank`
+    node_rank: int = 0
+    dist_init_addr: str = ""  # the leader's rendezvous host:port, with nnodes > 1
 
     def contract_env(self, agent_address: str, token_file: str, shm_dir: str) -> dict[str, str]:
         """The variables every engine gets (docs/engines.md, docs/sglang.md): the door, the token,
@@ -125,6 +133,10 @@ class EngineLaunch:
             env[EngineEnv.CP_RANK] = str(self.cp_rank)
         if len(self.rank_ids) == 1:
             env[EngineEnv.RANK] = self.rank_ids[0]
+        if self.nnodes > 1:
+            env[EngineEnv.NNODES] = str(self.nnodes)
+            env[EngineEnv.NODE_RANK] = str(self.node_rank)
+            env[EngineEnv.DIST_INIT_ADDR] = self.dist_init_addr
         return {str(k): v for k, v in env.items()}
 
     def to_json(self) -> dict[str, Any]:
@@ -147,6 +159,8 @@ class EngineLaunch:
             body["bootstrapPort"] = self.bootstrap_port
         if self.cp_rank is not None:
             body["cpRank"] = self.cp_rank
+        if self.nnodes > 1:
+            body.update(nnodes=self.nnodes, nodeRank=self.node_rank, distInitAddr=self.dist_init_addr)
         return body
 
     @classmethod
@@ -218,7 +232,25 @@ class EngineLaunch:
             pp=integer("pp", lo=1, hi=1024) or 1,
             cp=integer("cp", lo=1, hi=1024) or 1,
             cp_rank=integer("cpRank", hi=1024, required=False),
+            **_group_fields(d, where),
         )
+
+
+def _group_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """nnodes, nodeRank and distInitAddr of an engine of a replica over several nodes ({} for one)."""
+    nnodes = d.get("nnodes", 1)
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or not 1 <= nnodes <= 64:
+        raise ValueError(f"{where}.nnodes must be an integer in [1, 64]")
+    if nnodes == 1:
+        return {}
+    node = d.get("nodeRank")
+    if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < nnodes:
+        raise ValueError(f"{where}.nodeRank must be an integer in [0, {nnodes - 1}]")
+    addr = d.get("distInitAddr")
+    host, _, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{where}.distInitAddr must be host:port, the leader's rendezvous")
+    return {"nnodes": nnodes, "node_rank": node, "dist_init_addr": addr}
 
 
 def encode_launches(launches: Sequence[EngineLaunch]) -> str:

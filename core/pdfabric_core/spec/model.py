@@ -71,6 +71,9 @@ class PrefillSpec:
     # SGLang's DP groups per server (--attn-dp-size, or --dp-size replicas behind one bootstrap
     # server); each group is tp x cp x pp ranks of its own.
     dp: int = 1
+    # One replica over this many nodes (a node pod each, SGLang's --nnodes): its ranks in (pp, tp)
+    # order, an equal block per node rank, placed all or none (docs/engines.md).
+    nodes_per_replica: int = 1
 
     @property
     def ranks_per_replica(self) -> int:
@@ -91,6 +94,7 @@ class DecodeSpec:
     cp: int = 1
     pp: int = 1
     dp: int = 1  # SGLang's DP groups per server, as PrefillSpec.dp
+    nodes_per_replica: int = 1  # as PrefillSpec.nodes_per_replica
 
     @property
     def ranks_per_replica(self) -> int:
@@ -292,6 +296,10 @@ class PDClusterSpec:
             self.prefill.replicas * self.prefill.ranks_per_replica
             + self.decode.replicas * self.decode.ranks_per_replica
         )
+
+    def role(self, role: str) -> PrefillSpec | DecodeSpec:
+        """prefill or decode's parallel layout, by the role's name (a Role is one)."""
+        return self.prefill if role == "prefill" else self.decode
 
     @property
     def decode_per_prefill(self) -> int:

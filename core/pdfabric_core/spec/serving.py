@@ -39,6 +39,8 @@ class EngineRoleSpec:
     port: int = 30000  # the first engine of the role in a pod; the k-th serves on port + k
     health_path: str = "/health"
     startup_seconds: int = 1800
+    # A replica over several nodes: the leader's rendezvous port (SGLang's --dist-init-addr), + k.
+    dist_init_port: int = 20000
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class PrefillEngineSpec(EngineRoleSpec):
 @dataclass(frozen=True)
 class DecodeEngineSpec(EngineRoleSpec):
     port: int = 31000
+    dist_init_port: int = 21000
 
 
 class EngineSandbox(enum.StrEnum):
@@ -72,6 +75,16 @@ class EngineSpec:
 
     def role(self, role: str) -> EngineRoleSpec:
         return self.prefill if role == "prefill" else self.decode
+
+    def port_bases(self) -> dict[str, int]:
+        """Every port range's first port, by field: the k-th engine of a role in a pod takes + k."""
+        return {
+            "engine.prefill.port": self.prefill.port,
+            "engine.prefill.bootstrapPort": self.prefill.bootstrap_port,
+            "engine.decode.port": self.decode.port,
+            "engine.prefill.distInitPort": self.prefill.dist_init_port,
+            "engine.decode.distInitPort": self.decode.dist_init_port,
+        }
 
 
 class RouterKind(enum.StrEnum):

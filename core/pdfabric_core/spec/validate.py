@@ -29,6 +29,7 @@ from pdfabric_core.spec.model import (
     PDClusterSpec,
     SpecError,
 )
+from pdfabric_core.spec.multinode import validate_nodes_per_replica
 from pdfabric_core.spec.pod_overrides import RESERVED_NODE_ENV, check_env_secret, validate_pod
 from pdfabric_core.spec.serving import EngineSpec
 
@@ -85,6 +86,7 @@ def validate_spec(spec: PDClusterSpec) -> None:
             f"({spec.prefill.cp}) when dsaCacheLayerSplit is on"
         )
     _validate_packing(spec)
+    validate_nodes_per_replica(spec)
     _validate_state(spec)
     _validate_kv_sharding(spec)
     _validate_transport(spec)
@@ -185,11 +187,7 @@ def _validate_engine(spec: PDClusterSpec, engine: EngineSpec) -> None:
             parse_quantity(engine.shared_memory)
         except QuantityError as exc:
             raise SpecError(f"engine.sharedMemory: {exc}") from None
-    bases = {
-        "engine.prefill.port": engine.prefill.port,
-        "engine.prefill.bootstrapPort": engine.prefill.bootstrap_port,
-        "engine.decode.port": engine.decode.port,
-    }
+    bases = engine.port_bases()
     for name, base in bases.items():
         if not 1 <= base <= top:
             raise SpecError(f"{name} must be between 1 and {top} (it starts a range of {ENGINE_PORT_SPAN}), got {base}")

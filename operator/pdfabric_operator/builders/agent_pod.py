@@ -5,10 +5,12 @@ the same container runs the engines. The pod and config hashes say when a pod mu
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
+from pdfabric_core.engines.groups import group_node_rank
 from pdfabric_core.policy.transports import transport_traits
-from pdfabric_core.policy.types import Transport
+from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import RANKMAP_KEY
 from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator import constants as c
@@ -32,6 +34,7 @@ from pdfabric_operator.builders.pod_spec import (
     unprivileged_container,
 )
 from pdfabric_operator.builders.rankmap import encode_ranks
+from pdfabric_operator.builders.services import group_leaders
 from pdfabric_operator.placement import AgentPlacement, Placement
 
 
@@ -78,9 +81,11 @@ def build_agent_pod(
     spec: PDClusterSpec,
     placement: Placement,
     agent: AgentPlacement,
+    leaders: Mapping[tuple[Role, int], str] | None = None,
 ) -> dict[str, Any]:
     """The agent of one node, with its ranks' GPUs: pinned to the planner's node by required node
-    affinity (scheduling.py), bound there by the kube-scheduler, never by spec.nodeName."""
+    affinity (scheduling.py), bound there by the kube-scheduler, never by spec.nodeName.
+    `leaders`: group_leaders' rendezvous addresses, for engines of a replica over several nodes."""
     name = agent_name(ref.name, agent.unit, agent.node)
     container: dict[str, Any] = {
         "name": "agent",
@@ -137,8 +142,8 @@ def build_agent_pod(
         # One container: the engine image runs the agent, and the agent runs the node's engines
         # (PDFABRIC_ENGINES) with their ranks' GPUs; the pod serves on each engine's ports.
         container["image"] = spec.engine.image
-        container["env"] += e.engine_env(spec, agent)
-        container["ports"] += e.engine_ports(spec.engine, agent)
+        container["env"] += e.engine_env(spec, agent, leaders)
+        container["ports"] += e.engine_ports(spec, agent)
         # The agent maps the engines' CPU buffers from the same shared-memory files.
         container["volumeMounts"].append(e.shm_mount())
         volumes.append(e.shm_volume(spec.engine))
@@ -179,7 +184,10 @@ def build_agent_pod(
         # Engines load models for minutes and drain requests on SIGTERM: give them longer.
         pod_spec["terminationGracePeriodSeconds"] = e.TERMINATION_GRACE_S
     apply_pod_overrides(pod_spec, container, spec.agent.pod)
-    roles = {g.role for g in e.groups(agent)} if spec.engine is not None else set()
+    # A pod serves a role when it runs one of its engines' HTTP front: node rank 0 of a replica
+    # over several nodes (the others answer only health checks).
+    serving = [g for g in e.groups(agent) if not group_node_rank(spec, g)] if spec.engine is not None else []
+    roles = {g.role for g in serving}
     role_labels = {c.LABEL_SERVES[r.value]: "true" for r in sorted(roles)}
     meta = object_meta(
         ref,
@@ -215,4 +223,5 @@ def build_agent_pod(
 
 
 def build_agent_pods(ref: ClusterRef, spec: PDClusterSpec, placement: Placement) -> list[dict[str, Any]]:
-    return [build_agent_pod(ref, spec, placement, a) for a in placement.agents]
+    leaders = group_leaders(ref, spec, placement)
+    return [build_agent_pod(ref, spec, placement, a, leaders) for a in placement.agents]

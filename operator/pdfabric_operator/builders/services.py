@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric_core.engines.groups import EngineGroup, bootstrap_port, serving_port
+from pdfabric_core.engines.groups import EngineGroup, bootstrap_port, dist_init_port, group_node_rank, serving_port
 from pdfabric_core.policy.types import Role
 from pdfabric_core.spec import ENGINE_PORT_SPAN, PDClusterSpec
 from pdfabric_operator import constants as c
@@ -81,6 +81,8 @@ def engine_endpoints(
     assert spec.engine is not None
     endpoints: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
     for a, g in e.groups_of(placement.agents):
+        if group_node_rank(spec, g):
+            continue  # a replica over several nodes serves from its leader; the others run its ranks
         pod = agent_name(cluster, a.unit, a.node)
         host = f"{pod}.{service_name(cluster)}.{namespace}.svc"
         entry: dict[str, Any] = {
@@ -149,3 +151,17 @@ def _engine_ingress(spec: PDClusterSpec) -> list[dict[str, Any]]:
         for base in (spec.engine.prefill.port, spec.engine.decode.port)
     ]
     return [{"ports": ports}]
+
+
+def group_leaders(ref: ClusterRef, spec: PDClusterSpec, placement: Placement) -> dict[tuple[Role, int], str]:
+    """(role, replica) -> the rendezvous host:port of each replica over several nodes: its node
+    rank 0 pod under the headless Service (it resolves before the pod is Ready), the port of that
+    pod's engine. {} when every replica fits one node (fabric-only: no engines to tell)."""
+    if spec.engine is None or (spec.prefill.nodes_per_replica == 1 and spec.decode.nodes_per_replica == 1):
+        return {}
+    leaders = {}
+    for a, g in e.groups_of(placement.agents):
+        if spec.role(g.role).nodes_per_replica > 1 and group_node_rank(spec, g) == 0:
+            host = f"{agent_name(ref.name, a.unit, a.node)}.{service_name(ref.name)}.{ref.namespace}.svc"
+            leaders[(g.role, g.replica)] = f"{host}:{dist_init_port(spec.engine, g)}"
+    return leaders

@@ -1,0 +1,213 @@
+"""A replica over several nodes (prefill/decode ``nodesPerReplica``, issue 45): its node blocks equal
+SGLang's own split (``_calculate_rank_ranges``), the planner places a group on distinct nodes all or
+none (in every transport that can carry one), keeps it where it is and moves it whole, and the
+builders give each node rank its engine launch, the leader its rendezvous port and the router
+only the leader."""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+import pytest
+
+from pdfabric_core.engines.launch import EngineEnv, EngineLaunch, decode_launches
+from pdfabric_core.policy.types import Role
+from pdfabric_core.rankmap import node_rank, replica_parts, replica_ranks
+from pdfabric_core.spec import SpecError
+from pdfabric_operator.builders.agent_pod import build_agent_pods
+from pdfabric_operator.builders.names import ClusterRef, agent_name
+from pdfabric_operator.builders.services import engine_endpoints
+from pdfabric_operator.placement import Placement, PlacementFailure, PlacementReason
+from pdfabric_operator.planner import plan_placement
+from tests.builders import gpu_node, pdcluster
+
+REF = ClusterRef("ns", "big", "uid-1")
+GROUP_ARGS = [
+    "--nnodes", "$(PDFABRIC_NNODES)", "--node-rank", "$(PDFABRIC_NODE_RANK)",
+    "--dist-init-addr", "$(PDFABRIC_DIST_INIT_ADDR)",
+]  # fmt: skip
+SPLITS = [
+    (tp, pp, n)
+    for tp in (1, 2, 4, 8)
+    for pp in (1, 2, 4)
+    for n in (2, 4, 8)
+    if pp % n == 0 or (n % pp == 0 and tp % (n // pp) == 0)
+]
+
+
+def sglang_blocks(tp: int, pp: int, nnodes: int) -> list[set[tuple[int, int]]]:
+    """(pp rank, tp rank) of each node rank, by SGLang's own function (its parallel state stood in)."""
+    engine = pytest.importorskip("sglang.srt.entrypoints.engine")
+    parallel = types.SimpleNamespace(nnodes=nnodes, pp_size=pp, tp_size=tp)
+    original = engine.get_parallel
+    engine.get_parallel = lambda: parallel
+    try:
+        blocks = []
+        for k in range(nnodes):
+            pps, tps, _, _ = engine._calculate_rank_ranges(k)
+            blocks.append({(p, t) for p in pps for t in tps})
+        return blocks
+    finally:
+        engine.get_parallel = original
+
+
+@pytest.mark.parametrize(("tp", "pp", "nodes"), SPLITS, ids=[f"tp{t}-pp{p}-n{n}" for t, p, n in SPLITS])
+def test_node_blocks_are_sglangs(tp: int, pp: int, nodes: int) -> None:
+    spec = pdcluster().model(kvHeads=8).prefill(tp=tp, pp=pp, nodesPerReplica=nodes).decode(tp=tp, pp=pp).spec()
+    parts = replica_parts(spec, Role.PREFILL, 0)
+    assert [{(r.pp_rank, r.tp_rank) for r in part} for part in parts] == sglang_blocks(tp, pp, nodes)
+    assert all(node_rank(spec, r) == k for k, part in enumerate(parts) for r in part)
+
+
+SPEC_REFUSALS = [
+    ("past-tp", {"prefill": {"tp": 2, "nodesPerReplica": 4}}, "cannot split a replica of tp 2 x pp 1"),
+    ("pp-not-divided", {"prefill": {"tp": 1, "pp": 4, "nodesPerReplica": 3}}, "cannot split"),
+    ("with-cp", {"prefill": {"tp": 2, "cp": 2, "nodesPerReplica": 2}}, "needs prefill.dp 1 and cp 1"),
+    ("decode-with-dp", {"decode": {"tp": 2, "dp": 2, "nodesPerReplica": 2}}, "needs decode.dp 1 and cp 1"),
+    (
+        "intra-node-nvlink",
+        {"transfer": {"memPool": "INTRA_NODE_NVLINK"}, "prefill": {"tp": 2, "nodesPerReplica": 2}},
+        "intra-node NVLink keeps every replica on one node",
+    ),
+]
+
+
+@pytest.mark.parametrize(("patch", "fragment"), [c[1:] for c in SPEC_REFUSALS], ids=[c[0] for c in SPEC_REFUSALS])
+def test_a_split_sglang_cannot_run_is_refused_naming_the_field(patch: dict[str, Any], fragment: str) -> None:
+    builder = pdcluster()
+    for section, fields in patch.items():
+        builder = getattr(builder, section)(**fields)
+    with pytest.raises(SpecError, match=fragment):
+        builder.spec()
+
+
+def test_engines_of_a_group_must_be_told_their_node_rank() -> None:
+    builder = pdcluster().prefill(tp=2, nodesPerReplica=2).engine(prefill={"args": ["--nnodes", "$(PDFABRIC_NNODES)"]})
+    with pytest.raises(SpecError, match=r"engine.prefill.args must pass \$\(PDFABRIC_NODE_RANK\), \$\(PDFABRIC_DIST"):
+        builder.spec()
+    pdcluster().prefill(tp=2, nodesPerReplica=2).engine(prefill={"args": GROUP_ARGS}).spec()  # accepted
+
+
+def _layout(result: Placement) -> dict[str, dict[str, list[str]]]:
+    out: dict[str, dict[str, list[str]]] = {}
+    for a in result.agents:
+        out.setdefault(a.unit, {})[a.node] = [r.rank_id for r in a.ranks]
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma", "nvlink"])
+def test_a_group_takes_one_block_per_distinct_node_in_every_transport(transport: str) -> None:
+    spec = pdcluster().transport(transport).prefill(tp=4, nodesPerReplica=2).decode(tp=2).spec()
+    # Each node could hold the whole replica, yet a group never doubles up on a node.
+    nodes = [gpu_node(n, 8, rdma=2, clique="c1") for n in ("a", "b", "c")]
+    result = plan_placement(spec, nodes, [], cluster_uid="u")
+    assert isinstance(result, Placement), result
+    prefill = _layout(result)["prefill-0"]
+    assert sorted(len(ranks) for ranks in prefill.values()) == [2, 2] and len(prefill) == 2
+    blocks = sorted(prefill.values())
+    assert blocks == [["prefill-0-tp0-cp0", "prefill-0-tp1-cp0"], ["prefill-0-tp2-cp0", "prefill-0-tp3-cp0"]]
+    # GPUs numbered from 0 within each pod, as the device plugin gives them.
+    for a in result.agents:
+        assert [r.gpu for r in a.ranks] == list(range(len(a.ranks)))
+
+
+def test_a_group_that_does_not_fit_is_not_placed_at_all_with_the_reason() -> None:
+    spec = pdcluster().prefill(tp=4, nodesPerReplica=4).decode(tp=1).engine(prefill={"args": GROUP_ARGS}).spec()
+    # 16 free GPUs in all, but only three nodes: no part of the group is placed, nor the cluster.
+    result = plan_placement(spec, [gpu_node("a", 8), gpu_node("b", 4), gpu_node("c", 4)], [], cluster_uid="u")
+    assert isinstance(result, PlacementFailure)
+    assert result.reason is PlacementReason.INSUFFICIENT_GPUS
+    assert "prefill-0 spans 4 nodes with 1 free GPUs each" in result.message
+    assert "offer 3 such node(s)" in result.message
+
+
+def test_a_running_group_stays_put_and_moves_whole_when_a_node_goes() -> None:
+    spec = pdcluster().prefill(tp=2, nodesPerReplica=2).decode(tp=2, nodesPerReplica=2).spec()
+    nodes = [gpu_node(n, 2) for n in ("a", "b", "c", "d")]
+    first = plan_placement(spec, nodes, [], cluster_uid="u")
+    assert isinstance(first, Placement)
+    again = plan_placement(spec, list(reversed(nodes)), [], cluster_uid="u", previous=first.ranks_by_node())
+    assert isinstance(again, Placement) and _layout(again) == _layout(first)
+    # The node of one prefill block is gone: the group is placed again as a whole (best-fit on
+    # two distinct nodes, the lost one not among them); the decode group stays where it was.
+    lost = sorted(_layout(first)["prefill-0"])[1]
+    left = [n for n in nodes if n.name != lost] + [gpu_node("e", 2)]
+    moved = plan_placement(spec, left, [], cluster_uid="u", previous=first.ranks_by_node())
+    assert isinstance(moved, Placement)
+    after = _layout(moved)
+    assert sorted(r for ranks in after["prefill-0"].values() for r in ranks) == [
+        "prefill-0-tp0-cp0",
+        "prefill-0-tp1-cp0",
+    ]
+    for unit, blocks in _layout(first).items():
+        if lost not in blocks:
+            assert after[unit] == blocks  # a group the lost node held nothing of stays as it was
+        else:
+            assert len(after[unit]) == 2 and lost not in after[unit]
+    # One node of 8 GPUs has room for every rank but is one node: nothing is placed.
+    assert isinstance(plan_placement(spec, [gpu_node("x", 8)], [], cluster_uid="u"), PlacementFailure)
+
+
+def _engines(pod: dict[str, Any]) -> list[EngineLaunch]:
+    (value,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "PDFABRIC_ENGINES"]
+    return decode_launches(value.replace("$$", "$"))
+
+
+def test_each_node_rank_gets_its_launch_and_only_the_leader_serves() -> None:
+    builder = (
+        pdcluster()
+        .prefill(tp=2, nodesPerReplica=2)
+        .decode(tp=2, nodesPerReplica=2)
+        .engine(prefill={"args": GROUP_ARGS}, decode={"args": GROUP_ARGS})
+    )
+    spec = builder.spec()
+    placement = plan_placement(spec, [gpu_node(n, 2) for n in ("a", "b")], [], cluster_uid=REF.uid)
+    assert isinstance(placement, Placement)
+    pods = build_agent_pods(REF, spec, placement)
+    assert len(pods) == 4
+    leaders = {}
+    for a in placement.agents:
+        if any(r.tp_rank == 0 for r in a.ranks):
+            leaders[a.ranks[0].role] = agent_name(REF.name, a.unit, a.node)
+    for pod, agent in zip(pods, placement.agents, strict=True):
+        (launch,) = _engines(pod)
+        role = Role(launch.role)
+        rank = 0 if agent.ranks[0].tp_rank == 0 else 1
+        port = 20000 if role is Role.PREFILL else 21000
+        assert (launch.nnodes, launch.node_rank) == (2, rank)
+        assert launch.dist_init_addr == f"{leaders[role]}.big-agents.ns.svc:{port}"
+        assert launch.rank_ids == (agent.ranks[0].rank_id,) and launch.tp == 2
+        env = launch.contract_env("127.0.0.1:1", "/t", "/s")
+        assert env[EngineEnv.NODE_RANK] == str(rank) and env[EngineEnv.NNODES] == "2"
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        labels = pod["metadata"]["labels"]
+        serves = f"pdfabric.dev/serves-{role.value}"
+        if rank == 0:
+            assert ports[f"{role.value[0]}-dist-0"] == port and labels[serves] == "true"
+        else:  # a follower runs its ranks; requests go to its leader only
+            assert f"{role.value[0]}-dist-0" not in ports and serves not in labels
+    endpoints = engine_endpoints(REF.name, REF.namespace, spec, placement)
+    assert [e["pod"] for e in endpoints["prefill"]] == [leaders[Role.PREFILL]]
+    assert [e["pod"] for e in endpoints["decode"]] == [leaders[Role.DECODE]]
+
+
+def test_a_group_launch_round_trips_and_refuses_a_bad_rendezvous() -> None:
+    spec = pdcluster().prefill(tp=2, nodesPerReplica=2).engine(prefill={"args": GROUP_ARGS}).spec()
+    ranks = replica_parts(spec, Role.PREFILL, 0)[1]
+    from pdfabric_core.engines.groups import engine_launches
+
+    (launch,) = engine_launches(spec, ranks, {(Role.PREFILL, 0): "lead.svc:20000"})
+    body = launch.to_json()
+    assert (body["nnodes"], body["nodeRank"], body["distInitAddr"]) == (2, 1, "lead.svc:20000")
+    assert EngineLaunch.from_json(json.loads(json.dumps(body))) == launch
+    for bad, field in (({"nodeRank": 2}, "nodeRank"), ({"distInitAddr": "lead.svc"}, "distInitAddr")):
+        with pytest.raises(ValueError, match=field):
+            EngineLaunch.from_json({**body, **bad})
+    with pytest.raises(ValueError, match="no leader address"):
+        engine_launches(spec, ranks)
+    # A single-node replica's launch carries none of it (its message is as before).
+    plain = pdcluster().engine().spec()
+    (one,) = engine_launches(plain, replica_ranks(plain, Role.PREFILL, 0))
+    assert "nnodes" not in one.to_json() and EngineEnv.NODE_RANK not in one.contract_env("a:1", "/t", "/s")
