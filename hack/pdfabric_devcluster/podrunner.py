@@ -116,6 +116,11 @@ class PodRunner:
             # The engine door listens on the pod's loopback (no containerPort); here all agents
             # share one loopback, so each gets its own port.
             self._planned_ports[name].setdefault("api", free_port())
+            self._container_ports[name] = {
+                port["containerPort"]: self._planned_ports[name][port["name"]]
+                for c in pod["spec"]["containers"]
+                for port in c.get("ports", [])
+            }
         peers = {name: ports["peer"] for name, ports in self._planned_ports.items() if "peer" in ports}
         self._write_json(self.peers_file, {name: f"127.0.0.1:{port}" for name, port in peers.items()})
         for name, pod in pods.items():
@@ -196,8 +201,7 @@ class PodRunner:
         parsed = urllib.parse.urlsplit(url)
         host, port = parsed.hostname or "", parsed.port
         pod = host.split(".")[0]
-        running = self.pods.get(pod)
-        if running is None or port is None or not host.endswith(f".{self.namespace}.svc"):
+        if pod not in self._container_ports or port is None or not host.endswith(f".{self.namespace}.svc"):
             raise ClusterError(f"{url} names no running agent pod of namespace {self.namespace}")
         by_container_port = self._container_ports.get(pod, {})
         if port not in by_container_port:
@@ -272,6 +276,13 @@ class PodRunner:
         for var in container.get("env", []):
             defined[var["name"]] = self._resolve(var, pod, defined)
         env.update(defined)
+        # The container's own /tmp. This machine's /tmp is on the way to the pod's peer-TLS files,
+        # which the engines' sandbox hides, so nothing new may be made directly in it (g++, which
+        # torch's inductor runs, insists on it); a directory made before the agent starts may. Short:
+        # SGLang's IPC sockets live there (a socket path holds at most 107 bytes).
+        tmp = Path(tempfile.mkdtemp(prefix="pdfpod-"))
+        self._empty_dirs[("tmp", meta["name"], meta["uid"])] = tmp
+        env["TMPDIR"] = str(tmp)
         if SHM_PATH in mounts and "PDFABRIC_SHM_DIR" not in env:
             env["PDFABRIC_SHM_DIR"] = SHM_PATH  # the agent's default: in its container, the pod's /dev/shm volume
         for key, value in list(env.items()):  # paths inside mounts move to where the files really are
@@ -279,8 +290,7 @@ class PodRunner:
                 if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
                     env[key] = str(local_dir) + value[len(mount_path.rstrip("/")) :]
         env.update(loopback_env(peers, ports["api"], ports["peer"], ports["metrics"], env, self.peers_file))
-        local_ports = {p["containerPort"]: ports[p["name"]] for p in container.get("ports", [])}
-        self._container_ports[meta["name"]] = local_ports
+        local_ports = self._container_ports[meta["name"]]
         launches: list[dict[str, Any]] = []
         if ENGINES_ENV in env:
             launches = self._local_launches(env[ENGINES_ENV], local_ports)
@@ -304,9 +314,10 @@ class PodRunner:
             return engine_image_env(self.workdir / "bin" / tag, base, self.images[image])
         return engine_image_env(self.workdir / "bin", base, LocalImage(pythonpath=tuple(self.pythonpath)))
 
-    @staticmethod
-    def _local_launches(text: str, local_ports: dict[int, int]) -> list[dict[str, Any]]:
-        """The launch message with each engine's ports moved to their container ports' loopback ports."""
+    def _local_launches(self, text: str, local_ports: dict[int, int]) -> list[dict[str, Any]]:
+        """The launch message with each engine's ports moved to their container ports' loopback
+        ports, and a group leader's rendezvous (another pod's name under the headless Service) to
+        the loopback port that pod's container port got, as the cluster DNS would resolve it."""
         launches = json.loads(text)
         for launch in launches:
             for key in ("port", "bootstrapPort"):
@@ -314,6 +325,9 @@ class PodRunner:
                     if launch[key] not in local_ports:
                         raise ClusterError(f"engine {launch['name']}: {key} {launch[key]} is no container port")
                     launch[key] = local_ports[launch[key]]
+            if "distInitAddr" in launch:
+                url = urllib.parse.urlsplit(self.local_url(f"tcp://{launch['distInitAddr']}"))
+                launch["distInitAddr"] = f"127.0.0.1:{url.port}"
         return list(launches)
 
     @staticmethod

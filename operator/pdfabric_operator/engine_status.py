@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric_operator.builders.names import engine_service_name, router_name
+from pdfabric_core.engines.groups import group_node_rank
+from pdfabric_core.spec import PDClusterSpec
+from pdfabric_operator.builders.names import agent_name, engine_service_name, router_name
 from pdfabric_operator.builders.services import engine_endpoints
+from pdfabric_operator.engines import groups_of
 from pdfabric_operator.observed import Observed
 from pdfabric_operator.placement import Placement
 
@@ -44,16 +47,22 @@ def engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[str
     assert spec.engine is not None
     views = {v.name: v for v in obs.agents if v.current or v.serving}
     endpoints = engine_endpoints(cluster, obs.namespace, spec, placement)
-    for entries in endpoints.values():
+    followers = _followers(cluster, spec, placement)
+    for role, entries in endpoints.items():
         for entry in entries:
-            view = views.get(entry["pod"])
-            # The agent's word on the engine it runs; no word (not read, not listed): not ready.
-            state = view.engines.get(entry["engine"]) if view is not None else None
-            entry["ready"] = bool(state is not None and state.ready)
-            entry["phase"] = state.phase if state is not None else UNKNOWN_PHASE
-            entry["restarts"] = state.restarts if state is not None else 0
-            entry["lastExit"] = state.last_exit if state is not None else ""
-            entry["sandboxed"] = bool(state is not None and state.sandboxed)
+            # The agents' word on the engines they run; no word (not read, not listed): not ready.
+            # A replica over several nodes is one entry (its leader's endpoints), ready while every
+            # node rank's engine is, its restarts summed over them.
+            pods = [entry["pod"], *followers.get((role, entry["replica"]), [])]
+            states = [views[p].engines.get(entry["engine"]) if p in views else None for p in pods]
+            lead = states[0]
+            sick = next((x for x in states if x is None or not x.ready), None)
+            entry["ready"] = all(x is not None and x.ready for x in states)
+            shown = lead if sick is None else sick
+            entry["phase"] = shown.phase if shown is not None else UNKNOWN_PHASE
+            entry["restarts"] = sum(x.restarts for x in states if x is not None)
+            entry["lastExit"] = next((x.last_exit for x in states if x is not None and x.last_exit), "")
+            entry["sandboxed"] = all(x is not None and x.sandboxed for x in states)
     desired = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas}
     ready = {r: sum(1 for x in endpoints[r] if x["ready"]) for r in endpoints}
     restarts = {r: sum(x["restarts"] for x in endpoints[r]) for r in endpoints}
@@ -64,3 +73,14 @@ def engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[str
         "endpoints": endpoints,
         "services": {r: engine_service_name(cluster, r) for r in endpoints},
     }
+
+
+def _followers(cluster: str, spec: PDClusterSpec, placement: Placement) -> dict[tuple[str, int], list[str]]:
+    """(role, replica) -> the pods of node ranks 1.. of each replica over several nodes."""
+    if spec.prefill.nodes_per_replica == 1 and spec.decode.nodes_per_replica == 1:
+        return {}
+    out: dict[tuple[str, int], list[str]] = {}
+    for a, g in groups_of(placement.agents):
+        if group_node_rank(spec, g):
+            out.setdefault((g.role.value, g.replica), []).append(agent_name(cluster, a.unit, a.node))
+    return out

@@ -211,3 +211,35 @@ def test_a_group_launch_round_trips_and_refuses_a_bad_rendezvous() -> None:
     plain = pdcluster().engine().spec()
     (one,) = engine_launches(plain, replica_ranks(plain, Role.PREFILL, 0))
     assert "nnodes" not in one.to_json() and EngineEnv.NODE_RANK not in one.contract_env("a:1", "/t", "/s")
+
+
+def test_a_groups_endpoint_is_ready_only_while_every_node_rank_serves() -> None:
+    from pdfabric_core.engines.state import EngineState
+    from pdfabric_operator.observed import AgentView, Observed
+    from pdfabric_operator.status import compute_status
+
+    spec = pdcluster().prefill(tp=2, nodesPerReplica=2).engine(prefill={"args": GROUP_ARGS}).spec()
+    placement = plan_placement(spec, [gpu_node(n, 2) for n in ("a", "b")], [], cluster_uid="u")
+    assert isinstance(placement, Placement)
+
+    def status(follower: EngineState) -> dict[str, Any]:
+        views = []
+        for a in placement.agents:
+            name = "prefill-0" if a.ranks[0].role is Role.PREFILL else "decode-0"
+            lead = a.ranks[0].role is Role.DECODE or a.ranks[0].tp_rank == 0
+            state = EngineState(name, a.ranks[0].role, 0, "Running", True, restarts=1) if lead else follower
+            views.append(AgentView(agent_name("pd", a.unit, a.node), a.node, True, True, engines={name: state}))
+        return compute_status(Observed(1, spec, placement, views, namespace="ns"), "pd")
+
+    sick = EngineState("prefill-0", Role.PREFILL, 0, "BackOff", False, restarts=3, last_exit="exit code 1")
+    (entry,) = status(sick)["endpoints"]["prefill"]
+    assert (entry["ready"], entry["phase"], entry["restarts"], entry["lastExit"]) == (
+        False,
+        "BackOff",
+        4,
+        "exit code 1",
+    )
+    assert status(sick)["prefillEnginesReady"] == "0/1"
+    well = EngineState("prefill-0", Role.PREFILL, 0, "Running", True)
+    (entry,) = status(well)["endpoints"]["prefill"]
+    assert (entry["ready"], entry["phase"], entry["restarts"]) == (True, "Running", 1)
