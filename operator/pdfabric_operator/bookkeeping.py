@@ -34,6 +34,8 @@ class ClusterMemory:
     # first time, then from each issue).
     cert_renew_at: dict[str, datetime] = field(default_factory=dict)
     router_absent: bool = False  # spec.router is off and its children were checked gone
+    # Each replica over several nodes: its members' pod uids once all ran (group_restarts.py).
+    group_incarnations: dict[str, frozenset[str]] = field(default_factory=dict)
     # The cluster's peer CA as its Secret holds it (read or made once, not per certificate issued;
     # forgotten when the shared-children check finds the Secret gone).
     ca: KeyPair | None = None

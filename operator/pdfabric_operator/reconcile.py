@@ -45,6 +45,7 @@ from pdfabric_operator.children import (
 )
 from pdfabric_operator.conditions import agent_fallbacks, ready_condition
 from pdfabric_operator.engine_restarts import engine_restarts
+from pdfabric_operator.group_restarts import group_members, group_restarts
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.ledger import LEDGER, Ledger
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, PLACEMENT_SHORTFALLS, ReconcileResult
@@ -203,6 +204,11 @@ def reconcile_once(
                 out.actions.append(f"delete pod {p.name}")
             if want is None:  # the agent is gone: its certificate goes too (ours only)
                 out.actions += delete_owned_children(kube, ref, [p.name], shared=False)
+        running = {p.name: p.uid for p in own if not p.deleting and not p.failed}
+        members = group_members(ref.name, built, outcome)
+        for name in group_restarts(memory.group_incarnations, members, running):
+            if kube.delete("Pod", ref.namespace, name, uid=running[name]):
+                out.actions.append(f"delete pod {name} (its group restarts)")
         settled = all(existing.get(n) is not None and existing[n].ready and not existing[n].deleting for n in desired)
         if rolling and settled:
             p = min(rolling, key=lambda x: x.name)

@@ -9,7 +9,12 @@ Deployment -> their real commands as local processes (PodRunner; each agent star
 SGLang server, the followers' rendezvous resolved to the leader's loopback port as the cluster DNS
 would) -> prompts to the router -> greedy tokens equal to a single SGLang server's of TP 2 (one process), sequential
 and 16 concurrent; every rank's KV moved through its own node's agent; the status lists one endpoint
-per replica (its leader) and the router only those."""
+per replica (its leader) and the router only those.
+
+Then one pod of the prefill group is killed (deleted, as a node loss or eviction ends it): the
+operator deletes the rest of the group, both node ranks start again and form the group anew,
+prompts sent meanwhile answer right or fail with an error (none hangs), and prompts after the
+restart are token-equal again."""
 
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ operator = node_pods.operator
 
 NAME = "sglang"
 START_S = 420  # four SGLang processes (two groups of two) starting at once on two cores
+REQUEST_S = 90  # a prompt sent while a group restarts: answered or refused within it, never left hanging
 GROUP_ARGS = [
     "--tp-size", "$(PDFABRIC_TP)",
     "--nnodes", "$(PDFABRIC_NNODES)", "--node-rank", "$(PDFABRIC_NODE_RANK)",
@@ -150,3 +156,36 @@ def test_replicas_over_two_nodes_answer_equal_a_single_sglang_server(
         assert fabric.metric_sum("pdfabric_peer_transfer_bytes_total", role=role, rank=rank) > 0, rank
     for rank in ("decode-0-tp0", "decode-0-tp1"):
         assert fabric.metric_sum("pdfabric_peer_transfer_bytes_total", role="decode", rank=rank) > 0, rank
+
+    # One node rank of the prefill group dies: the group restarts whole.
+    group = {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.agent_pods(cluster, namespace, NAME)}
+    (leader,) = leaders["prefill"]
+    (follower,) = [n for n in group if n.startswith(f"{NAME}-prefill-0-") and n != leader]
+    with runner.kubelet():
+        cluster.kubectl("delete", "pod", follower, "-n", namespace, "--wait=false")
+        meanwhile = []
+        for prompt in PROMPTS[:4]:
+            sent = time.monotonic()
+            code, got = router.generate(greedy(prompt, NEW_TOKENS), REQUEST_S)
+            meanwhile.append((code, tokens(got), time.monotonic() - sent))
+        restarted = time.monotonic()
+
+        def anew() -> bool:
+            now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.agent_pods(cluster, namespace, NAME)}
+            fresh = all(now.get(n) not in (None, group[n]) for n in (leader, follower))
+            return fresh and all(p.ready() for p in runner.pods.values())
+
+        h.wait_until(anew, timeout=START_S, what="both prefill node ranks replaced and serving again")
+        runner.wait_engines_healthy(timeout=120)
+        h.wait_ready(cluster, namespace, NAME, timeout=120)
+        record("sglang group restart (a node rank killed, to ready)", time.monotonic() - restarted)
+        # The decode group was not touched.
+        now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.agent_pods(cluster, namespace, NAME)}
+        assert all(now[n] == uid for n, uid in group.items() if n.startswith(f"{NAME}-decode-0-"))
+        for code, got, took in meanwhile:  # answered right, or failed saying so; none hung
+            assert took < REQUEST_S, took
+            assert code != 200 or got in [tokens(single_tp2.generate(greedy(p, NEW_TOKENS))[1]) for p in PROMPTS[:4]]
+        router.wait_healthy(120, ready=True)
+        for prompt in PROMPTS:
+            code, got = router.generate(greedy(prompt, NEW_TOKENS))
+            assert (code, tokens(got)) == (200, tokens(single_tp2.generate(greedy(prompt, NEW_TOKENS))[1]))

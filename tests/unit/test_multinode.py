@@ -243,3 +243,24 @@ def test_a_groups_endpoint_is_ready_only_while_every_node_rank_serves() -> None:
     well = EngineState("prefill-0", Role.PREFILL, 0, "Running", True)
     (entry,) = status(well)["endpoints"]["prefill"]
     assert (entry["ready"], entry["phase"], entry["restarts"]) == (True, "Running", 1)
+
+
+def test_a_group_restarts_whole_when_a_member_goes_or_is_replaced() -> None:
+    from pdfabric_operator.group_restarts import group_members, group_restarts
+
+    spec = pdcluster().prefill(tp=2, nodesPerReplica=2).engine(prefill={"args": GROUP_ARGS}).spec()
+    placement = plan_placement(spec, [gpu_node(n, 2) for n in ("a", "b")], [], cluster_uid="u")
+    assert isinstance(placement, Placement)
+    members = group_members("pd", spec, placement)
+    assert list(members) == ["prefill-0"] and len(members["prefill-0"]) == 2  # decode-0 is one node
+    lead, follower = sorted(members["prefill-0"])
+    seen: dict[str, frozenset[str]] = {}
+    assert group_restarts(seen, members, {lead: "u1"}) == []  # still forming: nothing remembered
+    assert group_restarts(seen, members, {lead: "u1", follower: "u2"}) == [] and seen == {"prefill-0": {"u1", "u2"}}
+    # The follower was killed: the leader goes too, while the follower is gone and once it is back.
+    assert group_restarts(seen, members, {lead: "u1"}) == [lead]
+    assert group_restarts(seen, members, {lead: "u1", follower: "u3"}) == [lead]
+    # Both anew: the new incarnation is remembered, and nothing more is deleted.
+    assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == [] and seen["prefill-0"] == {"u3", "u4"}
+    assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == []
+    assert group_restarts(seen, {}, {}) == [] and seen == {}  # scaled to single-node replicas
