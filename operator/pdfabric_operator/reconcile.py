@@ -205,8 +205,8 @@ def reconcile_once(
             if want is None:  # the agent is gone: its certificate goes too (ours only)
                 out.actions += delete_owned_children(kube, ref, [p.name], shared=False)
         running = {p.name: p.uid for p in own if not p.deleting and not p.failed}
-        members = group_members(ref.name, built, outcome)
-        for name in group_restarts(memory.group_incarnations, members, running):
+        groups = group_members(ref.name, built, outcome)
+        for name in group_restarts(memory.group_incarnations, groups, running):
             if kube.delete("Pod", ref.namespace, name, uid=running[name]):
                 out.actions.append(f"delete pod {name} (its group restarts)")
         settled = all(existing.get(n) is not None and existing[n].ready and not existing[n].deleting for n in desired)
