@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -264,3 +265,24 @@ def test_a_group_restarts_whole_when_a_member_goes_or_is_replaced() -> None:
     assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == [] and seen["prefill-0"] == {"u3", "u4"}
     assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == []
     assert group_restarts(seen, {}, {}) == [] and seen == {}  # scaled to single-node replicas
+
+
+def test_the_two_node_deepseek_example_places_each_group_on_two_rdma_nodes() -> None:
+    import yaml
+
+    from pdfabric_core.spec import parse_spec
+    from tests.unit.test_spec import _spec_schema, apply_crd_defaults
+
+    doc = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "examples" / "pdcluster-deepseek-two-nodes.yaml").read_text()
+    )
+    spec = parse_spec(apply_crd_defaults(_spec_schema(), doc["spec"]))
+    nodes = [gpu_node(f"n{i}", 8, rdma=1) for i in range(8)]
+    placement = plan_placement(spec, nodes, [], cluster_uid="u")
+    assert isinstance(placement, Placement)
+    layout = _layout(placement)
+    assert sorted(layout) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert all(len(blocks) == 2 and all(len(r) == 8 for r in blocks.values()) for blocks in layout.values())
+    # Seven nodes cannot hold four groups of two: nothing is placed, and the reason names a group.
+    failure = plan_placement(spec, nodes[:7], [], cluster_uid="u")
+    assert isinstance(failure, PlacementFailure) and "spans 2 nodes with 8 free GPUs each" in failure.message
