@@ -21,8 +21,9 @@ from pdfabric_operator.placement import Placement
 
 
 def group_members(cluster: str, spec: PDClusterSpec, placement: Placement) -> dict[str, list[str]]:
-    """Unit (prefill-0, decode-3) -> the pod names of each replica over several nodes."""
-    if spec.prefill.nodes_per_replica == 1 and spec.decode.nodes_per_replica == 1:
+    """Unit (prefill-0, decode-3) -> the pod names of each replica over several nodes whose engines
+    the pods run (fabric-only: the engines are someone else's, and the agents need no restart)."""
+    if spec.engine is None or (spec.prefill.nodes_per_replica == 1 and spec.decode.nodes_per_replica == 1):
         return {}
     out: dict[str, list[str]] = {}
     for a in placement.agents:

@@ -40,6 +40,14 @@ UNPLACEABLE = [
         "needs all 16 GPUs inside one NVLink domain",
     ),
     (
+        # A replica over two nodes on one node that could hold it: no block of it is placed.
+        "group-needs-a-node-per-block",
+        [("n", 1, {})],
+        pdcluster().prefill(tp=2, nodesPerReplica=2),
+        "InsufficientGPUs",
+        "prefill-0 spans 2 nodes with 1 free GPUs each (nodesPerReplica)",
+    ),
+    (
         "no-rdma-nodes",
         [("n", 2, {})],
         pdcluster().transport("rdma"),

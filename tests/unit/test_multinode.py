@@ -265,6 +265,13 @@ def test_a_group_restarts_whole_when_a_member_goes_or_is_replaced() -> None:
     assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == [] and seen["prefill-0"] == {"u3", "u4"}
     assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == []
     assert group_restarts(seen, {}, {}) == [] and seen == {}  # scaled to single-node replicas
+    fabric_only = pdcluster().prefill(tp=2, nodesPerReplica=2).spec()  # engines run by someone else
+    assert (
+        group_members(
+            "pd", fabric_only, plan_placement(fabric_only, [gpu_node(n, 2) for n in "ab"], [], cluster_uid="u")
+        )
+        == {}
+    )  # type: ignore[arg-type]
 
 
 def test_the_two_node_deepseek_example_places_each_group_on_two_rdma_nodes() -> None:
