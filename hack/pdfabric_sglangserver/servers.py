@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -291,6 +291,23 @@ def start_server(
             argv, env=env, cwd=log.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     return SGLangServer(name, port, proc, log, argv, env, bootstrap_port)
+
+
+@contextlib.contextmanager
+def reference_server(name: str, model_dir: Path, logs: Path, *, tp: int = 1) -> Iterator[SGLangServer]:
+    """One SGLang server serving the model alone, of ``tp`` scheduler ranks: the answers PD must
+    equal, memoised (``SGLangServer.memo``: computed once per server), stopped when the block ends."""
+    from pdfabric_devcluster.procs import free_port
+
+    port = free_port()
+    argv = server_argv(model_dir, port, extra=parallel_flags(tp=tp))
+    server = start_server(name, argv, server_env(dict(os.environ), ranks=tp), logs / f"{name}.log", port)
+    server.memo = {}
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
 
 
 def greedy(prompt_ids: Sequence[int], new_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -6,7 +6,6 @@ SGLang classes it drives by hand (``token_file``)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,20 +22,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """One SGLang server serving the model alone: the answers PD must equal."""
-    from pdfabric_devcluster.procs import free_port
-    from pdfabric_sglangserver.servers import server_argv, server_env, start_server
+    from pdfabric_sglangserver.servers import reference_server
 
-    logs = tmp_path_factory.mktemp("single")
-    port = free_port()
-    server = start_server(
-        "single", server_argv(model_dir, port), server_env(dict(os.environ)), logs / "single.log", port
-    )
-    server.memo = {}  # the answers PD must equal, computed once per session (SGLangServer.memo)
-    try:
-        server.wait_healthy()
+    with reference_server("single", model_dir, tmp_path_factory.mktemp("single")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

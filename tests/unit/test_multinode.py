@@ -278,12 +278,11 @@ def test_the_two_node_deepseek_example_places_each_group_on_two_rdma_nodes() -> 
     import yaml
 
     from pdfabric_core.spec import parse_spec
-    from tests.unit.test_spec import _spec_schema, apply_crd_defaults
 
     doc = yaml.safe_load(
         (Path(__file__).resolve().parents[2] / "examples" / "pdcluster-deepseek-two-nodes.yaml").read_text()
     )
-    spec = parse_spec(apply_crd_defaults(_spec_schema(), doc["spec"]))
+    spec = parse_spec(doc["spec"])  # the CRD's defaults are the dataclasses' (test_spec holds them equal)
     nodes = [gpu_node(f"n{i}", 8, rdma=1) for i in range(8)]
     placement = plan_placement(spec, nodes, [], cluster_uid="u")
     assert isinstance(placement, Placement)
