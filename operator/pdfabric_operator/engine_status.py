@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric_core.engines.groups import group_node_rank
-from pdfabric_core.spec import PDClusterSpec
-from pdfabric_operator.builders.names import agent_name, engine_service_name, router_name
+from pdfabric_operator.builders.names import engine_service_name, router_name
 from pdfabric_operator.builders.services import engine_endpoints
-from pdfabric_operator.engines import groups_of
+from pdfabric_operator.group_restarts import group_members
 from pdfabric_operator.observed import Observed
 from pdfabric_operator.placement import Placement
 
@@ -47,13 +45,14 @@ def engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[str
     assert spec.engine is not None
     views = {v.name: v for v in obs.agents if v.current or v.serving}
     endpoints = engine_endpoints(cluster, obs.namespace, spec, placement)
-    followers = _followers(cluster, spec, placement)
+    groups = group_members(cluster, spec, placement)
     for role, entries in endpoints.items():
         for entry in entries:
             # The agents' word on the engines they run; no word (not read, not listed): not ready.
             # A replica over several nodes is one entry (its leader's endpoints), ready while every
             # node rank's engine is, its restarts summed over them.
-            pods = [entry["pod"], *followers.get((role, entry["replica"]), [])]
+            others = groups.get(f"{role}-{entry['replica']}", [])
+            pods = [entry["pod"], *(p for p in others if p != entry["pod"])]
             states = [views[p].engines.get(entry["engine"]) if p in views else None for p in pods]
             lead = states[0]
             sick = next((x for x in states if x is None or not x.ready), None)
@@ -73,14 +72,3 @@ def engine_status(obs: Observed, cluster: str, placement: Placement) -> dict[str
         "endpoints": endpoints,
         "services": {r: engine_service_name(cluster, r) for r in endpoints},
     }
-
-
-def _followers(cluster: str, spec: PDClusterSpec, placement: Placement) -> dict[tuple[str, int], list[str]]:
-    """(role, replica) -> the pods of node ranks 1.. of each replica over several nodes."""
-    if spec.prefill.nodes_per_replica == 1 and spec.decode.nodes_per_replica == 1:
-        return {}
-    out: dict[tuple[str, int], list[str]] = {}
-    for a, g in groups_of(placement.agents):
-        if group_node_rank(spec, g):
-            out.setdefault((g.role.value, g.replica), []).append(agent_name(cluster, a.unit, a.node))
-    return out

@@ -21,8 +21,8 @@ from pdfabric_core.engines.groups import (
     dist_init_port,
     engine_groups,
     engine_launches,
-    group_node_rank,
     hoisted_env,
+    is_group_leader,
     serving_port,
 )
 from pdfabric_core.engines.launch import ENGINES_ENV, encode_launches
@@ -68,7 +68,7 @@ def engine_ports(spec: PDClusterSpec, agent: AgentPlacement) -> list[dict[str, A
         boot = bootstrap_port(engine, g)
         if boot is not None:
             ports.append({"name": g.bootstrap_port_name, "containerPort": boot, "protocol": "TCP"})
-        if spec.role(g.role).nodes_per_replica > 1 and group_node_rank(spec, g) == 0:
+        if is_group_leader(spec, g):
             ports.append({"name": g.dist_port_name, "containerPort": dist_init_port(engine, g), "protocol": "TCP"})
     return ports
 

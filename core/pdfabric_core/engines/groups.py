@@ -78,6 +78,11 @@ def group_node_rank(spec: PDClusterSpec, group: EngineGroup) -> int:
     return node_rank(spec, group.ranks[0])
 
 
+def is_group_leader(spec: PDClusterSpec, group: EngineGroup) -> bool:
+    """Node rank 0 of a replica over several nodes: the engine that holds the group's rendezvous."""
+    return spec.role(group.role).nodes_per_replica > 1 and group_node_rank(spec, group) == 0
+
+
 def _launch_env(engine: EngineSpec, role: Role, mem_pool: MemPool) -> tuple[EnvEntry, ...]:
     out = []
     for var in engine.role(role.value).env:
@@ -100,7 +105,7 @@ def engine_launch(
     assert spec.engine is not None
     engine = spec.engine
     role = engine.role(group.role.value)
-    par = spec.prefill if group.role is Role.PREFILL else spec.decode
+    par = spec.role(group.role)
     cp_ranks = {r.cp_rank for r in group.ranks}
     group_fields: dict[str, Any] = {}
     if par.nodes_per_replica > 1:

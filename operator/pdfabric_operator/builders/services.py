@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric_core.engines.groups import EngineGroup, bootstrap_port, dist_init_port, group_node_rank, serving_port
+from pdfabric_core.engines.groups import (
+    EngineGroup,
+    bootstrap_port,
+    dist_init_port,
+    group_node_rank,
+    is_group_leader,
+    serving_port,
+)
 from pdfabric_core.policy.types import Role
 from pdfabric_core.spec import ENGINE_PORT_SPAN, PDClusterSpec
 from pdfabric_operator import constants as c
@@ -161,7 +168,7 @@ def group_leaders(ref: ClusterRef, spec: PDClusterSpec, placement: Placement) ->
         return {}
     leaders = {}
     for a, g in e.groups_of(placement.agents):
-        if spec.role(g.role).nodes_per_replica > 1 and group_node_rank(spec, g) == 0:
+        if is_group_leader(spec, g):
             host = f"{agent_name(ref.name, a.unit, a.node)}.{service_name(ref.name)}.{ref.namespace}.svc"
             leaders[(g.role, g.replica)] = f"{host}:{dist_init_port(spec.engine, g)}"
     return leaders
