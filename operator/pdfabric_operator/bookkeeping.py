@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from pdfabric_core.rankmap import Rank
+from pdfabric_operator.group_restarts import GroupHolds
 from pdfabric_operator.metrics import ReconcileResult
 from pdfabric_operator.pki import KeyPair
 
@@ -34,11 +35,10 @@ class ClusterMemory:
     # first time, then from each issue).
     cert_renew_at: dict[str, datetime] = field(default_factory=dict)
     router_absent: bool = False  # spec.router is off and its children were checked gone
-    # Each replica over several nodes: its members' pod uids once all ran (group_restarts.py).
-    group_incarnations: dict[str, frozenset[str]] = field(default_factory=dict)
     # The cluster's peer CA as its Secret holds it (read or made once, not per certificate issued;
     # forgotten when the shared-children check finds the Secret gone).
     ca: KeyPair | None = None
+    group_holds: GroupHolds = field(default_factory=GroupHolds)  # groups released (group_restarts.py)
 
 
 @dataclass

@@ -16,6 +16,7 @@ PDFABRIC_NETWORK_POLICY      "false": build no NetworkPolicy per PDCluster (and 
 PDFABRIC_MONITORING_NAMESPACE  the namespace whose pods may reach the agents' metrics port; "" any (default "")
 PDFABRIC_NAMESPACE           the operator's own namespace (the chart sets it): its pods may reach the agents' metrics port too (/readyz, agentstate.py)
 PDFABRIC_PEER_CERT_VALIDITY_S  seconds an agent's peer certificate is valid; it is issued anew two thirds through (default 31536000: 365 days; at least 60)
+PDFABRIC_GROUP_BIND_TIMEOUT  seconds a pod of a replica over several nodes may stay unschedulable before its whole group is released (deleted, created again after a doubling hold) (default 300)
 PDFABRIC_AGENT_ADDRESSES     a JSON file {agent pod name: "host:port"} read in place of pod IP and metrics port (local runs, hack/pdfabric_devcluster) (default "")
 """
 
@@ -49,6 +50,7 @@ class OperatorConfig:
     namespace: str = ""
     agent_addresses: str = ""
     peer_cert_validity: datetime.timedelta = datetime.timedelta(days=365)
+    group_bind_timeout: float = 300.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -93,4 +95,5 @@ class OperatorConfig:
             namespace=namespace,
             agent_addresses=env.get("PDFABRIC_AGENT_ADDRESSES", ""),
             peer_cert_validity=datetime.timedelta(seconds=number("PDFABRIC_PEER_CERT_VALIDITY_S", 31536000, 60)),
+            group_bind_timeout=number("PDFABRIC_GROUP_BIND_TIMEOUT", 300.0, 1),
         )

@@ -37,6 +37,8 @@ ANN_POD_HASH = f"{GROUP}/pod-hash"
 ANN_RANKMAP_HASH = f"{GROUP}/rankmap-hash"
 ANN_ROUTER_HASH = f"{GROUP}/router-hash"  # what spec.router's Deployment was built from
 ANN_CONFIG_HASH = f"{GROUP}/config-hash"
+# A replica over several nodes: its members' uids and restart counts once all ran (group_restarts.py).
+ANN_GROUP_INCARNATION = f"{GROUP}/group-incarnation"
 ANN_NODE = f"{GROUP}/node"  # the node the planner chose for an agent pod (bound later by the scheduler)
 # On an agent's peer-tls Secret: the serial of the certificate in it (a new pod, a new serial).
 ANN_CERT_SERIAL = f"{GROUP}/cert-serial"

@@ -8,7 +8,7 @@ from typing import Any
 
 from pdfabric_operator import constants as c
 from pdfabric_operator.placement import GpuNode, PlacedPod
-from pdfabric_operator.scheduling import taints_from, unschedulable_message
+from pdfabric_operator.scheduling import taints_from, unschedulable_message, unschedulable_since
 from pdfabric_operator.snapshot import OwnPod
 
 
@@ -75,6 +75,9 @@ def own_pod_from_body(
         failed=status.get("phase") in ("Failed", "Succeeded"),
         ip=status.get("podIP") or "",
         unschedulable="" if bound else unschedulable_message(status.get("conditions")),
+        unschedulable_since="" if bound else unschedulable_since(status.get("conditions")),
         config_hash=annotations.get(c.ANN_CONFIG_HASH, ""),
         rankmap_hash=annotations.get(c.ANN_RANKMAP_HASH, ""),
+        group_incarnation=annotations.get(c.ANN_GROUP_INCARNATION, ""),
+        container_restarts=sum(int(s.get("restartCount") or 0) for s in status.get("containerStatuses") or []),
     )

@@ -45,7 +45,8 @@ from pdfabric_operator.children import (
 )
 from pdfabric_operator.conditions import agent_fallbacks, ready_condition
 from pdfabric_operator.engine_restarts import engine_restarts
-from pdfabric_operator.group_restarts import group_members, group_restarts
+from pdfabric_operator.group_pods import keep_groups_whole
+from pdfabric_operator.group_restarts import group_members
 from pdfabric_operator.kube import Kube, Refused
 from pdfabric_operator.ledger import LEDGER, Ledger
 from pdfabric_operator.metrics import FALLBACKS, PLACEMENT_FAILURES, PLACEMENT_SHORTFALLS, ReconcileResult
@@ -106,6 +107,7 @@ def reconcile_once(
     monitoring_namespace: str = "",
     operator_namespace: str = "",
     cert_valid_for: timedelta = pki.AGENT_VALID_FOR,
+    group_bind_timeout: float = 300.0,
     now: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> Result:
     out = Result(ReconcileResult.PROGRESSING)
@@ -204,17 +206,16 @@ def reconcile_once(
                 out.actions.append(f"delete pod {p.name}")
             if want is None:  # the agent is gone: its certificate goes too (ours only)
                 out.actions += delete_owned_children(kube, ref, [p.name], shared=False)
-        running = {p.name: p.uid for p in own if not p.deleting and not p.failed}
         groups = group_members(ref.name, built, outcome)
-        for name in group_restarts(memory.group_incarnations, groups, running):
-            if kube.delete("Pod", ref.namespace, name, uid=running[name]):
-                out.actions.append(f"delete pod {name} (its group restarts)")
+        kept = keep_groups_whole(kube, groups, own, snap.reports, memory.group_holds, now(), group_bind_timeout)
+        out.actions += kept.actions
+        out.events += kept.events
         settled = all(existing.get(n) is not None and existing[n].ready and not existing[n].deleting for n in desired)
         if rolling and settled:
             p = min(rolling, key=lambda x: x.name)
             if kube.delete("Pod", p.namespace, p.name, uid=p.uid):
                 out.actions.append(f"delete pod {p.name} (rolling)")
-        missing = [(name, pod) for name, pod in desired.items() if name not in existing]
+        missing = [(name, pod) for name, pod in desired.items() if name not in existing and name not in kept.held]
         if missing:
             ca = cluster_ca(kube, ref, memory)
             for name, renew_at, created, refusal in _create_agent_pods(
@@ -234,7 +235,7 @@ def reconcile_once(
             p.name: f"node {p.node}: {p.unschedulable}"
             for p in own
             if p.unschedulable and _is_current(p, desired.get(p.name))
-        }
+        } | kept.held
         for p in own:
             requested, transport = snap.transports.get(p.uid, ("", ""))
             said = snap.reports.get(p.uid)

@@ -147,6 +147,7 @@ async def reconcile_loop(
                     monitoring_namespace=STATE.config.monitoring_namespace,
                     operator_namespace=STATE.config.namespace,
                     cert_valid_for=STATE.config.peer_cert_validity,
+                    group_bind_timeout=STATE.config.group_bind_timeout,
                 )
                 RECONCILES.labels(res.result.value).inc()
                 if res.satisfied:

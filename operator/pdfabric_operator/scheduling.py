@@ -180,3 +180,12 @@ def unschedulable_message(conditions: Iterable[Mapping[str, Any]] | None) -> str
             message = str(cond.get("message") or reason or "not scheduled")
             return message if reason in ("", "Unschedulable") else f"{reason}: {message}"
     return ""
+
+
+def unschedulable_since(conditions: Iterable[Mapping[str, Any]] | None) -> str:
+    """When the scheduler first said an unbound pod cannot be bound (its PodScheduled=False
+    lastTransitionTime, RFC 3339), "" while it has said nothing."""
+    for cond in conditions or ():
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return str(cond.get("lastTransitionTime") or "")
+    return ""

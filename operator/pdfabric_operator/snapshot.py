@@ -26,8 +26,11 @@ class OwnPod:
     ip: str = ""  # status.podIP: where the operator reads the agent's /readyz (agentstate)
     # Not bound yet and the scheduler said why (its PodScheduled=False message); "" otherwise.
     unschedulable: str = ""
+    unschedulable_since: str = ""  # since when (the condition's lastTransitionTime, RFC 3339)
     config_hash: str = ""  # the agent settings it was built with (builders.agent_config_hash)
     rankmap_hash: str = ""  # the rank map the operator last told it of (ANN_RANKMAP_HASH)
+    group_incarnation: str = ""  # a replica over several nodes: its group's incarnation (ANN_GROUP_INCARNATION)
+    container_restarts: int = 0  # the kubelet's restartCount, summed over its containers
 
 
 @dataclass(frozen=True)

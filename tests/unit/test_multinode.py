@@ -6,6 +6,7 @@ only the leader."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -20,6 +21,7 @@ from pdfabric_core.spec import SpecError
 from pdfabric_operator.builders.agent_pod import build_agent_pods
 from pdfabric_operator.builders.names import ClusterRef, agent_name
 from pdfabric_operator.builders.services import engine_endpoints
+from pdfabric_operator.group_restarts import GroupActions
 from pdfabric_operator.placement import Placement, PlacementFailure, PlacementReason
 from pdfabric_operator.planner import plan_placement
 from tests.builders import gpu_node, pdcluster
@@ -247,7 +249,7 @@ def test_a_groups_endpoint_is_ready_only_while_every_node_rank_serves() -> None:
 
 
 def test_a_group_restarts_whole_when_a_member_goes_or_is_replaced() -> None:
-    from pdfabric_operator.group_restarts import group_members, group_restarts
+    from pdfabric_operator.group_restarts import MemberPod, group_members, group_restarts
 
     spec = pdcluster().prefill(tp=2, nodesPerReplica=2).engine(prefill={"args": GROUP_ARGS}).spec()
     placement = plan_placement(spec, [gpu_node(n, 2) for n in ("a", "b")], [], cluster_uid="u")
@@ -255,23 +257,63 @@ def test_a_group_restarts_whole_when_a_member_goes_or_is_replaced() -> None:
     members = group_members("pd", spec, placement)
     assert list(members) == ["prefill-0"] and len(members["prefill-0"]) == 2  # decode-0 is one node
     lead, follower = sorted(members["prefill-0"])
-    seen: dict[str, frozenset[str]] = {}
-    assert group_restarts(seen, members, {lead: "u1"}) == []  # still forming: nothing remembered
-    assert group_restarts(seen, members, {lead: "u1", follower: "u2"}) == [] and seen == {"prefill-0": {"u1", "u2"}}
+    pods = {lead: MemberPod("u1", engine_restarts=0)}
+    assert not group_restarts(members, pods).record  # still forming: nothing recorded
+    pods[follower] = MemberPod("u2")  # its agent has not answered yet: no engine restart so far
+    decided = group_restarts(members, pods)
+    assert not decided.delete and decided.record == {lead: "u1=0/0,u2=0/0", follower: "u1=0/0,u2=0/0"}
+    pods = {n: dataclasses.replace(p, incarnation=decided.record[n]) for n, p in pods.items()}
+    assert group_restarts(members, pods) == GroupActions()  # recorded: nothing more to do
     # The follower was killed: the leader goes too, while the follower is gone and once it is back.
-    assert group_restarts(seen, members, {lead: "u1"}) == [lead]
-    assert group_restarts(seen, members, {lead: "u1", follower: "u3"}) == [lead]
-    # Both anew: the new incarnation is remembered, and nothing more is deleted.
-    assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == [] and seen["prefill-0"] == {"u3", "u4"}
-    assert group_restarts(seen, members, {lead: "u4", follower: "u3"}) == []
-    assert group_restarts(seen, {}, {}) == [] and seen == {}  # scaled to single-node replicas
+    assert list(group_restarts(members, {lead: pods[lead]}).delete) == [lead]
+    back = {lead: pods[lead], follower: MemberPod("u3", engine_restarts=0)}
+    assert list(group_restarts(members, back).delete) == [lead]
+    # Both anew: the new incarnation is recorded on both, nothing is deleted.
+    fresh = {lead: MemberPod("u4", engine_restarts=0), follower: back[follower]}
+    assert group_restarts(members, fresh).record == {lead: "u3=0/0,u4=0/0", follower: "u3=0/0,u4=0/0"}
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"engine_restarts": 4}, "the engine in pod"),  # its agent restarted a crashed engine
+        ({"container_restarts": 1}, "a container of pod"),  # the kubelet restarted the agent's container
+    ],
+)
+def test_a_group_restarts_whole_when_an_engine_or_container_of_a_member_restarts(
+    change: dict[str, int], why: str
+) -> None:
+    from pdfabric_operator.group_restarts import MemberPod, group_restarts
+
+    members = {"prefill-0": ["pd-prefill-0-a", "pd-prefill-0-b"]}
+    word = "u1=0/0,u2=3/0"
+    pods = {"pd-prefill-0-a": MemberPod("u1", word, 0), "pd-prefill-0-b": MemberPod("u2", word, 3)}
+    assert group_restarts(members, pods) == GroupActions()
+    # An agent that did not answer this time says nothing about its engines: no restart read into it.
+    quiet = {**pods, "pd-prefill-0-b": MemberPod("u2", word, None)}
+    assert group_restarts(members, quiet) == GroupActions()
+    crashed = {**pods, "pd-prefill-0-b": dataclasses.replace(pods["pd-prefill-0-b"], **change)}
+    decided = group_restarts(members, crashed)
+    assert sorted(decided.delete) == sorted(members["prefill-0"]) and not decided.record  # every node rank
+    assert all(why in w and "prefill-0" in w for w in decided.delete.values()), decided.delete
+
+
+def test_a_group_incarnation_written_over_is_read_as_none() -> None:
+    from pdfabric_operator.group_restarts import Counts, incarnation_word, parse_incarnation
+
+    word = incarnation_word({"b": Counts(1, 0), "a": Counts(0, 2)})
+    assert word == "a=0/2,b=1/0" and parse_incarnation(word) == {"a": Counts(0, 2), "b": Counts(1, 0)}
+    for bad in ("", "a", "a=1", "a=x/0", "a=0/0,", "=0/0"):
+        assert parse_incarnation(bad) is None, bad
+
+
+def test_fabric_only_groups_have_no_members_to_restart() -> None:
+    from pdfabric_operator.group_restarts import group_members
+
     fabric_only = pdcluster().prefill(tp=2, nodesPerReplica=2).spec()  # engines run by someone else
-    assert (
-        group_members(
-            "pd", fabric_only, plan_placement(fabric_only, [gpu_node(n, 2) for n in "ab"], [], cluster_uid="u")
-        )
-        == {}
-    )  # type: ignore[arg-type]
+    placement = plan_placement(fabric_only, [gpu_node(n, 2) for n in "ab"], [], cluster_uid="u")
+    assert isinstance(placement, Placement)
+    assert group_members("pd", fabric_only, placement) == {}
 
 
 def test_the_two_node_deepseek_example_places_each_group_on_two_rdma_nodes() -> None:
@@ -292,3 +334,46 @@ def test_the_two_node_deepseek_example_places_each_group_on_two_rdma_nodes() -> 
     # Seven nodes cannot hold four groups of two: nothing is placed, and the reason names a group.
     failure = plan_placement(spec, nodes[:7], [], cluster_uid="u")
     assert isinstance(failure, PlacementFailure) and "spans 2 nodes with 8 free GPUs each" in failure.message
+
+
+def test_a_group_the_scheduler_cannot_bind_whole_is_released_with_a_doubling_hold() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from pdfabric_operator.group_restarts import GroupHolds, Unbound, held_pods, release_stalled
+
+    members = {"prefill-0": ["pd-prefill-0-a", "pd-prefill-0-b"], "prefill-1": ["pd-prefill-1-c", "pd-prefill-1-d"]}
+    present = [n for names in members.values() for n in names]
+    t0 = datetime(2026, 12, 7, tzinfo=UTC)
+    refused = {"pd-prefill-0-b": Unbound(t0, "0/3 nodes are available: 1 Insufficient memory.")}
+    holds = GroupHolds()
+
+    def at(seconds: float, unbound: dict[str, Unbound] = refused) -> dict[str, str]:
+        return release_stalled(holds, members, present, unbound, t0 + timedelta(seconds=seconds), 60)
+
+    assert at(59) == {}  # the scheduler may still bind it (a pod on its node terminating, say)
+    (why,) = at(60).values()
+    assert "pd-prefill-0-b not scheduled for 60 s: 0/3 nodes are available: 1 Insufficient memory." in why
+    assert "created again in 60 s" in why
+    held = held_pods(holds, members, t0 + timedelta(seconds=90))
+    assert sorted(held) == members["prefill-0"] and "created again in 30 s" in held["pd-prefill-0-a"]
+    assert at(100) == {}  # held: nothing more happens to it until the hold ends
+    # Created again at 120 s, refused again: the second release holds twice as long.
+    again = {"pd-prefill-0-b": Unbound(t0 + timedelta(seconds=121), "0/3 nodes are available")}
+    assert at(150, again) == {}
+    assert "created again in 120 s" in at(181, again)["prefill-0"]
+    assert held_pods(holds, members, t0 + timedelta(seconds=301)) == {}  # the hold ended
+    # Bound whole at last: the count starts over, so a later release holds the timeout again.
+    assert at(302, {}) == {} and holds.releases == {}
+    assert (
+        "created again in 60 s" in at(400, {"pd-prefill-0-a": Unbound(t0 + timedelta(seconds=330), "x")})["prefill-0"]
+    )
+    # The hold never grows past an hour.
+    holds.releases["prefill-1"] = 20
+    late = {"pd-prefill-1-c": Unbound(t0, "x")}
+    assert (
+        "created again in 3600 s"
+        in release_stalled(holds, members, present, late, t0 + timedelta(days=1), 60)["prefill-1"]
+    )
+    # A group scaled away leaves no hold behind.
+    release_stalled(holds, {}, [], {}, t0 + timedelta(days=1), 60)
+    assert holds.until == {} and holds.releases == {}
