@@ -241,6 +241,7 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "decode.nodesPerReplica must split",
     ),
     ("nodes-per-replica-over-64", {"decode": {"nodesPerReplica": 65}}, "spec.decode.nodesPerReplica"),
+    ("group-topology-key-not-a-label", {"placement": {"groupTopologyKey": "rail id"}}, "placement.groupTopologyKey"),
     (
         "more-ranks-than-a-rank-map-holds",
         {"prefill": {"replicas": 1024, "tp": 8}, "decode": {"replicas": 1024, "tp": 8}},

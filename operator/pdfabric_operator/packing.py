@@ -76,6 +76,16 @@ def _describe(free: Mapping[str, int], limit: int = 3) -> str:
     return ", ".join(f"{n}: {max(0, f)}" for n, f in top) or "none"
 
 
+@dataclass(frozen=True)
+class GroupTopology:
+    """placement.groupTopologyKey: every node of one replica over several nodes carries the same
+    value of this node label (an RDMA rail or network block, a rack); `of`: node -> its value ("":
+    none, so it takes no group)."""
+
+    key: str
+    of: Mapping[str, str]
+
+
 class NoFit(Exception):
     def __init__(self, reason: PlacementReason, message: str) -> None:
         super().__init__(message)
@@ -91,6 +101,7 @@ def pack(
     what: str,
     scarcity: Mapping[str, int] | None = None,
     pod_slots: Mapping[str, int] | None = None,
+    topology: GroupTopology | None = None,
 ) -> dict[str, dict[str, list[Rank]]]:
     """Assign units to nodes (sticky, then best-fit): node -> unit key -> its ranks there; raises
     NoFit naming the first unit left over.
@@ -98,7 +109,8 @@ def pack(
     Among equally good fits, nodes with fewer scarce features (RDMA devices, an NVLink domain) go
     first, so a tcp cluster does not take the nodes an rdma or nvlink cluster will need.
     `pod_slots`: how many more pods each node takes (its free RDMA devices, one per pod, for a
-    transport that needs one); None: no such bound.
+    transport that needs one); None: no such bound. `topology`: where a group's nodes must share a
+    label value (placement.groupTopologyKey); None: anywhere.
     """
     free = dict(free)
     slots = dict(pod_slots) if pod_slots is not None else None
@@ -121,7 +133,8 @@ def pack(
         nodes_before = [where_before.get(_key(r)) for r in unit.ranks]
         before = Counter(n for n in nodes_before if n is not None)
         sticky = None not in nodes_before and (
-            unit.splittable or len(before) == unit.nodes == _part_nodes(unit, where_before)
+            unit.splittable
+            or (len(before) == unit.nodes == _part_nodes(unit, where_before) and _together(before, topology))
         )
         if sticky and all(free.get(n, 0) >= c and has_slot(n) for n, c in before.items()):
             for node in before:
@@ -135,7 +148,7 @@ def pack(
     # Largest units first: best-fit decreasing wastes the fewest GPUs.
     for unit in sorted(pending, key=lambda u: (-len(u.ranks) // u.nodes, u.key)):
         if unit.nodes > 1:
-            _pack_group(unit, free, out, has_slot, take_slot, scarcity, what)
+            _pack_group(unit, free, out, has_slot, take_slot, scarcity, what, topology)
             continue
         need = len(unit.ranks)
         fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need and has_slot(n))
@@ -197,6 +210,14 @@ def _part_nodes(unit: Unit, where_before: Mapping[Rank, str]) -> int:
     return len(set(homes))
 
 
+def _together(nodes: Iterable[str], topology: GroupTopology | None) -> bool:
+    """Whether a group's nodes share one value of the topology label (always, without one)."""
+    if topology is None:
+        return True
+    values = {topology.of.get(n, "") for n in nodes}
+    return len(values) == 1 and "" not in values
+
+
 def _pack_group(
     unit: Unit,
     free: dict[str, int],
@@ -205,20 +226,41 @@ def _pack_group(
     take_slot: Callable[[str], None],
     scarcity: Mapping[str, int],
     what: str,
+    topology: GroupTopology | None,
 ) -> None:
     """A replica over several nodes: each node block best-fit on a node of its own, all or none
-    (NoFit before anything is taken). Gang placement: a group with a block short of a node would
-    run nothing and hold GPUs that others could use."""
+    (NoFit before anything is taken), with a topology key all inside the value of it whose nodes
+    fit most tightly. Gang placement: a group with a block short of a node would run nothing and
+    hold GPUs that others could use."""
     need = len(unit.ranks) // unit.nodes
     fits = sorted((f, scarcity.get(n, 0), n) for n, f in free.items() if f >= need and has_slot(n))
-    if len(fits) < unit.nodes:
-        raise NoFit(
-            PlacementReason.INSUFFICIENT_GPUS,
-            f"{unit.key} spans {unit.nodes} nodes with {need} free GPUs each (nodesPerReplica); {what} offer "
-            f"{len(fits)} such node(s) (most free: {_describe(free)}); add GPU nodes, free GPUs, or change "
-            f"nodesPerReplica or TP/PP",
-        )
-    for part, (_, _, node) in zip(unit.parts, fits, strict=False):
+    if topology is None:
+        if len(fits) < unit.nodes:
+            raise NoFit(
+                PlacementReason.INSUFFICIENT_GPUS,
+                f"{unit.key} spans {unit.nodes} nodes with {need} free GPUs each (nodesPerReplica); {what} offer "
+                f"{len(fits)} such node(s) (most free: {_describe(free)}); add GPU nodes, free GPUs, or change "
+                f"nodesPerReplica or TP/PP",
+            )
+        chosen = fits[: unit.nodes]
+    else:
+        by_value: dict[str, list[tuple[int, int, str]]] = {}
+        for fit in fits:
+            if topology.of.get(fit[2]):
+                by_value.setdefault(topology.of[fit[2]], []).append(fit)
+        tight = [(sum(f for f, _, _ in v[: unit.nodes]), k) for k, v in by_value.items() if len(v) >= unit.nodes]
+        if not tight:
+            most = max(((len(v), k) for k, v in by_value.items()), default=(0, ""))
+            best = f"{most[1]} offers {most[0]}" if most[1] else "none offers any"
+            raise NoFit(
+                PlacementReason.INSUFFICIENT_GPUS,
+                f"{unit.key} spans {unit.nodes} nodes with {need} free GPUs each, all with one value of node label "
+                f"{topology.key} (placement.groupTopologyKey); of {what}, {best} such node(s) "
+                f"({len(by_value)} value(s) in all); add or free nodes in one {topology.key}, or change "
+                f"nodesPerReplica or TP/PP",
+            )
+        chosen = by_value[min(tight)[1]][: unit.nodes]
+    for part, (_, _, node) in zip(unit.parts, chosen, strict=True):
         out.setdefault(node, {}).setdefault(unit.key, []).extend(part)
         free[node] -= need
         take_slot(node)

@@ -52,7 +52,15 @@ from pdfabric_core.policy.transports import FALLBACK_TRANSPORT, Locality, tcp_fa
 from pdfabric_core.policy.types import Role, Transport
 from pdfabric_core.rankmap import Rank
 from pdfabric_core.spec import PDClusterSpec
-from pdfabric_operator.packing import NoFit, agent_placements, free_capacity, pack, plan_feeds, plan_units
+from pdfabric_operator.packing import (
+    GroupTopology,
+    NoFit,
+    agent_placements,
+    free_capacity,
+    pack,
+    plan_feeds,
+    plan_units,
+)
 from pdfabric_operator.placement import GpuNode, PlacedPod, Placement, PlacementFailure, PlacementReason, Shortfall
 from pdfabric_operator.scheduling import Taint, affinity_allows, node_pod_tolerations, untolerated
 
@@ -320,8 +328,10 @@ def _plan(
     }
     # A transport with a device per pod (rdma): a node takes as many pods as it has devices free.
     pod_slots = rdma_free if traits.device_resource else None
+    group_key = pl.group_topology_key
+    topology = GroupTopology(group_key, {n.name: n.labels.get(group_key, "") for n in eligible}) if group_key else None
     if traits.locality is not Locality.DOMAIN:
-        assigned = pack(units, free, previous, what=where, scarcity=scarcity, pod_slots=pod_slots)
+        assigned = pack(units, free, previous, what=where, scarcity=scarcity, pod_slots=pod_slots, topology=topology)
         return Placement(transport, requested, agent_placements(assigned, {}), plan_feeds(spec, transport))
 
     key = pl.nvlink_domain_key
@@ -350,6 +360,7 @@ def _plan(
                 what=f"nodes of NVLink domain {d}",
                 scarcity=scarcity,
                 pod_slots=pod_slots,
+                topology=topology,
             )
         except NoFit:
             continue

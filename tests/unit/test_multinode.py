@@ -377,3 +377,70 @@ def test_a_group_the_scheduler_cannot_bind_whole_is_released_with_a_doubling_hol
     # A group scaled away leaves no hold behind.
     release_stalled(holds, {}, [], {}, t0 + timedelta(days=1), 60)
     assert holds.until == {} and holds.releases == {}
+
+
+def test_a_group_stays_within_one_value_of_the_topology_key() -> None:
+    spec = (
+        pdcluster()
+        .transport("rdma")
+        .prefill(tp=4, nodesPerReplica=2)
+        .decode(tp=1)
+        .placement(groupTopologyKey="example.com/rail")
+        .spec()
+    )
+    rail = {"a": "r1", "b": "r2", "c": "r2", "d": "r1"}
+    # Without the key the tightest two nodes for the group's blocks of 2 GPUs are a and b, on two
+    # rails; within one rail the tightest pair is b and c (6 GPUs free against a and d's 10).
+    gpus = {"a": 2, "b": 2, "c": 4, "d": 8}
+    nodes = [gpu_node(n, gpus[n], rdma=2, labels={"example.com/rail": rail[n]}) for n in "abcd"]
+    result = plan_placement(spec, nodes, [], cluster_uid="u")
+    assert isinstance(result, Placement)
+    layout = _layout(result)
+    assert sorted(layout["prefill-0"]) == ["b", "c"], layout
+    # Without the key, the best fit crosses rails.
+    plain = dataclasses.replace(spec, placement=dataclasses.replace(spec.placement, group_topology_key=""))
+    free_rails = plan_placement(plain, nodes, [], cluster_uid="u")
+    assert isinstance(free_rails, Placement)
+    assert {rail[n] for n in _layout(free_rails)["prefill-0"]} == {"r1", "r2"}
+
+
+def test_a_group_that_no_single_topology_value_can_hold_is_refused_naming_the_key() -> None:
+    spec = (
+        pdcluster().prefill(tp=2, nodesPerReplica=2).decode(tp=1).placement(groupTopologyKey="example.com/rack").spec()
+    )
+    # Two racks of one node each, and a node without the label: no rack holds two nodes.
+    nodes = [
+        gpu_node("a", 2, labels={"example.com/rack": "k1"}),
+        gpu_node("b", 2, labels={"example.com/rack": "k2"}),
+        gpu_node("c", 2),
+    ]
+    result = plan_placement(spec, nodes, [], cluster_uid="u")
+    assert isinstance(result, PlacementFailure), result
+    assert result.reason is PlacementReason.INSUFFICIENT_GPUS
+    assert "one value of node label example.com/rack (placement.groupTopologyKey)" in result.message
+    assert "2 value(s) in all" in result.message and "offers 1 such node(s)" in result.message
+
+
+def test_a_running_group_moves_whole_when_a_node_leaves_its_topology_value() -> None:
+    spec = (
+        pdcluster().prefill(tp=2, nodesPerReplica=2).decode(tp=1).placement(groupTopologyKey="example.com/rack").spec()
+    )
+    racks = {"a": "k1", "b": "k1", "c": "k2", "d": "k2"}
+    nodes = [gpu_node(n, 2, labels={"example.com/rack": racks[n]}) for n in "abcd"]
+    first = plan_placement(spec, nodes, [], cluster_uid="u")
+    assert isinstance(first, Placement)
+    before = _layout(first)["prefill-0"]
+    previous = first.ranks_by_node()
+    again = plan_placement(spec, nodes, [], cluster_uid="u", previous=previous)
+    assert isinstance(again, Placement) and _layout(again)["prefill-0"] == before  # sticky
+    # One of its nodes is moved to the other rack: the group cannot stay split, it moves whole.
+    moved_node = sorted(before)[1]
+    other = "k2" if racks[moved_node] == "k1" else "k1"
+    relabelled = [
+        gpu_node(n.name, 2, labels={"example.com/rack": other if n.name == moved_node else racks[n.name]})
+        for n in nodes
+    ]
+    moved = plan_placement(spec, relabelled, [], cluster_uid="u", previous=previous)
+    assert isinstance(moved, Placement)
+    now = _layout(moved)["prefill-0"]
+    assert len({dict((n.name, n.labels["example.com/rack"]) for n in relabelled)[x] for x in now}) == 1, now

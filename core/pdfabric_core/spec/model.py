@@ -256,6 +256,8 @@ class PlacementSpec:
     fallback: FallbackPolicy = FallbackPolicy.FAIL
     # GPUs one node offers at most; bounds what intra-node NVLink may ask of a single node.
     max_gpus_per_node: int = 8
+    # A node label every node of one replica over several nodes shares a value of ("": any nodes).
+    group_topology_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ carry it, and what its engines must be told. Each refusal names the field and wh
 
 from __future__ import annotations
 
+import re
+
 from pdfabric_core.policy.transports import Locality, transport_traits
 from pdfabric_core.spec.model import PDClusterSpec, SpecError
 
@@ -26,6 +28,7 @@ def split_error(role: str, nodes: int, tp: int, pp: int) -> str:
 
 
 def validate_nodes_per_replica(spec: PDClusterSpec) -> None:
+    _validate_group_topology_key(spec.placement.group_topology_key)
     for role in ("prefill", "decode"):
         par = spec.role(role)
         nodes = par.nodes_per_replica
@@ -58,3 +61,18 @@ def validate_nodes_per_replica(spec: PDClusterSpec) -> None:
                     f"and the leader's address (SGLang: --nnodes $(PDFABRIC_NNODES) --node-rank "
                     f"$(PDFABRIC_NODE_RANK) --dist-init-addr $(PDFABRIC_DIST_INIT_ADDR))"
                 )
+
+
+# A label key as the API server takes it: an optional DNS subdomain prefix and "/", then a name of
+# at most 63 characters (the CRD's pattern for placement.groupTopologyKey).
+_LABEL_KEY = re.compile(
+    r"(([a-z0-9]([-a-z0-9]*[a-z0-9])?)(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+
+
+def _validate_group_topology_key(key: str) -> None:
+    if key and (len(key) > 317 or not _LABEL_KEY.fullmatch(key)):
+        raise SpecError(
+            f"placement.groupTopologyKey must be a node label key ([prefix/]name, e.g. topology.kubernetes.io/zone), "
+            f"got {key!r}"
+        )
