@@ -11,8 +11,9 @@ would) -> prompts to the router -> greedy tokens equal to a single SGLang server
 and 16 concurrent; every rank's KV moved through its own node's agent; the status lists one endpoint
 per replica (its leader) and the router only those.
 
-Then one pod of the prefill group is killed (deleted, as a node loss or eviction ends it): the
-operator deletes the rest of the group, both node ranks start again and form the group anew,
+Then the engine of the prefill group's second node rank is killed (its pod stays, its agent restarts
+it): the operator, reading the restart in the agent's /readyz, deletes the group's pods, both node
+ranks start again and form the group anew (a pod of a group deleted: test_pdcluster_groups.py),
 prompts sent meanwhile answer right or fail with an error (none hangs), and prompts after the
 restart are token-equal again."""
 
@@ -137,12 +138,13 @@ def test_replicas_over_two_nodes_answer_equal_a_single_sglang_server(
     for rank in ("decode-0-tp0", "decode-0-tp1"):
         assert fabric.metric_sum("pdfabric_peer_transfer_bytes_total", role="decode", rank=rank) > 0, rank
 
-    # One node rank of the prefill group dies: the group restarts whole.
+    # The engine of one node rank of the prefill group dies (its pod stays): the group restarts whole.
     group = {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.agent_pods(cluster, namespace, NAME)}
     (leader,) = leaders["prefill"]
     (follower,) = [n for n in group if n.startswith(f"{NAME}-prefill-0-") and n != leader]
+    (victim,) = [e for (pod, _), e in runner.engines.items() if pod == follower]
     with runner.kubelet():
-        cluster.kubectl("delete", "pod", follower, "-n", namespace, "--wait=false")
+        victim.kill()  # its agent restarts it, but the group it belonged to is dead
         meanwhile = []
         for prompt in PROMPTS[:4]:
             sent = time.monotonic()
@@ -158,7 +160,9 @@ def test_replicas_over_two_nodes_answer_equal_a_single_sglang_server(
         h.wait_until(anew, timeout=START_S, what="both prefill node ranks replaced and serving again")
         runner.wait_engines_healthy(timeout=120)
         h.wait_ready(cluster, namespace, NAME, timeout=120)
-        record("sglang group restart (a node rank killed, to ready)", time.monotonic() - restarted)
+        record("sglang group restart (a node rank's engine killed, to ready)", time.monotonic() - restarted)
+        events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=GroupRestart").stdout
+        assert f"the engine in pod {follower} restarted" in events, events
         # The decode group was not touched.
         now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.agent_pods(cluster, namespace, NAME)}
         assert all(now[n] == uid for n, uid in group.items() if n.startswith(f"{NAME}-decode-0-"))
