@@ -324,8 +324,9 @@ class LocalEngine:
         return None
 
     def healthy(self) -> bool:
-        """GET /health answers 200 (what the agent probes)."""
-        return answers_200(self.url + "/health", 1)
+        """GET /health answers 200 (what the agent probes). SGLang's /health generates a token, which
+        on a busy machine with TP over processes takes longer than a second."""
+        return answers_200(self.url + "/health", 5)
 
     def kill(self) -> int:
         """SIGKILL the engine's process group, as an OOM kill or a crash would end it; its pid."""
