@@ -249,8 +249,10 @@ class PodRunner:
         """Every engine of every running pod answers its health path."""
         deadline = time.monotonic() + timeout
         while True:
-            sick = [e for e in self.engines.values() if not e.healthy()]
-            if self.engines and not sick:
+            with self._lock:  # the kubelet loop adds a restarted pod's engines meanwhile
+                engines = list(self.engines.values())
+            sick = [e for e in engines if not e.healthy()]
+            if engines and not sick:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(

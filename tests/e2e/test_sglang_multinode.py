@@ -154,7 +154,11 @@ def test_replicas_over_two_nodes_answer_equal_a_single_sglang_server(
 
         def anew() -> bool:
             now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.agent_pods(cluster, namespace, NAME)}
-            fresh = all(now.get(n) not in (None, group[n]) for n in (leader, follower))
+            # Replaced in the API and started by the runner (its kubelet loop may not have yet).
+            fresh = all(
+                now.get(n) not in (None, group[n]) and n in runner.pods and runner.pods[n].uid == now[n]
+                for n in (leader, follower)
+            )
             return fresh and all(p.ready() for p in runner.pods.values())
 
         h.wait_until(anew, timeout=START_S, what="both prefill node ranks replaced and serving again")
