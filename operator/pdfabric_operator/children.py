@@ -1,6 +1,6 @@
 """Step 3's shared children of a PDCluster, applied: the rank-map ConfigMap, the engine-token and
-peer-CA Secrets, the headless Service, the NetworkPolicy, the engines' Services and spec.router's
-Deployment and Service; each created when missing, replaced when it differs, and deleted only when
+peer-CA Secrets, the headless Service, the NetworkPolicy, the engines' Services, the node pods'
+PodDisruptionBudgets and spec.router's Deployment and Service; each created when missing, replaced when it differs, and deleted only when
 this PDCluster owns it (the names are deterministic, so a user's namesake is left alone)."""
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator import constants as c
 from pdfabric_operator.bookkeeping import ClusterMemory, Result
 from pdfabric_operator.builders.credentials import build_engine_token_secret, keypair_from_secret
+from pdfabric_operator.builders.disruption import build_disruption_budgets
 from pdfabric_operator.builders.names import (
+    DISRUPTION_BUDGETS,
     ClusterRef,
     ca_secret_name,
+    disruption_budget_name,
     engine_service_name,
     engine_token_secret_name,
     network_policy_name,
@@ -33,6 +36,7 @@ from pdfabric_operator.builders.services import build_engine_service, build_head
 from pdfabric_operator.kube import Kube
 from pdfabric_operator.peer_certs import cluster_ca
 from pdfabric_operator.placement import Placement
+from pdfabric_operator.snapshot import OwnPod
 
 
 def ensure_shared_children(
@@ -143,6 +147,46 @@ def ensure_engine_services(
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
+
+
+def ensure_disruption_budgets(
+    kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result, *, new: bool = False
+) -> None:
+    """The node pods' PodDisruptionBudgets (builders/disruption.py): created, updated when the
+    spec's maxUnavailable changes, deleted when no pod falls in one any more (only ours)."""
+    wanted = build_disruption_budgets(ref, spec, placement)
+    for budget in DISRUPTION_BUDGETS:
+        name = disruption_budget_name(ref.name, budget)
+        want = wanted.get(name)
+        if new and want is None:
+            continue
+        have = None if new else kube.get("PodDisruptionBudget", ref.namespace, name)
+        if want is not None and have is None:
+            if kube.create(want):
+                out.actions.append(f"create pdb {name}")
+                continue
+            have = kube.get("PodDisruptionBudget", ref.namespace, name)  # there already: compared below
+        if have is None or not owned_by(have, ref.uid):
+            continue
+        if want is None:
+            if kube.delete("PodDisruptionBudget", ref.namespace, name, uid=have["metadata"].get("uid")):
+                out.actions.append(f"delete pdb {name}")
+        elif {k: have["spec"].get(k) for k in want["spec"]} != want["spec"]:
+            kube.replace({**want, "spec": {**have["spec"], **want["spec"]}}, have["metadata"]["resourceVersion"])
+            out.actions.append(f"update pdb {name}")
+
+
+def ensure_budget_labels(kube: Kube, own: Sequence[OwnPod], desired: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Label each running pod with the budget that counts it, in place (a pod made by an operator
+    before budgets, or whose budget changed, is not restarted for it)."""
+    actions = []
+    for p in own:
+        want = desired.get(p.name)
+        budget = (want or {}).get("metadata", {}).get("labels", {}).get(c.LABEL_DISRUPTION_BUDGET)
+        stale = budget and not p.deleting and p.budget != budget
+        if stale and kube.annotate("Pod", p.namespace, p.name, p.uid, {c.LABEL_DISRUPTION_BUDGET: budget}, labels=True):
+            actions.append(f"label pod {p.name} for pdb {budget}")
+    return actions
 
 
 def delete_owned_children(kube: Kube, ref: ClusterRef, agents: Sequence[str], *, shared: bool = True) -> list[str]:

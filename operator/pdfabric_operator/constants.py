@@ -73,4 +73,7 @@ COND_ENGINES_READY = "EnginesReady"  # with spec.engine only: every engine of bo
 # whose spec.replicas differs from it was scaled (kubectl scale, an HPA, KEDA).
 ANN_SYNCED_REPLICAS = f"{GROUP}/synced-replicas"
 LABEL_ROLE = f"{GROUP}/role"
+# On a node pod: which of its PDCluster's PodDisruptionBudgets counts it (prefill, decode, or units
+# for intra-node NVLink pods holding both); patched in place, not part of the pod's hash.
+LABEL_DISRUPTION_BUDGET = f"{GROUP}/disruption-budget"
 COND_SYNCED = "Synced"  # the PDRole's one condition: the PDCluster has its replicas

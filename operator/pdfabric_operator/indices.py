@@ -80,4 +80,5 @@ def own_pod_from_body(
         rankmap_hash=annotations.get(c.ANN_RANKMAP_HASH, ""),
         group_incarnation=annotations.get(c.ANN_GROUP_INCARNATION, ""),
         container_restarts=sum(int(s.get("restartCount") or 0) for s in status.get("containerStatuses") or []),
+        budget=(meta.get("labels") or {}).get(c.LABEL_DISRUPTION_BUDGET, ""),
     )

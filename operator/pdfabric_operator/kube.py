@@ -24,6 +24,7 @@ _PLURALS = {
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
     "Deployment": "deployments",
+    "PodDisruptionBudget": "poddisruptionbudgets",
     "PDCluster": c.PLURAL,
     "PDRole": c.ROLE_PLURAL,
 }
@@ -31,6 +32,7 @@ _PLURALS = {
 _GROUPS = {
     "NetworkPolicy": "/apis/networking.k8s.io/v1",
     "Deployment": "/apis/apps/v1",
+    "PodDisruptionBudget": "/apis/policy/v1",
     "PDCluster": f"/apis/{c.API_VERSION}",
     "PDRole": f"/apis/{c.API_VERSION}",
 }
@@ -179,10 +181,12 @@ class Kube:
             raise
         return True
 
-    def annotate(self, kind: str, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> bool:
-        """Merge `annotations` into the object; False when it is gone or a namesake took its name
-        (the uid in the patch is a precondition)."""
-        patch = {"metadata": {"uid": uid, "annotations": annotations}}
+    def annotate(
+        self, kind: str, namespace: str, name: str, uid: str, annotations: dict[str, str], *, labels: bool = False
+    ) -> bool:
+        """Merge `annotations` (with `labels`: labels) into the object; False when it is gone or a
+        namesake took its name (the uid in the patch is a precondition)."""
+        patch = {"metadata": {"uid": uid, "labels" if labels else "annotations": annotations}}
         try:
             self.request("patch", self.path(kind, namespace, name), patch, content_type="application/merge-patch+json")
         except ApiException as exc:

@@ -39,6 +39,8 @@ from pdfabric_operator.builders.rankmap import build_rankmap, decode_ranks
 from pdfabric_operator.builders.services import build_network_policy
 from pdfabric_operator.children import (
     delete_owned_children,
+    ensure_budget_labels,
+    ensure_disruption_budgets,
     ensure_engine_services,
     ensure_router,
     ensure_shared_children,
@@ -181,6 +183,7 @@ def reconcile_once(
         ensure_shared_children(kube, ref, built, rankmap, policy, memory, recheck_children_after, out, new=new)
         if not memory.children_checked_at or memory.engine_services_hash != memory.last_rankmap_hash:
             ensure_engine_services(kube, ref, built, outcome, out, new=new)
+            ensure_disruption_budgets(kube, ref, built, outcome, out, new=new)
             memory.engine_services_hash = memory.last_rankmap_hash
         router = ensure_router(kube, ref, built, outcome, memory, out, new=new)
         desired = {pod["metadata"]["name"]: pod for pod in build_agent_pods(ref, built, outcome)}
@@ -229,6 +232,7 @@ def reconcile_once(
         renew_peer_tls(kube, ref, [p for p in own if p.name in desired and not p.deleting], memory, cert_valid_for,
                         now(), out)  # fmt: skip
         out.actions += _tell_pods_of_rankmap(kube, [p for p in own if p.name in desired], rankmap.digest)
+        out.actions += ensure_budget_labels(kube, own, desired)
         for gone in set(memory.cert_renew_at) - set(desired):
             del memory.cert_renew_at[gone]
         unschedulable = {

@@ -31,6 +31,7 @@ class OwnPod:
     rankmap_hash: str = ""  # the rank map the operator last told it of (ANN_RANKMAP_HASH)
     group_incarnation: str = ""  # a replica over several nodes: its group's incarnation (ANN_GROUP_INCARNATION)
     container_restarts: int = 0  # the kubelet's restartCount, summed over its containers
+    budget: str = ""  # its LABEL_DISRUPTION_BUDGET ("" before this operator version labelled it)
 
 
 @dataclass(frozen=True)

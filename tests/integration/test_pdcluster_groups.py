@@ -137,3 +137,44 @@ def test_a_group_the_scheduler_cannot_bind_whole_is_released_not_left_half_runni
 
         h.wait_until(bound_whole, timeout=60, what="the prefill group bound whole after its hold")
         h.delete_all_pdclusters(cluster, namespace)
+
+
+def test_kubectl_scale_adds_and_removes_whole_groups(
+    cluster: Any, namespace: str, gpu_nodes: Any, operator_kubeconfig: Path
+) -> None:
+    gpu_nodes("s", 4, gpus=2)
+    builder = (
+        pdcluster()
+        .prefill(tp=2, nodesPerReplica=2)
+        .decode(tp=1)
+        .engine(prefill={"args": GROUP_ARGS}, decode={})
+        .placement(nodeSelector=h.selector(namespace))
+    )
+    with h.running_operator(cluster, operator_kubeconfig, f"pdfabric-{namespace}"):
+        h.apply_pdc(cluster, builder.manifest(), namespace)
+        first = h.wait_until(lambda: (p := _pods(cluster, namespace)) and len(p) == 3 and p, timeout=60, what="3 pods")
+        cluster.kubectl("scale", "pdrole/pd-prefill", "--replicas", "2", "-n", namespace)
+
+        def grown() -> dict[str, tuple[str, str]] | None:
+            pods = _pods(cluster, namespace)
+            return pods if len(pods) == 5 else None
+
+        pods = h.wait_until(grown, timeout=60, what="a second prefill group of two pods")
+        added = [n for n in pods if n.startswith("pd-prefill-1-")]
+        assert len(added) == 2 and len({pods[n][1] for n in added}) == 2, pods  # on two distinct nodes
+        assert all(pods[n] == first[n] for n in first), (first, pods)  # what ran was left alone
+        placed = h.wait_until(
+            lambda: (
+                (s := h.pdc(cluster, namespace, "pd").get("status", {})).get("prefill", {}).get("placed") == 2 and s
+            ),
+            timeout=30,
+            what="status counting two prefill replicas (groups)",
+        )
+        assert placed["prefill"]["desired"] == 2, placed["prefill"]
+
+        cluster.kubectl("scale", "pdrole/pd-prefill", "--replicas", "1", "-n", namespace)
+        back = h.wait_until(
+            lambda: (p := _pods(cluster, namespace)) and len(p) == 3 and p, timeout=60, what="the second group gone"
+        )
+        assert back == first  # both of its pods went, nothing else moved
+        h.delete_all_pdclusters(cluster, namespace)

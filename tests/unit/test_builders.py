@@ -256,6 +256,9 @@ def test_shared_children_are_the_objects_every_agent_mounts_or_resolves() -> Non
         ("Service", "pd-decode"),
         ("Deployment", "pd-router"),
         ("Service", "pd-router"),
+        ("PodDisruptionBudget", "pd-prefill"),
+        ("PodDisruptionBudget", "pd-decode"),
+        ("PodDisruptionBudget", "pd-units"),
     ]
 
 

@@ -49,6 +49,7 @@ def test_rbac_is_least_privilege() -> None:
     # reads the cluster's others in bulk.
     assert grants[("", "secrets")] == {"get", "create", "update", "delete"}
     assert grants[("networking.k8s.io", "networkpolicies")] == {"get", "create", "update", "delete"}
+    assert grants[("policy", "poddisruptionbudgets")] == {"get", "create", "update", "delete"}
     assert grants[("", "pods")] == {
         "get",
         "list",
@@ -56,7 +57,7 @@ def test_rbac_is_least_privilege() -> None:
         "create",
         "delete",
         "patch",
-    }  # patch: the rank-map annotation
+    }  # patch: the rank-map and group annotations, the disruption-budget label
     assert grants[("", "nodes")] == {"get", "list", "watch"}
     assert grants[("apps", "deployments")] == {"get", "create", "update", "delete"}  # spec.router's
     assert grants[("pdfabric.dev", "pdclusters/status")] == {"get", "patch"}

@@ -53,12 +53,15 @@ class FakeKube:
         self.calls.append(("delete", kind, name))
         return self.objects.pop((kind, namespace, name), None) is not None
 
-    def annotate(self, kind: str, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> bool:
-        self.calls.append(("annotate", kind, name))
+    def annotate(
+        self, kind: str, namespace: str, name: str, uid: str, annotations: dict[str, str], *, labels: bool = False
+    ) -> bool:
+        self.calls.append(("label" if labels else "annotate", kind, name))
         obj = self.objects.get((kind, namespace, name))
         if obj is None:
             return False
-        obj["metadata"]["annotations"] = {**obj["metadata"].get("annotations", {}), **annotations}
+        field = "labels" if labels else "annotations"
+        obj["metadata"][field] = {**obj["metadata"].get(field, {}), **annotations}
         return True
 
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
@@ -80,6 +83,7 @@ class FakeKube:
                 o["metadata"]["annotations"]["pdfabric.dev/ranks"],
                 config_hash=o["metadata"]["annotations"]["pdfabric.dev/config-hash"],
                 rankmap_hash=o["metadata"]["annotations"].get("pdfabric.dev/rankmap-hash", ""),
+                budget=o["metadata"]["labels"].get("pdfabric.dev/disruption-budget", ""),
             )
             for (kind, _, _), o in self.objects.items()
             if kind == "Pod" and o["metadata"]["labels"]["pdfabric.dev/cluster-uid"] == uid
@@ -121,6 +125,8 @@ def test_converges_then_steady_state_makes_no_writes() -> None:
         "configmap",
         "engine-token",
         "networkpolicy",
+        "pdb",
+        "pdb",  # a PodDisruptionBudget per role
         "peer",
         "pod",
         "pod",  # prefill-0's and decode-0's
@@ -619,7 +625,9 @@ def test_unplaceable_deletes_only_the_children_it_owns() -> None:
     res = _run(kube, ref, too_big, Snapshot(nodes, [], kube.pods("u1")), memory, ledger)
     assert res.result is ReconcileResult.UNPLACED
     assert set(kube.objects) == {("Service", "ns", "pd-prefill"), ("Deployment", "ns", "pd-router")}
-    assert not [c for c in kube.calls if c[0] == "delete" and c[2] in ("pd-prefill", "pd-router")]
+    assert not [
+        c for c in kube.calls if c[0] == "delete" and c[1:] in (("Service", "pd-prefill"), ("Deployment", "pd-router"))
+    ]
 
 
 def test_result_carries_ready_and_placed_for_the_gauges() -> None:

@@ -74,6 +74,9 @@ class PrefillSpec:
     # One replica over this many nodes (a node pod each, SGLang's --nnodes): its ranks in (pp, tp)
     # order, an equal block per node rank, placed all or none (docs/engines.md).
     nodes_per_replica: int = 1
+    # Replicas of the role that evictions (a node drain) may take down at once: its node pods'
+    # PodDisruptionBudget (0: none, a drain waits for the user).
+    max_unavailable: int = 1
 
     @property
     def ranks_per_replica(self) -> int:
@@ -95,6 +98,7 @@ class DecodeSpec:
     pp: int = 1
     dp: int = 1  # SGLang's DP groups per server, as PrefillSpec.dp
     nodes_per_replica: int = 1  # as PrefillSpec.nodes_per_replica
+    max_unavailable: int = 1  # as PrefillSpec.max_unavailable
 
     @property
     def ranks_per_replica(self) -> int:

@@ -45,6 +45,8 @@ def validate_spec(spec: PDClusterSpec) -> None:
     for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
         if r.replicas < 1 or r.tp < 1 or r.cp < 1 or r.pp < 1 or r.dp < 1:
             raise SpecError(f"{role}.replicas, dp, tp, cp and pp must each be at least 1")
+        if not 0 <= r.max_unavailable <= 1024:
+            raise SpecError(f"{role}.maxUnavailable must be within 0..1024, got {r.max_unavailable}")
         if r.dp > 1 and spec.engine is not None:
             raise SpecError(
                 f"{role}.dp {r.dp} with spec.engine: the node pods do not launch SGLang servers of several DP "

@@ -16,6 +16,7 @@ from pdfabric_core.spec import PDClusterSpec
 from pdfabric_operator import constants as c
 from pdfabric_operator import engines as e
 from pdfabric_operator import scheduling as sched
+from pdfabric_operator.builders.disruption import budget_of
 from pdfabric_operator.builders.names import (
     ClusterRef,
     agent_name,
@@ -219,6 +220,9 @@ def build_agent_pod(
         },
         spec.agent.pod,
     )["annotations"]
+    # Out of the hash: the operator labels a running pod in place (children.ensure_budget_labels),
+    # so a new budget reaches the pods of an upgraded operator without restarting them.
+    meta["labels"][c.LABEL_DISRUPTION_BUDGET] = budget_of(agent)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

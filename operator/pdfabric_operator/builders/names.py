@@ -90,7 +90,8 @@ def engine_service_names(cluster: str) -> list[str]:
 
 def shared_children(cluster: str) -> list[tuple[str, str]]:
     """(kind, name) of the children every agent of `cluster` shares: rank map, Service, engine
-    token, peer CA, NetworkPolicy, the engines' Services, spec.router's Deployment and Service."""
+    token, peer CA, NetworkPolicy, the engines' Services, spec.router's Deployment and Service, the
+    PodDisruptionBudgets."""
     return [
         ("ConfigMap", rankmap_name(cluster)),
         ("Service", service_name(cluster)),
@@ -100,7 +101,17 @@ def shared_children(cluster: str) -> list[tuple[str, str]]:
         *(("Service", s) for s in engine_service_names(cluster)),
         ("Deployment", router_name(cluster)),
         ("Service", router_name(cluster)),
+        *(("PodDisruptionBudget", disruption_budget_name(cluster, b)) for b in DISRUPTION_BUDGETS),
     ]
+
+
+# The node pods' PodDisruptionBudgets (builders/disruption.py): one per role, and "units" for
+# intra-node NVLink pods that hold both roles.
+DISRUPTION_BUDGETS = ("prefill", "decode", "units")
+
+
+def disruption_budget_name(cluster: str, budget: str) -> str:
+    return dns_label(f"{cluster}-{budget}", 63)
 
 
 def router_name(cluster: str) -> str:
