@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdfabric_core.policy.types import Role
@@ -119,30 +119,50 @@ def ensure_engine_services(
     got a second engine of a role), deleted when spec.engine goes (only ours, never a namesake).
     `new`: never reconciled, so none of ours can exist: created without a read, none looked for."""
     for role in Role:
-        want = build_engine_service(ref, spec, placement, role)
-        name = engine_service_name(ref.name, role.value)
-        if new and want is None:
-            continue
-        have = None if new else kube.get("Service", ref.namespace, name)
-        if want is not None and have is None:
-            if kube.create(want):
-                out.actions.append(f"create service {name}")
-                continue
-            have = kube.get("Service", ref.namespace, name)  # there already: compared below
-        owned = have is not None and owned_by(have, ref.uid)
-        if want is None:
-            if owned and kube.delete("Service", ref.namespace, name):
-                out.actions.append(f"delete service {name} (no engines)")
-        elif (
-            owned
-            and have is not None
-            and (service_ports(have) != service_ports(want) or have["spec"].get("selector") != want["spec"]["selector"])
-        ):
-            body = dict(
+        _sync_owned(
+            kube, ref, "Service", engine_service_name(ref.name, role.value),
+            build_engine_service(ref, spec, placement, role), out, new=new, word="service", gone=" (no engines)",
+            differs=lambda have, want: service_ports(have) != service_ports(want)
+            or have["spec"].get("selector") != want["spec"]["selector"],
+            merged=lambda have, want: dict(
                 want, spec={**have["spec"], "ports": want["spec"]["ports"], "selector": want["spec"]["selector"]}
-            )
-            kube.replace(body, have["metadata"]["resourceVersion"])
-            out.actions.append(f"update service {name}")
+            ),
+        )  # fmt: skip
+
+
+def _sync_owned(
+    kube: Kube,
+    ref: ClusterRef,
+    kind: str,
+    name: str,
+    want: dict[str, Any] | None,
+    out: Result,
+    *,
+    new: bool,
+    word: str,
+    differs: Callable[[Mapping[str, Any], Mapping[str, Any]], bool],
+    merged: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]],
+    gone: str = "",
+) -> None:
+    """One child of a deterministic name: created when wanted and missing, replaced by `merged`
+    when it `differs`, deleted when no longer wanted; only ours is replaced or deleted (a user's
+    namesake is left alone). `new`: never reconciled, so created without a read first."""
+    if new and want is None:
+        return
+    have = None if new else kube.get(kind, ref.namespace, name)
+    if want is not None and have is None:
+        if kube.create(want):
+            out.actions.append(f"create {word} {name}")
+            return
+        have = kube.get(kind, ref.namespace, name)  # there already: compared below
+    if have is None or not owned_by(have, ref.uid):
+        return
+    if want is None:
+        if kube.delete(kind, ref.namespace, name, uid=have["metadata"].get("uid")):
+            out.actions.append(f"delete {word} {name}{gone}")
+    elif differs(have, want):
+        kube.replace(merged(have, want), have["metadata"]["resourceVersion"])
+        out.actions.append(f"update {word} {name}")
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -153,27 +173,15 @@ def ensure_disruption_budgets(
     kube: Kube, ref: ClusterRef, spec: PDClusterSpec, placement: Placement, out: Result, *, new: bool = False
 ) -> None:
     """The node pods' PodDisruptionBudgets (builders/disruption.py): created, updated when the
-    spec's maxUnavailable changes, deleted when no pod falls in one any more (only ours)."""
+    spec's maxUnavailable or the pods change, deleted when no pod falls in one any more (only ours)."""
     wanted = build_disruption_budgets(ref, spec, placement)
     for budget in DISRUPTION_BUDGETS:
         name = disruption_budget_name(ref.name, budget)
-        want = wanted.get(name)
-        if new and want is None:
-            continue
-        have = None if new else kube.get("PodDisruptionBudget", ref.namespace, name)
-        if want is not None and have is None:
-            if kube.create(want):
-                out.actions.append(f"create pdb {name}")
-                continue
-            have = kube.get("PodDisruptionBudget", ref.namespace, name)  # there already: compared below
-        if have is None or not owned_by(have, ref.uid):
-            continue
-        if want is None:
-            if kube.delete("PodDisruptionBudget", ref.namespace, name, uid=have["metadata"].get("uid")):
-                out.actions.append(f"delete pdb {name}")
-        elif {k: have["spec"].get(k) for k in want["spec"]} != want["spec"]:
-            kube.replace({**want, "spec": {**have["spec"], **want["spec"]}}, have["metadata"]["resourceVersion"])
-            out.actions.append(f"update pdb {name}")
+        _sync_owned(
+            kube, ref, "PodDisruptionBudget", name, wanted.get(name), out, new=new, word="pdb",
+            differs=lambda have, want: {k: have["spec"].get(k) for k in want["spec"]} != want["spec"],
+            merged=lambda have, want: {**want, "spec": {**have["spec"], **want["spec"]}},
+        )  # fmt: skip
 
 
 def ensure_budget_labels(kube: Kube, own: Sequence[OwnPod], desired: Mapping[str, Mapping[str, Any]]) -> list[str]:
